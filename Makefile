@@ -1,0 +1,35 @@
+# Two commands do all set-up on a fresh Debian 12 machine (as root): `make demo` and `make test`.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test check lint typecheck unit protos clean
+
+$(STAMP): requirements/dev.txt pyproject.toml scripts/bootstrap.sh
+	bash scripts/bootstrap.sh $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements/dev.txt
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m dsh_mesh.demo
+
+test: $(STAMP) check unit
+
+check: $(STAMP)
+	$(PY) scripts/gen_protos.py --check
+	$(PY) -m ruff format --check .
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+
+lint: check
+
+unit: $(STAMP)
+	$(PY) -m pytest
+
+protos: $(STAMP)
+	$(PY) scripts/gen_protos.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,360 @@
+"""The agent loop: turns, steps, step boundaries, Steer, Queue, interrupt and settlement.
+
+One :class:`Agent` is the in-memory object of one Activation. Its driver (:meth:`Agent.run`)
+takes turns while its inbox has work and settles when its host says it may.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import enum
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from dsh_mesh.agent._inbox import Inbox
+from dsh_mesh.agent._render import render
+from dsh_mesh.core import (
+    AbortSignal,
+    Activation,
+    AgentRef,
+    AssistantStepEntry,
+    ConsumedEntry,
+    DeliveryKind,
+    Entry,
+    IdFactory,
+    Record,
+    SessionHeader,
+    SessionId,
+    SessionKind,
+    SettlementOutcome,
+    TokensExhausted,
+    ToolCall,
+    ToolResultEntry,
+    TurnEndedEntry,
+    TurnId,
+    TurnOutcome,
+    TurnStartedEntry,
+)
+from dsh_mesh.models import FinishReason, ModelProvider, ModelRequest, complete
+from dsh_mesh.tools import ToolInvocation, ToolOutput, ToolSet
+
+
+class AgentState(enum.Enum):
+    IDLE = "idle"
+    RUNNING = "running"
+    SETTLED = "settled"
+    """The activation has ended (or is ending); nothing more is admitted to this object."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settlement:
+    """How an Activation's run ended, as the manager reports it to the parent."""
+
+    outcome: SettlementOutcome
+    terminal_output: str
+    detail: str = ""
+
+
+_SETTLEMENT_OF_TURN = {
+    TurnOutcome.COMPLETED: SettlementOutcome.COMPLETED,
+    TurnOutcome.ERROR: SettlementOutcome.ERROR,
+    TurnOutcome.CANCELLED: SettlementOutcome.CANCELLED,
+    TurnOutcome.TOKEN_EXHAUSTION: SettlementOutcome.TOKEN_EXHAUSTION,
+}
+
+
+class AgentHost(Protocol):
+    """What an agent needs from the continuation manager that hosts it."""
+
+    async def append(self, agent: Agent, entry: Entry) -> Record:
+        """Durably append ``entry`` to the agent's transcript under its activation (fenced)."""
+        ...
+
+    def may_settle(self, agent: Agent) -> bool:
+        """True when nothing can still reach the agent: no waking send is pending (and no child
+        it must stay available for is live). Called synchronously right before settling."""
+        ...
+
+    async def inflight_settled(self, agent: Agent) -> None:
+        """Return once no send reserved for the agent is still on its way to the inbox."""
+        ...
+
+    def admitted(self, agent: Agent, records: Sequence[Record]) -> None:
+        """The driver consumed ``records``; their waking-send reservations end here."""
+        ...
+
+    def changed(self) -> None:
+        """Some agent's state changed (for waiters)."""
+        ...
+
+    async def settled(self, agent: Agent, settlement: Settlement | None) -> None:
+        """The activation ended; ``None`` when it ended without running a turn."""
+        ...
+
+
+class Agent:
+    """The in-memory object of one Activation.
+
+    ``deliver`` is synchronous so that inbox insertion is one atomic step on the event loop.
+    ``run`` is the driver; its owner (the manager's task group) cancels it to shut it down.
+    """
+
+    def __init__(
+        self,
+        *,
+        header: SessionHeader,
+        activation: Activation,
+        records: Sequence[Record],
+        tools: ToolSet,
+        system_prompt: str,
+        provider: ModelProvider,
+        host: AgentHost,
+        ids: IdFactory,
+    ) -> None:
+        self.header = header
+        self.activation = activation
+        self.tools = tools
+        self.system_prompt = system_prompt
+        self._records = sorted(records, key=lambda r: r.seq)
+        self._provider = provider
+        self._host = host
+        self._ids = ids
+        self._inbox = Inbox()
+        self._state = AgentState.IDLE
+        self._work = asyncio.Event()
+        self._released = asyncio.Event()
+        self._turn_task: asyncio.Task[TurnOutcome] | None = None
+        self._turn_id: TurnId | None = None
+        self._interrupting = False
+        self._turns_run = 0
+        self._last_outcome = TurnOutcome.COMPLETED
+        self._last_detail = ""
+
+    # -- identity and state -------------------------------------------------------------------
+
+    @property
+    def session_id(self) -> SessionId:
+        return self.header.session_id
+
+    @property
+    def ref(self) -> AgentRef:
+        return AgentRef(
+            session_id=self.header.session_id, activation_id=self.activation.activation_id
+        )
+
+    @property
+    def state(self) -> AgentState:
+        return self._state
+
+    @property
+    def records(self) -> tuple[Record, ...]:
+        return tuple(self._records)
+
+    @property
+    def inbox_depth(self) -> int:
+        return len(self._inbox)
+
+    @property
+    def turns_run(self) -> int:
+        return self._turns_run
+
+    async def wait_released(self) -> None:
+        """Return once this activation has ended and its host has finished settling it."""
+        await self._released.wait()
+
+    # -- delivery -------------------------------------------------------------------------------
+
+    def record(self, record: Record) -> None:
+        """Keep a durably written record in the local transcript (in seq order)."""
+        if not any(r.seq == record.seq for r in self._records):
+            bisect.insort(self._records, record, key=lambda r: r.seq)
+
+    def deliver(self, record: Record) -> DeliveryKind:
+        """Insert an accepted inbound record. Synchronous: the caller already made it durable.
+
+        A running agent reads it at its next step boundary; an idle one starts a turn.
+        """
+        if self._state is AgentState.SETTLED:
+            raise RuntimeError(f"{self.session_id}: delivery to a settled activation")
+        self.record(record)
+        self._inbox.put(record)
+        self._work.set()
+        return (
+            DeliveryKind.STEERED if self._state is AgentState.RUNNING else DeliveryKind.STARTED_TURN
+        )
+
+    def poke(self) -> None:
+        """Ask the driver to re-check whether it may settle."""
+        self._work.set()
+
+    def interrupt(self) -> TurnId | None:
+        """Cancel the current turn (recorded as cancelled). Returns its id, or None when idle.
+        Idempotent while the cancellation is in flight; never touches the inbox."""
+        if self._turn_task is None or self._turn_task.done():
+            return None
+        if not self._interrupting:
+            self._interrupting = True
+            self._turn_task.cancel()
+        return self._turn_id
+
+    # -- the driver -----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Drive turns until the activation settles. Cancel the task to stop it abruptly."""
+        while True:
+            if len(self._inbox):
+                await self._turn(self._inbox.take_turn_input())
+                continue
+            if self.header.kind is not SessionKind.ROOT and self._host.may_settle(self):
+                self._state = AgentState.SETTLED
+                self._host.changed()
+                try:
+                    await self._host.settled(self, self._settlement())
+                finally:
+                    self._released.set()
+                return
+            self._work.clear()
+            await self._work.wait()
+
+    def _settlement(self) -> Settlement | None:
+        if self._turns_run == 0:
+            return None
+        return Settlement(
+            outcome=_SETTLEMENT_OF_TURN[self._last_outcome],
+            terminal_output=self._terminal_output(),
+            detail=self._last_detail,
+        )
+
+    def _terminal_output(self) -> str:
+        for record in reversed(self._records):
+            if isinstance(record.entry, TurnStartedEntry):
+                return ""
+            if isinstance(record.entry, AssistantStepEntry) and record.entry.text:
+                return record.entry.text
+        return ""
+
+    async def _append(self, entry: Entry, admits: Sequence[Record] = ()) -> Record:
+        # Shielded: once a write starts it finishes, is kept locally and (for a Consumed entry)
+        # admits its records, even if the turn is interrupted meanwhile. So the local
+        # transcript never lags the durable one and no waking reservation is left behind.
+        async def write() -> Record:
+            record = await self._host.append(self, entry)
+            self.record(record)
+            if admits:
+                self._host.admitted(self, admits)
+            return record
+
+        return await asyncio.shield(write())
+
+    async def _consume(self, records: list[Record]) -> None:
+        await self._append(ConsumedEntry(seqs=tuple(r.seq for r in records)), admits=records)
+
+    async def _turn(self, first: list[Record]) -> None:
+        turn_id = self._ids.turn_id()
+        self._turn_id = turn_id
+        self._state = AgentState.RUNNING
+        self._host.changed()
+        await self._append(TurnStartedEntry(turn_id=turn_id))
+        await self._consume(first)
+        signal = AbortSignal()
+        self._turn_task = asyncio.create_task(self._steps(signal), name=f"turn {turn_id}")
+        detail = ""
+        try:
+            outcome = await self._turn_task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if not self._interrupting or (current is not None and current.cancelling()):
+                raise
+            outcome = TurnOutcome.CANCELLED
+            detail = "interrupted"
+        except TokensExhausted as exhausted:
+            outcome, detail = TurnOutcome.TOKEN_EXHAUSTION, str(exhausted)
+        except Exception as failure:  # a failed model call ends the turn, never the driver
+            outcome, detail = TurnOutcome.ERROR, f"{type(failure).__name__}: {failure}"
+        finally:
+            signal.abort("turn ended")
+            self._turn_task = None
+            self._interrupting = False
+        await self._close_open_calls(outcome)
+        await self._append(TurnEndedEntry(turn_id=turn_id, outcome=outcome, detail=detail))
+        self._turns_run += 1
+        self._last_outcome, self._last_detail = outcome, detail
+        self._turn_id = None
+        self._state = AgentState.IDLE
+        self._host.changed()
+
+    async def _steps(self, signal: AbortSignal) -> TurnOutcome:
+        while True:
+            request = ModelRequest(
+                session_id=self.session_id,
+                model=self.header.spec.model,
+                system_prompt=self.system_prompt,
+                tools=self.tools.descriptors,
+                messages=render(self._records),
+            )
+            response = await complete(self._provider, request)
+            await self._append(
+                AssistantStepEntry(
+                    text=response.text, tool_calls=response.tool_calls, usage=response.usage
+                )
+            )
+            if response.finish_reason is FinishReason.LENGTH:
+                raise TokensExhausted("the model stopped at its token limit")
+            for call in response.tool_calls:
+                output = await self._invoke(call, signal)
+                await self._append(
+                    ToolResultEntry(
+                        call_id=call.call_id,
+                        name=call.name,
+                        content=output.content,
+                        is_error=output.is_error,
+                    )
+                )
+            # Step boundary: every tool result of this step is recorded.
+            if not response.tool_calls:
+                # Before the turn ends, let sends admitted while it ran land: they were told
+                # "steered", so they extend this turn rather than start another.
+                await self._host.inflight_settled(self)
+            steered = self._inbox.take_steered()
+            if steered:
+                await self._consume(steered)
+            elif not response.tool_calls:
+                return TurnOutcome.COMPLETED
+
+    async def _invoke(self, call: ToolCall, signal: AbortSignal) -> ToolOutput:
+        tool = self.tools.get(call.name)
+        if tool is None:
+            return ToolOutput(content=f"unknown tool {call.name!r}", is_error=True)
+        try:
+            arguments = json.loads(call.arguments_json or "{}")
+        except json.JSONDecodeError as bad:
+            return ToolOutput(content=f"arguments are not JSON: {bad}", is_error=True)
+        if not isinstance(arguments, dict):
+            return ToolOutput(content="arguments must be a JSON object", is_error=True)
+        invocation = ToolInvocation(caller=self.ref, call=call, signal=signal)
+        try:
+            return await tool.invoke(invocation, arguments)
+        except Exception as failure:  # a broken tool fails its call, not the turn
+            return ToolOutput(content=f"{type(failure).__name__}: {failure}", is_error=True)
+
+    async def _close_open_calls(self, outcome: TurnOutcome) -> None:
+        """Give every tool call of an ended turn a result, so the transcript stays renderable."""
+        answered = {r.entry.call_id for r in self._records if isinstance(r.entry, ToolResultEntry)}
+        for record in reversed(self._records):
+            if isinstance(record.entry, TurnStartedEntry):
+                return
+            if isinstance(record.entry, AssistantStepEntry):
+                for call in record.entry.tool_calls:
+                    if call.call_id not in answered:
+                        await self._append(
+                            ToolResultEntry(
+                                call_id=call.call_id,
+                                name=call.name,
+                                content=f"not completed: turn ended ({outcome.value})",
+                                is_error=True,
+                            )
+                        )
+                return

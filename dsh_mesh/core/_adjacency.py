@@ -1,0 +1,181 @@
+"""Adjacency authorization: may this exact live sender message that target?
+
+One pure function over session headers and current activations. The runtime (and, on the mesh,
+the node hosting the target) calls it with a view it loaded itself; it never trusts a claim it
+cannot check here.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from dsh_mesh.core._activation import Activation, AgentRef
+from dsh_mesh.core._errors import (
+    AdjacencyRejected,
+    InvalidArgument,
+    ParentNotLive,
+    Rejected,
+    RejectionReason,
+    StaleSender,
+    TargetUnknown,
+)
+from dsh_mesh.core._header import SessionHeader, SessionKind
+from dsh_mesh.core._ids import SessionId
+
+
+class Direction(enum.Enum):
+    """Which way along the one edge an accepted message travels."""
+
+    TO_CHILD = "to-child"
+    TO_PARENT = "to-parent"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Authorized:
+    """The sender may message the target along one edge in ``direction``."""
+
+    direction: Direction
+    sender: SessionHeader
+    sender_activation: Activation
+    target: SessionHeader
+
+
+@dataclass(frozen=True, kw_only=True)
+class Refused:
+    """The sender may not message the target; ``reason`` says why."""
+
+    reason: RejectionReason
+    detail: str
+
+    def error(self) -> Rejected:
+        """The typed exception for this refusal."""
+        return rejection_error(self.reason, self.detail)
+
+
+def authorize(
+    sender: AgentRef,
+    target_id: SessionId,
+    headers: Mapping[SessionId, SessionHeader],
+    activations: Mapping[SessionId, Activation],
+) -> Authorized | Refused:
+    """Decide one send. ``headers`` must hold the sender, the target and (to classify a refusal
+    precisely) their ancestors; ``activations`` holds the *current* activation per session.
+
+    Two edges are authorized, nothing else:
+
+    - parent -> direct continuable child, by the child's ``SessionHeader.parent_session``;
+    - resident continuable child -> its exact live direct parent, by the child's Activation
+      (``parent_activation`` must be the parent's current activation).
+    """
+    sender_header = headers.get(sender.session_id)
+    if sender_header is None:
+        return Refused(
+            reason=RejectionReason.UNKNOWN_SENDER, detail=f"no session {sender.session_id}"
+        )
+    current = activations.get(sender.session_id)
+    if current is None or current.activation_id != sender.activation_id:
+        return Refused(
+            reason=RejectionReason.STALE_SENDER,
+            detail=f"{sender.session_id} activation {sender.activation_id} is not current",
+        )
+    if target_id == sender.session_id:
+        return Refused(reason=RejectionReason.SELF_TARGET, detail="an agent cannot message itself")
+    target_header = headers.get(target_id)
+    if target_header is None:
+        return Refused(reason=RejectionReason.UNKNOWN_TARGET, detail=f"no session {target_id}")
+
+    if target_header.parent_session == sender.session_id:
+        if target_header.kind is SessionKind.ONE_SHOT_CHILD:
+            return Refused(
+                reason=RejectionReason.ONE_SHOT_TARGET,
+                detail=f"{target_id} is a one-shot child and takes no messages",
+            )
+        return Authorized(
+            direction=Direction.TO_CHILD,
+            sender=sender_header,
+            sender_activation=current,
+            target=target_header,
+        )
+
+    if sender_header.parent_session == target_id:
+        if sender_header.kind is SessionKind.ONE_SHOT_CHILD:
+            return Refused(
+                reason=RejectionReason.ONE_SHOT_SENDER,
+                detail="a one-shot child reports through its settlement notice only",
+            )
+        parent_activation = activations.get(target_id)
+        if parent_activation is None:
+            return Refused(
+                reason=RejectionReason.PARENT_NOT_LIVE,
+                detail=f"parent {target_id} is not live; there is no offline mailbox",
+            )
+        if current.parent_activation != parent_activation.activation_id:
+            return Refused(
+                reason=RejectionReason.PARENT_REBOUND,
+                detail=(
+                    f"parent {target_id} now runs as {parent_activation.activation_id}; this "
+                    f"child answers to {current.parent_activation} until the parent messages it"
+                ),
+            )
+        return Authorized(
+            direction=Direction.TO_PARENT,
+            sender=sender_header,
+            sender_activation=current,
+            target=target_header,
+        )
+
+    return _classify_non_edge(sender_header, target_header, headers)
+
+
+def _classify_non_edge(
+    sender: SessionHeader, target: SessionHeader, headers: Mapping[SessionId, SessionHeader]
+) -> Refused:
+    if sender.parent_session is not None and sender.parent_session == target.parent_session:
+        return Refused(
+            reason=RejectionReason.SIBLING_TARGET,
+            detail=f"{target.session_id} is a sibling; message your parent instead",
+        )
+    if target.session_id in ancestors(sender, headers):
+        return Refused(
+            reason=RejectionReason.ANCESTOR_BEYOND_EDGE,
+            detail=f"{target.session_id} is more than one edge above {sender.session_id}",
+        )
+    if sender.session_id in ancestors(target, headers):
+        return Refused(
+            reason=RejectionReason.DESCENDANT_BEYOND_EDGE,
+            detail=f"{target.session_id} is more than one edge below {sender.session_id}",
+        )
+    return Refused(
+        reason=RejectionReason.UNRELATED_TARGET,
+        detail=f"{target.session_id} is not adjacent to {sender.session_id}",
+    )
+
+
+def ancestors(header: SessionHeader, headers: Mapping[SessionId, SessionHeader]) -> list[SessionId]:
+    """Ids above ``header``, nearest first, as far as ``headers`` reaches."""
+    found: list[SessionId] = []
+    parent = header.parent_session
+    while parent is not None and parent not in found:
+        found.append(parent)
+        above = headers.get(parent)
+        parent = None if above is None else above.parent_session
+    return found
+
+
+_ERROR_BY_REASON: dict[RejectionReason, type[Rejected]] = {
+    RejectionReason.PARENT_NOT_LIVE: ParentNotLive,
+    RejectionReason.PARENT_REBOUND: ParentNotLive,
+}
+
+
+def rejection_error(reason: RejectionReason, detail: str) -> Rejected:
+    """The one place a reason becomes its exception class."""
+    if reason is RejectionReason.UNKNOWN_TARGET:
+        return TargetUnknown(detail)
+    if reason is RejectionReason.STALE_SENDER:
+        return StaleSender(detail)
+    if reason is RejectionReason.INVALID_ARGUMENT:
+        return InvalidArgument(detail)
+    return _ERROR_BY_REASON.get(reason, AdjacencyRejected)(reason, detail)

@@ -1,0 +1,86 @@
+"""Durable, write-once descriptions of sessions."""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field
+
+from dsh_mesh.core._errors import InvalidArgument
+from dsh_mesh.core._ids import SessionId
+
+
+class SessionKind(enum.Enum):
+    """What a session is in its tree. Only a continuable child can be messaged by its parent."""
+
+    ROOT = "root"
+    CONTINUABLE_CHILD = "continuable-child"
+    ONE_SHOT_CHILD = "one-shot-child"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToolDescriptor:
+    """What a provider is told about one tool: name, description and JSON input schema.
+
+    ``input_schema_json`` is canonical JSON (sorted keys, no spaces) so two descriptors of the same
+    tool serialise byte-identically, which is what provider prompt caches compare.
+    """
+
+    name: str
+    description: str
+    input_schema_json: str
+
+    @staticmethod
+    def of(name: str, description: str, input_schema: dict[str, object]) -> ToolDescriptor:
+        return ToolDescriptor(
+            name=name, description=description, input_schema_json=canonical_json(input_schema)
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SessionSpec:
+    """How a session's agent is built: preset (system prompt + tool selection), model, tools.
+
+    ``tools`` is the descriptor list fixed when the session was created; a resume may filter it
+    but never adds to it.
+    """
+
+    preset: str
+    model: str
+    tools: tuple[ToolDescriptor, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ForkOrigin:
+    """A fork child inherits its parent's completed turns up to ``prefix_seq`` (inclusive)."""
+
+    parent_session: SessionId
+    prefix_seq: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class SessionHeader:
+    """The durable, create-only record of a session.
+
+    ``parent_session`` is the authority for parent -> child messages: a parent may message a
+    continuable child only if the child's header names it here. It is ``None`` exactly for roots.
+    """
+
+    session_id: SessionId
+    kind: SessionKind
+    parent_session: SessionId | None
+    spec: SessionSpec
+    fork_origin: ForkOrigin | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        if (self.kind is SessionKind.ROOT) != (self.parent_session is None):
+            raise InvalidArgument("a root has no parent_session and every child has one")
+        if self.parent_session == self.session_id:
+            raise InvalidArgument("a session cannot be its own parent")
+        if self.fork_origin is not None and self.fork_origin.parent_session != self.parent_session:
+            raise InvalidArgument("a fork inherits from its own parent only")
+
+
+def canonical_json(value: object) -> str:
+    """JSON with sorted keys and no insignificant whitespace: equal values, equal bytes."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)

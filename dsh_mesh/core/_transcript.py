@@ -1,0 +1,141 @@
+"""The entries of a session's durable, append-only transcript.
+
+Inbound entries (task, human prompt, agent message, settlement notice) are written when they are
+*accepted*; a later :class:`ConsumedEntry` records the step boundary at which the model was shown
+them. Rendering places inbound content at its ``Consumed`` point, so every tool call in a rendered
+conversation has its result before any steered message, and an accepted message that no turn has
+consumed yet is still pending on the next activation.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from dsh_mesh.core._chat import ChatMessage, ToolCall, Usage
+from dsh_mesh.core._header import SessionKind
+from dsh_mesh.core._ids import ActivationId, SessionId, TurnId
+from dsh_mesh.core._source import AgentMessageSource, SettlementOutcome
+
+
+class TurnOutcome(enum.Enum):
+    """How one turn ended."""
+
+    COMPLETED = "completed"
+    ERROR = "error"
+    CANCELLED = "cancelled"
+    TOKEN_EXHAUSTION = "token-exhaustion"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskEntry:
+    """A child's initial user task (manager-written), including any return instruction."""
+
+    content: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class HumanPromptEntry:
+    """A human prompt, delivered by Queue: it always starts a turn of its own."""
+
+    content: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentMessageEntry:
+    """An accepted agent message. ``source`` is derived from the authorized sender."""
+
+    source: AgentMessageSource
+    content: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class SettlementNoticeEntry:
+    """The manager-owned ``subagent-settled`` notice: how a child's Activation ended."""
+
+    child_session: SessionId
+    child_activation: ActivationId
+    child_kind: SessionKind
+    outcome: SettlementOutcome
+    terminal_output: str
+    detail: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ForkPrefixEntry:
+    """A fork child's inherited completed-turn prefix, exactly as its parent rendered it."""
+
+    messages: tuple[ChatMessage, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TurnStartedEntry:
+    turn_id: TurnId
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConsumedEntry:
+    """Inbound entries (by seq, in FIFO order) shown to the model at this step boundary."""
+
+    seqs: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AssistantStepEntry:
+    """One model call's answer: text and the tool calls it asked for."""
+
+    text: str
+    tool_calls: tuple[ToolCall, ...]
+    usage: Usage
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToolResultEntry:
+    call_id: str
+    name: str
+    content: str
+    is_error: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class TurnEndedEntry:
+    turn_id: TurnId
+    outcome: TurnOutcome
+    detail: str = ""
+
+
+InboundEntry = TaskEntry | HumanPromptEntry | AgentMessageEntry | SettlementNoticeEntry
+SteerEntry = TaskEntry | AgentMessageEntry | SettlementNoticeEntry
+Entry = (
+    InboundEntry
+    | ForkPrefixEntry
+    | TurnStartedEntry
+    | ConsumedEntry
+    | AssistantStepEntry
+    | ToolResultEntry
+    | TurnEndedEntry
+)
+
+INBOUND_TYPES = (TaskEntry, HumanPromptEntry, AgentMessageEntry, SettlementNoticeEntry)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Record:
+    """An entry as stored: ``seq`` is the session's own strictly increasing sequence (from 1)."""
+
+    seq: int
+    entry: Entry
+
+
+def is_queue_delivery(entry: InboundEntry) -> bool:
+    """Human prompts go by Queue (one turn each); everything else inbound goes by Steer."""
+    return isinstance(entry, HumanPromptEntry)
+
+
+def pending_inbound(records: list[Record]) -> list[Record]:
+    """Inbound records no ``ConsumedEntry`` has delivered yet, in acceptance order."""
+    consumed: set[int] = set()
+    for record in records:
+        if isinstance(record.entry, ConsumedEntry):
+            consumed.update(record.entry.seqs)
+    return [r for r in records if isinstance(r.entry, INBOUND_TYPES) and r.seq not in consumed]

@@ -1,0 +1,190 @@
+"""The in-process demo: a root agent, two continuable children and a one-shot child.
+
+Run with ``python -m dsh_mesh.demo`` (``make demo``). Everything is scripted and deterministic;
+it prints each transcript with sources and settlement notices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+from dsh_mesh.core import (
+    AgentMessageEntry,
+    AssistantStepEntry,
+    ConsumedEntry,
+    ForkPrefixEntry,
+    HumanPromptEntry,
+    Record,
+    SequentialIds,
+    SessionId,
+    SettlementNoticeEntry,
+    TaskEntry,
+    ToolResultEntry,
+    TurnEndedEntry,
+    TurnStartedEntry,
+)
+from dsh_mesh.models import PARENT, Call, Reply, ScriptContext, ScriptedProvider, child, send
+from dsh_mesh.runtime import ContinuationManager, InMemorySessionStore
+from dsh_mesh.tools import Preset
+
+_SIBLING = re.compile(r"sibling agent_id: (\S+)")
+
+
+def _sibling(context: ScriptContext) -> str:
+    for message in context.request.messages:
+        found = _SIBLING.search(message.content)
+        if found:
+            return found.group(1)
+    return "unknown"
+
+
+def build_provider(followup: asyncio.Event, resume_a: asyncio.Event) -> ScriptedProvider:
+    provider = ScriptedProvider()
+    provider.program(
+        "lead",
+        Call(
+            text="I will split the survey between two researchers and a glossary helper.",
+            calls=(("spawn_agent", {"task": "Survey etcd lease semantics.", "preset": "alpha"}),),
+        ),
+        Call(
+            calls=(
+                (
+                    "spawn_agent",
+                    {
+                        "task": lambda c: (
+                            f"Survey gRPC deadlines. sibling agent_id: {c.child_id(0)}"
+                        ),
+                        "preset": "beta",
+                    },
+                ),
+                ("spawn_one_shot", {"task": "Define 'activation' in one line.", "preset": "gloss"}),
+            ),
+        ),
+        send(child(0), "Also check what happens when keepalive fails past the TTL.", gate=followup),
+        Reply(text="Delegated. I will merge results as they arrive."),
+        Reply(text="Merged the findings received so far."),
+        Reply(text="All delegates have settled; the survey is complete."),
+    )
+    provider.program(
+        "alpha",
+        send(PARENT, "Progress: leases are granted with a TTL and kept alive by refresh."),
+        Reply(text="Reading the keepalive code...", gate=resume_a),
+        send(
+            PARENT,
+            "Result: a lease expires TTL seconds after its last refresh; keys bound to it vanish, "
+            "so a node that misses keepalives past the TTL loses its activations.",
+        ),
+        Reply(text="Survey of etcd leases complete."),
+    )
+    provider.program(
+        "beta",
+        send(_sibling, "Hi sibling, want to compare notes?"),
+        send(PARENT, "Result: every gRPC call carries a deadline; servers see it as time left."),
+        Reply(text="Survey of gRPC deadlines complete."),
+    )
+    provider.program("gloss", Reply(text="Activation: one live residency of a session on a node."))
+    return provider
+
+
+PRESETS = (
+    Preset(name="lead", system_prompt="You lead a survey team.", model="lead"),
+    Preset(name="alpha", system_prompt="You are a careful researcher.", model="alpha"),
+    Preset(name="beta", system_prompt="You are a careful researcher.", model="beta"),
+    Preset(name="gloss", system_prompt="You write glossary entries.", model="gloss"),
+)
+
+
+def describe(record: Record) -> str:
+    """One readable line (or a few) for a transcript record."""
+    entry = record.entry
+    prefix = f"  #{record.seq:<3}"
+    if isinstance(entry, TaskEntry):
+        return f"{prefix} task           {_short(entry.content)}"
+    if isinstance(entry, HumanPromptEntry):
+        return f"{prefix} human prompt   {_short(entry.content)}"
+    if isinstance(entry, AgentMessageEntry):
+        source = json.dumps(
+            {
+                "kind": entry.source.kind,
+                "form": entry.source.form,
+                "sender_session_id": entry.source.sender_session_id,
+            }
+        )
+        return f"{prefix} agent message  source={source}\n        {_short(entry.content)}"
+    if isinstance(entry, SettlementNoticeEntry):
+        return (
+            f"{prefix} subagent-settled {entry.child_session} ({entry.child_kind.value}) "
+            f"outcome={entry.outcome.value}\n"
+            f"        terminal output: {_short(entry.terminal_output)}"
+        )
+    if isinstance(entry, ForkPrefixEntry):
+        return f"{prefix} fork prefix    {len(entry.messages)} inherited messages"
+    if isinstance(entry, TurnStartedEntry):
+        return f"{prefix} -- turn {entry.turn_id} started"
+    if isinstance(entry, TurnEndedEntry):
+        return f"{prefix} -- turn {entry.turn_id} ended: {entry.outcome.value} {entry.detail}"
+    if isinstance(entry, ConsumedEntry):
+        return f"{prefix} step boundary  model now reads #{', #'.join(map(str, entry.seqs))}"
+    if isinstance(entry, AssistantStepEntry):
+        calls = "; ".join(f"{c.name}({c.arguments_json})" for c in entry.tool_calls)
+        said = f"says {_short(entry.text)!r}" if entry.text else ""
+        return f"{prefix} model          {said}{' calls ' + _short(calls) if calls else ''}"
+    if isinstance(entry, ToolResultEntry):
+        flag = "ERROR " if entry.is_error else ""
+        return f"{prefix} tool result    {entry.name}: {flag}{_short(entry.content)}"
+    return f"{prefix} {entry!r}"
+
+
+def _short(text: str, limit: int = 150) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+async def run_demo() -> dict[SessionId, list[Record]]:
+    """Run the scenario and return every transcript, root first."""
+    followup, resume_a = asyncio.Event(), asyncio.Event()
+    provider = build_provider(followup, resume_a)
+    store = InMemorySessionStore()
+    ids = SequentialIds()
+    async with ContinuationManager(
+        store=store, provider=provider, presets=PRESETS, ids=ids
+    ) as manager:
+        root = await manager.create_root("Survey the coordination stack.", preset="lead")
+        alpha = SessionId("s-2")
+        # Steer a running child: the parent's follow-up goes out while alpha is mid-turn...
+        await provider.wait_for_call(alpha, 2)
+        followup.set()
+        await manager.wait_until(lambda: _has_tool_result(manager, root.session_id, 4))
+        # ...and alpha reads it at its next step boundary.
+        resume_a.set()
+        await manager.quiescent()
+        transcripts = {root.session_id: await manager.transcript(root.session_id)}
+        for session in (SessionId("s-2"), SessionId("s-3"), SessionId("s-4")):
+            transcripts[session] = await manager.transcript(session)
+    return transcripts
+
+
+def _has_tool_result(manager: ContinuationManager, session: SessionId, count: int) -> bool:
+    agent = manager.agent(session)
+    records = agent.records if agent is not None else ()
+    return sum(isinstance(r.entry, ToolResultEntry) for r in records) >= count
+
+
+def main() -> None:
+    transcripts = asyncio.run(run_demo())
+    names = {
+        "s-1": "root (lead)",
+        "s-2": "child alpha (continuable)",
+        "s-3": "child beta (continuable)",
+        "s-4": "child gloss (one-shot)",
+    }
+    for session, records in transcripts.items():
+        print(f"\n=== {session}: {names.get(session, '')} ===")
+        for record in records:
+            print(describe(record))
+
+
+if __name__ == "__main__":
+    main()

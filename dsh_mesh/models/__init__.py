@@ -1,0 +1,55 @@
+"""Model providers behind one small streaming protocol, plus the scripted and recording ones."""
+
+from dsh_mesh.models._protocol import (
+    Finished,
+    FinishReason,
+    ModelEvent,
+    ModelProvider,
+    ModelRequest,
+    ModelResponse,
+    ProtocolViolation,
+    TextDelta,
+    ToolCallEvent,
+    complete,
+)
+from dsh_mesh.models._recording import RecordingProvider
+from dsh_mesh.models._scripted import (
+    PARENT,
+    Action,
+    Call,
+    ExhaustTokens,
+    Fail,
+    Reply,
+    ScriptContext,
+    ScriptedProvider,
+    ScriptError,
+    child,
+    send,
+    tool,
+)
+
+__all__ = [
+    "PARENT",
+    "Action",
+    "Call",
+    "ExhaustTokens",
+    "Fail",
+    "FinishReason",
+    "Finished",
+    "ModelEvent",
+    "ModelProvider",
+    "ModelRequest",
+    "ModelResponse",
+    "ProtocolViolation",
+    "RecordingProvider",
+    "Reply",
+    "ScriptContext",
+    "ScriptError",
+    "ScriptedProvider",
+    "TextDelta",
+    "ToolCallEvent",
+    "child",
+    "complete",
+    "send",
+    "tool",
+]

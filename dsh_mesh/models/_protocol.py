@@ -1,0 +1,98 @@
+"""The one small protocol every model provider implements.
+
+Providers stream events so a later provider can forward tokens as they arrive; the agent loop
+collects them into one :class:`ModelResponse` per step.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from dsh_mesh.core import ChatMessage, SessionId, ToolCall, ToolDescriptor, Usage
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelRequest:
+    """Everything one model call sees. ``system_prompt`` and ``tools`` form the request head
+    that provider prompt caches key on; they depend only on the session's spec, never its kind."""
+
+    session_id: SessionId
+    model: str
+    system_prompt: str
+    tools: tuple[ToolDescriptor, ...]
+    messages: tuple[ChatMessage, ...]
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    TOOL_CALLS = "tool-calls"
+    LENGTH = "length"
+    """The provider stopped because the token budget ran out."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToolCallEvent:
+    call: ToolCall
+
+
+@dataclass(frozen=True, kw_only=True)
+class Finished:
+    finish_reason: FinishReason
+    usage: Usage
+
+
+ModelEvent = TextDelta | ToolCallEvent | Finished
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelResponse:
+    text: str
+    tool_calls: tuple[ToolCall, ...]
+    finish_reason: FinishReason
+    usage: Usage
+
+
+class ModelProvider(Protocol):
+    """Streams one model call. Must end with exactly one :class:`Finished` event.
+
+    Raising any exception fails the step (the turn ends with outcome ``error``). Cancellation of
+    the consuming task must propagate: a provider never swallows ``CancelledError``.
+    """
+
+    def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]: ...
+
+
+async def complete(provider: ModelProvider, request: ModelRequest) -> ModelResponse:
+    """Run one call to completion and collect its events."""
+    text: list[str] = []
+    calls: list[ToolCall] = []
+    finished: Finished | None = None
+    async for event in provider.stream(request):
+        if finished is not None:
+            raise ProtocolViolation("a provider sent events after Finished")
+        if isinstance(event, TextDelta):
+            text.append(event.text)
+        elif isinstance(event, ToolCallEvent):
+            calls.append(event.call)
+        else:
+            finished = event
+    if finished is None:
+        raise ProtocolViolation("a provider stream ended without Finished")
+    return ModelResponse(
+        text="".join(text),
+        tool_calls=tuple(calls),
+        finish_reason=finished.finish_reason,
+        usage=finished.usage,
+    )
+
+
+class ProtocolViolation(Exception):
+    """A provider broke the streaming protocol."""

@@ -1,0 +1,199 @@
+"""A deterministic provider for tests and the demo: each model name runs a fixed program.
+
+Every session that uses model ``name`` walks the program registered under ``name`` with a cursor
+of its own: the n-th model call of that session performs the n-th action. An exhausted program
+answers with an empty final reply, so a scripted agent always ends its turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import re
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from dsh_mesh.core import ChatMessage, Role, SessionId, ToolCall, Usage
+from dsh_mesh.models._protocol import (
+    Finished,
+    FinishReason,
+    ModelEvent,
+    ModelRequest,
+    TextDelta,
+    ToolCallEvent,
+)
+
+Resolver = Callable[["ScriptContext"], str]
+Argument = str | Resolver
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScriptContext:
+    """What a resolver may look at: the request being answered."""
+
+    request: ModelRequest
+
+    def parent_id(self) -> str:
+        """The parent id the return instruction JSON-encoded into this child's task."""
+        for message in self.request.messages:
+            if message.role is Role.USER:
+                found = _PARENT_PATTERN.search(message.content)
+                if found:
+                    value = json.loads(found.group(1))
+                    if isinstance(value, str):
+                        return value
+        raise ScriptError(f"{self.request.session_id} has no return instruction to read")
+
+    def child_id(self, index: int) -> str:
+        """The id returned by the ``index``-th (0-based) successful spawn tool call."""
+        spawned: list[str] = []
+        for message in self.request.messages:
+            if message.role is Role.TOOL and message.content.startswith("{"):
+                payload = json.loads(message.content)
+                if isinstance(payload, dict) and "spawned" in payload:
+                    spawned.append(str(payload["spawned"]))
+        if index >= len(spawned):
+            raise ScriptError(f"{self.request.session_id} has spawned only {len(spawned)}")
+        return spawned[index]
+
+    def last_tool_result(self) -> str:
+        for message in reversed(self.request.messages):
+            if message.role is Role.TOOL:
+                return message.content
+        return ""
+
+
+_PARENT_PATTERN = re.compile(r"parent agent_id: (\"(?:[^\"\\]|\\.)*\")")
+
+PARENT: Resolver = ScriptContext.parent_id
+
+
+def child(index: int) -> Resolver:
+    """Resolve to the id of the ``index``-th child this session spawned."""
+    return lambda context: context.child_id(index)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reply:
+    """A final answer with no tool calls."""
+
+    text: str = ""
+    gate: asyncio.Event | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Call:
+    """One model step that asks for one or more tool calls (and may say something too)."""
+
+    calls: tuple[tuple[str, Mapping[str, Argument]], ...]
+    text: str = ""
+    gate: asyncio.Event | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fail:
+    """The provider raises: the turn ends with outcome ``error``."""
+
+    message: str = "scripted failure"
+    gate: asyncio.Event | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExhaustTokens:
+    """The provider stops for length: the turn ends with outcome ``token-exhaustion``."""
+
+    text: str = ""
+    gate: asyncio.Event | None = None
+
+
+Action = Reply | Call | Fail | ExhaustTokens
+
+
+def send(to: Argument, message: Argument, *, gate: asyncio.Event | None = None) -> Call:
+    """A step calling the standard ``send_message`` tool."""
+    return Call(calls=(("send_message", {"agent_id": to, "message": message}),), gate=gate)
+
+
+def tool(name: str, gate: asyncio.Event | None = None, **arguments: Argument) -> Call:
+    """A step calling one tool by name."""
+    return Call(calls=((name, arguments),), gate=gate)
+
+
+class ScriptError(Exception):
+    """A script asked for something its request does not contain."""
+
+
+@dataclass
+class ScriptedProvider:
+    """Serves registered programs by model name. Not thread-safe; one event loop.
+
+    ``calls_started`` counts model calls per session; :meth:`wait_for_call` lets a test wait for
+    the n-th call to begin instead of sleeping.
+    """
+
+    programs: dict[str, Sequence[Action]] = field(default_factory=dict)
+    _cursors: dict[SessionId, int] = field(default_factory=dict)
+    _started: dict[SessionId, int] = field(default_factory=dict)
+    _progress: asyncio.Condition | None = None
+    _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+
+    def program(self, model: str, *actions: Action) -> None:
+        self.programs[model] = actions
+
+    def calls_started(self, session: SessionId) -> int:
+        return self._started.get(session, 0)
+
+    async def wait_for_call(self, session: SessionId, count: int) -> None:
+        """Return once ``session`` has begun at least ``count`` model calls."""
+        condition = self._condition()
+        async with condition:
+            await condition.wait_for(lambda: self.calls_started(session) >= count)
+
+    def _condition(self) -> asyncio.Condition:
+        if self._progress is None:
+            self._progress = asyncio.Condition()
+        return self._progress
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
+        condition = self._condition()
+        async with condition:
+            self._started[request.session_id] = self.calls_started(request.session_id) + 1
+            condition.notify_all()
+        program = self.programs.get(request.model)
+        if program is None:
+            raise ScriptError(f"no scripted program for model {request.model!r}")
+        cursor = self._cursors.get(request.session_id, 0)
+        self._cursors[request.session_id] = cursor + 1
+        action: Action = program[cursor] if cursor < len(program) else Reply()
+        if action.gate is not None:
+            await action.gate.wait()
+        usage = Usage(input_tokens=_rough_tokens(request.messages), output_tokens=8)
+        context = ScriptContext(request=request)
+        if isinstance(action, Fail):
+            raise ScriptError(action.message)
+        if action.text:
+            yield TextDelta(text=action.text)
+        if isinstance(action, ExhaustTokens):
+            yield Finished(finish_reason=FinishReason.LENGTH, usage=usage)
+            return
+        if isinstance(action, Call):
+            for name, arguments in action.calls:
+                resolved = {
+                    key: value if isinstance(value, str) else value(context)
+                    for key, value in arguments.items()
+                }
+                yield ToolCallEvent(
+                    call=ToolCall(
+                        call_id=f"call-{next(self._ids)}",
+                        name=name,
+                        arguments_json=json.dumps(resolved, sort_keys=True),
+                    )
+                )
+            yield Finished(finish_reason=FinishReason.TOOL_CALLS, usage=usage)
+            return
+        yield Finished(finish_reason=FinishReason.STOP, usage=usage)
+
+
+def _rough_tokens(messages: Sequence[ChatMessage]) -> int:
+    return sum(len(m.content) // 4 + 1 for m in messages)

@@ -1,0 +1,651 @@
+"""The continuation manager: the one owner of adjacency authorization, residency, cold resume,
+waking admission, settlement and teardown races. It implements :class:`SubagentRuntime`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections import Counter, defaultdict
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+from dsh_mesh.agent import Agent, AgentState, Settlement, completed_turn_prefix
+from dsh_mesh.core import (
+    AbortSignal,
+    Activation,
+    ActivationId,
+    AgentMessageEntry,
+    AgentMessageSource,
+    AgentRef,
+    Authorized,
+    Delivery,
+    DeliveryKind,
+    Direction,
+    Entry,
+    ForkOrigin,
+    ForkPrefixEntry,
+    HumanPromptEntry,
+    IdempotencyConflict,
+    IdFactory,
+    InboundEntry,
+    InvalidArgument,
+    MeshError,
+    NodeId,
+    NotResident,
+    RandomIds,
+    Record,
+    Refused,
+    SessionHeader,
+    SessionId,
+    SessionKind,
+    SessionSpec,
+    SessionUnknown,
+    SettlementNoticeEntry,
+    StaleSender,
+    TaskEntry,
+    TurnId,
+    authorize,
+    parse_session_id,
+    pending_inbound,
+)
+from dsh_mesh.models import ModelProvider
+from dsh_mesh.runtime._store import Acceptance, IdempotencyKey, SessionStore
+from dsh_mesh.tools import (
+    MAX_MESSAGE_CHARS,
+    ChildKind,
+    DescriptorFilter,
+    Preset,
+    ToolRegistry,
+    child_task,
+    standard_tools,
+)
+
+T = TypeVar("T")
+
+_MAX_TREE_DEPTH = 64
+_LOCAL_NODE = NodeId("local")
+_CHILD_KIND = {
+    ChildKind.CONTINUABLE: SessionKind.CONTINUABLE_CHILD,
+    ChildKind.FORK: SessionKind.CONTINUABLE_CHILD,
+    ChildKind.ONE_SHOT: SessionKind.ONE_SHOT_CHILD,
+}
+
+
+class ActivationHeldElsewhere(MeshError):
+    """Another node holds the session's activation; the mesh layer forwards to it."""
+
+    def __init__(self, current: Activation) -> None:
+        super().__init__(f"{current.session_id} is active on {current.node_id}")
+        self.current = current
+
+
+@dataclass(frozen=True, kw_only=True)
+class ManagerConfig:
+    """Settings of one continuation manager (one node)."""
+
+    node_id: NodeId = _LOCAL_NODE
+    max_message_chars: int = MAX_MESSAGE_CHARS
+    resume_filter: DescriptorFilter | None = field(default=None)
+    """Applied to a session's durable tool descriptors whenever it is cold-resumed."""
+
+    def __post_init__(self) -> None:
+        if self.max_message_chars <= 0:
+            raise ValueError("max_message_chars must be positive")
+
+
+class ContinuationManager:
+    """Hosts agents of one node and implements the one model-authored operation.
+
+    Use as ``async with ContinuationManager(...) as manager``: it owns every agent driver in a
+    task group; leaving the block (or :meth:`shutdown`, idempotent) stops them all.
+    """
+
+    def __init__(
+        self,
+        *,
+        store: SessionStore,
+        provider: ModelProvider,
+        presets: Sequence[Preset],
+        config: ManagerConfig | None = None,
+        ids: IdFactory | None = None,
+    ) -> None:
+        self._store = store
+        self._provider = provider
+        self._presets = {p.name: p for p in presets}
+        self._config = config or ManagerConfig()
+        self._ids = ids or RandomIds()
+        self.registry = ToolRegistry(standard_tools(self))
+        self._agents: dict[SessionId, Agent] = {}
+        self._drivers: dict[SessionId, asyncio.Task[None]] = {}
+        self._waking: Counter[SessionId] = Counter()
+        self._reserved: defaultdict[SessionId, set[int]] = defaultdict(set)
+        self._live_children: defaultdict[SessionId, set[SessionId]] = defaultdict(set)
+        self._resuming: dict[SessionId, asyncio.Task[Agent]] = {}
+        self._detached: set[asyncio.Task[Any]] = set()
+        self._change = asyncio.Event()
+        self._group: asyncio.TaskGroup | None = None
+        self._closed = False
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        self._group = asyncio.TaskGroup()
+        await self._group.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.shutdown()
+        if self._group is not None:
+            await self._group.__aexit__(exc_type, exc, tb)
+        if self._detached:
+            await asyncio.wait(self._detached)
+
+    def shutdown(self) -> None:
+        """Stop every driver. Idempotent. Durable state is untouched: activations stay in the
+        store until released, as if this node had died."""
+        self._closed = True
+        for task in (*self._drivers.values(), *self._detached):
+            task.cancel()
+
+    # -- queries --------------------------------------------------------------------------------
+
+    def agent(self, session: SessionId) -> Agent | None:
+        """The resident agent of ``session`` on this manager, if any."""
+        return self._agents.get(session)
+
+    @property
+    def agents(self) -> tuple[Agent, ...]:
+        return tuple(self._agents.values())
+
+    async def transcript(self, session: SessionId) -> list[Record]:
+        return await self._store.read(session)
+
+    async def header(self, session: SessionId) -> SessionHeader:
+        header = await self._store.get_header(session)
+        if header is None:
+            raise SessionUnknown(session)
+        return header
+
+    async def wait_until(self, predicate: Callable[[], bool]) -> None:
+        """Return once ``predicate()`` holds; re-checked after every state change."""
+        while not predicate():
+            change = self._change
+            await change.wait()
+
+    async def quiescent(self) -> None:
+        """Return once every resident agent is idle with nothing waiting or in flight."""
+        await self.wait_until(self._is_quiescent)
+
+    def _is_quiescent(self) -> bool:
+        return (
+            not self._resuming
+            and not self._detached
+            and not any(self._waking.values())
+            and all(
+                a.state is AgentState.IDLE and a.inbox_depth == 0 for a in self._agents.values()
+            )
+        )
+
+    # -- the control plane (humans are not agents) ----------------------------------------------
+
+    async def create_root(self, task: str, *, preset: str, model: str | None = None) -> AgentRef:
+        """Create a root session, make it resident here and start its first turn with ``task``."""
+        chosen = self._preset(preset)
+        spec = SessionSpec(
+            preset=chosen.name,
+            model=model or chosen.model or "",
+            tools=self.registry.resolve(chosen).descriptors,
+        )
+        if not spec.model:
+            raise InvalidArgument("a root session needs a model")
+        header = SessionHeader(
+            session_id=self._ids.session_id(),
+            kind=SessionKind.ROOT,
+            parent_session=None,
+            spec=spec,
+        )
+        agent = await self._activate_new(header, parent_activation=None, first=(), task=task)
+        return agent.ref
+
+    async def submit_prompt(
+        self, session: SessionId, text: str, *, idempotency_key: str | None = None
+    ) -> Delivery:
+        """Queue a human prompt: it starts a turn of its own, never merged into a running one."""
+        self._check_content(text)
+        entry = HumanPromptEntry(content=text)
+        key = (
+            None
+            if idempotency_key is None
+            else IdempotencyKey(principal="human", key=idempotency_key)
+        )
+        return await self._send(session, entry, AbortSignal(), key, parent_activation=None)
+
+    def interrupt(self, session: SessionId) -> TurnId | None:
+        """Cancel ``session``'s current turn (recorded as cancelled); None when it is idle.
+        Raises :class:`NotResident` when the session is not resident here."""
+        agent = self._agents.get(session)
+        if agent is None or agent.state is AgentState.SETTLED:
+            raise NotResident(session)
+        return agent.interrupt()
+
+    # -- SubagentRuntime ------------------------------------------------------------------------
+
+    async def send_message(
+        self,
+        sender: AgentRef,
+        target_id: str,
+        content: str,
+        signal: AbortSignal | None = None,
+        *,
+        idempotency_key: str | None = None,
+    ) -> Delivery:
+        """The only model-authored message operation.
+
+        Accepts only the exact live ``sender`` and a target on one adjacent edge, then delivers
+        by Steer (cold-resuming an absent child first). Returns once the message is durable in
+        the target's transcript. ``signal`` (and cancelling the caller) stops the work only until
+        that acceptance; an accepted message is never retracted. A retry with the same
+        ``idempotency_key`` returns the first acceptance with ``duplicate=True``.
+        """
+        signal = signal or AbortSignal()
+        target = parse_session_id(target_id)
+        self._check_content(content)
+        signal.raise_if_aborted()
+        decision = await self._authorize(sender, target)
+        if isinstance(decision, Refused):
+            raise decision.error()
+        entry = AgentMessageEntry(
+            source=AgentMessageSource(sender_session_id=decision.sender.session_id),
+            content=content,
+        )
+        key = None
+        if idempotency_key is not None:
+            key = IdempotencyKey(principal=sender.session_id, key=idempotency_key)
+        # A parent's message re-binds its child to the parent's current activation.
+        rebind = sender.activation_id if decision.direction is Direction.TO_CHILD else None
+        return await self._send(target, entry, signal, key, parent_activation=rebind)
+
+    async def spawn(
+        self, parent: AgentRef, kind: ChildKind, task: str, *, preset: str | None = None
+    ) -> SessionId:
+        """Create a child of the exact live ``parent`` here and start it on ``task``."""
+        parent_agent = self._agents.get(parent.session_id)
+        if (
+            parent_agent is None
+            or parent_agent.state is AgentState.SETTLED
+            or parent_agent.activation.activation_id != parent.activation_id
+        ):
+            raise StaleSender(f"{parent.session_id} activation {parent.activation_id} is not live")
+        if not task.strip():
+            raise InvalidArgument("task must not be empty")
+        self._check_content(task)
+        first: tuple[Entry, ...] = ()
+        fork_origin = None
+        if kind is ChildKind.FORK:
+            # A fork keeps its parent's spec as is: same preset, model and tool descriptors, so
+            # the request head it sends is byte-identical and the inherited prefix is cached.
+            spec = parent_agent.header.spec
+            prefix_seq, prefix = completed_turn_prefix(parent_agent.records)
+            fork_origin = ForkOrigin(parent_session=parent.session_id, prefix_seq=prefix_seq)
+            first = (ForkPrefixEntry(messages=prefix),)
+        else:
+            chosen = self._preset(preset or parent_agent.header.spec.preset)
+            spec = SessionSpec(
+                preset=chosen.name,
+                model=chosen.model or parent_agent.header.spec.model,
+                tools=self.registry.resolve(chosen).descriptors,
+            )
+        header = SessionHeader(
+            session_id=self._ids.session_id(),
+            kind=_CHILD_KIND[kind],
+            parent_session=parent.session_id,
+            spec=spec,
+            fork_origin=fork_origin,
+        )
+        agent = await self._activate_new(
+            header, parent_activation=parent.activation_id, first=first, task=task
+        )
+        return agent.session_id
+
+    # -- AgentHost ------------------------------------------------------------------------------
+
+    async def append(self, agent: Agent, entry: Entry) -> Record:
+        record, _ = await self._store.append(
+            agent.session_id, entry, writer=agent.activation.activation_id
+        )
+        return record
+
+    def may_settle(self, agent: Agent) -> bool:
+        # A delegating agent stays available while any child of its is live, so that child's
+        # messages and settlement notice can always reach it (docs/adr/0004).
+        session = agent.session_id
+        return self._waking[session] == 0 and not self._live_children[session]
+
+    async def inflight_settled(self, agent: Agent) -> None:
+        session = agent.session_id
+        await self.wait_until(lambda: self._waking[session] <= len(self._reserved[session]))
+
+    def admitted(self, agent: Agent, records: Sequence[Record]) -> None:
+        reserved = self._reserved[agent.session_id]
+        for record in records:
+            if record.seq in reserved:
+                reserved.discard(record.seq)
+                self._unreserve(agent.session_id)
+        self.changed()
+
+    def changed(self) -> None:
+        self._change.set()
+        self._change = asyncio.Event()
+
+    async def settled(self, agent: Agent, settlement: Settlement | None) -> None:
+        session = agent.session_id
+        await self._store.release(agent.activation)
+        if self._agents.get(session) is agent:
+            del self._agents[session]
+            self._drivers.pop(session, None)
+        parent = agent.header.parent_session
+        try:
+            if settlement is not None and parent is not None:
+                notice = SettlementNoticeEntry(
+                    child_session=session,
+                    child_activation=agent.activation.activation_id,
+                    child_kind=agent.header.kind,
+                    outcome=settlement.outcome,
+                    terminal_output=settlement.terminal_output,
+                    detail=settlement.detail,
+                )
+                await self._notify_parent(parent, notice)
+        finally:
+            if parent is not None:
+                self._live_children[parent].discard(session)
+                parent_agent = self._agents.get(parent)
+                if parent_agent is not None:
+                    parent_agent.poke()
+            self.changed()
+
+    # -- delivery -------------------------------------------------------------------------------
+
+    async def _send(
+        self,
+        target: SessionId,
+        entry: InboundEntry,
+        signal: AbortSignal,
+        key: IdempotencyKey | None,
+        *,
+        parent_activation: ActivationId | None,
+    ) -> Delivery:
+        fingerprint = _fingerprint(target, entry)
+        if key is not None:
+            known = await self._store.lookup(key)
+            if known is not None:
+                return self._duplicate(key, known, target, fingerprint)
+        # Waking-send accounting starts before anything can suspend: from here until the driver
+        # admits the record (or this send fails) the target cannot settle.
+        self._waking[target] += 1
+        handed_off = False
+        try:
+            agent, resumed = await self._resident(target, parent_activation)
+            if (
+                parent_activation is not None
+                and agent.activation.parent_activation != parent_activation
+            ):
+                agent.activation = await self._store.rebind(agent.activation, parent_activation)
+            if resumed:
+                kind = DeliveryKind.COLD_RESUMED
+            elif agent.state is AgentState.RUNNING:
+                kind = DeliveryKind.STEERED
+            else:
+                kind = DeliveryKind.STARTED_TURN
+            signal.raise_if_aborted()
+            acceptance = None
+            if key is not None:
+                acceptance = Acceptance(
+                    target=target,
+                    seq=0,
+                    target_activation=agent.activation.activation_id,
+                    kind=kind,
+                    fingerprint=fingerprint,
+                )
+            handed_off = True
+            # The point of no return: acceptance runs to completion even if the caller is
+            # cancelled now; the reservation is the acceptance's to release from here.
+            return await self._detach(self._accept(agent, entry, kind, key, acceptance))
+        finally:
+            if not handed_off:
+                self._unreserve(target)
+
+    async def _accept(
+        self,
+        agent: Agent,
+        entry: InboundEntry,
+        kind: DeliveryKind,
+        key: IdempotencyKey | None,
+        acceptance: Acceptance | None,
+    ) -> Delivery:
+        session = agent.session_id
+        delivered = False
+        try:
+            record, known = await self._store.append(
+                session,
+                entry,
+                writer=agent.activation.activation_id,
+                idempotency=None if key is None or acceptance is None else (key, acceptance),
+            )
+            if known is not None and key is not None:
+                return self._duplicate(key, known, session, known.fingerprint)
+            self._reserved[session].add(record.seq)
+            agent.deliver(record)
+            delivered = True
+            return Delivery(
+                target=session,
+                target_activation=agent.activation.activation_id,
+                kind=kind,
+                accepted_seq=record.seq,
+            )
+        finally:
+            if not delivered:
+                self._unreserve(session)
+
+    def _duplicate(
+        self, key: IdempotencyKey, known: Acceptance, target: SessionId, fingerprint: str
+    ) -> Delivery:
+        if known.target != target or known.fingerprint != fingerprint:
+            raise IdempotencyConflict(f"key {key.key!r} was already used for another message")
+        return Delivery(
+            target=known.target,
+            target_activation=known.target_activation,
+            kind=known.kind,
+            accepted_seq=known.seq,
+            duplicate=True,
+        )
+
+    def _unreserve(self, session: SessionId) -> None:
+        self._waking[session] -= 1
+        if self._waking[session] <= 0:
+            del self._waking[session]
+        agent = self._agents.get(session)
+        if agent is not None:
+            agent.poke()
+        self.changed()
+
+    async def _notify_parent(self, parent: SessionId, notice: SettlementNoticeEntry) -> None:
+        """Settlement notices are manager-owned: durable at the parent either way; a live parent
+        is steered with it, an absent one reads it on its next activation (docs/adr/0003)."""
+        agent = self._agents.get(parent)
+        if agent is not None and agent.state is not AgentState.SETTLED:
+            self._waking[parent] += 1
+            await self._accept(agent, notice, DeliveryKind.STEERED, None, None)
+            return
+        if agent is not None:
+            await agent.wait_released()
+        await self._store.append(parent, notice, writer=None)
+
+    # -- residency ------------------------------------------------------------------------------
+
+    async def _resident(
+        self, target: SessionId, parent_activation: ActivationId | None
+    ) -> tuple[Agent, bool]:
+        while True:
+            agent = self._agents.get(target)
+            if agent is not None and agent.state is not AgentState.SETTLED:
+                return agent, False
+            if agent is not None:
+                await agent.wait_released()
+                continue
+            task = self._resuming.get(target)
+            if task is None:
+                task = self._start_detached(self._cold_resume(target, parent_activation))
+                self._resuming[target] = task
+                task.add_done_callback(lambda _: self._resuming.pop(target, None))
+            return await asyncio.shield(task), True
+
+    async def _cold_resume(
+        self, target: SessionId, parent_activation: ActivationId | None
+    ) -> Agent:
+        header = await self.header(target)
+        if parent_activation is None and header.parent_session is not None:
+            parent = await self._store.current_activation(header.parent_session)
+            parent_activation = None if parent is None else parent.activation_id
+        activation = Activation(
+            session_id=target,
+            activation_id=self._ids.activation_id(),
+            node_id=self._config.node_id,
+            parent_activation=parent_activation,
+        )
+        current = await self._store.try_activate(activation)
+        if current != activation:
+            raise ActivationHeldElsewhere(current)
+        records = await self._store.read(target)
+        agent = self._make_agent(header, activation, records, self._config.resume_filter)
+        for record in pending_inbound(records):
+            agent.deliver(record)
+        self._start(agent)
+        return agent
+
+    async def _activate_new(
+        self,
+        header: SessionHeader,
+        *,
+        parent_activation: ActivationId | None,
+        first: tuple[Entry, ...],
+        task: str,
+    ) -> Agent:
+        await self._store.create_header(header)
+        activation = Activation(
+            session_id=header.session_id,
+            activation_id=self._ids.activation_id(),
+            node_id=self._config.node_id,
+            parent_activation=parent_activation,
+        )
+        await self._store.try_activate(activation)
+        agent = self._make_agent(header, activation, (), None)
+        for entry in first:
+            agent.record(await self.append(agent, entry))
+        if header.kind is SessionKind.CONTINUABLE_CHILD and header.parent_session is not None:
+            task = child_task(
+                task,
+                header.parent_session,
+                standard_send_message_visible=agent.tools.standard_send_message_visible,
+            )
+        agent.deliver(await self.append(agent, TaskEntry(content=task)))
+        self._start(agent)
+        return agent
+
+    def _make_agent(
+        self,
+        header: SessionHeader,
+        activation: Activation,
+        records: Sequence[Record],
+        resume_filter: DescriptorFilter | None,
+    ) -> Agent:
+        preset = self._preset(header.spec.preset)
+        allowed = [d.name for d in header.spec.tools if resume_filter is None or resume_filter(d)]
+        return Agent(
+            header=header,
+            activation=activation,
+            records=records,
+            tools=self.registry.resolve(preset, allowed=allowed),
+            system_prompt=preset.system_prompt,
+            provider=self._provider,
+            host=self,
+            ids=self._ids,
+        )
+
+    def _start(self, agent: Agent) -> None:
+        if self._group is None or self._closed:
+            raise RuntimeError("the manager is not running: use `async with`")
+        session = agent.session_id
+        self._agents[session] = agent
+        if agent.header.parent_session is not None:
+            self._live_children[agent.header.parent_session].add(session)
+        self._drivers[session] = self._group.create_task(agent.run(), name=f"agent {session}")
+        self.changed()
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    async def _authorize(self, sender: AgentRef, target: SessionId) -> Authorized | Refused:
+        headers: dict[SessionId, SessionHeader] = {}
+        activations: dict[SessionId, Activation] = {}
+        for session in (sender.session_id, target):
+            await self._load_lineage(session, headers)
+            current = await self._store.current_activation(session)
+            if current is not None:
+                activations[session] = current
+        return authorize(sender, target, headers, activations)
+
+    async def _load_lineage(self, session: SessionId, into: dict[SessionId, SessionHeader]) -> None:
+        next_id: SessionId | None = session
+        for _ in range(_MAX_TREE_DEPTH):
+            if next_id is None or next_id in into:
+                return
+            header = await self._store.get_header(next_id)
+            if header is None:
+                return
+            into[next_id] = header
+            next_id = header.parent_session
+
+    def _preset(self, name: str) -> Preset:
+        preset = self._presets.get(name)
+        if preset is None:
+            raise InvalidArgument(f"unknown preset {name!r}")
+        return preset
+
+    def _check_content(self, content: str) -> None:
+        if not isinstance(content, str) or not content.strip():
+            raise InvalidArgument("message must not be empty")
+        if len(content) > self._config.max_message_chars:
+            raise InvalidArgument(
+                f"message has {len(content)} characters; the limit is "
+                f"{self._config.max_message_chars}"
+            )
+
+    def _start_detached(self, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """Run ``work`` to completion whatever happens to the caller that started it."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._detached.add(task)
+
+        def done(finished: asyncio.Task[T]) -> None:
+            self._detached.discard(finished)
+            if not finished.cancelled():
+                finished.exception()  # retrieved: the awaiting caller (if any) re-raises it
+            self.changed()
+
+        task.add_done_callback(done)
+        return task
+
+    async def _detach(self, work: Coroutine[Any, Any, T]) -> T:
+        return await asyncio.shield(self._start_detached(work))
+
+
+def _fingerprint(target: SessionId, entry: InboundEntry) -> str:
+    digest = hashlib.sha256(f"{target}\0{type(entry).__name__}\0".encode())
+    digest.update(getattr(entry, "content", "").encode())
+    return digest.hexdigest()

@@ -1,0 +1,107 @@
+"""An in-memory :class:`SessionStore` with the same atomicity the etcd store provides."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from dsh_mesh.core import (
+    Activation,
+    ActivationFenced,
+    ActivationId,
+    Entry,
+    IdempotencyConflict,
+    Record,
+    SessionExists,
+    SessionHeader,
+    SessionId,
+    SessionUnknown,
+)
+from dsh_mesh.runtime._store import Acceptance, IdempotencyKey
+
+
+class InMemorySessionStore:
+    """Keeps everything in dicts. Each method completes without suspending, so each is atomic
+    on the event loop, like one etcd transaction."""
+
+    def __init__(self) -> None:
+        self._headers: dict[SessionId, SessionHeader] = {}
+        self._activations: dict[SessionId, Activation] = {}
+        self._transcripts: dict[SessionId, list[Record]] = {}
+        self._idempotency: dict[IdempotencyKey, Acceptance] = {}
+        self.writes = 0
+
+    async def create_header(self, header: SessionHeader) -> None:
+        if header.session_id in self._headers:
+            raise SessionExists(header.session_id)
+        self._headers[header.session_id] = header
+        self._transcripts[header.session_id] = []
+
+    async def get_header(self, session: SessionId) -> SessionHeader | None:
+        return self._headers.get(session)
+
+    async def try_activate(self, activation: Activation) -> Activation:
+        if activation.session_id not in self._headers:
+            raise SessionUnknown(activation.session_id)
+        return self._activations.setdefault(activation.session_id, activation)
+
+    async def current_activation(self, session: SessionId) -> Activation | None:
+        return self._activations.get(session)
+
+    async def rebind(self, activation: Activation, parent_activation: ActivationId) -> Activation:
+        self._fence(activation.session_id, activation.activation_id)
+        rebound = activation.rebound(parent_activation)
+        self._activations[activation.session_id] = rebound
+        return rebound
+
+    async def release(self, activation: Activation) -> None:
+        current = self._activations.get(activation.session_id)
+        if current is not None and current.activation_id == activation.activation_id:
+            del self._activations[activation.session_id]
+
+    async def append(
+        self,
+        session: SessionId,
+        entry: Entry,
+        *,
+        writer: ActivationId | None,
+        idempotency: tuple[IdempotencyKey, Acceptance] | None = None,
+    ) -> tuple[Record, Acceptance | None]:
+        transcript = self._transcripts.get(session)
+        if transcript is None:
+            raise SessionUnknown(session)
+        if idempotency is not None:
+            key, acceptance = idempotency
+            known = self._idempotency.get(key)
+            if known is not None:
+                _check_same(key, known, acceptance)
+                return self._transcripts[known.target][known.seq - 1], known
+        self._fence(session, writer)
+        record = Record(seq=len(transcript) + 1, entry=entry)
+        transcript.append(record)
+        if idempotency is not None:
+            key, acceptance = idempotency
+            self._idempotency[key] = dataclasses.replace(acceptance, seq=record.seq)
+        self.writes += 1
+        return record, None
+
+    async def lookup(self, key: IdempotencyKey) -> Acceptance | None:
+        return self._idempotency.get(key)
+
+    async def read(self, session: SessionId, *, after_seq: int = 0) -> list[Record]:
+        transcript = self._transcripts.get(session)
+        if transcript is None:
+            raise SessionUnknown(session)
+        return transcript[after_seq:]
+
+    def _fence(self, session: SessionId, writer: ActivationId | None) -> None:
+        current = self._activations.get(session)
+        current_id = None if current is None else current.activation_id
+        if current_id != writer:
+            raise ActivationFenced(
+                f"{session}: writer {writer} is not the current activation {current_id}"
+            )
+
+
+def _check_same(key: IdempotencyKey, known: Acceptance, asked: Acceptance) -> None:
+    if known.fingerprint != asked.fingerprint or known.target != asked.target:
+        raise IdempotencyConflict(f"key {key.key!r} was already used for another message")

@@ -1,0 +1,90 @@
+"""The durable session store the continuation manager runs on.
+
+The in-memory implementation serves tests and the in-process demo; the etcd implementation
+(next layer) keeps exactly this contract: create-only headers, one current activation per
+session won by create-if-absent, fenced transcript appends, idempotency records written with
+the entry they protect.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from dsh_mesh.core import (
+    Activation,
+    ActivationId,
+    DeliveryKind,
+    Entry,
+    Record,
+    SessionHeader,
+    SessionId,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class IdempotencyKey:
+    """Who asked (a sender session, or ``human`` for prompts) and the key they chose."""
+
+    principal: str
+    key: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Acceptance:
+    """What an idempotency record remembers: the first acceptance of a keyed request."""
+
+    target: SessionId
+    seq: int
+    target_activation: ActivationId
+    kind: DeliveryKind
+    fingerprint: str
+
+
+class SessionStore(Protocol):
+    """Durable state of sessions. Every method is safe to call concurrently from one loop."""
+
+    async def create_header(self, header: SessionHeader) -> None:
+        """Create-only: raises ``SessionExists`` if the id is taken; headers never change."""
+        ...
+
+    async def get_header(self, session: SessionId) -> SessionHeader | None: ...
+
+    async def try_activate(self, activation: Activation) -> Activation:
+        """Create the session's activation only if none exists. Returns the current activation:
+        ``activation`` itself when this call won, the winner's otherwise."""
+        ...
+
+    async def current_activation(self, session: SessionId) -> Activation | None: ...
+
+    async def rebind(self, activation: Activation, parent_activation: ActivationId) -> Activation:
+        """Re-point a current activation at a newer parent activation. Raises
+        ``ActivationFenced`` if ``activation`` is no longer current."""
+        ...
+
+    async def release(self, activation: Activation) -> None:
+        """End ``activation`` if it is still current; a no-op otherwise (idempotent)."""
+        ...
+
+    async def append(
+        self,
+        session: SessionId,
+        entry: Entry,
+        *,
+        writer: ActivationId | None,
+        idempotency: tuple[IdempotencyKey, Acceptance] | None = None,
+    ) -> tuple[Record, Acceptance | None]:
+        """Append ``entry`` as the next seq, fenced: ``writer`` must be the current activation
+        (``None``: the session must have none). Raises ``ActivationFenced`` otherwise.
+
+        With ``idempotency``, a known key returns ``(its record, the first acceptance)`` and
+        writes nothing; a new key is recorded in the same atomic step as the entry, with the
+        acceptance's ``seq`` filled in. Durable when it returns.
+        """
+        ...
+
+    async def lookup(self, key: IdempotencyKey) -> Acceptance | None:
+        """The first acceptance recorded under ``key``, if any."""
+        ...
+
+    async def read(self, session: SessionId, *, after_seq: int = 0) -> list[Record]: ...

@@ -1,0 +1,84 @@
+"""The tool registry, presets, and the tool set one agent sees."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+
+from dsh_mesh.core import InvalidArgument, ToolDescriptor
+from dsh_mesh.tools._standard import is_standard_send_message
+from dsh_mesh.tools._tool import Tool
+
+DescriptorFilter = Callable[[ToolDescriptor], bool]
+"""Keeps a descriptor when it returns true; applied to a session's tools when it resumes."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Preset:
+    """A named way to build an agent: its system prompt and which tools it sees.
+
+    ``tools`` selects registry tools by name (``None``: all of them), always in registry order.
+    ``scoped_tools`` belong to this preset only; one that reuses a registry name stands in at that
+    name's position but keeps its own identity, so it is never the standard tool. ``model``, when
+    set, is the model of children spawned with this preset (else they use their parent's).
+    """
+
+    name: str
+    system_prompt: str
+    model: str | None = None
+    tools: tuple[str, ...] | None = None
+    scoped_tools: tuple[Tool, ...] = field(default=())
+
+
+@dataclass(frozen=True)
+class ToolSet:
+    """The ordered tools one agent may call."""
+
+    tools: tuple[Tool, ...]
+
+    @property
+    def descriptors(self) -> tuple[ToolDescriptor, ...]:
+        return tuple(t.descriptor for t in self.tools)
+
+    def get(self, name: str) -> Tool | None:
+        for candidate in self.tools:
+            if candidate.descriptor.name == name:
+                return candidate
+        return None
+
+    @property
+    def standard_send_message_visible(self) -> bool:
+        return any(is_standard_send_message(t) for t in self.tools)
+
+
+class ToolRegistry:
+    """The process-wide, ordered list of tools. Parents and children resolve against the same
+    registry, so they get the same definitions in the same order."""
+
+    def __init__(self, tools: Sequence[Tool]) -> None:
+        names = [t.descriptor.name for t in tools]
+        if len(set(names)) != len(names):
+            raise InvalidArgument(f"duplicate tool names in registry: {names}")
+        self._tools = tuple(tools)
+
+    @property
+    def tools(self) -> tuple[Tool, ...]:
+        return self._tools
+
+    def resolve(self, preset: Preset, *, allowed: Collection[str] | None = None) -> ToolSet:
+        """The tool set of an agent built from ``preset``.
+
+        ``allowed`` (the names a session's durable spec still lists after any resume filter)
+        removes tools but never adds one the preset does not select.
+        """
+        scoped = {t.descriptor.name: t for t in preset.scoped_tools}
+        chosen: list[Tool] = []
+        for standard in self._tools:
+            name = standard.descriptor.name
+            if preset.tools is not None and name not in preset.tools:
+                continue
+            chosen.append(scoped.pop(name, standard))
+        chosen.extend(scoped.values())
+        if allowed is not None:
+            chosen = [t for t in chosen if t.descriptor.name in allowed]
+        return ToolSet(tuple(chosen))

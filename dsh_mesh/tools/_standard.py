@@ -1,0 +1,192 @@
+"""The standard tools: ``send_message`` and the three spawn tools."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from dsh_mesh.core import Rejected, ToolDescriptor
+from dsh_mesh.tools._runtime import ChildKind, SubagentRuntime
+from dsh_mesh.tools._tool import Tool, ToolIdentity, ToolInvocation, ToolOutput
+
+SEND_MESSAGE = "send_message"
+SEND_MESSAGE_IDENTITY = ToolIdentity("dsh-mesh/standard/send_message")
+
+SEND_MESSAGE_DESCRIPTOR = ToolDescriptor.of(
+    SEND_MESSAGE,
+    "Send a message to an adjacent agent: your direct parent or one of your direct continuable "
+    "children. The target reads it at its next step boundary, or starts a turn if idle. Sending "
+    "does not end your turn.",
+    {
+        "type": "object",
+        "properties": {
+            "agent_id": {"type": "string", "description": "The target agent's id."},
+            "message": {"type": "string", "description": "The message text."},
+        },
+        "required": ["agent_id", "message"],
+        "additionalProperties": False,
+    },
+)
+
+MAX_MESSAGE_CHARS = 256 * 1024
+
+
+def _task_schema(extra: Mapping[str, object] | None = None) -> dict[str, object]:
+    properties: dict[str, object] = {
+        "task": {"type": "string", "description": "The child's initial task."}
+    }
+    if extra:
+        properties.update(extra)
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": ["task"],
+        "additionalProperties": False,
+    }
+
+
+SPAWN_DESCRIPTORS: dict[ChildKind, ToolDescriptor] = {
+    ChildKind.CONTINUABLE: ToolDescriptor.of(
+        "spawn_agent",
+        "Start a continuable child agent with a task. It keeps its own session; message it "
+        "with send_message. Returns its agent_id at once; a settlement notice follows when its "
+        "run ends.",
+        _task_schema({"preset": {"type": "string", "description": "Optional preset name."}}),
+    ),
+    ChildKind.ONE_SHOT: ToolDescriptor.of(
+        "spawn_one_shot",
+        "Start a one-shot child that runs a task once and takes no messages. Returns its "
+        "agent_id at once; its settlement notice carries its final output.",
+        _task_schema({"preset": {"type": "string", "description": "Optional preset name."}}),
+    ),
+    ChildKind.FORK: ToolDescriptor.of(
+        "fork_agent",
+        "Start a continuable child that inherits your completed turns, then works on a task.",
+        _task_schema(),
+    ),
+}
+
+
+def invalid(detail: str) -> ToolOutput:
+    return ToolOutput(
+        content=json.dumps({"rejected": "INVALID_ARGUMENT", "detail": detail}), is_error=True
+    )
+
+
+def _string_fields(
+    arguments: Mapping[str, object], required: tuple[str, ...], optional: tuple[str, ...] = ()
+) -> dict[str, str] | ToolOutput:
+    unknown = sorted(set(arguments) - set(required) - set(optional))
+    if unknown:
+        return invalid(f"unknown argument(s): {', '.join(unknown)}")
+    values: dict[str, str] = {}
+    for name in required + optional:
+        value = arguments.get(name)
+        if value is None and name in optional:
+            continue
+        if not isinstance(value, str):
+            return invalid(f"{name} must be a string")
+        values[name] = value
+    return values
+
+
+@dataclass(frozen=True)
+class SendMessageTool:
+    """The standard ``send_message``: same definition, same identity, for parents and children."""
+
+    runtime: SubagentRuntime
+
+    @property
+    def identity(self) -> ToolIdentity:
+        return SEND_MESSAGE_IDENTITY
+
+    @property
+    def descriptor(self) -> ToolDescriptor:
+        return SEND_MESSAGE_DESCRIPTOR
+
+    async def invoke(
+        self, invocation: ToolInvocation, arguments: Mapping[str, object]
+    ) -> ToolOutput:
+        fields = _string_fields(arguments, ("agent_id", "message"))
+        if isinstance(fields, ToolOutput):
+            return fields
+        try:
+            delivery = await self.runtime.send_message(
+                invocation.caller,
+                fields["agent_id"],
+                fields["message"],
+                invocation.signal,
+                idempotency_key=invocation.call.call_id,
+            )
+        except Rejected as rejection:
+            return ToolOutput(
+                content=json.dumps(
+                    {"rejected": rejection.reason.value, "detail": rejection.detail}
+                ),
+                is_error=True,
+            )
+        return ToolOutput(
+            content=json.dumps(
+                {"delivered": delivery.kind.value, "agent_id": delivery.target}, sort_keys=True
+            )
+        )
+
+
+_SPAWN_IDENTITIES = {
+    kind: ToolIdentity(f"dsh-mesh/standard/spawn/{kind.value}") for kind in ChildKind
+}
+
+
+@dataclass(frozen=True)
+class SpawnTool:
+    """One of the three standard spawn tools."""
+
+    runtime: SubagentRuntime
+    kind: ChildKind
+
+    @property
+    def identity(self) -> ToolIdentity:
+        return _SPAWN_IDENTITIES[self.kind]
+
+    @property
+    def descriptor(self) -> ToolDescriptor:
+        return SPAWN_DESCRIPTORS[self.kind]
+
+    async def invoke(
+        self, invocation: ToolInvocation, arguments: Mapping[str, object]
+    ) -> ToolOutput:
+        optional = () if self.kind is ChildKind.FORK else ("preset",)
+        fields = _string_fields(arguments, ("task",), optional)
+        if isinstance(fields, ToolOutput):
+            return fields
+        if not fields["task"].strip():
+            return invalid("task must not be empty")
+        try:
+            child = await self.runtime.spawn(
+                invocation.caller, self.kind, fields["task"], preset=fields.get("preset")
+            )
+        except Rejected as rejection:
+            return ToolOutput(
+                content=json.dumps(
+                    {"rejected": rejection.reason.value, "detail": rejection.detail}
+                ),
+                is_error=True,
+            )
+        return ToolOutput(
+            content=json.dumps({"spawned": child, "kind": self.kind.value}, sort_keys=True)
+        )
+
+
+def standard_tools(runtime: SubagentRuntime) -> tuple[Tool, ...]:
+    """The standard tools in registry order; every agent of a runtime gets these objects."""
+    return (
+        SendMessageTool(runtime),
+        SpawnTool(runtime, ChildKind.CONTINUABLE),
+        SpawnTool(runtime, ChildKind.ONE_SHOT),
+        SpawnTool(runtime, ChildKind.FORK),
+    )
+
+
+def is_standard_send_message(tool: Tool) -> bool:
+    return tool.identity is SEND_MESSAGE_IDENTITY

@@ -1,0 +1,56 @@
+"""What a tool is, and how the standard ones are told apart from same-name look-alikes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol, final
+
+from dsh_mesh.core import AbortSignal, AgentRef, ToolCall, ToolDescriptor
+
+
+@final
+class ToolIdentity:
+    """A process-stable identity compared by ``is``: two tools with the same name and schema but
+    different identities are different tools. Only the standard definitions hold the standard
+    identities; a scoped tool that reuses a name gets an identity of its own."""
+
+    __slots__ = ("_label",)
+
+    def __init__(self, label: str) -> None:
+        self._label = label
+
+    def __repr__(self) -> str:
+        return f"ToolIdentity({self._label!r})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToolInvocation:
+    """One call of a tool by one agent: who calls (its exact live ref), the call, the signal."""
+
+    caller: AgentRef
+    call: ToolCall
+    signal: AbortSignal
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToolOutput:
+    """What is recorded as the tool's result and shown to the model."""
+
+    content: str
+    is_error: bool = False
+
+
+class Tool(Protocol):
+    """A tool an agent may call. ``invoke`` must not raise for bad model input: it returns an
+    error output instead, so the step can record a result for every call."""
+
+    @property
+    def identity(self) -> ToolIdentity: ...
+
+    @property
+    def descriptor(self) -> ToolDescriptor: ...
+
+    async def invoke(
+        self, invocation: ToolInvocation, arguments: Mapping[str, object]
+    ) -> ToolOutput: ...
