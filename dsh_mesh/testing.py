@@ -1,0 +1,47 @@
+"""Helpers for testing agents on dsh-mesh the way the project tests itself.
+
+``in_process_mesh`` starts a continuation manager on an in-memory store with a scripted provider
+(wrapped in a recording one), deterministic ids, and the presets you pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from dsh_mesh.core import Record, SequentialIds, SessionId
+from dsh_mesh.models import RecordingProvider, ScriptedProvider
+from dsh_mesh.runtime import ContinuationManager, InMemorySessionStore, ManagerConfig
+from dsh_mesh.tools import Preset
+
+
+@dataclass
+class InProcessMesh:
+    """What a test drives: the manager, its store, and the scripted + recording providers."""
+
+    manager: ContinuationManager
+    store: InMemorySessionStore
+    scripted: ScriptedProvider
+    recorder: RecordingProvider
+
+    async def transcript(self, session: SessionId) -> list[Record]:
+        return await self.store.read(session)
+
+
+@asynccontextmanager
+async def in_process_mesh(
+    presets: Sequence[Preset],
+    *,
+    scripted: ScriptedProvider | None = None,
+    config: ManagerConfig | None = None,
+    store: InMemorySessionStore | None = None,
+) -> AsyncIterator[InProcessMesh]:
+    """Run a manager for the duration of the block; every driver is stopped on exit."""
+    scripted = scripted or ScriptedProvider()
+    recorder = RecordingProvider(scripted)
+    store = store or InMemorySessionStore()
+    async with ContinuationManager(
+        store=store, provider=recorder, presets=presets, config=config, ids=SequentialIds()
+    ) as manager:
+        yield InProcessMesh(manager=manager, store=store, scripted=scripted, recorder=recorder)

@@ -1,0 +1,394 @@
+"""The continuation manager: settlement, ordering, cold resume, cancellation, idempotency, forks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from dsh_mesh.core import (
+    Aborted,
+    AbortSignal,
+    Activation,
+    ActivationId,
+    AgentMessageEntry,
+    AgentRef,
+    ConsumedEntry,
+    DeliveryKind,
+    ForkPrefixEntry,
+    IdempotencyConflict,
+    InvalidArgument,
+    NodeId,
+    ParentNotLive,
+    RejectionReason,
+    SessionId,
+    SettlementNoticeEntry,
+    SettlementOutcome,
+    StaleSender,
+    TargetUnknown,
+    TurnStartedEntry,
+    canonical_json,
+)
+from dsh_mesh.models import PARENT, ExhaustTokens, Fail, Reply, send, tool
+from dsh_mesh.testing import InProcessMesh, in_process_mesh
+from dsh_mesh.tools import RETURN_INSTRUCTION
+from tests.unit.conftest import drain_loop, of_type, presets
+from tests.unit.test_agent_loop import HoldingStore
+
+ROOT = SessionId("s-1")
+CHILD = SessionId("s-2")
+
+
+async def root_with_child(mesh: InProcessMesh, *, kind: str = "spawn_agent") -> AgentRef:
+    mesh.scripted.program("lead", tool(kind, task="Do the work.", preset="helper"))
+    ref = await mesh.manager.create_root("Lead.", preset="lead")
+    await mesh.manager.wait_until(lambda: mesh.manager.agent(CHILD) is not None)
+    return ref
+
+
+async def notices(mesh: InProcessMesh, session: SessionId = ROOT) -> list[SettlementNoticeEntry]:
+    return [
+        r.entry
+        for r in of_type(await mesh.transcript(session), SettlementNoticeEntry)
+        if isinstance(r.entry, SettlementNoticeEntry)
+    ]
+
+
+@pytest.mark.contract(8)
+@pytest.mark.parametrize(
+    ("action", "outcome", "output"),
+    [
+        (Reply(text="final words"), SettlementOutcome.COMPLETED, "final words"),
+        (Fail(message="provider down"), SettlementOutcome.ERROR, ""),
+        (ExhaustTokens(text="half a thou"), SettlementOutcome.TOKEN_EXHAUSTION, "half a thou"),
+    ],
+)
+async def test_settlement_notice_is_unconditional_and_records_how_the_run_ended(
+    mesh: InProcessMesh,
+    action: Reply | Fail | ExhaustTokens,
+    outcome: SettlementOutcome,
+    output: str,
+) -> None:
+    mesh.scripted.program("helper", action)  # the child never calls send_message: silence is fine
+    await root_with_child(mesh)
+    await mesh.manager.quiescent()
+    [notice] = await notices(mesh)
+    assert notice.child_session == CHILD
+    assert notice.outcome is outcome
+    assert notice.terminal_output == output
+    if outcome is SettlementOutcome.ERROR:
+        assert "provider down" in notice.detail
+    assert mesh.manager.agent(CHILD) is None  # the activation ended
+    assert await mesh.store.current_activation(CHILD) is None
+
+
+@pytest.mark.contract(8)
+async def test_cancelled_child_settles_cancelled(mesh: InProcessMesh) -> None:
+    mesh.scripted.program("helper", Reply(gate=asyncio.Event()))
+    await root_with_child(mesh)
+    await mesh.scripted.wait_for_call(CHILD, 1)
+    mesh.manager.interrupt(CHILD)
+    await mesh.manager.quiescent()
+    [notice] = await notices(mesh)
+    assert notice.outcome is SettlementOutcome.CANCELLED
+
+
+@pytest.mark.contract(8)
+@pytest.mark.contract(9)
+async def test_many_sends_do_not_end_the_turn_and_precede_the_settlement_notice(
+    mesh: InProcessMesh,
+) -> None:
+    mesh.scripted.program(
+        "helper",
+        send(PARENT, "progress 1"),
+        send(PARENT, "progress 2"),
+        send(PARENT, "result"),
+        Reply(text="wrapped up"),
+    )
+    await root_with_child(mesh)
+    await mesh.manager.quiescent()
+    root_records = await mesh.transcript(ROOT)
+    from_child = [
+        r
+        for r in root_records
+        if isinstance(r.entry, AgentMessageEntry | SettlementNoticeEntry)
+        and (
+            isinstance(r.entry, SettlementNoticeEntry) or r.entry.source.sender_session_id == CHILD
+        )
+    ]
+    labels = [
+        r.entry.content if isinstance(r.entry, AgentMessageEntry) else "settled" for r in from_child
+    ]
+    assert labels == ["progress 1", "progress 2", "result", "settled"]
+    consumed = [s for r in of_type(root_records, ConsumedEntry) for s in r.entry.seqs]  # type: ignore[union-attr]
+    seqs = [r.seq for r in from_child]
+    assert [s for s in consumed if s in seqs] == seqs  # the parent read them in that order
+    # All three sends and the final reply happened in the child's one turn.
+    assert len(of_type(await mesh.transcript(CHILD), TurnStartedEntry)) == 1
+
+
+@pytest.mark.contract(5)
+async def test_accepted_message_has_one_durable_source_derived_from_the_sender(
+    mesh: InProcessMesh,
+) -> None:
+    mesh.scripted.program("helper", send(PARENT, "hello parent"))
+    await root_with_child(mesh)
+    await mesh.manager.quiescent()
+    [record] = of_type(await mesh.transcript(ROOT), AgentMessageEntry)
+    assert isinstance(record.entry, AgentMessageEntry)
+    source = record.entry.source
+    assert (source.kind, source.form, source.sender_session_id) == ("agent-message", "relay", CHILD)
+    shown = [m.content for r in mesh.recorder.requests_of(ROOT) for m in r.messages]
+    assert f"Agent {CHILD} sent a message:\nhello parent" in shown
+
+
+@pytest.mark.contract(3)
+async def test_absent_child_is_cold_resumed_with_a_new_activation_then_steered(
+    mesh: InProcessMesh,
+) -> None:
+    mesh.scripted.program("helper", Reply(text="first run"), Reply(text="second run"))
+    ref = await root_with_child(mesh)
+    child = mesh.manager.agent(CHILD)
+    assert child is not None
+    first_activation = child.activation.activation_id
+    await mesh.manager.quiescent()
+    assert mesh.manager.agent(CHILD) is None
+
+    delivery = await mesh.manager.send_message(ref, CHILD, "come back")
+    assert delivery.kind is DeliveryKind.COLD_RESUMED
+    assert delivery.target_activation != first_activation
+    await mesh.manager.quiescent()
+    requests = mesh.recorder.requests_of(CHILD)
+    assert requests[1].messages[-1].content == f"Agent {ROOT} sent a message:\ncome back"
+    assert requests[1].messages[: len(requests[0].messages)] == requests[0].messages
+    outcomes = [(n.child_activation, n.terminal_output) for n in await notices(mesh)]
+    assert outcomes == [(first_activation, "first run"), (delivery.target_activation, "second run")]
+
+
+@pytest.mark.contract(3)
+async def test_concurrent_sends_to_an_absent_child_share_one_activation(
+    mesh: InProcessMesh,
+) -> None:
+    mesh.scripted.program("helper", Reply(), Reply(), Reply())
+    ref = await root_with_child(mesh)
+    await mesh.manager.quiescent()
+    deliveries = await asyncio.gather(
+        *(mesh.manager.send_message(ref, CHILD, f"m{i}") for i in range(3))
+    )
+    assert {d.target_activation for d in deliveries} == {deliveries[0].target_activation}
+    assert sorted(d.accepted_seq for d in deliveries) == [d.accepted_seq for d in deliveries]
+    await mesh.manager.quiescent()
+    assert len(await notices(mesh)) == 2
+
+
+@pytest.mark.contract(2)
+async def test_stale_agent_object_cannot_send(mesh: InProcessMesh) -> None:
+    mesh.scripted.program("helper", Reply(), Reply())
+    ref = await root_with_child(mesh)
+    child = mesh.manager.agent(CHILD)
+    assert child is not None
+    stale = child.ref
+    await mesh.manager.quiescent()
+    await mesh.manager.send_message(ref, CHILD, "wake up")  # a new activation replaces it
+    with pytest.raises(StaleSender) as raised:
+        await mesh.manager.send_message(stale, ROOT, "from the past")
+    assert raised.value.reason is RejectionReason.STALE_SENDER
+
+
+@pytest.mark.contract(2)
+async def test_child_to_absent_or_rebound_parent_is_rejected_until_the_parent_messages_it(
+    mesh: InProcessMesh,
+) -> None:
+    mesh.scripted.program("helper", Reply(gate=asyncio.Event()))
+    await root_with_child(mesh)
+    child = mesh.manager.agent(CHILD)
+    root = mesh.manager.agent(ROOT)
+    assert child is not None and root is not None
+    await mesh.store.release(root.activation)  # the parent's host is gone
+
+    with pytest.raises(ParentNotLive) as absent:
+        await mesh.manager.send_message(child.ref, ROOT, "anyone?")
+    assert absent.value.reason is RejectionReason.PARENT_NOT_LIVE
+
+    newer = Activation(session_id=ROOT, activation_id=ActivationId("a-new"), node_id=NodeId("n2"))
+    assert await mesh.store.try_activate(newer) == newer
+    with pytest.raises(ParentNotLive) as rebound:
+        await mesh.manager.send_message(child.ref, ROOT, "anyone?")
+    assert rebound.value.reason is RejectionReason.PARENT_REBOUND
+
+    await mesh.manager.send_message(
+        AgentRef(session_id=ROOT, activation_id=newer.activation_id), CHILD, "I am back"
+    )
+    current = await mesh.store.current_activation(CHILD)
+    assert current is not None and current.parent_activation == newer.activation_id
+    nothing = [r for r in of_type(await mesh.transcript(ROOT), AgentMessageEntry)]
+    assert nothing == []  # no offline mailbox: the rejected sends left no trace
+
+
+@pytest.mark.contract(10)
+async def test_aborted_before_acceptance_delivers_nothing(mesh: InProcessMesh) -> None:
+    mesh.scripted.program("helper", Reply())
+    ref = await root_with_child(mesh)
+    await mesh.manager.quiescent()
+    before = await mesh.transcript(CHILD)
+    signal = AbortSignal()
+    signal.abort("deadline")
+    with pytest.raises(Aborted):
+        await mesh.manager.send_message(ref, CHILD, "never", signal)
+    await mesh.manager.quiescent()
+    assert await mesh.transcript(CHILD) == before
+    assert await mesh.store.current_activation(CHILD) is None
+    assert len(await notices(mesh)) == 1  # no run, so no second notice
+
+
+@pytest.mark.contract(10)
+async def test_caller_cancelled_after_acceptance_began_keeps_the_message_and_the_target() -> None:
+    store = HoldingStore(AgentMessageEntry)
+    async with in_process_mesh(presets(), store=store) as mesh:
+        mesh.scripted.program("lead", tool("spawn_agent", task="t", preset="helper"))
+        mesh.scripted.program("helper", Reply(gate=asyncio.Event()), Reply())
+        ref = await mesh.manager.create_root("Lead.", preset="lead")
+        await mesh.scripted.wait_for_call(CHILD, 1)
+        sending = asyncio.create_task(mesh.manager.send_message(ref, CHILD, "stays"))
+        await store.holding.wait()
+        sending.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await sending
+        store.unblock.set()
+        await mesh.manager.wait_until(
+            lambda: any(
+                isinstance(r.entry, AgentMessageEntry)
+                for r in mesh.manager.agent(CHILD).records  # type: ignore[union-attr]
+            )
+        )
+        child = mesh.manager.agent(CHILD)
+        assert child is not None and child.inbox_depth == 1  # accepted, waiting for its boundary
+        mesh.manager.interrupt(CHILD)
+        await mesh.manager.quiescent()
+        records = await mesh.transcript(CHILD)
+        [message] = of_type(records, AgentMessageEntry)
+        consumed = [s for r in of_type(records, ConsumedEntry) for s in r.entry.seqs]  # type: ignore[union-attr]
+        assert message.seq in consumed
+
+
+@pytest.mark.contract(10)
+async def test_retry_with_the_same_idempotency_key_returns_the_first_acceptance(
+    mesh: InProcessMesh,
+) -> None:
+    mesh.scripted.program("helper", Reply(gate=asyncio.Event()))
+    ref = await root_with_child(mesh)
+    first = await mesh.manager.send_message(ref, CHILD, "once", idempotency_key="k1")
+    again = await mesh.manager.send_message(ref, CHILD, "once", idempotency_key="k1")
+    assert (again.accepted_seq, again.kind, again.duplicate) == (
+        first.accepted_seq,
+        first.kind,
+        True,
+    )
+    assert not first.duplicate
+    assert len(of_type(await mesh.transcript(CHILD), AgentMessageEntry)) == 1
+    with pytest.raises(IdempotencyConflict) as conflict:
+        await mesh.manager.send_message(ref, CHILD, "different", idempotency_key="k1")
+    assert conflict.value.reason is RejectionReason.IDEMPOTENCY_CONFLICT
+
+
+@pytest.mark.contract(2)
+@pytest.mark.parametrize(
+    ("target", "content", "error"),
+    [
+        ("s-2", "", InvalidArgument),
+        ("s-2", "   ", InvalidArgument),
+        ("s-2", "x" * 300_000, InvalidArgument),
+        ("", "hi", InvalidArgument),
+        ("s 2", "hi", InvalidArgument),
+        ("s-99", "hi", TargetUnknown),
+    ],
+)
+async def test_bad_input_is_rejected_with_a_typed_error_and_writes_nothing(
+    mesh: InProcessMesh, target: str, content: str, error: type[Exception]
+) -> None:
+    mesh.scripted.program("helper", Reply(gate=asyncio.Event()))
+    ref = await root_with_child(mesh)
+    writes = mesh.store.writes
+    with pytest.raises(error):
+        await mesh.manager.send_message(ref, target, content)
+    assert mesh.store.writes == writes
+
+
+@pytest.mark.contract(7)
+async def test_fork_child_request_head_is_byte_identical_and_starts_with_the_parent_prefix(
+    mesh: InProcessMesh,
+) -> None:
+    mesh.scripted.program(
+        "lead",
+        Reply(text="first turn done"),
+        tool("fork_agent", task="Explore option B."),
+        Reply(text="forked"),
+    )
+    ref = await mesh.manager.create_root("Plan the work.", preset="lead")
+    await mesh.manager.quiescent()
+    await mesh.manager.submit_prompt(ref.session_id, "Now fork.")
+    await mesh.manager.wait_until(lambda: bool(mesh.recorder.requests_of(CHILD)))
+    await mesh.manager.quiescent()
+
+    parent_requests = mesh.recorder.requests_of(ROOT)
+    fork_request = mesh.recorder.requests_of(CHILD)[0]
+    assert fork_request.model == parent_requests[0].model == "lead"  # same program, own cursor
+    head = [
+        (r.system_prompt, canonical_json([d.__dict__ for d in r.tools])) for r in parent_requests
+    ]
+    fork_head = (
+        fork_request.system_prompt,
+        canonical_json([d.__dict__ for d in fork_request.tools]),
+    )
+    assert all(h == fork_head for h in head)
+    # The completed-turn prefix: the first turn's task and the model's final reply.
+    completed_turn = parent_requests[1].messages[:2]
+    assert [m.content for m in completed_turn] == ["Plan the work.", "first turn done"]
+    assert fork_request.messages[:2] == completed_turn
+    task = fork_request.messages[2].content
+    assert task.startswith("Explore option B.")
+    assert task.endswith(RETURN_INSTRUCTION.format(parent=json.dumps(ROOT)))
+    child_records = await mesh.transcript(CHILD)
+    assert isinstance(child_records[0].entry, ForkPrefixEntry)
+    header = await mesh.manager.header(CHILD)
+    assert header.fork_origin is not None and header.spec == (await mesh.manager.header(ROOT)).spec
+
+
+@pytest.mark.contract(1)
+async def test_the_only_model_authored_path_is_send_message(mesh: InProcessMesh) -> None:
+    import inspect
+
+    from dsh_mesh.runtime import ContinuationManager
+
+    parameters = list(inspect.signature(ContinuationManager.send_message).parameters)
+    assert parameters == ["self", "sender", "target_id", "content", "signal", "idempotency_key"]
+    tool_names = [d.name for d in mesh.manager.registry.resolve(presets()[0]).descriptors]
+    assert [n for n in tool_names if "message" in n or "report" in n] == ["send_message"]
+
+
+@pytest.mark.contract(3)
+async def test_parent_with_live_children_stays_resident_to_receive_their_results(
+    mesh: InProcessMesh,
+) -> None:
+    release = asyncio.Event()
+    mesh.scripted.program(
+        "helper", tool("spawn_agent", task="grandchild work", preset="solo"), Reply(text="waiting")
+    )
+    mesh.scripted.program("solo", send(PARENT, "found it", gate=release), Reply())
+    await root_with_child(mesh)
+    grandchild = SessionId("s-3")
+    await mesh.scripted.wait_for_call(grandchild, 1)
+    await drain_loop()
+    child = mesh.manager.agent(CHILD)
+    assert child is not None  # idle but resident: its child is still live
+    release.set()
+    await mesh.manager.quiescent()
+    child_messages = [
+        r.entry.content
+        for r in of_type(await mesh.transcript(CHILD), AgentMessageEntry)
+        if isinstance(r.entry, AgentMessageEntry)
+    ]
+    assert child_messages == ["found it"]
+    assert [n.child_session for n in await notices(mesh, CHILD)] == [grandchild]
+    assert [n.child_session for n in await notices(mesh)] == [CHILD]
