@@ -119,6 +119,7 @@ class Agent:
         self.tools = tools
         self.system_prompt = system_prompt
         self._records = sorted(records, key=lambda r: r.seq)
+        self._seqs = {r.seq for r in self._records}
         self._provider = provider
         self._host = host
         self._ids = ids
@@ -169,7 +170,8 @@ class Agent:
 
     def record(self, record: Record) -> None:
         """Keep a durably written record in the local transcript (in seq order)."""
-        if not any(r.seq == record.seq for r in self._records):
+        if record.seq not in self._seqs:
+            self._seqs.add(record.seq)
             bisect.insort(self._records, record, key=lambda r: r.seq)
 
     def deliver(self, record: Record) -> DeliveryKind:

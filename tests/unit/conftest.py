@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 import pytest
@@ -70,6 +70,3 @@ async def drain_loop(rounds: int = 50) -> None:
     to misbehave, never to wait for a result (those use explicit conditions)."""
     for _ in range(rounds):
         await asyncio.sleep(0)
-
-
-Predicate = Callable[[], bool]

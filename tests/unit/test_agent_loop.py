@@ -31,10 +31,6 @@ ROOT = SessionId("s-1")
 CHILD = SessionId("s-2")
 
 
-def spawn_worker(task: str = "Do the work.") -> tuple[Reply | object, ...]:
-    return (tool("spawn_agent", task=task, preset="worker"), Reply(text="spawned"))
-
-
 async def start_root_with_worker(mesh: InProcessMesh) -> None:
     mesh.scripted.program("lead", tool("spawn_agent", task="Do the work.", preset="worker"))
     await mesh.manager.create_root("Lead.", preset="lead")
