@@ -43,6 +43,9 @@ from dsh_mesh.tools import ToolInvocation, ToolOutput, ToolSet
 
 
 class AgentState(enum.Enum):
+    """Where an Agent is in its life: idle (no turn), running (a turn in progress), settled
+    (its Activation's run ended; it never runs again)."""
+
     IDLE = "idle"
     RUNNING = "running"
     SETTLED = "settled"

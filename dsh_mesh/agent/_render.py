@@ -25,6 +25,9 @@ from dsh_mesh.core import (
 
 
 def render_inbound(entry: InboundEntry) -> ChatMessage:
+    """The model-visible user message for one consumed inbound entry: agent messages carry the
+    `Agent <sender-id> sent a message:` frame, settlement notices their own attribution."""
+
     if isinstance(entry, AgentMessageEntry):
         return ChatMessage(role=Role.USER, content=frame_agent_message(entry.source, entry.content))
     if isinstance(entry, SettlementNoticeEntry):

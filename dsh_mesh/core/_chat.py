@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 
 class Role(enum.Enum):
+    """The speaker of one chat message sent to a provider."""
+
     USER = "user"
     ASSISTANT = "assistant"
     TOOL = "tool"

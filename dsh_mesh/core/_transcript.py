@@ -70,6 +70,8 @@ class ForkPrefixEntry:
 
 @dataclass(frozen=True, kw_only=True)
 class TurnStartedEntry:
+    """A turn began: everything until the matching `TurnEndedEntry` belongs to it."""
+
     turn_id: TurnId
 
 
@@ -91,6 +93,8 @@ class AssistantStepEntry:
 
 @dataclass(frozen=True, kw_only=True)
 class ToolResultEntry:
+    """The recorded result of one tool call, keyed by the call id the model gave it."""
+
     call_id: str
     name: str
     content: str
@@ -99,6 +103,8 @@ class ToolResultEntry:
 
 @dataclass(frozen=True, kw_only=True)
 class TurnEndedEntry:
+    """A turn ended, with its outcome (completed, error, cancelled, token exhaustion) and detail."""
+
     turn_id: TurnId
     outcome: TurnOutcome
     detail: str = ""

@@ -27,6 +27,8 @@ class ModelRequest:
 
 
 class FinishReason(enum.Enum):
+    """Why a model call stopped: a final answer, tool calls to run, or the token limit."""
+
     STOP = "stop"
     TOOL_CALLS = "tool-calls"
     LENGTH = "length"
@@ -35,16 +37,22 @@ class FinishReason(enum.Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class TextDelta:
+    """A streamed piece of the assistant's text."""
+
     text: str
 
 
 @dataclass(frozen=True, kw_only=True)
 class ToolCallEvent:
+    """A complete tool call the model asked for, streamed as soon as it is whole."""
+
     call: ToolCall
 
 
 @dataclass(frozen=True, kw_only=True)
 class Finished:
+    """The last event of a streamed model call: why it stopped and the usage it reports."""
+
     finish_reason: FinishReason
     usage: Usage
 
@@ -54,6 +62,8 @@ ModelEvent = TextDelta | ToolCallEvent | Finished
 
 @dataclass(frozen=True, kw_only=True)
 class ModelResponse:
+    """A whole model call, collected from its stream: text, tool calls, finish reason, usage."""
+
     text: str
     tool_calls: tuple[ToolCall, ...]
     finish_reason: FinishReason

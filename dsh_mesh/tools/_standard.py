@@ -189,4 +189,7 @@ def standard_tools(runtime: SubagentRuntime) -> tuple[Tool, ...]:
 
 
 def is_standard_send_message(tool: Tool) -> bool:
+    """True only for the standard `send_message` definition (its process-stable identity), never
+    for a scoped tool that merely shares the name."""
+
     return tool.identity is SEND_MESSAGE_IDENTITY

@@ -13,6 +13,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+import pytest
 from google.protobuf import descriptor_pb2
 from grpc_tools import protoc  # type: ignore[import-untyped,unused-ignore]
 
@@ -56,6 +57,7 @@ def test_package_is_versioned() -> None:
     assert mesh_pb2.DESCRIPTOR.name == "dsh/mesh/v1/mesh.proto"
 
 
+@pytest.mark.contract(1)
 def test_send_message_request_has_exactly_the_four_fields() -> None:
     fields = mesh_pb2.SendMessageRequest.DESCRIPTOR.fields
     assert [(f.name, f.number) for f in fields] == [
@@ -70,6 +72,7 @@ def test_send_message_request_has_exactly_the_four_fields() -> None:
     assert [f.name for f in mesh_pb2.AgentRef.DESCRIPTOR.fields] == ["session_id", "activation_id"]
 
 
+@pytest.mark.contract(1)
 def test_send_message_request_has_no_source_mode_mailbox_or_provider_field() -> None:
     forbidden = ("source", "mode", "mailbox", "provider", "delivery")
     for message in (mesh_pb2.SendMessageRequest, mesh_pb2.AgentRef):
@@ -77,6 +80,7 @@ def test_send_message_request_has_no_source_mode_mailbox_or_provider_field() -> 
         assert not [n for n in names if any(word in n for word in forbidden)], names
 
 
+@pytest.mark.contract(1)
 def test_agent_mesh_has_only_send_message() -> None:
     service = mesh_pb2.DESCRIPTOR.services_by_name["AgentMesh"]
     assert [m.name for m in service.methods] == ["SendMessage"]
@@ -87,6 +91,7 @@ def test_agent_mesh_has_only_send_message() -> None:
     assert not method.server_streaming
 
 
+@pytest.mark.contract(11)
 def test_mesh_control_has_the_six_control_rpcs() -> None:
     service = mesh_pb2.DESCRIPTOR.services_by_name["MeshControl"]
     assert {m.name for m in service.methods} == CONTROL_RPCS
@@ -100,6 +105,7 @@ def test_only_two_services() -> None:
     assert set(mesh_pb2.DESCRIPTOR.services_by_name) == {"AgentMesh", "MeshControl"}
 
 
+@pytest.mark.contract(3)
 def test_delivery_has_the_three_steer_kinds() -> None:
     assert list(mesh_pb2.Delivery.keys()) == [
         "DELIVERY_UNSPECIFIED",

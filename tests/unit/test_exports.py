@@ -1,0 +1,347 @@
+"""The public surface of each layer, and the rule that layers import downward only."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import inspect
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+import dsh_mesh
+
+EXPECTED_ALL: dict[str, list[str]] = {
+    "dsh_mesh.core": [
+        "AGENT_MESSAGE_FRAME",
+        "AbortSignal",
+        "Aborted",
+        "Activation",
+        "ActivationFenced",
+        "ActivationId",
+        "AdjacencyRejected",
+        "AgentMessageEntry",
+        "AgentMessageSource",
+        "AgentRef",
+        "AssistantStepEntry",
+        "Authorized",
+        "ChatMessage",
+        "ConsumedEntry",
+        "Delivery",
+        "DeliveryKind",
+        "Direction",
+        "Entry",
+        "ForkOrigin",
+        "ForkPrefixEntry",
+        "HumanPromptEntry",
+        "INBOUND_TYPES",
+        "IdFactory",
+        "IdempotencyConflict",
+        "InboundEntry",
+        "InvalidArgument",
+        "MeshError",
+        "NodeId",
+        "NotResident",
+        "ParentNotLive",
+        "RandomIds",
+        "Record",
+        "Refused",
+        "Rejected",
+        "RejectionReason",
+        "Role",
+        "SETTLEMENT_NOTICE_KIND",
+        "SequentialIds",
+        "SessionExists",
+        "SessionHeader",
+        "SessionId",
+        "SessionKind",
+        "SessionSpec",
+        "SessionUnknown",
+        "SettlementNoticeEntry",
+        "SettlementOutcome",
+        "StaleSender",
+        "SteerEntry",
+        "TargetUnknown",
+        "TaskEntry",
+        "TokensExhausted",
+        "ToolCall",
+        "ToolDescriptor",
+        "ToolResultEntry",
+        "TurnEndedEntry",
+        "TurnFailed",
+        "TurnId",
+        "TurnOutcome",
+        "TurnStartedEntry",
+        "Usage",
+        "ancestors",
+        "authorize",
+        "canonical_json",
+        "frame_agent_message",
+        "frame_settlement_notice",
+        "is_queue_delivery",
+        "parse_session_id",
+        "pending_inbound",
+        "rejection_error",
+    ],
+    "dsh_mesh.models": [
+        "Action",
+        "Call",
+        "ExhaustTokens",
+        "Fail",
+        "FinishReason",
+        "Finished",
+        "ModelEvent",
+        "ModelProvider",
+        "ModelRequest",
+        "ModelResponse",
+        "PARENT",
+        "ProtocolViolation",
+        "RecordingProvider",
+        "Reply",
+        "ScriptContext",
+        "ScriptError",
+        "ScriptedProvider",
+        "TextDelta",
+        "ToolCallEvent",
+        "child",
+        "complete",
+        "send",
+        "tool",
+    ],
+    "dsh_mesh.tools": [
+        "ChildKind",
+        "DescriptorFilter",
+        "MAX_MESSAGE_CHARS",
+        "Preset",
+        "RETURN_INSTRUCTION",
+        "SEND_MESSAGE",
+        "SEND_MESSAGE_DESCRIPTOR",
+        "SEND_MESSAGE_IDENTITY",
+        "SPAWN_DESCRIPTORS",
+        "SendMessageTool",
+        "SpawnTool",
+        "SubagentRuntime",
+        "Tool",
+        "ToolIdentity",
+        "ToolInvocation",
+        "ToolOutput",
+        "ToolRegistry",
+        "ToolSet",
+        "child_task",
+        "is_standard_send_message",
+        "standard_tools",
+    ],
+    "dsh_mesh.agent": [
+        "Agent",
+        "AgentHost",
+        "AgentState",
+        "Inbox",
+        "Settlement",
+        "completed_turn_prefix",
+        "render",
+        "render_inbound",
+    ],
+    "dsh_mesh.runtime": [
+        "Acceptance",
+        "ActivationHeldElsewhere",
+        "ContinuationManager",
+        "IdempotencyKey",
+        "InMemorySessionStore",
+        "ManagerConfig",
+        "SessionStore",
+    ],
+}
+
+LAYERS = sorted(EXPECTED_ALL)
+
+
+def test_the_expected_lists_are_written_sorted() -> None:
+    for names in EXPECTED_ALL.values():
+        assert names == sorted(names)
+        assert len(set(names)) == len(names)
+
+
+@pytest.mark.parametrize("module_name", LAYERS)
+def test_all_is_pinned(module_name: str) -> None:
+    module = importlib.import_module(module_name)
+    exported = list(module.__all__)
+    assert len(set(exported)) == len(exported), "duplicate names in __all__"
+    assert sorted(exported) == EXPECTED_ALL[module_name]
+
+
+@pytest.mark.parametrize("module_name", LAYERS)
+def test_every_exported_name_is_importable(module_name: str) -> None:
+    module = importlib.import_module(module_name)
+    for name in module.__all__:
+        assert hasattr(module, name), f"{module_name}.{name} is exported but missing"
+    namespace: dict[str, object] = {}
+    exec(f"from {module_name} import *", namespace)
+    assert set(module.__all__) <= set(namespace)
+
+
+def own_docstring(obj: object) -> str | None:
+    """The docstring the object itself declares: not inherited, not a dataclass's generated
+    signature."""
+    if inspect.isclass(obj):
+        doc = vars(obj).get("__doc__")
+        if isinstance(doc, str) and dataclasses.is_dataclass(obj):
+            generated = obj.__name__ + str(inspect.signature(obj)).replace(" -> None", "")
+            if doc == generated:
+                return None
+        return doc if isinstance(doc, str) else None
+    doc = getattr(obj, "__doc__", None)
+    return doc if isinstance(doc, str) else None
+
+
+def documented_objects(module: ModuleType) -> list[tuple[str, object]]:
+    found: list[tuple[str, object]] = []
+    for name in module.__all__:
+        obj = getattr(module, name)
+        if not (inspect.isclass(obj) or inspect.isfunction(obj)):
+            continue
+        if not getattr(obj, "__module__", "").startswith("dsh_mesh."):
+            continue
+        found.append((name, obj))
+    return found
+
+
+def test_the_docstring_check_sees_classes_and_functions() -> None:
+    core = importlib.import_module("dsh_mesh.core")
+    checked = dict(documented_objects(core))
+    assert {"SessionHeader", "authorize", "RejectionReason"} <= set(checked)
+    assert "SessionId" not in checked  # a NewType, not a class or function
+    assert own_docstring(checked["SessionHeader"])
+
+    @dataclasses.dataclass
+    class Bare:
+        x: int
+
+    assert own_docstring(Bare) is None
+
+
+@pytest.mark.parametrize("module_name", LAYERS)
+def test_every_exported_class_and_function_has_a_docstring(module_name: str) -> None:
+    module = importlib.import_module(module_name)
+    missing = [
+        name for name, obj in documented_objects(module) if not (own_docstring(obj) or "").strip()
+    ]
+    assert missing == [], f"{module_name}: no docstring on {missing}"
+
+
+# -- import layering --------------------------------------------------------------------------
+
+PACKAGE_DIR = Path(dsh_mesh.__file__).resolve().parent
+ALL_LAYERS = {"core", "models", "tools", "agent", "runtime", "transport", "_proto"}
+TOP = {"demo", "testing"}
+ALLOWED: dict[str, set[str]] = {
+    "core": {"core"},
+    "models": {"core", "models"},
+    "tools": {"core", "tools"},
+    "agent": {"core", "models", "tools", "agent"},
+    "runtime": ALL_LAYERS | {"dsh_mesh"},
+    "transport": ALL_LAYERS | {"dsh_mesh"},
+}
+
+
+def module_name_of(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "dsh_mesh"
+
+
+def imported_modules(module: str, source: str, *, is_package: bool) -> set[str]:
+    """Every dsh_mesh module ``source`` imports: absolute, relative, guarded or dynamic."""
+    package = module if is_package else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join([*base, node.module] if node.module else base)
+            else:
+                target = node.module or ""
+            found.add(target)
+            if target == "dsh_mesh" or not node.module:
+                found.update(f"{target}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Call) and node.args:
+            func = node.func
+            called = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+            first = node.args[0]
+            if called in {"__import__", "import_module"} and isinstance(first, ast.Constant):
+                found.add(str(first.value))
+    return {m for m in found if m == "dsh_mesh" or m.startswith("dsh_mesh.")}
+
+
+def violations(module: str, source: str, *, is_package: bool = False) -> list[str]:
+    own = layer_of(module)
+    bad = []
+    for target in sorted(imported_modules(module, source, is_package=is_package)):
+        layer = layer_of(target)
+        if layer == "demo" and own != "demo":
+            bad.append(f"{module} imports {target}: nothing imports dsh_mesh.demo")
+        elif own in ALLOWED and layer not in ALLOWED[own]:
+            bad.append(f"{module} ({own}) imports {target} ({layer})")
+    return bad
+
+
+def library_modules() -> list[tuple[str, Path]]:
+    found = []
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        found.append((module_name_of(path), path))
+    return found
+
+
+def test_the_layering_check_flags_upward_imports() -> None:
+    assert violations("dsh_mesh.core._x", "from dsh_mesh.runtime import ContinuationManager")
+    assert violations("dsh_mesh.core._x", "import dsh_mesh.tools._tool")
+    assert violations("dsh_mesh.core._x", "from dsh_mesh import agent")
+    assert violations("dsh_mesh.tools._x", "from ..models import ModelRequest")
+    assert violations("dsh_mesh.tools._x", "from dsh_mesh.agent import Agent")
+    assert violations("dsh_mesh.models._x", "from dsh_mesh.tools import Tool")
+    assert violations(
+        "dsh_mesh.agent._x",
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from dsh_mesh.runtime import X",
+    )
+    assert violations(
+        "dsh_mesh.agent._x", "import importlib\nimportlib.import_module('dsh_mesh.testing')"
+    )
+    assert violations("dsh_mesh.runtime._x", "from dsh_mesh.testing import in_process_mesh")
+    assert violations("dsh_mesh.runtime._x", "from dsh_mesh.demo import main")
+    assert violations("dsh_mesh.testing", "from dsh_mesh import demo")
+    # Allowed directions stay quiet.
+    assert not violations("dsh_mesh.core._x", "from dsh_mesh.core._ids import SessionId")
+    assert not violations("dsh_mesh.core._x", "from ._ids import SessionId")
+    assert not violations(
+        "dsh_mesh.tools", "from dsh_mesh.tools._tool import Tool", is_package=True
+    )
+    assert not violations("dsh_mesh.agent._x", "from dsh_mesh.models import complete")
+    assert not violations("dsh_mesh.runtime._x", "from dsh_mesh.agent import Agent")
+    assert not violations("dsh_mesh.demo", "from dsh_mesh.runtime import ContinuationManager")
+
+
+def test_layers_import_downward_only() -> None:
+    modules = library_modules()
+    seen_layers = {layer_of(name) for name, _ in modules}
+    assert {"core", "models", "tools", "agent", "runtime"} <= seen_layers
+    problems: list[str] = []
+    edges: set[tuple[str, str]] = set()
+    for name, path in modules:
+        source = path.read_text(encoding="utf-8")
+        is_package = path.name == "__init__.py"
+        problems.extend(violations(name, source, is_package=is_package))
+        for target in imported_modules(name, source, is_package=is_package):
+            edges.add((layer_of(name), layer_of(target)))
+    assert problems == []
+    # The walk really saw the downward edges the library is built on.
+    assert {("agent", "core"), ("tools", "core"), ("runtime", "agent")} <= edges
