@@ -6,8 +6,9 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test check lint typecheck unit protos clean
 
-$(STAMP): requirements/dev.txt pyproject.toml scripts/bootstrap.sh
+$(STAMP): requirements/dev.txt pyproject.toml scripts/bootstrap.sh scripts/install_etcd.sh
 	bash scripts/bootstrap.sh $(VENV)
+	bash scripts/install_etcd.sh $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements/dev.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP)

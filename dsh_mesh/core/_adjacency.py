@@ -13,13 +13,8 @@ from dataclasses import dataclass
 
 from dsh_mesh.core._activation import Activation, AgentRef
 from dsh_mesh.core._errors import (
-    AdjacencyRejected,
-    InvalidArgument,
-    ParentNotLive,
     Rejected,
     RejectionReason,
-    StaleSender,
-    TargetUnknown,
 )
 from dsh_mesh.core._header import SessionHeader, SessionKind
 from dsh_mesh.core._ids import SessionId
@@ -164,18 +159,6 @@ def ancestors(header: SessionHeader, headers: Mapping[SessionId, SessionHeader])
     return found
 
 
-_ERROR_BY_REASON: dict[RejectionReason, type[Rejected]] = {
-    RejectionReason.PARENT_NOT_LIVE: ParentNotLive,
-    RejectionReason.PARENT_REBOUND: ParentNotLive,
-}
-
-
 def rejection_error(reason: RejectionReason, detail: str) -> Rejected:
-    """The one place a reason becomes its exception class."""
-    if reason is RejectionReason.UNKNOWN_TARGET:
-        return TargetUnknown(detail)
-    if reason is RejectionReason.STALE_SENDER:
-        return StaleSender(detail)
-    if reason is RejectionReason.INVALID_ARGUMENT:
-        return InvalidArgument(detail)
-    return _ERROR_BY_REASON.get(reason, AdjacencyRejected)(reason, detail)
+    """The exception class of ``reason``, from the one table in core/_errors.py."""
+    return Rejected.of(reason, detail)

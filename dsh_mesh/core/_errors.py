@@ -1,13 +1,19 @@
 """One error hierarchy for the mesh, rooted at :class:`MeshError`.
 
-Every rejection carries a :class:`RejectionReason` so that callers (and, later, gRPC clients in
-other languages) branch on a value, never on prose. The mapping to gRPC status codes lives at the
-transport edge; the reasons mirror ``dsh.mesh.v1.RejectionReason`` one to one.
+Every rejection carries a :class:`RejectionReason` so that callers (and gRPC clients in other
+languages) branch on a value, never on prose. Each reason has exactly one exception class
+(:func:`rejection_class`), used both where a rejection is raised and where a client rebuilds it
+from the wire; :data:`RETRYABLE_REASONS` says which ones a caller may simply send again. The
+mapping to gRPC status codes lives at the transport edge (``dsh_mesh.transport``); the reasons
+mirror ``dsh.mesh.v1.RejectionReason`` one to one. The whole table is ``docs/errors.md``.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import ClassVar
 
 
 class RejectionReason(enum.Enum):
@@ -44,6 +50,35 @@ class RejectionReason(enum.Enum):
     """The request is malformed (bad id, empty or over-long message, bad tool arguments)."""
     IDEMPOTENCY_CONFLICT = "IDEMPOTENCY_CONFLICT"
     """The idempotency key was already used by this sender for different content."""
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+    """The calling node presented no cluster credential, or a wrong one."""
+    REGISTRY_UNAVAILABLE = "REGISTRY_UNAVAILABLE"
+    """etcd could not be reached or timed out, so the request could not be decided. Retryable."""
+    PEER_UNAVAILABLE = "PEER_UNAVAILABLE"
+    """The node hosting the target could not be reached, is draining, or no longer holds the
+    target's activation. Retryable: a retry is routed afresh."""
+    NODE_FENCED = "NODE_FENCED"
+    """The serving node lost its etcd lease and accepts nothing until it re-registers. Retryable."""
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    """The caller's deadline passed before acceptance (a forwarded call may still have been
+    accepted by the target: retry with the same idempotency key to learn it)."""
+    UNKNOWN_SESSION = "UNKNOWN_SESSION"
+    """A control-plane call (or a store read) named a session that has no header."""
+
+
+RETRYABLE_REASONS: frozenset[RejectionReason] = frozenset(
+    {
+        RejectionReason.PARENT_NOT_LIVE,
+        RejectionReason.REGISTRY_UNAVAILABLE,
+        RejectionReason.PEER_UNAVAILABLE,
+        RejectionReason.NODE_FENCED,
+    }
+)
+"""Reasons after which the same request (same idempotency key) may be sent again unchanged and
+is expected to succeed once a transient condition passes. They are exactly the reasons sent with
+status UNAVAILABLE, and only they carry a ``google.rpc.RetryInfo`` on the wire. Everything else
+fails again unless the request or the world changes (DEADLINE_EXCEEDED: retry only with a fresh
+deadline, by the caller's own choice)."""
 
 
 class MeshError(Exception):
@@ -53,67 +88,166 @@ class MeshError(Exception):
 class Rejected(MeshError):
     """A request was refused before anything was accepted; nothing durable changed.
 
-    ``reason`` is the machine-readable cause; the message is for humans only.
+    ``reason`` is the machine-readable cause; ``detail`` and the message are for humans only.
+    ``metadata`` holds a few structured fields (string to string, for example
+    ``target_session_id``) that travel in the ``google.rpc.ErrorInfo`` on the wire; it is empty
+    unless the raiser knows them. ``Rejected.of(reason, detail)`` builds the one class
+    :func:`rejection_class` names for ``reason``.
     """
 
     reason: RejectionReason
+    detail: str
+    metadata: Mapping[str, str]
 
-    def __init__(self, reason: RejectionReason, detail: str) -> None:
+    def __init__(
+        self,
+        reason: RejectionReason,
+        detail: str,
+        *,
+        metadata: Mapping[str, str] | None = None,
+    ) -> None:
         super().__init__(f"{reason.value}: {detail}")
         self.reason = reason
         self.detail = detail
+        self.metadata = dict(metadata or {})
+
+    @property
+    def retryable(self) -> bool:
+        """Whether the same request may be sent again unchanged (see :data:`RETRYABLE_REASONS`)."""
+        return self.reason in RETRYABLE_REASONS
+
+    @classmethod
+    def of(
+        cls,
+        reason: RejectionReason,
+        detail: str,
+        *,
+        metadata: Mapping[str, str] | None = None,
+    ) -> Rejected:
+        """An instance of ``rejection_class(reason)`` with this reason, detail and metadata.
+
+        Always builds the class of the table, whichever class it is called on; the transport
+        uses it to rebuild a rejection received from another node.
+        """
+        kind = rejection_class(reason)
+        if issubclass(kind, _FixedRejected):
+            return kind(detail, metadata=metadata)
+        return kind(reason, detail, metadata=metadata)
+
+
+class _FixedRejected(Rejected):
+    """A rejection whose class implies its reason (one reason, one class)."""
+
+    fixed_reason: ClassVar[RejectionReason]
+
+    def __init__(self, detail: str, *, metadata: Mapping[str, str] | None = None) -> None:
+        super().__init__(self.fixed_reason, detail, metadata=metadata)
 
 
 class AdjacencyRejected(Rejected):
-    """The sender and target are not the two ends of one authorized parent-child edge."""
+    """The sender and target are not the two ends of one authorized parent-child edge.
+
+    Also the class of UNKNOWN_SENDER and FORGED_SENDER: the claimed sender end of the edge does
+    not exist or is not hosted by the authenticated calling node.
+    """
 
 
-class TargetUnknown(Rejected):
+class TargetUnknown(_FixedRejected):
     """The named target has no session header."""
 
-    def __init__(self, detail: str) -> None:
-        super().__init__(RejectionReason.UNKNOWN_TARGET, detail)
+    fixed_reason = RejectionReason.UNKNOWN_TARGET
 
 
-class StaleSender(Rejected):
+class StaleSender(_FixedRejected):
     """The sending Agent's activation is no longer current; it must not speak for its session."""
 
-    def __init__(self, detail: str) -> None:
-        super().__init__(RejectionReason.STALE_SENDER, detail)
+    fixed_reason = RejectionReason.STALE_SENDER
 
 
 class ParentNotLive(Rejected):
-    """A child addressed a parent with no live activation (or a superseded one)."""
+    """A child addressed a parent with no live activation (PARENT_NOT_LIVE, retryable later) or
+    a parent live under a newer activation than the one the child answers to (PARENT_REBOUND)."""
 
 
-class InvalidArgument(Rejected):
+class InvalidArgument(_FixedRejected):
     """Malformed input; the caller must fix the request, retrying it unchanged will fail."""
 
-    def __init__(self, detail: str) -> None:
-        super().__init__(RejectionReason.INVALID_ARGUMENT, detail)
+    fixed_reason = RejectionReason.INVALID_ARGUMENT
 
 
-class IdempotencyConflict(Rejected):
+class IdempotencyConflict(_FixedRejected):
     """An idempotency key was reused for a different message."""
 
-    def __init__(self, detail: str) -> None:
-        super().__init__(RejectionReason.IDEMPOTENCY_CONFLICT, detail)
+    fixed_reason = RejectionReason.IDEMPOTENCY_CONFLICT
+
+
+class Unauthenticated(_FixedRejected):
+    """The calling node presented no cluster credential, or a wrong one; nothing was examined."""
+
+    fixed_reason = RejectionReason.UNAUTHENTICATED
+
+
+class RegistryUnavailable(_FixedRejected):
+    """etcd could not be reached or timed out before the request could be decided; nothing was
+    accepted. Retryable: send the same request (same idempotency key) again after a short delay."""
+
+    fixed_reason = RejectionReason.REGISTRY_UNAVAILABLE
+
+
+class PeerUnavailable(_FixedRejected):
+    """The node hosting the target could not be reached, is draining, or no longer holds the
+    target's activation. Retryable: a retry is routed afresh. If the connection broke mid-call
+    the target may have accepted; the retry (same idempotency key) then returns that acceptance.
+    """
+
+    fixed_reason = RejectionReason.PEER_UNAVAILABLE
+
+
+class NodeFenced(_FixedRejected):
+    """This node lost its etcd lease: it accepts nothing until it has registered again.
+    Retryable: another node (or this one, re-registered) can take the request."""
+
+    fixed_reason = RejectionReason.NODE_FENCED
+
+
+class DeadlineExceeded(_FixedRejected):
+    """The caller's deadline passed before the request was accepted.
+
+    If it ran out on a call forwarded to the target's node, the target may still have accepted.
+    Not retryable as such: a retry needs a fresh deadline; with the same idempotency key it is
+    safe and returns the acceptance if there was one."""
+
+    fixed_reason = RejectionReason.DEADLINE_EXCEEDED
 
 
 class SessionExists(MeshError):
     """A session header with this id already exists; headers are create-only."""
 
 
-class SessionUnknown(MeshError):
-    """An operation named a session that has no header (control plane, store reads)."""
+class SessionUnknown(_FixedRejected):
+    """An operation named a session that has no header (control plane, store reads).
+
+    A rejection (reason UNKNOWN_SESSION, status NOT_FOUND): nothing changed. Raised with the
+    session id (or a short explanation) as its detail.
+    """
+
+    fixed_reason = RejectionReason.UNKNOWN_SESSION
 
 
 class ActivationFenced(MeshError):
-    """A write was attempted under an activation that is no longer current; nothing was written."""
+    """A write was attempted under an activation that is no longer current; nothing was written.
+
+    Node-local, not a rejection: if it reaches a remote caller it travels as PEER_UNAVAILABLE
+    (the target's activation moved away from this node; a retry is routed to the new one).
+    """
 
 
 class NotResident(MeshError):
-    """The session has no live activation here, so a control operation cannot reach it."""
+    """The session has no live activation here, so a control operation cannot reach it.
+
+    Node-local, not a rejection: if it reaches a remote caller it travels as PEER_UNAVAILABLE
+    (the caller routed on a stale view of where the session lives; a retry re-resolves it).
+    """
 
 
 class TurnFailed(MeshError):
@@ -122,3 +256,38 @@ class TurnFailed(MeshError):
 
 class TokensExhausted(MeshError):
     """The model ran out of its token budget; the turn ends with outcome ``token_exhaustion``."""
+
+
+_CLASS_OF_REASON: Mapping[RejectionReason, type[Rejected]] = MappingProxyType(
+    {
+        RejectionReason.SELF_TARGET: AdjacencyRejected,
+        RejectionReason.SIBLING_TARGET: AdjacencyRejected,
+        RejectionReason.ANCESTOR_BEYOND_EDGE: AdjacencyRejected,
+        RejectionReason.DESCENDANT_BEYOND_EDGE: AdjacencyRejected,
+        RejectionReason.UNRELATED_TARGET: AdjacencyRejected,
+        RejectionReason.UNKNOWN_TARGET: TargetUnknown,
+        RejectionReason.UNKNOWN_SENDER: AdjacencyRejected,
+        RejectionReason.STALE_SENDER: StaleSender,
+        RejectionReason.ONE_SHOT_TARGET: AdjacencyRejected,
+        RejectionReason.ONE_SHOT_SENDER: AdjacencyRejected,
+        RejectionReason.PARENT_NOT_LIVE: ParentNotLive,
+        RejectionReason.PARENT_REBOUND: ParentNotLive,
+        RejectionReason.FORGED_SENDER: AdjacencyRejected,
+        RejectionReason.INVALID_ARGUMENT: InvalidArgument,
+        RejectionReason.IDEMPOTENCY_CONFLICT: IdempotencyConflict,
+        RejectionReason.UNAUTHENTICATED: Unauthenticated,
+        RejectionReason.REGISTRY_UNAVAILABLE: RegistryUnavailable,
+        RejectionReason.PEER_UNAVAILABLE: PeerUnavailable,
+        RejectionReason.NODE_FENCED: NodeFenced,
+        RejectionReason.DEADLINE_EXCEEDED: DeadlineExceeded,
+        RejectionReason.UNKNOWN_SESSION: SessionUnknown,
+    }
+)
+
+
+def rejection_class(reason: RejectionReason) -> type[Rejected]:
+    """The one exception class a rejection for ``reason`` is raised (and rebuilt) as.
+
+    Total over :class:`RejectionReason`; the server and the client side of the wire share it.
+    """
+    return _CLASS_OF_REASON[reason]

@@ -1,14 +1,18 @@
 """A deterministic provider for tests and the demo: each model name runs a fixed program.
 
 Every session that uses model ``name`` walks the program registered under ``name`` with a cursor
-of its own: the n-th model call of that session performs the n-th action. An exhausted program
-answers with an empty final reply, so a scripted agent always ends its turn.
+of its own: the n-th model call of that session performs the n-th action. With
+``resume_from_transcript`` (cluster nodes, where a session may be cold-resumed in another process)
+a session first seen by this process starts its cursor at the number of assistant messages its
+request already holds, so a resumed session continues its program instead of restarting it. (A
+fork child's inherited prefix would count too: scripted forks run in one process only.) Tool call
+ids are ``call-<session>-<cursor>-<index>``: stable across processes for the same step. An
+exhausted program answers with an empty final reply, so a scripted agent always ends its turn.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import re
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -76,10 +80,11 @@ def child(index: int) -> Resolver:
 
 @dataclass(frozen=True, kw_only=True)
 class Reply:
-    """A final answer with no tool calls."""
+    """A final answer with no tool calls. ``delay`` (seconds) simulates a slow model."""
 
     text: str = ""
     gate: asyncio.Event | None = None
+    delay: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,7 +112,15 @@ class ExhaustTokens:
     gate: asyncio.Event | None = None
 
 
-Action = Reply | Call | Fail | ExhaustTokens
+@dataclass(frozen=True, kw_only=True)
+class Stall:
+    """A model call that never answers (a very slow model): it ends only when the turn is
+    interrupted or its node stops. Keeps an agent running for fault tests across processes."""
+
+    gate: asyncio.Event | None = None
+
+
+Action = Reply | Call | Fail | ExhaustTokens | Stall
 
 
 def send(to: Argument, message: Argument, *, gate: asyncio.Event | None = None) -> Call:
@@ -133,10 +146,10 @@ class ScriptedProvider:
     """
 
     programs: dict[str, Sequence[Action]] = field(default_factory=dict)
+    resume_from_transcript: bool = False
     _cursors: dict[SessionId, int] = field(default_factory=dict)
     _started: dict[SessionId, int] = field(default_factory=dict)
     _progress: asyncio.Condition | None = None
-    _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
 
     def program(self, model: str, *actions: Action) -> None:
         self.programs[model] = actions
@@ -163,29 +176,38 @@ class ScriptedProvider:
         program = self.programs.get(request.model)
         if program is None:
             raise ScriptError(f"no scripted program for model {request.model!r}")
-        cursor = self._cursors.get(request.session_id, 0)
+        cursor = self._cursors.get(request.session_id)
+        if cursor is None:
+            cursor = 0
+            if self.resume_from_transcript:
+                cursor = sum(m.role is Role.ASSISTANT for m in request.messages)
         self._cursors[request.session_id] = cursor + 1
         action: Action = program[cursor] if cursor < len(program) else Reply()
         if action.gate is not None:
             await action.gate.wait()
+        if isinstance(action, Reply) and action.delay > 0:
+            await asyncio.sleep(action.delay)
         usage = Usage(input_tokens=_rough_tokens(request.messages), output_tokens=8)
         context = ScriptContext(request=request)
         if isinstance(action, Fail):
             raise ScriptError(action.message)
+        if isinstance(action, Stall):
+            await asyncio.Event().wait()  # until the turn (or the node) is cancelled
+            return
         if action.text:
             yield TextDelta(text=action.text)
         if isinstance(action, ExhaustTokens):
             yield Finished(finish_reason=FinishReason.LENGTH, usage=usage)
             return
         if isinstance(action, Call):
-            for name, arguments in action.calls:
+            for index, (name, arguments) in enumerate(action.calls):
                 resolved = {
                     key: value if isinstance(value, str) else value(context)
                     for key, value in arguments.items()
                 }
                 yield ToolCallEvent(
                     call=ToolCall(
-                        call_id=f"call-{next(self._ids)}",
+                        call_id=f"call-{request.session_id}-{cursor}-{index}",
                         name=name,
                         arguments_json=json.dumps(resolved, sort_keys=True),
                     )

@@ -2,14 +2,23 @@
 
 from dsh_mesh.runtime._manager import ActivationHeldElsewhere, ContinuationManager, ManagerConfig
 from dsh_mesh.runtime._memory_store import InMemorySessionStore
-from dsh_mesh.runtime._store import Acceptance, IdempotencyKey, SessionStore
+from dsh_mesh.runtime._router import MAX_HOPS, Router
+from dsh_mesh.runtime._store import (
+    Acceptance,
+    IdempotencyKey,
+    SessionStore,
+    check_same_request,
+)
 
 __all__ = [
+    "MAX_HOPS",
     "Acceptance",
     "ActivationHeldElsewhere",
     "ContinuationManager",
     "IdempotencyKey",
     "InMemorySessionStore",
     "ManagerConfig",
+    "Router",
     "SessionStore",
+    "check_same_request",
 ]

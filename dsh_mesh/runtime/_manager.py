@@ -5,10 +5,13 @@ waking admission, settlement and teardown races. It implements :class:`SubagentR
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import logging
 from collections import Counter, defaultdict
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
@@ -16,10 +19,12 @@ from dsh_mesh.agent import Agent, AgentState, Settlement, completed_turn_prefix
 from dsh_mesh.core import (
     AbortSignal,
     Activation,
+    ActivationFenced,
     ActivationId,
     AgentMessageEntry,
     AgentMessageSource,
     AgentRef,
+    AssistantStepEntry,
     Authorized,
     Delivery,
     DeliveryKind,
@@ -35,15 +40,18 @@ from dsh_mesh.core import (
     MeshError,
     NodeId,
     NotResident,
+    PeerUnavailable,
     RandomIds,
     Record,
     Refused,
+    RejectionReason,
     SessionHeader,
     SessionId,
     SessionKind,
     SessionSpec,
     SessionUnknown,
     SettlementNoticeEntry,
+    SettlementOutcome,
     StaleSender,
     TaskEntry,
     TurnId,
@@ -52,6 +60,7 @@ from dsh_mesh.core import (
     pending_inbound,
 )
 from dsh_mesh.models import ModelProvider
+from dsh_mesh.runtime._router import MAX_HOPS, Router
 from dsh_mesh.runtime._store import Acceptance, IdempotencyKey, SessionStore
 from dsh_mesh.tools import (
     MAX_MESSAGE_CHARS,
@@ -59,13 +68,19 @@ from dsh_mesh.tools import (
     DescriptorFilter,
     Preset,
     ToolRegistry,
+    ToolSet,
     child_task,
     standard_tools,
 )
 
 T = TypeVar("T")
+_log = logging.getLogger(__name__)
 
 _MAX_TREE_DEPTH = 64
+_NOTICE_ATTEMPTS = 8
+_LIVENESS_REASONS = frozenset(
+    {RejectionReason.STALE_SENDER, RejectionReason.PARENT_NOT_LIVE, RejectionReason.PARENT_REBOUND}
+)
 _LOCAL_NODE = NodeId("local")
 _CHILD_KIND = {
     ChildKind.CONTINUABLE: SessionKind.CONTINUABLE_CHILD,
@@ -111,8 +126,10 @@ class ContinuationManager:
         presets: Sequence[Preset],
         config: ManagerConfig | None = None,
         ids: IdFactory | None = None,
+        router: Router | None = None,
     ) -> None:
         self._store = store
+        self._router = router
         self._provider = provider
         self._presets = {p.name: p for p in presets}
         self._config = config or ManagerConfig()
@@ -122,12 +139,17 @@ class ContinuationManager:
         self._drivers: dict[SessionId, asyncio.Task[None]] = {}
         self._waking: Counter[SessionId] = Counter()
         self._reserved: defaultdict[SessionId, set[int]] = defaultdict(set)
-        self._live_children: defaultdict[SessionId, set[SessionId]] = defaultdict(set)
+        # parent -> {live child -> its activation}; kept where the parent is resident.
+        self._live_children: defaultdict[SessionId, dict[SessionId, ActivationId]] = defaultdict(
+            dict
+        )
+        self._noticed: set[ActivationId] = set()
         self._resuming: dict[SessionId, asyncio.Task[Agent]] = {}
         self._detached: set[asyncio.Task[Any]] = set()
         self._change = asyncio.Event()
         self._group: asyncio.TaskGroup | None = None
         self._closed = False
+        self._draining = False
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -148,6 +170,24 @@ class ContinuationManager:
         if self._detached:
             await asyncio.wait(self._detached)
 
+    async def drain(self, grace: timedelta) -> None:
+        """Stop taking work, give running turns up to ``grace`` to finish, then stop every driver
+        and release every activation held here, so other nodes can cold-resume those sessions
+        at once. Sends arriving meanwhile are refused as ``PeerUnavailable`` (retryable)."""
+        self._draining = True
+        self.changed()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(
+                self.wait_until(
+                    lambda: all(a.state is not AgentState.RUNNING for a in self._agents.values())
+                ),
+                grace.total_seconds(),
+            )
+        held = [agent.activation for agent in self._agents.values()]
+        self.shutdown()
+        for activation in held:
+            await self._store.release(activation)
+
     def shutdown(self) -> None:
         """Stop every driver. Idempotent. Durable state is untouched: activations stay in the
         store until released, as if this node had died."""
@@ -156,6 +196,11 @@ class ContinuationManager:
             task.cancel()
 
     # -- queries --------------------------------------------------------------------------------
+
+    @property
+    def node_id(self) -> NodeId:
+        """The node this manager hosts agents for."""
+        return self._config.node_id
 
     def agent(self, session: SessionId) -> Agent | None:
         """The resident agent of ``session`` on this manager, if any."""
@@ -254,7 +299,41 @@ class ContinuationManager:
         the target's transcript. ``signal`` (and cancelling the caller) stops the work only until
         that acceptance; an accepted message is never retracted. A retry with the same
         ``idempotency_key`` returns the first acceptance with ``duplicate=True``.
+
+        On a cluster, a target hosted elsewhere is handed to its node, which re-authorizes the
+        send itself (:meth:`handed_on`).
         """
+        return await self._send_message(
+            sender, target_id, content, signal, idempotency_key=idempotency_key, hops=0
+        )
+
+    async def handed_on(
+        self,
+        sender: AgentRef,
+        target_id: str,
+        content: str,
+        signal: AbortSignal | None = None,
+        *,
+        idempotency_key: str | None,
+        hops: int,
+    ) -> Delivery:
+        """The same operation, handed to this node by another one (the transport calls this
+        after authenticating the calling node). Authorization is checked again here, from this
+        node's own registry view; ``hops`` counts how often the send was already handed on."""
+        return await self._send_message(
+            sender, target_id, content, signal, idempotency_key=idempotency_key, hops=hops
+        )
+
+    async def _send_message(
+        self,
+        sender: AgentRef,
+        target_id: str,
+        content: str,
+        signal: AbortSignal | None,
+        *,
+        idempotency_key: str | None,
+        hops: int,
+    ) -> Delivery:
         signal = signal or AbortSignal()
         target = parse_session_id(target_id)
         self._check_content(content)
@@ -270,8 +349,28 @@ class ContinuationManager:
         if idempotency_key is not None:
             key = IdempotencyKey(principal=sender.session_id, key=idempotency_key)
         # A parent's message re-binds its child to the parent's current activation.
-        rebind = sender.activation_id if decision.direction is Direction.TO_CHILD else None
-        return await self._send(target, entry, signal, key, parent_activation=rebind)
+        to_child = decision.direction is Direction.TO_CHILD
+        rebind = sender.activation_id if to_child else None
+        forward: Callable[[NodeId], Coroutine[Any, Any, Delivery]] | None = None
+        router = self._router
+        if router is not None and hops < MAX_HOPS:
+
+            async def forward(node: NodeId) -> Delivery:
+                delivery = await router.send_message(
+                    node,
+                    sender,
+                    target,
+                    content,
+                    idempotency_key=idempotency_key,
+                    hops=hops + 1,
+                )
+                if to_child:
+                    self._track_child(sender.session_id, target, delivery.target_activation)
+                return delivery
+
+        return await self._send(
+            target, entry, signal, key, parent_activation=rebind, forward=forward, hops=hops
+        )
 
     async def spawn(
         self, parent: AgentRef, kind: ChildKind, task: str, *, preset: str | None = None
@@ -310,10 +409,84 @@ class ContinuationManager:
             spec=spec,
             fork_origin=fork_origin,
         )
+        home = self.node_id if self._router is None else self._router.place(header.session_id)
+        if home != self.node_id:
+            return await self._spawn_elsewhere(home, header, parent, first, task)
         agent = await self._activate_new(
             header, parent_activation=parent.activation_id, first=first, task=task
         )
         return agent.session_id
+
+    async def _spawn_elsewhere(
+        self,
+        node: NodeId,
+        header: SessionHeader,
+        parent: AgentRef,
+        first: tuple[Entry, ...],
+        task: str,
+    ) -> SessionId:
+        # The child's first entries are written while it has no activation (writer None); the
+        # chosen node then cold-resumes it and finds its task pending, as on any resume.
+        assert self._router is not None
+        session = header.session_id
+        await self._store.create_header(header)
+        for entry in first:
+            await self._store.append(session, entry, writer=None)
+        if header.kind is SessionKind.CONTINUABLE_CHILD:
+            visible = self._resolve_tools(header, None).standard_send_message_visible
+            task = child_task(task, parent.session_id, standard_send_message_visible=visible)
+        await self._store.append(session, TaskEntry(content=task), writer=None)
+        activation = await self._router.activate(node, session, parent.activation_id)
+        self._track_child(parent.session_id, session, activation.activation_id)
+        return session
+
+    async def resume(
+        self, session: SessionId, parent_activation: ActivationId | None = None
+    ) -> Activation:
+        """Make ``session`` resident here (cold-resuming it if absent) and return its current
+        activation. Raises :class:`ActivationHeldElsewhere` when another node holds it."""
+        self._check_open()
+        self._waking[session] += 1
+        try:
+            agent, _ = await self._resident(session, parent_activation)
+        finally:
+            self._unreserve(session)
+        return agent.activation
+
+    async def deliver_notice(self, parent: SessionId, notice: SettlementNoticeEntry) -> None:
+        """Deliver a manager-owned settlement notice to ``parent`` wherever it is: steered into
+        it when resident, appended durably for its next activation when absent."""
+        await self._notify_parent(parent, notice)
+
+    async def activation_ended(self, ended: Activation) -> None:
+        """React to an activation key vanishing from the registry.
+
+        If it was a child of a parent resident here and no settlement notice was delivered for
+        it, its host went away (lease expired, or drained): the parent gets the unconditional
+        notice with outcome ``lost`` and the child's last durable output.
+        """
+        if ended.activation_id in self._noticed:
+            return
+        own = self._agents.get(ended.session_id)
+        if own is not None and own.activation.activation_id == ended.activation_id:
+            return  # settling here; this manager sends its notice itself
+        header = await self._store.get_header(ended.session_id)
+        if header is None or header.parent_session is None:
+            return
+        parent = self._agents.get(header.parent_session)
+        if parent is None or parent.state is AgentState.SETTLED:
+            return
+        records = await self._store.read(ended.session_id)
+        notice = SettlementNoticeEntry(
+            child_session=ended.session_id,
+            child_activation=ended.activation_id,
+            child_kind=header.kind,
+            outcome=SettlementOutcome.LOST,
+            terminal_output=_last_output(records),
+            detail=f"host {ended.node_id} went away",
+        )
+        if ended.activation_id not in self._noticed:
+            await self._notify_parent(header.parent_session, notice)
 
     # -- AgentHost ------------------------------------------------------------------------------
 
@@ -327,7 +500,7 @@ class ContinuationManager:
         # A delegating agent stays available while any child of its is live, so that child's
         # messages and settlement notice can always reach it (docs/adr/0004).
         session = agent.session_id
-        return self._waking[session] == 0 and not self._live_children[session]
+        return self._waking[session] == 0 and not self._live_children.get(session)
 
     async def inflight_settled(self, agent: Agent) -> None:
         session = agent.session_id
@@ -346,11 +519,9 @@ class ContinuationManager:
         self._change = asyncio.Event()
 
     async def settled(self, agent: Agent, settlement: Settlement | None) -> None:
+        # The notice goes out while the activation is still held, then the activation is
+        # released: whoever sees the key vanish without a notice knows the host went away.
         session = agent.session_id
-        await self._store.release(agent.activation)
-        if self._agents.get(session) is agent:
-            del self._agents[session]
-            self._drivers.pop(session, None)
         parent = agent.header.parent_session
         try:
             if settlement is not None and parent is not None:
@@ -364,11 +535,12 @@ class ContinuationManager:
                 )
                 await self._notify_parent(parent, notice)
         finally:
+            await self._store.release(agent.activation)
+            if self._agents.get(session) is agent:
+                del self._agents[session]
+                self._drivers.pop(session, None)
             if parent is not None:
-                self._live_children[parent].discard(session)
-                parent_agent = self._agents.get(parent)
-                if parent_agent is not None:
-                    parent_agent.poke()
+                self._child_settled(parent, session, agent.activation.activation_id)
             self.changed()
 
     # -- delivery -------------------------------------------------------------------------------
@@ -381,18 +553,32 @@ class ContinuationManager:
         key: IdempotencyKey | None,
         *,
         parent_activation: ActivationId | None,
+        forward: Callable[[NodeId], Coroutine[Any, Any, Delivery]] | None = None,
+        hops: int = 0,
     ) -> Delivery:
+        self._check_open()
         fingerprint = _fingerprint(target, entry)
-        if key is not None:
+        warm = self._is_live_here(target)
+        if key is not None and not warm:
+            # A warm send skips this read: the append transaction itself refuses a known key.
             known = await self._store.lookup(key)
             if known is not None:
                 return self._duplicate(key, known, target, fingerprint)
+        if forward is not None and not warm:
+            home = await self._home_elsewhere(target, place=hops == 0)
+            if home is not None:
+                return await forward(home)
         # Waking-send accounting starts before anything can suspend: from here until the driver
         # admits the record (or this send fails) the target cannot settle.
         self._waking[target] += 1
         handed_off = False
         try:
-            agent, resumed = await self._resident(target, parent_activation)
+            try:
+                agent, resumed = await self._resident(target, parent_activation)
+            except ActivationHeldElsewhere as lost_race:
+                if forward is None:
+                    raise
+                return await forward(lost_race.current.node_id)
             if (
                 parent_activation is not None
                 and agent.activation.parent_activation != parent_activation
@@ -479,14 +665,44 @@ class ContinuationManager:
     async def _notify_parent(self, parent: SessionId, notice: SettlementNoticeEntry) -> None:
         """Settlement notices are manager-owned: durable at the parent either way; a live parent
         is steered with it, an absent one reads it on its next activation (docs/adr/0003)."""
-        agent = self._agents.get(parent)
-        if agent is not None and agent.state is not AgentState.SETTLED:
-            self._waking[parent] += 1
-            await self._accept(agent, notice, DeliveryKind.STEERED, None, None)
+        for _ in range(_NOTICE_ATTEMPTS):
+            agent = self._agents.get(parent)
+            if agent is not None and agent.state is not AgentState.SETTLED:
+                self._waking[parent] += 1
+                await self._accept(agent, notice, DeliveryKind.STEERED, None, None)
+                self._child_settled(parent, notice.child_session, notice.child_activation)
+                return
+            if agent is not None:
+                await agent.wait_released()
+                continue
+            if self._router is not None:
+                current = await self._store.current_activation(parent)
+                if current is not None and current.node_id != self.node_id:
+                    await self._router.deliver_notice(current.node_id, parent, notice)
+                    return
+            try:
+                await self._store.append(parent, notice, writer=None)
+            except ActivationFenced:
+                continue  # the parent became resident meanwhile: deliver to that activation
             return
-        if agent is not None:
-            await agent.wait_released()
-        await self._store.append(parent, notice, writer=None)
+        raise ActivationFenced(f"{parent}: kept changing residency while a notice was delivered")
+
+    def _track_child(self, parent: SessionId, child: SessionId, activation: ActivationId) -> None:
+        """Remember a live child of a parent resident here, unless its notice already came."""
+        if activation not in self._noticed and parent in self._agents:
+            self._live_children[parent][child] = activation
+
+    def _child_settled(self, parent: SessionId, child: SessionId, activation: ActivationId) -> None:
+        self._noticed.add(activation)
+        children = self._live_children.get(parent)
+        if children is not None and children.get(child) == activation:
+            del children[child]
+            if not children:
+                del self._live_children[parent]
+        parent_agent = self._agents.get(parent)
+        if parent_agent is not None:
+            parent_agent.poke()
+        self.changed()
 
     # -- residency ------------------------------------------------------------------------------
 
@@ -566,18 +782,64 @@ class ContinuationManager:
         records: Sequence[Record],
         resume_filter: DescriptorFilter | None,
     ) -> Agent:
-        preset = self._preset(header.spec.preset)
-        allowed = [d.name for d in header.spec.tools if resume_filter is None or resume_filter(d)]
         return Agent(
             header=header,
             activation=activation,
             records=records,
-            tools=self.registry.resolve(preset, allowed=allowed),
-            system_prompt=preset.system_prompt,
+            tools=self._resolve_tools(header, resume_filter),
+            system_prompt=self._preset(header.spec.preset).system_prompt,
             provider=self._provider,
             host=self,
             ids=self._ids,
         )
+
+    def _resolve_tools(
+        self, header: SessionHeader, resume_filter: DescriptorFilter | None
+    ) -> ToolSet:
+        preset = self._preset(header.spec.preset)
+        allowed = [d.name for d in header.spec.tools if resume_filter is None or resume_filter(d)]
+        return self.registry.resolve(preset, allowed=allowed)
+
+    def _is_live_here(self, session: SessionId) -> bool:
+        agent = self._agents.get(session)
+        return agent is not None and agent.state is not AgentState.SETTLED
+
+    async def _home_elsewhere(self, target: SessionId, *, place: bool) -> NodeId | None:
+        """The other node that hosts ``target`` (or, when ``place``, should host it next);
+        None when this node should handle it."""
+        assert self._router is not None
+        current = await self._store.current_activation(target)
+        if current is not None:
+            return None if current.node_id == self.node_id else current.node_id
+        if not place:
+            return None
+        home = self._router.place(target)
+        return None if home == self.node_id else home
+
+    async def _drive(self, agent: Agent) -> None:
+        """Run one agent's driver; a registry failure drops that agent, never the node."""
+        try:
+            await agent.run()
+        except ActivationFenced as fenced:
+            # Another activation owns the session now (or this node lost its lease): this
+            # Agent is stale and must not write again. Its successor owns the transcript.
+            _log.warning("%s: fenced, dropping the stale agent: %s", agent.session_id, fenced)
+            self._drop(agent)
+        except MeshError as failure:
+            _log.error("%s: driver failed, releasing: %s", agent.session_id, failure)
+            self._drop(agent)
+            with contextlib.suppress(MeshError):
+                await self._store.release(agent.activation)
+
+    def _drop(self, agent: Agent) -> None:
+        if self._agents.get(agent.session_id) is agent:
+            del self._agents[agent.session_id]
+            self._drivers.pop(agent.session_id, None)
+        self.changed()
+
+    def _check_open(self) -> None:
+        if self._draining or self._closed:
+            raise PeerUnavailable(f"node {self.node_id} is draining; retry on another node")
 
     def _start(self, agent: Agent) -> None:
         if self._group is None or self._closed:
@@ -585,18 +847,30 @@ class ContinuationManager:
         session = agent.session_id
         self._agents[session] = agent
         if agent.header.parent_session is not None:
-            self._live_children[agent.header.parent_session].add(session)
-        self._drivers[session] = self._group.create_task(agent.run(), name=f"agent {session}")
+            self._track_child(agent.header.parent_session, session, agent.activation.activation_id)
+        self._drivers[session] = self._group.create_task(
+            self._drive(agent), name=f"agent {session}"
+        )
         self.changed()
 
     # -- helpers --------------------------------------------------------------------------------
 
     async def _authorize(self, sender: AgentRef, target: SessionId) -> Authorized | Refused:
+        decision = await self._authorize_from(sender, target, fresh=False)
+        if isinstance(decision, Refused) and decision.reason in _LIVENESS_REASONS:
+            # The store may answer liveness from a watch-fed cache a moment behind etcd: a
+            # refusal that hinges on liveness is confirmed against the durable state.
+            decision = await self._authorize_from(sender, target, fresh=True)
+        return decision
+
+    async def _authorize_from(
+        self, sender: AgentRef, target: SessionId, *, fresh: bool
+    ) -> Authorized | Refused:
         headers: dict[SessionId, SessionHeader] = {}
         activations: dict[SessionId, Activation] = {}
         for session in (sender.session_id, target):
             await self._load_lineage(session, headers)
-            current = await self._store.current_activation(session)
+            current = await self._store.current_activation(session, fresh=fresh)
             if current is not None:
                 activations[session] = current
         return authorize(sender, target, headers, activations)
@@ -649,3 +923,11 @@ def _fingerprint(target: SessionId, entry: InboundEntry) -> str:
     digest = hashlib.sha256(f"{target}\0{type(entry).__name__}\0".encode())
     digest.update(getattr(entry, "content", "").encode())
     return digest.hexdigest()
+
+
+def _last_output(records: Sequence[Record]) -> str:
+    """The last assistant text a session made durable: a lost child's terminal output."""
+    for record in reversed(records):
+        if isinstance(record.entry, AssistantStepEntry) and record.entry.text:
+            return record.entry.text
+    return ""

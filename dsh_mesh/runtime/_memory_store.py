@@ -9,14 +9,13 @@ from dsh_mesh.core import (
     ActivationFenced,
     ActivationId,
     Entry,
-    IdempotencyConflict,
     Record,
     SessionExists,
     SessionHeader,
     SessionId,
     SessionUnknown,
 )
-from dsh_mesh.runtime._store import Acceptance, IdempotencyKey
+from dsh_mesh.runtime._store import Acceptance, IdempotencyKey, check_same_request
 
 
 class InMemorySessionStore:
@@ -44,7 +43,9 @@ class InMemorySessionStore:
             raise SessionUnknown(activation.session_id)
         return self._activations.setdefault(activation.session_id, activation)
 
-    async def current_activation(self, session: SessionId) -> Activation | None:
+    async def current_activation(
+        self, session: SessionId, *, fresh: bool = False
+    ) -> Activation | None:
         return self._activations.get(session)
 
     async def rebind(self, activation: Activation, parent_activation: ActivationId) -> Activation:
@@ -73,7 +74,7 @@ class InMemorySessionStore:
             key, acceptance = idempotency
             known = self._idempotency.get(key)
             if known is not None:
-                _check_same(key, known, acceptance)
+                check_same_request(key, known, acceptance)
                 return self._transcripts[known.target][known.seq - 1], known
         self._fence(session, writer)
         record = Record(seq=len(transcript) + 1, entry=entry)
@@ -100,8 +101,3 @@ class InMemorySessionStore:
             raise ActivationFenced(
                 f"{session}: writer {writer} is not the current activation {current_id}"
             )
-
-
-def _check_same(key: IdempotencyKey, known: Acceptance, asked: Acceptance) -> None:
-    if known.fingerprint != asked.fingerprint or known.target != asked.target:
-        raise IdempotencyConflict(f"key {key.key!r} was already used for another message")

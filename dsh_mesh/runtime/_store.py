@@ -16,6 +16,7 @@ from dsh_mesh.core import (
     ActivationId,
     DeliveryKind,
     Entry,
+    IdempotencyConflict,
     Record,
     SessionHeader,
     SessionId,
@@ -55,7 +56,12 @@ class SessionStore(Protocol):
         ``activation`` itself when this call won, the winner's otherwise."""
         ...
 
-    async def current_activation(self, session: SessionId) -> Activation | None: ...
+    async def current_activation(
+        self, session: SessionId, *, fresh: bool = False
+    ) -> Activation | None:
+        """The session's current activation. An implementation may answer from a cache that
+        follows the durable state closely; ``fresh`` asks for the durable state itself."""
+        ...
 
     async def rebind(self, activation: Activation, parent_activation: ActivationId) -> Activation:
         """Re-point a current activation at a newer parent activation. Raises
@@ -88,3 +94,9 @@ class SessionStore(Protocol):
         ...
 
     async def read(self, session: SessionId, *, after_seq: int = 0) -> list[Record]: ...
+
+
+def check_same_request(key: IdempotencyKey, known: Acceptance, asked: Acceptance) -> None:
+    """Raise :class:`IdempotencyConflict` when ``key`` was first used for another message."""
+    if known.fingerprint != asked.fingerprint or known.target != asked.target:
+        raise IdempotencyConflict(f"key {key.key!r} was already used for another message")

@@ -1,36 +1,265 @@
-"""The one table from rejection reasons to gRPC status codes, used at the transport edge.
+"""The one table between mesh errors and gRPC statuses, used on both sides of the wire.
 
-Each reason travels with exactly one status code; the pair (code, reason) is what clients in any
-language branch on. The reason itself rides in the status details as a ``dsh.mesh.v1.Rejection``.
+Server side: a handler that catches a :class:`~dsh_mesh.core.MeshError` ends the call with
+``await abort_with(context, error)``. The status code comes from :data:`STATUS_OF_REASON`; the
+status details (trailer ``grpc-status-details-bin``, a serialized ``google.rpc.Status``) carry,
+in this order, a ``google.rpc.ErrorInfo`` (``reason`` = the :class:`RejectionReason` value name,
+``domain`` = :data:`ERROR_DOMAIN`, ``metadata`` = the error's structured fields), a
+``dsh.mesh.v1.Rejection`` (the same reason as the proto enum) and, for retryable reasons only, a
+``google.rpc.RetryInfo`` (:data:`RETRY_DELAY`). Exceptions that are not ``MeshError`` are never
+mapped here: grpc.aio itself ends the call with ``UNKNOWN`` ("Unexpected <class ...>").
+
+Client side: ``except grpc.RpcError as e: raise error_from_rpc(e) from e`` rebuilds the same
+exception class with the same reason (the one :func:`~dsh_mesh.core.rejection_class` names), so a
+forwarding node re-raises exactly what the target node raised. Always chain with ``from``: the
+original ``RpcError`` keeps the peer's debug string.
+
+The human table of all of this is ``docs/errors.md``; a test keeps it equal to this module.
 """
 
 from __future__ import annotations
 
-import grpc
+from collections.abc import Iterable, Mapping
+from datetime import timedelta
+from types import MappingProxyType
+from typing import NoReturn
 
-from dsh_mesh.core import RejectionReason
+import grpc
+from google.protobuf.message import DecodeError
+from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2
+from dsh_mesh.core import (
+    RETRYABLE_REASONS,
+    ActivationFenced,
+    MeshError,
+    NotResident,
+    Rejected,
+    RejectionReason,
+)
 
 ERROR_DOMAIN = "dsh.mesh.v1"
+"""``google.rpc.ErrorInfo.domain`` of every mesh rejection; other domains are not ours."""
 
-STATUS_OF_REASON: dict[RejectionReason, grpc.StatusCode] = {
-    RejectionReason.SELF_TARGET: grpc.StatusCode.PERMISSION_DENIED,
-    RejectionReason.SIBLING_TARGET: grpc.StatusCode.PERMISSION_DENIED,
-    RejectionReason.ANCESTOR_BEYOND_EDGE: grpc.StatusCode.PERMISSION_DENIED,
-    RejectionReason.DESCENDANT_BEYOND_EDGE: grpc.StatusCode.PERMISSION_DENIED,
-    RejectionReason.UNRELATED_TARGET: grpc.StatusCode.PERMISSION_DENIED,
-    RejectionReason.UNKNOWN_TARGET: grpc.StatusCode.NOT_FOUND,
-    RejectionReason.UNKNOWN_SENDER: grpc.StatusCode.PERMISSION_DENIED,
-    RejectionReason.STALE_SENDER: grpc.StatusCode.FAILED_PRECONDITION,
-    RejectionReason.ONE_SHOT_TARGET: grpc.StatusCode.PERMISSION_DENIED,
-    RejectionReason.ONE_SHOT_SENDER: grpc.StatusCode.PERMISSION_DENIED,
-    RejectionReason.PARENT_NOT_LIVE: grpc.StatusCode.UNAVAILABLE,
-    RejectionReason.PARENT_REBOUND: grpc.StatusCode.FAILED_PRECONDITION,
-    RejectionReason.FORGED_SENDER: grpc.StatusCode.PERMISSION_DENIED,
-    RejectionReason.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
-    RejectionReason.IDEMPOTENCY_CONFLICT: grpc.StatusCode.ALREADY_EXISTS,
-}
+RETRY_DELAY = timedelta(milliseconds=200)
+"""``RetryInfo.retry_delay`` sent with every retryable reason: the least a client should wait."""
+
+MAX_DETAIL_BYTES = 512
+"""The human-readable detail is cut to this many UTF-8 bytes on the wire. It appears in the
+``grpc-message`` header and twice inside ``grpc-status-details-bin``; gRPC peers refuse trailers
+over about 8 KiB by default, so an unbounded detail could turn a clean rejection into a transport
+error."""
+
+DETAILS_METADATA_KEY = "grpc-status-details-bin"
+"""The trailer that carries the serialized ``google.rpc.Status`` (the gRPC convention)."""
+
+STATUS_OF_REASON: Mapping[RejectionReason, grpc.StatusCode] = MappingProxyType(
+    {
+        RejectionReason.SELF_TARGET: grpc.StatusCode.PERMISSION_DENIED,
+        RejectionReason.SIBLING_TARGET: grpc.StatusCode.PERMISSION_DENIED,
+        RejectionReason.ANCESTOR_BEYOND_EDGE: grpc.StatusCode.PERMISSION_DENIED,
+        RejectionReason.DESCENDANT_BEYOND_EDGE: grpc.StatusCode.PERMISSION_DENIED,
+        RejectionReason.UNRELATED_TARGET: grpc.StatusCode.PERMISSION_DENIED,
+        RejectionReason.UNKNOWN_TARGET: grpc.StatusCode.NOT_FOUND,
+        RejectionReason.UNKNOWN_SENDER: grpc.StatusCode.PERMISSION_DENIED,
+        RejectionReason.STALE_SENDER: grpc.StatusCode.FAILED_PRECONDITION,
+        RejectionReason.ONE_SHOT_TARGET: grpc.StatusCode.PERMISSION_DENIED,
+        RejectionReason.ONE_SHOT_SENDER: grpc.StatusCode.PERMISSION_DENIED,
+        RejectionReason.PARENT_NOT_LIVE: grpc.StatusCode.UNAVAILABLE,
+        RejectionReason.PARENT_REBOUND: grpc.StatusCode.FAILED_PRECONDITION,
+        RejectionReason.FORGED_SENDER: grpc.StatusCode.PERMISSION_DENIED,
+        RejectionReason.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+        RejectionReason.IDEMPOTENCY_CONFLICT: grpc.StatusCode.ALREADY_EXISTS,
+        RejectionReason.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+        RejectionReason.REGISTRY_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+        RejectionReason.PEER_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+        RejectionReason.NODE_FENCED: grpc.StatusCode.UNAVAILABLE,
+        RejectionReason.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
+        RejectionReason.UNKNOWN_SESSION: grpc.StatusCode.NOT_FOUND,
+    }
+)
+"""Each reason travels with exactly this status code; (code, reason) is the wire contract."""
+
+# Node-local errors that are not rejections but can still end a remote call. Both mean that the
+# caller reached a node that does not (any longer) hold the session's activation: from the
+# caller's side the target's host is unavailable, and a retry is routed to the current one.
+_REASON_OF_LOCAL_ERROR: Mapping[type[MeshError], RejectionReason] = MappingProxyType(
+    {
+        ActivationFenced: RejectionReason.PEER_UNAVAILABLE,
+        NotResident: RejectionReason.PEER_UNAVAILABLE,
+    }
+)
+
+# A status without a mesh ErrorInfo (the gRPC runtime, a proxy, a dropped connection, the
+# caller's own deadline) is still typed where its code has one obvious meaning.
+_REASON_OF_BARE_CODE: Mapping[grpc.StatusCode, RejectionReason] = MappingProxyType(
+    {
+        grpc.StatusCode.UNAVAILABLE: RejectionReason.PEER_UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED: RejectionReason.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNAUTHENTICATED: RejectionReason.UNAUTHENTICATED,
+    }
+)
+
+_REASON_BY_NAME: Mapping[str, RejectionReason] = MappingProxyType(
+    {reason.value: reason for reason in RejectionReason}
+)
+_CODE_BY_NUMBER: Mapping[int, grpc.StatusCode] = MappingProxyType(
+    {code.value[0]: code for code in grpc.StatusCode}
+)
+
+
+class RemoteError(MeshError):
+    """A remote call failed with a status that names no mesh reason.
+
+    Raised by :func:`error_from_rpc` for statuses without a ``dsh.mesh.v1`` ``ErrorInfo`` whose
+    code has no obvious mesh meaning (for example ``UNKNOWN`` from a handler crash, ``INTERNAL``
+    from a ``MeshError`` that names no reason, ``UNIMPLEMENTED``, ``RESOURCE_EXHAUSTED`` from a
+    message-size limit). ``code`` is the gRPC
+    status code and ``detail`` the status message; :func:`to_rpc_status` sends both on unchanged,
+    so a forwarding node relays the failure as it got it. Whether anything was accepted is
+    unknown; a retry with the same idempotency key is safe.
+    """
+
+    code: grpc.StatusCode
+    detail: str
+
+    def __init__(self, code: grpc.StatusCode, detail: str) -> None:
+        super().__init__(f"{code.name}: {detail}")
+        self.code = code
+        self.detail = detail
 
 
 def status_of(reason: RejectionReason) -> grpc.StatusCode:
     """The gRPC status code a rejection for ``reason`` is sent with."""
     return STATUS_OF_REASON[reason]
+
+
+def wire_reason(error: MeshError) -> RejectionReason | None:
+    """The reason ``error`` travels with, or ``None`` when it names none.
+
+    A :class:`Rejected` travels with its own reason; ``ActivationFenced`` and ``NotResident``
+    (the session's activation is not, or no longer, on this node) travel as PEER_UNAVAILABLE;
+    any other ``MeshError`` (``SessionExists``, ``TurnFailed``...) is a server fault and names
+    no reason.
+    """
+    if isinstance(error, Rejected):
+        return error.reason
+    for kind, reason in _REASON_OF_LOCAL_ERROR.items():
+        if isinstance(error, kind):
+            return reason
+    return None
+
+
+def _cut(text: str) -> str:
+    data = text.encode("utf-8")
+    if len(data) <= MAX_DETAIL_BYTES:
+        return text
+    return data[:MAX_DETAIL_BYTES].decode("utf-8", errors="ignore")
+
+
+def to_rpc_status(error: MeshError) -> status_pb2.Status:
+    """The ``google.rpc.Status`` that carries ``error`` across the wire. Pure; no I/O.
+
+    With a reason (see :func:`wire_reason`): code ``status_of(reason)``, message
+    ``"<REASON>: <detail>"``, details ``[ErrorInfo, Rejection]`` plus ``RetryInfo`` when the
+    reason is retryable. A :class:`RemoteError` keeps its code and message and has no details.
+    Any other ``MeshError`` becomes ``INTERNAL`` without details: it is a fault, not a refusal,
+    and clients must not branch on it. Details are cut to :data:`MAX_DETAIL_BYTES`.
+    """
+    if isinstance(error, RemoteError):
+        return status_pb2.Status(code=error.code.value[0], message=_cut(error.detail))
+    reason = wire_reason(error)
+    if reason is None:
+        message = _cut(f"{type(error).__name__}: {error}")
+        return status_pb2.Status(code=grpc.StatusCode.INTERNAL.value[0], message=message)
+    if isinstance(error, Rejected):
+        detail, metadata = _cut(error.detail), dict(error.metadata)
+    else:
+        detail, metadata = _cut(f"{type(error).__name__}: {error}"), {}
+    status = status_pb2.Status(
+        code=status_of(reason).value[0], message=_cut(f"{reason.value}: {detail}")
+    )
+    status.details.add().Pack(
+        error_details_pb2.ErrorInfo(reason=reason.value, domain=ERROR_DOMAIN, metadata=metadata)
+    )
+    status.details.add().Pack(
+        mesh_pb2.Rejection(
+            reason=f"REJECTION_REASON_{reason.value}",
+            detail=detail,
+            target_session_id=metadata.get("target_session_id", ""),
+        )
+    )
+    if reason in RETRYABLE_REASONS:
+        retry = error_details_pb2.RetryInfo()
+        retry.retry_delay.FromTimedelta(RETRY_DELAY)
+        status.details.add().Pack(retry)
+    return status
+
+
+async def abort_with(context: grpc.aio.ServicerContext, error: MeshError) -> NoReturn:
+    """End the current RPC with the status :func:`to_rpc_status` builds for ``error``.
+
+    Call it from a grpc.aio handler; it never returns (gRPC raises to unwind the handler, and
+    the exception must be left to propagate). Only ``MeshError`` belongs here: let anything else
+    propagate and grpc.aio reports it as ``UNKNOWN``.
+    """
+    await context.abort_with_status(rpc_status.to_status(to_rpc_status(error)))
+    raise AssertionError("abort_with_status returned")  # pragma: no cover - gRPC always raises
+
+
+def _rich_status(metadata: Iterable[tuple[str, object]] | None) -> status_pb2.Status | None:
+    for key, value in metadata or ():
+        if key == DETAILS_METADATA_KEY and isinstance(value, bytes):
+            try:
+                return status_pb2.Status.FromString(value)
+            except DecodeError:
+                return None
+    return None
+
+
+def _mesh_error_info(status: status_pb2.Status) -> error_details_pb2.ErrorInfo | None:
+    for detail in status.details:
+        if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            detail.Unpack(info)
+            if info.domain == ERROR_DOMAIN:
+                return info
+    return None
+
+
+def error_from_rpc(error: grpc.RpcError) -> MeshError:
+    """Rebuild the typed mesh error a failed call (sync ``grpc.RpcError`` or
+    ``grpc.aio.AioRpcError``) carries. Pure; reads only the error object.
+
+    A ``dsh.mesh.v1`` ``ErrorInfo`` whose reason this client knows gives
+    ``Rejected.of(reason, detail, metadata=...)``: the class :func:`rejection_class` names, the
+    same reason, ``detail`` = the status message without its ``"<REASON>: "`` prefix, and the
+    ``ErrorInfo`` metadata. The details are ignored when their code differs from the call's (a
+    proxy rewrote the status). Without a usable ``ErrorInfo`` the code decides: ``UNAVAILABLE``
+    -> :class:`PeerUnavailable`, ``DEADLINE_EXCEEDED`` -> :class:`DeadlineExceeded`,
+    ``UNAUTHENTICATED`` -> :class:`Unauthenticated`, anything else -> :class:`RemoteError`. Such
+    a rebuilt error did not come from a mesh server's decision, so whether the request was
+    accepted is unknown: retry it with the same idempotency key to find out.
+
+    Call sites raise the result chained to its cause: ``raise error_from_rpc(e) from e``.
+    """
+    code_of = getattr(error, "code", None)
+    code = code_of() if callable(code_of) else None
+    if not isinstance(code, grpc.StatusCode):
+        code = grpc.StatusCode.UNKNOWN
+    details_of = getattr(error, "details", None)
+    message = details_of() if callable(details_of) else None
+    message = message if isinstance(message, str) else ""
+    trailers_of = getattr(error, "trailing_metadata", None)
+    status = _rich_status(trailers_of() if callable(trailers_of) else None)
+    if status is not None and _CODE_BY_NUMBER.get(status.code) is code:
+        info = _mesh_error_info(status)
+        reason = _REASON_BY_NAME.get(info.reason) if info is not None else None
+        if info is not None and reason is not None:
+            detail = (status.message or message).removeprefix(f"{reason.value}: ")
+            return Rejected.of(reason, detail, metadata=dict(info.metadata))
+    bare = _REASON_OF_BARE_CODE.get(code)
+    if bare is not None:
+        return Rejected.of(bare, message)
+    return RemoteError(code, message)

@@ -29,6 +29,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "Authorized",
         "ChatMessage",
         "ConsumedEntry",
+        "DeadlineExceeded",
         "Delivery",
         "DeliveryKind",
         "Direction",
@@ -42,12 +43,16 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "InboundEntry",
         "InvalidArgument",
         "MeshError",
+        "NodeFenced",
         "NodeId",
         "NotResident",
         "ParentNotLive",
+        "PeerUnavailable",
+        "RETRYABLE_REASONS",
         "RandomIds",
         "Record",
         "Refused",
+        "RegistryUnavailable",
         "Rejected",
         "RejectionReason",
         "Role",
@@ -74,6 +79,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "TurnId",
         "TurnOutcome",
         "TurnStartedEntry",
+        "Unauthenticated",
         "Usage",
         "ancestors",
         "authorize",
@@ -83,6 +89,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "is_queue_delivery",
         "parse_session_id",
         "pending_inbound",
+        "rejection_class",
         "rejection_error",
     ],
     "dsh_mesh.models": [
@@ -103,6 +110,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "ScriptContext",
         "ScriptError",
         "ScriptedProvider",
+        "Stall",
         "TextDelta",
         "ToolCallEvent",
         "child",
@@ -143,14 +151,78 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "render",
         "render_inbound",
     ],
+    "dsh_mesh.node": [
+        "ClusterRouter",
+        "Node",
+        "NodeConfig",
+        "Placement",
+        "Scenario",
+        "load_config",
+        "load_scenario",
+        "main",
+        "parse_args",
+    ],
+    "dsh_mesh.registry": [
+        "ActivationEnded",
+        "ActivationStarted",
+        "CodecError",
+        "Directory",
+        "DirectoryEvent",
+        "Etcd",
+        "EtcdConfig",
+        "EtcdSessionStore",
+        "Keys",
+        "LeaseConfig",
+        "LeaseKeeper",
+        "LeaseLost",
+        "NodeInfo",
+    ],
     "dsh_mesh.runtime": [
         "Acceptance",
         "ActivationHeldElsewhere",
         "ContinuationManager",
         "IdempotencyKey",
         "InMemorySessionStore",
+        "MAX_HOPS",
         "ManagerConfig",
+        "Router",
         "SessionStore",
+        "check_same_request",
+    ],
+    "dsh_mesh.testing": [
+        "ClusterSettings",
+        "EtcdAddress",
+        "EtcdNotFoundError",
+        "EtcdServer",
+        "EtcdServerError",
+        "InProcessMesh",
+        "LocalCluster",
+        "MeshReader",
+        "NodeProcess",
+        "NodeProcessError",
+        "find_etcd_binary",
+        "in_process_mesh",
+    ],
+    "dsh_mesh.transport": [
+        "AgentMeshService",
+        "ClusterAuthInterceptor",
+        "ClusterCredential",
+        "DETAILS_METADATA_KEY",
+        "ERROR_DOMAIN",
+        "MAX_DETAIL_BYTES",
+        "ManagerRef",
+        "MeshControlService",
+        "MeshPeerService",
+        "PeerPool",
+        "PeerTimeouts",
+        "RETRY_DELAY",
+        "RemoteError",
+        "STATUS_OF_REASON",
+        "abort_with",
+        "error_from_rpc",
+        "status_of",
+        "to_rpc_status",
+        "wire_reason",
     ],
 }
 
@@ -233,15 +305,28 @@ def test_every_exported_class_and_function_has_a_docstring(module_name: str) -> 
 # -- import layering --------------------------------------------------------------------------
 
 PACKAGE_DIR = Path(dsh_mesh.__file__).resolve().parent
-ALL_LAYERS = {"core", "models", "tools", "agent", "runtime", "transport", "_proto"}
-TOP = {"demo", "testing"}
+ALL_LAYERS = {
+    "core",
+    "models",
+    "tools",
+    "agent",
+    "runtime",
+    "registry",
+    "transport",
+    "node",
+    "_proto",
+}
+TOP = {"demo", "testing", "scenarios"}
 ALLOWED: dict[str, set[str]] = {
     "core": {"core"},
     "models": {"core", "models"},
     "tools": {"core", "tools"},
     "agent": {"core", "models", "tools", "agent"},
-    "runtime": ALL_LAYERS | {"dsh_mesh"},
-    "transport": ALL_LAYERS | {"dsh_mesh"},
+    "runtime": {"core", "models", "tools", "agent", "runtime"},
+    # registry and transport sit side by side on the runtime; neither imports the other.
+    "registry": {"core", "runtime", "registry"},
+    "transport": {"core", "runtime", "transport", "_proto"},
+    "node": {"core", "models", "tools", "runtime", "registry", "transport", "node", "_proto"},
 }
 
 
@@ -319,6 +404,10 @@ def test_the_layering_check_flags_upward_imports() -> None:
     assert violations("dsh_mesh.runtime._x", "from dsh_mesh.testing import in_process_mesh")
     assert violations("dsh_mesh.runtime._x", "from dsh_mesh.demo import main")
     assert violations("dsh_mesh.testing", "from dsh_mesh import demo")
+    # testing is a package: its private modules are held to the same rules as the package.
+    assert violations("dsh_mesh.testing._etcd", "from dsh_mesh import demo")
+    assert violations("dsh_mesh.runtime._x", "from dsh_mesh.testing._etcd import EtcdServer")
+    assert violations("dsh_mesh.core._x", "from dsh_mesh.testing import EtcdServer")
     # Allowed directions stay quiet.
     assert not violations("dsh_mesh.core._x", "from dsh_mesh.core._ids import SessionId")
     assert not violations("dsh_mesh.core._x", "from ._ids import SessionId")
@@ -328,6 +417,11 @@ def test_the_layering_check_flags_upward_imports() -> None:
     assert not violations("dsh_mesh.agent._x", "from dsh_mesh.models import complete")
     assert not violations("dsh_mesh.runtime._x", "from dsh_mesh.agent import Agent")
     assert not violations("dsh_mesh.demo", "from dsh_mesh.runtime import ContinuationManager")
+    assert not violations(
+        "dsh_mesh.testing", "from dsh_mesh.testing._etcd import EtcdServer", is_package=True
+    )
+    assert not violations("dsh_mesh.testing._in_process", "from dsh_mesh.runtime import X")
+    assert not violations("dsh_mesh.testing._in_process", "from ._etcd import EtcdServer")
 
 
 def test_layers_import_downward_only() -> None:
@@ -345,3 +439,6 @@ def test_layers_import_downward_only() -> None:
     assert problems == []
     # The walk really saw the downward edges the library is built on.
     assert {("agent", "core"), ("tools", "core"), ("runtime", "agent")} <= edges
+    # ... and the testing package's modules, which sit on top of the runtime.
+    assert {"dsh_mesh.testing", "dsh_mesh.testing._in_process"} <= {name for name, _ in modules}
+    assert ("testing", "runtime") in edges

@@ -35,6 +35,12 @@ class RejectionReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REJECTION_REASON_FORGED_SENDER: _ClassVar[RejectionReason]
     REJECTION_REASON_INVALID_ARGUMENT: _ClassVar[RejectionReason]
     REJECTION_REASON_IDEMPOTENCY_CONFLICT: _ClassVar[RejectionReason]
+    REJECTION_REASON_UNAUTHENTICATED: _ClassVar[RejectionReason]
+    REJECTION_REASON_REGISTRY_UNAVAILABLE: _ClassVar[RejectionReason]
+    REJECTION_REASON_PEER_UNAVAILABLE: _ClassVar[RejectionReason]
+    REJECTION_REASON_NODE_FENCED: _ClassVar[RejectionReason]
+    REJECTION_REASON_DEADLINE_EXCEEDED: _ClassVar[RejectionReason]
+    REJECTION_REASON_UNKNOWN_SESSION: _ClassVar[RejectionReason]
 
 class AgentState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -86,6 +92,12 @@ REJECTION_REASON_PARENT_REBOUND: RejectionReason
 REJECTION_REASON_FORGED_SENDER: RejectionReason
 REJECTION_REASON_INVALID_ARGUMENT: RejectionReason
 REJECTION_REASON_IDEMPOTENCY_CONFLICT: RejectionReason
+REJECTION_REASON_UNAUTHENTICATED: RejectionReason
+REJECTION_REASON_REGISTRY_UNAVAILABLE: RejectionReason
+REJECTION_REASON_PEER_UNAVAILABLE: RejectionReason
+REJECTION_REASON_NODE_FENCED: RejectionReason
+REJECTION_REASON_DEADLINE_EXCEEDED: RejectionReason
+REJECTION_REASON_UNKNOWN_SESSION: RejectionReason
 AGENT_STATE_UNSPECIFIED: AgentState
 AGENT_STATE_IDLE: AgentState
 AGENT_STATE_RUNNING: AgentState

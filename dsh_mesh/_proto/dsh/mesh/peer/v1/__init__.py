@@ -1,0 +1,1 @@
+"""Generated package (scripts/gen_protos.py); never edit by hand."""

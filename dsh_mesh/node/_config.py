@@ -1,0 +1,141 @@
+"""A node's configuration: frozen, validated on construction, built once at the entry point from
+flags, ``DSH_*`` environment variables and an optional TOML file (flags win over the
+environment, which wins over the file). Documented setting by setting in nodes/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import os
+import re
+import secrets
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from dsh_mesh.core import NodeId
+from dsh_mesh.registry import EtcdConfig, LeaseConfig
+from dsh_mesh.transport import ClusterCredential
+
+_NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+class Placement(enum.Enum):
+    """Where a spawned child (or an absent child being cold-resumed) goes."""
+
+    LOCAL = "local"
+    """Always this node."""
+    ROUND_ROBIN = "round-robin"
+    """The live nodes in turn, this one included."""
+    LEAST_LOADED = "least-loaded"
+    """The live node publishing the fewest resident agents (ties: node id order)."""
+    OTHERS_FIRST = "others-first"
+    """The least-loaded *other* live node; this node only when it is alone. Shows the mesh at
+    work in demos and tests: every child lives on another node than its parent."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeConfig:
+    """Everything one node process needs. Durations are ``timedelta``s."""
+
+    node_id: NodeId
+    listen: str = "127.0.0.1:0"
+    """HOST:PORT to bind; port 0 picks a free port (the real one is reported)."""
+    advertise_host: str | None = None
+    """The host other nodes dial; defaults to the listen host."""
+    etcd: EtcdConfig = field(default_factory=EtcdConfig)
+    key_prefix: str = "/dsh/"
+    lease: LeaseConfig = field(default_factory=LeaseConfig)
+    credential: ClusterCredential
+    placement: Placement = Placement.LEAST_LOADED
+    scenario: str = "dsh_mesh.scenarios:DEMO"
+    """``module:attribute`` naming the presets and model this node runs."""
+    shutdown_grace: timedelta = timedelta(seconds=5)
+    """On SIGTERM: how long running turns get to finish before their activations are released."""
+    load_interval: timedelta = timedelta(milliseconds=500)
+    """How often the node republishes its load (only when it changed)."""
+
+    def __post_init__(self) -> None:
+        if not _NODE_ID.fullmatch(self.node_id):
+            raise ValueError(f"node id {self.node_id!r} must match {_NODE_ID.pattern}")
+        host, _, port = self.listen.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"listen address {self.listen!r} is not HOST:PORT")
+        if not self.key_prefix.startswith("/") or not self.key_prefix.endswith("/"):
+            raise ValueError("key_prefix must start and end with '/'")
+        if ":" not in self.scenario:
+            raise ValueError("scenario must be 'module:attribute'")
+        if self.shutdown_grace < timedelta(0):
+            raise ValueError("shutdown_grace must not be negative")
+
+    @property
+    def listen_host(self) -> str:
+        """The host part of :attr:`listen`."""
+        return self.listen.rpartition(":")[0]
+
+
+_SETTINGS: tuple[tuple[str, str, str], ...] = (
+    # (setting, flag, help)
+    ("node_id", "--node-id", "this node's id (default: a random one)"),
+    ("listen", "--listen", "HOST:PORT to bind (port 0: any free port)"),
+    ("advertise_host", "--advertise-host", "host other nodes dial (default: the listen host)"),
+    ("etcd", "--etcd", "etcd endpoint HOST:PORT"),
+    ("key_prefix", "--key-prefix", "etcd key prefix of this mesh"),
+    ("lease_ttl", "--lease-ttl", "node lease TTL in seconds"),
+    ("cluster_token", "--cluster-token", "shared cluster credential (16+ characters)"),
+    ("placement", "--placement", "local | round-robin | least-loaded | others-first"),
+    ("scenario", "--scenario", "module:attribute of the presets and model to run"),
+    ("shutdown_grace", "--shutdown-grace", "seconds running turns get on SIGTERM"),
+)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The node program's command line."""
+    parser = argparse.ArgumentParser(prog="dsh-mesh-node", description="Run one dsh-mesh node.")
+    parser.add_argument("--config", type=Path, help="TOML file with [node] settings")
+    for setting, flag, help_text in _SETTINGS:
+        parser.add_argument(flag, dest=setting, help=help_text)
+    return parser.parse_args(argv)
+
+
+def load_config(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> NodeConfig:
+    """Merge file < environment (``DSH_<SETTING>``) < flags into a validated config."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    if args.config is not None:
+        with args.config.open("rb") as handle:
+            values.update(tomllib.load(handle).get("node", {}))
+    for setting, _, _ in _SETTINGS:
+        env = environ.get(f"DSH_{setting.upper()}")
+        if env is not None:
+            values[setting] = env
+        flag = getattr(args, setting, None)
+        if flag is not None:
+            values[setting] = flag
+    return _build(values)
+
+
+def _build(values: Mapping[str, Any]) -> NodeConfig:
+    token = values.get("cluster_token")
+    if token is None:
+        raise ValueError("a cluster token is required (--cluster-token or DSH_CLUSTER_TOKEN)")
+    kwargs: dict[str, Any] = {
+        "node_id": NodeId(str(values.get("node_id") or f"node-{secrets.token_hex(4)}")),
+        "credential": ClusterCredential(token=str(token)),
+    }
+    for name in ("listen", "advertise_host", "key_prefix", "scenario"):
+        if values.get(name) is not None:
+            kwargs[name] = str(values[name])
+    if values.get("etcd") is not None:
+        kwargs["etcd"] = EtcdConfig(endpoint=str(values["etcd"]))
+    if values.get("lease_ttl") is not None:
+        kwargs["lease"] = LeaseConfig(ttl=timedelta(seconds=float(values["lease_ttl"])))
+    if values.get("placement") is not None:
+        kwargs["placement"] = Placement(str(values["placement"]))
+    if values.get("shutdown_grace") is not None:
+        kwargs["shutdown_grace"] = timedelta(seconds=float(values["shutdown_grace"]))
+    return NodeConfig(**kwargs)

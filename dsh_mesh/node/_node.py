@@ -1,0 +1,234 @@
+"""One node: the components of a node process and their single lifecycle.
+
+``Node.run()`` connects to etcd, starts the gRPC server (AgentMesh, MeshPeer, MeshControl,
+health, reflection), follows the directory, and then, for as long as it is not stopped: grants a
+lease, registers, hosts agents under a fresh continuation manager, and keeps the lease alive. A
+lost lease fences the node at once (its agents stop, its health turns NOT_SERVING, it accepts
+nothing) until it has a new lease and has registered again. :meth:`Node.stop` (SIGTERM) drains:
+running turns get the grace period, activations are released so other nodes can cold-resume
+them at once, the lease is revoked and the server stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from dsh_mesh._proto.dsh.mesh.peer.v1 import peer_pb2, peer_pb2_grpc
+from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
+from dsh_mesh.core import Activation, MeshError, NodeFenced, RandomIds
+from dsh_mesh.node._config import NodeConfig
+from dsh_mesh.node._router import ClusterRouter
+from dsh_mesh.node._scenario import Scenario
+from dsh_mesh.registry import (
+    ActivationEnded,
+    Directory,
+    DirectoryEvent,
+    Etcd,
+    EtcdSessionStore,
+    Keys,
+    LeaseKeeper,
+    LeaseLost,
+    NodeInfo,
+)
+from dsh_mesh.registry._etcd import put
+from dsh_mesh.runtime import ContinuationManager, ManagerConfig
+from dsh_mesh.transport import (
+    AgentMeshService,
+    ClusterAuthInterceptor,
+    MeshControlService,
+    MeshPeerService,
+    PeerPool,
+)
+
+_log = logging.getLogger(__name__)
+_READY_TIMEOUT = timedelta(seconds=30)
+_SERVER_GRACE = timedelta(seconds=1)
+
+
+class Node:
+    """A node process's components. Call :meth:`run` once; :meth:`stop` is idempotent and safe
+    from a signal handler."""
+
+    def __init__(self, config: NodeConfig, scenario: Scenario) -> None:
+        self.config = config
+        self._scenario = scenario
+        self._provider = scenario.provider()
+        self._stopping = asyncio.Event()
+        self._manager: ContinuationManager | None = None
+        self._group: asyncio.TaskGroup | None = None
+        self.address: str | None = None
+        """``host:port`` other nodes dial; set once the server listens."""
+
+    def stop(self) -> None:
+        """Ask the node to drain and exit."""
+        self._stopping.set()
+
+    def manager(self) -> ContinuationManager:
+        """The current manager; raises :class:`NodeFenced` while the node holds no lease."""
+        if self._manager is None:
+            raise NodeFenced(f"node {self.config.node_id} holds no lease right now")
+        return self._manager
+
+    async def run(self, *, ready: Callable[[str], None] | None = None) -> None:
+        """Serve until :meth:`stop`; ``ready(address)`` is called once the node first serves."""
+        config = self.config
+        keys = Keys(config.key_prefix.encode())
+        async with Etcd(config.etcd) as etcd:
+            lease = LeaseKeeper(etcd, config.lease)
+            directory = Directory(etcd, keys, on_event=self._on_directory_event)
+            store = EtcdSessionStore(etcd, keys, lease=lambda: lease.lease_id, directory=directory)
+            pool = PeerPool(
+                node_id=config.node_id,
+                credential=config.credential,
+                address_of=lambda node: _address(directory, node),
+            )
+            router = ClusterRouter(
+                node_id=config.node_id,
+                directory=directory,
+                pool=pool,
+                placement=config.placement,
+            )
+            health = HealthServicer()
+            server = grpc.aio.server(interceptors=[ClusterAuthInterceptor(config.credential)])
+            mesh_pb2_grpc.add_AgentMeshServicer_to_server(
+                AgentMeshService(self.manager, store.current_activation), server
+            )
+            mesh_pb2_grpc.add_MeshControlServicer_to_server(
+                MeshControlService(self.manager), server
+            )
+            peer_pb2_grpc.add_MeshPeerServicer_to_server(MeshPeerService(self.manager), server)
+            health_pb2_grpc.add_HealthServicer_to_server(health, server)
+            reflection.enable_server_reflection(
+                (
+                    mesh_pb2.DESCRIPTOR.services_by_name["AgentMesh"].full_name,
+                    mesh_pb2.DESCRIPTOR.services_by_name["MeshControl"].full_name,
+                    peer_pb2.DESCRIPTOR.services_by_name["MeshPeer"].full_name,
+                    health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                    reflection.SERVICE_NAME,
+                ),
+                server,
+            )
+            port = server.add_insecure_port(config.listen)
+            self.address = f"{config.advertise_host or config.listen_host}:{port}"
+            await health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            await server.start()
+            try:
+                async with pool, asyncio.TaskGroup() as group:
+                    self._group = group
+                    following = group.create_task(directory.follow(), name="directory")
+                    await asyncio.wait_for(directory.ready(), _READY_TIMEOUT.total_seconds())
+                    await self._serve(etcd, keys, lease, store, router, health, ready)
+                    following.cancel()
+            finally:
+                self._group = None
+                with contextlib.suppress(MeshError):
+                    await lease.revoke()
+                await server.stop(_SERVER_GRACE.total_seconds())
+
+    async def _serve(
+        self,
+        etcd: Etcd,
+        keys: Keys,
+        lease: LeaseKeeper,
+        store: EtcdSessionStore,
+        router: ClusterRouter,
+        health: HealthServicer,
+        ready: Callable[[str], None] | None,
+    ) -> None:
+        assert self.address is not None
+        while not self._stopping.is_set():
+            await lease.grant()
+            await self._register(etcd, keys, lease.lease_id, load=0)
+            async with ContinuationManager(
+                store=store,
+                provider=self._provider,
+                presets=self._scenario.presets,
+                config=ManagerConfig(node_id=self.config.node_id),
+                ids=RandomIds(),
+                router=router,
+            ) as manager:
+                self._manager = manager
+                await health.set("", health_pb2.HealthCheckResponse.SERVING)
+                _log.info("node %s serving at %s", self.config.node_id, self.address)
+                if ready is not None:
+                    ready(self.address)
+                    ready = None
+                lost = await self._hold(etcd, keys, lease, manager, router)
+                await health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+                self._manager = None
+                if lost:
+                    # Fenced: the lease (and every activation bound to it) is gone or about to
+                    # be. Stop every agent now; nothing of them may be written any more.
+                    _log.error("node %s lost its lease: fenced", self.config.node_id)
+                    manager.shutdown()
+                else:
+                    await manager.drain(self.config.shutdown_grace)
+
+    async def _hold(
+        self,
+        etcd: Etcd,
+        keys: Keys,
+        lease: LeaseKeeper,
+        manager: ContinuationManager,
+        router: ClusterRouter,
+    ) -> bool:
+        """Keep the lease and publish load until stopped (False) or the lease is lost (True)."""
+        keeping = asyncio.create_task(lease.keep(), name="lease keepalive")
+        stopping = asyncio.create_task(self._stopping.wait(), name="stop request")
+        publishing = asyncio.create_task(
+            self._publish_load(etcd, keys, lease, manager, router), name="load"
+        )
+        try:
+            await asyncio.wait((keeping, stopping), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (keeping, stopping, publishing):
+                task.cancel()
+            results = await asyncio.gather(keeping, stopping, publishing, return_exceptions=True)
+        return isinstance(results[0], LeaseLost)
+
+    async def _publish_load(
+        self,
+        etcd: Etcd,
+        keys: Keys,
+        lease: LeaseKeeper,
+        manager: ContinuationManager,
+        router: ClusterRouter,
+    ) -> None:
+        published = 0
+        while True:
+            load = len(manager.agents)
+            router.local_load = load
+            if load != published:
+                with contextlib.suppress(MeshError):
+                    await self._register(etcd, keys, lease.lease_id, load=load)
+                    published = load
+            await asyncio.sleep(self.config.load_interval.total_seconds())
+
+    async def _register(self, etcd: Etcd, keys: Keys, lease_id: int, *, load: int) -> None:
+        assert self.address is not None
+        info = NodeInfo(node_id=self.config.node_id, address=self.address, load=load)
+        await etcd.txn([], [put(keys.node(self.config.node_id), info.encode(), lease=lease_id)])
+
+    def _on_directory_event(self, event: DirectoryEvent) -> None:
+        if isinstance(event, ActivationEnded) and self._group is not None and self._manager:
+            self._group.create_task(self._activation_ended(self._manager, event.activation))
+
+    async def _activation_ended(self, manager: ContinuationManager, ended: Activation) -> None:
+        try:
+            await manager.activation_ended(ended)
+        except MeshError as error:
+            _log.warning("could not settle lost activation %s: %s", ended.activation_id, error)
+
+
+def _address(directory: Directory, node: str) -> str | None:
+    info = directory.nodes().get(node)  # type: ignore[call-overload]
+    return None if info is None else info.address

@@ -1,0 +1,301 @@
+"""The one place where domain values become the bytes stored in etcd, and back.
+
+Format (version 1). Every stored value is one JSON object: UTF-8, compact (no insignificant
+whitespace), keys sorted, non-ASCII written as itself, so equal values are equal bytes. Wrapped
+here; ``tests/unit/test_codec.py`` pins the exact bytes of every kind::
+
+    header      {"fork_origin":null,"kind":"root","parent_session":null,"session_id":"s-1",
+                 "spec":{"model":"m","preset":"lead","tools":[]},"v":1}
+    activation  {"activation_id":"a-1","node_id":"n-1","parent_activation":null,
+                 "session_id":"s-1","v":1}
+    entry       {"content":"hello","type":"human_prompt","v":1}
+    acceptance  {"fingerprint":"f","kind":"steered","seq":3,"target":"s-2",
+                 "target_activation":"a-2","v":1}
+
+- ``"v"`` is the format version; only the outermost object carries it.
+- ``"type"`` tags a transcript entry with a stable name (see ``ENTRY_TAGS``), never a Python
+  class name, so classes may be renamed freely.
+- Every other key is a dataclass field name, and every field is written, defaults included.
+  Nested dataclasses are plain objects, tuples are arrays, ``None`` is ``null``, enums are their
+  ``.value`` and ids are strings.
+- A ``str`` holding lone surrogates (no valid UTF-8 can, a Python ``str`` can: think of tool output
+  decoded with ``surrogateescape``) is written with ``surrogatepass``, so it round-trips exactly.
+
+Decoding is strict: the exact set of fields, exact JSON types (``true`` is not an int), no
+duplicate keys, a known tag and version; anything else raises :class:`CodecError`.
+
+Changing any of this changes what is already stored: renaming or adding a field of a stored
+dataclass (even one with a default), renaming a tag, or changing an enum's value. Such a change
+needs a bump of ``FORMAT_VERSION`` together with a decoder that still reads every older version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import json
+import types
+import typing
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Final, Literal, NewType, TypeVar, Union
+
+from dsh_mesh.core import (
+    Activation,
+    AgentMessageEntry,
+    AssistantStepEntry,
+    ConsumedEntry,
+    Entry,
+    ForkPrefixEntry,
+    HumanPromptEntry,
+    MeshError,
+    SessionHeader,
+    SettlementNoticeEntry,
+    TaskEntry,
+    ToolResultEntry,
+    TurnEndedEntry,
+    TurnStartedEntry,
+)
+from dsh_mesh.runtime import Acceptance
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+_D = TypeVar("_D", bound="DataclassInstance")
+
+FORMAT_VERSION: Final = 1
+"""The version every encoder writes and the only one the decoders accept."""
+
+ENTRY_TAGS: Final[Mapping[str, type[Entry]]] = types.MappingProxyType(
+    {
+        "task": TaskEntry,
+        "human_prompt": HumanPromptEntry,
+        "agent_message": AgentMessageEntry,
+        "settlement_notice": SettlementNoticeEntry,
+        "fork_prefix": ForkPrefixEntry,
+        "turn_started": TurnStartedEntry,
+        "consumed": ConsumedEntry,
+        "assistant_step": AssistantStepEntry,
+        "tool_result": ToolResultEntry,
+        "turn_ended": TurnEndedEntry,
+    }
+)
+"""The stored ``"type"`` tag of each transcript entry class. Tags are part of the format."""
+
+_TAG_OF: Final[Mapping[type[Entry], str]] = {cls: tag for tag, cls in ENTRY_TAGS.items()}
+_VERSION_KEY: Final = "v"
+_TAG_KEY: Final = "type"
+
+
+class CodecError(MeshError):
+    """Stored bytes are not a value of the expected kind in a format version this code reads.
+
+    Raised by every ``decode_*`` function (from the underlying error, when there is one); the
+    message names the offending path, e.g. ``entry(assistant_step).usage.input_tokens``.
+    Retrying cannot help: the stored value is corrupt or was written by an incompatible version.
+    """
+
+
+# -- public API -------------------------------------------------------------------------------
+
+
+def encode_header(header: SessionHeader) -> bytes:
+    """The stored form of a session header. Pure and deterministic: equal headers, equal bytes."""
+    return _encode(header, tag=None)
+
+
+def decode_header(data: bytes) -> SessionHeader:
+    """The header ``encode_header`` stored as ``data``; raises :class:`CodecError` otherwise
+    (including a header that breaks :class:`SessionHeader`'s own invariants)."""
+    return _decode(SessionHeader, _open(data, "header", tagged=False), "header")
+
+
+def encode_activation(activation: Activation) -> bytes:
+    """The stored form of an activation. Pure and deterministic: equal values, equal bytes."""
+    return _encode(activation, tag=None)
+
+
+def decode_activation(data: bytes) -> Activation:
+    """The activation ``encode_activation`` stored as ``data``; raises :class:`CodecError`
+    otherwise."""
+    return _decode(Activation, _open(data, "activation", tagged=False), "activation")
+
+
+def encode_entry(entry: Entry) -> bytes:
+    """The stored form of a transcript entry, tagged with its ``ENTRY_TAGS`` name. Pure and
+    deterministic: equal entries, equal bytes. Raises ``TypeError`` for a non-entry."""
+    tag = _TAG_OF.get(type(entry))
+    if tag is None:
+        raise TypeError(f"{type(entry).__name__} is not a transcript entry")
+    return _encode(entry, tag=tag)
+
+
+def decode_entry(data: bytes) -> Entry:
+    """The entry ``encode_entry`` stored as ``data``, of the class its tag names; raises
+    :class:`CodecError` otherwise (including an unknown tag)."""
+    fields = _open(data, "entry", tagged=True)
+    tag = fields.pop(_TAG_KEY)
+    cls = ENTRY_TAGS.get(tag) if isinstance(tag, str) else None
+    if cls is None:
+        raise CodecError(f"entry: unknown type tag {tag!r}")
+    return _decode(cls, fields, f"entry({tag})")
+
+
+def encode_acceptance(acceptance: Acceptance) -> bytes:
+    """The stored form of an idempotency record. Pure and deterministic: equal values, equal
+    bytes."""
+    return _encode(acceptance, tag=None)
+
+
+def decode_acceptance(data: bytes) -> Acceptance:
+    """The acceptance ``encode_acceptance`` stored as ``data``; raises :class:`CodecError`
+    otherwise."""
+    return _decode(Acceptance, _open(data, "acceptance", tagged=False), "acceptance")
+
+
+# -- encoding ---------------------------------------------------------------------------------
+
+
+def _encode(value: DataclassInstance, *, tag: str | None) -> bytes:
+    fields = _fields_to_json(value)
+    envelope: dict[str, object] = {_VERSION_KEY: FORMAT_VERSION}
+    if tag is not None:
+        envelope[_TAG_KEY] = tag
+    if clash := envelope.keys() & fields.keys():
+        # A field named like an envelope key would be silently overwritten on the way out.
+        raise TypeError(f"{type(value).__name__} has fields reserved by the codec: {clash}")
+    text = json.dumps(
+        fields | envelope,
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
+        allow_nan=False,
+    )
+    return text.encode("utf-8", "surrogatepass")
+
+
+def _fields_to_json(value: DataclassInstance) -> dict[str, object]:
+    return {f.name: _to_json(getattr(value, f.name)) for f in dataclasses.fields(value)}
+
+
+def _to_json(value: object) -> object:
+    if value is None or isinstance(value, str | int):  # bool is an int
+        return value
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, tuple):
+        return [_to_json(item) for item in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _fields_to_json(value)
+    raise TypeError(f"the codec cannot store a {type(value).__name__}")
+
+
+# -- decoding ---------------------------------------------------------------------------------
+
+
+def _open(data: bytes, what: str, *, tagged: bool) -> dict[str, object]:
+    """Parse ``data`` into its top-level object and strip the envelope (the version; the tag
+    stays in for the caller when ``tagged``)."""
+    try:
+        parsed = json.loads(
+            data.decode("utf-8", "surrogatepass"),
+            object_pairs_hook=_unique_keys,
+            parse_constant=_no_constant,
+        )
+    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
+        raise CodecError(f"{what}: not a JSON document: {exc}") from exc
+    if not isinstance(parsed, dict):
+        raise CodecError(f"{what}: expected a JSON object, got {_json_kind(parsed)}")
+    fields: dict[str, object] = parsed
+    version = fields.pop(_VERSION_KEY, None)
+    if type(version) is not int or version != FORMAT_VERSION:
+        raise CodecError(f"{what}: unsupported format version {version!r}")
+    if tagged and _TAG_KEY not in fields:
+        raise CodecError(f"{what}: missing type tag")
+    return fields
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        raise ValueError("duplicate key in JSON object")
+    return result
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _decode(cls: type[_D], data: object, path: str) -> _D:
+    """Build the dataclass ``cls`` from a JSON object holding exactly its fields."""
+    if not isinstance(data, dict):
+        raise CodecError(f"{path}: expected an object, got {_json_kind(data)}")
+    hints = _field_types(cls)
+    missing = sorted(hints.keys() - data.keys())
+    extra = sorted(data.keys() - hints.keys())
+    if missing or extra:
+        raise CodecError(f"{path}: missing fields {missing}, unexpected fields {extra}")
+    kwargs = {name: _from_json(tp, data[name], f"{path}.{name}") for name, tp in hints.items()}
+    try:
+        return cls(**kwargs)
+    except (MeshError, TypeError, ValueError) as exc:  # a __post_init__ invariant
+        raise CodecError(f"{path}: {exc}") from exc
+
+
+@functools.cache
+def _field_types(cls: type[DataclassInstance]) -> dict[str, object]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _from_json(tp: object, data: object, path: str) -> object:
+    """Check ``data`` against the annotation ``tp`` and build the value it stands for.
+
+    Only the shapes stored values use are supported; any other annotation is a bug here, hence
+    ``TypeError`` rather than :class:`CodecError`.
+    """
+    if isinstance(tp, NewType):
+        return _from_json(tp.__supertype__, data, path)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        if any(type(data) is type(arg) and data == arg for arg in args):
+            return data
+        raise CodecError(f"{path}: expected one of {list(args)}, got {data!r}")
+    if origin is types.UnionType or origin is Union:
+        if data is None and type(None) in args:
+            return None
+        options = [arg for arg in args if arg is not type(None)]
+        if len(options) == 1:  # only ``X | None`` is stored
+            return _from_json(options[0], data, path)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        if not isinstance(data, list):
+            raise CodecError(f"{path}: expected an array, got {_json_kind(data)}")
+        return tuple(_from_json(args[0], item, f"{path}[{i}]") for i, item in enumerate(data))
+    if tp in (str, int, bool):
+        if type(data) is not tp:  # exact: a JSON true is not an int, a float is not an int
+            raise CodecError(f"{path}: expected {_JSON_KINDS[tp]}, got {_json_kind(data)}")
+        return data
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        for member in tp:
+            if type(member.value) is type(data) and member.value == data:
+                return member
+        raise CodecError(f"{path}: {data!r} is not a {tp.__name__}")
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return _decode(tp, data, path)
+    raise TypeError(f"{path}: the codec has no rule for {tp!r}")
+
+
+_JSON_KINDS: Final[Mapping[type, str]] = {
+    type(None): "null",
+    bool: "a boolean",
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    list: "an array",
+    dict: "an object",
+}
+
+
+def _json_kind(data: object) -> str:
+    """How a parsed JSON value reads in an error message (parsing yields exact types)."""
+    return _JSON_KINDS.get(type(data), type(data).__name__)

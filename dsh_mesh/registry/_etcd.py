@@ -1,0 +1,214 @@
+"""A thin, typed facade over etcd's KV, Lease and Watch APIs (through ``aetcd``).
+
+Everything the registry asks of etcd goes through :class:`Etcd`, which gives every call a
+deadline, turns transport failures into :class:`RegistryUnavailable`, and counts the reads and
+transactions it sends so tests can prove what the hot path costs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import aetcd
+import aetcd.exceptions
+import grpc
+from aetcd import rpc
+
+from dsh_mesh.core import RegistryUnavailable
+from dsh_mesh.registry._keys import prefix_end
+
+
+@dataclass(frozen=True, kw_only=True)
+class EtcdConfig:
+    """Where etcd is and how long any one call to it may take."""
+
+    endpoint: str = "127.0.0.1:2379"
+    call_timeout: timedelta = timedelta(seconds=5)
+
+    def __post_init__(self) -> None:
+        host, _, port = self.endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"etcd endpoint {self.endpoint!r} is not HOST:PORT")
+        if self.call_timeout <= timedelta(0):
+            raise ValueError("call_timeout must be positive")
+
+    @property
+    def host(self) -> str:
+        """The endpoint's host."""
+        return self.endpoint.rpartition(":")[0]
+
+    @property
+    def port(self) -> int:
+        """The endpoint's port."""
+        return int(self.endpoint.rpartition(":")[2])
+
+
+class Target(enum.IntEnum):
+    """What a comparison looks at (etcd's ``Compare.CompareTarget``)."""
+
+    VERSION = 0
+    CREATE = 1
+    MOD = 2
+    VALUE = 3
+
+
+class Result(enum.IntEnum):
+    """How a comparison compares (etcd's ``Compare.CompareResult``)."""
+
+    EQUAL = 0
+    GREATER = 1
+    LESS = 2
+    NOT_EQUAL = 3
+
+
+def compare(key: bytes, target: Target, result: Result, value: int | bytes) -> Any:
+    """One transaction guard, e.g. ``compare(k, Target.CREATE, Result.EQUAL, 0)`` (absent)."""
+    guard = rpc.Compare(key=key, target=int(target), result=int(result))
+    if target is Target.VERSION:
+        guard.version = int(value)
+    elif target is Target.CREATE:
+        guard.create_revision = int(value)
+    elif target is Target.MOD:
+        guard.mod_revision = int(value)
+    else:
+        assert isinstance(value, bytes)
+        guard.value = value
+    return guard
+
+
+def put(key: bytes, value: bytes, *, lease: int = 0) -> Any:
+    """A put operation for a transaction."""
+    return rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value, lease=lease))
+
+
+def get(key: bytes) -> Any:
+    """A single-key read operation for a transaction."""
+    return rpc.RequestOp(request_range=rpc.RangeRequest(key=key))
+
+
+def delete(key: bytes) -> Any:
+    """A single-key delete operation for a transaction."""
+    return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key))
+
+
+class Etcd:
+    """One connection to etcd. Use ``async with Etcd(config) as etcd``; :meth:`close` is
+    idempotent. Safe for concurrent use from one event loop."""
+
+    def __init__(self, config: EtcdConfig) -> None:
+        self.config = config
+        self._timeout = config.call_timeout.total_seconds()
+        self._client = aetcd.Client(
+            host=config.host, port=config.port, timeout=max(1, round(self._timeout))
+        )
+        self.reads = 0
+        """Range requests sent (a transaction's own reads are not counted here)."""
+        self.txns = 0
+        """Transactions sent."""
+
+    async def __aenter__(self) -> Etcd:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.close()
+
+    async def connect(self) -> None:
+        """Open the channel (lazily dialled by gRPC; no request is sent)."""
+        async with self._errors():
+            await self._client.connect()
+
+    async def close(self) -> None:
+        """Close the channel and any watch stream. Idempotent."""
+        await self._client.close()
+
+    # -- KV -------------------------------------------------------------------------------------
+
+    async def txn(
+        self, compares: Sequence[Any], success: Sequence[Any], failure: Sequence[Any] = ()
+    ) -> Any:
+        """Run one transaction; returns etcd's ``TxnResponse`` (``succeeded``, ``responses``)."""
+        self.txns += 1
+        request = rpc.TxnRequest(compare=compares, success=success, failure=failure)
+        async with self._errors():
+            await self._client.connect()
+            return await self._client.kvstub.Txn(
+                request, timeout=self._timeout, metadata=self._client.metadata
+            )
+
+    async def get(self, key: bytes) -> Any | None:
+        """The key's ``KeyValue`` (value, create/mod revision, version, lease) or None."""
+        response = await self.range(key)
+        return response.kvs[0] if response.kvs else None
+
+    async def get_prefix(self, prefix: bytes, *, start: bytes | None = None) -> Any:
+        """Every key starting with ``prefix`` (from ``start`` on, if given), in key order.
+        Returns etcd's ``RangeResponse``, whose ``header.revision`` is the snapshot read."""
+        return await self.range(start or prefix, prefix_end(prefix))
+
+    async def range(self, key: bytes, range_end: bytes = b"") -> Any:
+        """One linearizable Range request."""
+        self.reads += 1
+        request = rpc.RangeRequest(key=key, range_end=range_end)
+        async with self._errors():
+            await self._client.connect()
+            return await self._client.kvstub.Range(
+                request, timeout=self._timeout, metadata=self._client.metadata
+            )
+
+    # -- leases ---------------------------------------------------------------------------------
+
+    async def grant(self, ttl: timedelta) -> int:
+        """Grant a lease of ``ttl`` (whole seconds, at least 1); returns its id."""
+        async with self._errors():
+            lease = await self._client.lease(max(1, round(ttl.total_seconds())))
+        return int(lease.id)
+
+    async def keepalive(self, lease: int) -> int:
+        """Refresh ``lease`` once; returns the TTL etcd granted (<= 0: the lease is gone)."""
+        async with self._errors():
+            reply = await self._client.refresh_lease(lease)
+        return 0 if reply is None else int(reply.TTL)
+
+    async def revoke(self, lease: int) -> None:
+        """Revoke ``lease``: every key bound to it is deleted at once."""
+        async with self._errors():
+            await self._client.revoke_lease(lease)
+
+    # -- watch ----------------------------------------------------------------------------------
+
+    async def watch_prefix(self, prefix: bytes, *, start_revision: int) -> AsyncIterator[Any]:
+        """Yield watch events (``kind`` PUT or DELETE, ``kv``, ``prev_kv``) for ``prefix``
+        from ``start_revision`` (inclusive), with previous values on deletes. Raises
+        :class:`RegistryUnavailable` when the stream breaks; the caller resumes from its last
+        revision + 1."""
+        async with self._errors():
+            watch = await self._client.watch(
+                prefix,
+                range_end=prefix_end(prefix),
+                start_revision=start_revision,
+                prev_kv=True,
+            )
+        try:
+            async with self._errors():
+                async for response in watch:
+                    yield response
+        finally:
+            # A broken stream has nothing left to cancel.
+            with contextlib.suppress(aetcd.exceptions.ClientError, grpc.RpcError):
+                await watch.cancel()
+
+    @asynccontextmanager
+    async def _errors(self) -> AsyncIterator[None]:
+        try:
+            yield
+        except aetcd.exceptions.RevisionCompactedError:
+            raise
+        except (aetcd.exceptions.ClientError, grpc.RpcError, OSError) as error:
+            raise RegistryUnavailable(f"etcd {self.config.endpoint}: {error}") from error

@@ -1,0 +1,275 @@
+"""The :class:`SessionStore` on etcd: create-only headers, lease-bound activations won by
+create-if-absent, fenced transcript appends and idempotency records written in the same
+transaction as the entry they protect (key layout: docs/etcd-layout.md).
+
+Fencing: an activation is identified in etcd by the revision at which its key was created. A
+transcript append compares that create revision; a key that expired with its node's lease, was
+released, or was won again by another node has another create revision (or none), so a writer
+that lost its activation can never append again, whatever it believes locally.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from dsh_mesh.core import (
+    Activation,
+    ActivationFenced,
+    ActivationId,
+    Entry,
+    Record,
+    RegistryUnavailable,
+    SessionExists,
+    SessionHeader,
+    SessionId,
+    SessionUnknown,
+)
+from dsh_mesh.registry._codec import (
+    decode_acceptance,
+    decode_activation,
+    decode_entry,
+    decode_header,
+    encode_acceptance,
+    encode_activation,
+    encode_entry,
+    encode_header,
+)
+from dsh_mesh.registry._etcd import Etcd, Result, Target, compare, delete, get, put
+from dsh_mesh.registry._keys import Keys
+from dsh_mesh.runtime import Acceptance, IdempotencyKey, check_same_request
+
+_APPEND_ATTEMPTS = 32
+_ACTIVATE_ATTEMPTS = 8
+
+
+class ActivationView(Protocol):
+    """A watch-fed view of current activations, read instead of etcd when it is in sync."""
+
+    @property
+    def synced(self) -> bool:
+        """True while the view follows etcd's watch stream."""
+        ...
+
+    def activation(self, session: SessionId) -> Activation | None:
+        """The session's current activation as last seen on the watch."""
+        ...
+
+    def note(self, activation: Activation) -> None:
+        """Record an activation this process just wrote, ahead of its watch event."""
+        ...
+
+    def forget(self, activation: Activation) -> None:
+        """Drop an activation this process released, ahead of its watch event."""
+        ...
+
+
+class EtcdSessionStore:
+    """Durable session state in etcd, for one node.
+
+    ``lease`` returns the node's current lease id (it raises when the node is fenced); every
+    activation this store wins is bound to it. Headers are cached forever (they never change);
+    the last seq of sessions this node writes is cached and re-read only when a transaction
+    says it moved. Every method is safe to call concurrently from one event loop.
+    """
+
+    def __init__(
+        self,
+        etcd: Etcd,
+        keys: Keys,
+        *,
+        lease: Callable[[], int],
+        directory: ActivationView | None = None,
+    ) -> None:
+        self._etcd = etcd
+        self._keys = keys
+        self._lease = lease
+        self._directory = directory
+        self._headers: dict[SessionId, SessionHeader] = {}
+        self._seqs: dict[SessionId, int] = {}
+        self._fences: dict[ActivationId, int] = {}
+
+    # -- headers --------------------------------------------------------------------------------
+
+    async def create_header(self, header: SessionHeader) -> None:
+        session = header.session_id
+        key = self._keys.header(session)
+        response = await self._etcd.txn(
+            [compare(key, Target.CREATE, Result.EQUAL, 0)],
+            [put(key, encode_header(header)), put(self._keys.head(session), b"0")],
+        )
+        if not response.succeeded:
+            raise SessionExists(session)
+        self._headers[session] = header
+        self._seqs[session] = 0
+
+    async def get_header(self, session: SessionId) -> SessionHeader | None:
+        header = self._headers.get(session)
+        if header is None:
+            kv = await self._etcd.get(self._keys.header(session))
+            if kv is None:
+                return None
+            header = self._headers.setdefault(session, decode_header(kv.value))
+        return header
+
+    # -- activations ----------------------------------------------------------------------------
+
+    async def try_activate(self, activation: Activation) -> Activation:
+        session = activation.session_id
+        key = self._keys.activation(session)
+        for _ in range(_ACTIVATE_ATTEMPTS):
+            response = await self._etcd.txn(
+                [
+                    compare(key, Target.CREATE, Result.EQUAL, 0),
+                    compare(self._keys.header(session), Target.CREATE, Result.GREATER, 0),
+                ],
+                [put(key, encode_activation(activation), lease=self._lease())],
+                [get(key), get(self._keys.header(session))],
+            )
+            if response.succeeded:
+                self._fences[activation.activation_id] = response.header.revision
+                self._note(activation)
+                return activation
+            current_kv, header_kv = (_only(r) for r in response.responses)
+            if header_kv is None:
+                raise SessionUnknown(session)
+            if current_kv is not None:
+                current = decode_activation(current_kv.value)
+                self._fences[current.activation_id] = current_kv.create_revision
+                return current
+            # The holder let go between our compare and our read: race again.
+        raise RegistryUnavailable(f"{session}: activation kept changing hands")
+
+    async def current_activation(
+        self, session: SessionId, *, fresh: bool = False
+    ) -> Activation | None:
+        if not fresh and self._directory is not None and self._directory.synced:
+            return self._directory.activation(session)
+        kv = await self._etcd.get(self._keys.activation(session))
+        return None if kv is None else decode_activation(kv.value)
+
+    async def rebind(self, activation: Activation, parent_activation: ActivationId) -> Activation:
+        fence = await self._fence_of(activation.session_id, activation.activation_id)
+        key = self._keys.activation(activation.session_id)
+        rebound = activation.rebound(parent_activation)
+        response = await self._etcd.txn(
+            [compare(key, Target.CREATE, Result.EQUAL, fence)],
+            [put(key, encode_activation(rebound), lease=self._lease())],
+        )
+        if not response.succeeded:
+            raise ActivationFenced(f"{activation.session_id}: {activation.activation_id} is gone")
+        self._note(rebound)
+        return rebound
+
+    async def release(self, activation: Activation) -> None:
+        fence = self._fences.pop(activation.activation_id, None)
+        if fence is None:
+            return
+        key = self._keys.activation(activation.session_id)
+        await self._etcd.txn([compare(key, Target.CREATE, Result.EQUAL, fence)], [delete(key)])
+        if self._directory is not None:
+            self._directory.forget(activation)
+
+    # -- transcript -----------------------------------------------------------------------------
+
+    async def append(
+        self,
+        session: SessionId,
+        entry: Entry,
+        *,
+        writer: ActivationId | None,
+        idempotency: tuple[IdempotencyKey, Acceptance] | None = None,
+    ) -> tuple[Record, Acceptance | None]:
+        head = self._keys.head(session)
+        active = self._keys.activation(session)
+        idem = None if idempotency is None else self._idempotency_key(idempotency[0])
+        payload = encode_entry(entry)
+        fence = 0 if writer is None else await self._fence_of(session, writer)
+        for _ in range(_APPEND_ATTEMPTS):
+            seq = self._seqs.get(session)
+            if seq is None:
+                seq = await self._read_seq(session)
+            compares = [
+                compare(head, Target.VALUE, Result.EQUAL, str(seq).encode()),
+                compare(active, Target.CREATE, Result.EQUAL, fence),
+            ]
+            success = [
+                put(head, str(seq + 1).encode()),
+                put(self._keys.entry(session, seq + 1), payload),
+            ]
+            failure = [get(head), get(active)]
+            if idempotency is not None and idem is not None:
+                accepted = dataclasses.replace(idempotency[1], seq=seq + 1)
+                compares.append(compare(idem, Target.CREATE, Result.EQUAL, 0))
+                success.append(put(idem, encode_acceptance(accepted)))
+                failure.append(get(idem))
+            response = await self._etcd.txn(compares, success, failure)
+            if response.succeeded:
+                self._seqs[session] = seq + 1
+                return Record(seq=seq + 1, entry=entry), None
+            head_kv, active_kv, *rest = (_only(r) for r in response.responses)
+            if rest and rest[0] is not None and idempotency is not None:
+                known = decode_acceptance(rest[0].value)
+                check_same_request(idempotency[0], known, idempotency[1])
+                return await self._record(known.target, known.seq), known
+            if head_kv is None:
+                raise SessionUnknown(session)
+            holder = 0 if active_kv is None else active_kv.create_revision
+            if holder != fence:
+                raise ActivationFenced(f"{session}: writer {writer} is not the current activation")
+            self._seqs[session] = int(head_kv.value)
+        raise RegistryUnavailable(f"{session}: transcript head kept moving")
+
+    async def lookup(self, key: IdempotencyKey) -> Acceptance | None:
+        kv = await self._etcd.get(self._idempotency_key(key))
+        return None if kv is None else decode_acceptance(kv.value)
+
+    async def read(self, session: SessionId, *, after_seq: int = 0) -> list[Record]:
+        prefix = self._keys.entries(session)
+        response = await self._etcd.get_prefix(
+            prefix, start=self._keys.entry(session, after_seq + 1)
+        )
+        if not response.kvs and await self.get_header(session) is None:
+            raise SessionUnknown(session)
+        return [
+            Record(seq=int(kv.key[len(prefix) :]), entry=decode_entry(kv.value))
+            for kv in response.kvs
+        ]
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    async def _record(self, session: SessionId, seq: int) -> Record:
+        kv = await self._etcd.get(self._keys.entry(session, seq))
+        if kv is None:
+            raise SessionUnknown(f"{session}: no entry {seq}")
+        return Record(seq=seq, entry=decode_entry(kv.value))
+
+    async def _read_seq(self, session: SessionId) -> int:
+        kv = await self._etcd.get(self._keys.head(session))
+        if kv is None:
+            raise SessionUnknown(session)
+        return int(kv.value)
+
+    async def _fence_of(self, session: SessionId, writer: ActivationId) -> int:
+        fence = self._fences.get(writer)
+        if fence is not None:
+            return fence
+        kv = await self._etcd.get(self._keys.activation(session))
+        if kv is None or decode_activation(kv.value).activation_id != writer:
+            raise ActivationFenced(f"{session}: writer {writer} is not the current activation")
+        self._fences[writer] = kv.create_revision
+        return int(kv.create_revision)
+
+    def _idempotency_key(self, key: IdempotencyKey) -> bytes:
+        return self._keys.idempotency(key.principal, key.key)
+
+    def _note(self, activation: Activation) -> None:
+        if self._directory is not None:
+            self._directory.note(activation)
+
+
+def _only(response: Any) -> Any | None:
+    """The one ``KeyValue`` a transaction's single-key Range returned, if any."""
+    kvs = response.response_range.kvs
+    return kvs[0] if kvs else None

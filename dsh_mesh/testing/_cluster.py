@@ -1,0 +1,332 @@
+"""Real node processes on loopback, for integration tests and the demo.
+
+:class:`NodeProcess` runs ``python -m dsh_mesh.node`` as its own process on port 0 and waits for
+its ready line (never a fixed sleep). :class:`LocalCluster` starts several against one etcd
+under a key prefix of their own, so clusters sharing an etcd never see each other; it always
+reaps its processes, also when a test fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import json
+import os
+import secrets
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+from dsh_mesh.core import Activation, Record, SessionHeader, SessionId
+from dsh_mesh.registry import Etcd, EtcdConfig, EtcdSessionStore, Keys
+from dsh_mesh.registry._codec import decode_header
+
+T = TypeVar("T")
+
+_READY_TIMEOUT = 30.0
+_POLL_SECONDS = 0.05
+_STOP_TIMEOUT = 15.0
+_live: weakref.WeakSet[NodeProcess] = weakref.WeakSet()
+
+
+class NodeProcessError(RuntimeError):
+    """A node process failed to start or stop as asked; the message carries its log tail."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSettings:
+    """What every node of one local cluster shares."""
+
+    etcd_endpoint: str
+    scenario: str
+    key_prefix: str
+    cluster_token: str
+    placement: str = "others-first"
+    lease_ttl: float = 2.0
+    shutdown_grace: float = 1.0
+
+
+class NodeProcess:
+    """One node as a child process. ``start()`` returns once the node serves."""
+
+    def __init__(
+        self,
+        node_id: str,
+        settings: ClusterSettings,
+        *,
+        log_dir: Path,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.node_id = node_id
+        self.settings = settings
+        self.log_path = log_dir / f"{node_id}.log"
+        self._env = dict(env or {})
+        self._process: subprocess.Popen[bytes] | None = None
+        self.address: str | None = None
+
+    @property
+    def pid(self) -> int:
+        """The running process's pid."""
+        if self._process is None:
+            raise NodeProcessError(f"{self.node_id} is not running")
+        return self._process.pid
+
+    @property
+    def running(self) -> bool:
+        """True while the process has not exited."""
+        return self._process is not None and self._process.poll() is None
+
+    def command(self) -> list[str]:
+        """The command line that starts this node."""
+        s = self.settings
+        return [
+            sys.executable,
+            "-m",
+            "dsh_mesh.node",
+            "--node-id",
+            self.node_id,
+            "--listen",
+            "127.0.0.1:0",
+            "--etcd",
+            s.etcd_endpoint,
+            "--key-prefix",
+            s.key_prefix,
+            "--lease-ttl",
+            str(s.lease_ttl),
+            "--placement",
+            s.placement,
+            "--scenario",
+            s.scenario,
+            "--shutdown-grace",
+            str(s.shutdown_grace),
+        ]
+
+    def start(self) -> NodeProcess:
+        """Start the process and wait for its ready line."""
+        env = {**os.environ, **self._env, "DSH_CLUSTER_TOKEN": self.settings.cluster_token}
+        with self.log_path.open("ab") as log:
+            self._process = subprocess.Popen(
+                self.command(),
+                stdout=subprocess.PIPE,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                cwd=Path.cwd(),
+            )
+        _live.add(self)
+        self.address = self._await_ready()
+        return self
+
+    def _await_ready(self) -> str:
+        assert self._process is not None and self._process.stdout is not None
+        deadline = time.monotonic() + _READY_TIMEOUT
+        buffered = b""
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._process.stdout, selectors.EVENT_READ)
+            while time.monotonic() < deadline:
+                if not selector.select(timeout=0.1):
+                    if self._process.poll() is not None:
+                        break
+                    continue
+                chunk = os.read(self._process.stdout.fileno(), 4096)
+                if not chunk:
+                    break
+                buffered += chunk
+                for line in buffered.split(b"\n")[:-1]:
+                    event = json.loads(line)
+                    if event.get("event") == "ready":
+                        return str(event["address"])
+        self.kill()
+        raise NodeProcessError(f"{self.node_id} did not become ready:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last lines of the node's log."""
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return "(no log)"
+
+    def log(self) -> str:
+        """The node's whole log so far."""
+        return self.log_path.read_text(errors="replace")
+
+    def terminate(self, timeout: float = _STOP_TIMEOUT) -> int:
+        """SIGTERM (graceful drain) and wait; SIGKILL if it does not exit in time. Returns the
+        exit code."""
+        if self._process is None:
+            return 0
+        if self._process.poll() is None:
+            self._process.send_signal(signal.SIGTERM)
+        try:
+            return self._process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise NodeProcessError(f"{self.node_id} ignored SIGTERM:\n{self.log_tail()}") from None
+
+    def kill(self) -> None:
+        """SIGKILL (host failure) and reap. Idempotent."""
+        if self._process is None:
+            return
+        if self._process.poll() is None:
+            self._process.send_signal(signal.SIGCONT)
+            self._process.kill()
+        self._process.wait()
+        if self._process.stdout is not None:
+            self._process.stdout.close()
+
+    def pause(self) -> None:
+        """SIGSTOP: the process freezes (its lease will expire)."""
+        if self._process is not None:
+            self._process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after :meth:`pause`."""
+        if self._process is not None:
+            self._process.send_signal(signal.SIGCONT)
+
+
+class LocalCluster:
+    """N node processes against one etcd, under a fresh key prefix. A context manager; every
+    process is reaped on exit."""
+
+    def __init__(
+        self,
+        *,
+        etcd_endpoint: str,
+        scenario: str,
+        nodes: Sequence[str] = ("node-a", "node-b", "node-c"),
+        placement: str = "others-first",
+        lease_ttl: float = 2.0,
+        shutdown_grace: float = 1.0,
+        log_dir: Path | None = None,
+    ) -> None:
+        self.settings = ClusterSettings(
+            etcd_endpoint=etcd_endpoint,
+            scenario=scenario,
+            key_prefix=f"/dsh-{secrets.token_hex(4)}/",
+            cluster_token=secrets.token_hex(16),
+            placement=placement,
+            lease_ttl=lease_ttl,
+            shutdown_grace=shutdown_grace,
+        )
+        self._owned_dir = None if log_dir is not None else tempfile.TemporaryDirectory()
+        self.log_dir = log_dir or Path(self._owned_dir.name if self._owned_dir else ".")
+        self.nodes = {
+            node_id: NodeProcess(node_id, self.settings, log_dir=self.log_dir) for node_id in nodes
+        }
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            for node in self.nodes.values():
+                node.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def __getitem__(self, node_id: str) -> NodeProcess:
+        return self.nodes[node_id]
+
+    def __iter__(self) -> Iterator[NodeProcess]:
+        return iter(self.nodes.values())
+
+    def add(self, node_id: str) -> NodeProcess:
+        """Start one more node in this cluster."""
+        node = NodeProcess(node_id, self.settings, log_dir=self.log_dir)
+        self.nodes[node_id] = node
+        return node.start()
+
+    def metadata(self, node_id: str) -> tuple[tuple[str, str], ...]:
+        """The call metadata a node of this cluster sends (to act as that node in tests)."""
+        return (
+            ("x-dsh-cluster-token", self.settings.cluster_token),
+            ("x-dsh-node", node_id),
+            ("x-dsh-hops", "0"),
+        )
+
+    def close(self) -> None:
+        """Stop every node: SIGTERM first, SIGKILL for any that hangs. Idempotent."""
+        for node in self.nodes.values():
+            if node.running:
+                # On failure terminate() has already killed and reaped the node.
+                with contextlib.suppress(NodeProcessError):
+                    node.terminate(timeout=5.0)
+            node.kill()
+        if self._owned_dir is not None:
+            self._owned_dir.cleanup()
+            self._owned_dir = None
+
+
+@atexit.register
+def _reap_leftovers() -> None:
+    for node in list(_live):
+        node.kill()
+
+
+class MeshReader:
+    """Reads a cluster's durable state straight from etcd (never through a node), so tests
+    check what is really stored. ``async with MeshReader(settings) as reader``."""
+
+    def __init__(self, settings: ClusterSettings) -> None:
+        self._etcd = Etcd(EtcdConfig(endpoint=settings.etcd_endpoint))
+        self.keys = Keys(settings.key_prefix.encode())
+        self._store = EtcdSessionStore(self._etcd, self.keys, lease=_no_lease)
+
+    async def __aenter__(self) -> MeshReader:
+        await self._etcd.connect()
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self._etcd.close()
+
+    async def transcript(self, session: SessionId) -> list[Record]:
+        """The session's durable transcript."""
+        return await self._store.read(session)
+
+    async def header(self, session: SessionId) -> SessionHeader | None:
+        """The session's durable header."""
+        return await self._store.get_header(session)
+
+    async def activation(self, session: SessionId) -> Activation | None:
+        """The session's current activation in etcd."""
+        return await self._store.current_activation(session, fresh=True)
+
+    async def sessions(self) -> list[SessionHeader]:
+        """Every session header of the cluster."""
+        response = await self._etcd.get_prefix(self.keys.prefix + b"headers/")
+        return [decode_header(kv.value) for kv in response.kvs]
+
+    async def wait_for(
+        self,
+        read: Callable[[], Awaitable[T]],
+        predicate: Callable[[T], bool],
+        *,
+        within: float = 20.0,
+        what: str = "condition",
+    ) -> T:
+        """Re-read until ``predicate`` holds; raise ``TimeoutError`` (with the last value) after
+        ``within`` seconds. A bounded wait for a condition, never a fixed sleep."""
+        deadline = asyncio.get_running_loop().time() + within
+        while True:
+            value = await read()
+            if predicate(value):
+                return value
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"{what} did not hold within {within}s; last: {value!r}")
+            await asyncio.sleep(_POLL_SECONDS)
+
+
+def _no_lease() -> int:
+    raise RuntimeError("a MeshReader never writes")

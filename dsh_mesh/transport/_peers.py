@@ -1,0 +1,142 @@
+"""Calls from this node to the other nodes of its cluster, one reused channel per node."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import grpc
+
+from dsh_mesh._proto.dsh.mesh.peer.v1 import peer_pb2, peer_pb2_grpc
+from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
+from dsh_mesh.core import (
+    Activation,
+    ActivationId,
+    AgentRef,
+    Delivery,
+    NodeId,
+    PeerUnavailable,
+    SessionId,
+    SettlementNoticeEntry,
+)
+from dsh_mesh.transport._auth import ClusterCredential
+from dsh_mesh.transport._convert import agent_ref_to_wire, delivery_from_wire, notice_to_wire
+from dsh_mesh.transport._status import error_from_rpc
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerTimeouts:
+    """Deadlines of node-to-node calls. A send may include a cold resume, so it gets longer."""
+
+    send: timedelta = timedelta(seconds=30)
+    control: timedelta = timedelta(seconds=10)
+
+
+class PeerPool:
+    """Channels to the other nodes, found by ``address_of``. Use ``async with``; :meth:`close`
+    is idempotent. Every call raises a ``MeshError`` (never a raw ``grpc.RpcError``)."""
+
+    def __init__(
+        self,
+        *,
+        node_id: NodeId,
+        credential: ClusterCredential,
+        address_of: Callable[[NodeId], str | None],
+        timeouts: PeerTimeouts | None = None,
+    ) -> None:
+        self._node_id = node_id
+        self._credential = credential
+        self._address_of = address_of
+        self._timeouts = timeouts or PeerTimeouts()
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    async def __aenter__(self) -> PeerPool:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close every channel. Idempotent."""
+        channels, self._channels = self._channels, {}
+        for channel in channels.values():
+            await channel.close()
+
+    def channel(self, node: NodeId) -> grpc.aio.Channel:
+        """The reused channel to ``node``; raises ``PeerUnavailable`` for an unknown node."""
+        address = self._address_of(node)
+        if address is None:
+            raise PeerUnavailable(f"node {node} is not registered")
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address)
+            self._channels[address] = channel
+        return channel
+
+    async def send_message(
+        self,
+        node: NodeId,
+        sender: AgentRef,
+        target: SessionId,
+        content: str,
+        *,
+        idempotency_key: str | None,
+        hops: int,
+    ) -> Delivery:
+        """``AgentMesh.SendMessage`` on ``node``, as this node, for ``sender``."""
+        stub: Any = mesh_pb2_grpc.AgentMeshStub(self.channel(node))
+        request = mesh_pb2.SendMessageRequest(
+            sender=agent_ref_to_wire(sender),
+            agent_id=target,
+            message=content,
+            idempotency_key=idempotency_key or secrets.token_hex(16),
+        )
+        try:
+            response = await stub.SendMessage(
+                request,
+                timeout=self._timeouts.send.total_seconds(),
+                metadata=self._credential.metadata(self._node_id, hops=hops),
+            )
+        except grpc.aio.AioRpcError as error:
+            raise error_from_rpc(error) from error
+        return delivery_from_wire(target, response)
+
+    async def activate(
+        self, node: NodeId, session: SessionId, parent_activation: ActivationId | None
+    ) -> Activation:
+        """``MeshPeer.Activate`` on ``node``: make ``session`` resident there."""
+        stub: Any = peer_pb2_grpc.MeshPeerStub(self.channel(node))
+        request = peer_pb2.ActivateRequest(
+            session_id=session, parent_activation_id=parent_activation or ""
+        )
+        try:
+            response = await stub.Activate(
+                request,
+                timeout=self._timeouts.send.total_seconds(),
+                metadata=self._credential.metadata(self._node_id),
+            )
+        except grpc.aio.AioRpcError as error:
+            raise error_from_rpc(error) from error
+        return Activation(
+            session_id=session,
+            activation_id=ActivationId(response.activation_id),
+            node_id=NodeId(response.node_id),
+            parent_activation=ActivationId(response.parent_activation_id) or None,
+        )
+
+    async def deliver_notice(
+        self, node: NodeId, parent: SessionId, notice: SettlementNoticeEntry
+    ) -> None:
+        """``MeshPeer.DeliverNotice`` on ``node``, the node hosting ``parent``."""
+        stub: Any = peer_pb2_grpc.MeshPeerStub(self.channel(node))
+        try:
+            await stub.DeliverNotice(
+                notice_to_wire(parent, notice),
+                timeout=self._timeouts.control.total_seconds(),
+                metadata=self._credential.metadata(self._node_id),
+            )
+        except grpc.aio.AioRpcError as error:
+            raise error_from_rpc(error) from error

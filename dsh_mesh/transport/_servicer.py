@@ -1,0 +1,137 @@
+"""The gRPC servicers a node exposes: the public ``AgentMesh`` and the internal ``MeshPeer``.
+
+They translate between the wire and the continuation manager and do nothing else; every
+decision (authorization, residency, delivery) is the manager's, re-checked on this node from its
+own registry view. The only thing checked here is the caller: a sender must be hosted by the
+node whose credential made the call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import grpc
+
+from dsh_mesh._proto.dsh.mesh.peer.v1 import peer_pb2, peer_pb2_grpc
+from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
+from dsh_mesh.core import (
+    Activation,
+    ActivationId,
+    AgentRef,
+    InvalidArgument,
+    MeshError,
+    Rejected,
+    RejectionReason,
+    SessionId,
+    StaleSender,
+    parse_session_id,
+)
+from dsh_mesh.runtime import ActivationHeldElsewhere, ContinuationManager
+from dsh_mesh.transport._auth import caller_hops, caller_node
+from dsh_mesh.transport._convert import (
+    agent_ref_from_wire,
+    delivery_to_wire,
+    notice_from_wire,
+)
+from dsh_mesh.transport._status import abort_with
+
+
+class ActivationLookup(Protocol):
+    """A session's current activation; ``fresh`` asks for etcd itself, not a cache."""
+
+    def __call__(
+        self, session: SessionId, *, fresh: bool = False
+    ) -> Awaitable[Activation | None]: ...
+
+
+ManagerRef = Callable[[], ContinuationManager]
+"""The node's current manager; raises ``NodeFenced`` while the node has none (no lease)."""
+
+
+class AgentMeshService(mesh_pb2_grpc.AgentMeshServicer):
+    """``SendMessage``: a sender's node hands its agent's message to this node."""
+
+    def __init__(self, manager: ManagerRef, current_activation: ActivationLookup) -> None:
+        self._manager = manager
+        self._current_activation = current_activation
+
+    async def SendMessage(
+        self,
+        request: mesh_pb2.SendMessageRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> mesh_pb2.SendMessageResponse:
+        try:
+            caller = caller_node(context)
+            sender = agent_ref_from_wire(request.sender)
+            if not request.idempotency_key:
+                raise InvalidArgument("idempotency_key is required")
+            await self._check_hosted_by(sender, caller)
+            delivery = await self._manager().handed_on(
+                sender,
+                request.agent_id,
+                request.message,
+                idempotency_key=request.idempotency_key,
+                hops=caller_hops(context),
+            )
+            return delivery_to_wire(delivery)
+        except MeshError as error:
+            await abort_with(context, error)
+            raise  # unreachable: abort raises
+
+    async def _check_hosted_by(self, sender: AgentRef, caller: str) -> None:
+        current = await self._current_activation(sender.session_id)
+        if current is None or current.activation_id != sender.activation_id:
+            current = await self._current_activation(sender.session_id, fresh=True)
+        if current is None or current.activation_id != sender.activation_id:
+            raise StaleSender(
+                f"{sender.session_id} activation {sender.activation_id} is not current"
+            )
+        if current.node_id != caller:
+            raise Rejected.of(
+                RejectionReason.FORGED_SENDER,
+                f"{sender.session_id} is not hosted by the calling node {caller}",
+            )
+
+
+class MeshPeerService(peer_pb2_grpc.MeshPeerServicer):
+    """What other nodes of the cluster ask of this node's manager."""
+
+    def __init__(self, manager: ManagerRef) -> None:
+        self._manager = manager
+
+    async def Activate(
+        self,
+        request: peer_pb2.ActivateRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> peer_pb2.ActivateResponse:
+        try:
+            caller_node(context)
+            session = parse_session_id(request.session_id)
+            parent = ActivationId(request.parent_activation_id) or None
+            try:
+                activation = await self._manager().resume(session, parent)
+            except ActivationHeldElsewhere as held:
+                activation = held.current
+            return peer_pb2.ActivateResponse(
+                activation_id=activation.activation_id,
+                parent_activation_id=activation.parent_activation or "",
+                node_id=activation.node_id,
+            )
+        except MeshError as error:
+            await abort_with(context, error)
+            raise
+
+    async def DeliverNotice(
+        self,
+        request: peer_pb2.DeliverNoticeRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> peer_pb2.DeliverNoticeResponse:
+        try:
+            caller_node(context)
+            parent, notice = notice_from_wire(request)
+            await self._manager().deliver_notice(parent, notice)
+            return peer_pb2.DeliverNoticeResponse()
+        except MeshError as error:
+            await abort_with(context, error)
+            raise

@@ -1,0 +1,49 @@
+"""Fixtures for integration tests: a real etcd server, started by the project's own code.
+
+``etcd`` is one server for the whole session (or the one given by ``--etcd-endpoint``); tests
+share it, so each uses keys under its own unique prefix and never disturbs the process.
+``etcd_server`` is a private server per test, for tests that pause, kill or restart etcd.
+Every test under this directory is marked ``integration``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dsh_mesh.testing import EtcdAddress, EtcdServer
+
+INTEGRATION_DIR = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # This hook sees the whole session's items, not only this directory's.
+    for item in items:
+        if item.path.resolve().is_relative_to(INTEGRATION_DIR):
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session")
+def etcd(request: pytest.FixtureRequest) -> Iterator[EtcdAddress]:
+    """A healthy etcd for the session: ours on fresh loopback ports, or ``--etcd-endpoint``.
+
+    Yields only the address: the server is shared, so no test may stop or pause it (use
+    ``etcd_server`` for that).
+    """
+    endpoint = request.config.getoption("--etcd-endpoint")
+    if endpoint:
+        address = EtcdAddress.parse(str(endpoint))
+        address.wait_healthy(timeout=15.0)
+        yield address
+        return
+    with EtcdServer() as server:
+        yield server.address
+
+
+@pytest.fixture
+def etcd_server() -> Iterator[EtcdServer]:
+    """A started etcd owned by this one test, stopped and reaped after it whatever happens."""
+    with EtcdServer() as server:
+        yield server

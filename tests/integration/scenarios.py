@@ -1,0 +1,85 @@
+"""Scenarios the integration tests run on real node processes (``--scenario
+tests.integration.scenarios:NAME``). Every node of a test cluster loads the same one.
+
+Model names double as program names: a preset's model selects the scripted program its
+sessions walk (by step count, so a session resumed on another node continues its program).
+"""
+
+from __future__ import annotations
+
+from dsh_mesh.models import PARENT, Call, Reply, Stall, child, send, tool
+from dsh_mesh.node import Scenario
+from dsh_mesh.tools import Preset
+
+LEAD = Preset(name="lead", system_prompt="You lead.", model="lead")
+
+# A child reports progress, gets its parent's follow-up, reports its result, settles.
+EXCHANGE = Scenario(
+    presets=(LEAD, Preset(name="worker", system_prompt="You work.", model="worker")),
+    programs={
+        "lead": (
+            tool("spawn_agent", task="Survey etcd leases.", preset="worker"),
+            Reply(text="Delegated."),
+            send(child(0), "Follow-up: what happens past the TTL?"),
+            Reply(text="Asked a follow-up."),
+        ),
+        "worker": (
+            send(PARENT, "Progress: leases have a TTL."),
+            send(PARENT, "Result: keys bound to an expired lease vanish."),
+            Reply(text="Survey complete."),
+        ),
+    },
+)
+
+# A tree that stays resident (every agent stalls in its model call) for rejection tests:
+# root -> two continuable children (each with one continuable grandchild) and a one-shot child.
+TREE = Scenario(
+    presets=(
+        LEAD,
+        Preset(name="branch", system_prompt="You branch.", model="branch"),
+        Preset(name="leaf", system_prompt="You are a leaf.", model="leaf"),
+        Preset(name="quick", system_prompt="You answer once.", model="quick"),
+    ),
+    programs={
+        "lead": (
+            Call(
+                calls=(
+                    ("spawn_agent", {"task": "Branch one.", "preset": "branch"}),
+                    ("spawn_agent", {"task": "Branch two.", "preset": "branch"}),
+                    ("spawn_one_shot", {"task": "Answer once.", "preset": "quick"}),
+                )
+            ),
+            Stall(),
+        ),
+        "branch": (tool("spawn_agent", task="Be a leaf.", preset="leaf"), Stall()),
+        "leaf": (Stall(),),
+        "quick": (Reply(text="Answered."),),
+    },
+)
+
+# A child that finishes at once and is then absent: for cold-resume races and retries.
+SETTLING = Scenario(
+    presets=(LEAD, Preset(name="brief", system_prompt="You are brief.", model="brief")),
+    programs={
+        "lead": (tool("spawn_agent", task="Say done.", preset="brief"), Stall()),
+        "brief": (Reply(text="Done."),),
+    },
+)
+
+# A child that reports once, leaves durable output, then works "forever": for host failure
+# (SIGKILL), zombie (SIGSTOP) and drain (SIGTERM) tests. After a cold resume it takes one slow
+# step (a zombie's late write would show up as a second copy of that step) and finishes.
+CRASH = Scenario(
+    presets=(LEAD, Preset(name="slow", system_prompt="You are slow.", model="slow")),
+    programs={
+        "lead": (tool("spawn_agent", task="Work slowly.", preset="slow"), Stall()),
+        "slow": (
+            Call(
+                calls=(("send_message", {"agent_id": PARENT, "message": "Started."}),),
+                text="Found 3 leases so far.",
+            ),
+            Reply(text="Slow step finished.", delay=3.0),
+            Reply(text="Resumed and finished."),
+        ),
+    },
+)

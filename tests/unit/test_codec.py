@@ -1,0 +1,608 @@
+"""The etcd value codec: exact round trips, deterministic bytes, pinned format, strict decoding."""
+
+from __future__ import annotations
+
+import copy
+import json
+import typing
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dsh_mesh.core import (
+    Activation,
+    ActivationId,
+    AgentMessageEntry,
+    AgentMessageSource,
+    AssistantStepEntry,
+    ChatMessage,
+    ConsumedEntry,
+    DeliveryKind,
+    Entry,
+    ForkOrigin,
+    ForkPrefixEntry,
+    HumanPromptEntry,
+    InvalidArgument,
+    MeshError,
+    NodeId,
+    Record,
+    Role,
+    SessionHeader,
+    SessionId,
+    SessionKind,
+    SessionSpec,
+    SettlementNoticeEntry,
+    SettlementOutcome,
+    TaskEntry,
+    ToolCall,
+    ToolDescriptor,
+    ToolResultEntry,
+    TurnEndedEntry,
+    TurnId,
+    TurnOutcome,
+    TurnStartedEntry,
+    Usage,
+)
+from dsh_mesh.registry._codec import (
+    ENTRY_TAGS,
+    FORMAT_VERSION,
+    CodecError,
+    decode_acceptance,
+    decode_activation,
+    decode_entry,
+    decode_header,
+    encode_acceptance,
+    encode_activation,
+    encode_entry,
+    encode_header,
+)
+from dsh_mesh.runtime import Acceptance
+
+# -- realistic examples, with their stored bytes pinned -----------------------------------------
+
+READ_CALL = ToolCall(call_id="c-1", name="read_file", arguments_json='{"path":"a.md"}')
+
+ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
+    (
+        TaskEntry(content="Summarise the design.\nThen send_message your parent."),
+        '{"content":"Summarise the design.\\nThen send_message your parent.","type":"task","v":1}',
+    ),
+    (
+        HumanPromptEntry(content="Wie geht's? 你好 🙂"),
+        '{"content":"Wie geht\'s? 你好 🙂","type":"human_prompt","v":1}',
+    ),
+    (
+        AgentMessageEntry(
+            source=AgentMessageSource(sender_session_id=SessionId("s-2")), content="result: 42"
+        ),
+        '{"content":"result: 42","source":{"form":"relay","kind":"agent-message",'
+        '"sender_session_id":"s-2"},"type":"agent_message","v":1}',
+    ),
+    (
+        SettlementNoticeEntry(
+            child_session=SessionId("s-3"),
+            child_activation=ActivationId("a-3"),
+            child_kind=SessionKind.ONE_SHOT_CHILD,
+            outcome=SettlementOutcome.TOKEN_EXHAUSTION,
+            terminal_output="partial answer",
+            detail="budget spent",
+        ),
+        '{"child_activation":"a-3","child_kind":"one-shot-child","child_session":"s-3",'
+        '"detail":"budget spent","outcome":"token-exhaustion","terminal_output":"partial answer",'
+        '"type":"settlement_notice","v":1}',
+    ),
+    (
+        ForkPrefixEntry(
+            messages=(
+                ChatMessage(role=Role.USER, content="Plan it."),
+                ChatMessage(role=Role.ASSISTANT, content="", tool_calls=(READ_CALL,)),
+                ChatMessage(role=Role.TOOL, content="# A", tool_call_id="c-1"),
+            )
+        ),
+        '{"messages":[{"content":"Plan it.","role":"user","tool_call_id":null,"tool_calls":[]},'
+        '{"content":"","role":"assistant","tool_call_id":null,"tool_calls":[{"arguments_json":'
+        '"{\\"path\\":\\"a.md\\"}","call_id":"c-1","name":"read_file"}]},{"content":"# A",'
+        '"role":"tool","tool_call_id":"c-1","tool_calls":[]}],"type":"fork_prefix","v":1}',
+    ),
+    (
+        TurnStartedEntry(turn_id=TurnId("t-1")),
+        '{"turn_id":"t-1","type":"turn_started","v":1}',
+    ),
+    (
+        ConsumedEntry(seqs=(3, 4)),
+        '{"seqs":[3,4],"type":"consumed","v":1}',
+    ),
+    (
+        AssistantStepEntry(
+            text="Reading it.",
+            tool_calls=(READ_CALL,),
+            usage=Usage(input_tokens=1200, output_tokens=35, cached_input_tokens=1024),
+        ),
+        '{"text":"Reading it.","tool_calls":[{"arguments_json":"{\\"path\\":\\"a.md\\"}",'
+        '"call_id":"c-1","name":"read_file"}],"type":"assistant_step","usage":'
+        '{"cached_input_tokens":1024,"input_tokens":1200,"output_tokens":35},"v":1}',
+    ),
+    (
+        ToolResultEntry(call_id="c-1", name="read_file", content="no such file", is_error=True),
+        '{"call_id":"c-1","content":"no such file","is_error":true,"name":"read_file",'
+        '"type":"tool_result","v":1}',
+    ),
+    (
+        TurnEndedEntry(turn_id=TurnId("t-1"), outcome=TurnOutcome.COMPLETED),
+        '{"detail":"","outcome":"completed","turn_id":"t-1","type":"turn_ended","v":1}',
+    ),
+]
+
+ROOT_HEADER = SessionHeader(
+    session_id=SessionId("s-1"),
+    kind=SessionKind.ROOT,
+    parent_session=None,
+    spec=SessionSpec(preset="lead", model="lead-model"),
+)
+FORK_HEADER = SessionHeader(
+    session_id=SessionId("s-2"),
+    kind=SessionKind.CONTINUABLE_CHILD,
+    parent_session=SessionId("s-1"),
+    spec=SessionSpec(
+        preset="worker",
+        model="worker-model",
+        tools=(
+            ToolDescriptor.of(
+                "read_file",
+                "Read a file.",
+                {"type": "object", "properties": {"path": {"type": "string"}}},
+            ),
+        ),
+    ),
+    fork_origin=ForkOrigin(parent_session=SessionId("s-1"), prefix_seq=7),
+)
+ROOT_ACTIVATION = Activation(
+    session_id=SessionId("s-1"), activation_id=ActivationId("a-1"), node_id=NodeId("n-1")
+)
+CHILD_ACTIVATION = Activation(
+    session_id=SessionId("s-2"),
+    activation_id=ActivationId("a-2"),
+    node_id=NodeId("n-2"),
+    parent_activation=ActivationId("a-1"),
+)
+ACCEPTANCE = Acceptance(
+    target=SessionId("s-2"),
+    seq=3,
+    target_activation=ActivationId("a-2"),
+    kind=DeliveryKind.COLD_RESUMED,
+    fingerprint="sha256:9f86d0",
+)
+
+OTHER_EXAMPLES: list[tuple[object, Callable[[Any], bytes], str]] = [
+    (
+        ROOT_HEADER,
+        encode_header,
+        '{"fork_origin":null,"kind":"root","parent_session":null,"session_id":"s-1",'
+        '"spec":{"model":"lead-model","preset":"lead","tools":[]},"v":1}',
+    ),
+    (
+        FORK_HEADER,
+        encode_header,
+        '{"fork_origin":{"parent_session":"s-1","prefix_seq":7},"kind":"continuable-child",'
+        '"parent_session":"s-1","session_id":"s-2","spec":{"model":"worker-model",'
+        '"preset":"worker","tools":[{"description":"Read a file.","input_schema_json":'
+        '"{\\"properties\\":{\\"path\\":{\\"type\\":\\"string\\"}},\\"type\\":\\"object\\"}",'
+        '"name":"read_file"}]},"v":1}',
+    ),
+    (
+        ROOT_ACTIVATION,
+        encode_activation,
+        '{"activation_id":"a-1","node_id":"n-1","parent_activation":null,"session_id":"s-1","v":1}',
+    ),
+    (
+        CHILD_ACTIVATION,
+        encode_activation,
+        '{"activation_id":"a-2","node_id":"n-2","parent_activation":"a-1","session_id":"s-2",'
+        '"v":1}',
+    ),
+    (
+        ACCEPTANCE,
+        encode_acceptance,
+        '{"fingerprint":"sha256:9f86d0","kind":"cold-resumed","seq":3,"target":"s-2",'
+        '"target_activation":"a-2","v":1}',
+    ),
+]
+
+Decoder = Callable[[bytes], object]
+
+# Every stored example with the decoder that reads it back.
+STORED: list[tuple[bytes, Decoder]] = [
+    *((encode_entry(entry), decode_entry) for entry, _ in ENTRY_EXAMPLES),
+    (encode_header(ROOT_HEADER), decode_header),
+    (encode_header(FORK_HEADER), decode_header),
+    (encode_activation(ROOT_ACTIVATION), decode_activation),
+    (encode_activation(CHILD_ACTIVATION), decode_activation),
+    (encode_acceptance(ACCEPTANCE), decode_acceptance),
+]
+STORED_IDS = [json.loads(data).get("type", decode.__name__) for data, decode in STORED]
+
+
+def test_the_examples_cover_every_entry_variant_and_the_tag_table_is_complete() -> None:
+    variants = set(typing.get_args(Entry))
+    assert {type(entry) for entry, _ in ENTRY_EXAMPLES} == variants
+    assert set(ENTRY_TAGS.values()) == variants
+    assert len(ENTRY_TAGS) == len(variants)
+
+
+@pytest.mark.parametrize(
+    ("entry", "stored"), ENTRY_EXAMPLES, ids=[type(e).__name__ for e, _ in ENTRY_EXAMPLES]
+)
+def test_an_entry_is_stored_exactly_as_pinned_and_reads_back_equal(
+    entry: Entry, stored: str
+) -> None:
+    # A failure here means the stored format changed: bump FORMAT_VERSION, keep reading v1.
+    assert encode_entry(entry) == stored.encode()
+    assert decode_entry(stored.encode()) == entry
+
+
+@pytest.mark.parametrize(
+    ("value", "encode", "stored"),
+    OTHER_EXAMPLES,
+    ids=["root-header", "fork-header", "root-activation", "child-activation", "acceptance"],
+)
+def test_headers_activations_and_acceptances_are_stored_exactly_as_pinned(
+    value: object, encode: Callable[[Any], bytes], stored: str
+) -> None:
+    assert encode(value) == stored.encode()
+
+
+def test_a_header_round_trips_with_and_without_fork_origin_and_tools() -> None:
+    for header in (ROOT_HEADER, FORK_HEADER):
+        decoded = decode_header(encode_header(header))
+        assert decoded == header
+        assert isinstance(decoded.spec.tools, tuple)
+    assert FORK_HEADER.fork_origin is not None
+    assert FORK_HEADER.spec.tools
+
+
+def test_an_activation_round_trips_with_and_without_parent_activation() -> None:
+    assert decode_activation(encode_activation(ROOT_ACTIVATION)) == ROOT_ACTIVATION
+    assert decode_activation(encode_activation(CHILD_ACTIVATION)) == CHILD_ACTIVATION
+
+
+@pytest.mark.parametrize("kind", list(DeliveryKind))
+def test_an_acceptance_round_trips_for_every_delivery_kind(kind: DeliveryKind) -> None:
+    acceptance = Acceptance(
+        target=ACCEPTANCE.target,
+        seq=ACCEPTANCE.seq,
+        target_activation=ACCEPTANCE.target_activation,
+        kind=kind,
+        fingerprint=ACCEPTANCE.fingerprint,
+    )
+    assert decode_acceptance(encode_acceptance(acceptance)) == acceptance
+
+
+def test_the_format_version_is_one() -> None:
+    assert FORMAT_VERSION == 1
+
+
+# -- arbitrary values ----------------------------------------------------------------------------
+
+# Any code point a Python str can hold, lone surrogates included, with NUL, newlines, quotes and
+# backslashes drawn often.
+TEXT = st.text(
+    st.one_of(st.sampled_from('\x00\n\r\t"\\\u2028\ufeff'), st.characters(exclude_categories=()))
+)
+SESSIONS = TEXT.map(SessionId)
+ACTIVATIONS = TEXT.map(ActivationId)
+TURNS = TEXT.map(TurnId)
+COUNTS = st.integers(min_value=0)
+TOOL_CALLS = st.builds(ToolCall, call_id=TEXT, name=TEXT, arguments_json=TEXT)
+CHAT_MESSAGES = st.builds(
+    ChatMessage,
+    role=st.sampled_from(Role),
+    content=TEXT,
+    tool_calls=st.lists(TOOL_CALLS, max_size=3).map(tuple),
+    tool_call_id=st.none() | TEXT,
+)
+
+ENTRIES: st.SearchStrategy[Entry] = st.one_of(
+    st.builds(TaskEntry, content=TEXT),
+    st.builds(HumanPromptEntry, content=TEXT),
+    st.builds(
+        AgentMessageEntry,
+        source=st.builds(AgentMessageSource, sender_session_id=SESSIONS),
+        content=TEXT,
+    ),
+    st.builds(
+        SettlementNoticeEntry,
+        child_session=SESSIONS,
+        child_activation=ACTIVATIONS,
+        child_kind=st.sampled_from(SessionKind),
+        outcome=st.sampled_from(SettlementOutcome),
+        terminal_output=TEXT,
+        detail=TEXT,
+    ),
+    st.builds(ForkPrefixEntry, messages=st.lists(CHAT_MESSAGES, max_size=4).map(tuple)),
+    st.builds(TurnStartedEntry, turn_id=TURNS),
+    st.builds(ConsumedEntry, seqs=st.lists(COUNTS, max_size=5).map(tuple)),
+    st.builds(
+        AssistantStepEntry,
+        text=TEXT,
+        tool_calls=st.lists(TOOL_CALLS, max_size=3).map(tuple),
+        usage=st.builds(
+            Usage, input_tokens=COUNTS, output_tokens=COUNTS, cached_input_tokens=COUNTS
+        ),
+    ),
+    st.builds(ToolResultEntry, call_id=TEXT, name=TEXT, content=TEXT, is_error=st.booleans()),
+    st.builds(TurnEndedEntry, turn_id=TURNS, outcome=st.sampled_from(TurnOutcome), detail=TEXT),
+)
+
+
+@st.composite
+def headers(draw: st.DrawFn) -> SessionHeader:
+    session = draw(SESSIONS)
+    spec = draw(
+        st.builds(
+            SessionSpec,
+            preset=TEXT,
+            model=TEXT,
+            tools=st.lists(
+                st.builds(ToolDescriptor, name=TEXT, description=TEXT, input_schema_json=TEXT),
+                max_size=3,
+            ).map(tuple),
+        )
+    )
+    kind = draw(st.sampled_from(SessionKind))
+    if kind is SessionKind.ROOT:
+        return SessionHeader(session_id=session, kind=kind, parent_session=None, spec=spec)
+    parent = draw(SESSIONS.filter(lambda p: p != session))
+    fork = draw(
+        st.none() | st.builds(ForkOrigin, parent_session=st.just(parent), prefix_seq=COUNTS)
+    )
+    return SessionHeader(
+        session_id=session, kind=kind, parent_session=parent, spec=spec, fork_origin=fork
+    )
+
+
+def is_canonical(data: bytes) -> bool:
+    """Compact, sorted, non-ASCII as itself: what re-serialising the parsed value gives."""
+    parsed = json.loads(data.decode("utf-8", "surrogatepass"))
+    again = json.dumps(parsed, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return again.encode("utf-8", "surrogatepass") == data
+
+
+@given(ENTRIES)
+def test_every_entry_round_trips_to_equal_value_and_identical_bytes(entry: Entry) -> None:
+    data = encode_entry(entry)
+    decoded = decode_entry(data)
+    assert decoded == entry
+    assert type(decoded) is type(entry)
+    assert encode_entry(decoded) == data
+    assert encode_entry(copy.deepcopy(entry)) == data
+    assert is_canonical(data)
+
+
+@given(headers())
+def test_every_header_round_trips_to_equal_value_and_identical_bytes(header: SessionHeader) -> None:
+    data = encode_header(header)
+    assert decode_header(data) == header
+    assert encode_header(copy.deepcopy(header)) == data
+    assert is_canonical(data)
+
+
+@given(SESSIONS, ACTIVATIONS, TEXT.map(NodeId), st.none() | ACTIVATIONS)
+def test_every_activation_round_trips(
+    session: SessionId, activation: ActivationId, node: NodeId, parent: ActivationId | None
+) -> None:
+    value = Activation(
+        session_id=session, activation_id=activation, node_id=node, parent_activation=parent
+    )
+    data = encode_activation(value)
+    assert decode_activation(data) == value
+    assert encode_activation(copy.deepcopy(value)) == data
+
+
+@given(SESSIONS, COUNTS, ACTIVATIONS, st.sampled_from(DeliveryKind), TEXT)
+def test_every_acceptance_round_trips(
+    target: SessionId, seq: int, activation: ActivationId, kind: DeliveryKind, fingerprint: str
+) -> None:
+    value = Acceptance(
+        target=target, seq=seq, target_activation=activation, kind=kind, fingerprint=fingerprint
+    )
+    data = encode_acceptance(value)
+    assert decode_acceptance(data) == value
+    assert encode_acceptance(copy.deepcopy(value)) == data
+
+
+@given(st.text())
+def test_text_without_surrogates_is_stored_as_strict_utf8(text: str) -> None:
+    data = encode_entry(ToolResultEntry(call_id="c", name="n", content=text))
+    assert json.loads(data.decode("utf-8"))["content"] == text
+
+
+def test_lone_and_paired_surrogate_code_points_round_trip_exactly() -> None:
+    # Two surrogate code points are not the emoji they would pair into in UTF-16.
+    for text in ("\udc80", "\ud83d\ude00", "a\ud800b\x00\n"):
+        entry = ToolResultEntry(call_id="c", name="n", content=text)
+        assert decode_entry(encode_entry(entry)) == entry
+
+
+# -- rejection -----------------------------------------------------------------------------------
+
+
+def rewrite(data: bytes, change: Callable[[dict[str, Any]], object]) -> bytes:
+    """``data`` with its parsed top-level object changed in place by ``change``."""
+    parsed: dict[str, Any] = json.loads(data)
+    change(parsed)
+    return json.dumps(parsed).encode()
+
+
+TURN_ENDED = encode_entry(TurnEndedEntry(turn_id=TurnId("t-1"), outcome=TurnOutcome.ERROR))
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"\xff\xfe\x00",
+        b"not json",
+        b'{"v":1,',
+        b"[]",
+        b"null",
+        b'"task"',
+        b"1",
+        b'{"v":1,"type":"task","content":"a","content":"b"}',
+        b'{"v":1,"type":"consumed","seqs":[NaN]}',
+        b'{"v":1,"type":"consumed","seqs":[Infinity]}',
+    ],
+)
+@pytest.mark.parametrize(
+    "decode", [decode_entry, decode_header, decode_activation, decode_acceptance]
+)
+def test_garbage_is_rejected(data: bytes, decode: Decoder) -> None:
+    with pytest.raises(CodecError):
+        decode(data)
+
+
+def test_unparseable_bytes_are_rejected_from_their_cause() -> None:
+    with pytest.raises(CodecError) as raised:
+        decode_entry(b"{")
+    assert isinstance(raised.value.__cause__, json.JSONDecodeError)
+    with pytest.raises(CodecError) as raised:
+        decode_entry(b"\xff")
+    assert isinstance(raised.value.__cause__, UnicodeDecodeError)
+
+
+def test_a_codec_error_is_a_mesh_error() -> None:
+    assert issubclass(CodecError, MeshError)
+
+
+@pytest.mark.parametrize("tag", ["TaskEntry", "nope", "", None, 1, ["task"]])
+def test_an_unknown_type_tag_is_rejected(tag: object) -> None:
+    with pytest.raises(CodecError, match="type tag"):
+        decode_entry(rewrite(TURN_ENDED, lambda d: d.update(type=tag)))
+
+
+def test_an_entry_without_a_type_tag_is_rejected() -> None:
+    with pytest.raises(CodecError, match="type tag"):
+        decode_entry(rewrite(TURN_ENDED, lambda d: d.pop("type")))
+
+
+@pytest.mark.parametrize("version", [0, 2, "1", True, 1.0, None, [1]])
+@pytest.mark.parametrize(("data", "decode"), STORED, ids=STORED_IDS)
+def test_a_wrong_format_version_is_rejected(version: object, data: bytes, decode: Decoder) -> None:
+    with pytest.raises(CodecError, match="version"):
+        decode(rewrite(data, lambda d: d.update(v=version)))
+
+
+@pytest.mark.parametrize(("data", "decode"), STORED, ids=STORED_IDS)
+def test_a_missing_version_is_rejected(data: bytes, decode: Decoder) -> None:
+    with pytest.raises(CodecError, match="version"):
+        decode(rewrite(data, lambda d: d.pop("v")))
+
+
+@pytest.mark.parametrize(("data", "decode"), STORED, ids=STORED_IDS)
+def test_every_missing_field_is_rejected(data: bytes, decode: Decoder) -> None:
+    fields = [name for name in json.loads(data) if name not in {"v", "type"}]
+    assert fields
+    for name in fields:
+        broken = json.loads(data)
+        del broken[name]
+        with pytest.raises(CodecError, match=f"missing fields \\['{name}'\\]"):
+            decode(json.dumps(broken).encode())
+
+
+@pytest.mark.parametrize(("data", "decode"), STORED, ids=STORED_IDS)
+def test_an_extra_field_is_rejected(data: bytes, decode: Decoder) -> None:
+    with pytest.raises(CodecError, match="unexpected fields \\['extra'\\]"):
+        decode(rewrite(data, lambda d: d.update(extra=0)))
+
+
+def test_a_missing_or_extra_nested_field_is_rejected() -> None:
+    step = encode_entry(ENTRY_EXAMPLES[7][0])
+    with pytest.raises(CodecError, match=r"usage: missing fields \['input_tokens'\]"):
+        decode_entry(rewrite(step, lambda d: d["usage"].pop("input_tokens")))
+    with pytest.raises(CodecError, match=r"tool_calls\[0\]: .*unexpected fields \['id'\]"):
+        decode_entry(rewrite(step, lambda d: d["tool_calls"][0].update(id="c-1")))
+    with pytest.raises(CodecError, match=r"spec: .*unexpected fields \['system'\]"):
+        decode_header(rewrite(encode_header(ROOT_HEADER), lambda d: d["spec"].update(system="")))
+
+
+def test_one_kind_of_value_is_not_read_as_another() -> None:
+    with pytest.raises(CodecError, match="type tag"):
+        decode_entry(encode_header(ROOT_HEADER))
+    with pytest.raises(CodecError, match="unexpected fields"):
+        decode_header(encode_entry(ENTRY_EXAMPLES[0][0]))
+    with pytest.raises(CodecError):
+        decode_activation(encode_acceptance(ACCEPTANCE))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("turn_id", 1),
+        ("turn_id", None),
+        ("outcome", "COMPLETED"),
+        ("outcome", "finished"),
+        ("outcome", 0),
+        ("detail", ["x"]),
+    ],
+)
+def test_a_field_of_the_wrong_type_is_rejected(field: str, value: object) -> None:
+    with pytest.raises(CodecError, match=field):
+        decode_entry(rewrite(TURN_ENDED, lambda d: d.update({field: value})))
+
+
+@pytest.mark.parametrize(
+    ("change", "where"),
+    [
+        (lambda d: d.update(seqs="3,4"), "seqs"),
+        (lambda d: d.update(seqs=[3, True]), r"seqs\[1\]"),
+        (lambda d: d.update(seqs=[3, 4.0]), r"seqs\[1\]"),
+        (lambda d: d.update(seqs={"0": 3}), "seqs"),
+    ],
+)
+def test_a_sequence_of_the_wrong_shape_is_rejected(
+    change: Callable[[dict[str, Any]], object], where: str
+) -> None:
+    with pytest.raises(CodecError, match=where):
+        decode_entry(rewrite(encode_entry(ConsumedEntry(seqs=(3, 4))), change))
+
+
+def test_nested_wrong_types_are_rejected() -> None:
+    message = encode_entry(ENTRY_EXAMPLES[2][0])
+    with pytest.raises(CodecError, match=r"source\.form"):
+        decode_entry(rewrite(message, lambda d: d["source"].update(form="forward")))
+    with pytest.raises(CodecError, match=r"source\.kind"):
+        decode_entry(rewrite(message, lambda d: d["source"].update(kind=None)))
+    with pytest.raises(CodecError, match="source"):
+        decode_entry(rewrite(message, lambda d: d.update(source="s-2")))
+    prefix = encode_entry(ENTRY_EXAMPLES[4][0])
+    with pytest.raises(CodecError, match=r"messages\[0\]\.role"):
+        decode_entry(rewrite(prefix, lambda d: d["messages"][0].update(role="system")))
+    with pytest.raises(CodecError, match=r"usage\.output_tokens"):
+        decode_entry(
+            rewrite(
+                encode_entry(ENTRY_EXAMPLES[7][0]), lambda d: d["usage"].update(output_tokens=1.5)
+            )
+        )
+    with pytest.raises(CodecError, match="is_error"):
+        decode_entry(rewrite(encode_entry(ENTRY_EXAMPLES[8][0]), lambda d: d.update(is_error=1)))
+    with pytest.raises(CodecError, match="parent_activation"):
+        decode_activation(
+            rewrite(encode_activation(CHILD_ACTIVATION), lambda d: d.update(parent_activation=5))
+        )
+    with pytest.raises(CodecError, match="kind"):
+        decode_acceptance(rewrite(encode_acceptance(ACCEPTANCE), lambda d: d.update(kind="queued")))
+
+
+def test_a_header_breaking_its_own_invariants_is_rejected_from_the_cause() -> None:
+    orphan = rewrite(encode_header(FORK_HEADER), lambda d: d.update(parent_session=None))
+    with pytest.raises(CodecError) as raised:
+        decode_header(orphan)
+    assert isinstance(raised.value.__cause__, InvalidArgument)
+
+
+def test_encoding_something_that_is_not_an_entry_is_a_type_error() -> None:
+    record = Record(seq=1, entry=TaskEntry(content="x"))
+    with pytest.raises(TypeError):
+        encode_entry(record)  # type: ignore[arg-type]
