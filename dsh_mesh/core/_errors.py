@@ -64,6 +64,9 @@ class RejectionReason(enum.Enum):
     accepted by the target: retry with the same idempotency key to learn it)."""
     UNKNOWN_SESSION = "UNKNOWN_SESSION"
     """A control-plane call (or a store read) named a session that has no header."""
+    TARGET_ELSEWHERE = "TARGET_ELSEWHERE"
+    """The called node does not host the target: another node holds its activation (named in
+    the metadata ``node_id``). Nodes follow it themselves; nothing was accepted."""
 
 
 RETRYABLE_REASONS: frozenset[RejectionReason] = frozenset(
@@ -220,6 +223,32 @@ class DeadlineExceeded(_FixedRejected):
     fixed_reason = RejectionReason.DEADLINE_EXCEEDED
 
 
+class TargetElsewhere(_FixedRejected):
+    """The session is resident on another node (``node_id``, under ``activation_id``): a node
+    that lost a cold-resume race, or was handed a send for a session it does not host, answers
+    with this so the sender's node sends there itself. Nothing was accepted."""
+
+    fixed_reason = RejectionReason.TARGET_ELSEWHERE
+
+    @classmethod
+    def held_by(cls, session: str, node_id: str, activation_id: str) -> TargetElsewhere:
+        """The redirect to the node holding ``session``'s activation."""
+        return cls(
+            f"{session} is resident on node {node_id}",
+            metadata={"node_id": node_id, "activation_id": activation_id},
+        )
+
+    @property
+    def node_id(self) -> str:
+        """The node holding the target's activation."""
+        return self.metadata.get("node_id", "")
+
+    @property
+    def activation_id(self) -> str:
+        """The target's current activation."""
+        return self.metadata.get("activation_id", "")
+
+
 class SessionExists(MeshError):
     """A session header with this id already exists; headers are create-only."""
 
@@ -281,6 +310,7 @@ _CLASS_OF_REASON: Mapping[RejectionReason, type[Rejected]] = MappingProxyType(
         RejectionReason.NODE_FENCED: NodeFenced,
         RejectionReason.DEADLINE_EXCEEDED: DeadlineExceeded,
         RejectionReason.UNKNOWN_SESSION: SessionUnknown,
+        RejectionReason.TARGET_ELSEWHERE: TargetElsewhere,
     }
 )
 

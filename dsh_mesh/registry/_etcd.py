@@ -177,9 +177,18 @@ class Etcd:
         return 0 if reply is None else int(reply.TTL)
 
     async def revoke(self, lease: int) -> None:
-        """Revoke ``lease``: every key bound to it is deleted at once."""
+        """Revoke ``lease``: every key bound to it is deleted at once. Idempotent: a lease etcd
+        no longer knows (revoked by anyone, or expired) is already what revoking asks for."""
         async with self._errors():
-            await self._client.revoke_lease(lease)
+            try:
+                await self._client.revoke_lease(lease)
+            except aetcd.exceptions.ClientError as error:
+                # aetcd maps NOT_FOUND to a bare ClientError; the status is on its cause.
+                cause = error.__cause__
+                if not (
+                    isinstance(cause, grpc.RpcError) and cause.code() == grpc.StatusCode.NOT_FOUND
+                ):
+                    raise
 
     # -- watch ----------------------------------------------------------------------------------
 

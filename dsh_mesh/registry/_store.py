@@ -19,6 +19,7 @@ from dsh_mesh.core import (
     ActivationFenced,
     ActivationId,
     Entry,
+    InvalidArgument,
     Record,
     RegistryUnavailable,
     SessionExists,
@@ -42,6 +43,9 @@ from dsh_mesh.runtime import Acceptance, IdempotencyKey, check_same_request
 
 _APPEND_ATTEMPTS = 32
 _ACTIVATE_ATTEMPTS = 8
+MAX_ENTRY_BYTES = 1024 * 1024
+"""The default largest encoded transcript entry: well inside etcd's default 1.5 MiB request
+limit, with room for the head, the idempotency record and the transaction's framing."""
 
 
 class ActivationView(Protocol):
@@ -71,7 +75,10 @@ class EtcdSessionStore:
     ``lease`` returns the node's current lease id (it raises when the node is fenced); every
     activation this store wins is bound to it. Headers are cached forever (they never change);
     the last seq of sessions this node writes is cached and re-read only when a transaction
-    says it moved. Every method is safe to call concurrently from one event loop.
+    says it moved. An entry whose encoding exceeds ``max_entry_bytes`` is refused with
+    :class:`InvalidArgument` before anything is sent (etcd would refuse the request anyway, as
+    an error indistinguishable from an outage). Every method is safe to call concurrently from
+    one event loop.
     """
 
     def __init__(
@@ -81,7 +88,11 @@ class EtcdSessionStore:
         *,
         lease: Callable[[], int],
         directory: ActivationView | None = None,
+        max_entry_bytes: int = MAX_ENTRY_BYTES,
     ) -> None:
+        if max_entry_bytes <= 0:
+            raise ValueError("max_entry_bytes must be positive")
+        self._max_entry_bytes = max_entry_bytes
         self._etcd = etcd
         self._keys = keys
         self._lease = lease
@@ -185,6 +196,11 @@ class EtcdSessionStore:
         active = self._keys.activation(session)
         idem = None if idempotency is None else self._idempotency_key(idempotency[0])
         payload = encode_entry(entry)
+        if len(payload) > self._max_entry_bytes:
+            raise InvalidArgument(
+                f"{session}: the entry encodes to {len(payload)} bytes; the limit is "
+                f"{self._max_entry_bytes}"
+            )
         fence = 0 if writer is None else await self._fence_of(session, writer)
         for _ in range(_APPEND_ATTEMPTS):
             seq = self._seqs.get(session)

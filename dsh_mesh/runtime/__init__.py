@@ -1,6 +1,6 @@
 """The runtime: the continuation manager and the session store it runs on."""
 
-from dsh_mesh.runtime._manager import ActivationHeldElsewhere, ContinuationManager, ManagerConfig
+from dsh_mesh.runtime._manager import ContinuationManager, ManagerConfig
 from dsh_mesh.runtime._memory_store import InMemorySessionStore
 from dsh_mesh.runtime._router import MAX_HOPS, Router
 from dsh_mesh.runtime._store import (
@@ -13,7 +13,6 @@ from dsh_mesh.runtime._store import (
 __all__ = [
     "MAX_HOPS",
     "Acceptance",
-    "ActivationHeldElsewhere",
     "ContinuationManager",
     "IdempotencyKey",
     "InMemorySessionStore",

@@ -53,6 +53,7 @@ from dsh_mesh.core import (
     SettlementNoticeEntry,
     SettlementOutcome,
     StaleSender,
+    TargetElsewhere,
     TaskEntry,
     TurnId,
     authorize,
@@ -87,14 +88,6 @@ _CHILD_KIND = {
     ChildKind.FORK: SessionKind.CONTINUABLE_CHILD,
     ChildKind.ONE_SHOT: SessionKind.ONE_SHOT_CHILD,
 }
-
-
-class ActivationHeldElsewhere(MeshError):
-    """Another node holds the session's activation; the mesh layer forwards to it."""
-
-    def __init__(self, current: Activation) -> None:
-        super().__init__(f"{current.session_id} is active on {current.node_id}")
-        self.current = current
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -353,20 +346,29 @@ class ContinuationManager:
         rebind = sender.activation_id if to_child else None
         forward: Callable[[NodeId], Coroutine[Any, Any, Delivery]] | None = None
         router = self._router
-        if router is not None and hops < MAX_HOPS:
+        if router is not None and hops == 0:
+            # Only the sender's own node hands a send on: the receiving node checks that the
+            # sender is hosted by its caller. A node that lost a cold-resume race answers
+            # TargetElsewhere and this node follows it, at most MAX_HOPS hand-offs in all.
 
             async def forward(node: NodeId) -> Delivery:
-                delivery = await router.send_message(
-                    node,
-                    sender,
-                    target,
-                    content,
-                    idempotency_key=idempotency_key,
-                    hops=hops + 1,
-                )
-                if to_child:
-                    self._track_child(sender.session_id, target, delivery.target_activation)
-                return delivery
+                for _ in range(MAX_HOPS):
+                    try:
+                        delivery = await router.send_message(
+                            node,
+                            sender,
+                            target,
+                            content,
+                            idempotency_key=idempotency_key,
+                            hops=1,
+                        )
+                    except TargetElsewhere as moved:
+                        node = NodeId(moved.node_id)
+                        continue
+                    if to_child:
+                        self._track_child(sender.session_id, target, delivery.target_activation)
+                    return delivery
+                raise PeerUnavailable(f"{target} kept moving between nodes; retry")
 
         return await self._send(
             target, entry, signal, key, parent_activation=rebind, forward=forward, hops=hops
@@ -444,7 +446,7 @@ class ContinuationManager:
         self, session: SessionId, parent_activation: ActivationId | None = None
     ) -> Activation:
         """Make ``session`` resident here (cold-resuming it if absent) and return its current
-        activation. Raises :class:`ActivationHeldElsewhere` when another node holds it."""
+        activation. Raises :class:`TargetElsewhere` when another node holds it."""
         self._check_open()
         self._waking[session] += 1
         try:
@@ -564,10 +566,12 @@ class ContinuationManager:
             known = await self._store.lookup(key)
             if known is not None:
                 return self._duplicate(key, known, target, fingerprint)
-        if forward is not None and not warm:
-            home = await self._home_elsewhere(target, place=hops == 0)
-            if home is not None:
-                return await forward(home)
+        if self._router is not None and not warm:
+            elsewhere = await self._home_elsewhere(target, place=forward is not None)
+            if elsewhere is not None:
+                if forward is None:
+                    raise elsewhere
+                return await forward(NodeId(elsewhere.node_id))
         # Waking-send accounting starts before anything can suspend: from here until the driver
         # admits the record (or this send fails) the target cannot settle.
         self._waking[target] += 1
@@ -575,10 +579,10 @@ class ContinuationManager:
         try:
             try:
                 agent, resumed = await self._resident(target, parent_activation)
-            except ActivationHeldElsewhere as lost_race:
+            except TargetElsewhere as lost_race:
                 if forward is None:
                     raise
-                return await forward(lost_race.current.node_id)
+                return await forward(NodeId(lost_race.node_id))
             if (
                 parent_activation is not None
                 and agent.activation.parent_activation != parent_activation
@@ -738,7 +742,7 @@ class ContinuationManager:
         )
         current = await self._store.try_activate(activation)
         if current != activation:
-            raise ActivationHeldElsewhere(current)
+            raise TargetElsewhere.held_by(target, current.node_id, current.activation_id)
         records = await self._store.read(target)
         agent = self._make_agent(header, activation, records, self._config.resume_filter)
         for record in pending_inbound(records):
@@ -804,17 +808,19 @@ class ContinuationManager:
         agent = self._agents.get(session)
         return agent is not None and agent.state is not AgentState.SETTLED
 
-    async def _home_elsewhere(self, target: SessionId, *, place: bool) -> NodeId | None:
-        """The other node that hosts ``target`` (or, when ``place``, should host it next);
-        None when this node should handle it."""
+    async def _home_elsewhere(self, target: SessionId, *, place: bool) -> TargetElsewhere | None:
+        """Where ``target`` lives (or, when ``place``, should live next) if that is another
+        node; None when this node should handle it."""
         assert self._router is not None
         current = await self._store.current_activation(target)
         if current is not None:
-            return None if current.node_id == self.node_id else current.node_id
+            if current.node_id == self.node_id:
+                return None
+            return TargetElsewhere.held_by(target, current.node_id, current.activation_id)
         if not place:
             return None
         home = self._router.place(target)
-        return None if home == self.node_id else home
+        return None if home == self.node_id else TargetElsewhere.held_by(target, home, "")
 
     async def _drive(self, agent: Agent) -> None:
         """Run one agent's driver; a registry failure drops that agent, never the node."""

@@ -8,9 +8,8 @@ from typing import Any
 import grpc
 
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
-from dsh_mesh.core import InvalidArgument, MeshError, NotResident, PeerUnavailable, SessionId
+from dsh_mesh.core import InvalidArgument, MeshError, NotResident
 from dsh_mesh.core import parse_session_id as _parse
-from dsh_mesh.runtime import ActivationHeldElsewhere
 from dsh_mesh.transport._servicer import ManagerRef
 from dsh_mesh.transport._status import abort_with
 
@@ -58,12 +57,9 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
             if not request.idempotency_key:
                 raise InvalidArgument("idempotency_key is required")
             session = _parse(request.session_id)
-            try:
-                delivery = await self._manager().submit_prompt(
-                    session, request.text, idempotency_key=request.idempotency_key
-                )
-            except ActivationHeldElsewhere as held:
-                raise _elsewhere(session, held) from held
+            delivery = await self._manager().submit_prompt(
+                session, request.text, idempotency_key=request.idempotency_key
+            )
             return mesh_pb2.SubmitPromptResponse(
                 accepted_seq=delivery.accepted_seq, duplicate=delivery.duplicate
             )
@@ -86,7 +82,3 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         except MeshError as error:
             await abort_with(context, error)
             raise
-
-
-def _elsewhere(session: SessionId, held: ActivationHeldElsewhere) -> PeerUnavailable:
-    return PeerUnavailable(f"{session} is resident on node {held.current.node_id}; call that node")

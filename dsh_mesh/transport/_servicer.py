@@ -21,13 +21,15 @@ from dsh_mesh.core import (
     AgentRef,
     InvalidArgument,
     MeshError,
+    NodeId,
     Rejected,
     RejectionReason,
     SessionId,
     StaleSender,
+    TargetElsewhere,
     parse_session_id,
 )
-from dsh_mesh.runtime import ActivationHeldElsewhere, ContinuationManager
+from dsh_mesh.runtime import ContinuationManager
 from dsh_mesh.transport._auth import caller_hops, caller_node
 from dsh_mesh.transport._convert import (
     agent_ref_from_wire,
@@ -111,8 +113,12 @@ class MeshPeerService(peer_pb2_grpc.MeshPeerServicer):
             parent = ActivationId(request.parent_activation_id) or None
             try:
                 activation = await self._manager().resume(session, parent)
-            except ActivationHeldElsewhere as held:
-                activation = held.current
+            except TargetElsewhere as held:
+                activation = Activation(
+                    session_id=session,
+                    activation_id=ActivationId(held.activation_id),
+                    node_id=NodeId(held.node_id),
+                )
             return peer_pb2.ActivateResponse(
                 activation_id=activation.activation_id,
                 parent_activation_id=activation.parent_activation or "",

@@ -77,6 +77,7 @@ STATUS_OF_REASON: Mapping[RejectionReason, grpc.StatusCode] = MappingProxyType(
         RejectionReason.NODE_FENCED: grpc.StatusCode.UNAVAILABLE,
         RejectionReason.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
         RejectionReason.UNKNOWN_SESSION: grpc.StatusCode.NOT_FOUND,
+        RejectionReason.TARGET_ELSEWHERE: grpc.StatusCode.FAILED_PRECONDITION,
     }
 )
 """Each reason travels with exactly this status code; (code, reason) is the wire contract."""

@@ -68,7 +68,8 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "SettlementOutcome",
         "StaleSender",
         "SteerEntry",
-        "TargetUnknown",
+            "TargetElsewhere",
+    "TargetUnknown",
         "TaskEntry",
         "TokensExhausted",
         "ToolCall",
@@ -179,7 +180,6 @@ EXPECTED_ALL: dict[str, list[str]] = {
     ],
     "dsh_mesh.runtime": [
         "Acceptance",
-        "ActivationHeldElsewhere",
         "ContinuationManager",
         "IdempotencyKey",
         "InMemorySessionStore",

@@ -41,6 +41,7 @@ class RejectionReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REJECTION_REASON_NODE_FENCED: _ClassVar[RejectionReason]
     REJECTION_REASON_DEADLINE_EXCEEDED: _ClassVar[RejectionReason]
     REJECTION_REASON_UNKNOWN_SESSION: _ClassVar[RejectionReason]
+    REJECTION_REASON_TARGET_ELSEWHERE: _ClassVar[RejectionReason]
 
 class AgentState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -98,6 +99,7 @@ REJECTION_REASON_PEER_UNAVAILABLE: RejectionReason
 REJECTION_REASON_NODE_FENCED: RejectionReason
 REJECTION_REASON_DEADLINE_EXCEEDED: RejectionReason
 REJECTION_REASON_UNKNOWN_SESSION: RejectionReason
+REJECTION_REASON_TARGET_ELSEWHERE: RejectionReason
 AGENT_STATE_UNSPECIFIED: AgentState
 AGENT_STATE_IDLE: AgentState
 AGENT_STATE_RUNNING: AgentState

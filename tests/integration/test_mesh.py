@@ -1,0 +1,271 @@
+"""The mesh on real node processes and a real etcd: cross-node delivery in both directions,
+cold-resume races, host failure (SIGKILL), the paused zombie (SIGSTOP) and graceful drain
+(SIGTERM). Every check reads the durable state in etcd."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator
+
+import pytest
+
+from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2
+from dsh_mesh.core import (
+    AgentMessageEntry,
+    AssistantStepEntry,
+    ConsumedEntry,
+    Record,
+    SessionId,
+    SettlementNoticeEntry,
+    SettlementOutcome,
+    TargetElsewhere,
+    TurnStartedEntry,
+)
+from dsh_mesh.testing import EtcdAddress, LocalCluster, MeshReader
+from tests.integration.mesh_client import children_of, create_root, live_ref, send_as
+
+ClusterFactory = Callable[[str], LocalCluster]
+
+
+@pytest.fixture
+def start_cluster(etcd: EtcdAddress) -> Iterator[ClusterFactory]:
+    """Start a three-node cluster running a scenario of tests/integration/scenarios.py."""
+    started: list[LocalCluster] = []
+
+    def start(scenario: str) -> LocalCluster:
+        cluster = LocalCluster(
+            etcd_endpoint=etcd.endpoint, scenario=f"tests.integration.scenarios:{scenario}"
+        )
+        started.append(cluster)
+        return cluster.__enter__()
+
+    yield start
+    for cluster in started:
+        cluster.close()
+
+
+@pytest.fixture
+async def open_reader() -> AsyncIterator[Callable[[LocalCluster], MeshReader]]:
+    readers: list[MeshReader] = []
+
+    def open_(cluster: LocalCluster) -> MeshReader:
+        reader = MeshReader(cluster.settings)
+        readers.append(reader)
+        return reader
+
+    yield open_
+    for reader in readers:
+        await reader.__aexit__()
+
+
+def notices(records: list[Record]) -> list[SettlementNoticeEntry]:
+    return [r.entry for r in records if isinstance(r.entry, SettlementNoticeEntry)]
+
+
+def messages(records: list[Record]) -> list[AgentMessageEntry]:
+    return [r.entry for r in records if isinstance(r.entry, AgentMessageEntry)]
+
+
+async def only_child(reader: MeshReader, root: SessionId) -> SessionId:
+    children = await reader.wait_for(
+        lambda: children_of(reader, root), lambda c: len(c) == 1, what="the child's header"
+    )
+    return children[0].session_id
+
+
+@pytest.mark.contract(3)
+@pytest.mark.contract(9)
+async def test_messages_cross_nodes_in_both_directions(
+    start_cluster: ClusterFactory, open_reader: Callable[[LocalCluster], MeshReader]
+) -> None:
+    cluster = start_cluster("EXCHANGE")
+    async with open_reader(cluster) as reader:
+        root = SessionId(await create_root(cluster, on="node-a", task="Survey the stack."))
+        child = await only_child(reader, root)
+        at_root = await reader.wait_for(
+            lambda: reader.transcript(root),
+            lambda records: bool(notices(records)),
+            what="the child's settlement notice",
+        )
+        # child -> parent, across nodes: attributed to the child, before its notice.
+        assert [(m.source.sender_session_id, m.content) for m in messages(at_root)] == [
+            (child, "Progress: leases have a TTL."),
+            (child, "Result: keys bound to an expired lease vanish."),
+        ]
+        last_message = max(r.seq for r in at_root if isinstance(r.entry, AgentMessageEntry))
+        first_notice = min(r.seq for r in at_root if isinstance(r.entry, SettlementNoticeEntry))
+        assert last_message < first_notice
+        assert notices(at_root)[0].outcome is SettlementOutcome.COMPLETED
+        # parent -> child, across nodes: the follow-up is in the child's durable transcript.
+        at_child = await reader.transcript(child)
+        assert [(m.source.sender_session_id, m.content) for m in messages(at_child)] == [
+            (root, "Follow-up: what happens past the TTL?")
+        ]
+        hosts = {n.node_id for n in cluster}
+        child_header = await reader.header(child)
+        assert child_header is not None and child_header.parent_session == root
+        assert hosts == {"node-a", "node-b", "node-c"}
+
+
+@pytest.mark.contract(3)
+async def test_a_cold_resume_race_has_one_winner_and_one_delivery(
+    start_cluster: ClusterFactory, open_reader: Callable[[LocalCluster], MeshReader]
+) -> None:
+    cluster = start_cluster("SETTLING")
+    async with open_reader(cluster) as reader:
+        root = SessionId(await create_root(cluster, on="node-a", task="Delegate."))
+        child = await only_child(reader, root)
+        await reader.wait_for(
+            lambda: reader.transcript(root), lambda r: bool(notices(r)), what="child settled"
+        )
+        assert await reader.activation(child) is None
+        parent, host = await live_ref(reader, root)
+
+        # Acting as the parent's node, hand the same message (same key) to two nodes at once:
+        # both race to win the absent child's activation in etcd.
+        async def hand_to(node: str) -> mesh_pb2.SendMessageResponse | TargetElsewhere:
+            try:
+                return await send_as(
+                    cluster, via=node, caller=host, sender=parent, target=child,
+                    message="Once more, please.", key="race-1", hops=1,
+                )  # fmt: skip
+            except TargetElsewhere as moved:
+                return moved
+
+        outcomes = await asyncio.gather(hand_to("node-b"), hand_to("node-c"))
+        won = [o for o in outcomes if isinstance(o, mesh_pb2.SendMessageResponse)]
+        lost = [o for o in outcomes if isinstance(o, TargetElsewhere)]
+        resident = await reader.activation(child)
+        assert resident is not None
+        if lost:  # the loser names the winner, as the parent's node would learn it ...
+            (moved,) = lost
+            assert (moved.node_id, moved.activation_id) == (
+                resident.node_id,
+                resident.activation_id,
+            )
+            # ... and following it, as that node does, returns the one acceptance.
+            again = await send_as(
+                cluster, via=moved.node_id, caller=host, sender=parent, target=child,
+                message="Once more, please.", key="race-1", hops=1,
+            )  # fmt: skip
+            won.append(again)
+        first, second = won
+        assert sorted([first.duplicate, second.duplicate]) == [False, True]
+        assert first.accepted_seq == second.accepted_seq
+        assert first.target_activation_id == second.target_activation_id == resident.activation_id
+        records = await reader.transcript(child)
+        copies = [m for m in messages(records) if m.content == "Once more, please."]
+        assert len(copies) == 1
+        turns = [r for r in records if isinstance(r.entry, TurnStartedEntry)]
+        assert len(turns) == 2  # the first activation's turn and the one resumed turn
+
+
+@pytest.mark.contract(8)
+async def test_sigkill_of_a_childs_host_settles_it_lost_then_it_resumes_elsewhere(
+    start_cluster: ClusterFactory, open_reader: Callable[[LocalCluster], MeshReader]
+) -> None:
+    cluster = start_cluster("CRASH")
+    async with open_reader(cluster) as reader:
+        root = SessionId(await create_root(cluster, on="node-a", task="Delegate slowly."))
+        child = await only_child(reader, root)
+        await reader.wait_for(
+            lambda: reader.transcript(root), lambda r: bool(messages(r)), what="child started"
+        )
+        parent, root_host = await live_ref(reader, root)
+        before = await send_as(
+            cluster, via=root_host, caller=root_host, sender=parent, target=child,
+            message="Acknowledged before the crash.", key="before",
+        )  # fmt: skip
+        _, child_host = await live_ref(reader, child)
+        cluster[child_host].kill()
+        at_root = await reader.wait_for(
+            lambda: reader.transcript(root), lambda r: bool(notices(r)), what="lost notice"
+        )
+        (notice,) = notices(at_root)
+        assert notice.child_session == child
+        assert notice.outcome is SettlementOutcome.LOST
+        assert notice.terminal_output == "Found 3 leases so far."
+        after = await send_as(
+            cluster, via=root_host, caller=root_host, sender=parent, target=child,
+            message="Resume and finish.", key="after",
+        )  # fmt: skip
+        resumed = await reader.activation(child)
+        assert resumed is not None and resumed.node_id not in (child_host,)
+        assert after.target_activation_id == resumed.activation_id
+        records = await reader.wait_for(
+            lambda: reader.transcript(child),
+            lambda rs: any(
+                isinstance(r.entry, ConsumedEntry) and after.accepted_seq in r.entry.seqs
+                for r in rs
+            ),
+            what="the resumed child consumed the new message",
+        )
+        consumed = {s for r in records if isinstance(r.entry, ConsumedEntry) for s in r.entry.seqs}
+        assert {before.accepted_seq, after.accepted_seq} <= consumed  # nothing acknowledged lost
+
+
+@pytest.mark.contract(3)
+async def test_a_paused_zombie_node_cannot_append_after_its_lease_expired(
+    start_cluster: ClusterFactory, open_reader: Callable[[LocalCluster], MeshReader]
+) -> None:
+    cluster = start_cluster("CRASH")
+    async with open_reader(cluster) as reader:
+        root = SessionId(await create_root(cluster, on="node-a", task="Delegate slowly."))
+        child = await only_child(reader, root)
+        await reader.wait_for(
+            lambda: reader.transcript(root), lambda r: bool(messages(r)), what="child started"
+        )
+        _, zombie = await live_ref(reader, child)
+        cluster[zombie].pause()  # mid slow step: its model call answers while it is frozen
+        await reader.wait_for(
+            lambda: reader.transcript(root), lambda r: bool(notices(r)), what="lost notice"
+        )
+        parent, root_host = await live_ref(reader, root)
+        await send_as(
+            cluster, via=root_host, caller=root_host, sender=parent, target=child,
+            message="Take over.", key="take-over",
+        )  # fmt: skip
+        finished = await reader.wait_for(
+            lambda: reader.transcript(root),
+            lambda r: len(notices(r)) == 2,
+            what="the resumed child settled",
+        )
+        assert notices(finished)[1].outcome is SettlementOutcome.COMPLETED
+        cluster[zombie].resume()
+        log = await reader.wait_for(
+            lambda: asyncio.to_thread(cluster[zombie].log),
+            lambda text: "fenced" in text,
+            what="the zombie noticing it is fenced",
+        )
+        assert "lost its lease: fenced" in log or "fenced, dropping the stale agent" in log
+        records = await reader.transcript(child)
+        slow_steps = [
+            r
+            for r in records
+            if isinstance(r.entry, AssistantStepEntry) and r.entry.text == "Slow step finished."
+        ]
+        assert len(slow_steps) == 1  # the new activation's; the zombie's late step was refused
+
+
+async def test_sigterm_drains_and_another_node_resumes_the_child_at_once(
+    start_cluster: ClusterFactory, open_reader: Callable[[LocalCluster], MeshReader]
+) -> None:
+    cluster = start_cluster("CRASH")
+    async with open_reader(cluster) as reader:
+        root = SessionId(await create_root(cluster, on="node-a", task="Delegate slowly."))
+        child = await only_child(reader, root)
+        await reader.wait_for(
+            lambda: reader.transcript(root), lambda r: bool(messages(r)), what="child started"
+        )
+        _, child_host = await live_ref(reader, child)
+        assert await asyncio.to_thread(cluster[child_host].terminate) == 0
+        # Released on the way out, not left to expire with the lease.
+        assert await reader.activation(child) is None
+        parent, root_host = await live_ref(reader, root)
+        delivery = await send_as(
+            cluster, via=root_host, caller=root_host, sender=parent, target=child,
+            message="Carry on elsewhere.", key="carry-on",
+        )  # fmt: skip
+        resumed = await reader.activation(child)
+        assert resumed is not None and resumed.node_id != child_host
+        assert delivery.target_activation_id == resumed.activation_id
