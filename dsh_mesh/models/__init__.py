@@ -16,6 +16,7 @@ from dsh_mesh.models._recording import RecordingProvider
 from dsh_mesh.models._scripted import (
     PARENT,
     Action,
+    Branch,
     Call,
     ExhaustTokens,
     Fail,
@@ -24,6 +25,7 @@ from dsh_mesh.models._scripted import (
     ScriptedProvider,
     ScriptError,
     Stall,
+    arrived,
     child,
     send,
     tool,
@@ -32,6 +34,7 @@ from dsh_mesh.models._scripted import (
 __all__ = [
     "PARENT",
     "Action",
+    "Branch",
     "Call",
     "ExhaustTokens",
     "Fail",
@@ -50,6 +53,7 @@ __all__ = [
     "Stall",
     "TextDelta",
     "ToolCallEvent",
+    "arrived",
     "child",
     "complete",
     "send",

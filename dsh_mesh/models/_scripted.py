@@ -61,6 +61,15 @@ class ScriptContext:
             raise ScriptError(f"{self.request.session_id} has spawned only {len(spawned)}")
         return spawned[index]
 
+    def arrived(self) -> str:
+        """Everything the session received (user and tool messages) since its last step."""
+        fresh: list[str] = []
+        for message in reversed(self.request.messages):
+            if message.role is Role.ASSISTANT:
+                break
+            fresh.append(message.content)
+        return "\n".join(reversed(fresh))
+
     def last_tool_result(self) -> str:
         for message in reversed(self.request.messages):
             if message.role is Role.TOOL:
@@ -89,11 +98,13 @@ class Reply:
 
 @dataclass(frozen=True, kw_only=True)
 class Call:
-    """One model step that asks for one or more tool calls (and may say something too)."""
+    """One model step that asks for one or more tool calls (and may say something too).
+    ``delay`` (seconds) simulates a slow model."""
 
     calls: tuple[tuple[str, Mapping[str, Argument]], ...]
     text: str = ""
     gate: asyncio.Event | None = None
+    delay: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,7 +131,32 @@ class Stall:
     gate: asyncio.Event | None = None
 
 
-Action = Reply | Call | Fail | ExhaustTokens | Stall
+Plain = Reply | Call | Fail | ExhaustTokens | Stall
+
+
+@dataclass(frozen=True, kw_only=True)
+class Branch:
+    """Pick the step from what the request shows: the action of the first condition that holds,
+    else ``otherwise``. Lets a program react to whatever arrived, in whatever order."""
+
+    cases: tuple[tuple[Callable[[ScriptContext], bool], Plain], ...]
+    otherwise: Plain
+    gate: asyncio.Event | None = None
+
+    def choose(self, context: ScriptContext) -> Plain:
+        """The action this request selects."""
+        for condition, action in self.cases:
+            if condition(context):
+                return action
+        return self.otherwise
+
+
+Action = Plain | Branch
+
+
+def arrived(text: str) -> Callable[[ScriptContext], bool]:
+    """A condition: ``text`` occurs in what the session received since its last model step."""
+    return lambda context: text in context.arrived()
 
 
 def send(to: Argument, message: Argument, *, gate: asyncio.Event | None = None) -> Call:
@@ -182,10 +218,13 @@ class ScriptedProvider:
             if self.resume_from_transcript:
                 cursor = sum(m.role is Role.ASSISTANT for m in request.messages)
         self._cursors[request.session_id] = cursor + 1
-        action: Action = program[cursor] if cursor < len(program) else Reply()
-        if action.gate is not None:
+        step: Action = program[cursor] if cursor < len(program) else Reply()
+        if step.gate is not None:
+            await step.gate.wait()
+        action = step.choose(ScriptContext(request=request)) if isinstance(step, Branch) else step
+        if action.gate is not None and action is not step:
             await action.gate.wait()
-        if isinstance(action, Reply) and action.delay > 0:
+        if isinstance(action, Reply | Call) and action.delay > 0:
             await asyncio.sleep(action.delay)
         usage = Usage(input_tokens=_rough_tokens(request.messages), output_tokens=8)
         context = ScriptContext(request=request)

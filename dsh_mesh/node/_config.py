@@ -34,8 +34,8 @@ class Placement(enum.Enum):
     LEAST_LOADED = "least-loaded"
     """The live node publishing the fewest resident agents (ties: node id order)."""
     OTHERS_FIRST = "others-first"
-    """The least-loaded *other* live node; this node only when it is alone. Shows the mesh at
-    work in demos and tests: every child lives on another node than its parent."""
+    """The *other* live nodes in turn; this node only when it is alone. Shows the mesh at work
+    in demos and tests: every child lives on another node than its parent."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,7 +52,7 @@ class NodeConfig:
     lease: LeaseConfig = field(default_factory=LeaseConfig)
     credential: ClusterCredential
     placement: Placement = Placement.LEAST_LOADED
-    scenario: str = "dsh_mesh.scenarios:DEMO"
+    scenario: str = "dsh_mesh.demo:SCENARIO"
     """``module:attribute`` naming the presets and model this node runs."""
     shutdown_grace: timedelta = timedelta(seconds=5)
     """On SIGTERM: how long running turns get to finish before their activations are released."""

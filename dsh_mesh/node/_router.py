@@ -43,8 +43,9 @@ class ClusterRouter:
         if self._placement is Placement.ROUND_ROBIN:
             ordered = sorted(loads)
             return ordered[next(self._turn) % len(ordered)]
-        if self._placement is Placement.OTHERS_FIRST and len(loads) > 1:
-            del loads[self._node_id]
+        if self._placement is Placement.OTHERS_FIRST:
+            others = sorted(node for node in loads if node != self._node_id)
+            return others[next(self._turn) % len(others)] if others else self._node_id
         return min(sorted(loads), key=lambda node: loads[node])
 
     async def send_message(

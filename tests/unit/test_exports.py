@@ -95,6 +95,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
     ],
     "dsh_mesh.models": [
         "Action",
+        "Branch",
         "Call",
         "ExhaustTokens",
         "Fail",
@@ -114,6 +115,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "Stall",
         "TextDelta",
         "ToolCallEvent",
+        "arrived",
         "child",
         "complete",
         "send",

@@ -1,30 +1,21 @@
 """The in-process demo: a root agent, two continuable children and a one-shot child.
 
-Run with ``python -m dsh_mesh.demo`` (``make demo``). Everything is scripted and deterministic;
+Run with ``python -m dsh_mesh.demo --in-process``. Everything is scripted and deterministic;
 it prints each transcript with sources and settlement notices.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 
 from dsh_mesh.core import (
-    AgentMessageEntry,
-    AssistantStepEntry,
-    ConsumedEntry,
-    ForkPrefixEntry,
-    HumanPromptEntry,
     Record,
     SequentialIds,
     SessionId,
-    SettlementNoticeEntry,
-    TaskEntry,
     ToolResultEntry,
-    TurnEndedEntry,
-    TurnStartedEntry,
 )
+from dsh_mesh.demo._describe import describe
 from dsh_mesh.models import PARENT, Call, Reply, ScriptContext, ScriptedProvider, child, send
 from dsh_mesh.runtime import ContinuationManager, InMemorySessionStore
 from dsh_mesh.tools import Preset
@@ -96,52 +87,6 @@ PRESETS = (
 )
 
 
-def describe(record: Record) -> str:
-    """One readable line (or a few) for a transcript record."""
-    entry = record.entry
-    prefix = f"  #{record.seq:<3}"
-    if isinstance(entry, TaskEntry):
-        return f"{prefix} task           {_short(entry.content)}"
-    if isinstance(entry, HumanPromptEntry):
-        return f"{prefix} human prompt   {_short(entry.content)}"
-    if isinstance(entry, AgentMessageEntry):
-        source = json.dumps(
-            {
-                "kind": entry.source.kind,
-                "form": entry.source.form,
-                "sender_session_id": entry.source.sender_session_id,
-            }
-        )
-        return f"{prefix} agent message  source={source}\n        {_short(entry.content)}"
-    if isinstance(entry, SettlementNoticeEntry):
-        return (
-            f"{prefix} subagent-settled {entry.child_session} ({entry.child_kind.value}) "
-            f"outcome={entry.outcome.value}\n"
-            f"        terminal output: {_short(entry.terminal_output)}"
-        )
-    if isinstance(entry, ForkPrefixEntry):
-        return f"{prefix} fork prefix    {len(entry.messages)} inherited messages"
-    if isinstance(entry, TurnStartedEntry):
-        return f"{prefix} -- turn {entry.turn_id} started"
-    if isinstance(entry, TurnEndedEntry):
-        return f"{prefix} -- turn {entry.turn_id} ended: {entry.outcome.value} {entry.detail}"
-    if isinstance(entry, ConsumedEntry):
-        return f"{prefix} step boundary  model now reads #{', #'.join(map(str, entry.seqs))}"
-    if isinstance(entry, AssistantStepEntry):
-        calls = "; ".join(f"{c.name}({c.arguments_json})" for c in entry.tool_calls)
-        said = f"says {_short(entry.text)!r}" if entry.text else ""
-        return f"{prefix} model          {said}{' calls ' + _short(calls) if calls else ''}"
-    if isinstance(entry, ToolResultEntry):
-        flag = "ERROR " if entry.is_error else ""
-        return f"{prefix} tool result    {entry.name}: {flag}{_short(entry.content)}"
-    return f"{prefix} {entry!r}"
-
-
-def _short(text: str, limit: int = 150) -> str:
-    flat = " ".join(text.split())
-    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
-
-
 async def run_demo() -> dict[SessionId, list[Record]]:
     """Run the scenario and return every transcript, root first."""
     followup, resume_a = asyncio.Event(), asyncio.Event()
@@ -173,6 +118,7 @@ def _has_tool_result(manager: ContinuationManager, session: SessionId, count: in
 
 
 def main() -> None:
+    """Run the in-process demo and print its transcripts."""
     transcripts = asyncio.run(run_demo())
     names = {
         "s-1": "root (lead)",
@@ -184,7 +130,3 @@ def main() -> None:
         print(f"\n=== {session}: {names.get(session, '')} ===")
         for record in records:
             print(describe(record))
-
-
-if __name__ == "__main__":
-    main()

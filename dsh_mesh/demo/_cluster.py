@@ -1,0 +1,179 @@
+"""The cluster demo (``make demo``): a real etcd and three node processes on loopback.
+
+A lead agent on node-a spawns two continuable researchers and a one-shot helper, which land on
+the other nodes. Messages cross nodes in both directions, a sibling send is refused, then the
+node hosting researcher alpha is killed mid-step: the lead gets alpha's ``lost`` notice, asks it
+to carry on, and alpha is cold-resumed on a live node with its transcript intact. Every process
+is reaped before the demo returns.
+"""
+
+from __future__ import annotations
+
+import secrets
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
+from dsh_mesh.core import (
+    AgentMessageEntry,
+    Record,
+    SessionHeader,
+    SessionId,
+    SettlementNoticeEntry,
+    SettlementOutcome,
+)
+from dsh_mesh.demo._describe import describe
+from dsh_mesh.demo._scenario import FOLLOW_UP
+from dsh_mesh.testing import EtcdServer, LocalCluster, MeshReader
+
+_WAIT = 30.0
+
+
+@dataclass
+class DemoRun:
+    """What the demo saw: who hosted what, what was killed, and every transcript."""
+
+    root: SessionId
+    names: dict[SessionId, str] = field(default_factory=dict)
+    hosts: dict[SessionId, list[str]] = field(default_factory=dict)
+    killed: str = ""
+    transcripts: dict[SessionId, list[Record]] = field(default_factory=dict)
+
+    def saw_host(self, session: SessionId, node: str) -> None:
+        """Record that ``node`` hosted ``session`` (in order, without repeats)."""
+        seen = self.hosts.setdefault(session, [])
+        if not seen or seen[-1] != node:
+            seen.append(node)
+
+
+async def run_cluster_demo(say: Callable[[str], None] = print) -> DemoRun:
+    """Start etcd and three nodes, run the scenario, kill a node, wait for the cold resume and
+    every settlement; returns what happened. Stops and reaps everything it started."""
+    started = time.monotonic()
+    with EtcdServer() as etcd:
+        say(f"etcd       up at {etcd.endpoint}")
+        with LocalCluster(
+            etcd_endpoint=etcd.endpoint, scenario="dsh_mesh.demo:SCENARIO", lease_ttl=2.0
+        ) as cluster:
+            for node in cluster:
+                say(f"{node.node_id:<10} up at {node.address} (pid {node.pid})")
+            run = await _drive(cluster, say)
+        say("every node stopped and reaped")
+    say(f"etcd stopped; the demo took {time.monotonic() - started:.1f}s")
+    return run
+
+
+async def _drive(cluster: LocalCluster, say: Callable[[str], None]) -> DemoRun:
+    root = await _create_root(cluster, "node-a", "Survey the coordination stack.")
+    run = DemoRun(root=root)
+    run.names[root] = "root (lead)"
+    run.saw_host(root, "node-a")
+    say(f"root {root} created on node-a")
+    async with MeshReader(cluster.settings) as reader:
+        children = await reader.wait_for(
+            lambda: _children(reader, root), lambda c: len(c) == 3, within=_WAIT, what="spawns"
+        )
+        by_preset = {h.spec.preset: h.session_id for h in children}
+        alpha, beta, gloss = by_preset["alpha"], by_preset["beta"], by_preset["gloss"]
+        run.names.update(
+            {
+                alpha: "child alpha (continuable)",
+                beta: "child beta (continuable)",
+                gloss: "child gloss (one-shot)",
+            }
+        )
+        first = await reader.wait_for(
+            lambda: reader.activation(alpha), lambda a: a is not None, within=_WAIT, what="alpha"
+        )
+        assert first is not None
+        run.saw_host(alpha, first.node_id)
+        for session in (beta, gloss):
+            activation = await reader.activation(session)
+            if activation is not None:
+                run.saw_host(session, activation.node_id)
+        await reader.wait_for(
+            lambda: reader.transcript(alpha),
+            lambda records: any(
+                isinstance(r.entry, AgentMessageEntry) and r.entry.content == FOLLOW_UP
+                for r in records
+            ),
+            within=_WAIT,
+            what="the lead's follow-up reaching alpha",
+        )
+        say(f"alpha is mid-step on {first.node_id}; the lead's follow-up is waiting in its inbox")
+        say(f"killing {first.node_id} (SIGKILL)")
+        cluster[first.node_id].kill()
+        run.killed = first.node_id
+        await reader.wait_for(
+            lambda: reader.transcript(root),
+            lambda records: _outcomes(records, alpha) == [SettlementOutcome.LOST],
+            within=_WAIT,
+            what="alpha's lost notice",
+        )
+        say(f"the lead got alpha's lost notice once {first.node_id}'s lease expired")
+        resumed = await reader.wait_for(
+            lambda: reader.activation(alpha),
+            lambda a: a is not None,
+            within=_WAIT,
+            what="alpha's cold resume",
+        )
+        assert resumed is not None
+        run.saw_host(alpha, resumed.node_id)
+        say(f"alpha cold-resumed on {resumed.node_id} with its transcript intact")
+        await reader.wait_for(
+            lambda: reader.transcript(root),
+            lambda records: (
+                SettlementOutcome.COMPLETED in _outcomes(records, alpha)
+                and _outcomes(records, beta) == [SettlementOutcome.COMPLETED]
+                and _outcomes(records, gloss) == [SettlementOutcome.COMPLETED]
+            ),
+            within=_WAIT,
+            what="every child settled",
+        )
+        for session in (root, alpha, beta, gloss):
+            run.transcripts[session] = await reader.transcript(session)
+    return run
+
+
+def _outcomes(records: list[Record], child: SessionId) -> list[SettlementOutcome]:
+    return [
+        r.entry.outcome
+        for r in records
+        if isinstance(r.entry, SettlementNoticeEntry) and r.entry.child_session == child
+    ]
+
+
+async def _children(reader: MeshReader, root: SessionId) -> list[SessionHeader]:
+    return [h for h in await reader.sessions() if h.parent_session == root]
+
+
+async def _create_root(cluster: LocalCluster, node: str, task: str) -> SessionId:
+    address = cluster[node].address
+    assert address is not None
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = mesh_pb2_grpc.MeshControlStub(channel)
+        response = await stub.CreateRootSession(
+            mesh_pb2.CreateRootSessionRequest(
+                preset="lead", initial_task=task, request_id=secrets.token_hex(8)
+            ),
+            metadata=cluster.metadata("demo"),
+            timeout=_WAIT,
+        )
+    return SessionId(response.session_id)
+
+
+def print_run(run: DemoRun, write: Callable[[str], None] = print) -> None:
+    """The hosting table and every transcript, readable."""
+    write("\n=== who hosted what ===")
+    for session, nodes in run.hosts.items():
+        write(f"  {run.names.get(session, session):<28} {session}  {' -> '.join(nodes)}")
+    write(f"  (killed: {run.killed})")
+    for session, records in run.transcripts.items():
+        write(f"\n=== {session}: {run.names.get(session, '')} ===")
+        for record in records:
+            write(describe(record))
+    sys.stdout.flush()

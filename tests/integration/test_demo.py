@@ -1,0 +1,64 @@
+"""``make demo`` runs this: it must keep showing what the mesh promises."""
+
+from __future__ import annotations
+
+from dsh_mesh.core import (
+    AgentMessageEntry,
+    Record,
+    SettlementNoticeEntry,
+    SettlementOutcome,
+    ToolResultEntry,
+)
+from dsh_mesh.demo import print_run, run_cluster_demo
+
+
+def _notices(records: list[Record]) -> list[tuple[str, SettlementOutcome]]:
+    return [
+        (r.entry.child_session, r.entry.outcome)
+        for r in records
+        if isinstance(r.entry, SettlementNoticeEntry)
+    ]
+
+
+async def test_the_cluster_demo_shows_delivery_both_ways_a_kill_and_a_cold_resume() -> None:
+    lines: list[str] = []
+    run = await run_cluster_demo(say=lines.append)
+    root = run.transcripts[run.root]
+    alpha, beta, _gloss = (s for s in run.transcripts if s != run.root)
+    # Children live on other nodes than their parent; alpha moved after its host was killed.
+    assert run.hosts[run.root] == ["node-a"]
+    assert run.hosts[alpha][0] != "node-a" and len(run.hosts[alpha]) == 2
+    assert run.killed == run.hosts[alpha][0] != run.hosts[alpha][1]
+    # Both directions: the lead's messages in alpha's transcript, alpha's in the lead's.
+    assert any(
+        isinstance(r.entry, AgentMessageEntry) and r.entry.source.sender_session_id == run.root
+        for r in run.transcripts[alpha]
+    )
+    from_alpha = [
+        r.seq
+        for r in root
+        if isinstance(r.entry, AgentMessageEntry) and r.entry.source.sender_session_id == alpha
+    ]
+    alpha_notices = [
+        (r.seq, r.entry.outcome)
+        for r in root
+        if isinstance(r.entry, SettlementNoticeEntry) and r.entry.child_session == alpha
+    ]
+    assert [outcome for _, outcome in alpha_notices] == [
+        SettlementOutcome.LOST,
+        SettlementOutcome.COMPLETED,
+    ]
+    assert max(from_alpha) < alpha_notices[-1][0]  # its messages precede its final notice
+    assert (beta, SettlementOutcome.COMPLETED) in _notices(root)
+    # The sibling send was refused with its reason; the resume was reported as such.
+    assert any(
+        isinstance(r.entry, ToolResultEntry) and "SIBLING_TARGET" in r.entry.content
+        for r in run.transcripts[beta]
+    )
+    assert any(
+        isinstance(r.entry, ToolResultEntry) and "cold-resumed" in r.entry.content for r in root
+    )
+    assert "every node stopped and reaped" in lines
+    printed: list[str] = []
+    print_run(run, write=printed.append)
+    assert any("->" in line for line in printed)
