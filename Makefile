@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test check lint typecheck unit protos clean
+.PHONY: demo test bench check lint typecheck unit protos clean
 
 $(STAMP): requirements/dev.txt pyproject.toml scripts/bootstrap.sh scripts/install_etcd.sh
 	bash scripts/bootstrap.sh $(VENV)
@@ -17,6 +17,9 @@ demo: $(STAMP)
 	$(PY) -m dsh_mesh.demo
 
 test: $(STAMP) check unit
+
+bench: $(STAMP)
+	$(PY) -m bench.warm_send
 
 check: $(STAMP)
 	$(PY) scripts/gen_protos.py --check

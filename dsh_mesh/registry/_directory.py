@@ -186,9 +186,14 @@ class Directory:
             return
         session = self._keys.session_of_activation(event.kv.key)
         if deleted:
-            self._activations.pop(session, None)
-            if event.prev_kv is not None:
-                self._emit(ActivationEnded(activation=decode_activation(event.prev_kv.value)))
+            ended = None if event.prev_kv is None else decode_activation(event.prev_kv.value)
+            current = self._activations.get(session)
+            # The end of an older activation can arrive after this process noted the session's
+            # next one (won right after the old key vanished): that newer one stays.
+            if ended is None or current is None or current.activation_id == ended.activation_id:
+                self._activations.pop(session, None)
+            if ended is not None:
+                self._emit(ActivationEnded(activation=ended))
             return
         activation = decode_activation(event.kv.value)
         self._activations[session] = activation

@@ -10,6 +10,7 @@ that lost its activation can never append again, whatever it believes locally.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -100,6 +101,7 @@ class EtcdSessionStore:
         self._headers: dict[SessionId, SessionHeader] = {}
         self._seqs: dict[SessionId, int] = {}
         self._fences: dict[ActivationId, int] = {}
+        self._append_locks: dict[SessionId, asyncio.Lock] = {}
 
     # -- headers --------------------------------------------------------------------------------
 
@@ -192,9 +194,6 @@ class EtcdSessionStore:
         writer: ActivationId | None,
         idempotency: tuple[IdempotencyKey, Acceptance] | None = None,
     ) -> tuple[Record, Acceptance | None]:
-        head = self._keys.head(session)
-        active = self._keys.activation(session)
-        idem = None if idempotency is None else self._idempotency_key(idempotency[0])
         payload = encode_entry(entry)
         if len(payload) > self._max_entry_bytes:
             raise InvalidArgument(
@@ -202,6 +201,26 @@ class EtcdSessionStore:
                 f"{self._max_entry_bytes}"
             )
         fence = 0 if writer is None else await self._fence_of(session, writer)
+        # Appends to one session from this node go one at a time: they all compete for the same
+        # next seq, so racing them would only make all but one fail and retry.
+        async with self._append_lock(session):
+            return await self._append_in_turn(
+                session, entry, payload, fence=fence, writer=writer, idempotency=idempotency
+            )
+
+    async def _append_in_turn(
+        self,
+        session: SessionId,
+        entry: Entry,
+        payload: bytes,
+        *,
+        fence: int,
+        writer: ActivationId | None,
+        idempotency: tuple[IdempotencyKey, Acceptance] | None,
+    ) -> tuple[Record, Acceptance | None]:
+        head = self._keys.head(session)
+        active = self._keys.activation(session)
+        idem = None if idempotency is None else self._idempotency_key(idempotency[0])
         for _ in range(_APPEND_ATTEMPTS):
             seq = self._seqs.get(session)
             if seq is None:
@@ -236,6 +255,12 @@ class EtcdSessionStore:
                 raise ActivationFenced(f"{session}: writer {writer} is not the current activation")
             self._seqs[session] = int(head_kv.value)
         raise RegistryUnavailable(f"{session}: transcript head kept moving")
+
+    def _append_lock(self, session: SessionId) -> asyncio.Lock:
+        lock = self._append_locks.get(session)
+        if lock is None:
+            lock = self._append_locks[session] = asyncio.Lock()
+        return lock
 
     async def lookup(self, key: IdempotencyKey) -> Acceptance | None:
         kv = await self._etcd.get(self._idempotency_key(key))

@@ -7,13 +7,17 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable, Iterator
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2
 from dsh_mesh.core import (
     AgentMessageEntry,
     AssistantStepEntry,
     ConsumedEntry,
+    NodeId,
     Record,
     SessionId,
     SettlementNoticeEntry,
@@ -21,6 +25,7 @@ from dsh_mesh.core import (
     TargetElsewhere,
     TurnStartedEntry,
 )
+from dsh_mesh.registry import Etcd, EtcdConfig
 from dsh_mesh.testing import EtcdAddress, LocalCluster, MeshReader
 from tests.integration.mesh_client import children_of, create_root, live_ref, send_as
 
@@ -269,3 +274,54 @@ async def test_sigterm_drains_and_another_node_resumes_the_child_at_once(
         resumed = await reader.activation(child)
         assert resumed is not None and resumed.node_id != child_host
         assert delivery.target_activation_id == resumed.activation_id
+
+
+async def _health(address: str) -> int:
+    async with grpc.aio.insecure_channel(address) as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=5
+        )
+    return int(reply.status)
+
+
+async def test_nodes_serve_health_and_reflection_without_the_cluster_token(
+    start_cluster: ClusterFactory,
+) -> None:
+    cluster = start_cluster("EXCHANGE")
+    address = cluster["node-b"].address
+    assert address is not None
+    assert await _health(address) == health_pb2.HealthCheckResponse.SERVING
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        responses = [r async for r in stub.ServerReflectionInfo(iter([request]), timeout=5)]
+    services = {s.name for s in responses[0].list_services_response.service}
+    assert {
+        "dsh.mesh.v1.AgentMesh",
+        "dsh.mesh.v1.MeshControl",
+        "dsh.mesh.peer.v1.MeshPeer",
+        "grpc.health.v1.Health",
+    } <= services
+
+
+async def test_a_fenced_node_re_registers_and_serves_again(
+    start_cluster: ClusterFactory, open_reader: Callable[[LocalCluster], MeshReader]
+) -> None:
+    cluster = start_cluster("EXCHANGE")
+    node = cluster["node-c"]
+    assert node.address is not None
+    async with open_reader(cluster) as reader:
+        key = reader.keys.node(NodeId("node-c"))
+        etcd = Etcd(EtcdConfig(endpoint=cluster.settings.etcd_endpoint))
+        async with etcd:
+            first = await etcd.get(key)
+            assert first is not None
+            node.pause()
+            await reader.wait_for(lambda: etcd.get(key), lambda kv: kv is None, what="expiry")
+            node.resume()
+            again = await reader.wait_for(
+                lambda: etcd.get(key), lambda kv: kv is not None, what="re-registration"
+            )
+        assert again is not None and again.lease != first.lease  # the old lease is gone for good
+    assert "lost its lease: fenced" in node.log()
+    assert await _health(node.address) == health_pb2.HealthCheckResponse.SERVING
