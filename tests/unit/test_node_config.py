@@ -1,0 +1,93 @@
+"""Node configuration: file < environment < flags, validated on construction; placement."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from dsh_mesh.core import NodeId, SessionId
+from dsh_mesh.node import ClusterRouter, NodeConfig, Placement, load_config, parse_args
+from dsh_mesh.registry import NodeInfo
+from dsh_mesh.transport import ClusterCredential
+
+TOKEN = "t" * 32
+S = SessionId("s-1")
+
+
+def test_flags_beat_environment_beat_file(tmp_path: Path) -> None:
+    config_file = tmp_path / "node.toml"
+    config_file.write_text(
+        '[node]\nnode_id = "from-file"\nlisten = "127.0.0.1:7001"\nlease_ttl = 9\n'
+        'placement = "round-robin"\n'
+    )
+    args = parse_args(["--config", str(config_file), "--listen", "127.0.0.1:7003"])
+    environ = {"DSH_CLUSTER_TOKEN": TOKEN, "DSH_NODE_ID": "from-env", "DSH_LISTEN": "x:7002"}
+    config = load_config(args, environ)
+    assert config.node_id == "from-env"
+    assert config.listen == "127.0.0.1:7003"
+    assert config.lease.ttl == timedelta(seconds=9)
+    assert config.placement is Placement.ROUND_ROBIN
+    assert "t" * 32 not in repr(config)  # the credential never prints
+
+
+@pytest.mark.parametrize(
+    ("flags", "problem"),
+    [
+        ([], "cluster token"),
+        (["--cluster-token", "short"], "16 characters"),
+        (["--cluster-token", TOKEN, "--node-id", "bad/id"], "node id"),
+        (["--cluster-token", TOKEN, "--listen", "no-port"], "HOST:PORT"),
+        (["--cluster-token", TOKEN, "--placement", "anywhere"], "anywhere"),
+        (["--cluster-token", TOKEN, "--lease-ttl", "0.5"], "at least one second"),
+        (["--cluster-token", TOKEN, "--key-prefix", "dsh"], "key_prefix"),
+        (["--cluster-token", TOKEN, "--scenario", "no-colon"], "module:attribute"),
+    ],
+)
+def test_bad_settings_are_refused_with_a_reason(flags: list[str], problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        load_config(parse_args(flags), {})
+
+
+class _Nodes:
+    def __init__(self, loads: dict[str, int]) -> None:
+        self._loads = loads
+
+    def nodes(self) -> dict[NodeId, NodeInfo]:
+        return {
+            NodeId(n): NodeInfo(node_id=NodeId(n), address=f"{n}:1", load=load)
+            for n, load in self._loads.items()
+        }
+
+
+def _router(placement: Placement, loads: dict[str, int]) -> ClusterRouter:
+    return ClusterRouter(
+        node_id=NodeId("a"),
+        directory=_Nodes(loads),  # type: ignore[arg-type]
+        pool=None,  # type: ignore[arg-type]
+        placement=placement,
+    )
+
+
+def test_placement_policies() -> None:
+    loads = {"a": 5, "b": 1, "c": 3}
+    local = _router(Placement.LOCAL, loads)
+    assert [local.place(S) for _ in range(3)] == ["a", "a", "a"]
+    least = _router(Placement.LEAST_LOADED, loads)
+    least.local_load = 5
+    assert least.place(S) == "b"
+    least.local_load = 0  # this node's own fresher load counts, not what it last published
+    assert least.place(S) == "a"
+    rotating = _router(Placement.ROUND_ROBIN, loads)
+    assert [rotating.place(S) for _ in range(4)] == ["a", "b", "c", "a"]
+    others = _router(Placement.OTHERS_FIRST, loads)
+    assert [others.place(S) for _ in range(3)] == ["b", "c", "b"]
+    alone = _router(Placement.OTHERS_FIRST, {"a": 0})
+    assert alone.place(S) == "a"
+
+
+def test_a_config_is_frozen() -> None:
+    config = NodeConfig(node_id=NodeId("n1"), credential=ClusterCredential(token=TOKEN))
+    with pytest.raises(AttributeError):
+        config.listen = "x:1"  # type: ignore[misc]
