@@ -108,7 +108,11 @@ def load_config(args: argparse.Namespace, environ: Mapping[str, str] | None = No
     values: dict[str, Any] = {}
     if args.config is not None:
         with args.config.open("rb") as handle:
-            values.update(tomllib.load(handle).get("node", {}))
+            from_file = tomllib.load(handle).get("node", {})
+        unknown = sorted(set(from_file) - {setting for setting, _, _ in _SETTINGS})
+        if unknown:
+            raise ValueError(f"{args.config}: unknown [node] settings {unknown}")
+        values.update(from_file)
     for setting, _, _ in _SETTINGS:
         env = environ.get(f"DSH_{setting.upper()}")
         if env is not None:

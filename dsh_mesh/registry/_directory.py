@@ -170,7 +170,8 @@ class Directory:
                 for kv in response.kvs
             }
             for session, gone in before.items():
-                if self._activations.get(session) != gone:
+                current = self._activations.get(session)
+                if current is None or current.activation_id != gone.activation_id:
                     self._emit(ActivationEnded(activation=gone))
         self._revision[prefix] = int(response.header.revision)
 

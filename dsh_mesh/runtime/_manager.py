@@ -262,7 +262,7 @@ class ContinuationManager:
         key = (
             None
             if idempotency_key is None
-            else IdempotencyKey(principal="human", key=idempotency_key)
+            else IdempotencyKey(principal=f"human:{session}", key=idempotency_key)
         )
         return await self._send(session, entry, AbortSignal(), key, parent_activation=None)
 
@@ -438,7 +438,13 @@ class ContinuationManager:
             visible = self._resolve_tools(header, None).standard_send_message_visible
             task = child_task(task, parent.session_id, standard_send_message_visible=visible)
         await self._store.append(session, TaskEntry(content=task), writer=None)
-        activation = await self._router.activate(node, session, parent.activation_id)
+        try:
+            activation = await self._router.activate(node, session, parent.activation_id)
+        except PeerUnavailable as unreachable:
+            # The chosen node went away between placement and activation: host the child here
+            # rather than leave a durable task that nothing runs.
+            _log.warning("%s: %s; activating it here instead", session, unreachable)
+            activation = await self.resume(session, parent.activation_id)
         self._track_child(parent.session_id, session, activation.activation_id)
         return session
 

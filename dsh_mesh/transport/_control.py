@@ -8,7 +8,7 @@ from typing import Any
 import grpc
 
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
-from dsh_mesh.core import InvalidArgument, MeshError, NotResident
+from dsh_mesh.core import IdempotencyConflict, InvalidArgument, MeshError, NotResident
 from dsh_mesh.core import parse_session_id as _parse
 from dsh_mesh.transport._servicer import ManagerRef
 from dsh_mesh.transport._status import abort_with
@@ -33,7 +33,7 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
             known = self._roots.get(request.request_id)
             if known is not None:
                 if known[0] != fingerprint:
-                    raise InvalidArgument("request_id was already used for another session")
+                    raise IdempotencyConflict("request_id was already used for another session")
                 return known[1]
             manager = self._manager()
             ref = await manager.create_root(

@@ -91,3 +91,18 @@ def test_a_config_is_frozen() -> None:
     config = NodeConfig(node_id=NodeId("n1"), credential=ClusterCredential(token=TOKEN))
     with pytest.raises(AttributeError):
         config.listen = "x:1"  # type: ignore[misc]
+
+
+def test_an_unknown_setting_in_the_file_is_refused(tmp_path: Path) -> None:
+    config_file = tmp_path / "node.toml"
+    config_file.write_text('[node]\nnode_id = "n1"\nlease_tll = 3\n')
+    with pytest.raises(ValueError, match="lease_tll"):
+        load_config(parse_args(["--config", str(config_file)]), {"DSH_CLUSTER_TOKEN": TOKEN})
+
+
+def test_the_sample_node_configs_load() -> None:
+    nodes = Path(__file__).resolve().parents[2] / "nodes"
+    samples = sorted(nodes.glob("*.toml"))
+    assert samples
+    ids = {load_config(parse_args(["--config", str(p)]), {}).node_id for p in samples}
+    assert len(ids) == len(samples)
