@@ -52,6 +52,7 @@ from dsh_mesh.transport import (
 _log = logging.getLogger(__name__)
 _READY_TIMEOUT = timedelta(seconds=30)
 _SERVER_GRACE = timedelta(seconds=1)
+_REGISTER_RETRY = timedelta(milliseconds=500)
 
 
 class Node:
@@ -146,8 +147,15 @@ class Node:
     ) -> None:
         assert self.address is not None
         while not self._stopping.is_set():
-            await lease.grant()
-            await self._register(etcd, keys, lease.lease_id, load=0)
+            try:
+                await lease.grant()
+                await self._register(etcd, keys, lease.lease_id, load=0)
+            except MeshError as unreachable:
+                # etcd is away: stay fenced (NOT_SERVING, accepting nothing) and try again.
+                _log.warning("node %s cannot register: %s", self.config.node_id, unreachable)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), _REGISTER_RETRY.total_seconds())
+                continue
             async with ContinuationManager(
                 store=store,
                 provider=self._provider,
