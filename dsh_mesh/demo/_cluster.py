@@ -9,15 +9,11 @@ is reaped before the demo returns.
 
 from __future__ import annotations
 
-import secrets
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import grpc
-
-from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
 from dsh_mesh.core import (
     AgentMessageEntry,
     Record,
@@ -28,7 +24,7 @@ from dsh_mesh.core import (
 )
 from dsh_mesh.demo._describe import describe
 from dsh_mesh.demo._scenario import FOLLOW_UP
-from dsh_mesh.testing import EtcdServer, LocalCluster, MeshReader
+from dsh_mesh.testing import EtcdServer, LocalCluster, MeshReader, create_root
 
 _WAIT = 30.0
 
@@ -68,7 +64,9 @@ async def run_cluster_demo(say: Callable[[str], None] = print) -> DemoRun:
 
 
 async def _drive(cluster: LocalCluster, say: Callable[[str], None]) -> DemoRun:
-    root = await _create_root(cluster, "node-a", "Survey the coordination stack.")
+    root = await create_root(
+        cluster, on="node-a", task="Survey the coordination stack.", client="demo"
+    )
     run = DemoRun(root=root)
     run.names[root] = "root (lead)"
     run.saw_host(root, "node-a")
@@ -149,21 +147,6 @@ def _outcomes(records: list[Record], child: SessionId) -> list[SettlementOutcome
 
 async def _children(reader: MeshReader, root: SessionId) -> list[SessionHeader]:
     return [h for h in await reader.sessions() if h.parent_session == root]
-
-
-async def _create_root(cluster: LocalCluster, node: str, task: str) -> SessionId:
-    address = cluster[node].address
-    assert address is not None
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = mesh_pb2_grpc.MeshControlStub(channel)
-        response = await stub.CreateRootSession(
-            mesh_pb2.CreateRootSessionRequest(
-                preset="lead", initial_task=task, request_id=secrets.token_hex(8)
-            ),
-            metadata=cluster.metadata("demo"),
-            timeout=_WAIT,
-        )
-    return SessionId(response.session_id)
 
 
 def print_run(run: DemoRun, write: Callable[[str], None] = print) -> None:

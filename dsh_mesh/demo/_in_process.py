@@ -7,7 +7,6 @@ it prints each transcript with sources and settlement notices.
 from __future__ import annotations
 
 import asyncio
-import re
 
 from dsh_mesh.core import (
     Record,
@@ -16,19 +15,10 @@ from dsh_mesh.core import (
     ToolResultEntry,
 )
 from dsh_mesh.demo._describe import describe
-from dsh_mesh.models import PARENT, Call, Reply, ScriptContext, ScriptedProvider, child, send
+from dsh_mesh.demo._scenario import sibling
+from dsh_mesh.models import PARENT, Call, Reply, ScriptedProvider, child, send
 from dsh_mesh.runtime import ContinuationManager, InMemorySessionStore
 from dsh_mesh.tools import Preset
-
-_SIBLING = re.compile(r"sibling agent_id: (\S+)")
-
-
-def _sibling(context: ScriptContext) -> str:
-    for message in context.request.messages:
-        found = _SIBLING.search(message.content)
-        if found:
-            return found.group(1)
-    return "unknown"
 
 
 def build_provider(followup: asyncio.Event, resume_a: asyncio.Event) -> ScriptedProvider:
@@ -71,7 +61,7 @@ def build_provider(followup: asyncio.Event, resume_a: asyncio.Event) -> Scripted
     )
     provider.program(
         "beta",
-        send(_sibling, "Hi sibling, want to compare notes?"),
+        send(sibling, "Hi sibling, want to compare notes?"),
         send(PARENT, "Result: every gRPC call carries a deadline; servers see it as time left."),
         Reply(text="Survey of gRPC deadlines complete."),
     )

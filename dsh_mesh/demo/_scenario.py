@@ -29,7 +29,8 @@ STILL_WORKING = "Still working: reading the keepalive code."
 _SIBLING = re.compile(r"sibling agent_id: (\S+)")
 
 
-def _sibling(context: ScriptContext) -> str:
+def sibling(context: ScriptContext) -> str:
+    """The sibling id a task names (``sibling agent_id: <id>``): a resolver for scripts."""
     for message in context.request.messages:
         found = _SIBLING.search(message.content)
         if found:
@@ -95,7 +96,7 @@ SCENARIO = Scenario(
             Reply(text="Survey of etcd leases complete."),
         ),
         "beta": (
-            send(_sibling, "Hi sibling, want to compare notes?"),
+            send(sibling, "Hi sibling, want to compare notes?"),
             send(
                 PARENT, "Result: every gRPC call carries a deadline; servers see it as time left."
             ),

@@ -13,6 +13,7 @@ from dsh_mesh.testing._cluster import (
     MeshReader,
     NodeProcess,
     NodeProcessError,
+    create_root,
 )
 from dsh_mesh.testing._etcd import (
     EtcdAddress,
@@ -34,6 +35,7 @@ __all__ = [
     "MeshReader",
     "NodeProcess",
     "NodeProcessError",
+    "create_root",
     "find_etcd_binary",
     "in_process_mesh",
 ]

@@ -26,6 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+import grpc
+
+from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
 from dsh_mesh.core import Activation, Record, SessionHeader, SessionId
 from dsh_mesh.registry import Etcd, EtcdConfig, EtcdSessionStore, Keys
 from dsh_mesh.registry._codec import decode_header
@@ -330,3 +333,23 @@ class MeshReader:
 
 def _no_lease() -> int:
     raise RuntimeError("a MeshReader never writes")
+
+
+async def create_root(
+    cluster: LocalCluster, *, on: str, task: str, preset: str = "lead", client: str = "tester"
+) -> SessionId:
+    """``MeshControl.CreateRootSession`` on node ``on`` (with the cluster credential, named
+    ``client``); returns the new root's id once it is durable and its first turn started."""
+    address = cluster[on].address
+    if address is None:
+        raise NodeProcessError(f"{on} is not serving")
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = mesh_pb2_grpc.MeshControlStub(channel)
+        response = await stub.CreateRootSession(
+            mesh_pb2.CreateRootSessionRequest(
+                preset=preset, initial_task=task, request_id=secrets.token_hex(8)
+            ),
+            metadata=cluster.metadata(client),
+            timeout=_READY_TIMEOUT,
+        )
+    return SessionId(response.session_id)

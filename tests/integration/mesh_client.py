@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import grpc
 
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
-from dsh_mesh.core import AgentRef, MeshError, SessionHeader, SessionId, SessionKind
-from dsh_mesh.testing import LocalCluster, MeshReader
+from dsh_mesh.core import (
+    AgentMessageEntry,
+    AgentRef,
+    MeshError,
+    SessionHeader,
+    SessionId,
+    SessionKind,
+)
+from dsh_mesh.testing import LocalCluster, MeshReader, create_root
 from dsh_mesh.transport import error_from_rpc
 
 HUMAN = "test-client"
@@ -54,31 +60,19 @@ async def send_as(
     return response
 
 
-async def create_root(cluster: LocalCluster, *, on: str, task: str, preset: str = "lead") -> str:
-    """Create a root session on node ``on``; returns its id."""
-    address = cluster[on].address
-    assert address is not None
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = mesh_pb2_grpc.MeshControlStub(channel)
-        response = await stub.CreateRootSession(
-            mesh_pb2.CreateRootSessionRequest(
-                preset=preset, initial_task=task, request_id=secrets.token_hex(8)
-            ),
-            metadata=cluster.metadata(HUMAN),
-            timeout=30,
-        )
-    return str(response.session_id)
-
-
-@dataclass(frozen=True)
-class Member:
-    """One session of a test tree, as etcd says it is."""
-
-    header: SessionHeader
-
-    @property
-    def id(self) -> SessionId:
-        return self.header.session_id
+async def started_child(cluster: LocalCluster, reader: MeshReader) -> tuple[SessionId, SessionId]:
+    """Create a root on node-a whose scenario spawns one child; return (root, child) once the
+    child's first message has reached the root."""
+    root = await create_root(cluster, on="node-a", task="Delegate.")
+    children = await reader.wait_for(
+        lambda: children_of(reader, root), lambda c: len(c) == 1, what="the child's header"
+    )
+    await reader.wait_for(
+        lambda: reader.transcript(root),
+        lambda records: any(isinstance(r.entry, AgentMessageEntry) for r in records),
+        what="the child's first message",
+    )
+    return root, children[0].session_id
 
 
 async def live_ref(reader: MeshReader, session: SessionId) -> tuple[AgentRef, str]:
@@ -96,4 +90,12 @@ async def children_of(reader: MeshReader, parent: SessionId) -> list[SessionHead
     )
 
 
-__all__ = ["HUMAN", "MeshError", "children_of", "create_root", "live_ref", "send_as"]
+__all__ = [
+    "HUMAN",
+    "MeshError",
+    "children_of",
+    "create_root",
+    "live_ref",
+    "send_as",
+    "started_child",
+]

@@ -27,7 +27,13 @@ from dsh_mesh.core import (
 )
 from dsh_mesh.registry import Etcd, EtcdConfig
 from dsh_mesh.testing import EtcdAddress, LocalCluster, MeshReader
-from tests.integration.mesh_client import children_of, create_root, live_ref, send_as
+from tests.integration.mesh_client import (
+    children_of,
+    create_root,
+    live_ref,
+    send_as,
+    started_child,
+)
 
 ClusterFactory = Callable[[str], LocalCluster]
 
@@ -171,11 +177,7 @@ async def test_sigkill_of_a_childs_host_settles_it_lost_then_it_resumes_elsewher
 ) -> None:
     cluster = start_cluster("CRASH")
     async with open_reader(cluster) as reader:
-        root = SessionId(await create_root(cluster, on="node-a", task="Delegate slowly."))
-        child = await only_child(reader, root)
-        await reader.wait_for(
-            lambda: reader.transcript(root), lambda r: bool(messages(r)), what="child started"
-        )
+        root, child = await started_child(cluster, reader)
         parent, root_host = await live_ref(reader, root)
         before = await send_as(
             cluster, via=root_host, caller=root_host, sender=parent, target=child,
@@ -215,11 +217,7 @@ async def test_a_paused_zombie_node_cannot_append_after_its_lease_expired(
 ) -> None:
     cluster = start_cluster("CRASH")
     async with open_reader(cluster) as reader:
-        root = SessionId(await create_root(cluster, on="node-a", task="Delegate slowly."))
-        child = await only_child(reader, root)
-        await reader.wait_for(
-            lambda: reader.transcript(root), lambda r: bool(messages(r)), what="child started"
-        )
+        root, child = await started_child(cluster, reader)
         _, zombie = await live_ref(reader, child)
         cluster[zombie].pause()  # mid slow step: its model call answers while it is frozen
         await reader.wait_for(
@@ -257,11 +255,7 @@ async def test_sigterm_drains_and_another_node_resumes_the_child_at_once(
 ) -> None:
     cluster = start_cluster("CRASH")
     async with open_reader(cluster) as reader:
-        root = SessionId(await create_root(cluster, on="node-a", task="Delegate slowly."))
-        child = await only_child(reader, root)
-        await reader.wait_for(
-            lambda: reader.transcript(root), lambda r: bool(messages(r)), what="child started"
-        )
+        root, child = await started_child(cluster, reader)
         _, child_host = await live_ref(reader, child)
         assert await asyncio.to_thread(cluster[child_host].terminate) == 0
         # Released on the way out, not left to expire with the lease.

@@ -11,18 +11,16 @@ import pytest
 
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
 from dsh_mesh.core import (
-    AgentMessageEntry,
     DeadlineExceeded,
     MeshError,
     NodeFenced,
     PeerUnavailable,
     RegistryUnavailable,
-    SessionId,
     SessionUnknown,
 )
 from dsh_mesh.testing import EtcdAddress, EtcdServer, LocalCluster, MeshReader
 from dsh_mesh.transport import error_from_rpc
-from tests.integration.mesh_client import children_of, create_root, live_ref, send_as
+from tests.integration.mesh_client import live_ref, send_as, started_child
 
 
 @pytest.fixture
@@ -33,24 +31,11 @@ def crash_cluster(etcd: EtcdAddress) -> Iterator[LocalCluster]:
         yield cluster
 
 
-async def _rooted(cluster: LocalCluster, reader: MeshReader) -> tuple[SessionId, SessionId]:
-    root = SessionId(await create_root(cluster, on="node-a", task="Delegate slowly."))
-    children = await reader.wait_for(
-        lambda: children_of(reader, root), lambda c: len(c) == 1, what="the child"
-    )
-    await reader.wait_for(
-        lambda: reader.transcript(root),
-        lambda records: any(isinstance(r.entry, AgentMessageEntry) for r in records),
-        what="the child's first message",
-    )
-    return root, children[0].session_id
-
-
 async def test_a_send_to_a_child_whose_host_just_died_is_peer_unavailable(
     crash_cluster: LocalCluster,
 ) -> None:
     async with MeshReader(crash_cluster.settings) as reader:
-        root, child = await _rooted(crash_cluster, reader)
+        root, child = await started_child(crash_cluster, reader)
         _, child_host = await live_ref(reader, child)
         crash_cluster[child_host].kill()  # its activation stays until the lease expires
         parent, root_host = await live_ref(reader, root)
@@ -68,7 +53,7 @@ async def test_a_caller_deadline_before_acceptance_is_deadline_exceeded(
     crash_cluster: LocalCluster,
 ) -> None:
     async with MeshReader(crash_cluster.settings) as reader:
-        root, child = await _rooted(crash_cluster, reader)
+        root, child = await started_child(crash_cluster, reader)
         parent, root_host = await live_ref(reader, root)
     address = crash_cluster[root_host].address
     assert address is not None
@@ -115,7 +100,7 @@ async def test_etcd_gone_is_registry_unavailable_then_node_fenced_then_service_r
         etcd_endpoint=etcd_server.endpoint, scenario="tests.integration.scenarios:CRASH"
     ) as cluster:
         async with MeshReader(cluster.settings) as reader:
-            root, child = await _rooted(cluster, reader)
+            root, child = await started_child(cluster, reader)
             parent, root_host = await live_ref(reader, root)
             etcd_server.kill()
 

@@ -202,6 +202,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "MeshReader",
         "NodeProcess",
         "NodeProcessError",
+        "create_root",
         "find_etcd_binary",
         "in_process_mesh",
     ],
