@@ -20,7 +20,6 @@ from dsh_mesh.core import (
     ActivationId,
     AgentRef,
     InvalidArgument,
-    MeshError,
     NodeId,
     Rejected,
     RejectionReason,
@@ -36,7 +35,7 @@ from dsh_mesh.transport._convert import (
     delivery_to_wire,
     notice_from_wire,
 )
-from dsh_mesh.transport._status import abort_with
+from dsh_mesh.transport._status import mesh_rpc
 
 
 class ActivationLookup(Protocol):
@@ -58,28 +57,25 @@ class AgentMeshService(mesh_pb2_grpc.AgentMeshServicer):
         self._manager = manager
         self._current_activation = current_activation
 
+    @mesh_rpc
     async def SendMessage(
         self,
         request: mesh_pb2.SendMessageRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> mesh_pb2.SendMessageResponse:
-        try:
-            caller = caller_node(context)
-            sender = agent_ref_from_wire(request.sender)
-            if not request.idempotency_key:
-                raise InvalidArgument("idempotency_key is required")
-            await self._check_hosted_by(sender, caller)
-            delivery = await self._manager().handed_on(
-                sender,
-                request.agent_id,
-                request.message,
-                idempotency_key=request.idempotency_key,
-                hops=caller_hops(context),
-            )
-            return delivery_to_wire(delivery)
-        except MeshError as error:
-            await abort_with(context, error)
-            raise  # unreachable: abort raises
+        caller = caller_node(context)
+        sender = agent_ref_from_wire(request.sender)
+        if not request.idempotency_key:
+            raise InvalidArgument("idempotency_key is required")
+        await self._check_hosted_by(sender, caller)
+        delivery = await self._manager().handed_on(
+            sender,
+            request.agent_id,
+            request.message,
+            idempotency_key=request.idempotency_key,
+            hops=caller_hops(context),
+        )
+        return delivery_to_wire(delivery)
 
     async def _check_hosted_by(self, sender: AgentRef, caller: str) -> None:
         current = await self._current_activation(sender.session_id)
@@ -102,42 +98,36 @@ class MeshPeerService(peer_pb2_grpc.MeshPeerServicer):
     def __init__(self, manager: ManagerRef) -> None:
         self._manager = manager
 
+    @mesh_rpc
     async def Activate(
         self,
         request: peer_pb2.ActivateRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> peer_pb2.ActivateResponse:
+        caller_node(context)
+        session = parse_session_id(request.session_id)
+        parent = ActivationId(request.parent_activation_id) or None
         try:
-            caller_node(context)
-            session = parse_session_id(request.session_id)
-            parent = ActivationId(request.parent_activation_id) or None
-            try:
-                activation = await self._manager().resume(session, parent)
-            except TargetElsewhere as held:
-                activation = Activation(
-                    session_id=session,
-                    activation_id=ActivationId(held.activation_id),
-                    node_id=NodeId(held.node_id),
-                )
-            return peer_pb2.ActivateResponse(
-                activation_id=activation.activation_id,
-                parent_activation_id=activation.parent_activation or "",
-                node_id=activation.node_id,
+            activation = await self._manager().resume(session, parent)
+        except TargetElsewhere as held:
+            activation = Activation(
+                session_id=session,
+                activation_id=ActivationId(held.activation_id),
+                node_id=NodeId(held.node_id),
             )
-        except MeshError as error:
-            await abort_with(context, error)
-            raise
+        return peer_pb2.ActivateResponse(
+            activation_id=activation.activation_id,
+            parent_activation_id=activation.parent_activation or "",
+            node_id=activation.node_id,
+        )
 
+    @mesh_rpc
     async def DeliverNotice(
         self,
         request: peer_pb2.DeliverNoticeRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> peer_pb2.DeliverNoticeResponse:
-        try:
-            caller_node(context)
-            parent, notice = notice_from_wire(request)
-            await self._manager().deliver_notice(parent, notice)
-            return peer_pb2.DeliverNoticeResponse()
-        except MeshError as error:
-            await abort_with(context, error)
-            raise
+        caller_node(context)
+        parent, notice = notice_from_wire(request)
+        await self._manager().deliver_notice(parent, notice)
+        return peer_pb2.DeliverNoticeResponse()

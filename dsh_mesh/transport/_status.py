@@ -19,10 +19,11 @@ The human table of all of this is ``docs/errors.md``; a test keeps it equal to t
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import functools
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import timedelta
 from types import MappingProxyType
-from typing import NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -264,3 +265,24 @@ def error_from_rpc(error: grpc.RpcError) -> MeshError:
     if bare is not None:
         return Rejected.of(bare, message)
     return RemoteError(code, message)
+
+
+_S = TypeVar("_S")
+_Q = TypeVar("_Q")
+_R = TypeVar("_R")
+
+
+def mesh_rpc(
+    handler: Callable[[_S, _Q, grpc.aio.ServicerContext[Any, Any]], Awaitable[_R]],
+) -> Callable[[_S, _Q, grpc.aio.ServicerContext[Any, Any]], Awaitable[_R]]:
+    """Decorate a grpc.aio servicer method so that a ``MeshError`` it raises ends the call with
+    the status and details of the one table (:func:`abort_with`); anything else propagates."""
+
+    @functools.wraps(handler)
+    async def handle(self: _S, request: _Q, context: grpc.aio.ServicerContext[Any, Any]) -> _R:
+        try:
+            return await handler(self, request, context)
+        except MeshError as error:
+            await abort_with(context, error)
+
+    return handle

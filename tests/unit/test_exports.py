@@ -223,6 +223,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "STATUS_OF_REASON",
         "abort_with",
         "error_from_rpc",
+        "mesh_rpc",
         "status_of",
         "to_rpc_status",
         "wire_reason",
