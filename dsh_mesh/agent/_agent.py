@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import bisect
 import enum
+import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from dsh_mesh import telemetry
 from dsh_mesh.agent._inbox import Inbox
 from dsh_mesh.agent._render import render
 from dsh_mesh.core import (
@@ -59,6 +61,8 @@ class Settlement:
     outcome: SettlementOutcome
     terminal_output: str
     detail: str = ""
+    trace: str = ""
+    """The ``traceparent`` of the final turn's span ("" when tracing is off)."""
 
 
 _SETTLEMENT_OF_TURN = {
@@ -135,6 +139,8 @@ class Agent:
         self._interrupting = False
         self._turns_run = 0
         self._last_outcome = TurnOutcome.COMPLETED
+        self._last_turn_trace = ""
+        self._links: list[str] = []
         self._last_detail = ""
 
     # -- identity and state -------------------------------------------------------------------
@@ -231,6 +237,7 @@ class Agent:
             outcome=_SETTLEMENT_OF_TURN[self._last_outcome],
             terminal_output=self._terminal_output(),
             detail=self._last_detail,
+            trace=self._last_turn_trace,
         )
 
     def _terminal_output(self) -> str:
@@ -256,9 +263,24 @@ class Agent:
 
     async def _consume(self, records: list[Record]) -> None:
         await self._append(ConsumedEntry(seqs=tuple(r.seq for r in records)), admits=records)
+        # The next step reads these: its span links to the spans that sent them.
+        self._links.extend(getattr(r.entry, "trace", "") for r in records)
 
     async def _turn(self, first: list[Record]) -> None:
         turn_id = self._ids.turn_id()
+        with telemetry.span(
+            "dsh.turn",
+            attributes={
+                "dsh.session.id": self.session_id,
+                "dsh.activation.id": self.activation.activation_id,
+                "dsh.turn.id": turn_id,
+            },
+        ) as turn_span:
+            self._last_turn_trace = turn_span.traceparent
+            outcome = await self._run_turn(turn_id, first)
+            turn_span.set("dsh.turn.outcome", outcome.value)
+
+    async def _run_turn(self, turn_id: TurnId, first: list[Record]) -> TurnOutcome:
         self._turn_id = turn_id
         self._state = AgentState.RUNNING
         self._host.changed()
@@ -290,44 +312,82 @@ class Agent:
         self._turn_id = None
         self._state = AgentState.IDLE
         self._host.changed()
+        return outcome
 
     async def _steps(self, signal: AbortSignal) -> TurnOutcome:
-        while True:
-            request = ModelRequest(
-                session_id=self.session_id,
-                model=self.header.spec.model,
-                system_prompt=self.system_prompt,
-                tools=self.tools.descriptors,
-                messages=render(self._records),
-            )
+        for index in itertools.count():
+            links, self._links = self._links, []
+            with telemetry.span(
+                "dsh.step",
+                attributes={"dsh.session.id": self.session_id, "dsh.step.index": index},
+                links=links,
+            ):
+                outcome = await self._step(signal)
+            if outcome is not None:
+                return outcome
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _step(self, signal: AbortSignal) -> TurnOutcome | None:
+        """One model call and the tool calls it asked for, then the step boundary. Returns the
+        turn's outcome when the turn is over, None when another step follows."""
+        request = ModelRequest(
+            session_id=self.session_id,
+            model=self.header.spec.model,
+            system_prompt=self.system_prompt,
+            tools=self.tools.descriptors,
+            messages=render(self._records),
+        )
+        with telemetry.span(
+            f"chat {request.model}",
+            kind="client",
+            attributes={"gen_ai.operation.name": "chat", "gen_ai.request.model": request.model},
+        ) as model_span:
             response = await complete(self._provider, request)
+            model_span.set_many(
+                {
+                    "gen_ai.usage.input_tokens": response.usage.input_tokens,
+                    "gen_ai.usage.output_tokens": response.usage.output_tokens,
+                    "gen_ai.usage.cache_read.input_tokens": response.usage.cached_input_tokens,
+                    "gen_ai.response.finish_reasons": [response.finish_reason.value],
+                }
+            )
+        await self._append(
+            AssistantStepEntry(
+                text=response.text, tool_calls=response.tool_calls, usage=response.usage
+            )
+        )
+        if response.finish_reason is FinishReason.LENGTH:
+            raise TokensExhausted("the model stopped at its token limit")
+        for call in response.tool_calls:
+            with telemetry.span(
+                f"execute_tool {call.name}",
+                attributes={
+                    "gen_ai.operation.name": "execute_tool",
+                    "gen_ai.tool.name": call.name,
+                    "gen_ai.tool.call.id": call.call_id,
+                },
+            ) as tool_span:
+                output = await self._invoke(call, signal)
+                tool_span.set("dsh.tool.error", output.is_error)
             await self._append(
-                AssistantStepEntry(
-                    text=response.text, tool_calls=response.tool_calls, usage=response.usage
+                ToolResultEntry(
+                    call_id=call.call_id,
+                    name=call.name,
+                    content=output.content,
+                    is_error=output.is_error,
                 )
             )
-            if response.finish_reason is FinishReason.LENGTH:
-                raise TokensExhausted("the model stopped at its token limit")
-            for call in response.tool_calls:
-                output = await self._invoke(call, signal)
-                await self._append(
-                    ToolResultEntry(
-                        call_id=call.call_id,
-                        name=call.name,
-                        content=output.content,
-                        is_error=output.is_error,
-                    )
-                )
-            # Step boundary: every tool result of this step is recorded.
-            if not response.tool_calls:
-                # Before the turn ends, let sends admitted while it ran land: they were told
-                # "steered", so they extend this turn rather than start another.
-                await self._host.inflight_settled(self)
-            steered = self._inbox.take_steered()
-            if steered:
-                await self._consume(steered)
-            elif not response.tool_calls:
-                return TurnOutcome.COMPLETED
+        # Step boundary: every tool result of this step is recorded.
+        if not response.tool_calls:
+            # Before the turn ends, let sends admitted while it ran land: they were told
+            # "steered", so they extend this turn rather than start another.
+            await self._host.inflight_settled(self)
+        steered = self._inbox.take_steered()
+        if steered:
+            await self._consume(steered)
+        elif not response.tool_calls:
+            return TurnOutcome.COMPLETED
+        return None
 
     async def _invoke(self, call: ToolCall, signal: AbortSignal) -> ToolOutput:
         tool = self.tools.get(call.name)

@@ -10,12 +10,29 @@ consumed yet is still pending on the next activation.
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
+from typing import Final
 
 from dsh_mesh.core._chat import ChatMessage, ToolCall, Usage
+from dsh_mesh.core._errors import InvalidArgument
 from dsh_mesh.core._header import SessionKind
 from dsh_mesh.core._ids import ActivationId, SessionId, TurnId
 from dsh_mesh.core._source import AgentMessageSource, SettlementOutcome
+
+# W3C Trace Context, version 00: lowercase hex only; an all-zero trace or span id is invalid.
+_TRACEPARENT: Final = re.compile(r"00-(?P<trace>[0-9a-f]{32})-(?P<span>[0-9a-f]{16})-[0-9a-f]{2}")
+
+
+def _is_traceparent(text: str) -> bool:
+    """Whether ``text`` is a well-formed W3C ``traceparent`` (version ``00``)."""
+    match = _TRACEPARENT.fullmatch(text)
+    return match is not None and match["trace"] != "0" * 32 and match["span"] != "0" * 16
+
+
+def _check_trace(trace: str) -> None:
+    if trace and not _is_traceparent(trace):
+        raise InvalidArgument(f"trace {trace!r} is not a W3C traceparent")
 
 
 class TurnOutcome(enum.Enum):
@@ -43,15 +60,33 @@ class HumanPromptEntry:
 
 @dataclass(frozen=True, kw_only=True)
 class AgentMessageEntry:
-    """An accepted agent message. ``source`` is derived from the authorized sender."""
+    """An accepted agent message. ``source`` is derived from the authorized sender.
+
+    ``trace`` is the W3C ``traceparent`` (``00-<32 hex trace id>-<16 hex span id>-<2 hex
+    flags>``) of the sender's span, stored with the message so the step that consumes it, even
+    after a cold resume on another host, can link to it; ``""`` when none was recorded (tracing
+    off). It is observability data only: it never changes delivery, ordering, authorization or
+    rendering. Raises :class:`InvalidArgument` for a non-empty malformed ``trace``.
+    """
 
     source: AgentMessageSource
     content: str
+    trace: str = ""
+
+    def __post_init__(self) -> None:
+        _check_trace(self.trace)
 
 
 @dataclass(frozen=True, kw_only=True)
 class SettlementNoticeEntry:
-    """The manager-owned ``subagent-settled`` notice: how a child's Activation ended."""
+    """The manager-owned ``subagent-settled`` notice: how a child's Activation ended.
+
+    ``trace`` is the W3C ``traceparent`` (``00-<32 hex trace id>-<16 hex span id>-<2 hex
+    flags>``) of the child's final turn span, or ``""`` when none was recorded (tracing off, or a
+    ``lost`` notice written for a child that could not cooperate). It is observability data only:
+    it never changes delivery, ordering, authorization or rendering. Raises
+    :class:`InvalidArgument` for a non-empty malformed ``trace``.
+    """
 
     child_session: SessionId
     child_activation: ActivationId
@@ -59,6 +94,10 @@ class SettlementNoticeEntry:
     outcome: SettlementOutcome
     terminal_output: str
     detail: str = ""
+    trace: str = ""
+
+    def __post_init__(self) -> None:
+        _check_trace(self.trace)
 
 
 @dataclass(frozen=True, kw_only=True)

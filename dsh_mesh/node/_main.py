@@ -14,6 +14,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
+from dsh_mesh import telemetry
 from dsh_mesh.node._config import load_config, parse_args
 from dsh_mesh.node._node import Node
 from dsh_mesh.node._scenario import load_scenario
@@ -25,8 +26,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stderr,
-        format=f"%(asctime)s {config.node_id} %(levelname)s %(name)s: %(message)s",
+        format=(
+            f"%(asctime)s {config.node_id} %(levelname)s %(name)s "
+            "[trace=%(otel_trace_id)s span=%(otel_span_id)s]: %(message)s"
+        ),
     )
+    exporting = telemetry.configure(node_id=config.node_id)
     scenario = load_scenario(config.scenario)
 
     async def serve() -> None:
@@ -41,5 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         await node.run(ready=ready)
 
-    asyncio.run(serve())
+    try:
+        asyncio.run(serve())
+    finally:
+        exporting.shutdown()
     return 0

@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from dsh_mesh import telemetry
 from dsh_mesh._proto.dsh.mesh.peer.v1 import peer_pb2, peer_pb2_grpc
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
 from dsh_mesh.core import Activation, MeshError, NodeFenced, RandomIds
@@ -68,6 +69,12 @@ class Node:
         self._group: asyncio.TaskGroup | None = None
         self.address: str | None = None
         """``host:port`` other nodes dial; set once the server listens."""
+        telemetry.observe_node(
+            resident_agents=lambda: 0 if self._manager is None else len(self._manager.agents),
+            inbox_depth=lambda: (
+                0 if self._manager is None else sum(a.inbox_depth for a in self._manager.agents)
+            ),
+        )
 
     def stop(self) -> None:
         """Ask the node to drain and exit."""
@@ -99,7 +106,12 @@ class Node:
                 placement=config.placement,
             )
             health = HealthServicer()
-            server = grpc.aio.server(interceptors=[ClusterAuthInterceptor(config.credential)])
+            server = grpc.aio.server(
+                interceptors=[
+                    *telemetry.server_interceptors(),
+                    ClusterAuthInterceptor(config.credential),
+                ]
+            )
             mesh_pb2_grpc.add_AgentMeshServicer_to_server(
                 AgentMeshService(self.manager, store.current_activation), server
             )
@@ -177,6 +189,7 @@ class Node:
                     # Fenced: the lease (and every activation bound to it) is gone or about to
                     # be. Stop every agent now; nothing of them may be written any more.
                     _log.error("node %s lost its lease: fenced", self.config.node_id)
+                    telemetry.lease_lost()
                     manager.shutdown()
                 else:
                     await manager.drain(self.config.shutdown_grace)

@@ -1,16 +1,16 @@
 """The one place where domain values become the bytes stored in etcd, and back.
 
-Format (version 1). Every stored value is one JSON object: UTF-8, compact (no insignificant
+Format (version 2). Every stored value is one JSON object: UTF-8, compact (no insignificant
 whitespace), keys sorted, non-ASCII written as itself, so equal values are equal bytes. Wrapped
 here; ``tests/unit/test_codec.py`` pins the exact bytes of every kind::
 
     header      {"fork_origin":null,"kind":"root","parent_session":null,"session_id":"s-1",
-                 "spec":{"model":"m","preset":"lead","tools":[]},"v":1}
+                 "spec":{"model":"m","preset":"lead","tools":[]},"v":2}
     activation  {"activation_id":"a-1","node_id":"n-1","parent_activation":null,
-                 "session_id":"s-1","v":1}
-    entry       {"content":"hello","type":"human_prompt","v":1}
+                 "session_id":"s-1","v":2}
+    entry       {"content":"hello","type":"human_prompt","v":2}
     acceptance  {"fingerprint":"f","kind":"steered","seq":3,"target":"s-2",
-                 "target_activation":"a-2","v":1}
+                 "target_activation":"a-2","v":2}
 
 - ``"v"`` is the format version; only the outermost object carries it.
 - ``"type"`` tags a transcript entry with a stable name (see ``ENTRY_TAGS``), never a Python
@@ -21,12 +21,22 @@ here; ``tests/unit/test_codec.py`` pins the exact bytes of every kind::
 - A ``str`` holding lone surrogates (no valid UTF-8 can, a Python ``str`` can: think of tool output
   decoded with ``surrogateescape``) is written with ``surrogatepass``, so it round-trips exactly.
 
-Decoding is strict: the exact set of fields, exact JSON types (``true`` is not an int), no
-duplicate keys, a known tag and version; anything else raises :class:`CodecError`.
+Decoding is strict: the exact set of fields the value's version stores, exact JSON types
+(``true`` is not an int), no duplicate keys, a known tag and version; anything else raises
+:class:`CodecError`.
 
 Changing any of this changes what is already stored: renaming or adding a field of a stored
 dataclass (even one with a default), renaming a tag, or changing an enum's value. Such a change
 needs a bump of ``FORMAT_VERSION`` together with a decoder that still reads every older version.
+
+Version history (encoders write only the newest; decoders read every one in
+``READABLE_VERSIONS``):
+
+1. The first format.
+2. ``agent_message`` and ``settlement_notice`` entries gain ``"trace"``, a W3C ``traceparent``
+   or ``""``. A version-1 value of either lacks the field, which then decodes as ``""``; a
+   version-1 value that has it is rejected like any other unexpected field. Every other kind is
+   stored exactly as in version 1 apart from ``"v"``. (``_ADDED_IN`` is the table.)
 """
 
 from __future__ import annotations
@@ -63,8 +73,11 @@ if TYPE_CHECKING:
 
 _D = TypeVar("_D", bound="DataclassInstance")
 
-FORMAT_VERSION: Final = 1
-"""The version every encoder writes and the only one the decoders accept."""
+FORMAT_VERSION: Final = 2
+"""The version every encoder writes (see the module docstring for the history)."""
+
+READABLE_VERSIONS: Final = frozenset(range(1, FORMAT_VERSION + 1))
+"""Every version the decoders accept: the current one and each older one still in etcd."""
 
 ENTRY_TAGS: Final[Mapping[str, type[Entry]]] = types.MappingProxyType(
     {
@@ -83,6 +96,16 @@ ENTRY_TAGS: Final[Mapping[str, type[Entry]]] = types.MappingProxyType(
 """The stored ``"type"`` tag of each transcript entry class. Tags are part of the format."""
 
 _TAG_OF: Final[Mapping[type[Entry], str]] = {cls: tag for tag, cls in ENTRY_TAGS.items()}
+
+_ADDED_IN: Final[Mapping[type, Mapping[str, int]]] = types.MappingProxyType(
+    {
+        AgentMessageEntry: {"trace": 2},
+        SettlementNoticeEntry: {"trace": 2},
+    }
+)
+"""Fields of a stored dataclass that older versions lack, with the version that added each.
+Decoding an older value leaves them out, so each must have a default, which it then takes."""
+
 _VERSION_KEY: Final = "v"
 _TAG_KEY: Final = "type"
 
@@ -107,7 +130,7 @@ def encode_header(header: SessionHeader) -> bytes:
 def decode_header(data: bytes) -> SessionHeader:
     """The header ``encode_header`` stored as ``data``; raises :class:`CodecError` otherwise
     (including a header that breaks :class:`SessionHeader`'s own invariants)."""
-    return _decode(SessionHeader, _open(data, "header", tagged=False), "header")
+    return _decode(SessionHeader, *_open(data, "header", tagged=False), "header")
 
 
 def encode_activation(activation: Activation) -> bytes:
@@ -118,7 +141,7 @@ def encode_activation(activation: Activation) -> bytes:
 def decode_activation(data: bytes) -> Activation:
     """The activation ``encode_activation`` stored as ``data``; raises :class:`CodecError`
     otherwise."""
-    return _decode(Activation, _open(data, "activation", tagged=False), "activation")
+    return _decode(Activation, *_open(data, "activation", tagged=False), "activation")
 
 
 def encode_entry(entry: Entry) -> bytes:
@@ -133,12 +156,12 @@ def encode_entry(entry: Entry) -> bytes:
 def decode_entry(data: bytes) -> Entry:
     """The entry ``encode_entry`` stored as ``data``, of the class its tag names; raises
     :class:`CodecError` otherwise (including an unknown tag)."""
-    fields = _open(data, "entry", tagged=True)
+    fields, version = _open(data, "entry", tagged=True)
     tag = fields.pop(_TAG_KEY)
     cls = ENTRY_TAGS.get(tag) if isinstance(tag, str) else None
     if cls is None:
         raise CodecError(f"entry: unknown type tag {tag!r}")
-    return _decode(cls, fields, f"entry({tag})")
+    return _decode(cls, fields, version, f"entry({tag})")
 
 
 def encode_acceptance(acceptance: Acceptance) -> bytes:
@@ -150,7 +173,7 @@ def encode_acceptance(acceptance: Acceptance) -> bytes:
 def decode_acceptance(data: bytes) -> Acceptance:
     """The acceptance ``encode_acceptance`` stored as ``data``; raises :class:`CodecError`
     otherwise."""
-    return _decode(Acceptance, _open(data, "acceptance", tagged=False), "acceptance")
+    return _decode(Acceptance, *_open(data, "acceptance", tagged=False), "acceptance")
 
 
 # -- encoding ---------------------------------------------------------------------------------
@@ -193,9 +216,9 @@ def _to_json(value: object) -> object:
 # -- decoding ---------------------------------------------------------------------------------
 
 
-def _open(data: bytes, what: str, *, tagged: bool) -> dict[str, object]:
-    """Parse ``data`` into its top-level object and strip the envelope (the version; the tag
-    stays in for the caller when ``tagged``)."""
+def _open(data: bytes, what: str, *, tagged: bool) -> tuple[dict[str, object], int]:
+    """Parse ``data`` into its top-level object and its format version, stripping the version
+    from the object (the tag stays in for the caller when ``tagged``)."""
     try:
         parsed = json.loads(
             data.decode("utf-8", "surrogatepass"),
@@ -208,11 +231,11 @@ def _open(data: bytes, what: str, *, tagged: bool) -> dict[str, object]:
         raise CodecError(f"{what}: expected a JSON object, got {_json_kind(parsed)}")
     fields: dict[str, object] = parsed
     version = fields.pop(_VERSION_KEY, None)
-    if type(version) is not int or version != FORMAT_VERSION:
+    if type(version) is not int or version not in READABLE_VERSIONS:
         raise CodecError(f"{what}: unsupported format version {version!r}")
     if tagged and _TAG_KEY not in fields:
         raise CodecError(f"{what}: missing type tag")
-    return fields
+    return fields, version
 
 
 def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
@@ -226,16 +249,22 @@ def _no_constant(name: str) -> object:
     raise ValueError(f"{name} is not JSON")
 
 
-def _decode(cls: type[_D], data: object, path: str) -> _D:
-    """Build the dataclass ``cls`` from a JSON object holding exactly its fields."""
+def _decode(cls: type[_D], data: object, version: int, path: str) -> _D:
+    """Build the dataclass ``cls`` from a JSON object holding exactly the fields ``version``
+    stores of it; a field added after ``version`` takes its default."""
     if not isinstance(data, dict):
         raise CodecError(f"{path}: expected an object, got {_json_kind(data)}")
-    hints = _field_types(cls)
+    hints = _field_types(cls, version)
     missing = sorted(hints.keys() - data.keys())
     extra = sorted(data.keys() - hints.keys())
     if missing or extra:
-        raise CodecError(f"{path}: missing fields {missing}, unexpected fields {extra}")
-    kwargs = {name: _from_json(tp, data[name], f"{path}.{name}") for name, tp in hints.items()}
+        raise CodecError(
+            f"{path}: missing fields {missing}, unexpected fields {extra}"
+            f" (format version {version})"
+        )
+    kwargs = {
+        name: _from_json(tp, data[name], version, f"{path}.{name}") for name, tp in hints.items()
+    }
     try:
         return cls(**kwargs)
     except (MeshError, TypeError, ValueError) as exc:  # a __post_init__ invariant
@@ -243,19 +272,30 @@ def _decode(cls: type[_D], data: object, path: str) -> _D:
 
 
 @functools.cache
-def _field_types(cls: type[DataclassInstance]) -> dict[str, object]:
+def _field_types(cls: type[DataclassInstance], version: int) -> dict[str, object]:
+    """The annotation of each field ``version`` stores of ``cls``."""
     hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    added = _ADDED_IN.get(cls, {})
+    stored: dict[str, object] = {}
+    for f in dataclasses.fields(cls):
+        if added.get(f.name, 0) <= version:
+            stored[f.name] = hints[f.name]
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            # A bug in _ADDED_IN, not in the stored bytes: an older value cannot be built.
+            raise TypeError(
+                f"{cls.__name__}.{f.name} was added in a later version but has no default"
+            )
+    return stored
 
 
-def _from_json(tp: object, data: object, path: str) -> object:
+def _from_json(tp: object, data: object, version: int, path: str) -> object:
     """Check ``data`` against the annotation ``tp`` and build the value it stands for.
 
     Only the shapes stored values use are supported; any other annotation is a bug here, hence
     ``TypeError`` rather than :class:`CodecError`.
     """
     if isinstance(tp, NewType):
-        return _from_json(tp.__supertype__, data, path)
+        return _from_json(tp.__supertype__, data, version, path)
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is Literal:
         if any(type(data) is type(arg) and data == arg for arg in args):
@@ -266,11 +306,13 @@ def _from_json(tp: object, data: object, path: str) -> object:
             return None
         options = [arg for arg in args if arg is not type(None)]
         if len(options) == 1:  # only ``X | None`` is stored
-            return _from_json(options[0], data, path)
+            return _from_json(options[0], data, version, path)
     if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
         if not isinstance(data, list):
             raise CodecError(f"{path}: expected an array, got {_json_kind(data)}")
-        return tuple(_from_json(args[0], item, f"{path}[{i}]") for i, item in enumerate(data))
+        return tuple(
+            _from_json(args[0], item, version, f"{path}[{i}]") for i, item in enumerate(data)
+        )
     if tp in (str, int, bool):
         if type(data) is not tp:  # exact: a JSON true is not an int, a float is not an int
             raise CodecError(f"{path}: expected {_JSON_KINDS[tp]}, got {_json_kind(data)}")
@@ -281,7 +323,7 @@ def _from_json(tp: object, data: object, path: str) -> object:
                 return member
         raise CodecError(f"{path}: {data!r} is not a {tp.__name__}")
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        return _decode(tp, data, path)
+        return _decode(tp, data, version, path)
     raise TypeError(f"{path}: the codec has no rule for {tp!r}")
 
 

@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from dsh_mesh import telemetry
 from dsh_mesh.core import (
     Activation,
     ActivationFenced,
@@ -120,7 +121,8 @@ class EtcdSessionStore:
     async def get_header(self, session: SessionId) -> SessionHeader | None:
         header = self._headers.get(session)
         if header is None:
-            kv = await self._etcd.get(self._keys.header(session))
+            with telemetry.span("dsh.etcd.header_read", attributes={"dsh.session.id": session}):
+                kv = await self._etcd.get(self._keys.header(session))
             if kv is None:
                 return None
             header = self._headers.setdefault(session, decode_header(kv.value))
@@ -129,6 +131,18 @@ class EtcdSessionStore:
     # -- activations ----------------------------------------------------------------------------
 
     async def try_activate(self, activation: Activation) -> Activation:
+        with telemetry.span(
+            "dsh.etcd.activate",
+            attributes={
+                "dsh.session.id": activation.session_id,
+                "dsh.activation.id": activation.activation_id,
+            },
+        ) as activating:
+            current = await self._try_activate(activation)
+            activating.set("dsh.activation.won", current == activation)
+            return current
+
+    async def _try_activate(self, activation: Activation) -> Activation:
         session = activation.session_id
         key = self._keys.activation(session)
         for _ in range(_ACTIVATE_ATTEMPTS):
@@ -203,10 +217,16 @@ class EtcdSessionStore:
         fence = 0 if writer is None else await self._fence_of(session, writer)
         # Appends to one session from this node go one at a time: they all compete for the same
         # next seq, so racing them would only make all but one fail and retry.
-        async with self._append_lock(session):
-            return await self._append_in_turn(
-                session, entry, payload, fence=fence, writer=writer, idempotency=idempotency
-            )
+        with telemetry.span(
+            "dsh.etcd.append",
+            attributes={"dsh.session.id": session, "dsh.entry.bytes": len(payload)},
+        ) as appending:
+            async with self._append_lock(session):
+                record, known = await self._append_in_turn(
+                    session, entry, payload, fence=fence, writer=writer, idempotency=idempotency
+                )
+            appending.set_many({"dsh.seq": record.seq, "dsh.duplicate": known is not None})
+            return record, known
 
     async def _append_in_turn(
         self,

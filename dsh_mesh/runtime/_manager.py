@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import hashlib
 import logging
+import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -15,6 +17,7 @@ from datetime import timedelta
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
+from dsh_mesh import telemetry
 from dsh_mesh.agent import Agent, AgentState, Settlement, completed_turn_prefix
 from dsh_mesh.core import (
     AbortSignal,
@@ -44,6 +47,7 @@ from dsh_mesh.core import (
     RandomIds,
     Record,
     Refused,
+    Rejected,
     RejectionReason,
     SessionHeader,
     SessionId,
@@ -328,15 +332,24 @@ class ContinuationManager:
         hops: int,
     ) -> Delivery:
         signal = signal or AbortSignal()
-        target = parse_session_id(target_id)
-        self._check_content(content)
+        # The sending span (carried across nodes as baggage) is stored with the message, so
+        # the step that consumes it links back to it, wherever and whenever that step runs.
+        sender_trace = telemetry.sender_traceparent()
+        try:
+            target = parse_session_id(target_id)
+            self._check_content(content)
+        except Rejected as invalid:
+            telemetry.message_rejected(invalid.reason.value)
+            raise
         signal.raise_if_aborted()
         decision = await self._authorize(sender, target)
         if isinstance(decision, Refused):
+            telemetry.message_rejected(decision.reason.value)
             raise decision.error()
         entry = AgentMessageEntry(
             source=AgentMessageSource(sender_session_id=decision.sender.session_id),
             content=content,
+            trace=sender_trace,
         )
         key = None
         if idempotency_key is not None:
@@ -354,14 +367,15 @@ class ContinuationManager:
             async def forward(node: NodeId) -> Delivery:
                 for _ in range(MAX_HOPS):
                     try:
-                        delivery = await router.send_message(
-                            node,
-                            sender,
-                            target,
-                            content,
-                            idempotency_key=idempotency_key,
-                            hops=1,
-                        )
+                        with telemetry.carrying_sender(sender_trace):
+                            delivery = await router.send_message(
+                                node,
+                                sender,
+                                target,
+                                content,
+                                idempotency_key=idempotency_key,
+                                hops=1,
+                            )
                     except TargetElsewhere as moved:
                         node = NodeId(moved.node_id)
                         continue
@@ -494,6 +508,7 @@ class ContinuationManager:
             detail=f"host {ended.node_id} went away",
         )
         if ended.activation_id not in self._noticed:
+            telemetry.settled(notice.outcome.value, notice.child_kind.value)
             await self._notify_parent(header.parent_session, notice)
 
     # -- AgentHost ------------------------------------------------------------------------------
@@ -540,7 +555,9 @@ class ContinuationManager:
                     outcome=settlement.outcome,
                     terminal_output=settlement.terminal_output,
                     detail=settlement.detail,
+                    trace=settlement.trace,
                 )
+                telemetry.settled(notice.outcome.value, notice.child_kind.value)
                 await self._notify_parent(parent, notice)
         finally:
             await self._store.release(agent.activation)
@@ -640,6 +657,8 @@ class ContinuationManager:
             self._reserved[session].add(record.seq)
             agent.deliver(record)
             delivered = True
+            if isinstance(entry, AgentMessageEntry):
+                telemetry.message_accepted(kind.value)
             return Delivery(
                 target=session,
                 target_activation=agent.activation.activation_id,
@@ -734,6 +753,19 @@ class ContinuationManager:
             return await asyncio.shield(task), True
 
     async def _cold_resume(
+        self, target: SessionId, parent_activation: ActivationId | None
+    ) -> Agent:
+        started = time.monotonic()
+        with telemetry.span(
+            "dsh.cold_resume",
+            attributes={"dsh.session.id": target, "dsh.node.id": self.node_id},
+        ) as resuming:
+            agent = await self._load_and_start(target, parent_activation)
+            resuming.set("dsh.activation.id", agent.activation.activation_id)
+        telemetry.cold_resumed(time.monotonic() - started)
+        return agent
+
+    async def _load_and_start(
         self, target: SessionId, parent_activation: ActivationId | None
     ) -> Agent:
         header = await self.header(target)
@@ -860,20 +892,44 @@ class ContinuationManager:
         self._agents[session] = agent
         if agent.header.parent_session is not None:
             self._track_child(agent.header.parent_session, session, agent.activation.activation_id)
+        # A driver starts from an empty context: its turns are traces of their own, linked to
+        # the spans that sent what they consume, not children of whichever call started it.
         self._drivers[session] = self._group.create_task(
-            self._drive(agent), name=f"agent {session}"
+            self._drive(agent), name=f"agent {session}", context=contextvars.Context()
         )
         self.changed()
 
     # -- helpers --------------------------------------------------------------------------------
 
     async def _authorize(self, sender: AgentRef, target: SessionId) -> Authorized | Refused:
-        decision = await self._authorize_from(sender, target, fresh=False)
-        if isinstance(decision, Refused) and decision.reason in _LIVENESS_REASONS:
-            # The store may answer liveness from a watch-fed cache a moment behind etcd: a
-            # refusal that hinges on liveness is confirmed against the durable state.
-            decision = await self._authorize_from(sender, target, fresh=True)
-        return decision
+        with telemetry.span(
+            "dsh.authorize",
+            attributes={
+                "dsh.sender.session_id": sender.session_id,
+                "dsh.target.session_id": target,
+            },
+        ) as authorizing:
+            decision = await self._authorize_from(sender, target, fresh=False)
+            if isinstance(decision, Refused) and decision.reason in _LIVENESS_REASONS:
+                # The store may answer liveness from a watch-fed cache a moment behind etcd: a
+                # refusal that hinges on liveness is confirmed against the durable state.
+                authorizing.set("dsh.authorize.rechecked", True)
+                decision = await self._authorize_from(sender, target, fresh=True)
+            if isinstance(decision, Refused):
+                authorizing.set_many(
+                    {
+                        "dsh.authorize.decision": "refused",
+                        "dsh.authorize.reason": decision.reason.value,
+                    }
+                )
+            else:
+                authorizing.set_many(
+                    {
+                        "dsh.authorize.decision": "accepted",
+                        "dsh.authorize.direction": decision.direction.value,
+                    }
+                )
+            return decision
 
     async def _authorize_from(
         self, sender: AgentRef, target: SessionId, *, fresh: bool

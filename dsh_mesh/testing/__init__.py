@@ -23,9 +23,20 @@ from dsh_mesh.testing._etcd import (
     find_etcd_binary,
 )
 from dsh_mesh.testing._in_process import InProcessMesh, in_process_mesh
+from dsh_mesh.testing._otlp import (
+    AttributeValue,
+    CollectedPoint,
+    CollectedSpan,
+    OtlpReceiver,
+    otel_env,
+    render_trace_tree,
+)
 
 __all__ = [
+    "AttributeValue",
     "ClusterSettings",
+    "CollectedPoint",
+    "CollectedSpan",
     "EtcdAddress",
     "EtcdNotFoundError",
     "EtcdServer",
@@ -35,7 +46,10 @@ __all__ = [
     "MeshReader",
     "NodeProcess",
     "NodeProcessError",
+    "OtlpReceiver",
     "create_root",
     "find_etcd_binary",
     "in_process_mesh",
+    "otel_env",
+    "render_trace_tree",
 ]

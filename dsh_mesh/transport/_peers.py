@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 
+from dsh_mesh import telemetry
 from dsh_mesh._proto.dsh.mesh.peer.v1 import peer_pb2, peer_pb2_grpc
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
 from dsh_mesh.core import (
@@ -72,7 +73,9 @@ class PeerPool:
             raise PeerUnavailable(f"node {node} is not registered")
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address)
+            channel = grpc.aio.insecure_channel(
+                address, interceptors=telemetry.client_interceptors()
+            )
             self._channels[address] = channel
         return channel
 

@@ -8,11 +8,13 @@ node whose credential made the call.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import grpc
 
+from dsh_mesh import telemetry
 from dsh_mesh._proto.dsh.mesh.peer.v1 import peer_pb2, peer_pb2_grpc
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
 from dsh_mesh.core import (
@@ -63,29 +65,40 @@ class AgentMeshService(mesh_pb2_grpc.AgentMeshServicer):
         request: mesh_pb2.SendMessageRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> mesh_pb2.SendMessageResponse:
-        caller = caller_node(context)
-        sender = agent_ref_from_wire(request.sender)
-        if not request.idempotency_key:
-            raise InvalidArgument("idempotency_key is required")
-        await self._check_hosted_by(sender, caller)
-        delivery = await self._manager().handed_on(
-            sender,
-            request.agent_id,
-            request.message,
-            idempotency_key=request.idempotency_key,
-            hops=caller_hops(context),
-        )
-        return delivery_to_wire(delivery)
+        started = time.monotonic()
+        outcome = "error"
+        try:
+            caller = caller_node(context)
+            sender = agent_ref_from_wire(request.sender)
+            if not request.idempotency_key:
+                raise InvalidArgument("idempotency_key is required")
+            await self._check_hosted_by(sender, caller)
+            delivery = await self._manager().handed_on(
+                sender,
+                request.agent_id,
+                request.message,
+                idempotency_key=request.idempotency_key,
+                hops=caller_hops(context),
+            )
+            outcome = "duplicate" if delivery.duplicate else "accepted"
+            return delivery_to_wire(delivery)
+        except Rejected as refused:
+            outcome = refused.reason.value
+            raise
+        finally:
+            telemetry.send_duration(time.monotonic() - started, outcome)
 
     async def _check_hosted_by(self, sender: AgentRef, caller: str) -> None:
         current = await self._current_activation(sender.session_id)
         if current is None or current.activation_id != sender.activation_id:
             current = await self._current_activation(sender.session_id, fresh=True)
         if current is None or current.activation_id != sender.activation_id:
+            telemetry.message_rejected(RejectionReason.STALE_SENDER.value)
             raise StaleSender(
                 f"{sender.session_id} activation {sender.activation_id} is not current"
             )
         if current.node_id != caller:
+            telemetry.message_rejected(RejectionReason.FORGED_SENDER.value)
             raise Rejected.of(
                 RejectionReason.FORGED_SENDER,
                 f"{sender.session_id} is not hosted by the calling node {caller}",

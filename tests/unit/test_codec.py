@@ -49,6 +49,7 @@ from dsh_mesh.core import (
 from dsh_mesh.registry._codec import (
     ENTRY_TAGS,
     FORMAT_VERSION,
+    READABLE_VERSIONS,
     CodecError,
     decode_acceptance,
     decode_activation,
@@ -64,22 +65,27 @@ from dsh_mesh.runtime import Acceptance
 # -- realistic examples, with their stored bytes pinned -----------------------------------------
 
 READ_CALL = ToolCall(call_id="c-1", name="read_file", arguments_json='{"path":"a.md"}')
+SENDER_SPAN = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+FINAL_TURN_SPAN = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"
 
 ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
     (
         TaskEntry(content="Summarise the design.\nThen send_message your parent."),
-        '{"content":"Summarise the design.\\nThen send_message your parent.","type":"task","v":1}',
+        '{"content":"Summarise the design.\\nThen send_message your parent.","type":"task","v":2}',
     ),
     (
         HumanPromptEntry(content="Wie geht's? 你好 🙂"),
-        '{"content":"Wie geht\'s? 你好 🙂","type":"human_prompt","v":1}',
+        '{"content":"Wie geht\'s? 你好 🙂","type":"human_prompt","v":2}',
     ),
     (
         AgentMessageEntry(
-            source=AgentMessageSource(sender_session_id=SessionId("s-2")), content="result: 42"
+            source=AgentMessageSource(sender_session_id=SessionId("s-2")),
+            content="result: 42",
+            trace=SENDER_SPAN,
         ),
         '{"content":"result: 42","source":{"form":"relay","kind":"agent-message",'
-        '"sender_session_id":"s-2"},"type":"agent_message","v":1}',
+        '"sender_session_id":"s-2"},"trace":"00-4bf92f3577b34da6a3ce929d0e0e4736-'
+        '00f067aa0ba902b7-01","type":"agent_message","v":2}',
     ),
     (
         SettlementNoticeEntry(
@@ -89,10 +95,12 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
             outcome=SettlementOutcome.TOKEN_EXHAUSTION,
             terminal_output="partial answer",
             detail="budget spent",
+            trace=FINAL_TURN_SPAN,
         ),
         '{"child_activation":"a-3","child_kind":"one-shot-child","child_session":"s-3",'
         '"detail":"budget spent","outcome":"token-exhaustion","terminal_output":"partial answer",'
-        '"type":"settlement_notice","v":1}',
+        '"trace":"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00",'
+        '"type":"settlement_notice","v":2}',
     ),
     (
         ForkPrefixEntry(
@@ -105,15 +113,15 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
         '{"messages":[{"content":"Plan it.","role":"user","tool_call_id":null,"tool_calls":[]},'
         '{"content":"","role":"assistant","tool_call_id":null,"tool_calls":[{"arguments_json":'
         '"{\\"path\\":\\"a.md\\"}","call_id":"c-1","name":"read_file"}]},{"content":"# A",'
-        '"role":"tool","tool_call_id":"c-1","tool_calls":[]}],"type":"fork_prefix","v":1}',
+        '"role":"tool","tool_call_id":"c-1","tool_calls":[]}],"type":"fork_prefix","v":2}',
     ),
     (
         TurnStartedEntry(turn_id=TurnId("t-1")),
-        '{"turn_id":"t-1","type":"turn_started","v":1}',
+        '{"turn_id":"t-1","type":"turn_started","v":2}',
     ),
     (
         ConsumedEntry(seqs=(3, 4)),
-        '{"seqs":[3,4],"type":"consumed","v":1}',
+        '{"seqs":[3,4],"type":"consumed","v":2}',
     ),
     (
         AssistantStepEntry(
@@ -123,16 +131,16 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
         ),
         '{"text":"Reading it.","tool_calls":[{"arguments_json":"{\\"path\\":\\"a.md\\"}",'
         '"call_id":"c-1","name":"read_file"}],"type":"assistant_step","usage":'
-        '{"cached_input_tokens":1024,"input_tokens":1200,"output_tokens":35},"v":1}',
+        '{"cached_input_tokens":1024,"input_tokens":1200,"output_tokens":35},"v":2}',
     ),
     (
         ToolResultEntry(call_id="c-1", name="read_file", content="no such file", is_error=True),
         '{"call_id":"c-1","content":"no such file","is_error":true,"name":"read_file",'
-        '"type":"tool_result","v":1}',
+        '"type":"tool_result","v":2}',
     ),
     (
         TurnEndedEntry(turn_id=TurnId("t-1"), outcome=TurnOutcome.COMPLETED),
-        '{"detail":"","outcome":"completed","turn_id":"t-1","type":"turn_ended","v":1}',
+        '{"detail":"","outcome":"completed","turn_id":"t-1","type":"turn_ended","v":2}',
     ),
 ]
 
@@ -181,7 +189,7 @@ OTHER_EXAMPLES: list[tuple[object, Callable[[Any], bytes], str]] = [
         ROOT_HEADER,
         encode_header,
         '{"fork_origin":null,"kind":"root","parent_session":null,"session_id":"s-1",'
-        '"spec":{"model":"lead-model","preset":"lead","tools":[]},"v":1}',
+        '"spec":{"model":"lead-model","preset":"lead","tools":[]},"v":2}',
     ),
     (
         FORK_HEADER,
@@ -190,24 +198,24 @@ OTHER_EXAMPLES: list[tuple[object, Callable[[Any], bytes], str]] = [
         '"parent_session":"s-1","session_id":"s-2","spec":{"model":"worker-model",'
         '"preset":"worker","tools":[{"description":"Read a file.","input_schema_json":'
         '"{\\"properties\\":{\\"path\\":{\\"type\\":\\"string\\"}},\\"type\\":\\"object\\"}",'
-        '"name":"read_file"}]},"v":1}',
+        '"name":"read_file"}]},"v":2}',
     ),
     (
         ROOT_ACTIVATION,
         encode_activation,
-        '{"activation_id":"a-1","node_id":"n-1","parent_activation":null,"session_id":"s-1","v":1}',
+        '{"activation_id":"a-1","node_id":"n-1","parent_activation":null,"session_id":"s-1","v":2}',
     ),
     (
         CHILD_ACTIVATION,
         encode_activation,
         '{"activation_id":"a-2","node_id":"n-2","parent_activation":"a-1","session_id":"s-2",'
-        '"v":1}',
+        '"v":2}',
     ),
     (
         ACCEPTANCE,
         encode_acceptance,
         '{"fingerprint":"sha256:9f86d0","kind":"cold-resumed","seq":3,"target":"s-2",'
-        '"target_activation":"a-2","v":1}',
+        '"target_activation":"a-2","v":2}',
     ),
 ]
 
@@ -238,7 +246,7 @@ def test_the_examples_cover_every_entry_variant_and_the_tag_table_is_complete() 
 def test_an_entry_is_stored_exactly_as_pinned_and_reads_back_equal(
     entry: Entry, stored: str
 ) -> None:
-    # A failure here means the stored format changed: bump FORMAT_VERSION, keep reading v1.
+    # A failure here means the stored format changed: bump FORMAT_VERSION, keep reading v1, v2.
     assert encode_entry(entry) == stored.encode()
     assert decode_entry(stored.encode()) == entry
 
@@ -280,8 +288,112 @@ def test_an_acceptance_round_trips_for_every_delivery_kind(kind: DeliveryKind) -
     assert decode_acceptance(encode_acceptance(acceptance)) == acceptance
 
 
-def test_the_format_version_is_one() -> None:
-    assert FORMAT_VERSION == 1
+def test_the_format_version_is_two_and_every_older_one_is_readable() -> None:
+    assert FORMAT_VERSION == 2
+    assert sorted(READABLE_VERSIONS) == [1, 2]
+
+
+def test_an_untraced_message_and_notice_store_an_empty_trace() -> None:
+    message = AgentMessageEntry(
+        source=AgentMessageSource(sender_session_id=SessionId("s-2")), content="hi"
+    )
+    notice = SettlementNoticeEntry(
+        child_session=SessionId("s-3"),
+        child_activation=ActivationId("a-3"),
+        child_kind=SessionKind.CONTINUABLE_CHILD,
+        outcome=SettlementOutcome.LOST,
+        terminal_output="",
+    )
+    for entry in (message, notice):
+        data = encode_entry(entry)
+        assert json.loads(data)["trace"] == ""
+        assert decode_entry(data) == entry
+
+
+# -- older versions still stored in etcd -------------------------------------------------------
+
+# Bytes written by version-1 releases (pinned before version 2 existed): never change these.
+V1_AGENT_MESSAGE = (
+    b'{"content":"result: 42","source":{"form":"relay","kind":"agent-message",'
+    b'"sender_session_id":"s-2"},"type":"agent_message","v":1}'
+)
+V1_SETTLEMENT_NOTICE = (
+    b'{"child_activation":"a-3","child_kind":"one-shot-child","child_session":"s-3",'
+    b'"detail":"budget spent","outcome":"token-exhaustion","terminal_output":"partial answer",'
+    b'"type":"settlement_notice","v":1}'
+)
+V1_OTHERS: list[tuple[bytes, Decoder, object]] = [
+    (
+        b'{"content":"hello","type":"human_prompt","v":1}',
+        decode_entry,
+        HumanPromptEntry(content="hello"),
+    ),
+    (
+        b'{"detail":"","outcome":"completed","turn_id":"t-1","type":"turn_ended","v":1}',
+        decode_entry,
+        TurnEndedEntry(turn_id=TurnId("t-1"), outcome=TurnOutcome.COMPLETED),
+    ),
+    (
+        b'{"fork_origin":null,"kind":"root","parent_session":null,"session_id":"s-1",'
+        b'"spec":{"model":"lead-model","preset":"lead","tools":[]},"v":1}',
+        decode_header,
+        ROOT_HEADER,
+    ),
+    (
+        b'{"activation_id":"a-2","node_id":"n-2","parent_activation":"a-1","session_id":"s-2",'
+        b'"v":1}',
+        decode_activation,
+        CHILD_ACTIVATION,
+    ),
+    (
+        b'{"fingerprint":"sha256:9f86d0","kind":"cold-resumed","seq":3,"target":"s-2",'
+        b'"target_activation":"a-2","v":1}',
+        decode_acceptance,
+        ACCEPTANCE,
+    ),
+]
+
+
+def test_a_version_1_agent_message_still_decodes_with_an_empty_trace() -> None:
+    assert decode_entry(V1_AGENT_MESSAGE) == AgentMessageEntry(
+        source=AgentMessageSource(sender_session_id=SessionId("s-2")), content="result: 42"
+    )
+
+
+def test_a_version_1_settlement_notice_still_decodes_with_an_empty_trace() -> None:
+    assert decode_entry(V1_SETTLEMENT_NOTICE) == SettlementNoticeEntry(
+        child_session=SessionId("s-3"),
+        child_activation=ActivationId("a-3"),
+        child_kind=SessionKind.ONE_SHOT_CHILD,
+        outcome=SettlementOutcome.TOKEN_EXHAUSTION,
+        terminal_output="partial answer",
+        detail="budget spent",
+    )
+
+
+@pytest.mark.parametrize(
+    ("data", "decode", "value"),
+    V1_OTHERS,
+    ids=["human_prompt", "turn_ended", "header", "activation", "acceptance"],
+)
+def test_every_other_version_1_kind_still_decodes(
+    data: bytes, decode: Decoder, value: object
+) -> None:
+    assert decode(data) == value
+
+
+@pytest.mark.parametrize(("data", "decode"), STORED, ids=STORED_IDS)
+def test_version_1_reads_like_version_2_with_no_trace(data: bytes, decode: Decoder) -> None:
+    # Version 2 only added the traces: without them, every kind reads the same in both.
+    def untraced(d: dict[str, Any]) -> None:
+        if "trace" in d:
+            d["trace"] = ""
+
+    def as_v1(d: dict[str, Any]) -> None:
+        d.update(v=1)
+        d.pop("trace", None)
+
+    assert decode(rewrite(data, as_v1)) == decode(rewrite(data, untraced))
 
 
 # -- arbitrary values ----------------------------------------------------------------------------
@@ -304,6 +416,15 @@ CHAT_MESSAGES = st.builds(
     tool_call_id=st.none() | TEXT,
 )
 
+HEX = "0123456789abcdef"
+TRACEPARENTS = st.builds(
+    "00-{}-{}-{}".format,
+    st.text(st.sampled_from(HEX), min_size=32, max_size=32).filter(lambda t: t != "0" * 32),
+    st.text(st.sampled_from(HEX), min_size=16, max_size=16).filter(lambda s: s != "0" * 16),
+    st.text(st.sampled_from(HEX), min_size=2, max_size=2),
+)
+TRACES = st.just("") | TRACEPARENTS
+
 ENTRIES: st.SearchStrategy[Entry] = st.one_of(
     st.builds(TaskEntry, content=TEXT),
     st.builds(HumanPromptEntry, content=TEXT),
@@ -311,6 +432,7 @@ ENTRIES: st.SearchStrategy[Entry] = st.one_of(
         AgentMessageEntry,
         source=st.builds(AgentMessageSource, sender_session_id=SESSIONS),
         content=TEXT,
+        trace=TRACES,
     ),
     st.builds(
         SettlementNoticeEntry,
@@ -320,6 +442,7 @@ ENTRIES: st.SearchStrategy[Entry] = st.one_of(
         outcome=st.sampled_from(SettlementOutcome),
         terminal_output=TEXT,
         detail=TEXT,
+        trace=TRACES,
     ),
     st.builds(ForkPrefixEntry, messages=st.lists(CHAT_MESSAGES, max_size=4).map(tuple)),
     st.builds(TurnStartedEntry, turn_id=TURNS),
@@ -445,14 +568,14 @@ TURN_ENDED = encode_entry(TurnEndedEntry(turn_id=TurnId("t-1"), outcome=TurnOutc
         b"",
         b"\xff\xfe\x00",
         b"not json",
-        b'{"v":1,',
+        b'{"v":2,',
         b"[]",
         b"null",
         b'"task"',
         b"1",
-        b'{"v":1,"type":"task","content":"a","content":"b"}',
-        b'{"v":1,"type":"consumed","seqs":[NaN]}',
-        b'{"v":1,"type":"consumed","seqs":[Infinity]}',
+        b'{"v":2,"type":"task","content":"a","content":"b"}',
+        b'{"v":2,"type":"consumed","seqs":[NaN]}',
+        b'{"v":2,"type":"consumed","seqs":[Infinity]}',
     ],
 )
 @pytest.mark.parametrize(
@@ -487,7 +610,7 @@ def test_an_entry_without_a_type_tag_is_rejected() -> None:
         decode_entry(rewrite(TURN_ENDED, lambda d: d.pop("type")))
 
 
-@pytest.mark.parametrize("version", [0, 2, "1", True, 1.0, None, [1]])
+@pytest.mark.parametrize("version", [0, -1, 3, "1", "2", True, 1.0, 2.0, None, [2]])
 @pytest.mark.parametrize(("data", "decode"), STORED, ids=STORED_IDS)
 def test_a_wrong_format_version_is_rejected(version: object, data: bytes, decode: Decoder) -> None:
     with pytest.raises(CodecError, match="version"):
@@ -600,6 +723,56 @@ def test_a_header_breaking_its_own_invariants_is_rejected_from_the_cause() -> No
     with pytest.raises(CodecError) as raised:
         decode_header(orphan)
     assert isinstance(raised.value.__cause__, InvalidArgument)
+
+
+MALFORMED_TRACES = [
+    "x",
+    " ",
+    SENDER_SPAN + "\n",
+    SENDER_SPAN.upper(),
+    "01" + SENDER_SPAN[2:],
+    "ff" + SENDER_SPAN[2:],
+    SENDER_SPAN[:-1],
+    SENDER_SPAN + "-00",
+    SENDER_SPAN.replace("-", "_"),
+    "00-" + "0" * 32 + "-00f067aa0ba902b7-01",
+    "00-4bf92f3577b34da6a3ce929d0e0e4736-" + "0" * 16 + "-01",
+    "00-4bf92f3577b34da6a3ce929d0e0e473g-00f067aa0ba902b7-01",
+    "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-0\uff11",  # a fullwidth digit
+]
+TRACED = [ENTRY_EXAMPLES[2], ENTRY_EXAMPLES[3]]
+
+
+@pytest.mark.parametrize("trace", MALFORMED_TRACES)
+@pytest.mark.parametrize(("entry", "_stored"), TRACED, ids=["agent_message", "settlement_notice"])
+def test_a_malformed_trace_is_rejected_from_the_cause(
+    trace: str, entry: Entry, _stored: str
+) -> None:
+    with pytest.raises(CodecError, match="trace") as raised:
+        decode_entry(rewrite(encode_entry(entry), lambda d: d.update(trace=trace)))
+    assert isinstance(raised.value.__cause__, InvalidArgument)
+
+
+@pytest.mark.parametrize("trace", [None, 0, ["x"], {"traceparent": SENDER_SPAN}])
+@pytest.mark.parametrize(("entry", "_stored"), TRACED, ids=["agent_message", "settlement_notice"])
+def test_a_trace_of_the_wrong_type_is_rejected(trace: object, entry: Entry, _stored: str) -> None:
+    with pytest.raises(CodecError, match=r"\.trace"):
+        decode_entry(rewrite(encode_entry(entry), lambda d: d.update(trace=trace)))
+
+
+@pytest.mark.parametrize("trace", ["", SENDER_SPAN])
+@pytest.mark.parametrize(
+    "data", [V1_AGENT_MESSAGE, V1_SETTLEMENT_NOTICE], ids=["message", "notice"]
+)
+def test_a_version_1_entry_with_a_trace_is_rejected(trace: str, data: bytes) -> None:
+    with pytest.raises(CodecError, match=r"unexpected fields \['trace'\] \(format version 1\)"):
+        decode_entry(rewrite(data, lambda d: d.update(trace=trace)))
+
+
+@pytest.mark.parametrize(("entry", "_stored"), TRACED, ids=["agent_message", "settlement_notice"])
+def test_a_version_2_entry_without_its_trace_is_rejected(entry: Entry, _stored: str) -> None:
+    with pytest.raises(CodecError, match=r"missing fields \['trace'\],.*\(format version 2\)"):
+        decode_entry(rewrite(encode_entry(entry), lambda d: d.pop("trace")))
 
 
 def test_encoding_something_that_is_not_an_entry_is_a_type_error() -> None:

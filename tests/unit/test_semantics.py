@@ -276,3 +276,61 @@ def test_rendering_a_prefix_of_records_yields_a_prefix_of_the_rendering() -> Non
         lengths.append(len(partial))
     assert lengths == sorted(lengths)
     assert lengths[-1] == len(full) == 5
+
+
+# -- trace context: observability only --------------------------------------------------------
+
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def notice(trace: str = "") -> SettlementNoticeEntry:
+    return SettlementNoticeEntry(
+        child_session=CHILD,
+        child_activation=ActivationId("a-9"),
+        child_kind=SessionKind.CONTINUABLE_CHILD,
+        outcome=SettlementOutcome.COMPLETED,
+        terminal_output="out",
+        trace=trace,
+    )
+
+
+def test_entries_carry_no_trace_by_default_and_accept_a_traceparent() -> None:
+    assert AgentMessageEntry(source=PARENT_SOURCE, content="x").trace == ""
+    assert notice().trace == ""
+    assert AgentMessageEntry(source=PARENT_SOURCE, content="x", trace=TRACEPARENT).trace
+    assert notice(TRACEPARENT).trace == TRACEPARENT
+
+
+@pytest.mark.parametrize(
+    "trace",
+    [
+        " ",
+        "traceparent",
+        TRACEPARENT.upper(),
+        TRACEPARENT + " ",
+        "ff" + TRACEPARENT[2:],
+        "00-" + "0" * 32 + TRACEPARENT[35:],
+        TRACEPARENT[:36] + "0" * 16 + "-01",
+    ],
+)
+def test_a_malformed_trace_is_invalid(trace: str) -> None:
+    with pytest.raises(InvalidArgument):
+        AgentMessageEntry(source=PARENT_SOURCE, content="x", trace=trace)
+    with pytest.raises(InvalidArgument):
+        notice(trace)
+
+
+def test_a_trace_changes_neither_rendering_nor_pending_inbound() -> None:
+    def transcript(trace: str) -> list[Record]:
+        entries: list[Entry] = [
+            AgentMessageEntry(source=PARENT_SOURCE, content="one", trace=trace),  # 1
+            notice(trace),  # 2
+            ConsumedEntry(seqs=(1, 2)),  # 3
+            AgentMessageEntry(source=PARENT_SOURCE, content="two", trace=trace),  # 4
+        ]
+        return [Record(seq=i, entry=e) for i, e in enumerate(entries, start=1)]
+
+    traced, untraced = transcript(TRACEPARENT), transcript("")
+    assert render(traced) == render(untraced)
+    assert all(TRACEPARENT not in m.content for m in render(traced))
+    assert [r.seq for r in pending_inbound(traced)] == [r.seq for r in pending_inbound(untraced)]

@@ -1,0 +1,50 @@
+"""Telemetry: the one place that talks to OpenTelemetry (docs/telemetry.md).
+
+Spans (:func:`span`) with stable names, durable trace context for links
+(:func:`current_traceparent`, :func:`sender_traceparent`, :func:`carrying_sender`), gRPC
+propagation as interceptors, the mesh's metrics, and trace ids on log records. Exporters are
+configured from the standard ``OTEL_*`` environment by :func:`configure`; with nothing
+configured everything here is a no-op of the OpenTelemetry API.
+"""
+
+from dsh_mesh.telemetry._grpc import client_interceptors, server_interceptors
+from dsh_mesh.telemetry._logs import TraceContextFilter
+from dsh_mesh.telemetry._metrics import (
+    cold_resumed,
+    lease_lost,
+    message_accepted,
+    message_rejected,
+    observe_node,
+    send_duration,
+    settled,
+)
+from dsh_mesh.telemetry._setup import Telemetry, configure
+from dsh_mesh.telemetry._tracing import (
+    SENDER_BAGGAGE,
+    SpanHandle,
+    carrying_sender,
+    current_traceparent,
+    sender_traceparent,
+    span,
+)
+
+__all__ = [
+    "SENDER_BAGGAGE",
+    "SpanHandle",
+    "Telemetry",
+    "TraceContextFilter",
+    "carrying_sender",
+    "client_interceptors",
+    "cold_resumed",
+    "configure",
+    "current_traceparent",
+    "lease_lost",
+    "message_accepted",
+    "message_rejected",
+    "observe_node",
+    "send_duration",
+    "sender_traceparent",
+    "server_interceptors",
+    "settled",
+    "span",
+]

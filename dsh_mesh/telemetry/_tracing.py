@@ -1,0 +1,127 @@
+"""Spans, links and the durable trace context, over the OpenTelemetry API.
+
+The rest of the package asks this module for spans; it never imports OpenTelemetry. With no SDK
+configured (see :func:`dsh_mesh.telemetry.configure`) every span is the API's non-recording
+span: the calls cost a few attribute look-ups and nothing is exported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Literal
+
+from opentelemetry import baggage, context, trace
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+AttributeValue = str | bool | int | float | Sequence[str]
+Kind = Literal["internal", "client", "server", "producer", "consumer"]
+
+_TRACER = trace.get_tracer("dsh_mesh")
+_PROPAGATOR = TraceContextTextMapPropagator()
+_KINDS = {
+    "internal": SpanKind.INTERNAL,
+    "client": SpanKind.CLIENT,
+    "server": SpanKind.SERVER,
+    "producer": SpanKind.PRODUCER,
+    "consumer": SpanKind.CONSUMER,
+}
+SENDER_BAGGAGE = "dsh.sender.traceparent"
+"""Baggage key carrying the sender's span across the gRPC hop, so the target node stores the
+context of the span that *sent* a message, not of its own server span."""
+
+
+class SpanHandle:
+    """The span of a ``with span(...)`` block: add attributes, record an error, read its
+    context as a W3C ``traceparent``."""
+
+    def __init__(self, span: trace.Span) -> None:
+        self._span = span
+
+    def set(self, key: str, value: AttributeValue | None) -> None:
+        """Set one attribute (``None`` is skipped)."""
+        if value is not None:
+            self._span.set_attribute(key, value)
+
+    def set_many(self, attributes: Mapping[str, AttributeValue | None]) -> None:
+        """Set several attributes (``None`` values are skipped)."""
+        for key, value in attributes.items():
+            self.set(key, value)
+
+    def fail(self, error: BaseException, *, description: str | None = None) -> None:
+        """Mark the span failed by ``error`` (the exception is recorded as an event)."""
+        self._span.record_exception(error)
+        self._span.set_status(Status(StatusCode.ERROR, description or type(error).__name__))
+
+    @property
+    def traceparent(self) -> str:
+        """This span's context as a ``traceparent`` ("" when it is not sampled/recorded)."""
+        return _traceparent_of(self._span)
+
+
+@contextmanager
+def span(
+    name: str,
+    *,
+    kind: Kind = "internal",
+    attributes: Mapping[str, AttributeValue | None] | None = None,
+    links: Sequence[str] = (),
+) -> Iterator[SpanHandle]:
+    """A span, current for the block. ``links`` are ``traceparent`` strings (empty or malformed
+    ones are skipped). An exception leaving the block marks the span failed and propagates."""
+    clean = {k: v for k, v in (attributes or {}).items() if v is not None}
+    span_links = [Link(c) for c in (_span_context(t) for t in links) if c is not None]
+    with _TRACER.start_as_current_span(
+        name,
+        kind=_KINDS[kind],
+        attributes=clean,
+        links=span_links,
+        record_exception=True,
+        set_status_on_exception=True,
+    ) as current:
+        yield SpanHandle(current)
+
+
+def current_traceparent() -> str:
+    """The current span's ``traceparent``, or "" when there is none (or tracing is off)."""
+    return _traceparent_of(trace.get_current_span())
+
+
+def sender_traceparent() -> str:
+    """The sending span's ``traceparent``: carried in baggage when the send crossed nodes,
+    else the current span's."""
+    carried = baggage.get_baggage(SENDER_BAGGAGE)
+    if isinstance(carried, str) and _span_context(carried) is not None:
+        return carried
+    return current_traceparent()
+
+
+@contextmanager
+def carrying_sender(traceparent: str) -> Iterator[None]:
+    """Within the block, calls to other nodes carry ``traceparent`` as the sender's span."""
+    if not traceparent:
+        yield
+        return
+    token = context.attach(baggage.set_baggage(SENDER_BAGGAGE, traceparent))
+    try:
+        yield
+    finally:
+        context.detach(token)
+
+
+def _traceparent_of(current: trace.Span) -> str:
+    span_context = current.get_span_context()
+    if not span_context.is_valid:
+        return ""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(current))
+    return carrier.get("traceparent", "")
+
+
+def _span_context(traceparent: str) -> trace.SpanContext | None:
+    if not traceparent:
+        return None
+    extracted = _PROPAGATOR.extract({"traceparent": traceparent})
+    span_context = trace.get_current_span(extracted).get_span_context()
+    return span_context if span_context.is_valid else None
