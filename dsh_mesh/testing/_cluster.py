@@ -199,7 +199,8 @@ class NodeProcess:
 
 class LocalCluster:
     """N node processes against one etcd, under a fresh key prefix. A context manager; every
-    process is reaped on exit."""
+    process is reaped on exit. ``env`` is added to every node's environment (for example
+    ``otel_env(receiver.endpoint)`` to export telemetry)."""
 
     def __init__(
         self,
@@ -211,6 +212,7 @@ class LocalCluster:
         lease_ttl: float = 2.0,
         shutdown_grace: float = 1.0,
         log_dir: Path | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.settings = ClusterSettings(
             etcd_endpoint=etcd_endpoint,
@@ -223,8 +225,10 @@ class LocalCluster:
         )
         self._owned_dir = None if log_dir is not None else tempfile.TemporaryDirectory()
         self.log_dir = log_dir or Path(self._owned_dir.name if self._owned_dir else ".")
+        self._env = dict(env or {})
         self.nodes = {
-            node_id: NodeProcess(node_id, self.settings, log_dir=self.log_dir) for node_id in nodes
+            node_id: NodeProcess(node_id, self.settings, log_dir=self.log_dir, env=self._env)
+            for node_id in nodes
         }
 
     def __enter__(self) -> LocalCluster:
@@ -247,7 +251,7 @@ class LocalCluster:
 
     def add(self, node_id: str) -> NodeProcess:
         """Start one more node in this cluster."""
-        node = NodeProcess(node_id, self.settings, log_dir=self.log_dir)
+        node = NodeProcess(node_id, self.settings, log_dir=self.log_dir, env=self._env)
         self.nodes[node_id] = node
         return node.start()
 

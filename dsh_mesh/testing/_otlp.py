@@ -86,6 +86,8 @@ class CollectedPoint:
     sum: float | None
     service_name: str
     time_unix_nano: int
+    instance: str = ""
+    """The resource's ``service.instance.id``: which process (node) exported the point."""
 
 
 class OtlpReceiver:
@@ -199,22 +201,23 @@ class OtlpReceiver:
     def latest(self, name: str, **attributes: AttributeValue) -> int | float | None:
         """The current total of metric ``name`` over the series matching ``attributes``.
 
-        A series is one (``service_name``, full attribute set) pair. Exporters send cumulative
-        values periodically, so the same series arrives many times: for each matching series
-        only its newest point counts (largest ``time_unix_nano``; the later arrival on a tie),
-        and the result is the sum of those newest values across all matching series, that is
-        across services and across attribute sets the filter does not pin. A point matches when
-        each given attribute equals the point's (pass dotted keys as ``**{"dsh.kind": "x"}``);
-        with no filter every series counts. For histograms the value summed is the count.
+        A series is one (``service_name``, ``instance``, full attribute set) triple.
+        Exporters send cumulative values periodically, so the same series arrives many times:
+        for each matching series only its newest point counts (largest ``time_unix_nano``; the
+        later arrival on a tie), and the result is the sum of those newest values across all
+        matching series, that is across processes and across attribute sets the filter does
+        not pin. A point matches when each given attribute equals the point's (pass dotted keys
+        as ``**{"dsh.kind": "x"}``); with no filter every series counts. For histograms the
+        value summed is the count.
         Returns None when no point matches, so "never exported" differs from 0.
         """
-        newest: dict[tuple[str, str], CollectedPoint] = {}
+        newest: dict[tuple[str, str, str], CollectedPoint] = {}
         for point in self._points:
             if point.name != name:
                 continue
             if any(point.attributes.get(k) != v for k, v in attributes.items()):
                 continue
-            key = (point.service_name, repr(sorted(point.attributes.items())))
+            key = (point.service_name, point.instance, repr(sorted(point.attributes.items())))
             held = newest.get(key)
             if held is None or point.time_unix_nano >= held.time_unix_nano:
                 newest[key] = point
@@ -272,10 +275,12 @@ class OtlpReceiver:
         self, request: metrics_service_pb2.ExportMetricsServiceRequest
     ) -> None:
         for resource_metrics in request.resource_metrics:
-            service = _service_name(_attributes(resource_metrics.resource.attributes))
+            resource = _attributes(resource_metrics.resource.attributes)
+            service = _service_name(resource)
+            instance = str(resource.get("service.instance.id", ""))
             for scope_metrics in resource_metrics.scope_metrics:
                 for metric in scope_metrics.metrics:
-                    self._points.extend(_points(metric, service))
+                    self._points.extend(_points(metric, service, instance))
         await self._notify()
 
     async def _received_logs(self, request: logs_service_pb2.ExportLogsServiceRequest) -> None:
@@ -394,7 +399,7 @@ def _number(point: metrics_pb2.NumberDataPoint) -> int | float:
     return point.as_double
 
 
-def _points(metric: metrics_pb2.Metric, service: str) -> list[CollectedPoint]:
+def _points(metric: metrics_pb2.Metric, service: str, instance: str) -> list[CollectedPoint]:
     kind = metric.WhichOneof("data")
     if kind in ("sum", "gauge"):
         numbers = metric.sum.data_points if kind == "sum" else metric.gauge.data_points
@@ -406,6 +411,7 @@ def _points(metric: metrics_pb2.Metric, service: str) -> list[CollectedPoint]:
                 sum=None,
                 service_name=service,
                 time_unix_nano=p.time_unix_nano,
+                instance=instance,
             )
             for p in numbers
         ]
@@ -425,6 +431,7 @@ def _points(metric: metrics_pb2.Metric, service: str) -> list[CollectedPoint]:
                 sum=p.sum if p.HasField("sum") else None,
                 service_name=service,
                 time_unix_nano=p.time_unix_nano,
+                instance=instance,
             )
             for p in histograms
         ]

@@ -75,6 +75,7 @@ def notice_to_wire(
         outcome=notice.outcome.value,
         terminal_output=notice.terminal_output,
         detail=notice.detail,
+        trace=notice.trace,
     )
 
 
@@ -96,5 +97,6 @@ def notice_from_wire(
         outcome=outcome,
         terminal_output=request.terminal_output,
         detail=request.detail,
+        trace=request.trace,
     )
     return parse_session_id(request.parent_session_id), notice

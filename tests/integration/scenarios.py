@@ -7,7 +7,7 @@ sessions walk (by step count, so a session resumed on another node continues its
 
 from __future__ import annotations
 
-from dsh_mesh.models import PARENT, Call, Reply, Stall, child, send, tool
+from dsh_mesh.models import PARENT, Branch, Call, Reply, Stall, arrived, child, send, tool
 from dsh_mesh.node import Scenario
 from dsh_mesh.tools import Preset
 
@@ -81,5 +81,24 @@ CRASH = Scenario(
             Reply(text="Slow step finished.", delay=3.0),
             Reply(text="Resumed and finished."),
         ),
+    },
+)
+
+# A child settles at once; its settlement notice makes the lead message it again, which
+# cold-resumes it (placement rotates, so on another node). For the end-to-end trace test.
+RESUMED = Scenario(
+    presets=(LEAD, Preset(name="brief", system_prompt="You are brief.", model="brief")),
+    programs={
+        "lead": (
+            tool("spawn_agent", task="Say done.", preset="brief"),
+            *[
+                Branch(
+                    cases=((arrived(":\nDone."), send(child(0), "One more thing.")),),
+                    otherwise=Reply(text="Waiting."),
+                )
+            ]
+            * 6,
+        ),
+        "brief": (Reply(text="Done."), Reply(text="Done again.")),
     },
 )

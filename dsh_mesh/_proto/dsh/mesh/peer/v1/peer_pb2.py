@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x64sh/mesh/peer/v1/peer.proto\x12\x10\x64sh.mesh.peer.v1\"C\n\x0f\x41\x63tivateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x1c\n\x14parent_activation_id\x18\x02 \x01(\t\"X\n\x10\x41\x63tivateResponse\x12\x15\n\ractivation_id\x18\x01 \x01(\t\x12\x1c\n\x14parent_activation_id\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\"\xb6\x01\n\x14\x44\x65liverNoticeRequest\x12\x19\n\x11parent_session_id\x18\x01 \x01(\t\x12\x18\n\x10\x63hild_session_id\x18\x02 \x01(\t\x12\x1b\n\x13\x63hild_activation_id\x18\x03 \x01(\t\x12\x12\n\nchild_kind\x18\x04 \x01(\t\x12\x0f\n\x07outcome\x18\x05 \x01(\t\x12\x17\n\x0fterminal_output\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x07 \x01(\t\"\x17\n\x15\x44\x65liverNoticeResponse2\xbf\x01\n\x08MeshPeer\x12Q\n\x08\x41\x63tivate\x12!.dsh.mesh.peer.v1.ActivateRequest\x1a\".dsh.mesh.peer.v1.ActivateResponse\x12`\n\rDeliverNotice\x12&.dsh.mesh.peer.v1.DeliverNoticeRequest\x1a\'.dsh.mesh.peer.v1.DeliverNoticeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x64sh/mesh/peer/v1/peer.proto\x12\x10\x64sh.mesh.peer.v1\"C\n\x0f\x41\x63tivateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x1c\n\x14parent_activation_id\x18\x02 \x01(\t\"X\n\x10\x41\x63tivateResponse\x12\x15\n\ractivation_id\x18\x01 \x01(\t\x12\x1c\n\x14parent_activation_id\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\"\xc5\x01\n\x14\x44\x65liverNoticeRequest\x12\x19\n\x11parent_session_id\x18\x01 \x01(\t\x12\x18\n\x10\x63hild_session_id\x18\x02 \x01(\t\x12\x1b\n\x13\x63hild_activation_id\x18\x03 \x01(\t\x12\x12\n\nchild_kind\x18\x04 \x01(\t\x12\x0f\n\x07outcome\x18\x05 \x01(\t\x12\x17\n\x0fterminal_output\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x07 \x01(\t\x12\r\n\x05trace\x18\x08 \x01(\t\"\x17\n\x15\x44\x65liverNoticeResponse2\xbf\x01\n\x08MeshPeer\x12Q\n\x08\x41\x63tivate\x12!.dsh.mesh.peer.v1.ActivateRequest\x1a\".dsh.mesh.peer.v1.ActivateResponse\x12`\n\rDeliverNotice\x12&.dsh.mesh.peer.v1.DeliverNoticeRequest\x1a\'.dsh.mesh.peer.v1.DeliverNoticeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,9 +36,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ACTIVATERESPONSE']._serialized_start=118
   _globals['_ACTIVATERESPONSE']._serialized_end=206
   _globals['_DELIVERNOTICEREQUEST']._serialized_start=209
-  _globals['_DELIVERNOTICEREQUEST']._serialized_end=391
-  _globals['_DELIVERNOTICERESPONSE']._serialized_start=393
-  _globals['_DELIVERNOTICERESPONSE']._serialized_end=416
-  _globals['_MESHPEER']._serialized_start=419
-  _globals['_MESHPEER']._serialized_end=610
+  _globals['_DELIVERNOTICEREQUEST']._serialized_end=406
+  _globals['_DELIVERNOTICERESPONSE']._serialized_start=408
+  _globals['_DELIVERNOTICERESPONSE']._serialized_end=431
+  _globals['_MESHPEER']._serialized_start=434
+  _globals['_MESHPEER']._serialized_end=625
 # @@protoc_insertion_point(module_scope)

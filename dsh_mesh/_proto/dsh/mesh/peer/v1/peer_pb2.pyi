@@ -23,7 +23,7 @@ class ActivateResponse(_message.Message):
     def __init__(self, activation_id: _Optional[str] = ..., parent_activation_id: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class DeliverNoticeRequest(_message.Message):
-    __slots__ = ("parent_session_id", "child_session_id", "child_activation_id", "child_kind", "outcome", "terminal_output", "detail")
+    __slots__ = ("parent_session_id", "child_session_id", "child_activation_id", "child_kind", "outcome", "terminal_output", "detail", "trace")
     PARENT_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CHILD_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CHILD_ACTIVATION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class DeliverNoticeRequest(_message.Message):
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     TERMINAL_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
     parent_session_id: str
     child_session_id: str
     child_activation_id: str
@@ -38,7 +39,8 @@ class DeliverNoticeRequest(_message.Message):
     outcome: str
     terminal_output: str
     detail: str
-    def __init__(self, parent_session_id: _Optional[str] = ..., child_session_id: _Optional[str] = ..., child_activation_id: _Optional[str] = ..., child_kind: _Optional[str] = ..., outcome: _Optional[str] = ..., terminal_output: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+    trace: str
+    def __init__(self, parent_session_id: _Optional[str] = ..., child_session_id: _Optional[str] = ..., child_activation_id: _Optional[str] = ..., child_kind: _Optional[str] = ..., outcome: _Optional[str] = ..., terminal_output: _Optional[str] = ..., detail: _Optional[str] = ..., trace: _Optional[str] = ...) -> None: ...
 
 class DeliverNoticeResponse(_message.Message):
     __slots__ = ()
