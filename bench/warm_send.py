@@ -7,8 +7,9 @@ node that stays resident. The benchmark then acts as node-a and sends to that ch
 ``--sends`` times, one at a time, each a durable acceptance (one gRPC hop to the child's node,
 its authorization from the directory cache, one etcd transaction). In the same run it measures
 the floors: a bare grpc.aio echo to another process, and one etcd transaction (a guarded put,
-like an append). Prints p50/p99 of each, throughput at ``--in-flight`` concurrent calls, and
-each figure as a ratio to its floor.
+like an append). Then the same warm sends against a second cluster exporting every span
+(sampler always on) by OTLP to a receiver in this process. Prints p50/p99 of each, throughput
+at ``--in-flight`` concurrent calls, and the ratios to the floors and of tracing on to off.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
 from dsh_mesh.core import SessionId
 from dsh_mesh.registry import Etcd, EtcdConfig
 from dsh_mesh.registry._etcd import Result, Target, compare, put
-from dsh_mesh.testing import EtcdServer, LocalCluster, MeshReader
+from dsh_mesh.testing import EtcdServer, LocalCluster, MeshReader, OtlpReceiver, otel_env
 
 
 @dataclass(frozen=True)
@@ -101,11 +102,24 @@ async def _run(sends: int, in_flight: int) -> list[Figures]:
         with LocalCluster(
             etcd_endpoint=etcd_server.endpoint, scenario="bench.scenarios:RESIDENT_CHILD"
         ) as cluster:
-            figures.append(await _warm_sends(cluster, sends, in_flight))
+            figures.append(await _warm_sends(cluster, sends, in_flight, "tracing off"))
+            await asyncio.to_thread(cluster.close)
+        async with OtlpReceiver() as receiver:
+            with LocalCluster(
+                etcd_endpoint=etcd_server.endpoint,
+                scenario="bench.scenarios:RESIDENT_CHILD",
+                env=otel_env(receiver.endpoint),
+            ) as cluster:
+                figures.append(
+                    await _warm_sends(cluster, sends, in_flight, "tracing on, all sampled")
+                )
+                await asyncio.to_thread(cluster.close)
+            exported = len(receiver.spans("/dsh.mesh.v1.AgentMesh/SendMessage"))
+            print(f"(tracing on: the receiver got {exported} SendMessage server spans)")
     return figures
 
 
-async def _warm_sends(cluster: LocalCluster, sends: int, in_flight: int) -> Figures:
+async def _warm_sends(cluster: LocalCluster, sends: int, in_flight: int, label: str) -> Figures:
     node_a = cluster["node-a"].address
     assert node_a is not None
     async with grpc.aio.insecure_channel(node_a) as channel:
@@ -143,7 +157,7 @@ async def _warm_sends(cluster: LocalCluster, sends: int, in_flight: int) -> Figu
                 timeout=10,
             )
 
-        return await _measure("warm cross-node SendMessage", send, sends, in_flight)
+        return await _measure(f"warm send, {label}", send, sends, in_flight)
 
 
 def main() -> None:
@@ -152,15 +166,16 @@ def main() -> None:
     parser.add_argument("--sends", type=int, default=1000)
     parser.add_argument("--in-flight", type=int, default=64)
     args = parser.parse_args()
-    echo, txn, warm = asyncio.run(_run(args.sends, args.in_flight))
+    echo, txn, warm, traced = asyncio.run(_run(args.sends, args.in_flight))
     floor_p50 = echo.p50 + txn.p50
-    print(f"{'':32} {'p50 ms':>8} {'p99 ms':>8} {'calls/s':>9}   ({args.sends} sequential calls;")
-    print(f"{'':32} {'':>8} {'':>8} {'':>9}    throughput at {args.in_flight} in flight)")
-    for f in (echo, txn, warm):
-        print(f"{f.name:32} {f.p50:8.2f} {f.p99:8.2f} {f.throughput:9.0f}")
+    print(f"{'':36} {'p50 ms':>8} {'p99 ms':>8} {'calls/s':>9}   ({args.sends} sequential calls;")
+    print(f"{'':36} {'':>8} {'':>8} {'':>9}    throughput at {args.in_flight} in flight)")
+    for f in (echo, txn, warm, traced):
+        print(f"{f.name:36} {f.p50:8.2f} {f.p99:8.2f} {f.throughput:9.0f}")
     print(f"floor (echo p50 + txn p50)       {floor_p50:8.2f}")
     print(f"warm send p50 / floor            {warm.p50 / floor_p50:8.2f}x")
     print(f"warm send throughput / echo      {warm.throughput / echo.throughput:8.2f}x")
+    print(f"tracing on / off, p50            {traced.p50 / warm.p50:8.2f}x")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ is reaped before the demo returns.
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from collections.abc import Callable
@@ -24,7 +25,16 @@ from dsh_mesh.core import (
 )
 from dsh_mesh.demo._describe import describe
 from dsh_mesh.demo._scenario import FOLLOW_UP
-from dsh_mesh.testing import EtcdServer, LocalCluster, MeshReader, create_root
+from dsh_mesh.testing import (
+    CollectedSpan,
+    EtcdServer,
+    LocalCluster,
+    MeshReader,
+    OtlpReceiver,
+    create_root,
+    otel_env,
+    render_trace_tree,
+)
 
 _WAIT = 30.0
 
@@ -38,6 +48,8 @@ class DemoRun:
     hosts: dict[SessionId, list[str]] = field(default_factory=dict)
     killed: str = ""
     transcripts: dict[SessionId, list[Record]] = field(default_factory=dict)
+    trace: list[str] = field(default_factory=list)
+    """The lead's follow-up to alpha as one trace, and the step that consumed it."""
 
     def saw_host(self, session: SessionId, node: str) -> None:
         """Record that ``node`` hosted ``session`` (in order, without repeats)."""
@@ -50,15 +62,24 @@ async def run_cluster_demo(say: Callable[[str], None] = print) -> DemoRun:
     """Start etcd and three nodes, run the scenario, kill a node, wait for the cold resume and
     every settlement; returns what happened. Stops and reaps everything it started."""
     started = time.monotonic()
-    with EtcdServer() as etcd:
-        say(f"etcd       up at {etcd.endpoint}")
-        with LocalCluster(
-            etcd_endpoint=etcd.endpoint, scenario="dsh_mesh.demo:SCENARIO", lease_ttl=2.0
-        ) as cluster:
-            for node in cluster:
-                say(f"{node.node_id:<10} up at {node.address} (pid {node.pid})")
-            run = await _drive(cluster, say)
-        say("every node stopped and reaped")
+    async with OtlpReceiver() as receiver:
+        with EtcdServer() as etcd:
+            say(f"etcd       up at {etcd.endpoint}")
+            say(f"telemetry  every node exports OTLP to {receiver.endpoint} (this process)")
+            with LocalCluster(
+                etcd_endpoint=etcd.endpoint,
+                scenario="dsh_mesh.demo:SCENARIO",
+                lease_ttl=2.0,
+                env=otel_env(receiver.endpoint),
+            ) as cluster:
+                for node in cluster:
+                    say(f"{node.node_id:<10} up at {node.address} (pid {node.pid})")
+                run = await _drive(cluster, say)
+                # Stopping blocks; off the loop, so this process can take the nodes' last
+                # telemetry while they flush it on their way out.
+                await asyncio.to_thread(cluster.close)
+            say("every node stopped and reaped (their telemetry flushed on the way out)")
+        run.trace = _follow_up_trace(receiver.spans())
     say(f"etcd stopped; the demo took {time.monotonic() - started:.1f}s")
     return run
 
@@ -149,12 +170,41 @@ async def _children(reader: MeshReader, root: SessionId) -> list[SessionHeader]:
     return [h for h in await reader.sessions() if h.parent_session == root]
 
 
+def _follow_up_trace(spans: list[CollectedSpan]) -> list[str]:
+    """The trace of the lead's first send (its follow-up to alpha), then every step that
+    consumed that message, found by its link back to the sending span."""
+    sends = sorted(
+        (s for s in spans if s.name == "execute_tool send_message" and "node-a" in s.service_name),
+        key=lambda s: s.start_unix_nano,
+    )
+    if not sends:
+        return ["(no trace arrived)"]
+    send = sends[0]
+    below = {send.span_id}
+    for span in sorted(spans, key=lambda s: s.start_unix_nano):
+        if span.trace_id == send.trace_id and span.parent_span_id in below:
+            below.add(span.span_id)
+    lines = render_trace_tree(
+        [s for s in spans if s.trace_id == send.trace_id and s.span_id in below], send.trace_id
+    )
+    for step in spans:
+        if (send.trace_id, send.span_id) in {(t, i) for t, i, _ in step.links}:
+            lines.append(
+                f"consumed by {step.name} [{step.service_name}] in trace {step.trace_id[:16]}..., "
+                f"linked back to {send.name}"
+            )
+    return lines
+
+
 def print_run(run: DemoRun, write: Callable[[str], None] = print) -> None:
     """The hosting table and every transcript, readable."""
     write("\n=== who hosted what ===")
     for session, nodes in run.hosts.items():
         write(f"  {run.names.get(session, session):<28} {session}  {' -> '.join(nodes)}")
     write(f"  (killed: {run.killed})")
+    write("\n=== one message, one trace: the lead's follow-up to alpha ===")
+    for line in run.trace:
+        write(f"  {line}")
     for session, records in run.transcripts.items():
         write(f"\n=== {session}: {run.names.get(session, '')} ===")
         for record in records:

@@ -31,7 +31,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "[trace=%(otel_trace_id)s span=%(otel_span_id)s]: %(message)s"
         ),
     )
-    exporting = telemetry.configure(node_id=config.node_id)
+    exporting = telemetry.configure(
+        node_id=config.node_id, default_service_name=f"dsh-mesh-{config.node_id}"
+    )
     scenario = load_scenario(config.scenario)
 
     async def serve() -> None:

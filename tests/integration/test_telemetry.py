@@ -3,6 +3,7 @@ a lead's tool call sends to its absent child, which is cold-resumed on another n
 
 from __future__ import annotations
 
+import asyncio
 import re
 from pathlib import Path
 
@@ -87,6 +88,7 @@ async def test_one_trace_follows_a_message_across_nodes_and_into_a_cold_resumed_
                 return bool(steps) and (r.latest("dsh.cold_resumes") or 0) >= 2
 
             await receiver.wait_for(arrived, within=30, what="the child's linked step")
+            await asyncio.to_thread(cluster.close)  # nodes flush their telemetry on the way out
             spans = receiver.spans()
 
             # The lead's tool call and everything the send did, across processes: one trace.

@@ -1,0 +1,48 @@
+"""The telemetry module without exporters: what stays true when nothing is configured, and the
+pieces that carry trace context (these never set a global provider)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from dsh_mesh import telemetry
+
+PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+def test_nothing_configured_means_nothing_exported_and_no_context() -> None:
+    handle = telemetry.configure(node_id="n1", environ={})
+    assert (handle.tracing, handle.metrics) == (False, False)
+    with telemetry.span("dsh.test", attributes={"dsh.session.id": "s-1"}) as span:
+        span.set("dsh.seq", 1)
+        assert span.traceparent == ""
+    assert telemetry.current_traceparent() == ""
+    handle.shutdown()
+    handle.shutdown()  # idempotent
+
+
+def test_the_sender_span_rides_in_baggage_only_within_the_block() -> None:
+    assert telemetry.sender_traceparent() == ""
+    with telemetry.carrying_sender(PARENT):
+        assert telemetry.sender_traceparent() == PARENT
+    assert telemetry.sender_traceparent() == ""
+    with telemetry.carrying_sender(""):
+        assert telemetry.sender_traceparent() == ""
+
+
+def test_malformed_links_are_skipped_not_fatal() -> None:
+    with telemetry.span("dsh.step", links=["", "not-a-traceparent", PARENT]) as step:
+        assert step.traceparent == ""  # non-recording without a provider
+
+
+def test_log_records_carry_trace_and_span_ids() -> None:
+    record = logging.LogRecord("x", logging.INFO, __file__, 1, "hello", None, None)
+    assert telemetry.TraceContextFilter().filter(record)
+    assert (record.otel_trace_id, record.otel_span_id) == ("-", "-")
+
+
+def test_an_unknown_exporter_is_refused() -> None:
+    with pytest.raises(ValueError, match="OTEL_TRACES_EXPORTER"):
+        telemetry.configure(node_id="n1", environ={"OTEL_TRACES_EXPORTER": "zipkin-udp"})
