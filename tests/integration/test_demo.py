@@ -58,7 +58,15 @@ async def test_the_cluster_demo_shows_delivery_both_ways_a_kill_and_a_cold_resum
     assert any(
         isinstance(r.entry, ToolResultEntry) and "cold-resumed" in r.entry.content for r in root
     )
-    assert "every node stopped and reaped" in lines
+    assert any(line.startswith("every node stopped and reaped") for line in lines)
+    # The trace of the lead's follow-up: sent on node-a, accepted on alpha's first host, and
+    # consumed (linked back) on the node that resumed alpha.
+    assert run.trace[0].startswith("execute_tool send_message [dsh-mesh-node-a]")
+    assert any("/dsh.mesh.v1.AgentMesh/SendMessage" in line for line in run.trace)
+    assert any(
+        line.startswith(f"consumed by dsh.step [dsh-mesh-{run.hosts[alpha][1]}]")
+        for line in run.trace
+    )
     printed: list[str] = []
     print_run(run, write=printed.append)
     assert any("->" in line for line in printed)
