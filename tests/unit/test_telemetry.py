@@ -40,7 +40,7 @@ def test_malformed_links_are_skipped_not_fatal() -> None:
 def test_log_records_carry_trace_and_span_ids() -> None:
     record = logging.LogRecord("x", logging.INFO, __file__, 1, "hello", None, None)
     assert telemetry.TraceContextFilter().filter(record)
-    assert (record.otel_trace_id, record.otel_span_id) == ("-", "-")
+    assert (record.__dict__["otel_trace_id"], record.__dict__["otel_span_id"]) == ("-", "-")
 
 
 def test_an_unknown_exporter_is_refused() -> None:
