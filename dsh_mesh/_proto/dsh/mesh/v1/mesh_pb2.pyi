@@ -163,16 +163,18 @@ class Rejection(_message.Message):
     def __init__(self, reason: _Optional[_Union[RejectionReason, str]] = ..., detail: _Optional[str] = ..., target_session_id: _Optional[str] = ...) -> None: ...
 
 class CreateRootSessionRequest(_message.Message):
-    __slots__ = ("preset", "model", "initial_task", "request_id")
+    __slots__ = ("preset", "model", "initial_task", "request_id", "node_id")
     PRESET_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INITIAL_TASK_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
     preset: str
     model: str
     initial_task: str
     request_id: str
-    def __init__(self, preset: _Optional[str] = ..., model: _Optional[str] = ..., initial_task: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+    node_id: str
+    def __init__(self, preset: _Optional[str] = ..., model: _Optional[str] = ..., initial_task: _Optional[str] = ..., request_id: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class CreateRootSessionResponse(_message.Message):
     __slots__ = ("session_id", "activation_id", "node_id")
@@ -217,48 +219,74 @@ class InterruptResponse(_message.Message):
     def __init__(self, interrupted: _Optional[bool] = ..., turn_id: _Optional[str] = ...) -> None: ...
 
 class GetSessionRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "page_size", "page_token")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    def __init__(self, session_id: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("header", "activation", "transcript")
+    __slots__ = ("header", "activation", "transcript", "next_page_token", "state")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     ACTIVATION_FIELD_NUMBER: _ClassVar[int]
     TRANSCRIPT_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     header: SessionHeader
     activation: ActivationInfo
     transcript: _containers.RepeatedCompositeFieldContainer[TranscriptEntry]
-    def __init__(self, header: _Optional[_Union[SessionHeader, _Mapping]] = ..., activation: _Optional[_Union[ActivationInfo, _Mapping]] = ..., transcript: _Optional[_Iterable[_Union[TranscriptEntry, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    state: AgentState
+    def __init__(self, header: _Optional[_Union[SessionHeader, _Mapping]] = ..., activation: _Optional[_Union[ActivationInfo, _Mapping]] = ..., transcript: _Optional[_Iterable[_Union[TranscriptEntry, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., state: _Optional[_Union[AgentState, str]] = ...) -> None: ...
 
 class WatchSessionRequest(_message.Message):
-    __slots__ = ("session_id", "after_seq")
+    __slots__ = ("session_id", "after_seq", "tree", "after_event_seq")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    AFTER_EVENT_SEQ_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     after_seq: int
-    def __init__(self, session_id: _Optional[str] = ..., after_seq: _Optional[int] = ...) -> None: ...
+    tree: bool
+    after_event_seq: int
+    def __init__(self, session_id: _Optional[str] = ..., after_seq: _Optional[int] = ..., tree: _Optional[bool] = ..., after_event_seq: _Optional[int] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("entry",)
+    __slots__ = ("entry", "session_id", "event_seq", "activated", "deactivated")
     ENTRY_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATED_FIELD_NUMBER: _ClassVar[int]
+    DEACTIVATED_FIELD_NUMBER: _ClassVar[int]
     entry: TranscriptEntry
-    def __init__(self, entry: _Optional[_Union[TranscriptEntry, _Mapping]] = ...) -> None: ...
+    session_id: str
+    event_seq: int
+    activated: ActivationInfo
+    deactivated: ActivationInfo
+    def __init__(self, entry: _Optional[_Union[TranscriptEntry, _Mapping]] = ..., session_id: _Optional[str] = ..., event_seq: _Optional[int] = ..., activated: _Optional[_Union[ActivationInfo, _Mapping]] = ..., deactivated: _Optional[_Union[ActivationInfo, _Mapping]] = ...) -> None: ...
 
 class ListAgentsRequest(_message.Message):
-    __slots__ = ("root_session_id", "resident_only")
+    __slots__ = ("root_session_id", "resident_only", "page_size", "page_token")
     ROOT_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_ONLY_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     root_session_id: str
     resident_only: bool
-    def __init__(self, root_session_id: _Optional[str] = ..., resident_only: _Optional[bool] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    def __init__(self, root_session_id: _Optional[str] = ..., resident_only: _Optional[bool] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListAgentsResponse(_message.Message):
-    __slots__ = ("agents",)
+    __slots__ = ("agents", "next_page_token")
     AGENTS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     agents: _containers.RepeatedCompositeFieldContainer[AgentSummary]
-    def __init__(self, agents: _Optional[_Iterable[_Union[AgentSummary, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, agents: _Optional[_Iterable[_Union[AgentSummary, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class AgentSummary(_message.Message):
     __slots__ = ("header", "activation", "state")
@@ -377,14 +405,18 @@ class HumanPromptEntry(_message.Message):
     def __init__(self, content: _Optional[str] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
 
 class AgentMessageEntry(_message.Message):
-    __slots__ = ("source", "content", "idempotency_key")
+    __slots__ = ("source", "content", "idempotency_key", "delivery", "trace")
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    DELIVERY_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
     source: AgentMessageSource
     content: str
     idempotency_key: str
-    def __init__(self, source: _Optional[_Union[AgentMessageSource, _Mapping]] = ..., content: _Optional[str] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
+    delivery: Delivery
+    trace: str
+    def __init__(self, source: _Optional[_Union[AgentMessageSource, _Mapping]] = ..., content: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., delivery: _Optional[_Union[Delivery, str]] = ..., trace: _Optional[str] = ...) -> None: ...
 
 class SettlementNoticeEntry(_message.Message):
     __slots__ = ("kind", "child_session_id", "child_activation_id", "outcome", "terminal_output", "detail")
