@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from dsh_mesh.core._chat import ChatMessage, ToolCall, Usage
+from dsh_mesh.core._delivery import DeliveryKind
 from dsh_mesh.core._errors import InvalidArgument
 from dsh_mesh.core._header import SessionKind
 from dsh_mesh.core._ids import ActivationId, SessionId, TurnId
@@ -67,11 +68,17 @@ class AgentMessageEntry:
     after a cold resume on another host, can link to it; ``""`` when none was recorded (tracing
     off). It is observability data only: it never changes delivery, ordering, authorization or
     rendering. Raises :class:`InvalidArgument` for a non-empty malformed ``trace``.
+
+    ``delivery`` is how the message was delivered when it was accepted (steered into a running
+    turn, started a turn, or cold-resumed its target), so watchers of the session can see it;
+    ``None`` for entries written before this field existed. Like ``trace`` it is observability
+    data only: it never changes rendering, ordering or authorization.
     """
 
     source: AgentMessageSource
     content: str
     trace: str = ""
+    delivery: DeliveryKind | None = None
 
     def __post_init__(self) -> None:
         _check_trace(self.trace)

@@ -39,6 +39,7 @@ from dsh_mesh.registry import (
     LeaseKeeper,
     LeaseLost,
     NodeInfo,
+    RegistryReads,
 )
 from dsh_mesh.registry._etcd import put
 from dsh_mesh.runtime import ContinuationManager, ManagerConfig
@@ -116,7 +117,14 @@ class Node:
                 AgentMeshService(self.manager, store.current_activation), server
             )
             mesh_pb2_grpc.add_MeshControlServicer_to_server(
-                MeshControlService(self.manager), server
+                MeshControlService(
+                    self.manager,
+                    node_id=config.node_id,
+                    reads=RegistryReads(etcd, keys),
+                    current_activation=store.current_activation,
+                    peers=pool,
+                ),
+                server,
             )
             peer_pb2_grpc.add_MeshPeerServicer_to_server(MeshPeerService(self.manager), server)
             health_pb2_grpc.add_HealthServicer_to_server(health, server)

@@ -16,6 +16,7 @@ from dsh_mesh.registry._directory import (
 from dsh_mesh.registry._etcd import Etcd, EtcdConfig
 from dsh_mesh.registry._keys import Keys
 from dsh_mesh.registry._lease import LeaseConfig, LeaseKeeper, LeaseLost
+from dsh_mesh.registry._reads import FeedEvent, RegistryReads
 from dsh_mesh.registry._store import EtcdSessionStore
 
 __all__ = [
@@ -27,9 +28,11 @@ __all__ = [
     "Etcd",
     "EtcdConfig",
     "EtcdSessionStore",
+    "FeedEvent",
     "Keys",
     "LeaseConfig",
     "LeaseKeeper",
     "LeaseLost",
     "NodeInfo",
+    "RegistryReads",
 ]

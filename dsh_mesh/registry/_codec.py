@@ -1,16 +1,16 @@
 """The one place where domain values become the bytes stored in etcd, and back.
 
-Format (version 2). Every stored value is one JSON object: UTF-8, compact (no insignificant
+Format (version 3). Every stored value is one JSON object: UTF-8, compact (no insignificant
 whitespace), keys sorted, non-ASCII written as itself, so equal values are equal bytes. Wrapped
 here; ``tests/unit/test_codec.py`` pins the exact bytes of every kind::
 
     header      {"fork_origin":null,"kind":"root","parent_session":null,"session_id":"s-1",
-                 "spec":{"model":"m","preset":"lead","tools":[]},"v":2}
+                 "spec":{"model":"m","preset":"lead","tools":[]},"v":3}
     activation  {"activation_id":"a-1","node_id":"n-1","parent_activation":null,
-                 "session_id":"s-1","v":2}
-    entry       {"content":"hello","type":"human_prompt","v":2}
+                 "session_id":"s-1","v":3}
+    entry       {"content":"hello","type":"human_prompt","v":3}
     acceptance  {"fingerprint":"f","kind":"steered","seq":3,"target":"s-2",
-                 "target_activation":"a-2","v":2}
+                 "target_activation":"a-2","v":3}
 
 - ``"v"`` is the format version; only the outermost object carries it.
 - ``"type"`` tags a transcript entry with a stable name (see ``ENTRY_TAGS``), never a Python
@@ -36,7 +36,14 @@ Version history (encoders write only the newest; decoders read every one in
 2. ``agent_message`` and ``settlement_notice`` entries gain ``"trace"``, a W3C ``traceparent``
    or ``""``. A version-1 value of either lacks the field, which then decodes as ``""``; a
    version-1 value that has it is rejected like any other unexpected field. Every other kind is
-   stored exactly as in version 1 apart from ``"v"``. (``_ADDED_IN`` is the table.)
+   stored exactly as in version 1 apart from ``"v"``.
+3. ``agent_message`` entries gain ``"delivery"``: how the message was delivered when accepted,
+   a ``DeliveryKind`` value (``"steered"``, ``"started-turn"``, ``"cold-resumed"``) or ``null``.
+   A version-1 or version-2 value lacks the field, which then decodes as ``None``; one that has
+   it is rejected like any other unexpected field. Every other kind is stored exactly as in
+   version 2 apart from ``"v"``.
+
+``_ADDED_IN`` is the table of fields added after version 1.
 """
 
 from __future__ import annotations
@@ -73,7 +80,7 @@ if TYPE_CHECKING:
 
 _D = TypeVar("_D", bound="DataclassInstance")
 
-FORMAT_VERSION: Final = 2
+FORMAT_VERSION: Final = 3
 """The version every encoder writes (see the module docstring for the history)."""
 
 READABLE_VERSIONS: Final = frozenset(range(1, FORMAT_VERSION + 1))
@@ -99,7 +106,7 @@ _TAG_OF: Final[Mapping[type[Entry], str]] = {cls: tag for tag, cls in ENTRY_TAGS
 
 _ADDED_IN: Final[Mapping[type, Mapping[str, int]]] = types.MappingProxyType(
     {
-        AgentMessageEntry: {"trace": 2},
+        AgentMessageEntry: {"trace": 2, "delivery": 3},
         SettlementNoticeEntry: {"trace": 2},
     }
 )

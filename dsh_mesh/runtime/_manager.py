@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import hashlib
 import logging
 import time
@@ -203,6 +204,14 @@ class ContinuationManager:
         """The resident agent of ``session`` on this manager, if any."""
         return self._agents.get(session)
 
+    def running(self, session: SessionId) -> bool | None:
+        """Whether ``session``'s resident agent here is running a turn; None when it is not
+        resident here."""
+        agent = self._agents.get(session)
+        if agent is None or agent.state is AgentState.SETTLED:
+            return None
+        return agent.state is AgentState.RUNNING
+
     @property
     def agents(self) -> tuple[Agent, ...]:
         return tuple(self._agents.values())
@@ -238,8 +247,19 @@ class ContinuationManager:
 
     # -- the control plane (humans are not agents) ----------------------------------------------
 
-    async def create_root(self, task: str, *, preset: str, model: str | None = None) -> AgentRef:
-        """Create a root session, make it resident here and start its first turn with ``task``."""
+    async def create_root(
+        self,
+        task: str,
+        *,
+        preset: str,
+        model: str | None = None,
+        session_id: SessionId | None = None,
+    ) -> AgentRef:
+        """Create a root session, make it resident here and start its first turn with ``task``
+        (an empty task leaves it idle, waiting for a prompt). ``session_id`` names it (for
+        idempotent creation); raises ``SessionExists`` when that id is taken."""
+        if task:
+            self._check_content(task)
         chosen = self._preset(preset)
         spec = SessionSpec(
             preset=chosen.name,
@@ -249,7 +269,7 @@ class ContinuationManager:
         if not spec.model:
             raise InvalidArgument("a root session needs a model")
         header = SessionHeader(
-            session_id=self._ids.session_id(),
+            session_id=session_id or self._ids.session_id(),
             kind=SessionKind.ROOT,
             parent_session=None,
             spec=spec,
@@ -645,6 +665,8 @@ class ContinuationManager:
     ) -> Delivery:
         session = agent.session_id
         delivered = False
+        if isinstance(entry, AgentMessageEntry):
+            entry = dataclasses.replace(entry, delivery=kind)
         try:
             record, known = await self._store.append(
                 session,
@@ -813,7 +835,8 @@ class ContinuationManager:
                 header.parent_session,
                 standard_send_message_visible=agent.tools.standard_send_message_visible,
             )
-        agent.deliver(await self.append(agent, TaskEntry(content=task)))
+        if task or header.kind is not SessionKind.ROOT:
+            agent.deliver(await self.append(agent, TaskEntry(content=task)))
         self._start(agent)
         return agent
 

@@ -1,25 +1,99 @@
-"""``MeshControl`` as far as a node serves it today: create a root session here, submit a human
-prompt, interrupt. Reads and watches are served from etcd by a later milestone (issue 5)."""
+"""``MeshControl``: what humans and programs in any language call, on any node.
+
+Any node serves any request. A request about a session resident on another node is handed to
+that node once (the hop count rides in the metadata); reads and watches come straight from the
+registry. Errors follow the one status table (docs/errors.md).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import hashlib
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Protocol
 
 import grpc
 
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
-from dsh_mesh.core import IdempotencyConflict, InvalidArgument, NotResident
-from dsh_mesh.core import parse_session_id as _parse
-from dsh_mesh.transport._servicer import ManagerRef
-from dsh_mesh.transport._status import mesh_rpc
+from dsh_mesh.core import (
+    Activation,
+    IdempotencyConflict,
+    InvalidArgument,
+    MeshError,
+    NodeId,
+    NotResident,
+    Record,
+    SessionExists,
+    SessionHeader,
+    SessionId,
+    TargetElsewhere,
+    parse_session_id,
+)
+from dsh_mesh.transport._auth import caller_hops
+from dsh_mesh.transport._convert import activation_to_wire, header_to_wire, record_to_wire
+from dsh_mesh.transport._peers import PeerPool
+from dsh_mesh.transport._servicer import ActivationLookup, ManagerRef
+from dsh_mesh.transport._status import abort_with, error_from_rpc, mesh_rpc
+
+DEFAULT_PAGE = 100
+MAX_PAGE = 1000
+_FORWARD_TIMEOUT = 30.0
+
+
+class WatchEvent(Protocol):
+    """One event of a watched session (the registry's feed event)."""
+
+    @property
+    def session(self) -> SessionId: ...
+    @property
+    def revision(self) -> int: ...
+    @property
+    def record(self) -> Record | None: ...
+    @property
+    def activated(self) -> Activation | None: ...
+    @property
+    def deactivated(self) -> Activation | None: ...
+
+
+class ControlReads(Protocol):
+    """The registry reads the control plane needs (implemented by ``RegistryReads``)."""
+
+    async def headers(self) -> list[tuple[int, SessionHeader]]: ...
+    async def tree(self, root: SessionId) -> list[SessionHeader]: ...
+    async def activations(self) -> dict[SessionId, Activation]: ...
+    async def page(
+        self, session: SessionId, *, after_seq: int, limit: int
+    ) -> tuple[list[Record], bool]: ...
+    def follow(
+        self, root: SessionId, *, tree: bool, after_revision: int = 0, after_seq: int = 0
+    ) -> AsyncIterator[WatchEvent]: ...
+
+
+def root_session_id(request_id: str) -> SessionId:
+    """The id of the root a ``CreateRootSession`` with ``request_id`` creates: derived from the
+    request id, so a retry (to any node, after any restart) finds the first one."""
+    digest = hashlib.sha256(b"root\0" + request_id.encode()).hexdigest()
+    return SessionId(f"s-{digest[:24]}")
 
 
 class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
-    """Human-facing control of the sessions this node hosts (Queue prompts, interrupts)."""
+    """The control plane of one node."""
 
-    def __init__(self, manager: ManagerRef) -> None:
+    def __init__(
+        self,
+        manager: ManagerRef,
+        *,
+        node_id: NodeId,
+        reads: ControlReads,
+        current_activation: ActivationLookup,
+        peers: PeerPool,
+    ) -> None:
         self._manager = manager
-        self._roots: dict[str, tuple[str, mesh_pb2.CreateRootSessionResponse]] = {}
+        self._node_id = node_id
+        self._reads = reads
+        self._current_activation = current_activation
+        self._peers = peers
+
+    # -- writes -----------------------------------------------------------------------------------
 
     @mesh_rpc
     async def CreateRootSession(
@@ -29,21 +103,41 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
     ) -> mesh_pb2.CreateRootSessionResponse:
         if not request.request_id:
             raise InvalidArgument("request_id is required")
-        fingerprint = request.SerializeToString(deterministic=True).hex()
-        known = self._roots.get(request.request_id)
-        if known is not None:
-            if known[0] != fingerprint:
-                raise IdempotencyConflict("request_id was already used for another session")
-            return known[1]
+        home = NodeId(request.node_id or self._node_id)
+        if home != self._node_id and caller_hops(context) == 0:
+            response: mesh_pb2.CreateRootSessionResponse = await self._forward(
+                home, "CreateRootSession", request
+            )
+            return response
+        session = root_session_id(request.request_id)
         manager = self._manager()
-        ref = await manager.create_root(
-            request.initial_task, preset=request.preset, model=request.model or None
+        try:
+            ref = await manager.create_root(
+                request.initial_task,
+                preset=request.preset,
+                model=request.model or None,
+                session_id=session,
+            )
+        except SessionExists:
+            return await self._existing_root(session, request)
+        return mesh_pb2.CreateRootSessionResponse(
+            session_id=ref.session_id, activation_id=ref.activation_id, node_id=self._node_id
         )
-        response = mesh_pb2.CreateRootSessionResponse(
-            session_id=ref.session_id, activation_id=ref.activation_id, node_id=manager.node_id
+
+    async def _existing_root(
+        self, session: SessionId, request: mesh_pb2.CreateRootSessionRequest
+    ) -> mesh_pb2.CreateRootSessionResponse:
+        header = await self._manager().header(session)
+        if header.spec.preset != request.preset or (
+            request.model and header.spec.model != request.model
+        ):
+            raise IdempotencyConflict(f"request_id {request.request_id!r} created another root")
+        current = await self._current_activation(session, fresh=True)
+        return mesh_pb2.CreateRootSessionResponse(
+            session_id=session,
+            activation_id="" if current is None else current.activation_id,
+            node_id="" if current is None else current.node_id,
         )
-        self._roots[request.request_id] = (fingerprint, response)
-        return response
 
     @mesh_rpc
     async def SubmitPrompt(
@@ -53,10 +147,18 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
     ) -> mesh_pb2.SubmitPromptResponse:
         if not request.idempotency_key:
             raise InvalidArgument("idempotency_key is required")
-        session = _parse(request.session_id)
-        delivery = await self._manager().submit_prompt(
-            session, request.text, idempotency_key=request.idempotency_key
-        )
+        session = parse_session_id(request.session_id)
+        try:
+            delivery = await self._manager().submit_prompt(
+                session, request.text, idempotency_key=request.idempotency_key
+            )
+        except TargetElsewhere as moved:
+            if caller_hops(context) > 0:
+                raise
+            response: mesh_pb2.SubmitPromptResponse = await self._forward(
+                NodeId(moved.node_id), "SubmitPrompt", request
+            )
+            return response
         return mesh_pb2.SubmitPromptResponse(
             accepted_seq=delivery.accepted_seq, duplicate=delivery.duplicate
         )
@@ -67,9 +169,133 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         request: mesh_pb2.InterruptRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> mesh_pb2.InterruptResponse:
-        session = _parse(request.session_id)
+        session = parse_session_id(request.session_id)
+        manager = self._manager()
         try:
-            turn = self._manager().interrupt(session)
+            turn = manager.interrupt(session)
         except NotResident:
+            await manager.header(session)  # an unknown session is UNKNOWN_SESSION
+            current = await self._current_activation(session, fresh=True)
+            elsewhere = current is not None and current.node_id != self._node_id
+            if current is not None and elsewhere and caller_hops(context) == 0:
+                response: mesh_pb2.InterruptResponse = await self._forward(
+                    current.node_id, "Interrupt", request
+                )
+                return response
             turn = None
         return mesh_pb2.InterruptResponse(interrupted=turn is not None, turn_id=turn or "")
+
+    # -- reads ------------------------------------------------------------------------------------
+
+    @mesh_rpc
+    async def GetSession(
+        self,
+        request: mesh_pb2.GetSessionRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> mesh_pb2.Session:
+        session = parse_session_id(request.session_id)
+        header = await self._manager().header(session)
+        current = await self._current_activation(session, fresh=True)
+        if current is not None and current.node_id != self._node_id and caller_hops(context) == 0:
+            # The hosting node knows whether a turn is running; ask it.
+            forwarded: mesh_pb2.Session = await self._forward(
+                current.node_id, "GetSession", request
+            )
+            return forwarded
+        after, limit = _page(request.page_token, request.page_size)
+        records, more = await self._reads.page(session, after_seq=after, limit=limit)
+        reply = mesh_pb2.Session(
+            header=header_to_wire(header),
+            transcript=[record_to_wire(r) for r in records],
+            next_page_token=str(records[-1].seq) if more and records else "",
+            state=self._state(session, current),
+        )
+        if current is not None:
+            reply.activation.CopyFrom(activation_to_wire(current))
+        return reply
+
+    async def WatchSession(
+        self,
+        request: mesh_pb2.WatchSessionRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[mesh_pb2.SessionEvent]:
+        try:
+            session = parse_session_id(request.session_id)
+            events = self._reads.follow(
+                session,
+                tree=request.tree,
+                after_revision=request.after_event_seq,
+                after_seq=request.after_seq,
+            )
+            async for event in events:
+                yield _event_to_wire(event)
+        except MeshError as error:
+            await abort_with(context, error)
+
+    @mesh_rpc
+    async def ListAgents(
+        self,
+        request: mesh_pb2.ListAgentsRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> mesh_pb2.ListAgentsResponse:
+        if request.root_session_id:
+            headers: Sequence[SessionHeader] = await self._reads.tree(
+                parse_session_id(request.root_session_id)
+            )
+        else:
+            headers = [header for _, header in await self._reads.headers()]
+        activations = await self._reads.activations()
+        if request.resident_only:
+            headers = [h for h in headers if h.session_id in activations]
+        offset, limit = _page(request.page_token, request.page_size)
+        page = headers[offset : offset + limit]
+        reply = mesh_pb2.ListAgentsResponse(
+            next_page_token=str(offset + limit) if offset + limit < len(headers) else ""
+        )
+        for header in page:
+            current = activations.get(header.session_id)
+            summary = reply.agents.add(
+                header=header_to_wire(header), state=self._state(header.session_id, current)
+            )
+            if current is not None:
+                summary.activation.CopyFrom(activation_to_wire(current))
+        return reply
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _state(self, session: SessionId, current: Activation | None) -> mesh_pb2.AgentState:
+        if current is None:
+            return mesh_pb2.AGENT_STATE_ABSENT
+        try:
+            running = self._manager().running(session)
+        except MeshError:
+            running = None
+        if running is None or current.node_id != self._node_id:
+            return mesh_pb2.AGENT_STATE_RESIDENT
+        return mesh_pb2.AGENT_STATE_RUNNING if running else mesh_pb2.AGENT_STATE_IDLE
+
+    async def _forward(self, node: NodeId, method: str, request: Any) -> Any:
+        stub = mesh_pb2_grpc.MeshControlStub(self._peers.channel(node))
+        try:
+            return await getattr(stub, method)(
+                request, metadata=self._peers.metadata(hops=1), timeout=_FORWARD_TIMEOUT
+            )
+        except grpc.aio.AioRpcError as error:
+            raise error_from_rpc(error) from error
+
+
+def _page(token: str, size: int) -> tuple[int, int]:
+    if token and not token.isdigit():
+        raise InvalidArgument(f"page_token {token!r} is not one this server issued")
+    return int(token or 0), min(size or DEFAULT_PAGE, MAX_PAGE)
+
+
+def _event_to_wire(event: WatchEvent) -> mesh_pb2.SessionEvent:
+    wire = mesh_pb2.SessionEvent(session_id=event.session, event_seq=event.revision)
+    if event.record is not None:
+        wire.entry.CopyFrom(record_to_wire(event.record))
+    if event.activated is not None:
+        wire.activated.CopyFrom(activation_to_wire(event.activated))
+    if event.deactivated is not None:
+        wire.deactivated.CopyFrom(activation_to_wire(event.deactivated))
+    return wire

@@ -5,15 +5,28 @@ from __future__ import annotations
 from dsh_mesh._proto.dsh.mesh.peer.v1 import peer_pb2
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2
 from dsh_mesh.core import (
+    SETTLEMENT_NOTICE_KIND,
+    Activation,
     ActivationId,
+    AgentMessageEntry,
     AgentRef,
+    AssistantStepEntry,
+    ConsumedEntry,
     Delivery,
     DeliveryKind,
+    HumanPromptEntry,
     InvalidArgument,
+    Record,
+    SessionHeader,
     SessionId,
     SessionKind,
     SettlementNoticeEntry,
     SettlementOutcome,
+    TaskEntry,
+    ToolResultEntry,
+    TurnEndedEntry,
+    TurnOutcome,
+    TurnStartedEntry,
     parse_session_id,
 )
 
@@ -100,3 +113,112 @@ def notice_from_wire(
         trace=request.trace,
     )
     return parse_session_id(request.parent_session_id), notice
+
+
+_KIND_TO_WIRE = {
+    SessionKind.ROOT: mesh_pb2.SESSION_KIND_ROOT,
+    SessionKind.CONTINUABLE_CHILD: mesh_pb2.SESSION_KIND_CONTINUABLE_CHILD,
+    SessionKind.ONE_SHOT_CHILD: mesh_pb2.SESSION_KIND_ONE_SHOT_CHILD,
+}
+_OUTCOME_TO_WIRE = {
+    SettlementOutcome.COMPLETED: mesh_pb2.SETTLEMENT_OUTCOME_COMPLETED,
+    SettlementOutcome.ERROR: mesh_pb2.SETTLEMENT_OUTCOME_ERROR,
+    SettlementOutcome.CANCELLED: mesh_pb2.SETTLEMENT_OUTCOME_CANCELLED,
+    SettlementOutcome.TOKEN_EXHAUSTION: mesh_pb2.SETTLEMENT_OUTCOME_TOKEN_EXHAUSTION,
+    SettlementOutcome.LOST: mesh_pb2.SETTLEMENT_OUTCOME_LOST,
+}
+_TURN_TO_WIRE = {
+    TurnOutcome.COMPLETED: mesh_pb2.TURN_OUTCOME_COMPLETED,
+    TurnOutcome.ERROR: mesh_pb2.TURN_OUTCOME_ERROR,
+    TurnOutcome.CANCELLED: mesh_pb2.TURN_OUTCOME_CANCELLED,
+    TurnOutcome.TOKEN_EXHAUSTION: mesh_pb2.TURN_OUTCOME_TOKEN_EXHAUSTION,
+}
+
+
+def header_to_wire(header: SessionHeader) -> mesh_pb2.SessionHeader:
+    """The wire form of a session header."""
+    wire = mesh_pb2.SessionHeader(
+        session_id=header.session_id,
+        kind=_KIND_TO_WIRE[header.kind],
+        parent_session_id=header.parent_session or "",
+        spec=mesh_pb2.SessionSpec(
+            preset=header.spec.preset,
+            model=header.spec.model,
+            tools=[
+                mesh_pb2.ToolDescriptor(
+                    name=t.name, description=t.description, input_schema_json=t.input_schema_json
+                )
+                for t in header.spec.tools
+            ],
+        ),
+    )
+    if header.fork_origin is not None:
+        wire.fork_origin.CopyFrom(
+            mesh_pb2.ForkOrigin(
+                parent_session_id=header.fork_origin.parent_session,
+                prefix_seq=header.fork_origin.prefix_seq,
+            )
+        )
+    return wire
+
+
+def activation_to_wire(activation: Activation) -> mesh_pb2.ActivationInfo:
+    """The wire form of an activation."""
+    return mesh_pb2.ActivationInfo(
+        session_id=activation.session_id,
+        activation_id=activation.activation_id,
+        node_id=activation.node_id,
+        parent_activation_id=activation.parent_activation or "",
+    )
+
+
+def record_to_wire(record: Record) -> mesh_pb2.TranscriptEntry:
+    """The wire form of one transcript record. A fork child's inherited prefix has no wire
+    form yet: it travels as an entry with only its seq."""
+    entry = record.entry
+    wire = mesh_pb2.TranscriptEntry(seq=record.seq)
+    if isinstance(entry, TaskEntry):
+        wire.task.content = entry.content
+    elif isinstance(entry, HumanPromptEntry):
+        wire.human_prompt.content = entry.content
+    elif isinstance(entry, AgentMessageEntry):
+        wire.agent_message.source.kind = entry.source.kind
+        wire.agent_message.source.form = entry.source.form
+        wire.agent_message.source.sender_session_id = entry.source.sender_session_id
+        wire.agent_message.content = entry.content
+        wire.agent_message.trace = entry.trace
+        delivery = getattr(entry, "delivery", None)
+        if delivery is not None:
+            wire.agent_message.delivery = _DELIVERY_TO_WIRE[delivery]
+    elif isinstance(entry, SettlementNoticeEntry):
+        notice = wire.settlement_notice
+        notice.kind = SETTLEMENT_NOTICE_KIND
+        notice.child_session_id = entry.child_session
+        notice.child_activation_id = entry.child_activation
+        notice.outcome = _OUTCOME_TO_WIRE[entry.outcome]
+        notice.terminal_output = entry.terminal_output
+        notice.detail = entry.detail
+    elif isinstance(entry, AssistantStepEntry):
+        step = wire.assistant_step
+        step.text = entry.text
+        step.tool_calls.extend(
+            mesh_pb2.ToolCall(id=c.call_id, name=c.name, arguments_json=c.arguments_json)
+            for c in entry.tool_calls
+        )
+        step.usage.input_tokens = entry.usage.input_tokens
+        step.usage.output_tokens = entry.usage.output_tokens
+        step.usage.cached_input_tokens = entry.usage.cached_input_tokens
+    elif isinstance(entry, ToolResultEntry):
+        wire.tool_result.call_id = entry.call_id
+        wire.tool_result.name = entry.name
+        wire.tool_result.content = entry.content
+        wire.tool_result.is_error = entry.is_error
+    elif isinstance(entry, TurnStartedEntry):
+        wire.turn_started.turn_id = entry.turn_id
+    elif isinstance(entry, TurnEndedEntry):
+        wire.turn_ended.turn_id = entry.turn_id
+        wire.turn_ended.outcome = _TURN_TO_WIRE[entry.outcome]
+        wire.turn_ended.detail = entry.detail
+    elif isinstance(entry, ConsumedEntry):
+        wire.consumed.seqs.extend(entry.seqs)
+    return wire

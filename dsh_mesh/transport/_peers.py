@@ -66,6 +66,10 @@ class PeerPool:
         for channel in channels.values():
             await channel.close()
 
+    def metadata(self, *, hops: int = 1) -> tuple[tuple[str, str], ...]:
+        """The call metadata this node sends: its credential, its id, the hop count."""
+        return self._credential.metadata(self._node_id, hops=hops)
+
     def channel(self, node: NodeId) -> grpc.aio.Channel:
         """The reused channel to ``node``; raises ``PeerUnavailable`` for an unknown node."""
         address = self._address_of(node)

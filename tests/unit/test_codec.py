@@ -71,21 +71,22 @@ FINAL_TURN_SPAN = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"
 ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
     (
         TaskEntry(content="Summarise the design.\nThen send_message your parent."),
-        '{"content":"Summarise the design.\\nThen send_message your parent.","type":"task","v":2}',
+        '{"content":"Summarise the design.\\nThen send_message your parent.","type":"task","v":3}',
     ),
     (
         HumanPromptEntry(content="Wie geht's? 你好 🙂"),
-        '{"content":"Wie geht\'s? 你好 🙂","type":"human_prompt","v":2}',
+        '{"content":"Wie geht\'s? 你好 🙂","type":"human_prompt","v":3}',
     ),
     (
         AgentMessageEntry(
             source=AgentMessageSource(sender_session_id=SessionId("s-2")),
             content="result: 42",
             trace=SENDER_SPAN,
+            delivery=DeliveryKind.STEERED,
         ),
-        '{"content":"result: 42","source":{"form":"relay","kind":"agent-message",'
-        '"sender_session_id":"s-2"},"trace":"00-4bf92f3577b34da6a3ce929d0e0e4736-'
-        '00f067aa0ba902b7-01","type":"agent_message","v":2}',
+        '{"content":"result: 42","delivery":"steered","source":{"form":"relay",'
+        '"kind":"agent-message","sender_session_id":"s-2"},"trace":"00-4bf92f3577b34da6a3ce929d0e'
+        '0e4736-00f067aa0ba902b7-01","type":"agent_message","v":3}',
     ),
     (
         SettlementNoticeEntry(
@@ -100,7 +101,7 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
         '{"child_activation":"a-3","child_kind":"one-shot-child","child_session":"s-3",'
         '"detail":"budget spent","outcome":"token-exhaustion","terminal_output":"partial answer",'
         '"trace":"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00",'
-        '"type":"settlement_notice","v":2}',
+        '"type":"settlement_notice","v":3}',
     ),
     (
         ForkPrefixEntry(
@@ -113,15 +114,15 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
         '{"messages":[{"content":"Plan it.","role":"user","tool_call_id":null,"tool_calls":[]},'
         '{"content":"","role":"assistant","tool_call_id":null,"tool_calls":[{"arguments_json":'
         '"{\\"path\\":\\"a.md\\"}","call_id":"c-1","name":"read_file"}]},{"content":"# A",'
-        '"role":"tool","tool_call_id":"c-1","tool_calls":[]}],"type":"fork_prefix","v":2}',
+        '"role":"tool","tool_call_id":"c-1","tool_calls":[]}],"type":"fork_prefix","v":3}',
     ),
     (
         TurnStartedEntry(turn_id=TurnId("t-1")),
-        '{"turn_id":"t-1","type":"turn_started","v":2}',
+        '{"turn_id":"t-1","type":"turn_started","v":3}',
     ),
     (
         ConsumedEntry(seqs=(3, 4)),
-        '{"seqs":[3,4],"type":"consumed","v":2}',
+        '{"seqs":[3,4],"type":"consumed","v":3}',
     ),
     (
         AssistantStepEntry(
@@ -131,16 +132,16 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
         ),
         '{"text":"Reading it.","tool_calls":[{"arguments_json":"{\\"path\\":\\"a.md\\"}",'
         '"call_id":"c-1","name":"read_file"}],"type":"assistant_step","usage":'
-        '{"cached_input_tokens":1024,"input_tokens":1200,"output_tokens":35},"v":2}',
+        '{"cached_input_tokens":1024,"input_tokens":1200,"output_tokens":35},"v":3}',
     ),
     (
         ToolResultEntry(call_id="c-1", name="read_file", content="no such file", is_error=True),
         '{"call_id":"c-1","content":"no such file","is_error":true,"name":"read_file",'
-        '"type":"tool_result","v":2}',
+        '"type":"tool_result","v":3}',
     ),
     (
         TurnEndedEntry(turn_id=TurnId("t-1"), outcome=TurnOutcome.COMPLETED),
-        '{"detail":"","outcome":"completed","turn_id":"t-1","type":"turn_ended","v":2}',
+        '{"detail":"","outcome":"completed","turn_id":"t-1","type":"turn_ended","v":3}',
     ),
 ]
 
@@ -189,7 +190,7 @@ OTHER_EXAMPLES: list[tuple[object, Callable[[Any], bytes], str]] = [
         ROOT_HEADER,
         encode_header,
         '{"fork_origin":null,"kind":"root","parent_session":null,"session_id":"s-1",'
-        '"spec":{"model":"lead-model","preset":"lead","tools":[]},"v":2}',
+        '"spec":{"model":"lead-model","preset":"lead","tools":[]},"v":3}',
     ),
     (
         FORK_HEADER,
@@ -198,24 +199,24 @@ OTHER_EXAMPLES: list[tuple[object, Callable[[Any], bytes], str]] = [
         '"parent_session":"s-1","session_id":"s-2","spec":{"model":"worker-model",'
         '"preset":"worker","tools":[{"description":"Read a file.","input_schema_json":'
         '"{\\"properties\\":{\\"path\\":{\\"type\\":\\"string\\"}},\\"type\\":\\"object\\"}",'
-        '"name":"read_file"}]},"v":2}',
+        '"name":"read_file"}]},"v":3}',
     ),
     (
         ROOT_ACTIVATION,
         encode_activation,
-        '{"activation_id":"a-1","node_id":"n-1","parent_activation":null,"session_id":"s-1","v":2}',
+        '{"activation_id":"a-1","node_id":"n-1","parent_activation":null,"session_id":"s-1","v":3}',
     ),
     (
         CHILD_ACTIVATION,
         encode_activation,
         '{"activation_id":"a-2","node_id":"n-2","parent_activation":"a-1","session_id":"s-2",'
-        '"v":2}',
+        '"v":3}',
     ),
     (
         ACCEPTANCE,
         encode_acceptance,
         '{"fingerprint":"sha256:9f86d0","kind":"cold-resumed","seq":3,"target":"s-2",'
-        '"target_activation":"a-2","v":2}',
+        '"target_activation":"a-2","v":3}',
     ),
 ]
 
@@ -246,7 +247,8 @@ def test_the_examples_cover_every_entry_variant_and_the_tag_table_is_complete() 
 def test_an_entry_is_stored_exactly_as_pinned_and_reads_back_equal(
     entry: Entry, stored: str
 ) -> None:
-    # A failure here means the stored format changed: bump FORMAT_VERSION, keep reading v1, v2.
+    # A failure here means the stored format changed: bump FORMAT_VERSION, keep reading every
+    # older version.
     assert encode_entry(entry) == stored.encode()
     assert decode_entry(stored.encode()) == entry
 
@@ -288,9 +290,9 @@ def test_an_acceptance_round_trips_for_every_delivery_kind(kind: DeliveryKind) -
     assert decode_acceptance(encode_acceptance(acceptance)) == acceptance
 
 
-def test_the_format_version_is_two_and_every_older_one_is_readable() -> None:
-    assert FORMAT_VERSION == 2
-    assert sorted(READABLE_VERSIONS) == [1, 2]
+def test_the_format_version_is_three_and_every_older_one_is_readable() -> None:
+    assert FORMAT_VERSION == 3
+    assert sorted(READABLE_VERSIONS) == [1, 2, 3]
 
 
 def test_an_untraced_message_and_notice_store_an_empty_trace() -> None:
@@ -308,6 +310,25 @@ def test_an_untraced_message_and_notice_store_an_empty_trace() -> None:
         data = encode_entry(entry)
         assert json.loads(data)["trace"] == ""
         assert decode_entry(data) == entry
+
+
+def test_a_message_without_a_delivery_kind_stores_null() -> None:
+    message = AgentMessageEntry(
+        source=AgentMessageSource(sender_session_id=SessionId("s-2")), content="hi"
+    )
+    data = encode_entry(message)
+    assert b'"delivery":null' in data
+    assert decode_entry(data) == message
+
+
+@pytest.mark.parametrize("kind", list(DeliveryKind))
+def test_a_message_stores_its_delivery_kind_by_value(kind: DeliveryKind) -> None:
+    message = AgentMessageEntry(
+        source=AgentMessageSource(sender_session_id=SessionId("s-2")), content="hi", delivery=kind
+    )
+    data = encode_entry(message)
+    assert json.loads(data)["delivery"] == kind.value
+    assert decode_entry(data) == message
 
 
 # -- older versions still stored in etcd -------------------------------------------------------
@@ -382,18 +403,60 @@ def test_every_other_version_1_kind_still_decodes(
     assert decode(data) == value
 
 
+# Bytes written by version-2 releases (pinned before version 3 existed): never change these.
+V2_AGENT_MESSAGE = (
+    b'{"content":"result: 42","source":{"form":"relay","kind":"agent-message",'
+    b'"sender_session_id":"s-2"},"trace":"00-4bf92f3577b34da6a3ce929d0e0e4736-'
+    b'00f067aa0ba902b7-01","type":"agent_message","v":2}'
+)
+
+
+def test_a_version_2_agent_message_still_decodes_with_its_trace_and_no_delivery_kind() -> None:
+    assert decode_entry(V2_AGENT_MESSAGE) == AgentMessageEntry(
+        source=AgentMessageSource(sender_session_id=SessionId("s-2")),
+        content="result: 42",
+        trace=SENDER_SPAN,
+        delivery=None,
+    )
+
+
+# The fields each version added, by entry tag, with the default an older value decodes to (as
+# JSON). Kept here independently of the codec's own table: an entry missing from it makes the
+# test below fail, since an older version would then carry a field it cannot have.
+ADDED_IN: dict[str, dict[str, tuple[int, object]]] = {
+    "agent_message": {"trace": (2, ""), "delivery": (3, None)},
+    "settlement_notice": {"trace": (2, "")},
+}
+OLDER_VERSIONS = sorted(READABLE_VERSIONS - {FORMAT_VERSION})
+
+
+def test_every_field_added_later_is_from_a_readable_version() -> None:
+    added = {v for fields in ADDED_IN.values() for v, _ in fields.values()}
+    assert added <= READABLE_VERSIONS - {min(READABLE_VERSIONS)}
+    assert FORMAT_VERSION in added  # the newest version added something
+
+
+@pytest.mark.parametrize("version", OLDER_VERSIONS)
 @pytest.mark.parametrize(("data", "decode"), STORED, ids=STORED_IDS)
-def test_version_1_reads_like_version_2_with_no_trace(data: bytes, decode: Decoder) -> None:
-    # Version 2 only added the traces: without them, every kind reads the same in both.
-    def untraced(d: dict[str, Any]) -> None:
-        if "trace" in d:
-            d["trace"] = ""
+def test_every_older_version_reads_like_the_current_one_without_later_fields(
+    version: int, data: bytes, decode: Decoder
+) -> None:
+    # Each version only added fields: without them, every kind reads the same in all versions.
+    later = {
+        name: default
+        for name, (added, default) in ADDED_IN.get(json.loads(data).get("type"), {}).items()
+        if added > version
+    }
 
-    def as_v1(d: dict[str, Any]) -> None:
-        d.update(v=1)
-        d.pop("trace", None)
+    def defaults(d: dict[str, Any]) -> None:
+        d.update(later)
 
-    assert decode(rewrite(data, as_v1)) == decode(rewrite(data, untraced))
+    def as_older(d: dict[str, Any]) -> None:
+        d.update(v=version)
+        for name in later:
+            del d[name]
+
+    assert decode(rewrite(data, as_older)) == decode(rewrite(data, defaults))
 
 
 # -- arbitrary values ----------------------------------------------------------------------------
@@ -433,6 +496,7 @@ ENTRIES: st.SearchStrategy[Entry] = st.one_of(
         source=st.builds(AgentMessageSource, sender_session_id=SESSIONS),
         content=TEXT,
         trace=TRACES,
+        delivery=st.none() | st.sampled_from(DeliveryKind),
     ),
     st.builds(
         SettlementNoticeEntry,
@@ -568,14 +632,14 @@ TURN_ENDED = encode_entry(TurnEndedEntry(turn_id=TurnId("t-1"), outcome=TurnOutc
         b"",
         b"\xff\xfe\x00",
         b"not json",
-        b'{"v":2,',
+        b'{"v":3,',
         b"[]",
         b"null",
         b'"task"',
         b"1",
-        b'{"v":2,"type":"task","content":"a","content":"b"}',
-        b'{"v":2,"type":"consumed","seqs":[NaN]}',
-        b'{"v":2,"type":"consumed","seqs":[Infinity]}',
+        b'{"v":3,"type":"task","content":"a","content":"b"}',
+        b'{"v":3,"type":"consumed","seqs":[NaN]}',
+        b'{"v":3,"type":"consumed","seqs":[Infinity]}',
     ],
 )
 @pytest.mark.parametrize(
@@ -610,7 +674,9 @@ def test_an_entry_without_a_type_tag_is_rejected() -> None:
         decode_entry(rewrite(TURN_ENDED, lambda d: d.pop("type")))
 
 
-@pytest.mark.parametrize("version", [0, -1, 3, "1", "2", True, 1.0, 2.0, None, [2]])
+@pytest.mark.parametrize(
+    "version", [0, -1, FORMAT_VERSION + 1, "1", "3", True, 1.0, 3.0, None, [3]]
+)
 @pytest.mark.parametrize(("data", "decode"), STORED, ids=STORED_IDS)
 def test_a_wrong_format_version_is_rejected(version: object, data: bytes, decode: Decoder) -> None:
     with pytest.raises(CodecError, match="version"):
@@ -769,13 +835,49 @@ def test_a_version_1_entry_with_a_trace_is_rejected(trace: str, data: bytes) -> 
         decode_entry(rewrite(data, lambda d: d.update(trace=trace)))
 
 
+@pytest.mark.parametrize("version", range(2, FORMAT_VERSION + 1))
 @pytest.mark.parametrize(("entry", "_stored"), TRACED, ids=["agent_message", "settlement_notice"])
-def test_a_version_2_entry_without_its_trace_is_rejected(entry: Entry, _stored: str) -> None:
-    with pytest.raises(CodecError, match=r"missing fields \['trace'\],.*\(format version 2\)"):
-        decode_entry(rewrite(encode_entry(entry), lambda d: d.pop("trace")))
+def test_a_version_2_or_later_entry_without_its_trace_is_rejected(
+    version: int, entry: Entry, _stored: str
+) -> None:
+    data = encode_entry(entry)
+    later = [n for n, (v, _) in ADDED_IN[json.loads(data)["type"]].items() if v > version]
+
+    def as_version_without_trace(d: dict[str, Any]) -> None:
+        d.update(v=version)
+        for name in [*later, "trace"]:
+            del d[name]
+
+    with pytest.raises(
+        CodecError, match=rf"missing fields \['trace'\],.*\(format version {version}\)"
+    ):
+        decode_entry(rewrite(data, as_version_without_trace))
 
 
 def test_encoding_something_that_is_not_an_entry_is_a_type_error() -> None:
     record = Record(seq=1, entry=TaskEntry(content="x"))
     with pytest.raises(TypeError):
         encode_entry(record)  # type: ignore[arg-type]
+
+
+AGENT_MESSAGE = encode_entry(
+    next(entry for entry, _ in ENTRY_EXAMPLES if isinstance(entry, AgentMessageEntry))
+)
+
+
+@pytest.mark.parametrize(
+    "delivery", ["queue", "STEERED", "Steered", "started_turn", "", 0, True, ["steered"], {}]
+)
+def test_an_unknown_delivery_kind_is_rejected(delivery: object) -> None:
+    with pytest.raises(CodecError, match="delivery"):
+        decode_entry(rewrite(AGENT_MESSAGE, lambda d: d.update(delivery=delivery)))
+
+
+@pytest.mark.parametrize("delivery", [*(kind.value for kind in DeliveryKind), None])
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_version_before_3_carrying_a_delivery_kind_is_rejected(
+    version: int, delivery: object
+) -> None:
+    older = V2_AGENT_MESSAGE if version == 2 else V1_AGENT_MESSAGE
+    with pytest.raises(CodecError, match="unexpected fields \\['delivery'\\]"):
+        decode_entry(rewrite(older, lambda d: d.update(delivery=delivery)))

@@ -174,11 +174,13 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "Etcd",
         "EtcdConfig",
         "EtcdSessionStore",
+        "FeedEvent",
         "Keys",
         "LeaseConfig",
         "LeaseKeeper",
         "LeaseLost",
         "NodeInfo",
+        "RegistryReads",
     ],
     "dsh_mesh.runtime": [
         "Acceptance",

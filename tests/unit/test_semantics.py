@@ -16,6 +16,7 @@ from dsh_mesh.core import (
     AssistantStepEntry,
     ChatMessage,
     ConsumedEntry,
+    DeliveryKind,
     Entry,
     ForkOrigin,
     HumanPromptEntry,
@@ -334,3 +335,30 @@ def test_a_trace_changes_neither_rendering_nor_pending_inbound() -> None:
     assert render(traced) == render(untraced)
     assert all(TRACEPARENT not in m.content for m in render(traced))
     assert [r.seq for r in pending_inbound(traced)] == [r.seq for r in pending_inbound(untraced)]
+
+
+# -- delivery kind: observability only --------------------------------------------------------
+
+
+def test_an_agent_message_records_no_delivery_kind_by_default() -> None:
+    assert AgentMessageEntry(source=PARENT_SOURCE, content="x").delivery is None
+    for kind in DeliveryKind:
+        assert AgentMessageEntry(source=PARENT_SOURCE, content="x", delivery=kind).delivery is kind
+
+
+@pytest.mark.parametrize("kind", list(DeliveryKind))
+def test_a_delivery_kind_changes_neither_rendering_nor_pending_inbound(kind: DeliveryKind) -> None:
+    def transcript(delivery: DeliveryKind | None) -> list[Record]:
+        entries: list[Entry] = [
+            AgentMessageEntry(source=PARENT_SOURCE, content="one", delivery=delivery),  # 1
+            ConsumedEntry(seqs=(1,)),  # 2
+            AgentMessageEntry(source=PARENT_SOURCE, content="two", delivery=delivery),  # 3
+        ]
+        return [Record(seq=i, entry=e) for i, e in enumerate(entries, start=1)]
+
+    recorded, unrecorded = transcript(kind), transcript(None)
+    assert render(recorded) == render(unrecorded)
+    assert all(kind.value not in m.content for m in render(recorded))
+    assert [r.seq for r in pending_inbound(recorded)] == [
+        r.seq for r in pending_inbound(unrecorded)
+    ]

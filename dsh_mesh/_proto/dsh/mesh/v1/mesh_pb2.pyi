@@ -49,6 +49,7 @@ class AgentState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     AGENT_STATE_IDLE: _ClassVar[AgentState]
     AGENT_STATE_RUNNING: _ClassVar[AgentState]
     AGENT_STATE_ABSENT: _ClassVar[AgentState]
+    AGENT_STATE_RESIDENT: _ClassVar[AgentState]
 
 class SessionKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -104,6 +105,7 @@ AGENT_STATE_UNSPECIFIED: AgentState
 AGENT_STATE_IDLE: AgentState
 AGENT_STATE_RUNNING: AgentState
 AGENT_STATE_ABSENT: AgentState
+AGENT_STATE_RESIDENT: AgentState
 SESSION_KIND_UNSPECIFIED: SessionKind
 SESSION_KIND_ROOT: SessionKind
 SESSION_KIND_CONTINUABLE_CHILD: SessionKind

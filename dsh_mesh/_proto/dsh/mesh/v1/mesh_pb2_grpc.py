@@ -35,6 +35,11 @@ class AgentMeshStub:
     Callers are nodes acting for an agent that invoked its send_message tool. The
     node that hosts the target re-checks authorization itself from etcd; it trusts
     the calling node only as far as that node's authenticated identity (mTLS).
+
+    The name lacks buf's "Service" suffix because it is on the wire: every call
+    is addressed to /dsh.mesh.v1.AgentMesh/<Method>, so renaming it would break
+    every deployed client and node.
+    buf:lint:ignore SERVICE_SUFFIX
     """
 
     def __init__(self, channel):
@@ -60,6 +65,11 @@ class AgentMeshServicer:
     Callers are nodes acting for an agent that invoked its send_message tool. The
     node that hosts the target re-checks authorization itself from etcd; it trusts
     the calling node only as far as that node's authenticated identity (mTLS).
+
+    The name lacks buf's "Service" suffix because it is on the wire: every call
+    is addressed to /dsh.mesh.v1.AgentMesh/<Method>, so renaming it would break
+    every deployed client and node.
+    buf:lint:ignore SERVICE_SUFFIX
     """
 
     def SendMessage(self, request, context):
@@ -122,6 +132,11 @@ class AgentMesh:
     Callers are nodes acting for an agent that invoked its send_message tool. The
     node that hosts the target re-checks authorization itself from etcd; it trusts
     the calling node only as far as that node's authenticated identity (mTLS).
+
+    The name lacks buf's "Service" suffix because it is on the wire: every call
+    is addressed to /dsh.mesh.v1.AgentMesh/<Method>, so renaming it would break
+    every deployed client and node.
+    buf:lint:ignore SERVICE_SUFFIX
     """
 
     @staticmethod
@@ -161,6 +176,10 @@ class MeshControlStub:
     uses to run agents. Humans are not agents: prompts use Queue delivery over
     SubmitPrompt, and interrupt and settlement stay independent of agent messaging.
     Any node may serve these RPCs; it routes to the node hosting the session.
+
+    The name lacks buf's "Service" suffix because it is on the wire
+    (/dsh.mesh.v1.MeshControl/<Method>); renaming it would break every client.
+    buf:lint:ignore SERVICE_SUFFIX
     """
 
     def __init__(self, channel):
@@ -210,6 +229,10 @@ class MeshControlServicer:
     uses to run agents. Humans are not agents: prompts use Queue delivery over
     SubmitPrompt, and interrupt and settlement stay independent of agent messaging.
     Any node may serve these RPCs; it routes to the node hosting the session.
+
+    The name lacks buf's "Service" suffix because it is on the wire
+    (/dsh.mesh.v1.MeshControl/<Method>); renaming it would break every client.
+    buf:lint:ignore SERVICE_SUFFIX
     """
 
     def CreateRootSession(self, request, context):
@@ -243,7 +266,13 @@ class MeshControlServicer:
 
     def GetSession(self, request, context):
         """GetSession returns a session's header, its current activation (if
-        resident) and its full transcript. Read-only.
+        resident), its live state and one page of its transcript (page_size,
+        page_token). Read-only.
+
+        The response is the Session itself rather than a GetSessionResponse
+        wrapper: the name is part of every client's generated code, and a
+        session read is exactly what it is.
+        buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -254,6 +283,10 @@ class MeshControlServicer:
         first the ones already stored, then new ones as they are appended, in seq
         order without gaps. A client that reconnects passes the last seq it saw.
         The stream ends only when the client cancels it or the server shuts down.
+
+        Each streamed item is a SessionEvent rather than a WatchSessionResponse:
+        the name is part of every client's generated code.
+        buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -317,6 +350,10 @@ class MeshControl:
     uses to run agents. Humans are not agents: prompts use Queue delivery over
     SubmitPrompt, and interrupt and settlement stay independent of agent messaging.
     Any node may serve these RPCs; it routes to the node hosting the session.
+
+    The name lacks buf's "Service" suffix because it is on the wire
+    (/dsh.mesh.v1.MeshControl/<Method>); renaming it would break every client.
+    buf:lint:ignore SERVICE_SUFFIX
     """
 
     @staticmethod

@@ -27,6 +27,11 @@ if _version_not_supported:
 
 class MeshPeerStub:
     """MeshPeer is what one node asks of another on behalf of its continuation manager.
+
+    The name lacks buf's "Service" suffix because it is on the wire
+    (/dsh.mesh.peer.v1.MeshPeer/<Method>): renaming it would cut off nodes of the
+    previous release during a rolling upgrade.
+    buf:lint:ignore SERVICE_SUFFIX
     """
 
     def __init__(self, channel):
@@ -49,6 +54,11 @@ class MeshPeerStub:
 
 class MeshPeerServicer:
     """MeshPeer is what one node asks of another on behalf of its continuation manager.
+
+    The name lacks buf's "Service" suffix because it is on the wire
+    (/dsh.mesh.peer.v1.MeshPeer/<Method>): renaming it would cut off nodes of the
+    previous release during a rolling upgrade.
+    buf:lint:ignore SERVICE_SUFFIX
     """
 
     def Activate(self, request, context):
@@ -96,6 +106,11 @@ def add_MeshPeerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class MeshPeer:
     """MeshPeer is what one node asks of another on behalf of its continuation manager.
+
+    The name lacks buf's "Service" suffix because it is on the wire
+    (/dsh.mesh.peer.v1.MeshPeer/<Method>): renaming it would cut off nodes of the
+    previous release during a rolling upgrade.
+    buf:lint:ignore SERVICE_SUFFIX
     """
 
     @staticmethod
