@@ -23,6 +23,8 @@ bench: $(STAMP)
 
 check: $(STAMP)
 	$(PY) scripts/gen_protos.py --check
+	$(VENV)/bin/buf lint
+	$(VENV)/bin/buf breaking --against proto/baseline/dsh-mesh-v1.binpb
 	$(PY) -m ruff format --check .
 	$(PY) -m ruff check .
 	$(PY) -m mypy

@@ -48,6 +48,7 @@ from dsh_mesh.transport import (
     ClusterAuthInterceptor,
     MeshControlService,
     MeshPeerService,
+    MethodAwarePool,
     PeerPool,
 )
 
@@ -137,6 +138,7 @@ class Node:
                     reflection.SERVICE_NAME,
                 ),
                 server,
+                pool=MethodAwarePool(),
             )
             port = server.add_insecure_port(config.listen)
             self.address = f"{config.advertise_host or config.listen_host}:{port}"

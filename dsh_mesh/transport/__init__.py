@@ -5,6 +5,7 @@ the cluster-credential interceptor, and the one table between mesh errors and gR
 from dsh_mesh.transport._auth import ClusterAuthInterceptor, ClusterCredential
 from dsh_mesh.transport._control import MeshControlService
 from dsh_mesh.transport._peers import PeerPool, PeerTimeouts
+from dsh_mesh.transport._reflection import MethodAwarePool
 from dsh_mesh.transport._servicer import AgentMeshService, ManagerRef, MeshPeerService
 from dsh_mesh.transport._status import (
     DETAILS_METADATA_KEY,
@@ -33,6 +34,7 @@ __all__ = [
     "ManagerRef",
     "MeshControlService",
     "MeshPeerService",
+    "MethodAwarePool",
     "PeerPool",
     "PeerTimeouts",
     "RemoteError",

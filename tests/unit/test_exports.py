@@ -244,6 +244,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "ManagerRef",
         "MeshControlService",
         "MeshPeerService",
+        "MethodAwarePool",
         "PeerPool",
         "PeerTimeouts",
         "RETRY_DELAY",
