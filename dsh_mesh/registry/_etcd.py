@@ -147,15 +147,18 @@ class Etcd:
         response = await self.range(key)
         return response.kvs[0] if response.kvs else None
 
-    async def get_prefix(self, prefix: bytes, *, start: bytes | None = None) -> Any:
-        """Every key starting with ``prefix`` (from ``start`` on, if given), in key order.
-        Returns etcd's ``RangeResponse``, whose ``header.revision`` is the snapshot read."""
-        return await self.range(start or prefix, prefix_end(prefix))
+    async def get_prefix(
+        self, prefix: bytes, *, start: bytes | None = None, revision: int = 0
+    ) -> Any:
+        """Every key starting with ``prefix`` (from ``start`` on, if given), in key order, as of
+        ``revision`` (0: now). Returns etcd's ``RangeResponse``, whose ``header.revision`` is
+        the store's revision when it was read."""
+        return await self.range(start or prefix, prefix_end(prefix), revision=revision)
 
-    async def range(self, key: bytes, range_end: bytes = b"") -> Any:
-        """One linearizable Range request."""
+    async def range(self, key: bytes, range_end: bytes = b"", *, revision: int = 0) -> Any:
+        """One linearizable Range request (at ``revision`` when given)."""
         self.reads += 1
-        request = rpc.RangeRequest(key=key, range_end=range_end)
+        request = rpc.RangeRequest(key=key, range_end=range_end, revision=revision)
         async with self._errors():
             await self._client.connect()
             return await self._client.kvstub.Range(

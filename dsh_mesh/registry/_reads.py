@@ -36,9 +36,10 @@ class RegistryReads:
         self._etcd = etcd
         self._keys = keys
 
-    async def headers(self) -> list[tuple[int, SessionHeader]]:
-        """Every session header with the revision that created it, in creation order."""
-        response = await self._etcd.get_prefix(self._keys.prefix + b"headers/")
+    async def headers(self, *, revision: int = 0) -> list[tuple[int, SessionHeader]]:
+        """Every session header (as of ``revision``; 0: now) with the revision that created
+        it, in creation order."""
+        response = await self._etcd.get_prefix(self._keys.prefix + b"headers/", revision=revision)
         found = [(int(kv.create_revision), decode_header(kv.value)) for kv in response.kvs]
         return sorted(found, key=lambda item: item[0])
 
@@ -80,27 +81,41 @@ class RegistryReads:
         must not have been compacted away). Otherwise it starts with the stored transcripts
         (``root``'s after ``after_seq``), then follows live changes.
         """
-        headers = [header for _, header in await self.headers()]
+        # One consistent snapshot: the tree, who is resident, and every stored entry, as of
+        # one revision; the watch then continues from the next one, so nothing falls between.
+        current = await self._etcd.get_prefix(self._keys.activations)
+        revision = int(current.header.revision)
+        headers = [header for _, header in await self.headers(revision=revision)]
         if not any(h.session_id == root for h in headers):
             raise SessionUnknown(root)
         watched = _descendants(root, headers) if tree else {root}
         if after_revision:
             start = after_revision + 1
         else:
-            snapshot: list[tuple[int, FeedEvent]] = []
-            revision = 0
+            snapshot: list[FeedEvent] = []
+            for kv in current.kvs:
+                session = self._keys.session_of_activation(kv.key)
+                if session in watched:
+                    snapshot.append(
+                        FeedEvent(
+                            session=session,
+                            revision=int(kv.mod_revision),
+                            activated=decode_activation(kv.value),
+                        )
+                    )
             for session in sorted(watched):
                 prefix = self._keys.entries(session)
                 skip = after_seq if session == root else 0
                 response = await self._etcd.get_prefix(
-                    prefix, start=self._keys.entry(session, skip + 1)
+                    prefix, start=self._keys.entry(session, skip + 1), revision=revision
                 )
-                revision = max(revision, int(response.header.revision))
-                for kv in response.kvs:
-                    record = _record(prefix, kv)
-                    event = FeedEvent(session=session, revision=int(kv.mod_revision), record=record)
-                    snapshot.append((int(kv.mod_revision), event))
-            for _, event in sorted(snapshot, key=lambda item: item[0]):
+                snapshot.extend(
+                    FeedEvent(
+                        session=session, revision=int(kv.mod_revision), record=_record(prefix, kv)
+                    )
+                    for kv in response.kvs
+                )
+            for event in sorted(snapshot, key=lambda e: (e.revision, e.record is None)):
                 yield event
             start = revision + 1
         async for event in self._watch(watched, tree=tree, start=start):

@@ -1,0 +1,299 @@
+"""The commands that call a running cluster: spawn, prompt, interrupt, watch, ls, show, status.
+Each takes the parsed arguments, the resolved :class:`Connection` and a :class:`Console`, and
+returns the exit status; a refusal propagates as the typed ``MeshError``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TextIO
+
+from dsh_mesh.cli._config import ClusterState, ConfigError, Connection, pid_alive
+from dsh_mesh.cli._render import (
+    dumps,
+    error_line,
+    format_entry,
+    format_event,
+    summary_row,
+    table,
+    to_jsonable,
+)
+from dsh_mesh.client import (
+    ClientOptions,
+    HealthStatus,
+    MeshClient,
+    SessionPage,
+    TranscriptEntry,
+)
+from dsh_mesh.core import MeshError
+from dsh_mesh.testing import EtcdAddress
+
+CLIENT_NAME = "dsh-mesh-cli"
+"""The name the CLI presents to nodes."""
+
+_HEALTH_DEADLINE = timedelta(seconds=3)
+
+
+class UsageError(Exception):
+    """The command line asks for something that cannot work; exit status 2."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Console:
+    """Where a command writes: ``out`` for results, ``err`` for progress and hints; ``color``
+    turns ANSI colours on."""
+
+    out: TextIO
+    err: TextIO
+    color: bool = False
+
+    def say(self, line: str = "") -> None:
+        """One result line, flushed (a watch is read live through pipes)."""
+        print(line, file=self.out, flush=True)
+
+    def note(self, line: str) -> None:
+        """One progress or hint line on ``err``."""
+        print(line, file=self.err, flush=True)
+
+
+def _client(connection: Connection, deadline: float) -> MeshClient:
+    try:
+        return MeshClient(
+            connection.address,
+            token=connection.token or "",
+            name=CLIENT_NAME,
+            options=ClientOptions(call_timeout=timedelta(seconds=deadline)),
+        )
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+
+
+async def run_command(
+    args: argparse.Namespace,
+    connection: Connection | None,
+    state: ClusterState | None,
+    console: Console,
+) -> int:
+    """Run one of the calling commands; ``connection`` may be ``None`` only for ``status``."""
+    if args.command == "status":
+        return await _status(args, connection, state, console)
+    assert connection is not None
+    handler = _HANDLERS[args.command]
+    async with _client(connection, args.deadline) as client:
+        return await handler(client, args, console)
+
+
+async def _spawn(client: MeshClient, args: argparse.Namespace, console: Console) -> int:
+    if args.host_node and ":" in args.host_node:
+        raise UsageError(
+            f"spawn --node takes a node id (such as node-b), not an address ({args.host_node}); "
+            "the node to call is `dsh-mesh --node ADDRESS spawn ...`"
+        )
+    root = await client.create_root(
+        args.preset,
+        " ".join(args.task),
+        model=args.model,
+        node=args.host_node,
+        request_id=args.request_id,
+    )
+    if args.json:
+        console.say(dumps(root))
+    else:
+        console.say(root.session_id)
+        console.note(
+            f"created {root.session_id} on {root.node_id}; "
+            f"follow it with: dsh-mesh watch {root.session_id} --tree"
+        )
+    return 0
+
+
+async def _prompt(client: MeshClient, args: argparse.Namespace, console: Console) -> int:
+    accepted = await client.prompt(args.session, " ".join(args.text), key=args.key)
+    if args.json:
+        console.say(dumps(accepted))
+    else:
+        again = " (a retry: it was already accepted)" if accepted.duplicate else ""
+        console.say(
+            f"queued for {accepted.session_id} at seq {accepted.accepted_seq}{again} "
+            f"(key {accepted.idempotency_key})"
+        )
+    return 0
+
+
+async def _interrupt(client: MeshClient, args: argparse.Namespace, console: Console) -> int:
+    result = await client.interrupt(args.session)
+    if args.json:
+        console.say(dumps(result))
+    elif result.interrupted:
+        console.say(f"interrupted turn {result.turn_id or '?'} of {result.session_id}")
+    else:
+        console.say(f"nothing to interrupt: {result.session_id} has no running turn")
+    return 0
+
+
+async def _watch(client: MeshClient, args: argparse.Namespace, console: Console) -> int:
+    if args.count == 0:
+        return 0
+    seen = 0
+    duration = timedelta(seconds=args.duration) if args.duration is not None else None
+    events = client.watch(
+        args.session, tree=args.tree, after_event_seq=args.after, duration=duration
+    )
+    async with contextlib.aclosing(events):
+        async for event in events:
+            console.say(dumps(event) if args.json else format_event(event, color=console.color))
+            seen += 1
+            if args.count is not None and seen >= args.count:
+                break
+    return 0
+
+
+async def _ls(client: MeshClient, args: argparse.Namespace, console: Console) -> int:
+    depth: dict[str, int] = {}
+    rows: list[tuple[str, ...]] = []
+    found: list[Any] = []
+    agents = client.list_agents(args.root, args.resident)
+    async with contextlib.aclosing(agents):
+        async for agent in agents:
+            parent = agent.info.parent_session
+            level = depth[parent] + 1 if parent is not None and parent in depth else 0
+            depth[agent.info.session_id] = level
+            rows.append(summary_row(agent, level))
+            found.append(to_jsonable(agent))
+    if args.json:
+        console.say(json.dumps(found, ensure_ascii=False))
+    elif rows:
+        for line in table(("SESSION", "KIND", "PARENT", "PRESET", "STATE", "NODE"), rows):
+            console.say(line)
+    else:
+        console.note("no agents")
+    return 0
+
+
+async def _show(client: MeshClient, args: argparse.Namespace, console: Console) -> int:
+    first: SessionPage | None = None
+    entries: list[TranscriptEntry] = []
+    pages = client.session_pages(args.session)
+    async with contextlib.aclosing(pages):
+        async for page in pages:
+            first = first or page
+            entries.extend(page.transcript)
+    assert first is not None
+    if args.json:
+        console.say(
+            json.dumps(
+                {
+                    "info": to_jsonable(first.info),
+                    "activation": to_jsonable(first.activation),
+                    "state": to_jsonable(first.state),
+                    "transcript": to_jsonable(entries),
+                },
+                ensure_ascii=False,
+            )
+        )
+        return 0
+    info = first.info
+    where = "absent"
+    if first.activation is not None:
+        where = f"{first.activation.node_id} (activation {first.activation.activation_id})"
+    lines = [
+        ("session", info.session_id),
+        ("kind", info.kind.value if info.kind is not None else "unknown"),
+        ("parent", info.parent_session or "-"),
+        ("preset", f"{info.preset} (model {info.model or '-'})"),
+        ("created", info.created_at.isoformat(timespec="seconds") if info.created_at else "-"),
+        ("state", first.state.value if first.state is not None else "unknown"),
+        ("resident", where),
+        ("tools", ", ".join(tool.name for tool in info.tools) or "-"),
+    ]
+    for name, value in lines:
+        console.say(f"{name:<10}{value}")
+    if info.fork_origin is not None:
+        console.say(
+            f"{'fork of':<10}{info.fork_origin.parent_session} up to seq "
+            f"{info.fork_origin.prefix_seq}"
+        )
+    console.say(f"transcript ({len(entries)} entries)")
+    for entry in entries:
+        console.say(format_entry(entry, color=console.color, width=None))
+    return 0
+
+
+async def _health_of(address: str, connection: Connection | None) -> tuple[str, bool]:
+    token = connection.token if connection is not None else None
+    try:
+        async with MeshClient(address, token=token or "", name=CLIENT_NAME) as client:
+            health = await client.health(deadline=_HEALTH_DEADLINE)
+    except MeshError as error:
+        return f"unreachable ({error_line(error).removeprefix('error: ')})", False
+    return health.value, health is HealthStatus.SERVING
+
+
+async def _status(
+    args: argparse.Namespace,
+    connection: Connection | None,
+    state: ClusterState | None,
+    console: Console,
+) -> int:
+    targets: list[tuple[str, str, int | None]]
+    if state is not None:
+        targets = [(node.node_id, node.address, node.pid) for node in state.nodes]
+    elif connection is not None:
+        targets = [("-", connection.address, None)]
+    else:
+        raise ConfigError("no cluster found: start one with `dsh-mesh up` or pass --node ADDRESS")
+    results = await asyncio.gather(*(_health_of(address, connection) for _, address, _ in targets))
+    etcd_ok: bool | None = None
+    if state is not None:
+        etcd_ok = await asyncio.to_thread(_etcd_healthy, state.etcd)
+    healthy = all(ok for _, ok in results) and etcd_ok is not False
+    if args.json:
+        console.say(
+            json.dumps(
+                {
+                    "healthy": healthy,
+                    "up_pid": state.pid if state is not None else None,
+                    "up_running": pid_alive(state.pid) if state is not None else None,
+                    "etcd": {"endpoint": state.etcd, "healthy": etcd_ok} if state else None,
+                    "nodes": [
+                        {"node_id": node_id, "address": address, "pid": pid, "health": health}
+                        for (node_id, address, pid), (health, _) in zip(
+                            targets, results, strict=True
+                        )
+                    ],
+                }
+            )
+        )
+        return 0 if healthy else 1
+    if state is not None:
+        running = "running" if pid_alive(state.pid) else "not running (stale state file?)"
+        console.say(f"cluster   up pid {state.pid}: {running}")
+        console.say(f"etcd      {state.etcd}  {'healthy' if etcd_ok else 'unhealthy'}")
+    rows = [
+        (node_id, address, str(pid) if pid is not None else "-", health)
+        for (node_id, address, pid), (health, _) in zip(targets, results, strict=True)
+    ]
+    for line in table(("NODE", "ADDRESS", "PID", "HEALTH"), rows):
+        console.say(line)
+    return 0 if healthy else 1
+
+
+def _etcd_healthy(endpoint: str) -> bool:
+    try:
+        return EtcdAddress.parse(endpoint).is_healthy()
+    except ValueError:
+        return False
+
+
+_HANDLERS = {
+    "spawn": _spawn,
+    "prompt": _prompt,
+    "interrupt": _interrupt,
+    "watch": _watch,
+    "ls": _ls,
+    "show": _show,
+}

@@ -1,0 +1,204 @@
+"""The ``dsh-mesh`` command line (argparse). Parsing only: nothing here connects or reads
+files."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+DEFAULT_SCENARIO = "dsh_mesh.demo:SCENARIO"
+PLACEMENTS = ("local", "round-robin", "least-loaded", "others-first")
+
+DESCRIPTION = """\
+Run and drive a dsh-mesh cluster: start a local one (`up`), create root agents (`spawn`),
+prompt and interrupt them, watch them live, list and show them, check node health.
+"""
+
+EPILOG = """\
+There is no `send` command. Agent messages are model-authored: an agent's send_message tool is
+the only way one agent messages another, along one edge of its tree. Humans talk to agents
+with `prompt` (each prompt is its own turn) and stop a turn with `interrupt`.
+
+Where the CLI finds the cluster, highest first (address and token are resolved separately):
+  1. flags: --node ADDRESS, --cluster-token TOKEN
+  2. environment: DSH_NODE, DSH_CLUSTER_TOKEN
+  3. the state file `dsh-mesh up` writes: $DSH_MESH_HOME/cluster.json or ./.dsh-mesh/cluster.json
+     (--home DIR overrides both)
+  4. a node's TOML file (--config): [node] listen (or advertise_host) and cluster_token
+
+Exit status: 0 done; 1 the mesh refused or failed (the line says `error: <REASON>: ...`), or
+`status` found an unhealthy node, or `up` could not start; 2 bad usage or no cluster found;
+130 interrupted (Ctrl-C ends `watch` and `up` normally, with 0).
+"""
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be greater than 0")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must not be negative")
+    return value
+
+
+def _node_count(text: str) -> int:
+    value = _non_negative_int(text)
+    if not 1 <= value <= 26:
+        raise argparse.ArgumentTypeError("a local cluster has 1 to 26 nodes")
+    return value
+
+
+def _json_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--json", action="store_true", help="print JSON (one object per line) for scripts"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``dsh-mesh`` argument parser. Connection options come before the command
+    (``dsh-mesh --node HOST:PORT ls``); ``args.command`` names the command."""
+    parser = argparse.ArgumentParser(
+        prog="dsh-mesh",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--node", metavar="ADDRESS", help="HOST:PORT of the node to call")
+    parser.add_argument(
+        "--cluster-token",
+        metavar="TOKEN",
+        help="the cluster token (prefer DSH_CLUSTER_TOKEN: a flag shows in ps)",
+    )
+    parser.add_argument(
+        "--config", metavar="TOML", help="a node's TOML file: its [node] listen and cluster_token"
+    )
+    parser.add_argument(
+        "--home",
+        metavar="DIR",
+        help="directory of the state file (default: $DSH_MESH_HOME or ./.dsh-mesh)",
+    )
+    parser.add_argument(
+        "--deadline",
+        metavar="SECONDS",
+        type=_positive_float,
+        default=10.0,
+        help="deadline of each call (default: 10)",
+    )
+    parser.add_argument(
+        "--color",
+        choices=("auto", "always", "never"),
+        default="auto",
+        help="colour output: auto (a terminal without NO_COLOR), always, never",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    up = commands.add_parser(
+        "up",
+        help="start a local cluster (etcd + nodes) in the foreground until Ctrl-C",
+        description="Start etcd and N node processes on loopback, write the state file the "
+        "other commands read, and keep them running until Ctrl-C or SIGTERM; then stop them.",
+    )
+    up.add_argument("-n", "--nodes", type=_node_count, default=3, help="how many nodes (3)")
+    up.add_argument(
+        "--scenario", default=DEFAULT_SCENARIO, help=f"module:attribute ({DEFAULT_SCENARIO})"
+    )
+    up.add_argument("--placement", choices=PLACEMENTS, default="others-first")
+    up.add_argument("--lease-ttl", type=_positive_float, default=2.0, metavar="SECONDS")
+    up.add_argument("--shutdown-grace", type=_positive_float, default=1.0, metavar="SECONDS")
+    up.add_argument(
+        "--etcd", metavar="HOST:PORT", help="use this running etcd instead of starting one"
+    )
+
+    spawn = commands.add_parser(
+        "spawn",
+        help="create a root agent and print its session id",
+        description="Create a root session and start its first turn with TASK.",
+    )
+    spawn.add_argument("--preset", default="lead", help="agent preset (default: lead)")
+    spawn.add_argument("--model", help="model name (default: the preset's)")
+    spawn.add_argument(
+        "--node",
+        dest="host_node",
+        metavar="NODE_ID",
+        help="id of the node that should host the root (not an address; the node called is "
+        "`dsh-mesh --node ADDRESS spawn ...`)",
+    )
+    spawn.add_argument("--request-id", help="idempotency key: a retry returns the same session")
+    spawn.add_argument("task", nargs="+", help="the first task")
+    _json_flag(spawn)
+
+    prompt = commands.add_parser(
+        "prompt",
+        help="queue a human prompt for a session (its own turn)",
+        description="Queue a human prompt: it runs as its own turn after the current one.",
+    )
+    prompt.add_argument("session")
+    prompt.add_argument("text", nargs="+")
+    prompt.add_argument("--key", help="idempotency key: a retry with it stores nothing twice")
+    _json_flag(prompt)
+
+    interrupt = commands.add_parser("interrupt", help="cancel a session's running turn")
+    interrupt.add_argument("session")
+    _json_flag(interrupt)
+
+    watch = commands.add_parser(
+        "watch",
+        help="follow a session (or its tree) live, one line per event",
+        description="Print a session's events live: transcript entries (task, prompt, message, "
+        "settled, step, tool, turn, consumed) and residency changes (resident, absent). The "
+        "first column is the event_seq: resume after it with --from.",
+    )
+    watch.add_argument("session")
+    watch.add_argument("--tree", action="store_true", help="the whole tree rooted at SESSION")
+    watch.add_argument(
+        "--from",
+        dest="after",
+        type=_non_negative_int,
+        default=0,
+        metavar="EVENT_SEQ",
+        help="only events after this event_seq (default: from the beginning)",
+    )
+    watch.add_argument("--count", type=_non_negative_int, metavar="N", help="stop after N events")
+    watch.add_argument(
+        "--for",
+        dest="duration",
+        type=_positive_float,
+        metavar="SECONDS",
+        help="stop after SECONDS (exit 0)",
+    )
+    _json_flag(watch)
+
+    ls = commands.add_parser("ls", help="list agents, parents before children")
+    ls.add_argument("--root", metavar="SESSION", help="only the tree rooted at SESSION")
+    ls.add_argument("--resident", action="store_true", help="only agents with a live activation")
+    _json_flag(ls)
+
+    show = commands.add_parser("show", help="a session's header, state, residency and transcript")
+    show.add_argument("session")
+    _json_flag(show)
+
+    status = commands.add_parser(
+        "status",
+        help="health of every node of the cluster (from the state file)",
+        description="Check the health of every node in the state file (or of the one node the "
+        "connection options name) and of etcd. Exits 1 unless all are healthy.",
+    )
+    _json_flag(status)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse the ``dsh-mesh`` command line (``sys.argv[1:]`` when ``None``); argparse exits
+    with status 2 on bad usage."""
+    return build_parser().parse_args(argv)

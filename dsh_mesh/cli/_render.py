@@ -1,0 +1,234 @@
+"""How the CLI shows things: one readable line per event or transcript entry (ANSI colours
+only when asked), plain-JSON forms for ``--json``, and the one-line error message. Pure."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import re
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from dsh_mesh.client import (
+    AgentMessage,
+    AgentSummary,
+    AssistantStep,
+    Consumed,
+    EntryBody,
+    HumanPrompt,
+    SessionEvent,
+    SettlementNotice,
+    Task,
+    ToolResult,
+    TranscriptEntry,
+    TurnEnded,
+    TurnStarted,
+    UnknownEntry,
+)
+from dsh_mesh.core import MeshError, Rejected, SettlementOutcome, TurnOutcome
+from dsh_mesh.transport import RemoteError
+
+DEFAULT_WIDTH = 160
+"""Longest text part of a watch line; longer content is cut with ``...``."""
+
+_RESET = "\x1b[0m"
+_STYLE: Mapping[str, str] = {
+    "dim": "\x1b[2m",
+    "bold": "\x1b[1m",
+    "red": "\x1b[31m",
+    "green": "\x1b[32m",
+    "yellow": "\x1b[33m",
+    "blue": "\x1b[34m",
+    "magenta": "\x1b[35m",
+    "cyan": "\x1b[36m",
+}
+_LABEL_STYLE: Mapping[str, str] = {
+    "task": "bold",
+    "prompt": "bold",
+    "message": "magenta",
+    "settled": "yellow",
+    "step": "cyan",
+    "tool": "dim",
+    "turn": "blue",
+    "consumed": "dim",
+    "resident": "green",
+    "absent": "dim",
+    "entry": "dim",
+}
+_BAD_SETTLEMENTS = {SettlementOutcome.ERROR, SettlementOutcome.LOST, SettlementOutcome.CANCELLED}
+_BAD_TURNS = {TurnOutcome.ERROR, TurnOutcome.CANCELLED, TurnOutcome.TOKEN_EXHAUSTION}
+_SPACE = re.compile(r"[ \t]+")
+_LABEL_WIDTH = 9
+
+
+def paint(text: str, style: str | None, *, color: bool) -> str:
+    """``text`` wrapped in the ANSI style named ``style`` when ``color``; unchanged otherwise."""
+    if not color or style is None or style not in _STYLE:
+        return text
+    return f"{_STYLE[style]}{text}{_RESET}"
+
+
+def one_line(text: str, width: int | None = DEFAULT_WIDTH) -> str:
+    """``text`` on one line (newlines shown as ``\\n``, runs of blanks as one space), cut to
+    ``width`` characters with ``...`` (no cut when ``width`` is ``None``)."""
+    flat = _SPACE.sub(" ", text.strip()).replace("\r\n", "\n").replace("\n", "\\n")
+    if width is not None and len(flat) > width:
+        return flat[: max(width - 3, 0)] + "..."
+    return flat
+
+
+def _outcome(value: enum.Enum | None) -> str:
+    return value.value if value is not None else "unknown"
+
+
+def describe_body(body: EntryBody, *, width: int | None = DEFAULT_WIDTH) -> tuple[str, str, bool]:
+    """``(label, text, bad)`` for one entry body: the label names the kind (``turn``, ``step``,
+    ``message``, ``settled``...), ``bad`` marks a failure (shown red)."""
+    if isinstance(body, Task):
+        return "task", one_line(body.content, width), False
+    if isinstance(body, HumanPrompt):
+        return "prompt", one_line(body.content, width), False
+    if isinstance(body, AgentMessage):
+        how = f" ({body.delivery.value})" if body.delivery is not None else ""
+        return "message", f"from {body.sender}{how}: {one_line(body.content, width)}", False
+    if isinstance(body, SettlementNotice):
+        text = f"{body.child_session} {_outcome(body.outcome)}"
+        if body.detail:
+            text += f" ({one_line(body.detail, width)})"
+        if body.terminal_output:
+            text += f": {one_line(body.terminal_output, width)}"
+        return "settled", text, body.outcome in _BAD_SETTLEMENTS
+    if isinstance(body, AssistantStep):
+        parts = [one_line(body.text, width)] if body.text.strip() else []
+        parts += [
+            f"-> {call.name}({one_line(call.arguments_json, width)})" for call in body.tool_calls
+        ]
+        return "step", " ".join(parts) or "(no output)", False
+    if isinstance(body, ToolResult):
+        marker = "error: " if body.is_error else ""
+        return "tool", f"{body.name} -> {marker}{one_line(body.content, width)}", body.is_error
+    if isinstance(body, TurnStarted):
+        return "turn", f"{body.turn_id} started", False
+    if isinstance(body, TurnEnded):
+        text = f"{body.turn_id} ended {_outcome(body.outcome)}"
+        if body.detail:
+            text += f": {one_line(body.detail, width)}"
+        return "turn", text, body.outcome in _BAD_TURNS
+    if isinstance(body, Consumed):
+        return "consumed", "seq " + ", ".join(str(seq) for seq in body.seqs), False
+    assert isinstance(body, UnknownEntry)
+    return "entry", "(an entry kind this client does not know)", False
+
+
+def _line(label: str, text: str, bad: bool, *, color: bool) -> str:
+    style = "red" if bad else _LABEL_STYLE.get(label)
+    return f"{paint(label.ljust(_LABEL_WIDTH), style, color=color)} {text}"
+
+
+def format_entry(
+    entry: TranscriptEntry, *, color: bool = False, width: int | None = DEFAULT_WIDTH
+) -> str:
+    """One transcript entry as one line: ``<seq> <label> <text>``."""
+    label, text, bad = describe_body(entry.body, width=width)
+    return f"{entry.seq:>5}  {_line(label, text, bad, color=color)}"
+
+
+def format_event(
+    event: SessionEvent, *, color: bool = False, width: int | None = DEFAULT_WIDTH
+) -> str:
+    """One watch event as one line: ``<event_seq> <session> #<seq> <label> <text>``.
+
+    Labels: ``task``, ``prompt``, ``message``, ``settled``, ``step``, ``tool``, ``turn``,
+    ``consumed`` for transcript entries; ``resident`` / ``absent`` for residency changes.
+    ``event_seq`` comes first so a reader can resume with ``watch --from``."""
+    head = f"{event.event_seq:>7}  {paint(event.session_id, 'dim', color=color)}"
+    if event.entry is not None:
+        label, text, bad = describe_body(event.entry.body, width=width)
+        return f"{head}  #{event.entry.seq:<4} {_line(label, text, bad, color=color)}"
+    if event.activated is not None:
+        where = f"on {event.activated.node_id} ({event.activated.activation_id})"
+        return f"{head}  {'-':<5} {_line('resident', where, False, color=color)}"
+    if event.deactivated is not None:
+        where = f"left {event.deactivated.node_id} ({event.deactivated.activation_id})"
+        return f"{head}  {'-':<5} {_line('absent', where, False, color=color)}"
+    return f"{head}  {'-':<5} {_line('entry', '(empty event)', False, color=color)}"
+
+
+def summary_row(summary: AgentSummary, depth: int = 0) -> tuple[str, ...]:
+    """The ``ls`` columns of one agent: session (indented by tree depth), kind, parent, preset,
+    state, node."""
+    info = summary.info
+    return (
+        "  " * depth + info.session_id,
+        info.kind.value if info.kind is not None else "unknown",
+        info.parent_session or "-",
+        info.preset,
+        summary.state.value if summary.state is not None else "unknown",
+        summary.activation.node_id if summary.activation is not None else "-",
+    )
+
+
+def table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> list[str]:
+    """Left-aligned columns, two spaces apart."""
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    return [
+        "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip()
+        for row in [header, *rows]
+    ]
+
+
+_BODY_TYPE: Mapping[type, str] = {
+    Task: "task",
+    HumanPrompt: "human_prompt",
+    AgentMessage: "agent_message",
+    SettlementNotice: "settlement_notice",
+    AssistantStep: "assistant_step",
+    ToolResult: "tool_result",
+    TurnStarted: "turn_started",
+    TurnEnded: "turn_ended",
+    Consumed: "consumed",
+    UnknownEntry: "unknown",
+}
+
+
+def to_jsonable(value: object) -> Any:
+    """Plain JSON data for a client dataclass (recursively): enums as their values, datetimes
+    as ISO 8601, tuples as lists; an entry body gains ``"type"`` (``"agent_message"``...)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        data: dict[str, Any] = {}
+        if type(value) in _BODY_TYPE:
+            data["type"] = _BODY_TYPE[type(value)]
+        for field in dataclasses.fields(value):
+            data[field.name] = to_jsonable(getattr(value, field.name))
+        return data
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, tuple | list):
+        return [to_jsonable(item) for item in value]
+    if isinstance(value, dict):
+        return {str(key): to_jsonable(item) for key, item in value.items()}
+    return value
+
+
+def dumps(value: object) -> str:
+    """One compact JSON line for ``value`` (see :func:`to_jsonable`)."""
+    return json.dumps(to_jsonable(value), ensure_ascii=False, separators=(",", ":"))
+
+
+def error_line(error: MeshError) -> str:
+    """The one line the CLI prints for a failed call: ``error: <REASON>: <detail>``.
+
+    A rejection shows its ``RejectionReason`` name; a status that named no mesh reason shows
+    its gRPC status code name (``UNIMPLEMENTED``...); anything else its class name."""
+    if isinstance(error, Rejected):
+        code, detail = error.reason.value, error.detail
+    elif isinstance(error, RemoteError):
+        code, detail = error.code.name, error.detail
+    else:
+        code, detail = type(error).__name__, str(error)
+    detail = one_line(detail, None) or "(no detail)"
+    return f"error: {code}: {detail}"

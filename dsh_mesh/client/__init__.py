@@ -1,0 +1,67 @@
+"""An asyncio client of a dsh-mesh cluster: ``MeshControl`` (create a root, prompt, interrupt,
+read, watch, list) and health, over gRPC to any one node.
+
+:class:`MeshClient` speaks the dataclasses below, never ``*_pb2`` messages, and raises the typed
+:class:`~dsh_mesh.core.MeshError` of the one error table (its ``RejectionReason`` says why).
+Humans are not agents: nothing here sends an agent message.
+"""
+
+from dsh_mesh.client._client import (
+    DEFAULT_CLIENT_NAME,
+    TOKEN_ENV,
+    ClientClosed,
+    ClientOptions,
+    MeshClient,
+)
+from dsh_mesh.client._types import (
+    AgentMessage,
+    AgentState,
+    AgentSummary,
+    AssistantStep,
+    Consumed,
+    EntryBody,
+    HealthStatus,
+    HumanPrompt,
+    InterruptResult,
+    PromptAccepted,
+    RootSession,
+    SessionEvent,
+    SessionInfo,
+    SessionPage,
+    SettlementNotice,
+    Task,
+    ToolResult,
+    TranscriptEntry,
+    TurnEnded,
+    TurnStarted,
+    UnknownEntry,
+)
+
+__all__ = [
+    "DEFAULT_CLIENT_NAME",
+    "TOKEN_ENV",
+    "AgentMessage",
+    "AgentState",
+    "AgentSummary",
+    "AssistantStep",
+    "ClientClosed",
+    "ClientOptions",
+    "Consumed",
+    "EntryBody",
+    "HealthStatus",
+    "HumanPrompt",
+    "InterruptResult",
+    "MeshClient",
+    "PromptAccepted",
+    "RootSession",
+    "SessionEvent",
+    "SessionInfo",
+    "SessionPage",
+    "SettlementNotice",
+    "Task",
+    "ToolResult",
+    "TranscriptEntry",
+    "TurnEnded",
+    "TurnStarted",
+    "UnknownEntry",
+]

@@ -1,0 +1,423 @@
+"""``MeshClient``: an asyncio client for ``dsh.mesh.v1.MeshControl`` and standard health, over one
+grpc.aio channel to one node.
+
+Every unary call has a deadline (``ClientOptions.call_timeout`` unless the call names its own);
+every failure is raised as the typed :class:`~dsh_mesh.core.MeshError` that
+:func:`dsh_mesh.transport.error_from_rpc` decodes, chained to the ``grpc.RpcError`` it came from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import secrets
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from types import TracebackType
+from typing import Any, Self
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
+from dsh_mesh.client._convert import (
+    event_from_wire,
+    session_from_wire,
+    summary_from_wire,
+)
+from dsh_mesh.client._types import (
+    AgentSummary,
+    HealthStatus,
+    InterruptResult,
+    PromptAccepted,
+    RootSession,
+    SessionEvent,
+    SessionPage,
+)
+from dsh_mesh.core import (
+    ActivationId,
+    MeshError,
+    NodeId,
+    PeerUnavailable,
+    Rejected,
+    SessionId,
+    TurnId,
+)
+from dsh_mesh.transport import ClusterCredential, RemoteError, error_from_rpc
+
+TOKEN_ENV = "DSH_CLUSTER_TOKEN"
+"""The environment variable a client reads the cluster token from when none is passed."""
+
+DEFAULT_CLIENT_NAME = "dsh-mesh-client"
+"""The name a client presents (metadata ``x-dsh-node``) unless it is given another."""
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_HEALTH = {
+    health_pb2.HealthCheckResponse.SERVING: HealthStatus.SERVING,
+    health_pb2.HealthCheckResponse.NOT_SERVING: HealthStatus.NOT_SERVING,
+    health_pb2.HealthCheckResponse.SERVICE_UNKNOWN: HealthStatus.SERVICE_UNKNOWN,
+}
+
+
+class ClientClosed(MeshError):
+    """The :class:`MeshClient` was closed; it makes no further calls."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClientOptions:
+    """Deadlines and the watch's reconnect budget of one :class:`MeshClient`.
+
+    ``call_timeout`` bounds every unary call (and a health check) that names no ``deadline`` of its
+    own. A watch that loses its stream (``UNAVAILABLE``, or any retryable rejection) reconnects
+    and resumes after the last ``event_seq`` it delivered; it gives up after
+    ``watch_reconnects`` consecutive attempts that deliver no event, waiting
+    ``reconnect_backoff`` before the first and doubling up to ``max_reconnect_backoff``.
+    """
+
+    call_timeout: timedelta = timedelta(seconds=10)
+    watch_reconnects: int = 5
+    reconnect_backoff: timedelta = timedelta(milliseconds=200)
+    max_reconnect_backoff: timedelta = timedelta(seconds=2)
+
+    def __post_init__(self) -> None:
+        if self.call_timeout <= timedelta(0):
+            raise ValueError("call_timeout must be positive")
+        if self.watch_reconnects < 0:
+            raise ValueError("watch_reconnects must not be negative")
+        if self.reconnect_backoff < timedelta(0) or self.max_reconnect_backoff < timedelta(0):
+            raise ValueError("reconnect backoffs must not be negative")
+
+    def backoff(self, attempt: int) -> float:
+        """Seconds to wait before reconnect ``attempt`` (1-based)."""
+        delay = self.reconnect_backoff * (1 << min(max(attempt - 1, 0), 30))
+        return min(delay, self.max_reconnect_backoff).total_seconds()
+
+
+class MeshClient:
+    """A client of one node's ``MeshControl`` and health services.
+
+    ``address`` is the node's ``HOST:PORT``. ``token`` is the cluster token; when ``None`` it is
+    read from ``DSH_CLUSTER_TOKEN`` (in ``environ``, default ``os.environ``); ``""`` means none.
+    Without one the calls carry no credential (every ``MeshControl`` call then fails with
+    :class:`~dsh_mesh.core.Unauthenticated`; health still answers). ``name`` travels as the
+    caller's name (``x-dsh-node``). ``interceptors`` are added to the channel, for example
+    ``dsh_mesh.telemetry.client_interceptors()`` to trace the calls.
+
+    Use it as ``async with MeshClient(address) as client:`` or call :meth:`close` yourself. The
+    channel opens on first use, inside the running event loop; one client belongs to one loop.
+    Calls may run concurrently. :meth:`close` is idempotent; calls after it raise
+    :class:`ClientClosed`. Raises ``ValueError`` for a token shorter than 16 characters or a
+    malformed name.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        name: str = DEFAULT_CLIENT_NAME,
+        options: ClientOptions | None = None,
+        interceptors: Sequence[Any] = (),
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        if not address:
+            raise ValueError("a node address (HOST:PORT) is required")
+        if not _NAME.fullmatch(name):
+            raise ValueError(f"client name {name!r} must match {_NAME.pattern}")
+        environ = os.environ if environ is None else environ
+        token = token if token is not None else environ.get(TOKEN_ENV)
+        self._metadata: tuple[tuple[str, str], ...] = ()
+        if token:
+            self._metadata = ClusterCredential(token=token).metadata(NodeId(name))
+        self._address = address
+        self._name = name
+        self._options = options or ClientOptions()
+        self._interceptors = list(interceptors)
+        self._channel: grpc.aio.Channel | None = None
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"MeshClient({self._address!r}, name={self._name!r})"
+
+    @property
+    def address(self) -> str:
+        """The node this client calls."""
+        return self._address
+
+    @property
+    def options(self) -> ClientOptions:
+        """Deadlines and the watch's reconnect budget."""
+        return self._options
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the channel; calls still in flight are cancelled. Idempotent."""
+        self._closed = True
+        channel, self._channel = self._channel, None
+        if channel is not None:
+            await channel.close()
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    def _open(self) -> grpc.aio.Channel:
+        if self._closed:
+            raise ClientClosed(f"the client of {self._address} is closed")
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(
+                self._address, interceptors=self._interceptors or None
+            )
+        return self._channel
+
+    def _control(self) -> mesh_pb2_grpc.MeshControlStub:
+        return mesh_pb2_grpc.MeshControlStub(self._open())
+
+    def _seconds(self, deadline: timedelta | None) -> float:
+        return (deadline or self._options.call_timeout).total_seconds()
+
+    async def _unary(self, method: str, request: Any, deadline: timedelta | None) -> Any:
+        call = getattr(self._control(), method)
+        try:
+            return await call(request, metadata=self._metadata, timeout=self._seconds(deadline))
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from error
+
+    # -- MeshControl ---------------------------------------------------------------------------
+
+    async def create_root(
+        self,
+        preset: str,
+        task: str,
+        *,
+        model: str | None = None,
+        node: str | None = None,
+        request_id: str | None = None,
+        deadline: timedelta | None = None,
+    ) -> RootSession:
+        """Create a root session running ``preset`` (and ``model``, default the preset's) and,
+        when ``task`` is not empty, start its first turn with it. ``node`` asks for the node id
+        that should host it (default: the called node). Durable when it returns.
+
+        Idempotent on ``request_id`` (a fresh random one when ``None``): a retry with the same
+        id and fields returns the same session; with other fields it raises
+        :class:`~dsh_mesh.core.IdempotencyConflict`. After a timeout or ``PeerUnavailable`` the
+        outcome is unknown: retry with :attr:`RootSession.request_id`'s value to learn it.
+        """
+        request_id = request_id or f"root-{secrets.token_hex(8)}"
+        response = await self._unary(
+            "CreateRootSession",
+            mesh_pb2.CreateRootSessionRequest(
+                preset=preset,
+                model=model or "",
+                initial_task=task,
+                request_id=request_id,
+                node_id=node or "",
+            ),
+            deadline,
+        )
+        return RootSession(
+            session_id=SessionId(response.session_id),
+            activation_id=ActivationId(response.activation_id),
+            node_id=NodeId(response.node_id),
+            request_id=request_id,
+        )
+
+    async def prompt(
+        self,
+        session: str,
+        text: str,
+        *,
+        key: str | None = None,
+        deadline: timedelta | None = None,
+    ) -> PromptAccepted:
+        """Queue a human prompt for ``session``: it runs as its own turn after the current one,
+        never merged into it (an absent session is activated first). Durable when it returns.
+
+        Idempotent on ``key`` (a fresh random one when ``None``): a retry with the same key
+        returns the original acceptance with ``duplicate=True`` and stores nothing twice.
+        """
+        key = key or f"prompt-{secrets.token_hex(8)}"
+        response = await self._unary(
+            "SubmitPrompt",
+            mesh_pb2.SubmitPromptRequest(session_id=session, text=text, idempotency_key=key),
+            deadline,
+        )
+        return PromptAccepted(
+            session_id=SessionId(session),
+            accepted_seq=response.accepted_seq,
+            duplicate=response.duplicate,
+            idempotency_key=key,
+        )
+
+    async def interrupt(
+        self, session: str, *, deadline: timedelta | None = None
+    ) -> InterruptResult:
+        """Cancel ``session``'s running turn (recorded as ended, cancelled). It retracts no
+        accepted message and settles no other session. Idempotent: with no turn running it
+        returns ``interrupted == False``."""
+        response = await self._unary(
+            "Interrupt", mesh_pb2.InterruptRequest(session_id=session), deadline
+        )
+        return InterruptResult(
+            session_id=SessionId(session),
+            interrupted=response.interrupted,
+            turn_id=TurnId(response.turn_id) if response.turn_id else None,
+        )
+
+    async def get_session(
+        self,
+        session: str,
+        *,
+        page_size: int = 0,
+        page_token: str = "",
+        deadline: timedelta | None = None,
+    ) -> SessionPage:
+        """Read ``session``: header, residency, live state and one transcript page of at most
+        ``page_size`` entries (0: the server's default, 100; capped at 1000) starting at
+        ``page_token`` (``""``: the first page). Read-only. Unknown ids raise
+        :class:`~dsh_mesh.core.SessionUnknown`."""
+        response = await self._unary(
+            "GetSession",
+            mesh_pb2.GetSessionRequest(
+                session_id=session, page_size=page_size, page_token=page_token
+            ),
+            deadline,
+        )
+        return session_from_wire(response)
+
+    async def session_pages(
+        self, session: str, *, page_size: int = 0, deadline: timedelta | None = None
+    ) -> AsyncGenerator[SessionPage, None]:
+        """Every page of ``session``'s transcript, first to last, each read with its own
+        deadline. Ends at the end of the transcript as it was when the last page was read."""
+        token = ""
+        seen: set[str] = set()
+        while True:
+            page = await self.get_session(
+                session, page_size=page_size, page_token=token, deadline=deadline
+            )
+            yield page
+            token = page.next_page_token
+            if not token:
+                return
+            if token in seen:
+                raise RemoteError(grpc.StatusCode.INTERNAL, "the server repeated a page token")
+            seen.add(token)
+
+    async def list_agents(
+        self,
+        root: str | None = None,
+        resident_only: bool = False,
+        *,
+        page_size: int = 0,
+        deadline: timedelta | None = None,
+    ) -> AsyncGenerator[AgentSummary, None]:
+        """Every agent (of the tree rooted at ``root``, when given; only resident ones with
+        ``resident_only``), parents before their children, fetched page by page, each page with
+        its own deadline. Read-only; each page is a snapshot of its own moment."""
+        token = ""
+        seen: set[str] = set()
+        while True:
+            response = await self._unary(
+                "ListAgents",
+                mesh_pb2.ListAgentsRequest(
+                    root_session_id=root or "",
+                    resident_only=resident_only,
+                    page_size=page_size,
+                    page_token=token,
+                ),
+                deadline,
+            )
+            for summary in response.agents:
+                yield summary_from_wire(summary)
+            token = response.next_page_token
+            if not token:
+                return
+            if token in seen:
+                raise RemoteError(grpc.StatusCode.INTERNAL, "the server repeated a page token")
+            seen.add(token)
+
+    async def watch(
+        self,
+        session: str,
+        *,
+        tree: bool = False,
+        after_event_seq: int = 0,
+        duration: timedelta | None = None,
+    ) -> AsyncGenerator[SessionEvent, None]:
+        """Events of ``session`` (with ``tree``: of every session of the tree rooted there,
+        descendants that appear meanwhile included) with ``event_seq > after_event_seq``: the
+        stored ones first, then live ones, in ``event_seq`` order.
+
+        A dropped stream (``UNAVAILABLE``, a retryable rejection, or an end the server did not
+        explain) is reopened and resumed after the last delivered ``event_seq``, so no event is
+        repeated or skipped; after ``options.watch_reconnects`` consecutive reconnects that
+        deliver nothing, the last error is raised. Other failures raise at once.
+
+        The watch has no deadline of its own: it runs until the caller stops iterating (use
+        ``contextlib.aclosing`` so the stream is cancelled at once) or, with ``duration``, until
+        that much time has passed, when the iteration simply ends.
+        """
+        options = self._options
+        loop = asyncio.get_running_loop()
+        ends_at = None if duration is None else loop.time() + duration.total_seconds()
+        last = after_event_seq
+        failures = 0
+        while True:
+            remaining = None if ends_at is None else ends_at - loop.time()
+            if remaining is not None and remaining <= 0:
+                return
+            request = mesh_pb2.WatchSessionRequest(
+                session_id=session, tree=tree, after_event_seq=last
+            )
+            call = self._control().WatchSession(request, metadata=self._metadata, timeout=remaining)
+            cause: grpc.RpcError | None = None
+            try:
+                async for message in call:
+                    event = event_from_wire(message)
+                    if last and event.event_seq <= last:
+                        continue  # already delivered before a reconnect
+                    last = event.event_seq
+                    failures = 0
+                    yield event
+                failure: MeshError = PeerUnavailable("the watch stream ended without a status")
+            except grpc.RpcError as error:
+                if ends_at is not None and loop.time() >= ends_at:
+                    return
+                failure, cause = error_from_rpc(error), error
+                if not (isinstance(failure, Rejected) and failure.retryable):
+                    raise failure from error
+            finally:
+                call.cancel()
+            if failures >= options.watch_reconnects:
+                raise failure from cause
+            failures += 1
+            await asyncio.sleep(options.backoff(failures))
+
+    # -- health ----------------------------------------------------------------------------------
+
+    async def health(self, *, deadline: timedelta | None = None) -> HealthStatus:
+        """The node's ``grpc.health.v1`` status for the server as a whole: ``SERVING`` only
+        while it holds its lease, is registered and runs its manager. A node that cannot be
+        reached raises :class:`~dsh_mesh.core.PeerUnavailable`."""
+        stub = health_pb2_grpc.HealthStub(self._open())
+        try:
+            response = await stub.Check(
+                health_pb2.HealthCheckRequest(service=""),
+                metadata=self._metadata,
+                timeout=self._seconds(deadline),
+            )
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from error
+        return _HEALTH.get(response.status, HealthStatus.UNKNOWN)

@@ -1,0 +1,259 @@
+"""What a :class:`~dsh_mesh.client.MeshClient` returns: frozen dataclasses that mirror the
+``dsh.mesh.v1`` control-plane messages, so a caller never touches a ``*_pb2`` message.
+
+They reuse the core vocabulary where the wire means exactly the same thing (ids, activations,
+tool descriptors, session kinds, outcomes, delivery kinds, tool calls, usage). Wherever the proto
+says "UNSPECIFIED: treat as unknown", the field here is ``None``: a value sent by a newer server
+that this client does not know yet is never guessed.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from datetime import datetime
+
+from dsh_mesh.core import (
+    Activation,
+    ActivationId,
+    DeliveryKind,
+    ForkOrigin,
+    NodeId,
+    SessionId,
+    SessionKind,
+    SettlementOutcome,
+    ToolCall,
+    ToolDescriptor,
+    TurnId,
+    TurnOutcome,
+    Usage,
+)
+
+
+class AgentState(enum.Enum):
+    """The live state of a session when it was read (``dsh.mesh.v1.AgentState``)."""
+
+    IDLE = "idle"
+    """Resident with no turn running: a message or prompt starts a turn."""
+    RUNNING = "running"
+    """Resident with a turn running: agent messages are steered in at the next step boundary."""
+    ABSENT = "absent"
+    """No live activation: an authorized message (or a prompt) activates it first."""
+    RESIDENT = "resident"
+    """Resident on another node than the one that answered a listing (``GetSession``, which
+    asks the host, says idle or running)."""
+
+
+class HealthStatus(enum.Enum):
+    """A node's answer to ``grpc.health.v1.Health/Check`` for the server as a whole."""
+
+    SERVING = "SERVING"
+    """The node holds its lease, is registered and runs its manager."""
+    NOT_SERVING = "NOT_SERVING"
+    """Starting, fenced after a lost lease, or draining."""
+    UNKNOWN = "UNKNOWN"
+    """The node answered with a status this client does not know."""
+    SERVICE_UNKNOWN = "SERVICE_UNKNOWN"
+    """The node does not know the service name asked for."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RootSession:
+    """A root session created by ``CreateRootSession`` (or found again by a retry with the same
+    ``request_id``). Durable when returned."""
+
+    session_id: SessionId
+    activation_id: ActivationId
+    node_id: NodeId
+    request_id: str
+    """The idempotency key it was created with: a retry with it returns this same session."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PromptAccepted:
+    """A human prompt durably stored at ``accepted_seq`` of ``session_id`` (Queue delivery:
+    it runs as its own turn)."""
+
+    session_id: SessionId
+    accepted_seq: int
+    duplicate: bool
+    """True when this was a retry of an already accepted ``idempotency_key``."""
+    idempotency_key: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class InterruptResult:
+    """What ``Interrupt`` did: ``interrupted`` is true when a running turn was cancelled by
+    this call (``turn_id`` names it); false when the session was idle or absent."""
+
+    session_id: SessionId
+    interrupted: bool
+    turn_id: TurnId | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SessionInfo:
+    """A session's durable, write-once header as read over the wire.
+
+    ``kind`` is ``None`` when the server sent a kind this client does not know;
+    ``parent_session`` is ``None`` exactly for roots; ``created_at`` is ``None`` if not sent.
+    """
+
+    session_id: SessionId
+    kind: SessionKind | None
+    parent_session: SessionId | None
+    preset: str
+    model: str
+    tools: tuple[ToolDescriptor, ...] = ()
+    fork_origin: ForkOrigin | None = None
+    created_at: datetime | None = None
+
+
+# -- transcript entry bodies (the ``TranscriptEntry.body`` oneof) --------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Task:
+    """The session's initial user task (for a child: written by its parent's manager, with any
+    return instruction)."""
+
+    content: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class HumanPrompt:
+    """A human prompt accepted over ``SubmitPrompt`` (Queue delivery)."""
+
+    content: str
+    idempotency_key: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentMessage:
+    """An accepted agent message (Steer delivery). ``sender`` is derived by the server from the
+    authorized sender; ``delivery`` is ``None`` when not recorded or unknown to this client."""
+
+    sender: SessionId
+    content: str
+    idempotency_key: str
+    delivery: DeliveryKind | None
+    trace: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SettlementNotice:
+    """The manager-owned ``subagent-settled`` notice: how a child's activation ended.
+    ``outcome`` is ``None`` when unknown to this client."""
+
+    child_session: SessionId
+    child_activation: ActivationId
+    outcome: SettlementOutcome | None
+    terminal_output: str
+    detail: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AssistantStep:
+    """One model call's output: text and the tool calls it asked for (first half of a step)."""
+
+    text: str
+    tool_calls: tuple[ToolCall, ...]
+    usage: Usage
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToolResult:
+    """The result of one tool call, keyed by the model's call id."""
+
+    call_id: str
+    name: str
+    content: str
+    is_error: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class TurnStarted:
+    """A turn began."""
+
+    turn_id: TurnId
+
+
+@dataclass(frozen=True, kw_only=True)
+class TurnEnded:
+    """A turn ended; ``outcome`` is ``None`` when unknown to this client."""
+
+    turn_id: TurnId
+    outcome: TurnOutcome | None
+    detail: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Consumed:
+    """Inbound entries (by seq, in the FIFO order the model saw them) were delivered to the
+    model here: at turn start or at a step boundary."""
+
+    seqs: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnknownEntry:
+    """An entry body this client does not know (a newer server added one): nothing to show but
+    its position."""
+
+
+EntryBody = (
+    Task
+    | HumanPrompt
+    | AgentMessage
+    | SettlementNotice
+    | AssistantStep
+    | ToolResult
+    | TurnStarted
+    | TurnEnded
+    | Consumed
+    | UnknownEntry
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TranscriptEntry:
+    """One durable, append-only transcript record: ``seq`` starts at 1 per session, strictly
+    increasing, no gaps."""
+
+    seq: int
+    recorded_at: datetime | None
+    body: EntryBody
+
+
+@dataclass(frozen=True, kw_only=True)
+class SessionPage:
+    """One ``GetSession`` read: the header, the residency and live state when read, and one
+    page of the transcript. ``next_page_token`` is ``""`` on the last page."""
+
+    info: SessionInfo
+    activation: Activation | None
+    state: AgentState | None
+    transcript: tuple[TranscriptEntry, ...]
+    next_page_token: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentSummary:
+    """One ``ListAgents`` line: header, current activation (``None`` when absent), state."""
+
+    info: SessionInfo
+    activation: Activation | None
+    state: AgentState | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SessionEvent:
+    """One item of a watch: a transcript entry of a watched session (``entry``), or a change of
+    its residency (``activated`` / ``deactivated``). ``event_seq`` is strictly increasing along a
+    watch; resuming after it neither repeats nor skips an event."""
+
+    session_id: SessionId
+    event_seq: int
+    entry: TranscriptEntry | None = None
+    activated: Activation | None = None
+    deactivated: Activation | None = None
