@@ -6,11 +6,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test bench check lint typecheck unit protos clean
 
-$(STAMP): requirements/dev.txt pyproject.toml scripts/bootstrap.sh scripts/install_etcd.sh
+$(STAMP): requirements/dev.txt pyproject.toml scripts/bootstrap.sh scripts/install_etcd.sh scripts/install_node.sh clients/node/package-lock.json
 	bash scripts/bootstrap.sh $(VENV)
 	bash scripts/install_etcd.sh $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements/dev.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	bash scripts/install_node.sh && npm ci --prefix clients/node --no-audit --no-fund
 	touch $(STAMP)
 
 demo: $(STAMP)
