@@ -9,6 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): requirements/dev.txt pyproject.toml scripts/bootstrap.sh scripts/install_etcd.sh scripts/install_node.sh clients/node/package-lock.json
 	bash scripts/bootstrap.sh $(VENV)
 	bash scripts/install_etcd.sh $(VENV)
+	bash scripts/install_testbed_tools.sh
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements/dev.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	bash scripts/install_node.sh && npm ci --prefix clients/node --no-audit --no-fund

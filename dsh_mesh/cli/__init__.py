@@ -1,8 +1,8 @@
 """The ``dsh-mesh`` command: start a local cluster (``up``), create root agents (``spawn``),
 prompt and interrupt them, ``watch`` them live, list (``ls``) and ``show`` them, check node
-health (``status``). Built on :class:`dsh_mesh.client.MeshClient`; ``dsh-mesh --help`` and
-``docs``-style help per command say the rest. There is no ``send``: agent messages are
-model-authored.
+health (``status``), make mutual-TLS certificates (``certs``). Built on
+:class:`dsh_mesh.client.MeshClient`; ``dsh-mesh --help`` and ``docs``-style help per command
+say the rest. There is no ``send``: agent messages are model-authored.
 """
 
 from dsh_mesh.cli._commands import Console, UsageError
@@ -11,6 +11,7 @@ from dsh_mesh.cli._config import (
     ConfigError,
     Connection,
     NodeEntry,
+    TlsPaths,
     TomlNode,
     read_state,
     read_toml,
@@ -31,6 +32,7 @@ __all__ = [
     "Connection",
     "Console",
     "NodeEntry",
+    "TlsPaths",
     "TomlNode",
     "UsageError",
     "build_parser",

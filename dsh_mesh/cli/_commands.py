@@ -10,9 +10,10 @@ import contextlib
 import json
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, TextIO
 
-from dsh_mesh.cli._config import ClusterState, ConfigError, Connection, pid_alive
+from dsh_mesh.cli._config import ClusterState, ConfigError, Connection, TlsPaths, pid_alive
 from dsh_mesh.cli._render import (
     dumps,
     error_line,
@@ -30,7 +31,8 @@ from dsh_mesh.client import (
     TranscriptEntry,
 )
 from dsh_mesh.core import MeshError
-from dsh_mesh.testing import EtcdAddress
+from dsh_mesh.testing import EtcdAddress, TlsFiles
+from dsh_mesh.transport import TlsCredentials
 
 CLIENT_NAME = "dsh-mesh-cli"
 """The name the CLI presents to nodes."""
@@ -60,13 +62,30 @@ class Console:
         print(line, file=self.err, flush=True)
 
 
-def _client(connection: Connection, deadline: float) -> MeshClient:
+def _tls(paths: TlsPaths | None) -> TlsCredentials | None:
+    if paths is None:
+        return None
+    try:
+        return TlsCredentials.from_files(paths.cert, paths.key, paths.ca)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+
+
+def _client(
+    connection: Connection,
+    deadline: float,
+    *,
+    address: str | None = None,
+    server_name: str | None = None,
+) -> MeshClient:
     try:
         return MeshClient(
-            connection.address,
+            address or connection.address,
             token=connection.token or "",
             name=CLIENT_NAME,
             options=ClientOptions(call_timeout=timedelta(seconds=deadline)),
+            tls=_tls(connection.tls),
+            server_name=server_name,
         )
     except ValueError as error:
         raise ConfigError(str(error)) from error
@@ -223,10 +242,15 @@ async def _show(client: MeshClient, args: argparse.Namespace, console: Console) 
     return 0
 
 
-async def _health_of(address: str, connection: Connection | None) -> tuple[str, bool]:
+async def _health_of(
+    address: str, connection: Connection | None, node_id: str | None = None
+) -> tuple[str, bool]:
     token = connection.token if connection is not None else None
+    tls = _tls(connection.tls) if connection is not None else None
     try:
-        async with MeshClient(address, token=token or "", name=CLIENT_NAME) as client:
+        async with MeshClient(
+            address, token=token or "", name=CLIENT_NAME, tls=tls, server_name=node_id
+        ) as client:
             health = await client.health(deadline=_HEALTH_DEADLINE)
     except MeshError as error:
         return f"unreachable ({error_line(error).removeprefix('error: ')})", False
@@ -246,10 +270,15 @@ async def _status(
         targets = [("-", connection.address, None)]
     else:
         raise ConfigError("no cluster found: start one with `dsh-mesh up` or pass --node ADDRESS")
-    results = await asyncio.gather(*(_health_of(address, connection) for _, address, _ in targets))
+    results = await asyncio.gather(
+        *(
+            _health_of(address, connection, None if node_id == "-" else node_id)
+            for node_id, address, _ in targets
+        )
+    )
     etcd_ok: bool | None = None
     if state is not None:
-        etcd_ok = await asyncio.to_thread(_etcd_healthy, state.etcd)
+        etcd_ok = await asyncio.to_thread(_etcd_healthy, state.etcd, state.tls)
     healthy = all(ok for _, ok in results) and etcd_ok is not False
     if args.json:
         console.say(
@@ -282,11 +311,15 @@ async def _status(
     return 0 if healthy else 1
 
 
-def _etcd_healthy(endpoint: str) -> bool:
+def _etcd_healthy(endpoint: str, tls: TlsPaths | None) -> bool:
     try:
-        return EtcdAddress.parse(endpoint).is_healthy()
+        address = EtcdAddress.parse(endpoint)
     except ValueError:
         return False
+    if tls is not None:
+        files = TlsFiles(cert=Path(tls.cert), key=Path(tls.key), ca=Path(tls.ca))
+        address = EtcdAddress(host=address.host, port=address.port, tls=files)
+    return address.is_healthy()
 
 
 _HANDLERS = {

@@ -21,6 +21,8 @@ NODE_ENV = "DSH_NODE"
 """Address (``HOST:PORT``) of the node the CLI calls."""
 TOKEN_ENV = "DSH_CLUSTER_TOKEN"
 """The cluster token, the same variable the nodes read."""
+TLS_ENV = ("DSH_TLS_CERT", "DSH_TLS_KEY", "DSH_TLS_CA")
+"""The client certificate, its key and the cluster CA (file paths), for mutual TLS."""
 STATE_FILE = "cluster.json"
 DEFAULT_HOME = ".dsh-mesh"
 _STATE_VERSION = 1
@@ -41,6 +43,19 @@ class NodeEntry:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TlsPaths:
+    """Where a client's certificate, its key and the cluster CA are (mutual TLS)."""
+
+    cert: str
+    key: str
+    ca: str
+
+    def to_json(self) -> dict[str, str]:
+        """The JSON object stored in the state file."""
+        return {"cert": self.cert, "key": self.key, "ca": self.ca}
+
+
+@dataclass(frozen=True, kw_only=True)
 class ClusterState:
     """What ``dsh-mesh up`` writes to ``<home>/cluster.json`` for the other commands: the
     nodes, the cluster token, etcd, and the pid of the ``up`` process that owns them. The file is
@@ -53,6 +68,8 @@ class ClusterState:
     scenario: str
     nodes: tuple[NodeEntry, ...]
     log_dir: str = ""
+    tls: TlsPaths | None = None
+    """The client certificate of a mutual-TLS cluster (``up --tls``); None: plaintext."""
 
     def __repr__(self) -> str:
         nodes = ", ".join(node.node_id for node in self.nodes)
@@ -71,6 +88,7 @@ class ClusterState:
             "nodes": [
                 {"node_id": n.node_id, "address": n.address, "pid": n.pid} for n in self.nodes
             ],
+            **({"tls": self.tls.to_json()} if self.tls is not None else {}),
         }
 
     @staticmethod
@@ -86,6 +104,7 @@ class ClusterState:
                 key_prefix=str(data["key_prefix"]),
                 scenario=str(data["scenario"]),
                 log_dir=str(data.get("log_dir", "")),
+                tls=_tls_paths(data.get("tls")),
                 nodes=tuple(
                     NodeEntry(
                         node_id=str(n["node_id"]), address=str(n["address"]), pid=int(n["pid"])
@@ -102,6 +121,12 @@ class ClusterState:
             if pid_alive(node.pid):
                 return node.address
         return self.nodes[0].address if self.nodes else None
+
+
+def _tls_paths(data: Any) -> TlsPaths | None:
+    if data is None:
+        return None
+    return TlsPaths(cert=str(data["cert"]), key=str(data["key"]), ca=str(data["ca"]))
 
 
 def pid_alive(pid: int) -> bool:
@@ -216,11 +241,14 @@ class Connection:
     token: str | None
     address_from: str
     token_from: str | None
+    tls: TlsPaths | None = None
+    """The client certificate files (mutual TLS); None: plaintext."""
+    tls_from: str | None = None
 
     def __repr__(self) -> str:
         return (
             f"Connection(address={self.address!r}, address_from={self.address_from!r}, "
-            f"token_from={self.token_from!r})"
+            f"token_from={self.token_from!r}, tls_from={self.tls_from!r})"
         )
 
 
@@ -231,11 +259,15 @@ def resolve_connection(
     environ: Mapping[str, str],
     state: ClusterState | None,
     toml: TomlNode | None,
+    tls_flags: tuple[str | None, str | None, str | None] = (None, None, None),
 ) -> Connection:
-    """Pick the address and the token, each on its own, by precedence: flags (``--node``,
-    ``--cluster-token``) > environment (``DSH_NODE``, ``DSH_CLUSTER_TOKEN``) > the state file
-    of ``dsh-mesh up`` > the TOML file named by ``--config``. An empty value counts as unset.
-    Raises :class:`ConfigError` when no address is found anywhere."""
+    """Pick the address, the token and the TLS files, each on its own, by precedence: flags
+    (``--node``, ``--cluster-token``, ``--tls-cert``/``--tls-key``/``--tls-ca``) > environment
+    (``DSH_NODE``, ``DSH_CLUSTER_TOKEN``, ``DSH_TLS_*``) > the state file of ``dsh-mesh up`` >
+    the TOML file named by ``--config`` (address and token only). An empty value counts as
+    unset. The three TLS files come from one place, the first that names any of them. Raises
+    :class:`ConfigError` when no address is found anywhere, or when that place names some TLS
+    files but not all three."""
     address_sources: tuple[tuple[str, str | None], ...] = (
         ("flag", node_flag),
         ("env", environ.get(NODE_ENV)),
@@ -255,9 +287,28 @@ def resolve_connection(
             f"ADDRESS, ${NODE_ENV} or --config NODE.toml"
         )
     token = next(((src, value) for src, value in token_sources if value), None)
+    tls_sources: tuple[tuple[str, tuple[str | None, ...]], ...] = (
+        ("flag", tls_flags),
+        ("env", tuple(environ.get(name) for name in TLS_ENV)),
+        ("state", (state.tls.cert, state.tls.key, state.tls.ca) if state and state.tls else ()),
+    )
+    tls: tuple[str, TlsPaths] | None = None
+    for source, files in tls_sources:
+        if not any(files):
+            continue
+        if not all(files) or len(files) != len(TLS_ENV):
+            raise ConfigError(
+                f"TLS needs a certificate, its key and the CA together; the {source} gives only "
+                "some (--tls-cert, --tls-key, --tls-ca or DSH_TLS_CERT, DSH_TLS_KEY, DSH_TLS_CA)"
+            )
+        cert, key, ca = (str(value) for value in files)
+        tls = (source, TlsPaths(cert=cert, key=key, ca=ca))
+        break
     return Connection(
         address=address[1],
         address_from=address[0],
         token=token[1] if token is not None else None,
         token_from=token[0] if token is not None else None,
+        tls=tls[1] if tls is not None else None,
+        tls_from=tls[0] if tls is not None else None,
     )

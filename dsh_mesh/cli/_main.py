@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TextIO
 
+from dsh_mesh.cli._certs import run_certs
 from dsh_mesh.cli._commands import Console, UsageError, run_command
 from dsh_mesh.cli._config import (
     ConfigError,
@@ -54,6 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "up":
             return run_up(args, console, environ)
+        if args.command == "certs":
+            return run_certs(args, console)
         state = read_state(state_home(args.home, environ))
         toml = read_toml(Path(args.config)) if args.config else None
         connection: Connection | None
@@ -64,6 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 environ=environ,
                 state=state,
                 toml=toml,
+                tls_flags=(args.tls_cert, args.tls_key, args.tls_ca),
             )
         except ConfigError:
             if args.command != "status" or state is not None:

@@ -19,12 +19,16 @@ There is no `send` command. Agent messages are model-authored: an agent's send_m
 the only way one agent messages another, along one edge of its tree. Humans talk to agents
 with `prompt` (each prompt is its own turn) and stop a turn with `interrupt`.
 
-Where the CLI finds the cluster, highest first (address and token are resolved separately):
-  1. flags: --node ADDRESS, --cluster-token TOKEN
-  2. environment: DSH_NODE, DSH_CLUSTER_TOKEN
+Where the CLI finds the cluster, highest first (address, token and TLS files are resolved
+separately):
+  1. flags: --node ADDRESS, --cluster-token TOKEN, --tls-cert/--tls-key/--tls-ca FILE
+  2. environment: DSH_NODE, DSH_CLUSTER_TOKEN, DSH_TLS_CERT/DSH_TLS_KEY/DSH_TLS_CA
   3. the state file `dsh-mesh up` writes: $DSH_MESH_HOME/cluster.json or ./.dsh-mesh/cluster.json
      (--home DIR overrides both)
   4. a node's TOML file (--config): [node] listen (or advertise_host) and cluster_token
+
+With a client certificate (`dsh-mesh certs client`) the CLI speaks mutual TLS; without one it
+speaks plaintext, which only a node started with --plaintext accepts.
 
 Exit status: 0 done; 1 the mesh refused or failed (the line says `error: <REASON>: ...`), or
 `status` found an unhealthy node, or `up` could not start; 2 bad usage or no cluster found;
@@ -59,10 +63,73 @@ def _node_count(text: str) -> int:
     return value
 
 
+def _days(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("a certificate is valid for at least 1 day")
+    return value
+
+
 def _json_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json", action="store_true", help="print JSON (one object per line) for scripts"
     )
+
+
+def _certs_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``certs`` and its four kinds."""
+    certs = commands.add_parser(
+        "certs",
+        help="make a small CA and node, client and etcd certificates (mutual TLS)",
+        description="Make the certificates of a mutual-TLS cluster: a CA (init), one "
+        "certificate per node (CN and DNS name = the node id), per client (CN client:NAME) and "
+        "per etcd member. Files: DIR/ca.crt, DIR/<name>.crt and DIR/<name>.key (0600).",
+    )
+    kinds = certs.add_subparsers(dest="certs_command", metavar="KIND", required=True)
+
+    init = kinds.add_parser("init", help="create a new CA in DIR (ca.crt, ca.key)")
+    init.add_argument("dir", metavar="DIR")
+    init.add_argument("--name", default="dsh-mesh cluster CA", help="the CA's common name")
+    init.add_argument("--days", type=_days, default=3650, help="validity in days (3650)")
+    init.add_argument("--force", action="store_true", help="replace an existing CA in DIR")
+
+    node = kinds.add_parser(
+        "node", help="a node's certificate: CN and DNS name NODE_ID, plus --host names"
+    )
+    node.add_argument("dir", metavar="DIR")
+    node.add_argument("node_id", metavar="NODE_ID")
+    node.add_argument(
+        "--host",
+        action="append",
+        default=[],
+        metavar="ADDR",
+        help="an IP address or DNS name the node is dialed by (repeatable)",
+    )
+    node.add_argument("--days", type=_days, default=365, help="validity in days (365)")
+
+    client = kinds.add_parser(
+        "client", help="a client's certificate (CN client:NAME): MeshControl only, never a node"
+    )
+    client.add_argument("dir", metavar="DIR")
+    client.add_argument("client_name", metavar="NAME")
+    client.add_argument("--days", type=_days, default=365, help="validity in days (365)")
+
+    etcd = kinds.add_parser("etcd", help="an etcd member's server certificate")
+    etcd.add_argument("dir", metavar="DIR")
+    etcd.add_argument("member", metavar="NAME")
+    etcd.add_argument(
+        "--host",
+        action="append",
+        required=True,
+        metavar="ADDR",
+        help="an IP address or DNS name nodes dial etcd by (at least one; repeatable)",
+    )
+    etcd.add_argument("--days", type=_days, default=365, help="validity in days (365)")
+    for parser in (init, node, client, etcd):
+        parser.add_argument("--json", action="store_true", help="print the written paths as JSON")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=DESCRIPTION,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        # `up --tls` must not be taken for an abbreviation of --tls-cert and its siblings.
+        allow_abbrev=False,
     )
     parser.add_argument("--node", metavar="ADDRESS", help="HOST:PORT of the node to call")
     parser.add_argument(
@@ -83,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--config", metavar="TOML", help="a node's TOML file: its [node] listen and cluster_token"
     )
+    parser.add_argument("--tls-cert", metavar="FILE", help="client certificate (mutual TLS)")
+    parser.add_argument("--tls-key", metavar="FILE", help="the client certificate's key")
+    parser.add_argument("--tls-ca", metavar="FILE", help="the cluster CA certificate")
     parser.add_argument(
         "--home",
         metavar="DIR",
@@ -118,6 +190,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--shutdown-grace", type=_positive_float, default=1.0, metavar="SECONDS")
     up.add_argument(
         "--etcd", metavar="HOST:PORT", help="use this running etcd instead of starting one"
+    )
+    up.add_argument(
+        "--tls",
+        action="store_true",
+        help="mutual TLS everywhere: a CA and certificates in HOME/certs, etcd with "
+        "client-certificate auth (default: plaintext, for a local demo)",
     )
 
     spawn = commands.add_parser(
@@ -195,6 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
         "connection options name) and of etcd. Exits 1 unless all are healthy.",
     )
     _json_flag(status)
+
+    _certs_parser(commands)
     return parser
 
 

@@ -15,13 +15,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
 
-from dsh_mesh.cli._commands import Console
+from dsh_mesh.cli._commands import CLIENT_NAME, Console
 from dsh_mesh.cli._config import (
     NODE_ENV,
+    TLS_ENV,
     TOKEN_ENV,
     ClusterState,
     ConfigError,
     NodeEntry,
+    TlsPaths,
     pid_alive,
     read_state,
     remove_state,
@@ -33,6 +35,7 @@ from dsh_mesh.testing import (
     EtcdServer,
     EtcdServerError,
     LocalCluster,
+    LocalPki,
     NodeProcessError,
 )
 
@@ -120,9 +123,20 @@ def _start_and_wait(
     started: list[str],
 ) -> None:
     endpoint = args.etcd
+    pki: LocalPki | None = None
+    if args.tls:
+        if endpoint is not None:
+            raise ConfigError(
+                "--tls starts its own etcd with client-certificate auth; drop --etcd (a "
+                "running etcd would have to trust this cluster's new CA)"
+            )
+        pki = LocalPki(home / "certs")
+        console.say(f"certs     {pki.directory}  (CA {pki.ca.name}; mutual TLS everywhere)")
+    else:
+        console.note("plaintext: no TLS (a local demo); `dsh-mesh up --tls` runs mutual TLS")
     if endpoint is None:
         console.note("starting etcd ...")
-        etcd = EtcdServer()
+        etcd = EtcdServer(tls=pki)
         stack.callback(_stop_etcd, etcd, console)
         etcd.start()
         endpoint = etcd.endpoint
@@ -138,6 +152,7 @@ def _start_and_wait(
         lease_ttl=args.lease_ttl,
         shutdown_grace=args.shutdown_grace,
         log_dir=log_dir,
+        tls=pki,
     )
     stack.enter_context(cluster)
     stack.callback(_stop_nodes, cluster, console)
@@ -149,22 +164,35 @@ def _start_and_wait(
         assert node.address is not None
         entries.append(NodeEntry(node_id=node_id, address=node.address, pid=node.pid))
         console.say(f"node      {node_id}  {node.address}  pid {node.pid}")
+    tls: TlsPaths | None = None
+    if pki is not None:
+        files = pki.client(CLIENT_NAME)
+        tls = TlsPaths(cert=str(files.cert), key=str(files.key), ca=str(files.ca))
     state = ClusterState(
         pid=os.getpid(),
-        cluster_token=cluster.settings.cluster_token,
+        # Under TLS the nodes check no token: the client certificate is the credential.
+        cluster_token="" if pki is not None else cluster.settings.cluster_token,
         etcd=endpoint,
         key_prefix=cluster.settings.key_prefix,
         scenario=args.scenario,
         nodes=tuple(entries),
         log_dir=str(log_dir),
+        tls=tls,
     )
     path = write_state(home, state)
     stack.callback(remove_state, home, owner=os.getpid())
     console.say(f"state     {path}")
     console.say(f"logs      {log_dir}")
-    console.say(
-        f"env       export {TOKEN_ENV}={state.cluster_token} {NODE_ENV}={entries[0].address}"
-    )
+    if tls is not None:
+        cert, key, ca = TLS_ENV
+        console.say(
+            f"env       export {cert}={tls.cert} {key}={tls.key} {ca}={tls.ca} "
+            f"{NODE_ENV}={entries[0].address}"
+        )
+    else:
+        console.say(
+            f"env       export {TOKEN_ENV}={state.cluster_token} {NODE_ENV}={entries[0].address}"
+        )
     console.say(f"ready     {len(entries)} node(s) serving; Ctrl-C or SIGTERM stops the cluster")
     _watch_nodes(cluster, console)
 

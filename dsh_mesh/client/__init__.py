@@ -3,7 +3,9 @@ read, watch, list) and health, over gRPC to any one node.
 
 :class:`MeshClient` speaks the dataclasses below, never ``*_pb2`` messages, and raises the typed
 :class:`~dsh_mesh.core.MeshError` of the one error table (its ``RejectionReason`` says why).
-Humans are not agents: nothing here sends an agent message.
+Humans are not agents: nothing here sends an agent message. Against a mutual-TLS cluster, pass
+``tls=TlsCredentials.from_files(cert, key, ca)`` (a client certificate from ``dsh-mesh certs
+client``).
 """
 
 from dsh_mesh.client._client import (
@@ -36,6 +38,7 @@ from dsh_mesh.client._types import (
     TurnStarted,
     UnknownEntry,
 )
+from dsh_mesh.transport import TlsCredentials
 
 __all__ = [
     "DEFAULT_CLIENT_NAME",
@@ -59,6 +62,7 @@ __all__ = [
     "SessionPage",
     "SettlementNotice",
     "Task",
+    "TlsCredentials",
     "ToolResult",
     "TranscriptEntry",
     "TurnEnded",

@@ -45,7 +45,13 @@ from dsh_mesh.core import (
     SessionId,
     TurnId,
 )
-from dsh_mesh.transport import ClusterCredential, RemoteError, error_from_rpc
+from dsh_mesh.transport import (
+    ClusterCredential,
+    RemoteError,
+    TlsCredentials,
+    error_from_rpc,
+    secure_channel,
+)
 
 TOKEN_ENV = "DSH_CLUSTER_TOKEN"
 """The environment variable a client reads the cluster token from when none is passed."""
@@ -100,10 +106,18 @@ class MeshClient:
 
     ``address`` is the node's ``HOST:PORT``. ``token`` is the cluster token; when ``None`` it is
     read from ``DSH_CLUSTER_TOKEN`` (in ``environ``, default ``os.environ``); ``""`` means none.
-    Without one the calls carry no credential (every ``MeshControl`` call then fails with
-    :class:`~dsh_mesh.core.Unauthenticated`; health still answers). ``name`` travels as the
-    caller's name (``x-dsh-node``). ``interceptors`` are added to the channel, for example
+    Without one the calls carry no token (a node that checks one then refuses every
+    ``MeshControl`` call with :class:`~dsh_mesh.core.Unauthenticated`; health still answers).
+    ``name`` travels as the caller's name (``x-dsh-node``) of a plaintext cluster.
+    ``interceptors`` are added to the channel, for example
     ``dsh_mesh.telemetry.client_interceptors()`` to trace the calls.
+
+    ``tls`` (a client certificate from ``dsh-mesh certs client``, its key and the cluster CA)
+    makes the channel mutual TLS: the node then knows the client by its certificate and
+    ignores ``name``. The node's certificate must name the host of ``address`` or, when given,
+    ``server_name`` (the node id, when dialing a node by an address its certificate does not
+    list). Without ``tls`` the channel is plaintext, which only a node explicitly running
+    plaintext accepts.
 
     Use it as ``async with MeshClient(address) as client:`` or call :meth:`close` yourself. The
     channel opens on first use, inside the running event loop; one client belongs to one loop.
@@ -121,6 +135,8 @@ class MeshClient:
         options: ClientOptions | None = None,
         interceptors: Sequence[Any] = (),
         environ: Mapping[str, str] | None = None,
+        tls: TlsCredentials | None = None,
+        server_name: str | None = None,
     ) -> None:
         if not address:
             raise ValueError("a node address (HOST:PORT) is required")
@@ -135,6 +151,8 @@ class MeshClient:
         self._name = name
         self._options = options or ClientOptions()
         self._interceptors = list(interceptors)
+        self._tls = tls
+        self._server_name = server_name
         self._channel: grpc.aio.Channel | None = None
         self._closed = False
 
@@ -175,9 +193,17 @@ class MeshClient:
         if self._closed:
             raise ClientClosed(f"the client of {self._address} is closed")
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(
-                self._address, interceptors=self._interceptors or None
-            )
+            if self._tls is not None:
+                self._channel = secure_channel(
+                    self._address,
+                    self._tls,
+                    server_name=self._server_name,
+                    interceptors=self._interceptors or None,
+                )
+            else:
+                self._channel = grpc.aio.insecure_channel(
+                    self._address, interceptors=self._interceptors or None
+                )
         return self._channel
 
     def _control(self) -> mesh_pb2_grpc.MeshControlStub:

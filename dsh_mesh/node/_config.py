@@ -1,6 +1,9 @@
 """A node's configuration: frozen, validated on construction, built once at the entry point from
 flags, ``DSH_*`` environment variables and an optional TOML file (flags win over the
 environment, which wins over the file). Documented setting by setting in nodes/README.md.
+
+A node runs mutual TLS (``tls_cert``, ``tls_key``, ``tls_ca``) unless it is explicitly told to
+run plaintext (``plaintext``); with neither it refuses to start (ADR 0021).
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from dsh_mesh.core import NodeId
-from dsh_mesh.registry import EtcdConfig, LeaseConfig
-from dsh_mesh.transport import ClusterCredential
+from dsh_mesh.registry import EtcdConfig, EtcdTls, LeaseConfig
+from dsh_mesh.transport import CallerRole, ClusterCredential, TlsCredentials
 
 _NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
@@ -50,7 +53,14 @@ class NodeConfig:
     etcd: EtcdConfig = field(default_factory=EtcdConfig)
     key_prefix: str = "/dsh/"
     lease: LeaseConfig = field(default_factory=LeaseConfig)
-    credential: ClusterCredential
+    credential: ClusterCredential | None = None
+    """The cluster token: required in plaintext; with TLS optional, and checked on every call
+    in addition to the certificate when set."""
+    tls: TlsCredentials | None = None
+    """This node's certificate (CN and DNS SAN = ``node_id``), key and the cluster CA. Required
+    unless ``plaintext``; ``etcd.tls`` must then be set too."""
+    plaintext: bool = False
+    """The explicit choice to run without TLS (local demos); the node warns loudly."""
     placement: Placement = Placement.LEAST_LOADED
     scenario: str = "dsh_mesh.demo:SCENARIO"
     """``module:attribute`` naming the presets and model this node runs."""
@@ -71,6 +81,33 @@ class NodeConfig:
             raise ValueError("scenario must be 'module:attribute'")
         if self.shutdown_grace < timedelta(0):
             raise ValueError("shutdown_grace must not be negative")
+        if self.plaintext:
+            if self.tls is not None:
+                raise ValueError("plaintext and TLS settings exclude each other: choose one")
+            if self.credential is None:
+                raise ValueError(
+                    "a plaintext node needs a cluster token (--cluster-token or DSH_CLUSTER_TOKEN)"
+                )
+            return
+        if self.tls is None:
+            raise ValueError(
+                "TLS is required: set tls_cert, tls_key and tls_ca (--tls-cert, --tls-key, "
+                "--tls-ca or DSH_TLS_*; `dsh-mesh certs` makes them), or run without TLS by "
+                "asking for it explicitly (--plaintext or DSH_PLAINTEXT=1; local demos only)"
+            )
+        caller = self.tls.identity()
+        if caller is None or caller.role is not CallerRole.NODE:
+            raise ValueError(
+                f"the TLS certificate is not a node certificate (it names {caller or 'nobody'}); "
+                "make one with `dsh-mesh certs node DIR NODE_ID`"
+            )
+        if caller.name != self.node_id:
+            raise ValueError(
+                f"the TLS certificate is node {caller.name}'s, not node {self.node_id}'s: a "
+                "node's identity is the one in its certificate"
+            )
+        if self.etcd.tls is None:
+            raise ValueError("a TLS node dials etcd with TLS too: etcd.tls must be set")
 
     @property
     def listen_host(self) -> str:
@@ -87,10 +124,20 @@ _SETTINGS: tuple[tuple[str, str, str], ...] = (
     ("key_prefix", "--key-prefix", "etcd key prefix of this mesh"),
     ("lease_ttl", "--lease-ttl", "node lease TTL in seconds"),
     ("cluster_token", "--cluster-token", "shared cluster credential (16+ characters)"),
+    ("tls_cert", "--tls-cert", "this node's certificate (PEM file; CN = node id)"),
+    ("tls_key", "--tls-key", "this node's private key (PEM file)"),
+    ("tls_ca", "--tls-ca", "the cluster CA certificate (PEM file)"),
+    ("plaintext", "--plaintext", "run WITHOUT TLS (local demos only; logs a warning)"),
     ("placement", "--placement", "local | round-robin | least-loaded | others-first"),
     ("scenario", "--scenario", "module:attribute of the presets and model to run"),
     ("shutdown_grace", "--shutdown-grace", "seconds running turns get on SIGTERM"),
 )
+
+
+_SWITCHES = frozenset({"plaintext"})
+_PATHS = ("tls_cert", "tls_key", "tls_ca")
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"", "0", "false", "no", "off"})
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -98,7 +145,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="dsh-mesh-node", description="Run one dsh-mesh node.")
     parser.add_argument("--config", type=Path, help="TOML file with [node] settings")
     for setting, flag, help_text in _SETTINGS:
-        parser.add_argument(flag, dest=setting, help=help_text)
+        if setting in _SWITCHES:
+            parser.add_argument(
+                flag, dest=setting, action="store_const", const=True, help=help_text
+            )
+        else:
+            parser.add_argument(flag, dest=setting, help=help_text)
     return parser.parse_args(argv)
 
 
@@ -112,6 +164,10 @@ def load_config(args: argparse.Namespace, environ: Mapping[str, str] | None = No
         unknown = sorted(set(from_file) - {setting for setting, _, _ in _SETTINGS})
         if unknown:
             raise ValueError(f"{args.config}: unknown [node] settings {unknown}")
+        for name in _PATHS:
+            # A relative path in a file means relative to that file, wherever the node starts.
+            if isinstance(from_file.get(name), str):
+                from_file[name] = str(args.config.parent / Path(from_file[name]).expanduser())
         values.update(from_file)
     for setting, _, _ in _SETTINGS:
         env = environ.get(f"DSH_{setting.upper()}")
@@ -123,19 +179,64 @@ def load_config(args: argparse.Namespace, environ: Mapping[str, str] | None = No
     return _build(values)
 
 
+def _flag(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError(f"{name} must be true or false, not {value!r}")
+
+
+def _tls(values: Mapping[str, Any]) -> TlsCredentials | None:
+    given = {name: values.get(name) for name in _PATHS}
+    if not any(given.values()):
+        return None
+    missing = [name for name, path in given.items() if not path]
+    if missing:
+        raise ValueError(f"TLS needs all of tls_cert, tls_key and tls_ca; missing: {missing}")
+    return TlsCredentials.from_files(
+        Path(str(given["tls_cert"])).expanduser(),
+        Path(str(given["tls_key"])).expanduser(),
+        Path(str(given["tls_ca"])).expanduser(),
+    )
+
+
 def _build(values: Mapping[str, Any]) -> NodeConfig:
+    plaintext = _flag("plaintext", values.get("plaintext", False))
+    tls = _tls(values)
+    if plaintext and tls is not None:
+        raise ValueError("plaintext and tls_cert/tls_key/tls_ca exclude each other: choose one")
     token = values.get("cluster_token")
-    if token is None:
-        raise ValueError("a cluster token is required (--cluster-token or DSH_CLUSTER_TOKEN)")
+    if plaintext and token is None:
+        raise ValueError(
+            "a plaintext node needs a cluster token (--cluster-token or DSH_CLUSTER_TOKEN)"
+        )
+    node_id = values.get("node_id")
+    if not node_id and tls is not None:
+        # Under TLS the certificate names the node; the setting may only repeat it.
+        caller = tls.identity()
+        node_id = caller.name if caller is not None else None
     kwargs: dict[str, Any] = {
-        "node_id": NodeId(str(values.get("node_id") or f"node-{secrets.token_hex(4)}")),
-        "credential": ClusterCredential(token=str(token)),
+        "node_id": NodeId(str(node_id or f"node-{secrets.token_hex(4)}")),
+        "credential": ClusterCredential(token=str(token)) if token is not None else None,
+        "tls": tls,
+        "plaintext": plaintext,
     }
     for name in ("listen", "advertise_host", "key_prefix", "scenario"):
         if values.get(name) is not None:
             kwargs[name] = str(values[name])
-    if values.get("etcd") is not None:
-        kwargs["etcd"] = EtcdConfig(endpoint=str(values["etcd"]))
+    etcd_tls = None
+    if tls is not None:
+        etcd_tls = EtcdTls(ca_pem=tls.ca_pem, cert_pem=tls.cert_pem, key_pem=tls.key_pem)
+    endpoint = values.get("etcd")
+    kwargs["etcd"] = (
+        EtcdConfig(tls=etcd_tls)
+        if endpoint is None
+        else EtcdConfig(endpoint=str(endpoint), tls=etcd_tls)
+    )
     if values.get("lease_ttl") is not None:
         kwargs["lease"] = LeaseConfig(ttl=timedelta(seconds=float(values["lease_ttl"])))
     if values.get("placement") is not None:

@@ -2,7 +2,8 @@
 
 It prints one JSON line to stdout when it serves, ``{"event": "ready", "node_id": ...,
 "address": ...}``, so supervisors and tests wait for readiness instead of sleeping; logs go to
-stderr. SIGTERM or SIGINT drains the node and exits 0.
+stderr. SIGTERM or SIGINT drains the node and exits 0. A configuration it refuses exits 2 with one
+``error:`` line.
 """
 
 from __future__ import annotations
@@ -21,8 +22,15 @@ from dsh_mesh.node._scenario import load_scenario
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one node until it is told to stop."""
-    config = load_config(parse_args(argv))
+    """Run one node until it is told to stop. An invalid configuration (a missing TLS setting
+    without an explicit ``--plaintext``, a certificate for another node...) stops it before it
+    connects to anything: one ``error:`` line on stderr and exit status 2."""
+    args = parse_args(argv)
+    try:
+        config = load_config(args)
+    except (ValueError, OSError) as invalid:
+        print(f"dsh-mesh-node: error: {invalid}", file=sys.stderr, flush=True)
+        return 2
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stderr,

@@ -1,7 +1,8 @@
 """One node: the components of a node process and their single lifecycle.
 
 ``Node.run()`` connects to etcd, starts the gRPC server (AgentMesh, MeshPeer, MeshControl,
-health, reflection), follows the directory, and then, for as long as it is not stopped: grants a
+health, reflection; mutual TLS, or plaintext with a loud warning when the configuration asks
+for it), follows the directory, and then, for as long as it is not stopped: grants a
 lease, registers, hosts agents under a fresh continuation manager, and keeps the lease alive. A
 lost lease fences the node at once (its agents stop, its health turns NOT_SERVING, it accepts
 nothing) until it has a new lease and has registered again. :meth:`Node.stop` (SIGTERM) drains:
@@ -53,6 +54,12 @@ from dsh_mesh.transport import (
 )
 
 _log = logging.getLogger(__name__)
+PLAINTEXT_WARNING = (
+    "!!! PLAINTEXT: node %s serves gRPC at %s and talks to etcd at %s WITHOUT TLS. Callers "
+    "are not authenticated beyond the shared cluster token, which crosses the network in "
+    "clear, and a node's id is whatever it claims. Use this only for a local demo on "
+    "loopback; configure tls_cert, tls_key and tls_ca for anything else (ADR 0021). !!!"
+)
 _READY_TIMEOUT = timedelta(seconds=30)
 _SERVER_GRACE = timedelta(seconds=1)
 _REGISTER_RETRY = timedelta(milliseconds=500)
@@ -100,6 +107,7 @@ class Node:
                 node_id=config.node_id,
                 credential=config.credential,
                 address_of=lambda node: _address(directory, node),
+                tls=config.tls,
             )
             router = ClusterRouter(
                 node_id=config.node_id,
@@ -140,8 +148,13 @@ class Node:
                 server,
                 pool=MethodAwarePool(),
             )
-            port = server.add_insecure_port(config.listen)
+            if config.tls is not None:
+                port = server.add_secure_port(config.listen, config.tls.server_credentials())
+            else:
+                port = server.add_insecure_port(config.listen)
             self.address = f"{config.advertise_host or config.listen_host}:{port}"
+            if config.plaintext:
+                _log.warning(PLAINTEXT_WARNING, config.node_id, self.address, config.etcd.endpoint)
             await health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
             await server.start()
             try:

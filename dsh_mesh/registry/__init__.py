@@ -13,7 +13,7 @@ from dsh_mesh.registry._directory import (
     DirectoryEvent,
     NodeInfo,
 )
-from dsh_mesh.registry._etcd import Etcd, EtcdConfig
+from dsh_mesh.registry._etcd import Etcd, EtcdConfig, EtcdTls
 from dsh_mesh.registry._keys import Keys
 from dsh_mesh.registry._lease import LeaseConfig, LeaseKeeper, LeaseLost
 from dsh_mesh.registry._reads import FeedEvent, RegistryReads
@@ -28,6 +28,7 @@ __all__ = [
     "Etcd",
     "EtcdConfig",
     "EtcdSessionStore",
+    "EtcdTls",
     "FeedEvent",
     "Keys",
     "LeaseConfig",

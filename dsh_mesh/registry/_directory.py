@@ -144,6 +144,10 @@ class Directory:
                 self._revision[prefix] = 0
             except MeshError as error:
                 _log.warning("directory: watch on %r broke: %s", prefix, error)
+            # Reload on reconnect rather than resume the watch: a resumed watch would report
+            # the view synced before it had replayed the gap. A fresh snapshot is current at
+            # once (and its diff still reports every activation that ended meanwhile).
+            self._revision[prefix] = 0
             self._set_healthy(prefix, False)
             await asyncio.sleep(_RETRY_SECONDS)
 

@@ -7,6 +7,7 @@ transactions it sends so tests can prove what the hot path costs.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import enum
 from collections.abc import AsyncIterator, Sequence
@@ -17,6 +18,7 @@ from typing import Any
 
 import aetcd
 import aetcd.exceptions
+import aetcd.watcher
 import grpc
 from aetcd import rpc
 
@@ -25,11 +27,29 @@ from dsh_mesh.registry._keys import prefix_end
 
 
 @dataclass(frozen=True, kw_only=True)
+class EtcdTls:
+    """Mutual TLS to etcd (etcd's ``--client-cert-auth``), all PEM: the client certificate
+    presented, its key, and the CA that signed etcd's server certificate. ``server_name`` is the
+    name etcd's certificate must carry when it is not the endpoint's host. ``repr`` hides the
+    key."""
+
+    ca_pem: bytes
+    cert_pem: bytes
+    key_pem: bytes
+    server_name: str | None = None
+
+    def __repr__(self) -> str:
+        return f"EtcdTls(server_name={self.server_name!r}, key=<hidden>)"
+
+
+@dataclass(frozen=True, kw_only=True)
 class EtcdConfig:
-    """Where etcd is and how long any one call to it may take."""
+    """Where etcd is, how long any one call to it may take, and (``tls``) the client
+    certificate to present; ``tls=None`` dials plaintext."""
 
     endpoint: str = "127.0.0.1:2379"
     call_timeout: timedelta = timedelta(seconds=5)
+    tls: EtcdTls | None = None
 
     def __post_init__(self) -> None:
         host, _, port = self.endpoint.rpartition(":")
@@ -97,6 +117,48 @@ def delete(key: bytes) -> Any:
     return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key))
 
 
+class _TlsClient(aetcd.Client):  # type: ignore[misc]
+    """``aetcd.Client`` over a mutual-TLS channel: its own ``connect`` always dials plaintext,
+    so this one builds the secure channel and then the same stubs and watcher (no username and
+    password: the client certificate is the credential)."""
+
+    _is_connecting: bool
+
+    def __init__(self, *, tls: EtcdTls, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._tls = tls
+
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        if self._is_connecting:
+            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            return
+        try:
+            self._is_connecting = True
+            options = list(self._options.items())
+            if self._tls.server_name is not None:
+                options.append(("grpc.ssl_target_name_override", self._tls.server_name))
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=self._tls.ca_pem,
+                private_key=self._tls.key_pem,
+                certificate_chain=self._tls.cert_pem,
+            )
+            self.channel = rpc.secure_channel(
+                f"{self._host}:{self._port}", credentials, options=options
+            )
+            self.kvstub = rpc.KVStub(self.channel)
+            self.clusterstub = rpc.ClusterStub(self.channel)
+            self.leasestub = rpc.LeaseStub(self.channel)
+            self.maintenancestub = rpc.MaintenanceStub(self.channel)
+            self._watcher = aetcd.watcher.Watcher(
+                rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata
+            )
+            self._connected.set()
+        finally:
+            self._is_connecting = False
+
+
 class Etcd:
     """One connection to etcd. Use ``async with Etcd(config) as etcd``; :meth:`close` is
     idempotent. Safe for concurrent use from one event loop."""
@@ -104,9 +166,13 @@ class Etcd:
     def __init__(self, config: EtcdConfig) -> None:
         self.config = config
         self._timeout = config.call_timeout.total_seconds()
-        self._client = aetcd.Client(
-            host=config.host, port=config.port, timeout=max(1, round(self._timeout))
-        )
+        timeout = max(1, round(self._timeout))
+        if config.tls is None:
+            self._client = aetcd.Client(host=config.host, port=config.port, timeout=timeout)
+        else:
+            self._client = _TlsClient(
+                host=config.host, port=config.port, timeout=timeout, tls=config.tls
+            )
         self.reads = 0
         """Range requests sent (a transaction's own reads are not counted here)."""
         self.txns = 0

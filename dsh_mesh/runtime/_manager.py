@@ -83,7 +83,8 @@ T = TypeVar("T")
 _log = logging.getLogger(__name__)
 
 _MAX_TREE_DEPTH = 64
-_NOTICE_ATTEMPTS = 8
+_NOTICE_ATTEMPTS = 12
+_NOTICE_BACKOFF = 0.02
 _LIVENESS_REASONS = frozenset(
     {RejectionReason.STALE_SENDER, RejectionReason.PARENT_NOT_LIVE, RejectionReason.PARENT_REBOUND}
 )
@@ -716,7 +717,10 @@ class ContinuationManager:
     async def _notify_parent(self, parent: SessionId, notice: SettlementNoticeEntry) -> None:
         """Settlement notices are manager-owned: durable at the parent either way; a live parent
         is steered with it, an absent one reads it on its next activation (docs/adr/0003)."""
-        for _ in range(_NOTICE_ATTEMPTS):
+        for attempt in range(_NOTICE_ATTEMPTS):
+            if attempt:
+                # Residency moved under us: back off, then trust etcd, not the watch-fed view.
+                await asyncio.sleep(_NOTICE_BACKOFF * 2 ** min(attempt, 6))
             agent = self._agents.get(parent)
             if agent is not None and agent.state is not AgentState.SETTLED:
                 self._waking[parent] += 1
@@ -727,9 +731,12 @@ class ContinuationManager:
                 await agent.wait_released()
                 continue
             if self._router is not None:
-                current = await self._store.current_activation(parent)
+                current = await self._store.current_activation(parent, fresh=attempt > 0)
                 if current is not None and current.node_id != self.node_id:
-                    await self._router.deliver_notice(current.node_id, parent, notice)
+                    try:
+                        await self._router.deliver_notice(current.node_id, parent, notice)
+                    except (PeerUnavailable, ActivationFenced, TargetElsewhere):
+                        continue  # that node no longer hosts the parent: look again
                     return
             try:
                 await self._store.append(parent, notice, writer=None)

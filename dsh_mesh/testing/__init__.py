@@ -4,7 +4,10 @@
 ``EtcdServer`` runs a real single-member etcd on fresh loopback ports for integration tests,
 with outage controls (``pause``, ``kill``, ``restart``); ``find_etcd_binary`` locates the binary
 that ``scripts/install_etcd.sh`` installs. ``LocalCluster`` runs real node processes against
-it on loopback.
+it on loopback. ``LocalPki`` is a throwaway CA that lets both run mutual TLS.
+``MultiHostBed`` (root only) puts hosts in network namespaces on one bridge, with a three-member
+etcd cluster and one node per host, and has the faults to cut a host off, stop or kill an etcd
+member; ``TcpProxy`` adds delay and loss in front of a node.
 """
 
 from dsh_mesh.testing._cluster import (
@@ -31,25 +34,55 @@ from dsh_mesh.testing._otlp import (
     otel_env,
     render_trace_tree,
 )
+from dsh_mesh.testing._pki import LocalPki, TlsFiles
+from dsh_mesh.testing._proxy import ProxyStats, TcpProxy
+from dsh_mesh.testing._testbed import (
+    ETCD_CLIENT_NAME,
+    BedCluster,
+    BedError,
+    BedHost,
+    BedNode,
+    BedSettings,
+    BedUnavailable,
+    EtcdMember,
+    MultiHostBed,
+    bed_unavailable_reason,
+    sweep_stale_beds,
+)
 
 __all__ = [
+    "ETCD_CLIENT_NAME",
     "AttributeValue",
+    "BedCluster",
+    "BedError",
+    "BedHost",
+    "BedNode",
+    "BedSettings",
+    "BedUnavailable",
     "ClusterSettings",
     "CollectedPoint",
     "CollectedSpan",
     "EtcdAddress",
+    "EtcdMember",
     "EtcdNotFoundError",
     "EtcdServer",
     "EtcdServerError",
     "InProcessMesh",
     "LocalCluster",
+    "LocalPki",
     "MeshReader",
+    "MultiHostBed",
     "NodeProcess",
     "NodeProcessError",
     "OtlpReceiver",
+    "ProxyStats",
+    "TcpProxy",
+    "TlsFiles",
+    "bed_unavailable_reason",
     "create_root",
     "find_etcd_binary",
     "in_process_mesh",
     "otel_env",
     "render_trace_tree",
+    "sweep_stale_beds",
 ]

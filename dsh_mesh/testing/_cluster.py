@@ -4,6 +4,11 @@
 its ready line (never a fixed sleep). :class:`LocalCluster` starts several against one etcd
 under a key prefix of their own, so clusters sharing an etcd never see each other; it always
 reaps its processes, also when a test fails.
+
+By default the nodes run plaintext, asked for explicitly (``--plaintext``: each node logs its
+warning). With ``tls=LocalPki(...)`` every node gets a certificate from that CA and runs mutual
+TLS, towards other nodes and towards etcd, which must then be an ``EtcdServer(tls=...)`` of the
+same CA.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
 from dsh_mesh.core import Activation, Record, SessionHeader, SessionId
 from dsh_mesh.registry import Etcd, EtcdConfig, EtcdSessionStore, Keys
 from dsh_mesh.registry._codec import decode_header
+from dsh_mesh.testing._pki import LocalPki, TlsFiles
+from dsh_mesh.transport import secure_channel
 
 T = TypeVar("T")
 
@@ -39,6 +46,9 @@ _READY_TIMEOUT = 30.0
 _POLL_SECONDS = 0.05
 _STOP_TIMEOUT = 15.0
 _live: weakref.WeakSet[NodeProcess] = weakref.WeakSet()
+_SECURITY_ENV = frozenset(
+    {"DSH_TLS_CERT", "DSH_TLS_KEY", "DSH_TLS_CA", "DSH_PLAINTEXT", "DSH_CLUSTER_TOKEN"}
+)
 
 
 class NodeProcessError(RuntimeError):
@@ -56,6 +66,21 @@ class ClusterSettings:
     placement: str = "others-first"
     lease_ttl: float = 2.0
     shutdown_grace: float = 1.0
+    tls: LocalPki | None = None
+    """The CA of a mutual-TLS cluster (nodes and etcd); None: plaintext, asked for explicitly.
+    Under TLS the nodes check no cluster token: the certificate is the credential."""
+
+    def client_files(self, name: str = "tester") -> TlsFiles | None:
+        """A client certificate of this cluster's CA (None for a plaintext cluster)."""
+        return None if self.tls is None else self.tls.client(name)
+
+    def etcd_config(self, *, reader: str = "mesh-reader") -> EtcdConfig:
+        """How a test process reaches this cluster's etcd (with a client certificate under
+        TLS)."""
+        files = self.client_files(reader)
+        return EtcdConfig(
+            endpoint=self.etcd_endpoint, tls=None if files is None else files.etcd_tls()
+        )
 
 
 class NodeProcess:
@@ -111,11 +136,30 @@ class NodeProcess:
             s.scenario,
             "--shutdown-grace",
             str(s.shutdown_grace),
+            *self._security(),
+        ]
+
+    def _security(self) -> list[str]:
+        if self.settings.tls is None:
+            return ["--plaintext"]
+        files = self.settings.tls.node(self.node_id)
+        return [
+            "--tls-cert",
+            str(files.cert),
+            "--tls-key",
+            str(files.key),
+            "--tls-ca",
+            str(files.ca),
         ]
 
     def start(self) -> NodeProcess:
         """Start the process and wait for its ready line."""
-        env = {**os.environ, **self._env, "DSH_CLUSTER_TOKEN": self.settings.cluster_token}
+        # The cluster decides the node's security itself: a shell's DSH_TLS_* (exported for the
+        # CLI), DSH_PLAINTEXT or DSH_CLUSTER_TOKEN must not leak into it; ``env`` still may.
+        inherited = {k: v for k, v in os.environ.items() if k not in _SECURITY_ENV}
+        env = {**inherited, **self._env}
+        if self.settings.tls is None:
+            env["DSH_CLUSTER_TOKEN"] = self.settings.cluster_token
         with self.log_path.open("ab") as log:
             self._process = subprocess.Popen(
                 self.command(),
@@ -200,7 +244,8 @@ class NodeProcess:
 class LocalCluster:
     """N node processes against one etcd, under a fresh key prefix. A context manager; every
     process is reaped on exit. ``env`` is added to every node's environment (for example
-    ``otel_env(receiver.endpoint)`` to export telemetry)."""
+    ``otel_env(receiver.endpoint)`` to export telemetry). ``tls`` runs the cluster under mutual
+    TLS with certificates of that CA (etcd included); by default it runs plaintext."""
 
     def __init__(
         self,
@@ -213,6 +258,7 @@ class LocalCluster:
         shutdown_grace: float = 1.0,
         log_dir: Path | None = None,
         env: Mapping[str, str] | None = None,
+        tls: LocalPki | None = None,
     ) -> None:
         self.settings = ClusterSettings(
             etcd_endpoint=etcd_endpoint,
@@ -222,6 +268,7 @@ class LocalCluster:
             placement=placement,
             lease_ttl=lease_ttl,
             shutdown_grace=shutdown_grace,
+            tls=tls,
         )
         self._owned_dir = None if log_dir is not None else tempfile.TemporaryDirectory()
         self.log_dir = log_dir or Path(self._owned_dir.name if self._owned_dir else ".")
@@ -255,6 +302,18 @@ class LocalCluster:
         self.nodes[node_id] = node
         return node.start()
 
+    def channel(self, node_id: str, *, client: str = "tester") -> grpc.aio.Channel:
+        """A new channel to node ``node_id`` as a client of this cluster: plaintext, or mutual
+        TLS with the client certificate ``client`` (checking that the node's certificate names
+        ``node_id``). The caller closes it (``async with``)."""
+        address = self[node_id].address
+        if address is None:
+            raise NodeProcessError(f"{node_id} is not serving")
+        files = self.settings.client_files(client)
+        if files is None:
+            return grpc.aio.insecure_channel(address)
+        return secure_channel(address, files.credentials(), server_name=node_id)
+
     def metadata(self, node_id: str) -> tuple[tuple[str, str], ...]:
         """The call metadata a node of this cluster sends (to act as that node in tests)."""
         return (
@@ -287,7 +346,7 @@ class MeshReader:
     check what is really stored. ``async with MeshReader(settings) as reader``."""
 
     def __init__(self, settings: ClusterSettings) -> None:
-        self._etcd = Etcd(EtcdConfig(endpoint=settings.etcd_endpoint))
+        self._etcd = Etcd(settings.etcd_config())
         self.keys = Keys(settings.key_prefix.encode())
         self._store = EtcdSessionStore(self._etcd, self.keys, lease=_no_lease)
 
@@ -343,11 +402,9 @@ async def create_root(
     cluster: LocalCluster, *, on: str, task: str, preset: str = "lead", client: str = "tester"
 ) -> SessionId:
     """``MeshControl.CreateRootSession`` on node ``on`` (with the cluster credential, named
-    ``client``); returns the new root's id once it is durable and its first turn started."""
-    address = cluster[on].address
-    if address is None:
-        raise NodeProcessError(f"{on} is not serving")
-    async with grpc.aio.insecure_channel(address) as channel:
+    ``client``: its client certificate under TLS); returns the new root's id once it is
+    durable and its first turn started."""
+    async with cluster.channel(on, client=client) as channel:
         stub = mesh_pb2_grpc.MeshControlStub(channel)
         response = await stub.CreateRootSession(
             mesh_pb2.CreateRootSessionRequest(

@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import threading
@@ -25,7 +26,10 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import TYPE_CHECKING, Self
+
+if TYPE_CHECKING:
+    from dsh_mesh.testing._pki import LocalPki, TlsFiles
 
 _LOOPBACK = "127.0.0.1"
 _POLL_INTERVAL = 0.02
@@ -78,10 +82,12 @@ def find_etcd_binary() -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class EtcdAddress:
-    """Where an etcd serves its client API (plain gRPC and HTTP on one port)."""
+    """Where an etcd serves its client API (gRPC and HTTP on one port). With ``tls`` it serves
+    HTTPS and wants a client certificate: ``tls`` is the one this side presents."""
 
     host: str
     port: int
+    tls: TlsFiles | None = None
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -108,9 +114,15 @@ class EtcdAddress:
         """One probe of ``http://host:port/health``: True only if etcd answers that it is
         healthy (it has a leader and serves requests). Never raises for an unreachable or
         unhealthy server; blocks at most about ``timeout`` seconds."""
-        url = f"http://{self.endpoint}/health"
+        context: ssl.SSLContext | None = None
+        scheme = "http"
+        if self.tls is not None:
+            scheme = "https"
+            context = ssl.create_default_context(cafile=str(self.tls.ca))
+            context.load_cert_chain(str(self.tls.cert), str(self.tls.key))
+        url = f"{scheme}://{self.endpoint}/health"
         try:
-            with urllib.request.urlopen(url, timeout=timeout) as response:
+            with urllib.request.urlopen(url, timeout=timeout, context=context) as response:
                 body = response.read()
         except (OSError, ValueError):
             # URLError, HTTPError (503 while there is no leader), refused, reset, timed out.
@@ -149,6 +161,12 @@ class EtcdServer:
     kept); ``terminate()`` is an orderly shutdown that keeps the data; ``restart()`` brings the
     server back on the same ports with the same data dir after either.
 
+    Mutual TLS: with ``tls`` (a :class:`~dsh_mesh.testing.LocalPki`) the client URL is
+    ``https://`` with a server certificate from that CA (``--cert-file``, ``--key-file``) and
+    etcd's client-certificate authentication (``--client-cert-auth``, ``--trusted-ca-file``):
+    only callers with a certificate the same CA signed get in. The peer URL stays plaintext (one
+    member, on loopback). :attr:`address` then carries a probe client certificate.
+
     Not for concurrent use from several threads beyond what an internal lock serializes; all
     calls block, so async tests may run ``restart()`` through ``asyncio.to_thread``. An
     ``atexit`` hook kills and cleans up any server still alive when the interpreter exits.
@@ -160,11 +178,13 @@ class EtcdServer:
         binary: str | None = None,
         name: str = "dsh-test",
         startup_timeout: float = 15.0,
+        tls: LocalPki | None = None,
     ) -> None:
         """Prepare a server; nothing is started or allocated until :meth:`start`.
 
         ``binary`` defaults to :func:`find_etcd_binary` (resolved at start); ``name`` is the
-        member name; ``startup_timeout`` bounds each start in seconds.
+        member name; ``startup_timeout`` bounds each start in seconds; ``tls`` turns on mutual
+        TLS with certificates from that CA.
         """
         if startup_timeout <= 0:
             raise ValueError("startup_timeout must be positive")
@@ -178,6 +198,9 @@ class EtcdServer:
         self._peer_port: int | None = None
         self._paused = False
         self._closed = False
+        self._pki = tls
+        self._server_files: TlsFiles | None = None
+        self._probe_files: TlsFiles | None = None
 
     # -- addresses ------------------------------------------------------------------------------
 
@@ -207,8 +230,14 @@ class EtcdServer:
 
     @property
     def address(self) -> EtcdAddress:
-        """The client address as an :class:`EtcdAddress`."""
-        return EtcdAddress(host=self.host, port=self.port)
+        """The client address as an :class:`EtcdAddress` (with a probe client certificate
+        under TLS)."""
+        return EtcdAddress(host=self.host, port=self.port, tls=self._probe_files)
+
+    @property
+    def tls(self) -> LocalPki | None:
+        """The CA this server trusts and took its certificate from; None: plaintext."""
+        return self._pki
 
     @property
     def data_dir(self) -> Path:
@@ -249,6 +278,9 @@ class EtcdServer:
                 raise EtcdServerError("etcd server already started; use restart()")
             binary = self._binary or find_etcd_binary()
             self._binary = binary
+            if self._pki is not None:
+                self._server_files = self._pki.etcd(f"etcd-{self._name}")
+                self._probe_files = self._pki.client(f"etcd-probe-{self._name}")
             self._tmpdir = Path(tempfile.mkdtemp(prefix="dsh-etcd-"))
             _LIVE.add(self)
             started = False
@@ -386,8 +418,20 @@ class EtcdServer:
 
     def _command(self) -> list[str]:
         assert self._binary is not None
-        client = f"http://{_LOOPBACK}:{self.port}"
+        scheme = "http" if self._server_files is None else "https"
+        client = f"{scheme}://{_LOOPBACK}:{self.port}"
         peer = f"http://{_LOOPBACK}:{self.peer_port}"
+        tls: list[str] = []
+        if self._server_files is not None:
+            tls = [
+                "--cert-file",
+                str(self._server_files.cert),
+                "--key-file",
+                str(self._server_files.key),
+                "--trusted-ca-file",
+                str(self._server_files.ca),
+                "--client-cert-auth",
+            ]
         return [
             self._binary,
             "--name",
@@ -414,6 +458,7 @@ class EtcdServer:
             "zap",
             "--log-outputs",
             "stderr",
+            *tls,
         ]
 
     def _launch_and_wait(self) -> None:

@@ -1,8 +1,21 @@
 """The transport edge: the gRPC servicers a node exposes, the pool it calls other nodes with,
-the cluster-credential interceptor, and the one table between mesh errors and gRPC statuses
-(both directions). Wire messages become domain values here and nowhere else."""
+the caller-identity interceptor (mutual TLS, or the cluster token of a plaintext cluster), the
+small certificate authority behind ``dsh-mesh certs``, and the one table between mesh errors and
+gRPC statuses (both directions). Wire messages become domain values here and nowhere else."""
 
-from dsh_mesh.transport._auth import ClusterAuthInterceptor, ClusterCredential
+from dsh_mesh.transport._auth import (
+    ClusterAuthInterceptor,
+    ClusterCredential,
+    caller_identity,
+    caller_node,
+)
+from dsh_mesh.transport._certs import (
+    CA_CERT_FILE,
+    CA_KEY_FILE,
+    CertificateAuthority,
+    CertificateKind,
+    IssuedCertificate,
+)
 from dsh_mesh.transport._control import MeshControlService
 from dsh_mesh.transport._peers import PeerPool, PeerTimeouts
 from dsh_mesh.transport._reflection import MethodAwarePool
@@ -21,16 +34,32 @@ from dsh_mesh.transport._status import (
     to_rpc_status,
     wire_reason,
 )
+from dsh_mesh.transport._tls import (
+    Caller,
+    CallerRole,
+    TlsCredentials,
+    identity_of,
+    identity_of_auth_context,
+    identity_of_certificate,
+    secure_channel,
+)
 
 __all__ = [
+    "CA_CERT_FILE",
+    "CA_KEY_FILE",
     "DETAILS_METADATA_KEY",
     "ERROR_DOMAIN",
     "MAX_DETAIL_BYTES",
     "RETRY_DELAY",
     "STATUS_OF_REASON",
     "AgentMeshService",
+    "Caller",
+    "CallerRole",
+    "CertificateAuthority",
+    "CertificateKind",
     "ClusterAuthInterceptor",
     "ClusterCredential",
+    "IssuedCertificate",
     "ManagerRef",
     "MeshControlService",
     "MeshPeerService",
@@ -38,9 +67,16 @@ __all__ = [
     "PeerPool",
     "PeerTimeouts",
     "RemoteError",
+    "TlsCredentials",
     "abort_with",
+    "caller_identity",
+    "caller_node",
     "error_from_rpc",
+    "identity_of",
+    "identity_of_auth_context",
+    "identity_of_certificate",
     "mesh_rpc",
+    "secure_channel",
     "status_of",
     "to_rpc_status",
     "wire_reason",

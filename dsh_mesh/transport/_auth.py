@@ -1,26 +1,36 @@
-"""Who is calling: the cluster credential every node presents, checked by one interceptor.
+"""Who is calling, checked by one interceptor (ADR 0015, ADR 0021).
 
-Until mutual TLS arrives (the deployment issue) a node authenticates with a shared cluster
-token and names itself; the node id it names is the identity the target node checks a sender's
-activation against. The token is compared in constant time and never logged.
+Under mutual TLS the handshake has verified the caller's certificate against the cluster CA, and
+the caller is who that certificate names: a node (common name = node id, also a DNS
+subjectAltName) or a client (``client:<name>``). The self-named ``x-dsh-node`` header is then
+ignored. Only nodes may call ``AgentMesh`` and ``MeshPeer``: any other caller is refused with
+``FORGED_SENDER``, since it hosts no agent it could speak for.
+
+In a plaintext cluster (an explicit choice, for local demos) a node authenticates with the
+shared cluster token only and names itself in ``x-dsh-node``. The cluster token, when a node has
+one, is checked on every call in both modes, in constant time, and never logged.
 """
 
 from __future__ import annotations
 
 import hmac
+import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
-from dsh_mesh.core import NodeId, Unauthenticated
+from dsh_mesh.core import MeshError, NodeId, Rejected, RejectionReason, Unauthenticated
 from dsh_mesh.transport._status import abort_with
+from dsh_mesh.transport._tls import Caller, CallerRole, identity_of_auth_context
 
 TOKEN_HEADER = "x-dsh-cluster-token"
 NODE_HEADER = "x-dsh-node"
 HOPS_HEADER = "x-dsh-hops"
 _GUARDED_PREFIX = "/dsh.mesh."
+# Methods only a node may call: a client hosts no agent, so it can speak for no sender.
+_NODE_ONLY_PREFIXES = ("/dsh.mesh.v1.AgentMesh/", "/dsh.mesh.peer.v1.MeshPeer/")
 _MIN_TOKEN_CHARS = 16
 
 
@@ -46,13 +56,47 @@ class ClusterCredential:
         return ((TOKEN_HEADER, self.token), (NODE_HEADER, node), (HOPS_HEADER, str(hops)))
 
 
-def caller_node(context: grpc.aio.ServicerContext[Any, Any]) -> NodeId:
-    """The node id an authenticated caller named (the interceptor already checked the token)."""
+def call_metadata(
+    credential: ClusterCredential | None, node: NodeId, *, hops: int = 0
+) -> tuple[tuple[str, str], ...]:
+    """The metadata a node sends: its token (when it has one), its id, the hop count."""
+    if credential is not None:
+        return credential.metadata(node, hops=hops)
+    return ((NODE_HEADER, node), (HOPS_HEADER, str(hops)))
+
+
+def is_tls(context: grpc.aio.ServicerContext[Any, Any]) -> bool:
+    """Whether the call arrived over TLS (a node serves either TLS or plaintext, never both)."""
+    security = (context.auth_context() or {}).get("transport_security_type") or ()
+    return b"ssl" in security
+
+
+def caller_identity(context: grpc.aio.ServicerContext[Any, Any]) -> Caller:
+    """Who made the call: over TLS the node or client its verified certificate names; in
+    plaintext the node id named in ``x-dsh-node`` (unverified, ADR 0015). Raises
+    :class:`Unauthenticated` when there is no identity to take."""
+    if is_tls(context):
+        caller = identity_of_auth_context(context.auth_context())
+        if caller is None:
+            raise Unauthenticated("the peer certificate names neither a node nor a client")
+        return caller
     metadata = dict(context.invocation_metadata() or ())
     node = metadata.get(NODE_HEADER)
     if not isinstance(node, str) or not node:
         raise Unauthenticated("the caller did not name its node")
-    return NodeId(node)
+    return Caller(role=CallerRole.NODE, name=node, verified=False)
+
+
+def caller_node(context: grpc.aio.ServicerContext[Any, Any]) -> NodeId:
+    """The calling node's id (see :func:`caller_identity`). A caller that is not a node (a
+    client certificate) is refused with ``FORGED_SENDER``: it hosts no agent."""
+    caller = caller_identity(context)
+    if caller.role is not CallerRole.NODE:
+        raise Rejected.of(
+            RejectionReason.FORGED_SENDER,
+            f"{caller} is a client, not a node: it hosts no agent it could speak for",
+        )
+    return NodeId(caller.name)
 
 
 def caller_hops(context: grpc.aio.ServicerContext[Any, Any]) -> int:
@@ -62,10 +106,18 @@ def caller_hops(context: grpc.aio.ServicerContext[Any, Any]) -> int:
 
 
 class ClusterAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Refuses every dsh.mesh.* call that lacks the cluster token with UNAUTHENTICATED and
-    reason ``UNAUTHENTICATED``. Health and reflection stay open so generic tools work."""
+    """Guards every ``dsh.mesh.*`` method; health and reflection stay open so generic tools
+    work.
 
-    def __init__(self, credential: ClusterCredential) -> None:
+    - With a ``credential``, a call without the right ``x-dsh-cluster-token`` fails with
+      ``UNAUTHENTICATED`` (reason ``UNAUTHENTICATED``). ``credential=None`` (allowed only with
+      TLS) checks no token.
+    - Over TLS, a peer certificate that names neither a node nor a client fails with
+      ``UNAUTHENTICATED``, and a client calling ``AgentMesh`` or ``MeshPeer`` fails with
+      ``PERMISSION_DENIED`` (reason ``FORGED_SENDER``).
+    """
+
+    def __init__(self, credential: ClusterCredential | None) -> None:
         self._credential = credential
 
     async def intercept_service(
@@ -76,15 +128,67 @@ class ClusterAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         handler = await continuation(details)
         if handler is None or not details.method.startswith(_GUARDED_PREFIX):
             return handler
-        metadata = dict(details.invocation_metadata or ())
-        if self._credential.matches(metadata.get(TOKEN_HEADER)):
-            return handler
-        return _refusing(handler)
+        if self._credential is not None:
+            metadata = dict(details.invocation_metadata or ())
+            if not self._credential.matches(metadata.get(TOKEN_HEADER)):
+                return _refusing(handler, Unauthenticated("missing or wrong cluster credential"))
+        node_only = details.method.startswith(_NODE_ONLY_PREFIXES)
+        return _checked(handler, node_only=node_only)
 
 
-def _refusing(handler: Any) -> Any:
+def _check_caller(context: grpc.aio.ServicerContext[Any, Any], *, node_only: bool) -> None:
+    if not is_tls(context):
+        return  # plaintext: the token (above) is all there is; servicers read x-dsh-node
+    if node_only:
+        caller_node(context)
+    else:
+        caller_identity(context)
+
+
+def _checked(handler: Any, *, node_only: bool) -> Any:
+    """``handler`` behind a check of the verified caller (the interceptor itself cannot see the
+    peer certificate: only the call's context can)."""
+    if handler.unary_unary is not None:
+        behavior = handler.unary_unary
+
+        async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            try:
+                _check_caller(context, node_only=node_only)
+            except MeshError as refused:
+                await abort_with(context, refused)
+            return await behavior(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            unary,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+    if handler.unary_stream is not None:
+        streaming = handler.unary_stream
+
+        async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            try:
+                _check_caller(context, node_only=node_only)
+            except MeshError as refused:
+                await abort_with(context, refused)
+            produced = streaming(request, context)
+            if inspect.isasyncgen(produced):
+                async for item in produced:
+                    yield item
+            else:
+                await produced
+
+        return grpc.unary_stream_rpc_method_handler(
+            stream,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+    return _refusing(handler, Unauthenticated("this kind of method is not served"))
+
+
+def _refusing(handler: Any, error: MeshError) -> Any:
     async def refuse(_request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-        await abort_with(context, Unauthenticated("missing or wrong cluster credential"))
+        await abort_with(context, error)
 
     if handler.unary_unary is not None:
         return grpc.unary_unary_rpc_method_handler(
@@ -94,7 +198,7 @@ def _refusing(handler: Any) -> Any:
         )
 
     async def refuse_stream(_request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-        await abort_with(context, Unauthenticated("missing or wrong cluster credential"))
+        await abort_with(context, error)
         yield  # pragma: no cover - abort raises
 
     return grpc.unary_stream_rpc_method_handler(

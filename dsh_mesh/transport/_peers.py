@@ -23,9 +23,10 @@ from dsh_mesh.core import (
     SessionId,
     SettlementNoticeEntry,
 )
-from dsh_mesh.transport._auth import ClusterCredential
+from dsh_mesh.transport._auth import ClusterCredential, call_metadata
 from dsh_mesh.transport._convert import agent_ref_to_wire, delivery_from_wire, notice_to_wire
 from dsh_mesh.transport._status import error_from_rpc
+from dsh_mesh.transport._tls import TlsCredentials, secure_channel
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,21 +39,30 @@ class PeerTimeouts:
 
 class PeerPool:
     """Channels to the other nodes, found by ``address_of``. Use ``async with``; :meth:`close`
-    is idempotent. Every call raises a ``MeshError`` (never a raw ``grpc.RpcError``)."""
+    is idempotent. Every call raises a ``MeshError`` (never a raw ``grpc.RpcError``).
+
+    With ``tls`` every channel is mutual TLS: this node presents its certificate, trusts only
+    the cluster CA, and requires the dialed node's certificate to name the node id it dials
+    (``grpc.ssl_target_name_override``), so a process at a registered address that holds
+    another name's certificate fails the handshake (``PEER_UNAVAILABLE``). Without ``tls`` the
+    channels are plaintext (an explicit choice of the node's configuration).
+    """
 
     def __init__(
         self,
         *,
         node_id: NodeId,
-        credential: ClusterCredential,
+        credential: ClusterCredential | None,
         address_of: Callable[[NodeId], str | None],
         timeouts: PeerTimeouts | None = None,
+        tls: TlsCredentials | None = None,
     ) -> None:
         self._node_id = node_id
         self._credential = credential
         self._address_of = address_of
         self._timeouts = timeouts or PeerTimeouts()
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._tls = tls
+        self._channels: dict[tuple[str, str], grpc.aio.Channel] = {}
 
     async def __aenter__(self) -> PeerPool:
         return self
@@ -68,19 +78,29 @@ class PeerPool:
 
     def metadata(self, *, hops: int = 1) -> tuple[tuple[str, str], ...]:
         """The call metadata this node sends: its credential, its id, the hop count."""
-        return self._credential.metadata(self._node_id, hops=hops)
+        return call_metadata(self._credential, self._node_id, hops=hops)
 
     def channel(self, node: NodeId) -> grpc.aio.Channel:
         """The reused channel to ``node``; raises ``PeerUnavailable`` for an unknown node."""
         address = self._address_of(node)
         if address is None:
             raise PeerUnavailable(f"node {node} is not registered")
-        channel = self._channels.get(address)
+        # Keyed by node as well: under TLS the channel checks the node id it was opened for.
+        key = (node, address)
+        channel = self._channels.get(key)
         if channel is None:
-            channel = grpc.aio.insecure_channel(
-                address, interceptors=telemetry.client_interceptors()
-            )
-            self._channels[address] = channel
+            if self._tls is not None:
+                channel = secure_channel(
+                    address,
+                    self._tls,
+                    server_name=node,
+                    interceptors=telemetry.client_interceptors(),
+                )
+            else:
+                channel = grpc.aio.insecure_channel(
+                    address, interceptors=telemetry.client_interceptors()
+                )
+            self._channels[key] = channel
         return channel
 
     async def send_message(
@@ -105,7 +125,7 @@ class PeerPool:
             response = await stub.SendMessage(
                 request,
                 timeout=self._timeouts.send.total_seconds(),
-                metadata=self._credential.metadata(self._node_id, hops=hops),
+                metadata=self.metadata(hops=hops),
             )
         except grpc.aio.AioRpcError as error:
             raise error_from_rpc(error) from error
@@ -123,7 +143,7 @@ class PeerPool:
             response = await stub.Activate(
                 request,
                 timeout=self._timeouts.send.total_seconds(),
-                metadata=self._credential.metadata(self._node_id),
+                metadata=self.metadata(hops=0),
             )
         except grpc.aio.AioRpcError as error:
             raise error_from_rpc(error) from error
@@ -143,7 +163,7 @@ class PeerPool:
             await stub.DeliverNotice(
                 notice_to_wire(parent, notice),
                 timeout=self._timeouts.control.total_seconds(),
-                metadata=self._credential.metadata(self._node_id),
+                metadata=self.metadata(hops=0),
             )
         except grpc.aio.AioRpcError as error:
             raise error_from_rpc(error) from error

@@ -69,11 +69,12 @@ class AgentMeshService(mesh_pb2_grpc.AgentMeshServicer):
         outcome = "error"
         try:
             caller = caller_node(context)
+            manager = self._manager()  # a fenced node refuses at once, before any etcd read
             sender = agent_ref_from_wire(request.sender)
             if not request.idempotency_key:
                 raise InvalidArgument("idempotency_key is required")
             await self._check_hosted_by(sender, caller)
-            delivery = await self._manager().handed_on(
+            delivery = await manager.handed_on(
                 sender,
                 request.agent_id,
                 request.message,

@@ -23,7 +23,12 @@ def test_flags_beat_environment_beat_file(tmp_path: Path) -> None:
         'placement = "round-robin"\n'
     )
     args = parse_args(["--config", str(config_file), "--listen", "127.0.0.1:7003"])
-    environ = {"DSH_CLUSTER_TOKEN": TOKEN, "DSH_NODE_ID": "from-env", "DSH_LISTEN": "x:7002"}
+    environ = {
+        "DSH_CLUSTER_TOKEN": TOKEN,
+        "DSH_NODE_ID": "from-env",
+        "DSH_LISTEN": "x:7002",
+        "DSH_PLAINTEXT": "1",
+    }
     config = load_config(args, environ)
     assert config.node_id == "from-env"
     assert config.listen == "127.0.0.1:7003"
@@ -35,7 +40,7 @@ def test_flags_beat_environment_beat_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("flags", "problem"),
     [
-        ([], "cluster token"),
+        (["--plaintext"], "cluster token"),
         (["--cluster-token", "short"], "16 characters"),
         (["--cluster-token", TOKEN, "--node-id", "bad/id"], "node id"),
         (["--cluster-token", TOKEN, "--listen", "no-port"], "HOST:PORT"),
@@ -88,7 +93,9 @@ def test_placement_policies() -> None:
 
 
 def test_a_config_is_frozen() -> None:
-    config = NodeConfig(node_id=NodeId("n1"), credential=ClusterCredential(token=TOKEN))
+    config = NodeConfig(
+        node_id=NodeId("n1"), credential=ClusterCredential(token=TOKEN), plaintext=True
+    )
     with pytest.raises(AttributeError):
         config.listen = "x:1"  # type: ignore[misc]
 

@@ -1,0 +1,509 @@
+"""The mesh on the multi-host test bed (deploy/testbed/): three hosts in network namespaces on
+one bridge, a three-member etcd cluster across them, one node per host. Cross-host messages, a
+host cut off from the network and brought back, an etcd member stopped, the etcd leader killed,
+and a delaying, lossy proxy in front of one node. Needs root; skipped with the reason otherwise,
+except under CI (``CI`` set), where a bed that cannot be made is a failure.
+
+The TCP proxy's own test runs on loopback, without root.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any, TypeVar
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
+from dsh_mesh.core import (
+    Activation,
+    AgentMessageEntry,
+    AgentRef,
+    AssistantStepEntry,
+    ConsumedEntry,
+    MeshError,
+    NodeId,
+    Record,
+    RegistryUnavailable,
+    SessionHeader,
+    SessionId,
+    SettlementNoticeEntry,
+    SettlementOutcome,
+)
+from dsh_mesh.registry import Etcd
+from dsh_mesh.testing import (
+    BedCluster,
+    MeshReader,
+    MultiHostBed,
+    TcpProxy,
+    bed_unavailable_reason,
+)
+from dsh_mesh.transport import error_from_rpc, secure_channel
+from tests.integration.mesh_client import children_of, create_root, live_ref, started_child
+
+TLS = True
+"""Mutual TLS on the bed (every node and etcd member with its own certificate)."""
+
+StartCluster = Callable[..., BedCluster]
+T = TypeVar("T")
+
+
+async def patiently(read: Callable[[], Awaitable[T]], *, within: float = 10.0) -> T:
+    """``read()``, retried while etcd is briefly unavailable (an election after a member was
+    cut off or killed fails the requests in flight with "leader changed")."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            return await read()
+        except RegistryUnavailable:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.05)
+
+
+class PatientReader(MeshReader):
+    """A :class:`MeshReader` whose reads ride out an etcd election."""
+
+    async def transcript(self, session: SessionId) -> list[Record]:
+        return await patiently(lambda: super(PatientReader, self).transcript(session))
+
+    async def header(self, session: SessionId) -> SessionHeader | None:
+        return await patiently(lambda: super(PatientReader, self).header(session))
+
+    async def activation(self, session: SessionId) -> Activation | None:
+        return await patiently(lambda: super(PatientReader, self).activation(session))
+
+    async def sessions(self) -> list[SessionHeader]:
+        return await patiently(lambda: super(PatientReader, self).sessions())
+
+
+@pytest.fixture(scope="module")
+def bed() -> Iterator[MultiHostBed]:
+    reason = bed_unavailable_reason()
+    if reason is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the multi-host test bed, but: {reason}")
+        pytest.skip(f"multi-host test bed not available: {reason}")
+    with MultiHostBed(tls=TLS) as made:
+        print(f"\n{made}: bridge {made.bridge} at {made.bridge_address}")
+        yield made
+
+
+@pytest.fixture
+def start_cluster(bed: MultiHostBed) -> Iterator[StartCluster]:
+    """Start a node on every host running a scenario of tests/integration/scenarios.py; after
+    the test, undo every fault and stop the nodes, whatever happened."""
+    clusters: list[BedCluster] = []
+
+    def start(scenario: str, **options: Any) -> BedCluster:
+        cluster = bed.cluster(f"tests.integration.scenarios:{scenario}", **options)
+        clusters.append(cluster)
+        cluster.__enter__()
+        return cluster
+
+    yield start
+    bed.restore_all()
+    for cluster in clusters:
+        cluster.close()
+    for name, member in bed.etcd.items():
+        if not member.running:
+            bed.start_etcd(name)
+
+
+@pytest.fixture
+async def reader_of() -> AsyncIterator[Callable[[BedCluster], MeshReader]]:
+    readers: list[MeshReader] = []
+
+    def open_(cluster: BedCluster) -> MeshReader:
+        reader = PatientReader(cluster.settings)
+        readers.append(reader)
+        return reader
+
+    yield open_
+    for reader in readers:
+        await reader.__aexit__()
+
+
+def notices(records: list[Record]) -> list[SettlementNoticeEntry]:
+    return [r.entry for r in records if isinstance(r.entry, SettlementNoticeEntry)]
+
+
+def messages(records: list[Record]) -> list[AgentMessageEntry]:
+    return [r.entry for r in records if isinstance(r.entry, AgentMessageEntry)]
+
+
+def channel(
+    cluster: BedCluster, node: str, *, as_node: str | None = None, address: str | None = None
+) -> grpc.aio.Channel:
+    """A channel to ``node`` (at its published address unless ``address``): plaintext, or
+    mutual TLS with the certificate of node ``as_node`` (a client certificate when None)."""
+    target = address or cluster[node].address
+    assert target is not None
+    pki = cluster.settings.tls
+    if pki is None:
+        return grpc.aio.insecure_channel(target)
+    files = pki.client("tester") if as_node is None else pki.node(as_node)
+    return secure_channel(target, files.credentials(), server_name=node)
+
+
+async def send_as(
+    cluster: BedCluster,
+    *,
+    via: str,
+    caller: str,
+    sender: AgentRef,
+    target: str,
+    message: str,
+    key: str,
+) -> mesh_pb2.SendMessageResponse:
+    """``SendMessage`` on node ``via``, as node ``caller`` (its certificate under TLS, its name
+    and the cluster token in plaintext). Raises the decoded ``MeshError`` on refusal."""
+    request = mesh_pb2.SendMessageRequest(
+        sender=mesh_pb2.AgentRef(session_id=sender.session_id, activation_id=sender.activation_id),
+        agent_id=target,
+        message=message,
+        idempotency_key=key,
+    )
+    async with channel(cluster, via, as_node=caller) as to_node:
+        try:
+            response: mesh_pb2.SendMessageResponse = await mesh_pb2_grpc.AgentMeshStub(
+                to_node
+            ).SendMessage(request, metadata=cluster.metadata(caller), timeout=30)
+        except grpc.aio.AioRpcError as error:
+            raise error_from_rpc(error) from error
+    return response
+
+
+async def leases(cluster: BedCluster, reader: MeshReader) -> dict[str, int | None]:
+    """Each node's registration lease in etcd (None: not registered)."""
+    async with Etcd(cluster.settings.etcd_config()) as etcd:
+        found = {}
+        for node in cluster.nodes:
+            key = reader.keys.node(NodeId(node))
+            kv = await patiently(lambda: etcd.get(key))  # noqa: B023 (awaited at once)
+            found[node] = None if kv is None else int(kv.lease)
+        return found
+
+
+async def health(cluster: BedCluster, node: str, *, address: str | None = None) -> int:
+    async with channel(cluster, node, address=address) as to_node:
+        reply = await health_pb2_grpc.HealthStub(to_node).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=5
+        )
+    return int(reply.status)
+
+
+def fenced(cluster: BedCluster) -> list[str]:
+    """The nodes whose logs say they lost their lease."""
+    return [node.node_id for node in cluster if "lost its lease" in node.log()]
+
+
+async def exchange(
+    cluster: BedCluster, reader: MeshReader, *, on: str, completed: bool = True
+) -> SettlementOutcome:
+    """Run the EXCHANGE scenario from a root on node ``on`` and check every message crossed
+    hosts once, in order, in both directions, and (``completed``) that the child's settlement
+    notice says it completed. Returns the notice's outcome."""
+    root = await create_root(cluster, on=on, task="Survey the stack.")
+    children = await reader.wait_for(
+        lambda: children_of(reader, root), lambda c: len(c) == 1, what="the child's header"
+    )
+    child = children[0].session_id
+    at_root = await reader.wait_for(
+        lambda: reader.transcript(root),
+        lambda records: bool(notices(records)),
+        what="the child's settlement notice",
+    )
+    assert [(m.source.sender_session_id, m.content) for m in messages(at_root)] == [
+        (child, "Progress: leases have a TTL."),
+        (child, "Result: keys bound to an expired lease vanish."),
+    ]
+    outcome = notices(at_root)[0].outcome
+    if completed:
+        assert outcome is SettlementOutcome.COMPLETED
+    at_child = await reader.wait_for(
+        lambda: reader.transcript(child),
+        lambda records: bool(messages(records)),
+        what="the parent's follow-up at the child",
+    )
+    assert [(m.source.sender_session_id, m.content) for m in messages(at_child)] == [
+        (root, "Follow-up: what happens past the TTL?")
+    ]
+    return outcome
+
+
+# -- the proxy, on loopback ---------------------------------------------------------------------
+
+
+async def test_the_proxy_delays_and_loses_chunks_but_keeps_the_stream_whole() -> None:
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(echo, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    proxy = TcpProxy(listen=("127.0.0.1", 0), upstream=("127.0.0.1", port), delay=0.03, seed=7)
+    async with server, proxy:
+        reader, writer = await asyncio.open_connection(proxy.host, proxy.port)
+        started = time.monotonic()
+        writer.write(b"ping")
+        assert await reader.readexactly(4) == b"ping"
+        round_trip = time.monotonic() - started
+        assert round_trip >= 2 * 0.03  # held back once on the way there, once on the way back
+
+        proxy.shape(delay=0.001, loss=0.3, retransmit_delay=0.02)
+        payload = random.Random(1).randbytes(300_000)
+        for offset in range(0, len(payload), 1000):
+            writer.write(payload[offset : offset + 1000])
+        await writer.drain()
+        assert await reader.readexactly(len(payload)) == payload  # in order, nothing lost
+        assert proxy.stats.lost > 0
+
+        await proxy.reset_all()
+        assert await reader.read() == b""  # the link broke: the client sees the connection end
+        writer.close()
+    print(f"\nproxy: 30 ms each way gave a {round_trip * 1000:.0f} ms round trip; {proxy.stats}")
+
+
+# -- the bed --------------------------------------------------------------------------------------
+
+
+async def test_messages_cross_hosts_in_both_directions(
+    bed: MultiHostBed, start_cluster: StartCluster, reader_of: Callable[[BedCluster], MeshReader]
+) -> None:
+    cluster = start_cluster("EXCHANGE")
+    assert bed.network is not None
+    for node in cluster:
+        assert node.address is not None
+        host = cluster.host_of(node.node_id)
+        # Each node serves on its own host's address, inside the bed's network.
+        assert node.address.rpartition(":")[0] == host.address
+        assert any(node.pid == pid for pid in bed.pids(host.name))
+    async with reader_of(cluster) as reader:
+        await exchange(cluster, reader, on="node-a")
+    assert fenced(cluster) == []
+
+
+async def test_a_cut_off_host_loses_its_lease_and_its_child_resumes_on_another_host(
+    bed: MultiHostBed, start_cluster: StartCluster, reader_of: Callable[[BedCluster], MeshReader]
+) -> None:
+    cluster = start_cluster("CRASH")
+    ttl = cluster.settings.lease_ttl
+    async with reader_of(cluster) as reader:
+        root, child = await started_child(cluster, reader)
+        parent, root_host = await live_ref(reader, root)
+        before = await send_as(
+            cluster, via=root_host, caller=root_host, sender=parent, target=child,
+            message="Acknowledged before the cut.", key="before",
+        )  # fmt: skip
+        _, child_node = await live_ref(reader, child)
+        assert child_node != root_host
+        host = cluster.host_of(child_node).name
+        first_lease = (await leases(cluster, reader))[child_node]
+
+        cut_at = time.monotonic()
+        bed.cut(host)
+        await reader.wait_for(
+            lambda: reader.activation(child), lambda a: a is None, what="the lease's expiry"
+        )
+        expired = time.monotonic() - cut_at
+        at_root = await reader.wait_for(
+            lambda: reader.transcript(root), lambda r: bool(notices(r)), what="the lost notice"
+        )
+        noticed = time.monotonic() - cut_at
+        (notice,) = notices(at_root)
+        assert notice.outcome is SettlementOutcome.LOST
+        assert notice.terminal_output == "Found 3 leases so far."
+        # The parent's next message cold-resumes the child on a host that is still there.
+        after = await send_as(
+            cluster, via=root_host, caller=root_host, sender=parent, target=child,
+            message="Resume and finish.", key="after",
+        )  # fmt: skip
+        resumed = await reader.activation(child)
+        live = time.monotonic() - cut_at
+        assert resumed is not None and resumed.node_id not in (child_node, root_host)
+        assert after.target_activation_id == resumed.activation_id
+        print(
+            f"\ncut-off host {host} ({child_node}), lease TTL {ttl:.1f} s: its lease expired "
+            f"after {expired:.2f} s, the parent had the lost notice after {noticed:.2f} s, and "
+            f"the child was live on {resumed.node_id} after {live:.2f} s"
+        )
+        finished = await reader.wait_for(
+            lambda: reader.transcript(root),
+            lambda r: len(notices(r)) == 2,
+            what="the resumed child settled",
+        )
+        assert notices(finished)[1].outcome is SettlementOutcome.COMPLETED
+        records = await reader.transcript(child)
+        consumed = {s for r in records if isinstance(r.entry, ConsumedEntry) for s in r.entry.seqs}
+        assert {before.accepted_seq, after.accepted_seq} <= consumed  # nothing acknowledged lost
+
+        # The host comes back: its node notices it was fenced, registers with a new lease and
+        # serves again; the agent it had when it was cut never appended after the cut.
+        bed.restore(host)
+        node_key = reader.keys.node(NodeId(child_node))
+        async with Etcd(cluster.settings.etcd_config()) as etcd:
+            again = await reader.wait_for(
+                lambda: patiently(lambda: etcd.get(node_key)),
+                lambda kv: kv is not None and int(kv.lease) != first_lease,
+                what="the re-registration",
+            )
+        assert again is not None
+        assert child_node in fenced(cluster)
+        assert await health(cluster, child_node) == health_pb2.HealthCheckResponse.SERVING
+        records = await reader.transcript(child)
+        slow_steps = [
+            r
+            for r in records
+            if isinstance(r.entry, AssistantStepEntry) and r.entry.text == "Slow step finished."
+        ]
+        assert len(slow_steps) == 1  # the resumed activation's; the cut-off agent wrote none
+        # Serving again: a root on the returned host gets a child on another host, whose first
+        # message crosses back to it.
+        second_root = await create_root(cluster, on=child_node, task="Delegate again.")
+        (second_child,) = await reader.wait_for(
+            lambda: children_of(reader, second_root), lambda c: len(c) == 1, what="a child"
+        )
+        await reader.wait_for(
+            lambda: reader.transcript(second_root),
+            lambda r: [m.content for m in messages(r)] == ["Started."],
+            what="the new child's message at the returned host",
+        )
+        _, second_host = await live_ref(reader, second_child.session_id)
+        assert second_host != child_node
+
+
+async def test_one_etcd_member_stopped_changes_nothing_visible(
+    bed: MultiHostBed, start_cluster: StartCluster, reader_of: Callable[[BedCluster], MeshReader]
+) -> None:
+    cluster = start_cluster("EXCHANGE")
+    async with reader_of(cluster) as reader:
+        held = await leases(cluster, reader)
+        leader = await asyncio.to_thread(bed.etcd_leader)
+        follower = next(name for name in sorted(bed.etcd) if name != leader)
+        await asyncio.to_thread(bed.stop_etcd, follower)
+        # The node on that host loses its own member and carries on with another one; a root
+        # on it and a root elsewhere (whose child lands on it or on the third host).
+        outcomes = [
+            await exchange(cluster, reader, on=on, completed=False)
+            for on in (f"node-{follower}", "node-a" if follower != "a" else "node-b")
+        ]
+        assert await leases(cluster, reader) == held  # no node lost its lease
+        for node in cluster.nodes:
+            assert await health(cluster, node) == health_pb2.HealthCheckResponse.SERVING
+    assert fenced(cluster) == []
+    await asyncio.to_thread(bed.start_etcd, follower)
+    # The directory reloads on reconnect and notices are re-routed from etcd's own answer, so a
+    # child settling while its node's member is away is still reported completed.
+    assert outcomes == [SettlementOutcome.COMPLETED] * 2
+
+
+async def test_killing_the_etcd_leader_costs_at_most_a_short_pause(
+    bed: MultiHostBed, start_cluster: StartCluster, reader_of: Callable[[BedCluster], MeshReader]
+) -> None:
+    cluster = start_cluster("TREE")  # every agent stays resident: sends steer a stalled child
+    async with reader_of(cluster) as reader:
+        root = await create_root(cluster, on="node-a", task="Build a tree.")
+        children = await reader.wait_for(
+            lambda: children_of(reader, root), lambda c: len(c) == 3, what="the root's children"
+        )
+        target = children[0].session_id  # a continuable branch, on another host
+        await reader.wait_for(
+            lambda: reader.activation(target), lambda a: a is not None, what="the branch"
+        )
+        parent, root_host = await live_ref(reader, root)
+        held = await leases(cluster, reader)
+
+        latencies: list[float] = []
+        retries = 0
+
+        async def send(index: int) -> None:
+            nonlocal retries
+            key = f"tick-{index}-{secrets.token_hex(4)}"
+            started = time.monotonic()
+            while True:
+                try:
+                    await send_as(
+                        cluster, via=root_host, caller=root_host, sender=parent, target=target,
+                        message=f"Tick {index}.", key=key,
+                    )  # fmt: skip
+                    break
+                except MeshError as error:
+                    if not getattr(error, "retryable", False):
+                        raise
+                    retries += 1  # the same key: a retry never duplicates
+                    await asyncio.sleep(0.02)
+            latencies.append(time.monotonic() - started)
+
+        for index in range(10):
+            await send(index)
+        leader = await asyncio.to_thread(bed.etcd_leader)
+        killed_at = time.monotonic()
+        await asyncio.to_thread(bed.kill_etcd, leader)
+        for index in range(10, 40):
+            await send(index)
+        window = time.monotonic() - killed_at
+        new_leader = await asyncio.to_thread(bed.etcd_leader)
+        assert new_leader != leader
+
+        records = await reader.transcript(target)
+        ticks = [m.content for m in messages(records) if m.content.startswith("Tick")]
+        assert ticks == [f"Tick {i}." for i in range(40)]  # each once, in order
+        assert await leases(cluster, reader) == held  # no node lost its lease
+    assert fenced(cluster) == []
+    after = latencies[10:]
+    print(
+        f"\netcd leader {leader} killed (election timeout {bed.election_ms} ms): new leader "
+        f"{new_leader}; the slowest of 30 sends after the kill took {max(after) * 1000:.0f} ms "
+        f"({retries} retries), median {sorted(after)[len(after) // 2] * 1000:.0f} ms, "
+        f"median before the kill {sorted(latencies[:10])[5] * 1000:.0f} ms; "
+        f"30 sends in {window:.2f} s"
+    )
+    # A short pause: well inside one lease TTL, so no lease was at risk.
+    assert max(after) < cluster.settings.lease_ttl
+
+
+async def test_a_delaying_lossy_proxy_in_front_of_a_node_loses_no_message(
+    bed: MultiHostBed, start_cluster: StartCluster, reader_of: Callable[[BedCluster], MeshReader]
+) -> None:
+    host_b = bed.hosts["b"]
+    async with TcpProxy(
+        listen=(bed.bridge_address, 0),
+        upstream=(host_b.address, 0),  # node-b listens on its host at the proxy's port
+        delay=0.02,
+        jitter=0.01,
+        loss=0.1,
+        seed=11,
+    ) as proxy:
+        cluster = await asyncio.to_thread(
+            start_cluster, "EXCHANGE", fronted={"node-b": (proxy.host, proxy.port)}
+        )
+        assert cluster["node-b"].address == proxy.address  # peers dial the proxy
+        async with reader_of(cluster) as reader:
+            # A root on node-b: every message to it crosses the proxy.
+            await exchange(cluster, reader, on="node-b")
+        assert proxy.stats.connections > 0 and proxy.stats.lost > 0
+        started = time.monotonic()
+        assert await health(cluster, "node-b") == health_pb2.HealthCheckResponse.SERVING
+        shaped = time.monotonic() - started
+        started = time.monotonic()
+        behind = f"{host_b.address}:{proxy.port}"
+        assert await health(cluster, "node-b", address=behind) == (
+            health_pb2.HealthCheckResponse.SERVING
+        )
+        direct = time.monotonic() - started
+    print(
+        f"\nproxy in front of node-b (20 ms +0-10 ms each way, 10% loss, 200 ms retransmit): "
+        f"health check {shaped * 1000:.0f} ms through it, {direct * 1000:.0f} ms direct; "
+        f"{proxy.stats}"
+    )
+    assert fenced(cluster) == []
