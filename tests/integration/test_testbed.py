@@ -32,6 +32,8 @@ from dsh_mesh.core import (
     NodeId,
     Record,
     RegistryUnavailable,
+    Rejected,
+    RejectionReason,
     SessionHeader,
     SessionId,
     SettlementNoticeEntry,
@@ -40,6 +42,7 @@ from dsh_mesh.core import (
 from dsh_mesh.registry import Etcd
 from dsh_mesh.testing import (
     BedCluster,
+    LocalPki,
     MeshReader,
     MultiHostBed,
     TcpProxy,
@@ -291,6 +294,64 @@ async def test_messages_cross_hosts_in_both_directions(
     async with reader_of(cluster) as reader:
         await exchange(cluster, reader, on="node-a")
     assert fenced(cluster) == []
+
+
+async def test_only_the_certificate_names_the_caller_on_the_bed(
+    bed: MultiHostBed, start_cluster: StartCluster, reader_of: Callable[[BedCluster], MeshReader]
+) -> None:
+    cluster = start_cluster("CRASH")
+    pki = cluster.settings.tls
+    assert TLS and pki is not None, "the bed runs with mutual TLS"
+    async with reader_of(cluster) as reader:
+        root, child = await started_child(cluster, reader)
+        lead, lead_host = await live_ref(reader, root)
+        _, child_host = await live_ref(reader, child)
+        before = await reader.transcript(child)
+    impostor = next(n for n in cluster.nodes if n not in (lead_host, child_host))
+    # A genuine node certificate speaking for an agent its node does not host: refused.
+    with pytest.raises(Rejected) as forged:
+        await send_as(
+            cluster, via=child_host, caller=impostor, sender=lead, target=child,
+            message="I am the lead.", key="forged-1",
+        )  # fmt: skip
+    assert forged.value.reason is RejectionReason.FORGED_SENDER
+    # A client certificate is no node at all: refused on the node-to-node service.
+    async with channel(cluster, child_host) as as_client:
+        with pytest.raises(grpc.aio.AioRpcError) as client:
+            await mesh_pb2_grpc.AgentMeshStub(as_client).SendMessage(
+                mesh_pb2.SendMessageRequest(
+                    sender=mesh_pb2.AgentRef(
+                        session_id=lead.session_id, activation_id=lead.activation_id
+                    ),
+                    agent_id=child,
+                    message="From a client.",
+                    idempotency_key="client-1",
+                ),
+                timeout=10,
+            )
+    decoded = error_from_rpc(client.value)
+    assert isinstance(decoded, Rejected) and decoded.reason is RejectionReason.FORGED_SENDER
+    # A node that presents the certificate of another name than the one dialled, no
+    # certificate at all, or one from another CA: the handshake fails.
+    child_address = cluster[child_host].address
+    assert child_address is not None
+    wrong_name = secure_channel(
+        child_address, pki.node(impostor).credentials(), server_name=impostor
+    )
+    with LocalPki() as strangers:
+        foreign = secure_channel(
+            child_address, strangers.client("stranger").credentials(), server_name=child_host
+        )
+        for refused in (wrong_name, grpc.aio.insecure_channel(child_address), foreign):
+            async with refused:
+                with pytest.raises(grpc.aio.AioRpcError) as handshake:
+                    await health_pb2_grpc.HealthStub(refused).Check(
+                        health_pb2.HealthCheckRequest(service=""), timeout=5
+                    )
+            assert handshake.value.code() is grpc.StatusCode.UNAVAILABLE
+    async with reader_of(cluster) as reader:
+        accepted = [m.content for m in messages(await reader.transcript(child))]
+    assert accepted == [m.content for m in messages(before)]  # nothing was accepted
 
 
 async def test_a_cut_off_host_loses_its_lease_and_its_child_resumes_on_another_host(
