@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from dsh_mesh import telemetry
@@ -44,6 +45,30 @@ from dsh_mesh.registry._keys import Keys
 from dsh_mesh.runtime import Acceptance, IdempotencyKey, check_same_request
 
 _APPEND_ATTEMPTS = 32
+_BATCH_ENTRIES = 32
+"""At most this many entries per group-commit transaction (each costs up to two of the 128
+operations etcd allows a transaction by default)."""
+_BATCH_BYTES = 1024 * 1024
+"""Payload per group-commit transaction beyond its first entry; etcd refuses requests over
+about 1.5 MiB."""
+
+
+class _Split(Exception):
+    """A batch met an idempotency key already used: it is committed entry by entry instead."""
+
+
+@dataclass(eq=False, kw_only=True)
+class _Pending:
+    """One append waiting for its group commit."""
+
+    entry: Entry
+    payload: bytes
+    fence: int
+    writer: ActivationId | None
+    idempotency: tuple[IdempotencyKey, Acceptance] | None
+    done: asyncio.Future[tuple[Record, Acceptance | None]]
+
+
 _ACTIVATE_ATTEMPTS = 8
 MAX_ENTRY_BYTES = 1024 * 1024
 """The default largest encoded transcript entry: well inside etcd's default 1.5 MiB request
@@ -102,7 +127,8 @@ class EtcdSessionStore:
         self._headers: dict[SessionId, SessionHeader] = {}
         self._seqs: dict[SessionId, int] = {}
         self._fences: dict[ActivationId, int] = {}
-        self._append_locks: dict[SessionId, asyncio.Lock] = {}
+        self._queues: dict[SessionId, list[_Pending]] = {}
+        self._flushing: set[SessionId] = set()
 
     # -- headers --------------------------------------------------------------------------------
 
@@ -215,32 +241,81 @@ class EtcdSessionStore:
                 f"{self._max_entry_bytes}"
             )
         fence = 0 if writer is None else await self._fence_of(session, writer)
-        # Appends to one session from this node go one at a time: they all compete for the same
-        # next seq, so racing them would only make all but one fail and retry.
         with telemetry.span(
             "dsh.etcd.append",
             attributes={"dsh.session.id": session, "dsh.entry.bytes": len(payload)},
         ) as appending:
-            async with self._append_lock(session):
-                record, known = await self._append_in_turn(
-                    session, entry, payload, fence=fence, writer=writer, idempotency=idempotency
-                )
+            pending = _Pending(
+                entry=entry,
+                payload=payload,
+                fence=fence,
+                writer=writer,
+                idempotency=idempotency,
+                done=asyncio.get_running_loop().create_future(),
+            )
+            self._queues.setdefault(session, []).append(pending)
+            if session not in self._flushing:
+                # This caller commits for everyone waiting on the session. Shielded: the batch
+                # it carries is other callers' too, so its own cancellation must not stop it.
+                self._flushing.add(session)
+                flushing = asyncio.ensure_future(self._flush(session))
+                flushing.add_done_callback(lambda _: self._flushing.discard(session))
+                await asyncio.shield(flushing)
+            record, known = await asyncio.shield(pending.done)
             appending.set_many({"dsh.seq": record.seq, "dsh.duplicate": known is not None})
             return record, known
 
-    async def _append_in_turn(
-        self,
-        session: SessionId,
-        entry: Entry,
-        payload: bytes,
-        *,
-        fence: int,
-        writer: ActivationId | None,
-        idempotency: tuple[IdempotencyKey, Acceptance] | None,
-    ) -> tuple[Record, Acceptance | None]:
+    async def _flush(self, session: SessionId) -> None:
+        """Group commit: while appends to ``session`` wait, take them in arrival order and write
+        as many as fit into one transaction (same writer, at most ``_BATCH_ENTRIES`` entries and
+        ``_BATCH_BYTES`` of payload), then settle each caller with its own record."""
+        queue = self._queues[session]
+        try:
+            while queue:
+                batch = [queue.pop(0)]
+                size = len(batch[0].payload)
+                while (
+                    queue
+                    and len(batch) < _BATCH_ENTRIES
+                    and queue[0].fence == batch[0].fence
+                    and size + len(queue[0].payload) <= _BATCH_BYTES
+                ):
+                    size += len(queue[0].payload)
+                    batch.append(queue.pop(0))
+                await self._commit(session, batch)
+        finally:
+            if not queue:
+                self._queues.pop(session, None)
+
+    async def _commit(self, session: SessionId, batch: list[_Pending]) -> None:
+        try:
+            results = await self._append_batch(session, batch)
+        except _Split:
+            # A key in the batch was seen before: commit one by one, so each retry gets its own
+            # first acceptance and the others still go in, in order.
+            for pending in batch:
+                await self._commit(session, [pending])
+            return
+        except Exception as failure:  # settles every waiting caller; none is left hanging
+            for pending in batch:
+                if not pending.done.done():
+                    pending.done.set_exception(failure)
+            return
+        for pending, result in zip(batch, results, strict=True):
+            if not pending.done.done():
+                pending.done.set_result(result)
+
+    async def _append_batch(
+        self, session: SessionId, batch: list[_Pending]
+    ) -> list[tuple[Record, Acceptance | None]]:
         head = self._keys.head(session)
         active = self._keys.activation(session)
-        idem = None if idempotency is None else self._idempotency_key(idempotency[0])
+        fence, writer = batch[0].fence, batch[0].writer
+        keyed = [
+            (n, self._idempotency_key(p.idempotency[0]), p.idempotency)
+            for n, p in enumerate(batch)
+            if p.idempotency is not None
+        ]
         for _ in range(_APPEND_ATTEMPTS):
             seq = self._seqs.get(session)
             if seq is None:
@@ -249,25 +324,29 @@ class EtcdSessionStore:
                 compare(head, Target.VALUE, Result.EQUAL, str(seq).encode()),
                 compare(active, Target.CREATE, Result.EQUAL, fence),
             ]
-            success = [
-                put(head, str(seq + 1).encode()),
-                put(self._keys.entry(session, seq + 1), payload),
-            ]
+            success = [put(head, str(seq + len(batch)).encode())]
+            success.extend(
+                put(self._keys.entry(session, seq + 1 + n), p.payload) for n, p in enumerate(batch)
+            )
             failure = [get(head), get(active)]
-            if idempotency is not None and idem is not None:
-                accepted = dataclasses.replace(idempotency[1], seq=seq + 1)
-                compares.append(compare(idem, Target.CREATE, Result.EQUAL, 0))
-                success.append(put(idem, encode_acceptance(accepted)))
-                failure.append(get(idem))
+            for n, key, (_, acceptance) in keyed:
+                accepted = dataclasses.replace(acceptance, seq=seq + 1 + n)
+                compares.append(compare(key, Target.CREATE, Result.EQUAL, 0))
+                success.append(put(key, encode_acceptance(accepted)))
+                failure.append(get(key))
             response = await self._etcd.txn(compares, success, failure)
             if response.succeeded:
-                self._seqs[session] = seq + 1
-                return Record(seq=seq + 1, entry=entry), None
-            head_kv, active_kv, *rest = (_only(r) for r in response.responses)
-            if rest and rest[0] is not None and idempotency is not None:
-                known = decode_acceptance(rest[0].value)
+                self._seqs[session] = seq + len(batch)
+                return [(Record(seq=seq + 1 + n, entry=p.entry), None) for n, p in enumerate(batch)]
+            head_kv, active_kv, *known_kvs = (_only(r) for r in response.responses)
+            seen = [(n, kv) for (n, _, _), kv in zip(keyed, known_kvs, strict=True) if kv]
+            if seen:
+                if len(batch) > 1:
+                    raise _Split
+                idempotency, kv = keyed[0][2], seen[0][1]
+                known = decode_acceptance(kv.value)
                 check_same_request(idempotency[0], known, idempotency[1])
-                return await self._record(known.target, known.seq), known
+                return [(await self._record(known.target, known.seq), known)]
             if head_kv is None:
                 raise SessionUnknown(session)
             holder = 0 if active_kv is None else active_kv.create_revision
@@ -275,12 +354,6 @@ class EtcdSessionStore:
                 raise ActivationFenced(f"{session}: writer {writer} is not the current activation")
             self._seqs[session] = int(head_kv.value)
         raise RegistryUnavailable(f"{session}: transcript head kept moving")
-
-    def _append_lock(self, session: SessionId) -> asyncio.Lock:
-        lock = self._append_locks.get(session)
-        if lock is None:
-            lock = self._append_locks[session] = asyncio.Lock()
-        return lock
 
     async def lookup(self, key: IdempotencyKey) -> Acceptance | None:
         kv = await self._etcd.get(self._idempotency_key(key))
