@@ -21,7 +21,7 @@ demo: $(STAMP)
 test: $(STAMP) check unit
 
 bench: $(STAMP)
-	$(PY) -m bench.warm_send
+	$(PY) -m bench
 
 check: $(STAMP)
 	$(PY) scripts/gen_protos.py --check

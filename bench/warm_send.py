@@ -10,6 +10,9 @@ the floors: a bare grpc.aio echo to another process, and one etcd transaction (a
 like an append). Then the same warm sends against a second cluster exporting every span
 (sampler always on) by OTLP to a receiver in this process. Prints p50/p99 of each, throughput
 at ``--in-flight`` concurrent calls, and the ratios to the floors and of tracing on to off.
+
+This is the tracing comparison only; the benchmark suite (every figure of the issue, with its
+report and plot) is ``python -m bench`` (``make bench``, bench/README.md).
 """
 
 from __future__ import annotations

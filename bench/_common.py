@@ -1,0 +1,99 @@
+"""What every section of the suite shares: the sizes of a run and the floors measured in it."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench._measure import Load
+from bench._report import Report
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sizes:
+    """How much each section does. ``FULL`` is ``make bench``; ``QUICK`` the smoke run."""
+
+    name: str
+    calls: int
+    """Timed calls per load level (each level is a number of calls in flight)."""
+    warmup: int
+    levels: tuple[int, ...] = (1, 16, 64)
+    cold_resumes: int
+    crashes: int
+    agents: tuple[int, ...]
+    """Idle resident agents on one node, cumulative steps."""
+    sessions: tuple[int, ...]
+    """Sessions registered in etcd while warm sends are timed; the first is the baseline."""
+    session_calls: int
+    nodes: tuple[int, ...] = (1, 2, 3)
+    scaling_calls: int
+    scaling_in_flight: int = 64
+    call_timeout: float
+    """Seconds after which a timed call counts as hung (and its section fails)."""
+
+
+FULL = Sizes(
+    name="full",
+    calls=1500,
+    warmup=100,
+    cold_resumes=20,
+    crashes=3,
+    agents=(1_000, 10_000, 50_000),
+    sessions=(100, 10_000, 100_000),
+    session_calls=2000,
+    scaling_calls=3000,
+    call_timeout=15.0,
+)
+
+QUICK = Sizes(
+    name="quick",
+    calls=40,
+    warmup=5,
+    cold_resumes=2,
+    crashes=1,
+    agents=(50, 100, 200),
+    sessions=(100, 300, 1_000),
+    session_calls=40,
+    scaling_calls=64,
+    call_timeout=5.0,
+)
+
+
+@dataclass
+class Floors:
+    """The floors of this run, by number of calls in flight: a bare grpc.aio echo between two
+    processes, and one etcd transaction (a guarded put, like an append)."""
+
+    echo: dict[int, Load] = field(default_factory=dict)
+    txn: dict[int, Load] = field(default_factory=dict)
+
+    @property
+    def hop_and_txn_p50(self) -> float:
+        """One gRPC hop plus one etcd transaction, one call at a time (ms)."""
+        return self.echo[1].p50 + self.txn[1].p50
+
+    def at(self, in_flight: int) -> tuple[Load, Load]:
+        """The echo and transaction loads at ``in_flight``."""
+        return self.echo[in_flight], self.txn[in_flight]
+
+
+@dataclass
+class Bed:
+    """What a section measures on: the run's etcd (shared by every section, each cluster under
+    a key prefix of its own), the sizes, the floors (once measured) and the report to fill."""
+
+    etcd_endpoint: str
+    etcd_pid: int | None
+    sizes: Sizes
+    report: Report
+    log_root: Path
+    """Where every cluster of the run keeps its node logs (kept when a section fails)."""
+    floors: Floors = field(default_factory=Floors)
+    _clusters: itertools.count[int] = field(default_factory=itertools.count)
+
+    def log_dir(self, scenario: str) -> Path:
+        """A new directory for the node logs of one cluster."""
+        path = self.log_root / f"{next(self._clusters):02d}-{scenario}"
+        path.mkdir(parents=True)
+        return path

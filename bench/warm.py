@@ -1,0 +1,337 @@
+"""Warm sends to resident targets: on the sender's node, on another node, spread over 1, 2 or 3
+nodes, and with many sessions registered in etcd.
+
+Every send is made by the in-process sender node (``node-a``) exactly as an agent's
+``send_message`` tool makes it, and each carries its own idempotency key, so each is a durable
+acceptance. A cross-node send is also timed "hop only": the benchmark acting as ``node-a`` calls
+the target's node directly (what ``python -m bench.warm_send`` times), which leaves out what the
+sender's own node does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import grpc
+
+from bench._cluster import (
+    SENDER,
+    children,
+    create_root,
+    in_process_node,
+    node_processes,
+    resident,
+)
+from bench._common import Bed
+from bench._measure import Load, Processes, run_load, run_loads
+from bench._report import Figure
+from bench.floors import etcd_singles, record_loads
+from bench.scenarios import FANOUT_CHILDREN
+from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
+from dsh_mesh.core import AgentRef, SessionHeader, SessionId
+from dsh_mesh.registry import Etcd, Keys
+from dsh_mesh.registry._codec import encode_header
+from dsh_mesh.registry._etcd import put
+from dsh_mesh.testing import LocalCluster, MeshReader
+
+SAME_NODE = "warm send, same node"
+CROSS_NODE = "warm send, cross-node"
+HOP_ONLY = "warm send, cross-node, hop only"
+_OTHER_NODES = ("node-b", "node-c", "node-d")
+_SESSIONS_PER_TXN = 64  # a header and a transcript head each: 128 puts, etcd's default limit
+_WRITERS = 4
+_BENCH = "bench process"
+
+
+async def measure_same_node(bed: Bed) -> None:
+    """Warm sends from a root to its resident child on the same node: floor one etcd txn."""
+    sizes, floors = bed.sizes, bed.floors
+    with node_processes(bed, "RESIDENT_CHILD", ()) as cluster:
+        async with (
+            in_process_node(cluster.settings) as node,
+            MeshReader(cluster.settings) as reader,
+        ):
+            root = await create_root(node)
+            [child] = await children(reader, root.session_id, 1)
+            host = (await resident(reader, child)).node_id
+            if host != SENDER:
+                raise RuntimeError(f"the child went to {host}, not to the sender's node")
+            manager = node.manager()
+
+            async def send(i: int) -> None:
+                await manager.send_message(root, child, f"m{i}", idempotency_key=f"k{i}")
+
+            loads = await run_loads(
+                send,
+                levels=sizes.levels,
+                calls=sizes.calls,
+                warmup=sizes.warmup,
+                hung_after=sizes.call_timeout,
+                watch={f"{_BENCH} (node-a: sender and target)": None, "etcd": bed.etcd_pid},
+            )
+    record_loads(
+        bed.report,
+        SAME_NODE,
+        loads,
+        latency_floor={n: floors.txn[n].p50 for n in sizes.levels},
+        throughput_floor={n: floors.txn[n].throughput for n in sizes.levels},
+    )
+
+
+async def measure_cross_node(bed: Bed) -> None:
+    """Warm sends from a root on node-a to its resident child on a node process: floor one
+    gRPC hop plus one etcd txn. Then the same target timed hop only."""
+    sizes, floors, report = bed.sizes, bed.floors, bed.report
+    with node_processes(bed, "RESIDENT_CHILD", _OTHER_NODES[:2]) as cluster:
+        async with (
+            in_process_node(cluster.settings) as node,
+            MeshReader(cluster.settings) as reader,
+        ):
+            root = await create_root(node)
+            [child] = await children(reader, root.session_id, 1)
+            host = (await resident(reader, child)).node_id
+            manager = node.manager()
+
+            async def send(i: int) -> None:
+                await manager.send_message(root, child, f"m{i}", idempotency_key=f"k{i}")
+
+            loads = await run_loads(
+                send,
+                levels=sizes.levels,
+                calls=sizes.calls,
+                warmup=sizes.warmup,
+                hung_after=sizes.call_timeout,
+                watch={
+                    f"{_BENCH} (node-a: sender)": None,
+                    f"{host} (target)": cluster[host].pid,
+                    "etcd": bed.etcd_pid,
+                },
+            )
+            watch = {
+                f"{_BENCH} (client as node-a)": None,
+                f"{host} (target)": cluster[host].pid,
+                "etcd": bed.etcd_pid,
+            }
+            hop_only = await _hop_only(cluster, host, root, child, bed, watch)
+    hop_floor = {n: floors.echo[n].p50 + floors.txn[n].p50 for n in sizes.levels}
+    echo_rate = {n: floors.echo[n].throughput for n in sizes.levels}
+    record_loads(report, CROSS_NODE, loads, latency_floor=hop_floor, throughput_floor=echo_rate)
+    record_loads(report, HOP_ONLY, hop_only, latency_floor=hop_floor, throughput_floor=echo_rate)
+    for n, floor in hop_floor.items():
+        report.curves["latency"].add("floor: echo + txn", n, floor)
+    by_level = {load.in_flight: load for load in loads}
+    most = max(sizes.levels)
+    report.add(
+        Figure(
+            "warm cross-node send p50 / (one gRPC hop + one etcd txn)",
+            by_level[1].p50,
+            "ms",
+            floors.hop_and_txn_p50,
+            target=1.3,
+            better="lower",
+        ),
+        Figure(
+            f"warm send throughput, {most} in flight to one node / bare echo",
+            by_level[most].throughput,
+            "calls/s",
+            floors.echo[most].throughput,
+            target=0.7,
+            better="higher",
+        ),
+    )
+
+
+async def _hop_only(
+    cluster: LocalCluster,
+    host: str,
+    root: AgentRef,
+    child: SessionId,
+    bed: Bed,
+    watch: Processes,
+) -> list[Load]:
+    """The benchmark acts as node-a and calls the child's node itself: one hop, then the
+    target node's authorization and append."""
+    sender = mesh_pb2.AgentRef(session_id=root.session_id, activation_id=root.activation_id)
+    metadata = cluster.metadata(SENDER)
+    address = cluster[host].address
+    assert address is not None
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = mesh_pb2_grpc.AgentMeshStub(channel)
+
+        async def send(i: int) -> None:
+            await stub.SendMessage(
+                mesh_pb2.SendMessageRequest(
+                    sender=sender, agent_id=child, message=f"h{i}", idempotency_key=f"h{i}"
+                ),
+                metadata=metadata,
+                timeout=10,
+            )
+
+        return await run_loads(
+            send,
+            levels=bed.sizes.levels,
+            calls=bed.sizes.calls,
+            warmup=bed.sizes.warmup,
+            hung_after=bed.sizes.call_timeout,
+            watch=watch,
+        )
+
+
+async def measure_node_scaling(bed: Bed) -> None:
+    """The same load (``scaling_in_flight`` sends in flight, round-robin over the
+    FANOUT_CHILDREN children of one root on node-a) to children resident on 1, 2 or 3 node
+    processes."""
+    sizes, report = bed.sizes, bed.report
+    in_flight = sizes.scaling_in_flight
+    echo = bed.floors.echo[in_flight]
+    curve = report.curve(
+        "nodes",
+        f"throughput, {in_flight} in flight over {FANOUT_CHILDREN} targets",
+        "nodes hosting the targets",
+        "calls/s",
+    )
+    for count in sizes.nodes:
+        load, hosts = await _spread_load(bed, count)
+        label = f"warm sends over {FANOUT_CHILDREN} targets on {count} node(s) ({', '.join(hosts)})"
+        report.add(
+            Figure(
+                f"{label}: throughput at {in_flight} in flight",
+                load.throughput,
+                "calls/s",
+                echo.throughput,
+                better="higher",
+            ),
+            Figure(f"{label}: p50 at {in_flight} in flight", load.p50, "ms"),
+        )
+        curve.add("warm sends", count, load.throughput)
+        curve.add(f"floor: bare echo at {in_flight} in flight", count, echo.throughput)
+
+
+async def _spread_load(bed: Bed, count: int) -> tuple[Load, list[str]]:
+    """The scaling load on a cluster whose root's children live on ``count`` node processes;
+    returns it and the nodes that host them."""
+    with node_processes(bed, "FANOUT", _OTHER_NODES[:count]) as cluster:
+        async with (
+            in_process_node(cluster.settings) as node,
+            MeshReader(cluster.settings) as reader,
+        ):
+            root = await create_root(node)
+            targets = await children(reader, root.session_id, FANOUT_CHILDREN)
+            hosts = sorted({str((await resident(reader, t)).node_id) for t in targets})
+            manager = node.manager()
+
+            async def send(i: int) -> None:
+                target = targets[i % len(targets)]
+                await manager.send_message(root, target, f"m{i}", idempotency_key=f"k{i}")
+
+            load = await run_load(
+                send,
+                calls=bed.sizes.scaling_calls,
+                in_flight=bed.sizes.scaling_in_flight,
+                warmup=bed.sizes.warmup,
+                hung_after=bed.sizes.call_timeout,
+            )
+    return load, hosts
+
+
+async def measure_registered_sessions(bed: Bed) -> None:
+    """Warm cross-node sends, one at a time, while more and more sessions are registered in
+    etcd (headers written directly, in batched transactions, under the cluster's prefix)."""
+    sizes, report = bed.sizes, bed.report
+    results: dict[int, Load] = {}
+    etcd_loads: dict[int, tuple[Load, Load]] = {}
+    write_seconds: dict[str, float] = {}
+    report.run["sessions_write_seconds"] = write_seconds
+    with node_processes(bed, "RESIDENT_CHILD", _OTHER_NODES[:2]) as cluster:
+        async with (
+            in_process_node(cluster.settings) as node,
+            MeshReader(cluster.settings) as reader,
+            Etcd(cluster.settings.etcd_config()) as etcd,
+        ):
+            root = await create_root(node)
+            [child] = await children(reader, root.session_id, 1)
+            await resident(reader, child)
+            template = await reader.header(root.session_id)
+            assert template is not None
+            keys = Keys(cluster.settings.key_prefix.encode())
+            manager = node.manager()
+
+            async def send(i: int) -> None:
+                await manager.send_message(root, child, f"m{i}", idempotency_key=f"k{i}")
+
+            registered = 2  # the root and its child
+            for total in sizes.sessions:
+                started = time.perf_counter()
+                await _register(etcd, keys, template, registered, total)
+                write_seconds[str(total)] = round(time.perf_counter() - started, 2)
+                registered = max(registered, total)
+                await asyncio.sleep(0.5)  # let etcd's backend commit settle
+                results[total] = await run_load(
+                    send,
+                    calls=sizes.session_calls,
+                    in_flight=1,
+                    warmup=sizes.warmup,
+                    hung_after=sizes.call_timeout,
+                )
+                # etcd itself at this size: does what etcd does grow, or what the nodes do?
+                etcd_loads[total] = await etcd_singles(
+                    etcd, calls=min(500, sizes.session_calls), hung_after=sizes.call_timeout
+                )
+    baseline = sizes.sessions[0]
+    curve = report.curve(
+        "sessions",
+        "warm cross-node send by sessions registered",
+        "sessions registered in etcd",
+        "ms",
+        log_x=True,
+    )
+    for total, load in results.items():
+        report.add(
+            Figure(
+                f"warm cross-node send, {total} sessions registered: p50",
+                load.p50,
+                "ms",
+                None if total == baseline else results[baseline].p50,
+            ),
+            Figure(f"warm cross-node send, {total} sessions registered: p99", load.p99, "ms"),
+        )
+        txn, read = etcd_loads[total]
+        report.add(
+            Figure(f"one etcd txn, {total} sessions registered: p50", txn.p50, "ms"),
+            Figure(f"one etcd read (Range), {total} sessions registered: p50", read.p50, "ms"),
+        )
+        curve.add("warm send p50", total, load.p50)
+        curve.add("warm send p99", total, load.p99)
+        curve.add("one etcd txn p50", total, txn.p50)
+        curve.add("one etcd read p50", total, read.p50)
+    most = max(results)
+    report.add(
+        Figure(
+            f"warm cross-node send p50 at {most} sessions / at {baseline}",
+            results[most].p50,
+            "ms",
+            results[baseline].p50,
+            target=1.1,
+            better="lower",
+        )
+    )
+
+
+async def _register(etcd: Etcd, keys: Keys, template: SessionHeader, start: int, end: int) -> None:
+    """Write filler sessions ``start`` .. ``end - 1``: a header (the template's, re-keyed) and
+    a transcript head each, ``_SESSIONS_PER_TXN`` per transaction."""
+    batches = iter(range(start, end, _SESSIONS_PER_TXN))
+
+    async def writer() -> None:
+        for first in batches:
+            operations = []
+            for number in range(first, min(end, first + _SESSIONS_PER_TXN)):
+                session = SessionId(f"bench-filler-{number:07d}")
+                header = dataclasses.replace(template, session_id=session)
+                operations.append(put(keys.header(session), encode_header(header)))
+                operations.append(put(keys.head(session), b"0"))
+            await etcd.txn([], operations)
+
+    await asyncio.gather(*(writer() for _ in range(_WRITERS)))

@@ -1,0 +1,127 @@
+"""The benchmark report's schema (bench/_report.py): what ``make bench`` writes to
+bench/report.json is machine-checked, so the checker itself is checked here."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench._report import FIGURE_KEYS, Figure, Report, check_report, format_table
+
+
+def a_report() -> Report:
+    report = Report()
+    report.add(
+        Figure("warm cross-node send p50", 1.9, "ms", 1.4, 1.3, "lower"),
+        Figure("throughput at 64 in flight", 3000.0, "calls/s", 4000.0, 0.7, "higher"),
+        Figure("p50 at 100k sessions / at 100", 1.75, "ms", 1.7, 1.1, "lower"),
+        Figure("cold resume", 3.0, "ms", 0.8, 5.0, "lower"),
+        Figure("SIGKILL until live elsewhere", 2.1, "s", None, 2.5, "lower"),
+        Figure("idle resident agent memory", 7.5, "KiB", None, 20.0, "lower"),
+        Figure("bare echo p50", 0.6, "ms"),
+        Figure("warm same-node send throughput", 5000.0, "calls/s", 4000.0, better="higher"),
+    )
+    report.curve("latency", "p50", "calls in flight", "ms", log_x=True).add("echo", 1, 0.6)
+    report.run["sizes"] = "quick"
+    return report
+
+
+def a_document() -> dict[str, Any]:
+    return a_report().as_json()
+
+
+def test_a_complete_report_conforms_and_lists_only_targets_as_figures() -> None:
+    document = a_document()
+    assert check_report(document, expected_targets=6) == []
+    assert len(document["figures"]) == 6
+    assert all(sorted(f) == sorted(FIGURE_KEYS) for f in document["figures"])
+    assert all(f["target"] is not None for f in document["figures"])
+    assert [m["target"] for m in document["measurements"]] == [None, None]
+    assert document["curves"]["latency"]["series"]["echo"] == [[1, 0.6]]
+
+
+def test_the_report_round_trips_through_json(tmp_path: Path) -> None:
+    path = tmp_path / "out" / "report.json"
+    written = a_report().write(path)
+    assert json.loads(path.read_text()) == written
+    assert check_report(json.loads(path.read_text()), expected_targets=6) == []
+
+
+@pytest.mark.parametrize(
+    ("figure", "ratio", "met"),
+    [
+        (Figure("a", 1.7, "ms", 1.4, 1.3, "lower"), 1.7 / 1.4, True),
+        (Figure("b", 1.9, "ms", 1.4, 1.3, "lower"), 1.9 / 1.4, False),
+        (Figure("c", 1.4, "ms", 1.4, 1.3, "lower"), 1.0, True),
+        (Figure("d", 3000, "calls/s", 4000, 0.7, "higher"), 0.75, True),
+        (Figure("e", 2000, "calls/s", 4000, 0.7, "higher"), 0.5, False),
+        (Figure("f", 2.6, "s", None, 2.5, "lower"), None, False),
+        (Figure("g", 7.5, "KiB", None, 20.0, "lower"), None, True),
+        (Figure("h", 7.5, "KiB"), None, None),
+    ],
+)
+def test_a_target_is_a_ratio_to_the_floor_or_an_absolute_value(
+    figure: Figure, ratio: float | None, met: bool | None
+) -> None:
+    assert figure.ratio == (None if ratio is None else pytest.approx(ratio))
+    assert figure.met is met
+
+
+def broken(edit: Any) -> list[str]:
+    document = copy.deepcopy(a_document())
+    edit(document)
+    return check_report(document, expected_targets=6)
+
+
+@pytest.mark.parametrize(
+    ("edit", "complaint"),
+    [
+        (lambda d: d["figures"].pop(), "has 5 entries"),
+        (lambda d: d["figures"][0].pop("floor"), "has keys"),
+        (lambda d: d["figures"][0].update(extra=1), "has keys"),
+        (lambda d: d["figures"][0].update(better="smaller"), "better"),
+        (lambda d: d["figures"][0].update(target=None), "target"),
+        (lambda d: d["figures"][0].update(target=-1), "target"),
+        (lambda d: d["figures"][0].update(floor=0), "floor"),
+        (lambda d: d["figures"][0].update(floor="1.4"), "floor"),
+        (lambda d: d["figures"][0].update(value=math.nan), "value"),
+        (lambda d: d["figures"][0].update(value=True), "value"),
+        (lambda d: d["figures"][0].update(unit=""), "unit"),
+        (lambda d: d["figures"][0].update(name=""), "name"),
+        (lambda d: d["figures"][1].update(name=d["figures"][0]["name"]), "duplicate"),
+        (lambda d: d["measurements"][0].update(target=1.0), "target is not null"),
+        (lambda d: d.update(figures={}), "not a list"),
+        (lambda d: d["curves"]["latency"]["series"].update(echo=[[1]]), "[x, y]"),
+    ],
+)
+def test_every_way_of_breaking_the_schema_is_reported(edit: Any, complaint: str) -> None:
+    problems = broken(edit)
+    assert any(complaint in problem for problem in problems), problems
+
+
+def test_not_an_object_is_not_a_report() -> None:
+    assert check_report([]) == ["the report is not a JSON object"]
+
+
+def test_an_invalid_report_is_never_written(tmp_path: Path) -> None:
+    report = a_report()
+    report.add(Figure("broken", math.inf, "ms", None, 1.0))
+    with pytest.raises(ValueError, match="breaks its schema"):
+        report.write(tmp_path / "report.json")
+    assert not (tmp_path / "report.json").exists()
+
+
+def test_the_table_shows_each_ratio_target_and_verdict() -> None:
+    report = a_report()
+    lines = format_table(report.figures).splitlines()
+    assert lines[0].split() == ["figure", "value", "unit", "floor", "ratio", "target", "met?"]
+    by_name = {line.split("  ")[0].strip(): line for line in lines[2:]}
+    assert by_name["warm cross-node send p50"].endswith("1.36x  <= 1.30x    NO")
+    assert by_name["throughput at 64 in flight"].endswith("0.75x  >= 0.70x   yes")
+    assert by_name["SIGKILL until live elsewhere"].rstrip().endswith("<= 2.50   yes")
+    assert by_name["bare echo p50"].rstrip().endswith("ms")
