@@ -258,9 +258,7 @@ class EtcdSessionStore:
                 # This caller commits for everyone waiting on the session. Shielded: the batch
                 # it carries is other callers' too, so its own cancellation must not stop it.
                 self._flushing.add(session)
-                flushing = asyncio.ensure_future(self._flush(session))
-                flushing.add_done_callback(lambda _: self._flushing.discard(session))
-                await asyncio.shield(flushing)
+                await asyncio.shield(asyncio.ensure_future(self._flush(session)))
             record, known = await asyncio.shield(pending.done)
             appending.set_many({"dsh.seq": record.seq, "dsh.duplicate": known is not None})
             return record, known
@@ -284,8 +282,16 @@ class EtcdSessionStore:
                     batch.append(queue.pop(0))
                 await self._commit(session, batch)
         finally:
-            if not queue:
-                self._queues.pop(session, None)
+            # In the same step as the queue goes: an append arriving after this starts a
+            # commit of its own, and none can find a queue that nobody will commit.
+            for stranded in queue:
+                if not stranded.done.done():
+                    stranded.done.set_exception(
+                        RegistryUnavailable(f"{session}: the commit was interrupted")
+                    )
+            queue.clear()
+            self._queues.pop(session, None)
+            self._flushing.discard(session)
 
     async def _commit(self, session: SessionId, batch: list[_Pending]) -> None:
         try:

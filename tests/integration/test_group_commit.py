@@ -111,3 +111,22 @@ async def test_a_fenced_batch_writes_nothing_and_fails_every_caller(
     )
     assert all(isinstance(o, ActivationFenced) for o in outcomes), outcomes
     assert await sessions.read(SESSION) == []
+
+
+async def test_appends_arriving_as_a_commit_ends_are_never_stranded(
+    store: tuple[Etcd, EtcdSessionStore, Activation],
+) -> None:
+    # An append that arrives in the step a commit finishes must start a commit of its own;
+    # bursts of concurrent appends, spaced by a yield, hit that step many times.
+    _, sessions, activation = store
+    sent = 0
+    for _ in range(150):
+        burst = [
+            sessions.append(SESSION, prompt(sent + n), writer=activation.activation_id)
+            for n in range(8)
+        ]
+        sent += len(burst)
+        await asyncio.wait_for(asyncio.gather(*burst), timeout=10)
+        await asyncio.sleep(0)
+    stored = await sessions.read(SESSION)
+    assert [r.seq for r in stored] == list(range(1, sent + 1))
