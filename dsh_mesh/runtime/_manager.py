@@ -873,8 +873,7 @@ class ContinuationManager:
         return self.registry.resolve(preset, allowed=allowed)
 
     def _is_live_here(self, session: SessionId) -> bool:
-        agent = self._agents.get(session)
-        return agent is not None and agent.state is not AgentState.SETTLED
+        return self.running(session) is not None
 
     async def _home_elsewhere(self, target: SessionId, *, place: bool) -> TargetElsewhere | None:
         """Where ``target`` lives (or, when ``place``, should live next) if that is another

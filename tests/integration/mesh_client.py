@@ -13,9 +13,11 @@ from dsh_mesh.core import (
     AgentMessageEntry,
     AgentRef,
     MeshError,
+    Record,
     SessionHeader,
     SessionId,
     SessionKind,
+    SettlementNoticeEntry,
 )
 from dsh_mesh.testing import LocalCluster, MeshReader, create_root
 from dsh_mesh.transport import error_from_rpc
@@ -90,12 +92,24 @@ async def children_of(reader: MeshReader, parent: SessionId) -> list[SessionHead
     )
 
 
+def notices(records: list[Record]) -> list[SettlementNoticeEntry]:
+    """The settlement notices among ``records``, in seq order."""
+    return [r.entry for r in records if isinstance(r.entry, SettlementNoticeEntry)]
+
+
+def messages(records: list[Record]) -> list[AgentMessageEntry]:
+    """The agent messages among ``records``, in seq order."""
+    return [r.entry for r in records if isinstance(r.entry, AgentMessageEntry)]
+
+
 __all__ = [
     "HUMAN",
     "MeshError",
     "children_of",
     "create_root",
     "live_ref",
+    "messages",
+    "notices",
     "send_as",
     "started_child",
 ]

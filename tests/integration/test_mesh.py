@@ -18,7 +18,6 @@ from dsh_mesh.core import (
     AssistantStepEntry,
     ConsumedEntry,
     NodeId,
-    Record,
     SessionId,
     SettlementNoticeEntry,
     SettlementOutcome,
@@ -31,6 +30,8 @@ from tests.integration.mesh_client import (
     children_of,
     create_root,
     live_ref,
+    messages,
+    notices,
     send_as,
     started_child,
 )
@@ -67,14 +68,6 @@ async def open_reader() -> AsyncIterator[Callable[[LocalCluster], MeshReader]]:
     yield open_
     for reader in readers:
         await reader.__aexit__()
-
-
-def notices(records: list[Record]) -> list[SettlementNoticeEntry]:
-    return [r.entry for r in records if isinstance(r.entry, SettlementNoticeEntry)]
-
-
-def messages(records: list[Record]) -> list[AgentMessageEntry]:
-    return [r.entry for r in records if isinstance(r.entry, AgentMessageEntry)]
 
 
 async def only_child(reader: MeshReader, root: SessionId) -> SessionId:

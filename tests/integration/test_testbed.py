@@ -24,7 +24,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
 from dsh_mesh.core import (
     Activation,
-    AgentMessageEntry,
     AgentRef,
     AssistantStepEntry,
     ConsumedEntry,
@@ -36,7 +35,6 @@ from dsh_mesh.core import (
     RejectionReason,
     SessionHeader,
     SessionId,
-    SettlementNoticeEntry,
     SettlementOutcome,
 )
 from dsh_mesh.registry import Etcd
@@ -49,7 +47,14 @@ from dsh_mesh.testing import (
     bed_unavailable_reason,
 )
 from dsh_mesh.transport import error_from_rpc, secure_channel
-from tests.integration.mesh_client import children_of, create_root, live_ref, started_child
+from tests.integration.mesh_client import (
+    children_of,
+    create_root,
+    live_ref,
+    messages,
+    notices,
+    started_child,
+)
 
 TLS = True
 """Mutual TLS on the bed (every node and etcd member with its own certificate)."""
@@ -132,14 +137,6 @@ async def reader_of() -> AsyncIterator[Callable[[BedCluster], MeshReader]]:
     yield open_
     for reader in readers:
         await reader.__aexit__()
-
-
-def notices(records: list[Record]) -> list[SettlementNoticeEntry]:
-    return [r.entry for r in records if isinstance(r.entry, SettlementNoticeEntry)]
-
-
-def messages(records: list[Record]) -> list[AgentMessageEntry]:
-    return [r.entry for r in records if isinstance(r.entry, AgentMessageEntry)]
 
 
 def channel(
