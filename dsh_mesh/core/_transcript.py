@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -184,7 +185,7 @@ def is_queue_delivery(entry: InboundEntry) -> bool:
     return isinstance(entry, HumanPromptEntry)
 
 
-def pending_inbound(records: list[Record]) -> list[Record]:
+def pending_inbound(records: Sequence[Record]) -> list[Record]:
     """Inbound records no ``ConsumedEntry`` has delivered yet, in acceptance order."""
     consumed: set[int] = set()
     for record in records:

@@ -124,6 +124,14 @@ async def _drive(cluster: LocalCluster, say: Callable[[str], None]) -> DemoRun:
             what="the lead's follow-up reaching alpha",
         )
         say(f"alpha is mid-step on {first.node_id}; the lead's follow-up is waiting in its inbox")
+        # The one-shot helper may share alpha's host: its notice must be home before the kill,
+        # or the lead would rightly get "lost" for it too.
+        await reader.wait_for(
+            lambda: reader.transcript(root),
+            lambda records: _outcomes(records, gloss) == [SettlementOutcome.COMPLETED],
+            within=_WAIT,
+            what="the one-shot helper's notice",
+        )
         say(f"killing {first.node_id} (SIGKILL)")
         cluster[first.node_id].kill()
         run.killed = first.node_id

@@ -112,6 +112,11 @@ def get(key: bytes) -> Any:
     return rpc.RequestOp(request_range=rpc.RangeRequest(key=key))
 
 
+def scan(prefix: bytes) -> Any:
+    """A read of every key starting with ``prefix``, in key order, for a transaction."""
+    return rpc.RequestOp(request_range=rpc.RangeRequest(key=prefix, range_end=prefix_end(prefix)))
+
+
 def delete(key: bytes) -> Any:
     """A single-key delete operation for a transaction."""
     return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key))

@@ -40,9 +40,9 @@ from dsh_mesh.registry._codec import (
     encode_entry,
     encode_header,
 )
-from dsh_mesh.registry._etcd import Etcd, Result, Target, compare, delete, get, put
+from dsh_mesh.registry._etcd import Etcd, Result, Target, compare, delete, get, put, scan
 from dsh_mesh.registry._keys import Keys
-from dsh_mesh.runtime import Acceptance, IdempotencyKey, check_same_request
+from dsh_mesh.runtime import Acceptance, IdempotencyKey, Resumption, check_same_request
 
 _APPEND_ATTEMPTS = 32
 _BATCH_ENTRIES = 32
@@ -191,6 +191,73 @@ class EtcdSessionStore:
                 current = decode_activation(current_kv.value)
                 self._fences[current.activation_id] = current_kv.create_revision
                 return current
+            # The holder let go between our compare and our read: race again.
+        raise RegistryUnavailable(f"{session}: activation kept changing hands")
+
+    async def try_resume(
+        self, activation: Activation, *, unless_known: IdempotencyKey | None = None
+    ) -> Resumption:
+        """One transaction: the activation if the session has none (and ``unless_known`` was
+        never used), its transcript head and entries read in the same step. The head also
+        refreshes this node's cached seq, which may be stale if it hosted the session before."""
+        with telemetry.span(
+            "dsh.etcd.activate",
+            attributes={
+                "dsh.session.id": activation.session_id,
+                "dsh.activation.id": activation.activation_id,
+            },
+        ) as activating:
+            resumption = await self._try_resume(activation, unless_known)
+            activating.set("dsh.activation.won", resumption.current == activation)
+            return resumption
+
+    async def _try_resume(
+        self, activation: Activation, unless_known: IdempotencyKey | None
+    ) -> Resumption:
+        session = activation.session_id
+        key, header = self._keys.activation(session), self._keys.header(session)
+        compares = [
+            compare(key, Target.CREATE, Result.EQUAL, 0),
+            compare(header, Target.CREATE, Result.GREATER, 0),
+        ]
+        failure = [get(key), get(header)]
+        if unless_known is not None:
+            known_key = self._idempotency_key(unless_known)
+            compares.append(compare(known_key, Target.CREATE, Result.EQUAL, 0))
+            failure.append(get(known_key))
+        prefix = self._keys.entries(session)
+        for _ in range(_ACTIVATE_ATTEMPTS):
+            response = await self._etcd.txn(
+                compares,
+                [
+                    put(key, encode_activation(activation), lease=self._lease()),
+                    get(self._keys.head(session)),
+                    scan(prefix),
+                ],
+                failure,
+            )
+            if response.succeeded:
+                self._fences[activation.activation_id] = response.header.revision
+                self._note(activation)
+                _, head_read, entries = response.responses
+                head = _only(head_read)
+                if head is None:  # the header exists (compared above), so its head does too
+                    raise SessionUnknown(f"{session}: no transcript head")
+                self._seqs[session] = int(head.value)
+                records = tuple(
+                    Record(seq=int(kv.key[len(prefix) :]), entry=decode_entry(kv.value))
+                    for kv in entries.response_range.kvs
+                )
+                return Resumption(current=activation, records=records)
+            current_kv, header_kv, *known_kv = (_only(r) for r in response.responses)
+            if known_kv and known_kv[0] is not None:
+                return Resumption(current=None, known=decode_acceptance(known_kv[0].value))
+            if header_kv is None:
+                raise SessionUnknown(session)
+            if current_kv is not None:
+                current = decode_activation(current_kv.value)
+                self._fences[current.activation_id] = current_kv.create_revision
+                return Resumption(current=current)
             # The holder let go between our compare and our read: race again.
         raise RegistryUnavailable(f"{session}: activation kept changing hands")
 

@@ -6,6 +6,7 @@ from dsh_mesh.runtime._router import MAX_HOPS, Router
 from dsh_mesh.runtime._store import (
     Acceptance,
     IdempotencyKey,
+    Resumption,
     SessionStore,
     check_same_request,
 )
@@ -17,6 +18,7 @@ __all__ = [
     "IdempotencyKey",
     "InMemorySessionStore",
     "ManagerConfig",
+    "Resumption",
     "Router",
     "SessionStore",
     "check_same_request",

@@ -604,12 +604,10 @@ class ContinuationManager:
     ) -> Delivery:
         self._check_open()
         fingerprint = _fingerprint(target, entry)
+        # No idempotency read up front: the append refuses a known key, and so does winning a
+        # cold resume (nothing is activated for a send that was already accepted). A send that
+        # goes to another node is checked there.
         warm = self._is_live_here(target)
-        if key is not None and not warm:
-            # A warm send skips this read: the append transaction itself refuses a known key.
-            known = await self._store.lookup(key)
-            if known is not None:
-                return self._duplicate(key, known, target, fingerprint)
         if self._router is not None and not warm:
             elsewhere = await self._home_elsewhere(target, place=forward is not None)
             if elsewhere is not None:
@@ -622,11 +620,13 @@ class ContinuationManager:
         handed_off = False
         try:
             try:
-                agent, resumed = await self._resident(target, parent_activation)
+                agent, resumed = await self._resident(target, parent_activation, key)
             except TargetElsewhere as lost_race:
                 if forward is None:
                     raise
                 return await forward(NodeId(lost_race.node_id))
+            except _AlreadyAccepted as already:
+                return self._duplicate(already.key, already.known, target, fingerprint)
             if (
                 parent_activation is not None
                 and agent.activation.parent_activation != parent_activation
@@ -723,9 +723,13 @@ class ContinuationManager:
                 await asyncio.sleep(_NOTICE_BACKOFF * 2 ** min(attempt, 6))
             agent = self._agents.get(parent)
             if agent is not None and agent.state is not AgentState.SETTLED:
+                if notice.child_activation in self._noticed:
+                    return  # a retry of a notice this node already delivered
                 self._waking[parent] += 1
-                await self._accept(agent, notice, DeliveryKind.STEERED, None, None)
-                self._child_settled(parent, notice.child_session, notice.child_activation)
+                # Like a send's acceptance, the delivery runs to completion once it began: a
+                # caller that goes away (the child's host died mid-call) must not leave a
+                # durable notice that its parent never reads and a "lost" one after it.
+                await self._detach(self._accept_notice(agent, notice))
                 return
             if agent is not None:
                 await agent.wait_released()
@@ -744,6 +748,10 @@ class ContinuationManager:
                 continue  # the parent became resident meanwhile: deliver to that activation
             return
         raise ActivationFenced(f"{parent}: kept changing residency while a notice was delivered")
+
+    async def _accept_notice(self, parent: Agent, notice: SettlementNoticeEntry) -> None:
+        await self._accept(parent, notice, DeliveryKind.STEERED, None, None)
+        self._child_settled(parent.session_id, notice.child_session, notice.child_activation)
 
     def _track_child(self, parent: SessionId, child: SessionId, activation: ActivationId) -> None:
         """Remember a live child of a parent resident here, unless its notice already came."""
@@ -765,8 +773,15 @@ class ContinuationManager:
     # -- residency ------------------------------------------------------------------------------
 
     async def _resident(
-        self, target: SessionId, parent_activation: ActivationId | None
+        self,
+        target: SessionId,
+        parent_activation: ActivationId | None,
+        key: IdempotencyKey | None = None,
     ) -> tuple[Agent, bool]:
+        """The live agent of ``target`` here, cold-resuming it if it is absent (True then).
+        Concurrent callers share one cold resume, made with the first caller's ``key``: if that
+        key was already accepted, nothing is resumed, that caller gets :class:`_AlreadyAccepted`
+        and the others try again."""
         while True:
             agent = self._agents.get(target)
             if agent is not None and agent.state is not AgentState.SETTLED:
@@ -776,26 +791,37 @@ class ContinuationManager:
                 continue
             task = self._resuming.get(target)
             if task is None:
-                task = self._start_detached(self._cold_resume(target, parent_activation))
+                task = self._start_detached(self._cold_resume(target, parent_activation, key))
                 self._resuming[target] = task
                 task.add_done_callback(lambda _: self._resuming.pop(target, None))
-            return await asyncio.shield(task), True
+            try:
+                return await asyncio.shield(task), True
+            except _AlreadyAccepted as already:
+                if already.key != key:
+                    continue
+                raise
 
     async def _cold_resume(
-        self, target: SessionId, parent_activation: ActivationId | None
+        self,
+        target: SessionId,
+        parent_activation: ActivationId | None,
+        key: IdempotencyKey | None,
     ) -> Agent:
         started = time.monotonic()
         with telemetry.span(
             "dsh.cold_resume",
             attributes={"dsh.session.id": target, "dsh.node.id": self.node_id},
         ) as resuming:
-            agent = await self._load_and_start(target, parent_activation)
+            agent = await self._load_and_start(target, parent_activation, key)
             resuming.set("dsh.activation.id", agent.activation.activation_id)
         telemetry.cold_resumed(time.monotonic() - started)
         return agent
 
     async def _load_and_start(
-        self, target: SessionId, parent_activation: ActivationId | None
+        self,
+        target: SessionId,
+        parent_activation: ActivationId | None,
+        key: IdempotencyKey | None,
     ) -> Agent:
         header = await self.header(target)
         if parent_activation is None and header.parent_session is not None:
@@ -807,10 +833,13 @@ class ContinuationManager:
             node_id=self._config.node_id,
             parent_activation=parent_activation,
         )
-        current = await self._store.try_activate(activation)
-        if current != activation:
+        resumption = await self._store.try_resume(activation, unless_known=key)
+        if key is not None and resumption.known is not None:
+            raise _AlreadyAccepted(key, resumption.known)
+        current = resumption.current
+        if current is not None and current != activation:
             raise TargetElsewhere.held_by(target, current.node_id, current.activation_id)
-        records = await self._store.read(target)
+        records = resumption.records
         agent = self._make_agent(header, activation, records, self._config.resume_filter)
         for record in pending_inbound(records):
             agent.deliver(record)
@@ -1014,6 +1043,15 @@ class ContinuationManager:
 
     async def _detach(self, work: Coroutine[Any, Any, T]) -> T:
         return await asyncio.shield(self._start_detached(work))
+
+
+class _AlreadyAccepted(Exception):
+    """A cold resume found its idempotency key already used: the send is a duplicate."""
+
+    def __init__(self, key: IdempotencyKey, known: Acceptance) -> None:
+        super().__init__(key.key)
+        self.key = key
+        self.known = known
 
 
 def _fingerprint(target: SessionId, entry: InboundEntry) -> str:

@@ -15,7 +15,12 @@ from dsh_mesh.core import (
     SessionId,
     SessionUnknown,
 )
-from dsh_mesh.runtime._store import Acceptance, IdempotencyKey, check_same_request
+from dsh_mesh.runtime._store import (
+    Acceptance,
+    IdempotencyKey,
+    Resumption,
+    check_same_request,
+)
 
 
 class InMemorySessionStore:
@@ -42,6 +47,17 @@ class InMemorySessionStore:
         if activation.session_id not in self._headers:
             raise SessionUnknown(activation.session_id)
         return self._activations.setdefault(activation.session_id, activation)
+
+    async def try_resume(
+        self, activation: Activation, *, unless_known: IdempotencyKey | None = None
+    ) -> Resumption:
+        known = None if unless_known is None else self._idempotency.get(unless_known)
+        if known is not None:
+            return Resumption(current=None, known=known)
+        current = await self.try_activate(activation)
+        if current != activation:
+            return Resumption(current=current)
+        return Resumption(current=current, records=tuple(self._transcripts[current.session_id]))
 
     async def current_activation(
         self, session: SessionId, *, fresh: bool = False

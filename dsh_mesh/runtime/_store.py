@@ -42,6 +42,17 @@ class Acceptance:
     fingerprint: str
 
 
+@dataclass(frozen=True, kw_only=True)
+class Resumption:
+    """What :meth:`SessionStore.try_resume` found: the session's current activation (the one
+    asked for when the call won it) and, when it won, the transcript as of that moment; or,
+    instead of either, the first acceptance of an idempotency key already used."""
+
+    current: Activation | None
+    records: tuple[Record, ...] = ()
+    known: Acceptance | None = None
+
+
 class SessionStore(Protocol):
     """Durable state of sessions. Every method is safe to call concurrently from one loop."""
 
@@ -54,6 +65,14 @@ class SessionStore(Protocol):
     async def try_activate(self, activation: Activation) -> Activation:
         """Create the session's activation only if none exists. Returns the current activation:
         ``activation`` itself when this call won, the winner's otherwise."""
+        ...
+
+    async def try_resume(
+        self, activation: Activation, *, unless_known: IdempotencyKey | None = None
+    ) -> Resumption:
+        """:meth:`try_activate` for an existing session, in one atomic step with reading its
+        transcript. With ``unless_known``, a key already recorded wins over everything else:
+        nothing is activated and the result carries only the first acceptance under it."""
         ...
 
     async def current_activation(

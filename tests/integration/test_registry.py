@@ -483,6 +483,66 @@ async def test_a_released_session_is_won_by_another_node_which_continues_the_tra
     assert record.seq == 3
 
 
+async def test_try_resume_wins_reads_the_transcript_and_refreshes_a_stale_head_in_one_txn(
+    node_a: Node, node_b: Node, keys: Keys
+) -> None:
+    session = SessionId("s-resume")
+    await node_a.store.create_header(root_header(session))
+    first = await node_a.store.try_activate(node_a.activation(session))
+    await node_a.store.append(session, prompt("on a"), writer=first.activation_id)
+    await node_a.store.release(first)
+    second = await node_b.store.try_activate(node_b.activation(session))
+    await node_b.store.append(session, prompt("on b"), writer=second.activation_id)
+    await node_b.store.release(second)
+
+    mine = node_a.activation(session)
+    txns, reads = node_a.etcd.txns, node_a.etcd.reads
+    resumed = await node_a.store.try_resume(mine)
+    assert resumed.current == mine and resumed.known is None
+    assert contents(list(resumed.records)) == [(1, "on a"), (2, "on b")]
+    # Node a's cached head (1) was refreshed by the same transaction: the append goes through
+    # at the first attempt, with no read.
+    record, _ = await node_a.store.append(session, prompt("a again"), writer=mine.activation_id)
+    assert record.seq == 3
+    assert (node_a.etcd.txns, node_a.etcd.reads) == (txns + 2, reads)
+    assert await stored_activation(node_a.etcd, keys, session) == (mine, node_a.lease)
+
+    # A held session: the holder comes back, and nothing is read or written.
+    lost = await node_b.store.try_resume(node_b.activation(session))
+    assert lost.current == mine and lost.records == () and lost.known is None
+    with pytest.raises(SessionUnknown):
+        await node_b.store.try_resume(node_b.activation(SessionId("s-nobody")))
+
+
+async def test_try_resume_activates_nothing_for_a_key_already_accepted(
+    node_a: Node, node_b: Node, keys: Keys
+) -> None:
+    session = SessionId("s-resume-known")
+    await node_a.store.create_header(root_header(session))
+    held = await node_a.store.try_activate(node_a.activation(session))
+    writer = held.activation_id
+    key = IdempotencyKey(principal="s-parent", key="k-1")
+    await node_a.store.append(
+        session,
+        message("s-parent", "once"),
+        writer=writer,
+        idempotency=(key, acceptance(session, writer, "fp-1")),
+    )
+    await node_a.store.release(held)
+
+    retried = await node_b.store.try_resume(node_b.activation(session), unless_known=key)
+    assert retried.current is None and retried.records == ()
+    assert retried.known is not None and retried.known.seq == 1
+    assert retried.known.target_activation == writer
+    assert await node_b.etcd.get(keys.activation(session)) is None
+
+    fresh = IdempotencyKey(principal="s-parent", key="k-2")
+    mine = node_b.activation(session)
+    won = await node_b.store.try_resume(mine, unless_known=fresh)
+    assert won.current == mine and won.known is None
+    assert contents(list(won.records)) == [(1, "once")]
+
+
 async def test_rebind_changes_the_parent_activation_and_keeps_the_fence(
     node_a: Node, node_b: Node, keys: Keys
 ) -> None:

@@ -245,6 +245,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "InMemorySessionStore",
         "MAX_HOPS",
         "ManagerConfig",
+        "Resumption",
         "Router",
         "SessionStore",
         "check_same_request",

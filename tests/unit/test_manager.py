@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -23,6 +24,7 @@ from dsh_mesh.core import (
     ParentNotLive,
     RejectionReason,
     SessionId,
+    SessionKind,
     SettlementNoticeEntry,
     SettlementOutcome,
     StaleSender,
@@ -290,6 +292,79 @@ async def test_retry_with_the_same_idempotency_key_returns_the_first_acceptance(
     with pytest.raises(IdempotencyConflict) as conflict:
         await mesh.manager.send_message(ref, CHILD, "different", idempotency_key="k1")
     assert conflict.value.reason is RejectionReason.IDEMPOTENCY_CONFLICT
+
+
+@pytest.mark.contract(10)
+async def test_a_retry_to_a_child_that_settled_since_resumes_nothing(mesh: InProcessMesh) -> None:
+    mesh.scripted.program("helper", Reply(), Reply(), Reply())
+    ref = await root_with_child(mesh)
+    await mesh.manager.quiescent()
+    first = await mesh.manager.send_message(ref, CHILD, "once", idempotency_key="k1")
+    assert first.kind is DeliveryKind.COLD_RESUMED
+    await mesh.manager.quiescent()
+    assert mesh.manager.agent(CHILD) is None
+    transcript, settled = await mesh.transcript(CHILD), len(await notices(mesh))
+
+    again = await mesh.manager.send_message(ref, CHILD, "once", idempotency_key="k1")
+    assert again == dataclasses.replace(first, duplicate=True)
+    assert mesh.manager.agent(CHILD) is None  # not woken: nothing new to read
+    assert await mesh.store.current_activation(CHILD) is None
+    with pytest.raises(IdempotencyConflict):
+        await mesh.manager.send_message(ref, CHILD, "different", idempotency_key="k1")
+    # Two sends race a cold resume: one a retry, one new. The new one still gets in, once.
+    both = await asyncio.gather(
+        mesh.manager.send_message(ref, CHILD, "once", idempotency_key="k1"),
+        mesh.manager.send_message(ref, CHILD, "twice", idempotency_key="k2"),
+    )
+    assert both[0] == again and not both[1].duplicate
+    await mesh.manager.quiescent()
+    after = await mesh.transcript(CHILD)
+    texts = [r.entry.content for r in after if isinstance(r.entry, AgentMessageEntry)]
+    assert texts == ["once", "twice"]
+    assert after[: len(transcript)] == transcript
+    assert len(await notices(mesh)) == settled + 1
+
+
+@pytest.mark.contract(8)
+async def test_a_notice_whose_caller_went_away_mid_append_is_still_read_once() -> None:
+    """The child's host dies while its notice is being appended at the parent's node (the
+    DeliverNotice call is cancelled): the notice is durable, so the parent must read it, and
+    the activation's end must not add a "lost" notice after it; a retry adds nothing."""
+    store = HoldingStore(SettlementNoticeEntry)
+    async with in_process_mesh(presets(), store=store) as mesh:
+        mesh.scripted.program("lead", tool("spawn_agent", task="t", preset="helper"), Reply())
+        mesh.scripted.program("helper", Reply(gate=asyncio.Event()))
+        await mesh.manager.create_root("Lead.", preset="lead")
+        await mesh.scripted.wait_for_call(CHILD, 1)
+        await mesh.manager.wait_until(lambda: mesh.manager.running(ROOT) is False)
+        child = mesh.manager.agent(CHILD)
+        assert child is not None
+        notice = SettlementNoticeEntry(
+            child_session=CHILD,
+            child_activation=child.activation.activation_id,
+            child_kind=SessionKind.CONTINUABLE_CHILD,
+            outcome=SettlementOutcome.COMPLETED,
+            terminal_output="done elsewhere",
+        )
+        delivering = asyncio.create_task(mesh.manager.deliver_notice(ROOT, notice))
+        await store.holding.wait()
+        delivering.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await delivering
+        store.unblock.set()
+
+        def read_by_the_parent() -> bool:
+            root = mesh.manager.agent(ROOT)
+            records = [] if root is None else list(root.records)
+            read = {s for r in of_type(records, ConsumedEntry) for s in r.entry.seqs}  # type: ignore[union-attr]
+            return any(r.seq in read for r in of_type(records, SettlementNoticeEntry))
+
+        async with asyncio.timeout(10):
+            await mesh.manager.wait_until(read_by_the_parent)
+        await mesh.manager.deliver_notice(ROOT, notice)  # the child's host retrying
+        await mesh.manager.activation_ended(child.activation)
+        assert await notices(mesh) == [notice]
+        mesh.manager.interrupt(CHILD)
 
 
 @pytest.mark.contract(2)
