@@ -67,6 +67,11 @@ class RejectionReason(enum.Enum):
     TARGET_ELSEWHERE = "TARGET_ELSEWHERE"
     """The called node does not host the target: another node holds its activation (named in
     the metadata ``node_id``). Nodes follow it themselves; nothing was accepted."""
+    INBOX_FULL = "INBOX_FULL"
+    """The target holds as many unread messages and prompts as its node allows. Retryable."""
+    NODE_OVERLOADED = "NODE_OVERLOADED"
+    """The serving node is at a capacity limit (metadata ``limit``: ``inflight_sends`` or
+    ``resident_sessions``). Retryable."""
 
 
 RETRYABLE_REASONS: frozenset[RejectionReason] = frozenset(
@@ -75,11 +80,14 @@ RETRYABLE_REASONS: frozenset[RejectionReason] = frozenset(
         RejectionReason.REGISTRY_UNAVAILABLE,
         RejectionReason.PEER_UNAVAILABLE,
         RejectionReason.NODE_FENCED,
+        RejectionReason.INBOX_FULL,
+        RejectionReason.NODE_OVERLOADED,
     }
 )
 """Reasons after which the same request (same idempotency key) may be sent again unchanged and
 is expected to succeed once a transient condition passes. They are exactly the reasons sent with
-status UNAVAILABLE, and only they carry a ``google.rpc.RetryInfo`` on the wire. Everything else
+status UNAVAILABLE (something is down) or RESOURCE_EXHAUSTED (something is full: back off), and
+only they carry a ``google.rpc.RetryInfo`` on the wire. Everything else
 fails again unless the request or the world changes (DEADLINE_EXCEEDED: retry only with a fresh
 deadline, by the caller's own choice)."""
 
@@ -206,6 +214,20 @@ class PeerUnavailable(_FixedRejected):
     fixed_reason = RejectionReason.PEER_UNAVAILABLE
 
 
+class InboxFull(_FixedRejected):
+    """The target holds as many unread messages and prompts as its node allows: nothing was
+    accepted. Retryable once it has read some (``google.rpc.RetryInfo`` says when to try)."""
+
+    fixed_reason = RejectionReason.INBOX_FULL
+
+
+class NodeOverloaded(_FixedRejected):
+    """The serving node is at a capacity limit (``metadata["limit"]`` names it): nothing was
+    accepted. Retryable after a back-off."""
+
+    fixed_reason = RejectionReason.NODE_OVERLOADED
+
+
 class NodeFenced(_FixedRejected):
     """This node lost its etcd lease: it accepts nothing until it has registered again.
     Retryable: another node (or this one, re-registered) can take the request."""
@@ -311,6 +333,8 @@ _CLASS_OF_REASON: Mapping[RejectionReason, type[Rejected]] = MappingProxyType(
         RejectionReason.DEADLINE_EXCEEDED: DeadlineExceeded,
         RejectionReason.UNKNOWN_SESSION: SessionUnknown,
         RejectionReason.TARGET_ELSEWHERE: TargetElsewhere,
+        RejectionReason.INBOX_FULL: InboxFull,
+        RejectionReason.NODE_OVERLOADED: NodeOverloaded,
     }
 )
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from dsh_mesh.core import NodeId
 from dsh_mesh.registry import EtcdConfig, EtcdTls, LeaseConfig
+from dsh_mesh.runtime import ManagerConfig
 from dsh_mesh.transport import CallerRole, ClusterCredential, TlsCredentials
 
 _NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -68,6 +69,21 @@ class NodeConfig:
     """On SIGTERM: how long running turns get to finish before their activations are released."""
     load_interval: timedelta = timedelta(milliseconds=500)
     """How often the node republishes its load (only when it changed)."""
+    max_inbox_depth: int = ManagerConfig.max_inbox_depth
+    """Unread messages and prompts one target may hold; past it: INBOX_FULL."""
+    max_inflight_sends: int = ManagerConfig.max_inflight_sends
+    """Sends and prompts this node handles at once; past it: NODE_OVERLOADED."""
+    max_resident_sessions: int = ManagerConfig.max_resident_sessions
+    """Agents this node hosts; a cold resume or new session past it: NODE_OVERLOADED."""
+
+    def manager_config(self) -> ManagerConfig:
+        """The continuation manager's settings for this node."""
+        return ManagerConfig(
+            node_id=self.node_id,
+            max_inbox_depth=self.max_inbox_depth,
+            max_inflight_sends=self.max_inflight_sends,
+            max_resident_sessions=self.max_resident_sessions,
+        )
 
     def __post_init__(self) -> None:
         if not _NODE_ID.fullmatch(self.node_id):
@@ -81,6 +97,7 @@ class NodeConfig:
             raise ValueError("scenario must be 'module:attribute'")
         if self.shutdown_grace < timedelta(0):
             raise ValueError("shutdown_grace must not be negative")
+        self.manager_config()  # the limits must be positive
         if self.plaintext:
             if self.tls is not None:
                 raise ValueError("plaintext and TLS settings exclude each other: choose one")
@@ -131,6 +148,9 @@ _SETTINGS: tuple[tuple[str, str, str], ...] = (
     ("placement", "--placement", "local | round-robin | least-loaded | others-first"),
     ("scenario", "--scenario", "module:attribute of the presets and model to run"),
     ("shutdown_grace", "--shutdown-grace", "seconds running turns get on SIGTERM"),
+    ("max_inbox_depth", "--max-inbox-depth", "unread messages one target may hold"),
+    ("max_inflight_sends", "--max-inflight-sends", "sends this node handles at once"),
+    ("max_resident_sessions", "--max-resident-sessions", "agents this node may host"),
 )
 
 
@@ -243,4 +263,7 @@ def _build(values: Mapping[str, Any]) -> NodeConfig:
         kwargs["placement"] = Placement(str(values["placement"]))
     if values.get("shutdown_grace") is not None:
         kwargs["shutdown_grace"] = timedelta(seconds=float(values["shutdown_grace"]))
+    for name in ("max_inbox_depth", "max_inflight_sends", "max_resident_sessions"):
+        if values.get(name) is not None:
+            kwargs[name] = int(values[name])
     return NodeConfig(**kwargs)

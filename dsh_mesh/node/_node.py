@@ -43,7 +43,7 @@ from dsh_mesh.registry import (
     RegistryReads,
 )
 from dsh_mesh.registry._etcd import put
-from dsh_mesh.runtime import ContinuationManager, ManagerConfig
+from dsh_mesh.runtime import ContinuationManager
 from dsh_mesh.transport import (
     AgentMeshService,
     ClusterAuthInterceptor,
@@ -195,7 +195,7 @@ class Node:
                 store=store,
                 provider=self._provider,
                 presets=self._scenario.presets,
-                config=ManagerConfig(node_id=self.config.node_id),
+                config=self.config.manager_config(),
                 ids=RandomIds(),
                 router=router,
             ) as manager:

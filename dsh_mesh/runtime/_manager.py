@@ -40,9 +40,11 @@ from dsh_mesh.core import (
     IdempotencyConflict,
     IdFactory,
     InboundEntry,
+    InboxFull,
     InvalidArgument,
     MeshError,
     NodeId,
+    NodeOverloaded,
     NotResident,
     PeerUnavailable,
     RandomIds,
@@ -102,12 +104,27 @@ class ManagerConfig:
 
     node_id: NodeId = _LOCAL_NODE
     max_message_chars: int = MAX_MESSAGE_CHARS
+    max_inbox_depth: int = 1_000
+    """Unread messages and prompts a target may hold (those being accepted count too); one
+    more is refused with INBOX_FULL. Settlement notices count but are never refused."""
+    max_inflight_sends: int = 10_000
+    """Sends and prompts this node may be handling at once; one more is refused with
+    NODE_OVERLOADED (limit ``inflight_sends``)."""
+    max_resident_sessions: int = 200_000
+    """Agents this node may host; a cold resume or a new session past it is refused with
+    NODE_OVERLOADED (limit ``resident_sessions``). About 7 KiB each when idle (make bench)."""
     resume_filter: DescriptorFilter | None = field(default=None)
     """Applied to a session's durable tool descriptors whenever it is cold-resumed."""
 
     def __post_init__(self) -> None:
-        if self.max_message_chars <= 0:
-            raise ValueError("max_message_chars must be positive")
+        for name in (
+            "max_message_chars",
+            "max_inbox_depth",
+            "max_inflight_sends",
+            "max_resident_sessions",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
 
 
 class ContinuationManager:
@@ -143,6 +160,7 @@ class ContinuationManager:
             dict
         )
         self._noticed: set[ActivationId] = set()
+        self._inflight = 0
         self._resuming: dict[SessionId, asyncio.Task[Agent]] = {}
         self._detached: set[asyncio.Task[Any]] = set()
         self._change = asyncio.Event()
@@ -603,6 +621,36 @@ class ContinuationManager:
         hops: int = 0,
     ) -> Delivery:
         self._check_open()
+        if self._inflight >= self._config.max_inflight_sends:
+            raise NodeOverloaded(
+                f"node {self.node_id} is handling {self._inflight} sends; retry after a back-off",
+                metadata={"limit": "inflight_sends"},
+            )
+        self._inflight += 1
+        try:
+            return await self._send_admitted(
+                target,
+                entry,
+                signal,
+                key,
+                parent_activation=parent_activation,
+                forward=forward,
+                hops=hops,
+            )
+        finally:
+            self._inflight -= 1
+
+    async def _send_admitted(
+        self,
+        target: SessionId,
+        entry: InboundEntry,
+        signal: AbortSignal,
+        key: IdempotencyKey | None,
+        *,
+        parent_activation: ActivationId | None,
+        forward: Callable[[NodeId], Coroutine[Any, Any, Delivery]] | None,
+        hops: int,
+    ) -> Delivery:
         fingerprint = _fingerprint(target, entry)
         # No idempotency read up front: the append refuses a known key, and so does winning a
         # cold resume (nothing is activated for a send that was already accepted). A send that
@@ -619,6 +667,12 @@ class ContinuationManager:
         self._waking[target] += 1
         handed_off = False
         try:
+            if self._waking[target] > self._config.max_inbox_depth:
+                raise InboxFull(
+                    f"{target} holds {self._config.max_inbox_depth} unread messages and prompts;"
+                    " retry once it has read some",
+                    metadata={"target_session_id": target},
+                )
             try:
                 agent, resumed = await self._resident(target, parent_activation, key)
             except TargetElsewhere as lost_race:
@@ -823,6 +877,7 @@ class ContinuationManager:
         parent_activation: ActivationId | None,
         key: IdempotencyKey | None,
     ) -> Agent:
+        self._check_capacity()
         header = await self.header(target)
         if parent_activation is None and header.parent_session is not None:
             parent = await self._store.current_activation(header.parent_session)
@@ -854,6 +909,7 @@ class ContinuationManager:
         first: tuple[Entry, ...],
         task: str,
     ) -> Agent:
+        self._check_capacity()
         await self._store.create_header(header)
         activation = Activation(
             session_id=header.session_id,
@@ -938,6 +994,13 @@ class ContinuationManager:
             del self._agents[agent.session_id]
             self._drivers.pop(agent.session_id, None)
         self.changed()
+
+    def _check_capacity(self) -> None:
+        if len(self._agents) >= self._config.max_resident_sessions:
+            raise NodeOverloaded(
+                f"node {self.node_id} hosts {len(self._agents)} agents, its limit",
+                metadata={"limit": "resident_sessions"},
+            )
 
     def _check_open(self) -> None:
         if self._draining or self._closed:

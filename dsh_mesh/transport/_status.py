@@ -79,6 +79,8 @@ STATUS_OF_REASON: Mapping[RejectionReason, grpc.StatusCode] = MappingProxyType(
         RejectionReason.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
         RejectionReason.UNKNOWN_SESSION: grpc.StatusCode.NOT_FOUND,
         RejectionReason.TARGET_ELSEWHERE: grpc.StatusCode.FAILED_PRECONDITION,
+        RejectionReason.INBOX_FULL: grpc.StatusCode.RESOURCE_EXHAUSTED,
+        RejectionReason.NODE_OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     }
 )
 """Each reason travels with exactly this status code; (code, reason) is the wire contract."""

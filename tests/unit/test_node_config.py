@@ -37,6 +37,19 @@ def test_flags_beat_environment_beat_file(tmp_path: Path) -> None:
     assert "t" * 32 not in repr(config)  # the credential never prints
 
 
+def test_the_limits_come_from_file_environment_and_flags(tmp_path: Path) -> None:
+    config_file = tmp_path / "node.toml"
+    config_file.write_text("[node]\nmax_inbox_depth = 7\n")
+    args = parse_args(["--config", str(config_file), "--max-resident-sessions", "9"])
+    environ = {"DSH_CLUSTER_TOKEN": TOKEN, "DSH_PLAINTEXT": "1", "DSH_MAX_INFLIGHT_SENDS": "8"}
+    manager = load_config(args, environ).manager_config()
+    assert (
+        manager.max_inbox_depth,
+        manager.max_inflight_sends,
+        manager.max_resident_sessions,
+    ) == (7, 8, 9)
+
+
 @pytest.mark.parametrize(
     ("flags", "problem"),
     [
@@ -48,6 +61,7 @@ def test_flags_beat_environment_beat_file(tmp_path: Path) -> None:
         (["--cluster-token", TOKEN, "--lease-ttl", "0.5"], "at least one second"),
         (["--cluster-token", TOKEN, "--key-prefix", "dsh"], "key_prefix"),
         (["--cluster-token", TOKEN, "--scenario", "no-colon"], "module:attribute"),
+        (["--cluster-token", TOKEN, "--plaintext", "--max-inbox-depth", "0"], "max_inbox_depth"),
     ],
 )
 def test_bad_settings_are_refused_with_a_reason(flags: list[str], problem: str) -> None:

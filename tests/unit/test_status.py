@@ -121,8 +121,9 @@ def test_named_classes_carry_their_fixed_reason() -> None:
     assert dict(unknown.metadata) == {}
 
 
-def test_the_retryable_reasons_are_exactly_those_sent_as_unavailable() -> None:
-    unavailable = {r for r, code in STATUS_OF_REASON.items() if code is grpc.StatusCode.UNAVAILABLE}
+def test_the_retryable_reasons_are_exactly_those_sent_as_unavailable_or_exhausted() -> None:
+    transient = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+    unavailable = {r for r, code in STATUS_OF_REASON.items() if code in transient}
     assert unavailable == RETRYABLE_REASONS
     for reason in RejectionReason:
         assert Rejected.of(reason, "x").retryable is (reason in RETRYABLE_REASONS)

@@ -42,6 +42,8 @@ class RejectionReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REJECTION_REASON_DEADLINE_EXCEEDED: _ClassVar[RejectionReason]
     REJECTION_REASON_UNKNOWN_SESSION: _ClassVar[RejectionReason]
     REJECTION_REASON_TARGET_ELSEWHERE: _ClassVar[RejectionReason]
+    REJECTION_REASON_INBOX_FULL: _ClassVar[RejectionReason]
+    REJECTION_REASON_NODE_OVERLOADED: _ClassVar[RejectionReason]
 
 class AgentState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -101,6 +103,8 @@ REJECTION_REASON_NODE_FENCED: RejectionReason
 REJECTION_REASON_DEADLINE_EXCEEDED: RejectionReason
 REJECTION_REASON_UNKNOWN_SESSION: RejectionReason
 REJECTION_REASON_TARGET_ELSEWHERE: RejectionReason
+REJECTION_REASON_INBOX_FULL: RejectionReason
+REJECTION_REASON_NODE_OVERLOADED: RejectionReason
 AGENT_STATE_UNSPECIFIED: AgentState
 AGENT_STATE_IDLE: AgentState
 AGENT_STATE_RUNNING: AgentState

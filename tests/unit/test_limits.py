@@ -1,0 +1,101 @@
+"""Limits and backpressure in one manager: past a limit the caller gets a typed, retryable
+refusal (RESOURCE_EXHAUSTED on the wire, with RetryInfo) and nothing already accepted is
+touched; once the pressure is gone the same request goes through."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from dsh_mesh.core import (
+    AgentMessageEntry,
+    DeliveryKind,
+    InboxFull,
+    NodeOverloaded,
+    RejectionReason,
+)
+from dsh_mesh.models import Reply, tool
+from dsh_mesh.runtime import ManagerConfig
+from dsh_mesh.testing import in_process_mesh
+from tests.unit.conftest import of_type, presets
+from tests.unit.test_agent_loop import HoldingStore
+from tests.unit.test_manager import CHILD, ROOT
+
+
+async def test_a_send_past_the_inbox_depth_is_refused_until_the_target_reads() -> None:
+    config = ManagerConfig(max_inbox_depth=2)
+    async with in_process_mesh(presets(), config=config) as mesh:
+        gate = asyncio.Event()
+        mesh.scripted.program("lead", tool("spawn_agent", task="t", preset="helper"))
+        mesh.scripted.program("helper", Reply(gate=gate), Reply(), Reply())
+        ref = await mesh.manager.create_root("Lead.", preset="lead")
+        await mesh.scripted.wait_for_call(CHILD, 1)  # mid-step: nothing is read until it ends
+        for n in (1, 2):
+            delivery = await mesh.manager.send_message(ref, CHILD, f"m{n}", idempotency_key=f"k{n}")
+            assert delivery.kind is DeliveryKind.STEERED
+        before = await mesh.transcript(CHILD)
+
+        with pytest.raises(InboxFull) as full:
+            await mesh.manager.send_message(ref, CHILD, "m3", idempotency_key="k3")
+        assert full.value.reason is RejectionReason.INBOX_FULL and full.value.retryable
+        assert full.value.metadata == {"target_session_id": CHILD}
+        assert await mesh.transcript(CHILD) == before  # nothing written, nothing touched
+        with pytest.raises(InboxFull):
+            await mesh.manager.submit_prompt(CHILD, "a human, too")
+
+        gate.set()  # the child reads m1 and m2 at its step boundary
+        await mesh.manager.wait_until(lambda: mesh.manager.agent(CHILD) is None)
+        retried = await mesh.manager.send_message(ref, CHILD, "m3", idempotency_key="k3")
+        assert not retried.duplicate
+        await mesh.manager.quiescent()
+        texts = [
+            r.entry.content
+            for r in of_type(await mesh.transcript(CHILD), AgentMessageEntry)
+            if isinstance(r.entry, AgentMessageEntry)
+        ]
+        assert texts == ["m1", "m2", "m3"]
+
+
+async def test_sends_past_the_in_flight_limit_are_refused_while_the_node_is_busy() -> None:
+    store = HoldingStore(AgentMessageEntry)
+    config = ManagerConfig(max_inflight_sends=1)
+    async with in_process_mesh(presets(), store=store, config=config) as mesh:
+        mesh.scripted.program("lead", tool("spawn_agent", task="t", preset="helper"))
+        mesh.scripted.program("helper", Reply(gate=asyncio.Event()))
+        ref = await mesh.manager.create_root("Lead.", preset="lead")
+        await mesh.scripted.wait_for_call(CHILD, 1)
+        first = asyncio.create_task(
+            mesh.manager.send_message(ref, CHILD, "held", idempotency_key="k1")
+        )
+        await store.holding.wait()  # the one send this node may handle is in its append
+
+        with pytest.raises(NodeOverloaded) as busy:
+            await mesh.manager.send_message(ref, CHILD, "second", idempotency_key="k2")
+        assert busy.value.reason is RejectionReason.NODE_OVERLOADED and busy.value.retryable
+        assert busy.value.metadata == {"limit": "inflight_sends"}
+
+        store.unblock.set()
+        assert (await first).accepted_seq > 0
+        assert not (
+            await mesh.manager.send_message(ref, CHILD, "second", idempotency_key="k2")
+        ).duplicate
+        mesh.manager.interrupt(CHILD)
+
+
+async def test_a_new_session_past_the_resident_limit_is_refused_and_nothing_is_created() -> None:
+    config = ManagerConfig(max_resident_sessions=1)
+    async with in_process_mesh(presets(), config=config) as mesh:
+        mesh.scripted.program("lead", Reply(gate=asyncio.Event()))
+        await mesh.manager.create_root("Lead.", preset="lead")
+        with pytest.raises(NodeOverloaded) as full:
+            await mesh.manager.create_root("Another.", preset="lead")
+        assert full.value.metadata == {"limit": "resident_sessions"}
+        assert [a.session_id for a in mesh.manager.agents] == [ROOT]
+        mesh.manager.interrupt(ROOT)
+
+
+def test_limits_must_be_positive() -> None:
+    for name in ("max_inbox_depth", "max_inflight_sends", "max_resident_sessions"):
+        with pytest.raises(ValueError, match=name):
+            ManagerConfig(**{name: 0})  # type: ignore[arg-type]
