@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 
+from dsh_mesh.core import Role
 from dsh_mesh.models import (
     PARENT,
     Branch,
@@ -38,10 +39,24 @@ def sibling(context: ScriptContext) -> str:
     return "unknown"
 
 
+def _progress_unanswered(context: ScriptContext) -> bool:
+    """alpha's progress report has arrived (in this step or an earlier one: it may land while
+    the lead is still spawning) and the lead has not sent its follow-up yet."""
+    messages = context.request.messages
+    received = any("Progress:" in m.content for m in messages if m.role is not Role.ASSISTANT)
+    answered = any(
+        FOLLOW_UP in call.arguments_json
+        for m in messages
+        if m.role is Role.ASSISTANT
+        for call in m.tool_calls
+    )
+    return received and not answered
+
+
 _REACT = Branch(
     cases=(
         (arrived('"outcome": "lost"'), send(child(0), CARRY_ON)),
-        (arrived("Progress:"), send(child(0), FOLLOW_UP)),
+        (_progress_unanswered, send(child(0), FOLLOW_UP)),
         (arrived('"outcome": "completed"'), Reply(text="Merged a delegate's final output.")),
     ),
     otherwise=Reply(text="Noted. I will merge results as they arrive."),
