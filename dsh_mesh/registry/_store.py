@@ -157,49 +157,21 @@ class EtcdSessionStore:
     # -- activations ----------------------------------------------------------------------------
 
     async def try_activate(self, activation: Activation) -> Activation:
-        with telemetry.span(
-            "dsh.etcd.activate",
-            attributes={
-                "dsh.session.id": activation.session_id,
-                "dsh.activation.id": activation.activation_id,
-            },
-        ) as activating:
-            current = await self._try_activate(activation)
-            activating.set("dsh.activation.won", current == activation)
-            return current
-
-    async def _try_activate(self, activation: Activation) -> Activation:
-        session = activation.session_id
-        key = self._keys.activation(session)
-        for _ in range(_ACTIVATE_ATTEMPTS):
-            response = await self._etcd.txn(
-                [
-                    compare(key, Target.CREATE, Result.EQUAL, 0),
-                    compare(self._keys.header(session), Target.CREATE, Result.GREATER, 0),
-                ],
-                [put(key, encode_activation(activation), lease=self._lease())],
-                [get(key), get(self._keys.header(session))],
-            )
-            if response.succeeded:
-                self._fences[activation.activation_id] = response.header.revision
-                self._note(activation)
-                return activation
-            current_kv, header_kv = (_only(r) for r in response.responses)
-            if header_kv is None:
-                raise SessionUnknown(session)
-            if current_kv is not None:
-                current = decode_activation(current_kv.value)
-                self._fences[current.activation_id] = current_kv.create_revision
-                return current
-            # The holder let go between our compare and our read: race again.
-        raise RegistryUnavailable(f"{session}: activation kept changing hands")
+        resumption = await self._activate(activation, unless_known=None, read=False)
+        assert resumption.current is not None  # only a known key comes back without one
+        return resumption.current
 
     async def try_resume(
         self, activation: Activation, *, unless_known: IdempotencyKey | None = None
     ) -> Resumption:
-        """One transaction: the activation if the session has none (and ``unless_known`` was
-        never used), its transcript head and entries read in the same step. The head also
-        refreshes this node's cached seq, which may be stale if it hosted the session before."""
+        """:meth:`try_activate` that also reads the transcript head and entries in the same
+        transaction. The head refreshes this node's cached seq, which may be stale if it hosted
+        the session before."""
+        return await self._activate(activation, unless_known=unless_known, read=True)
+
+    async def _activate(
+        self, activation: Activation, *, unless_known: IdempotencyKey | None, read: bool
+    ) -> Resumption:
         with telemetry.span(
             "dsh.etcd.activate",
             attributes={
@@ -207,12 +179,12 @@ class EtcdSessionStore:
                 "dsh.activation.id": activation.activation_id,
             },
         ) as activating:
-            resumption = await self._try_resume(activation, unless_known)
+            resumption = await self._race_for(activation, unless_known, read)
             activating.set("dsh.activation.won", resumption.current == activation)
             return resumption
 
-    async def _try_resume(
-        self, activation: Activation, unless_known: IdempotencyKey | None
+    async def _race_for(
+        self, activation: Activation, unless_known: IdempotencyKey | None, read: bool
     ) -> Resumption:
         session = activation.session_id
         key, header = self._keys.activation(session), self._keys.header(session)
@@ -220,35 +192,29 @@ class EtcdSessionStore:
             compare(key, Target.CREATE, Result.EQUAL, 0),
             compare(header, Target.CREATE, Result.GREATER, 0),
         ]
+        success = [put(key, encode_activation(activation), lease=self._lease())]
         failure = [get(key), get(header)]
         if unless_known is not None:
             known_key = self._idempotency_key(unless_known)
             compares.append(compare(known_key, Target.CREATE, Result.EQUAL, 0))
             failure.append(get(known_key))
         prefix = self._keys.entries(session)
+        if read:
+            success += [get(self._keys.head(session)), scan(prefix)]
         for _ in range(_ACTIVATE_ATTEMPTS):
-            response = await self._etcd.txn(
-                compares,
-                [
-                    put(key, encode_activation(activation), lease=self._lease()),
-                    get(self._keys.head(session)),
-                    scan(prefix),
-                ],
-                failure,
-            )
+            response = await self._etcd.txn(compares, success, failure)
             if response.succeeded:
                 self._fences[activation.activation_id] = response.header.revision
                 self._note(activation)
+                if not read:
+                    return Resumption(current=activation)
                 _, head_read, entries = response.responses
                 head = _only(head_read)
                 if head is None:  # the header exists (compared above), so its head does too
                     raise SessionUnknown(f"{session}: no transcript head")
                 self._seqs[session] = int(head.value)
-                records = tuple(
-                    Record(seq=int(kv.key[len(prefix) :]), entry=decode_entry(kv.value))
-                    for kv in entries.response_range.kvs
-                )
-                return Resumption(current=activation, records=records)
+                records = _records(prefix, entries.response_range.kvs)
+                return Resumption(current=activation, records=tuple(records))
             current_kv, header_kv, *known_kv = (_only(r) for r in response.responses)
             if known_kv and known_kv[0] is not None:
                 return Resumption(current=None, known=decode_acceptance(known_kv[0].value))
@@ -439,10 +405,7 @@ class EtcdSessionStore:
         )
         if not response.kvs and await self.get_header(session) is None:
             raise SessionUnknown(session)
-        return [
-            Record(seq=int(kv.key[len(prefix) :]), entry=decode_entry(kv.value))
-            for kv in response.kvs
-        ]
+        return _records(prefix, response.kvs)
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -474,6 +437,11 @@ class EtcdSessionStore:
     def _note(self, activation: Activation) -> None:
         if self._directory is not None:
             self._directory.note(activation)
+
+
+def _records(prefix: bytes, kvs: Any) -> list[Record]:
+    """The transcript records of entry keys under ``prefix`` (key order is seq order)."""
+    return [Record(seq=int(kv.key[len(prefix) :]), entry=decode_entry(kv.value)) for kv in kvs]
 
 
 def _only(response: Any) -> Any | None:
