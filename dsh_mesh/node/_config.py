@@ -9,6 +9,7 @@ run plaintext (``plaintext``); with neither it refuses to start (ADR 0021).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import enum
 import os
 import re
@@ -75,6 +76,18 @@ class NodeConfig:
     """Sends and prompts this node handles at once; past it: NODE_OVERLOADED."""
     max_resident_sessions: int = ManagerConfig.max_resident_sessions
     """Agents this node hosts; a cold resume or new session past it: NODE_OVERLOADED."""
+
+    def etcd_config(self) -> EtcdConfig:
+        """How this node dials etcd: ``etcd``, with every call bounded by half the lease TTL.
+
+        A node that waits longer on one call could lose its lease while it waits. And etcd can
+        hold a proposal that a leader change lost for its own request timeout (about 5 s) before
+        failing it: the bound turns that into a prompt, retryable REGISTRY_UNAVAILABLE.
+        """
+        bound = self.lease.ttl / 2
+        if self.etcd.call_timeout <= bound:
+            return self.etcd
+        return dataclasses.replace(self.etcd, call_timeout=bound)
 
     def manager_config(self) -> ManagerConfig:
         """The continuation manager's settings for this node."""

@@ -99,7 +99,7 @@ class Node:
         """Serve until :meth:`stop`; ``ready(address)`` is called once the node first serves."""
         config = self.config
         keys = Keys(config.key_prefix.encode())
-        async with Etcd(config.etcd) as etcd:
+        async with Etcd(config.etcd_config()) as etcd:
             lease = LeaseKeeper(etcd, config.lease)
             directory = Directory(etcd, keys, on_event=self._on_directory_event)
             store = EtcdSessionStore(etcd, keys, lease=lambda: lease.lease_id, directory=directory)

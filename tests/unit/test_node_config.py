@@ -37,6 +37,17 @@ def test_flags_beat_environment_beat_file(tmp_path: Path) -> None:
     assert "t" * 32 not in repr(config)  # the credential never prints
 
 
+def test_no_etcd_call_may_outlast_half_the_lease() -> None:
+    flags = ["--cluster-token", TOKEN, "--plaintext"]
+    short = load_config(parse_args([*flags, "--lease-ttl", "2"]), {})
+    assert short.etcd_config().call_timeout == timedelta(seconds=1)
+    assert short.etcd_config().endpoint == short.etcd.endpoint
+    default = load_config(parse_args(flags), {})
+    assert default.etcd_config().call_timeout == default.lease.ttl / 2 == timedelta(seconds=2.5)
+    long = load_config(parse_args([*flags, "--lease-ttl", "60"]), {})
+    assert long.etcd_config() == long.etcd  # its own call timeout (5 s) is shorter
+
+
 def test_the_limits_come_from_file_environment_and_flags(tmp_path: Path) -> None:
     config_file = tmp_path / "node.toml"
     config_file.write_text("[node]\nmax_inbox_depth = 7\n")
