@@ -4,7 +4,9 @@ pieces that carry trace context (these never set a global provider)."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
+import grpc
 import pytest
 
 from dsh_mesh import telemetry
@@ -46,3 +48,35 @@ def test_log_records_carry_trace_and_span_ids() -> None:
 def test_an_unknown_exporter_is_refused() -> None:
     with pytest.raises(ValueError, match="OTEL_TRACES_EXPORTER"):
         telemetry.configure(node_id="n1", environ={"OTEL_TRACES_EXPORTER": "zipkin-udp"})
+
+
+async def test_with_tracing_off_a_server_still_takes_the_sender_span_a_caller_carried() -> None:
+    """An untraced node next to traced ones: it adds no client interceptor (nothing of its own
+    to carry), and its server interceptor only attaches the W3C context a caller sent, so a
+    sender's span carried as baggage still reaches the handler (and the stored message)."""
+    assert telemetry.client_interceptors() == []
+    seen: list[str] = []
+
+    async def echo(request: bytes, context: grpc.aio.ServicerContext[bytes, bytes]) -> bytes:
+        seen.append(telemetry.sender_traceparent())
+        return request
+
+    server = grpc.aio.server(interceptors=telemetry.server_interceptors())
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler("t.Echo", {"Call": _raw(echo)})]
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.unary_unary("/t.Echo/Call")
+            assert await call(b"plain") == b"plain"
+            carried = (("baggage", f"{telemetry.SENDER_BAGGAGE}={PARENT}"),)
+            assert await call(b"carried", metadata=carried) == b"carried"
+    finally:
+        await server.stop(None)
+    assert seen == ["", PARENT]
+
+
+def _raw(handler: Any) -> grpc.RpcMethodHandler:
+    return grpc.unary_unary_rpc_method_handler(handler)
