@@ -25,6 +25,9 @@ from dsh_mesh.testing import ClusterSettings, LocalCluster, MeshReader
 from dsh_mesh.transport import ClusterCredential
 
 SENDER = "node-a"
+INBOX_DEPTH = 10_000_000
+"""Every node's ``max_inbox_depth``: the benchmark's targets are stalled mid-step on purpose, so
+every message it sends stays unread (the limit is the node default, 1000, otherwise)."""
 _READY_SECONDS = 30.0
 _STOP_SECONDS = 15.0
 
@@ -52,6 +55,7 @@ def node_processes(
         lease_ttl=lease_ttl,
         placement=placement,
         shutdown_grace=0.0,
+        env={"DSH_MAX_INBOX_DEPTH": str(INBOX_DEPTH)},
     )
 
 
@@ -76,6 +80,7 @@ async def in_process_node(
         placement=placement,
         scenario=settings.scenario,
         shutdown_grace=timedelta(0),
+        max_inbox_depth=INBOX_DEPTH,
     )
     node = Node(config, load_scenario(settings.scenario))
     ready = asyncio.Event()

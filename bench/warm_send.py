@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from bench._cluster import INBOX_DEPTH
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
 from dsh_mesh.core import SessionId
 from dsh_mesh.registry import Etcd, EtcdConfig
@@ -102,8 +103,11 @@ async def _run(sends: int, in_flight: int) -> list[Figures]:
                 )
 
             figures.append(await _measure("one etcd transaction", txn, sends, in_flight))
+        unread = {"DSH_MAX_INBOX_DEPTH": str(INBOX_DEPTH)}  # the target never reads
         with LocalCluster(
-            etcd_endpoint=etcd_server.endpoint, scenario="bench.scenarios:RESIDENT_CHILD"
+            etcd_endpoint=etcd_server.endpoint,
+            scenario="bench.scenarios:RESIDENT_CHILD",
+            env=unread,
         ) as cluster:
             figures.append(await _warm_sends(cluster, sends, in_flight, "tracing off"))
             await asyncio.to_thread(cluster.close)
@@ -111,7 +115,7 @@ async def _run(sends: int, in_flight: int) -> list[Figures]:
             with LocalCluster(
                 etcd_endpoint=etcd_server.endpoint,
                 scenario="bench.scenarios:RESIDENT_CHILD",
-                env=otel_env(receiver.endpoint),
+                env={**otel_env(receiver.endpoint), **unread},
             ) as cluster:
                 figures.append(
                     await _warm_sends(cluster, sends, in_flight, "tracing on, all sampled")
