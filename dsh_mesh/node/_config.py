@@ -76,6 +76,10 @@ class NodeConfig:
     """Sends and prompts this node handles at once; past it: NODE_OVERLOADED."""
     max_resident_sessions: int = ManagerConfig.max_resident_sessions
     """Agents this node hosts; a cold resume or new session past it: NODE_OVERLOADED."""
+    history_file: Path | None = None
+    """Where to append the node's store history (one JSON line per activation and durable
+    write) for the history checker of ``dsh_mesh.testing``; ``None``: no history. For test
+    and soak runs: it grows with every write."""
 
     def etcd_config(self) -> EtcdConfig:
         """How this node dials etcd: ``etcd``, with every call bounded by half the lease TTL.
@@ -164,6 +168,7 @@ _SETTINGS: tuple[tuple[str, str, str], ...] = (
     ("max_inbox_depth", "--max-inbox-depth", "unread messages one target may hold"),
     ("max_inflight_sends", "--max-inflight-sends", "sends this node handles at once"),
     ("max_resident_sessions", "--max-resident-sessions", "agents this node may host"),
+    ("history_file", "--history-file", "append the store's history here (test runs)"),
 )
 
 
@@ -279,4 +284,6 @@ def _build(values: Mapping[str, Any]) -> NodeConfig:
     for name in ("max_inbox_depth", "max_inflight_sends", "max_resident_sessions"):
         if values.get(name) is not None:
             kwargs[name] = int(values[name])
+    if values.get("history_file"):
+        kwargs["history_file"] = Path(str(values["history_file"])).expanduser()
     return NodeConfig(**kwargs)

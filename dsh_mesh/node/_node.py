@@ -43,7 +43,7 @@ from dsh_mesh.registry import (
     RegistryReads,
 )
 from dsh_mesh.registry._etcd import put
-from dsh_mesh.runtime import ContinuationManager
+from dsh_mesh.runtime import ContinuationManager, HistoryLog, RecordingStore, SessionStore
 from dsh_mesh.transport import (
     AgentMeshService,
     ClusterAuthInterceptor,
@@ -102,7 +102,12 @@ class Node:
         async with Etcd(config.etcd_config()) as etcd:
             lease = LeaseKeeper(etcd, config.lease)
             directory = Directory(etcd, keys, on_event=self._on_directory_event)
-            store = EtcdSessionStore(etcd, keys, lease=lambda: lease.lease_id, directory=directory)
+            cached = EtcdSessionStore(etcd, keys, lease=lambda: lease.lease_id, directory=directory)
+            store: SessionStore = cached
+            history = None
+            if config.history_file is not None:
+                history = HistoryLog(config.history_file, node=config.node_id).open()
+                store = RecordingStore(cached, history)
             pool = PeerPool(
                 node_id=config.node_id,
                 credential=config.credential,
@@ -123,14 +128,14 @@ class Node:
                 ]
             )
             mesh_pb2_grpc.add_AgentMeshServicer_to_server(
-                AgentMeshService(self.manager, store.current_activation), server
+                AgentMeshService(self.manager, cached.current_activation), server
             )
             mesh_pb2_grpc.add_MeshControlServicer_to_server(
                 MeshControlService(
                     self.manager,
                     node_id=config.node_id,
                     reads=RegistryReads(etcd, keys),
-                    current_activation=store.current_activation,
+                    current_activation=cached.current_activation,
                     peers=pool,
                 ),
                 server,
@@ -169,13 +174,15 @@ class Node:
                 with contextlib.suppress(MeshError):
                     await lease.revoke()
                 await server.stop(_SERVER_GRACE.total_seconds())
+                if history is not None:
+                    history.close()
 
     async def _serve(
         self,
         etcd: Etcd,
         keys: Keys,
         lease: LeaseKeeper,
-        store: EtcdSessionStore,
+        store: SessionStore,
         router: ClusterRouter,
         health: HealthServicer,
         ready: Callable[[str], None] | None,

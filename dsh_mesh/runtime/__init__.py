@@ -2,6 +2,7 @@
 
 from dsh_mesh.runtime._manager import ContinuationManager, ManagerConfig
 from dsh_mesh.runtime._memory_store import InMemorySessionStore
+from dsh_mesh.runtime._recording import HistoryLog, RecordingStore
 from dsh_mesh.runtime._router import MAX_HOPS, Router
 from dsh_mesh.runtime._store import (
     Acceptance,
@@ -15,9 +16,11 @@ __all__ = [
     "MAX_HOPS",
     "Acceptance",
     "ContinuationManager",
+    "HistoryLog",
     "IdempotencyKey",
     "InMemorySessionStore",
     "ManagerConfig",
+    "RecordingStore",
     "Resumption",
     "Router",
     "SessionStore",

@@ -7,7 +7,8 @@ that ``scripts/install_etcd.sh`` installs. ``LocalCluster`` runs real node proce
 it on loopback. ``LocalPki`` is a throwaway CA that lets both run mutual TLS.
 ``MultiHostBed`` (root only) puts hosts in network namespaces on one bridge, with a three-member
 etcd cluster and one node per host, and has the faults to cut a host off, stop or kill an etcd
-member; ``TcpProxy`` adds delay and loss in front of a node.
+member; ``TcpProxy`` adds delay and loss in front of a node. ``check`` is the history checker:
+it judges a whole run from what the workload heard back, what the nodes wrote and what is durable.
 """
 
 from dsh_mesh.testing._cluster import (
@@ -24,6 +25,18 @@ from dsh_mesh.testing._etcd import (
     EtcdServer,
     EtcdServerError,
     find_etcd_binary,
+)
+from dsh_mesh.testing._history import (
+    HUMAN,
+    NodeHistory,
+    Outcome,
+    Send,
+    Verdict,
+    WriteEvent,
+    agent_sends,
+    check,
+    load_node_history,
+    writers_of,
 )
 from dsh_mesh.testing._in_process import InProcessMesh, in_process_mesh
 from dsh_mesh.testing._otlp import (
@@ -52,6 +65,7 @@ from dsh_mesh.testing._testbed import (
 
 __all__ = [
     "ETCD_CLIENT_NAME",
+    "HUMAN",
     "AttributeValue",
     "BedCluster",
     "BedError",
@@ -72,17 +86,26 @@ __all__ = [
     "LocalPki",
     "MeshReader",
     "MultiHostBed",
+    "NodeHistory",
     "NodeProcess",
     "NodeProcessError",
     "OtlpReceiver",
+    "Outcome",
     "ProxyStats",
+    "Send",
     "TcpProxy",
     "TlsFiles",
+    "Verdict",
+    "WriteEvent",
+    "agent_sends",
     "bed_unavailable_reason",
+    "check",
     "create_root",
     "find_etcd_binary",
     "in_process_mesh",
+    "load_node_history",
     "otel_env",
     "render_trace_tree",
     "sweep_stale_beds",
+    "writers_of",
 ]

@@ -1,0 +1,491 @@
+"""The history checker: did a whole run keep the mesh's promise?
+
+An acknowledged message is delivered exactly once, in order, to the one live activation of its
+target, whatever failed. The checker judges a run from three records that no single component
+can fake for another:
+
+- the **sends**: every message the workload asked the mesh to accept, with what the asker heard
+  back (:class:`Send`). Agents' own ``send_message`` calls come from their transcripts (the tool
+  call and its recorded result, :func:`agent_sends`); prompts and probes from the driver's log;
+- the **writes**: each node's store history (``--history-file``, :class:`WriteEvent`), saying
+  which activation each durable entry was fenced on;
+- the **transcripts**: the durable end state, read from etcd after the run.
+
+:func:`check` then counts, over the whole run (a :class:`Verdict`):
+
+- *lost*: an acknowledged message missing from its target's transcript, or there but never
+  consumed into a step;
+- *duplicated*: a message in its target's transcript more times than it was acknowledged (or left
+  in doubt), an inbound entry consumed into more than one step, two notices for one activation;
+- *order violations*: two acknowledged messages on one sender-to-target edge accepted in the
+  other order than they were sent;
+- *notice violations*: a settlement notice accepted before a message its child's activation had
+  acknowledged to the same parent;
+- *overlapping activations*: a session whose durable writes interleave two activations (one wrote
+  again after another had written);
+- *wrong reasons*: a refusal with a reason the request could not have earned;
+- *phantoms*: an agent message in a transcript that no one sent.
+
+A message whose outcome the asker never learned (its node died mid-call) may have landed once or
+not at all; it is never counted lost, but a second copy is still a duplicate.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import json
+import statistics
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dsh_mesh.core import (
+    INBOUND_TYPES,
+    AgentMessageEntry,
+    AssistantStepEntry,
+    ConsumedEntry,
+    HumanPromptEntry,
+    Record,
+    RejectionReason,
+    SessionId,
+    SettlementNoticeEntry,
+    ToolResultEntry,
+)
+
+HUMAN = "human"
+"""The sender of a prompt."""
+
+
+class Outcome(enum.Enum):
+    """What the asker heard back."""
+
+    ACKED = "acked"
+    REJECTED = "rejected"
+    UNKNOWN = "unknown"
+    """No answer that settles it (the call or the asker's host died): landed once or not at all."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Send:
+    """One message (or prompt) the workload asked the mesh to accept, and its outcome."""
+
+    sender: str
+    """The sending session, or :data:`HUMAN` for a prompt."""
+    target: SessionId
+    content: str
+    outcome: Outcome
+    reason: RejectionReason | None = None
+    """Why it was refused (``REJECTED`` only)."""
+    allowed: frozenset[RejectionReason] = frozenset()
+    """The reasons a refusal of this request may rightly give."""
+    writer: str | None = None
+    """The sender's activation that recorded the outcome, when known (agent sends)."""
+    position: int = 0
+    """Where the sender put it in its own order (a transcript seq, or a send counter)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class WriteEvent:
+    """One durable write a node reported: ``seq`` of ``session``, fenced on ``writer``."""
+
+    node: str
+    time: float
+    session: SessionId
+    seq: int
+    writer: str | None
+    entry: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeHistory:
+    """What the nodes' history files hold."""
+
+    writes: tuple[WriteEvent, ...] = ()
+    activations: int = 0
+    """Activations won over the run."""
+    fenced_writes: int = 0
+    """Writes refused because their activation was no longer current (the fence at work)."""
+
+
+@dataclass
+class Verdict:
+    """The checker's figures and every violation it found, one line each."""
+
+    operations: int = 0
+    acked: int = 0
+    rejected: int = 0
+    unknown: int = 0
+    delivered: int = 0
+    """Inbound entries consumed into a step."""
+    lost: int = 0
+    duplicated: int = 0
+    order_violations: int = 0
+    notice_violations: int = 0
+    overlapping_activations: int = 0
+    wrong_reasons: int = 0
+    phantoms: int = 0
+    unattributed_writes: int = 0
+    """Durable entries no node reported writing (their node was killed in between): counted,
+    never held against the run."""
+    activations: int = 0
+    fenced_writes: int = 0
+    violations: list[str] = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        """No violation of any kind."""
+        return not self.violations
+
+    def summary(
+        self,
+        *,
+        faults: Mapping[str, int] | None = None,
+        failovers: Sequence[float] = (),
+        ttl: float | None = None,
+    ) -> str:
+        """The verdict and its figures, as the soak and the short fault run print them."""
+        lines = [f"history check: {'CLEAN' if self.clean else 'VIOLATED'}"]
+        lines.append(
+            f"  operations {self.operations}: acknowledged {self.acked}, refused {self.rejected},"
+            f" in doubt {self.unknown}; delivered into a step {self.delivered}"
+        )
+        if faults is not None:
+            total = sum(faults.values())
+            kinds = ", ".join(f"{name} {count}" for name, count in sorted(faults.items()))
+            lines.append(f"  faults injected {total}: {kinds or 'none'}")
+        lines.append(
+            f"  lost {self.lost}, duplicated {self.duplicated},"
+            f" order violations {self.order_violations},"
+            f" overlapping activations {self.overlapping_activations},"
+            f" notices before messages {self.notice_violations},"
+            f" wrong reasons {self.wrong_reasons}, phantoms {self.phantoms}"
+        )
+        lines.append(
+            f"  activations {self.activations}, writes refused by the fence {self.fenced_writes},"
+            f" unattributed writes {self.unattributed_writes}"
+        )
+        if failovers:
+            against = f" (lease TTL {ttl:g} s)" if ttl is not None else ""
+            lines.append(
+                f"  failover p50 {statistics.median(failovers):.2f} s,"
+                f" max {max(failovers):.2f} s over {len(failovers)}{against}"
+            )
+        lines.extend(f"  ! {violation}" for violation in self.violations[:50])
+        if len(self.violations) > 50:
+            lines.append(f"  ... and {len(self.violations) - 50} more")
+        return "\n".join(lines)
+
+    def _violate(self, kind: str, text: str) -> None:
+        setattr(self, kind, getattr(self, kind) + 1)
+        self.violations.append(f"{kind.replace('_', ' ')}: {text}")
+
+
+SEND_TOOL = "send_message"
+_CALLS_PER_STEP = 1000
+
+
+def agent_sends(
+    transcripts: Mapping[SessionId, Sequence[Record]],
+    writers: Mapping[tuple[SessionId, int], str | None] | None = None,
+    *,
+    allowed: frozenset[RejectionReason] = frozenset(),
+) -> list[Send]:
+    """Every ``send_message`` call in ``transcripts``, with the outcome its tool result recorded
+    (a call with no result, or closed as not completed, is in doubt). ``writers`` (from
+    :func:`load_node_history`) names the activation that recorded each result."""
+    writers = writers or {}
+    sends: list[Send] = []
+    for session, records in transcripts.items():
+        results = {r.entry.call_id: r for r in records if isinstance(r.entry, ToolResultEntry)}
+        for record in records:
+            if not isinstance(record.entry, AssistantStepEntry):
+                continue
+            for index, call in enumerate(record.entry.tool_calls):
+                if call.name != SEND_TOOL:
+                    continue
+                arguments = json.loads(call.arguments_json or "{}")
+                result = results.get(call.call_id)
+                outcome, reason = _tool_outcome(result)
+                sends.append(
+                    Send(
+                        sender=session,
+                        target=SessionId(str(arguments.get("agent_id", ""))),
+                        content=str(arguments.get("message", "")),
+                        outcome=outcome,
+                        reason=reason,
+                        allowed=allowed,
+                        writer=None if result is None else writers.get((session, result.seq)),
+                        position=record.seq * _CALLS_PER_STEP + index,
+                    )
+                )
+    return sends
+
+
+def _tool_outcome(result: Record | None) -> tuple[Outcome, RejectionReason | None]:
+    if result is None or not isinstance(result.entry, ToolResultEntry):
+        return Outcome.UNKNOWN, None
+    try:
+        payload = json.loads(result.entry.content)
+    except json.JSONDecodeError:
+        return Outcome.UNKNOWN, None  # "not completed: turn ended (...)"
+    if isinstance(payload, dict) and "delivered" in payload:
+        return Outcome.ACKED, None
+    if isinstance(payload, dict) and "rejected" in payload:
+        try:
+            return Outcome.REJECTED, RejectionReason(payload["rejected"])
+        except ValueError:
+            return Outcome.REJECTED, None
+    return Outcome.UNKNOWN, None
+
+
+def load_node_history(paths: Iterable[Path]) -> NodeHistory:
+    """Read every node's history file (``--history-file``); a torn last line (a node killed
+    mid-write) is skipped."""
+    writes: list[WriteEvent] = []
+    activations = 0
+    fenced = 0
+    for path in paths:
+        if not path.exists():
+            continue
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            op = event.get("op")
+            if op == "wrote":
+                writes.append(
+                    WriteEvent(
+                        node=event["node"],
+                        time=event["t"],
+                        session=SessionId(event["session"]),
+                        seq=int(event["seq"]),
+                        writer=event["writer"],
+                        entry=event["entry"],
+                    )
+                )
+            elif op == "activated":
+                activations += 1
+            elif op == "fenced":
+                fenced += 1
+    return NodeHistory(writes=tuple(writes), activations=activations, fenced_writes=fenced)
+
+
+def writers_of(history: NodeHistory) -> dict[tuple[SessionId, int], str | None]:
+    """``(session, seq) -> writer activation`` for every reported write."""
+    return {(w.session, w.seq): w.writer for w in history.writes}
+
+
+def check(
+    sends: Sequence[Send],
+    transcripts: Mapping[SessionId, Sequence[Record]],
+    history: NodeHistory,
+) -> Verdict:
+    """Judge a whole run; see the module docstring for what is counted."""
+    verdict = Verdict(operations=len(sends))
+    verdict.activations = history.activations
+    verdict.fenced_writes = history.fenced_writes
+    for send in sends:
+        if send.outcome is Outcome.ACKED:
+            verdict.acked += 1
+        elif send.outcome is Outcome.REJECTED:
+            verdict.rejected += 1
+            if send.reason not in send.allowed:
+                verdict._violate(
+                    "wrong_reasons",
+                    f"{send.sender} -> {send.target} {send.content!r} refused with"
+                    f" {send.reason and send.reason.value}",
+                )
+        else:
+            verdict.unknown += 1
+    consumed = _consumption(transcripts, verdict)
+    _check_copies(sends, transcripts, consumed, verdict)
+    _check_order(sends, transcripts, verdict)
+    _check_notices(sends, transcripts, verdict)
+    _check_writers(transcripts, history, verdict)
+    return verdict
+
+
+def _consumption(
+    transcripts: Mapping[SessionId, Sequence[Record]], verdict: Verdict
+) -> dict[tuple[SessionId, int], int]:
+    """How many steps each inbound entry was consumed into; more than one is a duplicate."""
+    consumed: dict[tuple[SessionId, int], int] = Counter()
+    for session, records in transcripts.items():
+        inbound = {r.seq for r in records if isinstance(r.entry, INBOUND_TYPES)}
+        for record in records:
+            if isinstance(record.entry, ConsumedEntry):
+                for seq in record.entry.seqs:
+                    consumed[session, seq] += 1
+                    if seq not in inbound:
+                        verdict._violate(
+                            "phantoms", f"{session} consumed seq {seq}, which is not inbound"
+                        )
+        for seq in inbound:
+            count = consumed[session, seq]
+            if count:
+                verdict.delivered += 1
+            if count > 1:
+                verdict._violate("duplicated", f"{session} seq {seq} consumed {count} times")
+    return consumed
+
+
+def _key(entry: AgentMessageEntry | HumanPromptEntry) -> tuple[str, str]:
+    if isinstance(entry, HumanPromptEntry):
+        return HUMAN, entry.content
+    return entry.source.sender_session_id, entry.content
+
+
+def _check_copies(
+    sends: Sequence[Send],
+    transcripts: Mapping[SessionId, Sequence[Record]],
+    consumed: Mapping[tuple[SessionId, int], int],
+    verdict: Verdict,
+) -> None:
+    """Each message is in its target's transcript as many times as it may be: at least once per
+    acknowledgement, at most once per acknowledgement or doubt; and each copy was consumed."""
+    asked: dict[tuple[SessionId, str, str], list[Send]] = defaultdict(list)
+    for send in sends:
+        asked[send.target, send.sender, send.content].append(send)
+    copies: dict[tuple[SessionId, str, str], list[int]] = defaultdict(list)
+    for session, records in transcripts.items():
+        for record in records:
+            if isinstance(record.entry, AgentMessageEntry | HumanPromptEntry):
+                sender, content = _key(record.entry)
+                copies[session, sender, content].append(record.seq)
+    for key, group in asked.items():
+        target, sender, content = key
+        acked = sum(s.outcome is Outcome.ACKED for s in group)
+        doubtful = sum(s.outcome is Outcome.UNKNOWN for s in group)
+        found = copies.get(key, [])
+        what = f"{sender} -> {target} {content!r}"
+        if len(found) < acked:
+            verdict._violate("lost", f"{what}: acknowledged {acked}, in transcript {len(found)}")
+        if len(found) > acked + doubtful:
+            verdict._violate(
+                "duplicated", f"{what}: in transcript {len(found)} times (seqs {found})"
+            )
+        for seq in found:
+            if not consumed.get((target, seq)):
+                verdict._violate("lost", f"{what}: seq {seq} was never consumed into a step")
+    for key, found in copies.items():
+        target, sender, content = key
+        if key not in asked and sender != HUMAN:
+            verdict._violate(
+                "phantoms", f"{sender} -> {target} {content!r} at seqs {found} was never sent"
+            )
+
+
+def _seq_of(
+    transcripts: Mapping[SessionId, Sequence[Record]],
+) -> dict[tuple[SessionId, str, str], int]:
+    first: dict[tuple[SessionId, str, str], int] = {}
+    for session, records in transcripts.items():
+        for record in records:
+            if isinstance(record.entry, AgentMessageEntry | HumanPromptEntry):
+                sender, content = _key(record.entry)
+                first.setdefault((session, sender, content), record.seq)
+    return first
+
+
+def _check_order(
+    sends: Sequence[Send], transcripts: Mapping[SessionId, Sequence[Record]], verdict: Verdict
+) -> None:
+    """On each sender-to-target edge, acknowledged messages land in the order they were sent."""
+    seq_of = _seq_of(transcripts)
+    edges: dict[tuple[str, SessionId], list[Send]] = defaultdict(list)
+    for send in sends:
+        if send.outcome is Outcome.ACKED:
+            edges[send.sender, send.target].append(send)
+    for (sender, target), group in edges.items():
+        landed = [
+            (s.position, seq_of[target, sender, s.content], s.content)
+            for s in group
+            if (target, sender, s.content) in seq_of
+        ]
+        landed.sort()
+        for (_, seq_a, a), (_, seq_b, b) in itertools.pairwise(landed):
+            if seq_b < seq_a:
+                verdict._violate(
+                    "order_violations",
+                    f"{sender} -> {target}: {a!r} sent before {b!r},"
+                    f" but landed at {seq_a} > {seq_b}",
+                )
+
+
+def _check_notices(
+    sends: Sequence[Send], transcripts: Mapping[SessionId, Sequence[Record]], verdict: Verdict
+) -> None:
+    """A child's acknowledged messages reach its parent before the notice of the activation that
+    sent them; one notice per activation."""
+    seq_of = _seq_of(transcripts)
+    by_writer: dict[tuple[str, SessionId, str], list[Send]] = defaultdict(list)
+    for send in sends:
+        if send.outcome is Outcome.ACKED and send.writer is not None:
+            by_writer[send.sender, send.target, send.writer].append(send)
+    for parent, records in transcripts.items():
+        seen: Counter[tuple[SessionId, str]] = Counter()
+        for record in records:
+            notice = record.entry
+            if not isinstance(notice, SettlementNoticeEntry):
+                continue
+            activation = (notice.child_session, notice.child_activation)
+            seen[activation] += 1
+            if seen[activation] == 2:
+                verdict._violate(
+                    "duplicated", f"{parent}: a second notice for {notice.child_activation}"
+                )
+            for send in by_writer.get((notice.child_session, parent, notice.child_activation), []):
+                landed = seq_of.get((parent, send.sender, send.content))
+                if landed is not None and landed > record.seq:
+                    verdict._violate(
+                        "notice_violations",
+                        f"{parent}: notice for {notice.child_activation} at {record.seq} before"
+                        f" its message {send.content!r} at {landed}",
+                    )
+
+
+def _check_writers(
+    transcripts: Mapping[SessionId, Sequence[Record]], history: NodeHistory, verdict: Verdict
+) -> None:
+    """Writes of one session never interleave two activations, and every reported write is
+    in the transcript (a write a node was told was durable and is not there was lost)."""
+    reported: dict[SessionId, dict[int, WriteEvent]] = defaultdict(dict)
+    for event in history.writes:
+        earlier = reported[event.session].get(event.seq)
+        if earlier is not None and earlier.writer != event.writer:
+            verdict._violate(
+                "overlapping_activations",
+                f"{event.session} seq {event.seq} reported by {earlier.writer} on {earlier.node}"
+                f" and by {event.writer} on {event.node}",
+            )
+        reported[event.session][event.seq] = event
+    for session, records in transcripts.items():
+        writes = reported.get(session, {})
+        durable = {r.seq: r for r in records}
+        for seq, reported_write in writes.items():
+            record = durable.get(seq)
+            if record is None or type(record.entry).__name__ != reported_write.entry:
+                verdict._violate(
+                    "lost",
+                    f"{session} seq {seq} ({reported_write.entry}) reported durable, not found",
+                )
+        ended: set[str] = set()
+        current: str | None = None
+        for record in records:
+            write = writes.get(record.seq)
+            if write is None:
+                verdict.unattributed_writes += 1
+                continue
+            if write.writer != current:
+                if current is not None:
+                    ended.add(current)
+                current = write.writer
+                if current in ended:
+                    verdict._violate(
+                        "overlapping_activations",
+                        f"{session} seq {record.seq}: activation {current} wrote again after"
+                        " another had written",
+                    )

@@ -1,0 +1,350 @@
+"""The history checker finds each kind of violation, and passes a clean run.
+
+Each test builds the durable transcripts and node histories of a tiny run by hand, clean, then
+breaks exactly one promise and checks that the checker counts exactly that one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dsh_mesh.core import (
+    ActivationId,
+    AgentMessageEntry,
+    AgentMessageSource,
+    AssistantStepEntry,
+    ConsumedEntry,
+    Entry,
+    HumanPromptEntry,
+    Record,
+    RejectionReason,
+    SessionId,
+    SessionKind,
+    SettlementNoticeEntry,
+    SettlementOutcome,
+    TaskEntry,
+    ToolCall,
+    ToolResultEntry,
+    Usage,
+)
+from dsh_mesh.runtime import HistoryLog
+from dsh_mesh.testing import (
+    HUMAN,
+    NodeHistory,
+    Outcome,
+    Send,
+    Verdict,
+    WriteEvent,
+    agent_sends,
+    check,
+    load_node_history,
+    writers_of,
+)
+
+ROOT = SessionId("root")
+CHILD = SessionId("child")
+A1 = ActivationId("child-a1")
+R1 = ActivationId("root-a1")
+
+
+def records(*entries: Entry) -> list[Record]:
+    return [Record(seq=i, entry=e) for i, e in enumerate(entries, start=1)]
+
+
+def step(*calls: tuple[str, str, str]) -> AssistantStepEntry:
+    """An assistant step calling send_message for each (call id, target, message)."""
+    return AssistantStepEntry(
+        text="",
+        tool_calls=tuple(
+            ToolCall(
+                call_id=call_id,
+                name="send_message",
+                arguments_json=json.dumps({"agent_id": target, "message": message}),
+            )
+            for call_id, target, message in calls
+        ),
+        usage=Usage(),
+    )
+
+
+def delivered(call_id: str, target: str) -> ToolResultEntry:
+    return ToolResultEntry(
+        call_id=call_id,
+        name="send_message",
+        content=json.dumps({"delivered": "steer-running", "agent_id": target}),
+    )
+
+
+def refused(call_id: str, reason: RejectionReason) -> ToolResultEntry:
+    return ToolResultEntry(
+        call_id=call_id,
+        name="send_message",
+        content=json.dumps({"rejected": reason.value, "detail": "no"}),
+        is_error=True,
+    )
+
+
+def from_child(content: str) -> AgentMessageEntry:
+    return AgentMessageEntry(source=AgentMessageSource(sender_session_id=CHILD), content=content)
+
+
+def notice(activation: ActivationId = A1) -> SettlementNoticeEntry:
+    return SettlementNoticeEntry(
+        child_session=CHILD,
+        child_activation=activation,
+        child_kind=SessionKind.CONTINUABLE_CHILD,
+        outcome=SettlementOutcome.COMPLETED,
+        terminal_output="done",
+    )
+
+
+def child_transcript(*results: Entry) -> list[Record]:
+    """The child: a task, one step sending m1 and m2 to the root, their results."""
+    return records(
+        TaskEntry(content="work"),
+        ConsumedEntry(seqs=(1,)),
+        step(("c1", ROOT, "m1"), ("c2", ROOT, "m2")),
+        *results,
+    )
+
+
+CLEAN_CHILD = child_transcript(delivered("c1", ROOT), delivered("c2", ROOT))
+
+
+def root_transcript(*entries: Entry) -> list[Record]:
+    return records(HumanPromptEntry(content="go"), ConsumedEntry(seqs=(1,)), *entries)
+
+
+CLEAN_ROOT = root_transcript(
+    from_child("m1"), from_child("m2"), notice(), ConsumedEntry(seqs=(3, 4, 5))
+)
+PROMPT = Send(sender=HUMAN, target=ROOT, content="go", outcome=Outcome.ACKED)
+
+
+def history_of(transcripts: dict[SessionId, list[Record]], **writers: str | None) -> NodeHistory:
+    """Every write reported, fenced on ``writers[session]`` (one activation per session)."""
+    return NodeHistory(
+        writes=tuple(
+            WriteEvent(
+                node="node-a",
+                time=0.0,
+                session=session,
+                seq=r.seq,
+                writer=writers[session],
+                entry=type(r.entry).__name__,
+            )
+            for session, rs in transcripts.items()
+            for r in rs
+        )
+    )
+
+
+def judge(
+    root: list[Record], child: list[Record], *extra: Send, history: NodeHistory | None = None
+) -> Verdict:
+    transcripts = {ROOT: root, CHILD: child}
+    history = history or history_of(transcripts, root=R1, child=A1)
+    sends = [PROMPT, *agent_sends(transcripts, writers_of(history)), *extra]
+    return check(sends, transcripts, history)
+
+
+def only(verdict: Verdict, kind: str) -> None:
+    counts = {
+        name: getattr(verdict, name)
+        for name in (
+            "lost",
+            "duplicated",
+            "order_violations",
+            "notice_violations",
+            "overlapping_activations",
+            "wrong_reasons",
+            "phantoms",
+        )
+    }
+    assert counts[kind] >= 1, verdict.summary()
+    assert all(count == 0 for name, count in counts.items() if name != kind), verdict.summary()
+
+
+def test_a_clean_run_checks_clean_with_its_figures() -> None:
+    verdict = judge(CLEAN_ROOT, CLEAN_CHILD)
+    assert verdict.clean, verdict.summary()
+    assert (verdict.operations, verdict.acked, verdict.rejected, verdict.unknown) == (3, 3, 0, 0)
+    assert verdict.delivered == 5  # root: prompt, m1, m2, notice; child: task
+    assert "CLEAN" in verdict.summary(faults={"kill": 2}, failovers=[1.5, 2.0], ttl=2.0)
+
+
+def test_an_acknowledged_message_missing_from_its_target_is_lost() -> None:
+    root = root_transcript(from_child("m1"), notice(), ConsumedEntry(seqs=(3, 4)))
+    only(judge(root, CLEAN_CHILD), "lost")
+
+
+def test_an_acknowledged_message_never_consumed_is_lost() -> None:
+    root = root_transcript(from_child("m1"), from_child("m2"), notice(), ConsumedEntry(seqs=(3, 5)))
+    only(judge(root, CLEAN_CHILD), "lost")
+
+
+def test_a_second_copy_of_a_message_is_a_duplicate() -> None:
+    root = root_transcript(
+        from_child("m1"),
+        from_child("m1"),
+        from_child("m2"),
+        notice(),
+        ConsumedEntry(seqs=(3, 4, 5, 6)),
+    )
+    only(judge(root, CLEAN_CHILD), "duplicated")
+
+
+def test_an_entry_consumed_into_two_steps_is_a_duplicate() -> None:
+    root = root_transcript(
+        from_child("m1"),
+        from_child("m2"),
+        notice(),
+        ConsumedEntry(seqs=(3, 4, 5)),
+        ConsumedEntry(seqs=(4,)),
+    )
+    only(judge(root, CLEAN_CHILD), "duplicated")
+
+
+def test_two_notices_for_one_activation_are_a_duplicate() -> None:
+    root = root_transcript(
+        from_child("m1"), from_child("m2"), notice(), notice(), ConsumedEntry(seqs=(3, 4, 5, 6))
+    )
+    only(judge(root, CLEAN_CHILD), "duplicated")
+
+
+def test_a_message_in_doubt_may_land_once_or_not_at_all_but_never_twice() -> None:
+    unanswered = child_transcript(delivered("c1", ROOT))  # c2's result was never recorded
+    assert judge(CLEAN_ROOT, unanswered).clean
+    without_m2 = root_transcript(from_child("m1"), notice(), ConsumedEntry(seqs=(3, 4)))
+    assert judge(without_m2, unanswered).clean
+    twice = root_transcript(
+        from_child("m1"),
+        from_child("m2"),
+        from_child("m2"),
+        notice(),
+        ConsumedEntry(seqs=(3, 4, 5, 6)),
+    )
+    only(judge(twice, unanswered), "duplicated")
+
+
+def test_messages_landing_out_of_send_order_are_an_order_violation() -> None:
+    root = root_transcript(
+        from_child("m2"), from_child("m1"), notice(), ConsumedEntry(seqs=(3, 4, 5))
+    )
+    only(judge(root, CLEAN_CHILD), "order_violations")
+
+
+def test_a_notice_before_its_activations_message_is_a_notice_violation() -> None:
+    root = root_transcript(
+        from_child("m1"), notice(), from_child("m2"), ConsumedEntry(seqs=(3, 4, 5))
+    )
+    only(judge(root, CLEAN_CHILD), "notice_violations")
+
+
+def test_a_notice_of_a_later_activation_is_not_held_to_an_earlier_ones_messages() -> None:
+    root = root_transcript(
+        from_child("m1"),
+        notice(ActivationId("child-a0")),
+        from_child("m2"),
+        ConsumedEntry(seqs=(3, 4, 5)),
+    )
+    assert judge(root, CLEAN_CHILD).clean
+
+
+def test_interleaved_writes_of_two_activations_are_overlapping() -> None:
+    transcripts = {ROOT: CLEAN_ROOT, CHILD: CLEAN_CHILD}
+    clean = history_of(transcripts, root=R1, child=A1)
+    writes = [
+        w
+        if not (w.session == CHILD and w.seq == 2)
+        else WriteEvent(**{**w.__dict__, "writer": "child-a2"})
+        for w in clean.writes
+    ]
+    only(
+        judge(CLEAN_ROOT, CLEAN_CHILD, history=NodeHistory(writes=tuple(writes))),
+        "overlapping_activations",
+    )
+
+
+def test_activations_taking_turns_are_not_overlapping() -> None:
+    transcripts = {ROOT: CLEAN_ROOT, CHILD: CLEAN_CHILD}
+    clean = history_of(transcripts, root=R1, child=A1)
+    writes = [
+        w
+        if not (w.session == CHILD and w.seq >= 3)
+        else WriteEvent(**{**w.__dict__, "writer": "child-a2"})
+        for w in clean.writes
+    ]
+    assert judge(CLEAN_ROOT, CLEAN_CHILD, history=NodeHistory(writes=tuple(writes))).clean
+
+
+def test_one_seq_reported_by_two_activations_is_overlapping() -> None:
+    transcripts = {ROOT: CLEAN_ROOT, CHILD: CLEAN_CHILD}
+    clean = history_of(transcripts, root=R1, child=A1)
+    twice = WriteEvent(
+        node="node-b", time=0.0, session=CHILD, seq=4, writer="child-a2", entry="ToolResultEntry"
+    )
+    history = NodeHistory(writes=(*clean.writes, twice))
+    only(judge(CLEAN_ROOT, CLEAN_CHILD, history=history), "overlapping_activations")
+
+
+def test_a_write_reported_durable_but_missing_is_lost() -> None:
+    transcripts = {ROOT: CLEAN_ROOT, CHILD: CLEAN_CHILD}
+    clean = history_of(transcripts, root=R1, child=A1)
+    ghost = WriteEvent(
+        node="node-a", time=0.0, session=ROOT, seq=99, writer=R1, entry="AgentMessageEntry"
+    )
+    only(judge(CLEAN_ROOT, CLEAN_CHILD, history=NodeHistory(writes=(*clean.writes, ghost))), "lost")
+
+
+def test_a_write_no_node_reported_is_counted_not_held_against_the_run() -> None:
+    transcripts = {ROOT: CLEAN_ROOT, CHILD: CLEAN_CHILD}
+    clean = history_of(transcripts, root=R1, child=A1)
+    history = NodeHistory(writes=tuple(w for w in clean.writes if (w.session, w.seq) != (ROOT, 3)))
+    verdict = judge(CLEAN_ROOT, CLEAN_CHILD, history=history)
+    assert verdict.clean and verdict.unattributed_writes == 1
+
+
+def test_a_refusal_with_a_reason_the_request_could_not_earn_is_wrong() -> None:
+    child = child_transcript(delivered("c1", ROOT), refused("c2", RejectionReason.SIBLING_TARGET))
+    root = root_transcript(from_child("m1"), notice(), ConsumedEntry(seqs=(3, 4)))
+    only(judge(root, child), "wrong_reasons")
+
+
+def test_a_refusal_with_an_allowed_reason_is_fine() -> None:
+    probe = Send(
+        sender=CHILD,
+        target=SessionId("sibling"),
+        content="hi",
+        outcome=Outcome.REJECTED,
+        reason=RejectionReason.SIBLING_TARGET,
+        allowed=frozenset({RejectionReason.SIBLING_TARGET}),
+    )
+    assert judge(CLEAN_ROOT, CLEAN_CHILD, probe).clean
+
+
+def test_a_message_no_one_sent_is_a_phantom() -> None:
+    root = root_transcript(
+        from_child("m1"),
+        from_child("m2"),
+        from_child("forged"),
+        notice(),
+        ConsumedEntry(seqs=(3, 4, 5, 6)),
+    )
+    only(judge(root, CLEAN_CHILD), "phantoms")
+
+
+def test_node_history_files_are_read_back_and_a_torn_line_is_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "node-a.jsonl"
+    with HistoryLog(path, node="node-a") as log:
+        log.event("activated", session="s", activation="a1")
+        log.event("wrote", session="s", seq=1, writer="a1", entry="TaskEntry")
+        log.event("fenced", session="s", writer="a0")
+    with path.open("a") as handle:
+        handle.write('{"op": "wrote", "session"')  # killed mid-line
+    history = load_node_history([path, tmp_path / "never-written.jsonl"])
+    assert history.activations == 1 and history.fenced_writes == 1
+    assert [(w.session, w.seq, w.writer, w.node) for w in history.writes] == [
+        ("s", 1, "a1", "node-a")
+    ]
