@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench check lint typecheck unit protos clean
+.PHONY: demo test bench soak check lint typecheck unit protos clean
 
 $(STAMP): requirements/dev.txt pyproject.toml scripts/bootstrap.sh scripts/install_etcd.sh scripts/install_node.sh clients/node/package-lock.json
 	bash scripts/bootstrap.sh $(VENV)
@@ -22,6 +22,11 @@ test: $(STAMP) check unit
 
 bench: $(STAMP)
 	$(PY) -m bench
+
+# The long fault run: 30 minutes on the multi-host test bed (root), then the history checker's
+# verdict. SOAK_ARGS passes options, for example SOAK_ARGS="--seed 7 --minutes 5".
+soak: $(STAMP)
+	$(PY) -m dsh_mesh.testing.soak $(SOAK_ARGS)
 
 check: $(STAMP)
 	$(PY) scripts/gen_protos.py --check

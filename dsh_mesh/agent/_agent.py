@@ -351,14 +351,14 @@ class Agent:
                     "gen_ai.response.finish_reasons": [response.finish_reason.value],
                 }
             )
-        await self._append(
+        step = await self._append(
             AssistantStepEntry(
                 text=response.text, tool_calls=response.tool_calls, usage=response.usage
             )
         )
         if response.finish_reason is FinishReason.LENGTH:
             raise TokensExhausted("the model stopped at its token limit")
-        for call in response.tool_calls:
+        for index, call in enumerate(response.tool_calls):
             with telemetry.span(
                 f"execute_tool {call.name}",
                 attributes={
@@ -367,7 +367,7 @@ class Agent:
                     "gen_ai.tool.call.id": call.call_id,
                 },
             ) as tool_span:
-                output = await self._invoke(call, signal)
+                output = await self._invoke(call, signal, step_seq=step.seq, index=index)
                 tool_span.set("dsh.tool.error", output.is_error)
             await self._append(
                 ToolResultEntry(
@@ -389,7 +389,9 @@ class Agent:
             return TurnOutcome.COMPLETED
         return None
 
-    async def _invoke(self, call: ToolCall, signal: AbortSignal) -> ToolOutput:
+    async def _invoke(
+        self, call: ToolCall, signal: AbortSignal, *, step_seq: int, index: int
+    ) -> ToolOutput:
         tool = self.tools.get(call.name)
         if tool is None:
             return ToolOutput(content=f"unknown tool {call.name!r}", is_error=True)
@@ -399,7 +401,9 @@ class Agent:
             return ToolOutput(content=f"arguments are not JSON: {bad}", is_error=True)
         if not isinstance(arguments, dict):
             return ToolOutput(content="arguments must be a JSON object", is_error=True)
-        invocation = ToolInvocation(caller=self.ref, call=call, signal=signal)
+        invocation = ToolInvocation(
+            caller=self.ref, call=call, signal=signal, step_seq=step_seq, index=index
+        )
         try:
             return await tool.invoke(invocation, arguments)
         except Exception as failure:  # a broken tool fails its call, not the turn

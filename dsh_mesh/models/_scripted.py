@@ -3,8 +3,9 @@
 Every session that uses model ``name`` walks the program registered under ``name`` with a cursor
 of its own: the n-th model call of that session performs the n-th action. With
 ``resume_from_transcript`` (cluster nodes, where a session may be cold-resumed in another process)
-a session first seen by this process starts its cursor at the number of assistant messages its
-request already holds, so a resumed session continues its program instead of restarting it. (A
+a session's cursor is never behind the number of assistant messages its request already holds,
+so a session resumed here (for the first time, or again after running elsewhere) continues its
+program instead of restarting or replaying it. (A
 fork child's inherited prefix would count too: scripted forks run in one process only.) Tool call
 ids are ``call-<session>-<cursor>-<index>``: stable across processes for the same step. An
 exhausted program answers with an empty final reply, so a scripted agent always ends its turn.
@@ -212,11 +213,11 @@ class ScriptedProvider:
         program = self.programs.get(request.model)
         if program is None:
             raise ScriptError(f"no scripted program for model {request.model!r}")
-        cursor = self._cursors.get(request.session_id)
-        if cursor is None:
-            cursor = 0
-            if self.resume_from_transcript:
-                cursor = sum(m.role is Role.ASSISTANT for m in request.messages)
+        cursor = self._cursors.get(request.session_id, 0)
+        if self.resume_from_transcript:
+            # The transcript may be ahead of what this process remembers: the session may have
+            # run elsewhere since it was last here.
+            cursor = max(cursor, sum(m.role is Role.ASSISTANT for m in request.messages))
         self._cursors[request.session_id] = cursor + 1
         step: Action = program[cursor] if cursor < len(program) else Reply()
         if step.gate is not None:

@@ -26,6 +26,7 @@ from dsh_mesh.testing._etcd import (
     EtcdServerError,
     find_etcd_binary,
 )
+from dsh_mesh.testing._faults import FAULT_KINDS, FaultDriver
 from dsh_mesh.testing._history import (
     HUMAN,
     NodeHistory,
@@ -49,6 +50,7 @@ from dsh_mesh.testing._otlp import (
 )
 from dsh_mesh.testing._pki import LocalPki, TlsFiles
 from dsh_mesh.testing._proxy import ProxyStats, TcpProxy
+from dsh_mesh.testing._soak import FaultRunReport, fault_run
 from dsh_mesh.testing._testbed import (
     ETCD_CLIENT_NAME,
     BedCluster,
@@ -62,10 +64,14 @@ from dsh_mesh.testing._testbed import (
     bed_unavailable_reason,
     sweep_stale_beds,
 )
+from dsh_mesh.testing._workload import FAULT_REASONS, WORKLOAD, Workload
 
 __all__ = [
     "ETCD_CLIENT_NAME",
+    "FAULT_KINDS",
+    "FAULT_REASONS",
     "HUMAN",
+    "WORKLOAD",
     "AttributeValue",
     "BedCluster",
     "BedError",
@@ -81,6 +87,8 @@ __all__ = [
     "EtcdNotFoundError",
     "EtcdServer",
     "EtcdServerError",
+    "FaultDriver",
+    "FaultRunReport",
     "InProcessMesh",
     "LocalCluster",
     "LocalPki",
@@ -96,11 +104,13 @@ __all__ = [
     "TcpProxy",
     "TlsFiles",
     "Verdict",
+    "Workload",
     "WriteEvent",
     "agent_sends",
     "bed_unavailable_reason",
     "check",
     "create_root",
+    "fault_run",
     "find_etcd_binary",
     "in_process_mesh",
     "load_node_history",

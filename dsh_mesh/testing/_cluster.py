@@ -69,6 +69,9 @@ class ClusterSettings:
     tls: LocalPki | None = None
     """The CA of a mutual-TLS cluster (nodes and etcd); None: plaintext, asked for explicitly.
     Under TLS the nodes check no cluster token: the certificate is the credential."""
+    history: bool = False
+    """Every node appends its store history to :attr:`NodeProcess.history_path`, for the history
+    checker (:func:`dsh_mesh.testing.check`)."""
 
     def client_files(self, name: str = "tester") -> TlsFiles | None:
         """A client certificate of this cluster's CA (None for a plaintext cluster)."""
@@ -97,6 +100,8 @@ class NodeProcess:
         self.node_id = node_id
         self.settings = settings
         self.log_path = log_dir / f"{node_id}.log"
+        self.history_path = log_dir / f"{node_id}.history.jsonl"
+        """Where the node appends its store history when the cluster keeps one."""
         self._env = dict(env or {})
         self._process: subprocess.Popen[bytes] | None = None
         self.address: str | None = None
@@ -136,6 +141,7 @@ class NodeProcess:
             s.scenario,
             "--shutdown-grace",
             str(s.shutdown_grace),
+            *(["--history-file", str(self.history_path)] if s.history else []),
             *self._security(),
         ]
 
@@ -245,7 +251,8 @@ class LocalCluster:
     """N node processes against one etcd, under a fresh key prefix. A context manager; every
     process is reaped on exit. ``env`` is added to every node's environment (for example
     ``otel_env(receiver.endpoint)`` to export telemetry). ``tls`` runs the cluster under mutual
-    TLS with certificates of that CA (etcd included); by default it runs plaintext."""
+    TLS with certificates of that CA (etcd included); by default it runs plaintext. With
+    ``history`` every node keeps a store history for the history checker."""
 
     def __init__(
         self,
@@ -259,6 +266,7 @@ class LocalCluster:
         log_dir: Path | None = None,
         env: Mapping[str, str] | None = None,
         tls: LocalPki | None = None,
+        history: bool = False,
     ) -> None:
         self.settings = ClusterSettings(
             etcd_endpoint=etcd_endpoint,
@@ -269,6 +277,7 @@ class LocalCluster:
             lease_ttl=lease_ttl,
             shutdown_grace=shutdown_grace,
             tls=tls,
+            history=history,
         )
         self._owned_dir = None if log_dir is not None else tempfile.TemporaryDirectory()
         self.log_dir = log_dir or Path(self._owned_dir.name if self._owned_dir else ".")

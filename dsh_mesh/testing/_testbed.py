@@ -388,6 +388,8 @@ class BedNode(NodeProcess):
             f"scenario = {_toml(settings.scenario)}",
             f"shutdown_grace = {settings.shutdown_grace}",
         ]
+        if settings.history:
+            lines.append(f"history_file = {_toml(str(self.history_path))}")
         if advertise_host is not None:
             lines.append(f"advertise_host = {_toml(advertise_host)}")
         pki = cluster.bed.pki
@@ -446,6 +448,7 @@ class BedCluster(LocalCluster):
         shutdown_grace: float,
         fronted: Mapping[str, tuple[str, int]],
         env: Mapping[str, str] | None,
+        history: bool = False,
     ) -> None:
         log_dir = Path(tempfile.mkdtemp(prefix="cluster-", dir=bed.directory))
         super().__init__(
@@ -458,6 +461,7 @@ class BedCluster(LocalCluster):
             log_dir=log_dir,
             env=env,
             tls=bed.pki,
+            history=history,
         )
         plain = self.settings
         self.settings = BedSettings(**{f.name: getattr(plain, f.name) for f in fields(plain)})
@@ -642,13 +646,16 @@ class MultiHostBed:
         shutdown_grace: float = 1.0,
         fronted: Mapping[str, tuple[str, int]] | None = None,
         env: Mapping[str, str] | None = None,
+        history: bool = False,
     ) -> BedCluster:
         """One node per host, under a fresh key prefix, not started yet (``with`` starts it).
 
         ``fronted`` maps a node id to ``(advertised host, port)``: that node listens on its
         host's address at ``port`` and publishes the advertised host instead, so peers dial
         whatever listens there (a :class:`TcpProxy` forwarding to the node). Other nodes listen
-        on their host's address at a free port. The bed stops every cluster on close.
+        on their host's address at a free port. With ``history`` every node keeps a store history
+        (:attr:`NodeProcess.history_path`) for the history checker. The bed stops every cluster
+        on close.
         """
         cluster = BedCluster(
             self,
@@ -658,6 +665,7 @@ class MultiHostBed:
             shutdown_grace=shutdown_grace,
             fronted=fronted or {},
             env=env,
+            history=history,
         )
         self._clusters.append(cluster)
         return cluster

@@ -117,7 +117,7 @@ class SendMessageTool:
                 fields["agent_id"],
                 fields["message"],
                 invocation.signal,
-                idempotency_key=invocation.call.call_id,
+                idempotency_key=invocation.idempotency_key,
             )
         except Rejected as rejection:
             return ToolOutput(

@@ -26,11 +26,21 @@ class ToolIdentity:
 
 @dataclass(frozen=True, kw_only=True)
 class ToolInvocation:
-    """One call of a tool by one agent: who calls (its exact live ref), the call, the signal."""
+    """One call of a tool by one agent: who calls (its exact live ref), the call, the signal,
+    and where the call stands in the caller's transcript: ``step_seq`` is the seq of the
+    assistant step that asked for it, ``index`` its place among that step's calls."""
 
     caller: AgentRef
     call: ToolCall
     signal: AbortSignal
+    step_seq: int = 0
+    index: int = 0
+
+    @property
+    def idempotency_key(self) -> str:
+        """A key no other call of the caller's session shares: the step's seq and the call's
+        place in it (a model may reuse call ids across steps), plus the model's call id."""
+        return f"{self.step_seq}.{self.index}.{self.call.call_id}"
 
 
 @dataclass(frozen=True, kw_only=True)

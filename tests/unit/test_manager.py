@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -29,10 +30,22 @@ from dsh_mesh.core import (
     SettlementOutcome,
     StaleSender,
     TargetUnknown,
+    ToolResultEntry,
     TurnStartedEntry,
     canonical_json,
 )
-from dsh_mesh.models import PARENT, ExhaustTokens, Fail, Reply, send, tool
+from dsh_mesh.models import (
+    PARENT,
+    ExhaustTokens,
+    Fail,
+    ModelEvent,
+    ModelRequest,
+    Reply,
+    ScriptedProvider,
+    ToolCallEvent,
+    send,
+    tool,
+)
 from dsh_mesh.testing import InProcessMesh, in_process_mesh
 from dsh_mesh.tools import RETURN_INSTRUCTION
 from tests.unit.conftest import drain_loop, of_type, presets
@@ -467,3 +480,40 @@ async def test_parent_with_live_children_stays_resident_to_receive_their_results
     assert child_messages == ["found it"]
     assert [n.child_session for n in await notices(mesh, CHILD)] == [grandchild]
     assert [n.child_session for n in await notices(mesh)] == [CHILD]
+
+
+class ReusedCallIds(ScriptedProvider):
+    """A model that numbers its tool calls per response (``call_0``, ``call_1``, ...), as some
+    local servers do: the same call id comes back in every step."""
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
+        index = 0
+        async for event in super().stream(request):
+            if isinstance(event, ToolCallEvent):
+                event = ToolCallEvent(call=dataclasses.replace(event.call, call_id=f"call_{index}"))
+                index += 1
+            yield event
+
+
+async def test_a_model_that_reuses_call_ids_still_gets_every_message_through() -> None:
+    # Found by the history checker: send_message keyed its idempotency on the tool call id
+    # alone, so a new message under a reused id was refused as IDEMPOTENCY_CONFLICT.
+    scripted = ReusedCallIds()
+    async with in_process_mesh(presets(), scripted=scripted) as mesh:
+        mesh.scripted.program(
+            "helper", send(PARENT, "progress 1"), send(PARENT, "progress 2"), Reply(text="done")
+        )
+        await root_with_child(mesh)
+        await mesh.manager.quiescent()
+        results = [
+            r.entry.content
+            for r in of_type(await mesh.transcript(CHILD), ToolResultEntry)
+            if isinstance(r.entry, ToolResultEntry)
+        ]
+        assert all("delivered" in result for result in results), results
+        messages = [
+            r.entry.content
+            for r in of_type(await mesh.transcript(ROOT), AgentMessageEntry)
+            if isinstance(r.entry, AgentMessageEntry)
+        ]
+        assert messages == ["progress 1", "progress 2"]

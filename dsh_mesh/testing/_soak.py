@@ -1,0 +1,222 @@
+"""A fault run: the workload on the multi-host bed, faults injected, the history checked.
+
+:func:`fault_run` starts a cluster of :data:`~dsh_mesh.testing.WORKLOAD` nodes on a bed (one
+node fronted by a TCP proxy for slow-link faults, every node keeping a store history), makes
+trees, prompts rounds while the :class:`~dsh_mesh.testing.FaultDriver` breaks things, then heals
+everything, lets every accepted message be consumed, reads the durable state and runs the
+checker. ``make test`` runs a short one (tests/integration/test_faults.py), ``make soak`` a long
+one (``python -m dsh_mesh.testing.soak``). A seed makes the run's choices repeatable (which
+fault, which node, when); the cluster's own timing still varies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from dsh_mesh.core import Activation, Record, RegistryUnavailable, SessionHeader, SessionId
+from dsh_mesh.testing._cluster import MeshReader
+from dsh_mesh.testing._faults import FAULT_KINDS, FaultDriver
+from dsh_mesh.testing._history import Verdict, agent_sends, check, load_node_history, writers_of
+from dsh_mesh.testing._proxy import TcpProxy
+from dsh_mesh.testing._testbed import BedCluster, MultiHostBed
+from dsh_mesh.testing._workload import FAULT_REASONS, Workload
+
+T = TypeVar("T")
+SCENARIO = "dsh_mesh.testing:WORKLOAD"
+
+
+@dataclass
+class FaultRunReport:
+    """What a fault run measured and what the checker said."""
+
+    seed: int
+    seconds: float
+    ttl: float
+    verdict: Verdict
+    faults: dict[str, int]
+    failovers: list[float]
+    rounds: int
+    trees: int
+    woken: int
+    fenced_nodes: list[str] = field(default_factory=list)
+    log: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        """The checker's verdict with the run's figures."""
+        head = (
+            f"fault run: seed {self.seed}, {self.seconds:.0f} s, {self.rounds} rounds over"
+            f" {self.trees} trees, {self.woken} sessions woken to drain their inbox at the end,"
+            f" nodes that fenced themselves at least once: {', '.join(self.fenced_nodes) or 'none'}"
+        )
+        body = self.verdict.summary(faults=self.faults, failovers=self.failovers, ttl=self.ttl)
+        return f"{head}\n{body}"
+
+
+class PatientReader(MeshReader):
+    """A :class:`MeshReader` whose reads wait out an etcd outage (up to a minute)."""
+
+    async def transcript(self, session: SessionId) -> list[Record]:
+        return await _patiently(lambda: super(PatientReader, self).transcript(session))
+
+    async def header(self, session: SessionId) -> SessionHeader | None:
+        return await _patiently(lambda: super(PatientReader, self).header(session))
+
+    async def activation(self, session: SessionId) -> Activation | None:
+        return await _patiently(lambda: super(PatientReader, self).activation(session))
+
+    async def sessions(self) -> list[SessionHeader]:
+        return await _patiently(lambda: super(PatientReader, self).sessions())
+
+
+async def _patiently(read: Callable[[], Awaitable[T]], *, within: float = 60.0) -> T:
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            return await read()
+        except RegistryUnavailable:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+
+
+async def fault_run(
+    bed: MultiHostBed,
+    *,
+    seed: int,
+    seconds: float,
+    kinds: Sequence[str] = FAULT_KINDS,
+    every_kind_once: bool = False,
+    ttl: float = 2.0,
+    trees: int = 3,
+    rounds_per_tree: int = 60,
+    round_interval: float = 1.0,
+    quiet: tuple[float, float] = (2.0, 5.0),
+    progress: Callable[[str], None] | None = None,
+) -> FaultRunReport:
+    """Run the workload for ``seconds`` with faults of ``kinds`` between quiet spells of
+    ``quiet`` seconds (``every_kind_once``: each kind once, in a seeded order, then quiet), then
+    heal, drain and check. ``trees`` roots live at a time, replaced every ``rounds_per_tree``
+    rounds so transcripts stay short."""
+    rng = random.Random(seed)
+    say = progress or (lambda _text: None)
+    started = time.monotonic()
+    async with TcpProxy(
+        listen=(bed.bridge_address, 0), upstream=(bed.hosts["c"].address, 0)
+    ) as proxy:
+        cluster = await asyncio.to_thread(_start, bed, proxy, ttl)
+        try:
+            async with PatientReader(cluster.settings) as reader:
+                workload = Workload(cluster, reader, rng=rng)
+                driver = FaultDriver(bed, cluster, workload, ttl=ttl, proxy=proxy)
+                try:
+                    rounds, woken = await _drive(
+                        workload,
+                        driver,
+                        seconds=seconds,
+                        kinds=kinds,
+                        every_kind_once=every_kind_once,
+                        trees=trees,
+                        rounds_per_tree=rounds_per_tree,
+                        round_interval=round_interval,
+                        quiet=quiet,
+                        say=say,
+                    )
+                    say("reading the durable state")
+                    transcripts = await workload.transcripts()
+                finally:
+                    await workload.close()
+            history = load_node_history(node.history_path for node in cluster)
+            sends = [
+                *agent_sends(transcripts, writers_of(history), allowed=FAULT_REASONS),
+                *workload.sends,
+            ]
+            verdict = check(sends, transcripts, history)
+            fenced = sorted(node.node_id for node in cluster if "lost its lease" in node.log())
+        finally:
+            await asyncio.to_thread(cluster.close)
+    return FaultRunReport(
+        seed=seed,
+        seconds=time.monotonic() - started,
+        ttl=ttl,
+        verdict=verdict,
+        faults=dict(driver.injected),
+        failovers=driver.failovers,
+        rounds=rounds,
+        trees=len(workload.roots),
+        woken=woken,
+        fenced_nodes=fenced,
+        log=driver.log,
+    )
+
+
+def _start(bed: MultiHostBed, proxy: TcpProxy, ttl: float) -> BedCluster:
+    cluster = bed.cluster(
+        SCENARIO, lease_ttl=ttl, fronted={"node-c": (proxy.host, proxy.port)}, history=True
+    )
+    cluster.__enter__()
+    return cluster
+
+
+async def _drive(
+    workload: Workload,
+    driver: FaultDriver,
+    *,
+    seconds: float,
+    kinds: Sequence[str],
+    every_kind_once: bool,
+    trees: int,
+    rounds_per_tree: int,
+    round_interval: float,
+    quiet: tuple[float, float],
+    say: Callable[[str], None],
+) -> tuple[int, int]:
+    rng = workload.rng
+    nodes = sorted(node.node_id for node in workload.cluster)
+    for index in range(trees):
+        await workload.new_tree(on=nodes[index % len(nodes)])
+    say(f"{trees} trees made")
+    deadline = time.monotonic() + seconds
+    rounds = 0
+
+    async def rounds_loop() -> None:
+        nonlocal rounds
+        while time.monotonic() < deadline:
+            began = time.monotonic()
+            rounds += 1
+            if rounds % rounds_per_tree == 0:
+                workload.roots = []
+                for index in range(trees):
+                    await workload.new_tree(on=nodes[index % len(nodes)])
+            await workload.round(rounds)
+            if rounds % 10 == 0:
+                await workload.probe()
+            await asyncio.sleep(max(0.0, round_interval - (time.monotonic() - began)))
+
+    async def faults_loop() -> None:
+        order = list(kinds)
+        rng.shuffle(order)
+        while time.monotonic() < deadline:
+            await asyncio.sleep(rng.uniform(*quiet))
+            if time.monotonic() >= deadline:
+                return
+            if every_kind_once:
+                if not order:
+                    return
+                kind = order.pop()
+            else:
+                kind = rng.choice(list(kinds))
+            say(f"fault: {kind}")
+            await driver.inject(kind)
+
+    try:
+        await asyncio.gather(rounds_loop(), faults_loop())
+    finally:
+        await driver.heal()
+    say(f"{rounds} rounds done; draining every inbox")
+    woken = await workload.settle()
+    return rounds, woken

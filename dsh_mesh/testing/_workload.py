@@ -1,0 +1,351 @@
+"""The mixed workload the fault runs drive: trees of scripted agents talking both ways.
+
+Every node runs :data:`WORKLOAD` (``dsh_mesh.testing:WORKLOAD``). A root spawns two continuable
+workers and a one-shot helper; each round, a human prompt makes the root message both workers;
+a worker reports progress, spawns a leaf (or messages the one it has), reports a result and
+settles; a leaf answers its worker and settles. So messages cross every edge in both
+directions, children spawn, settle and are cold-resumed by the next round's message, and every
+message carries a fresh random token, so the checker can tell each one apart.
+
+:class:`Workload` is the driver's side: it creates the roots, prompts the rounds through any
+live node (retrying under one idempotency key until the answer settles it), probes that refusals
+carry the right reason, and records every prompt as a :class:`~dsh_mesh.testing.Send`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import secrets
+import time
+from collections.abc import Callable, Sequence
+
+import grpc
+
+from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
+from dsh_mesh.core import (
+    RETRYABLE_REASONS,
+    MeshError,
+    Record,
+    Rejected,
+    RejectionReason,
+    SessionId,
+    pending_inbound,
+)
+from dsh_mesh.models import PARENT, Branch, Call, Reply, ScriptContext, ScriptError, child
+from dsh_mesh.node import Scenario
+from dsh_mesh.testing._cluster import LocalCluster, MeshReader
+from dsh_mesh.testing._history import HUMAN, Outcome, Send
+from dsh_mesh.tools import Preset
+from dsh_mesh.transport import error_from_rpc
+
+ROUNDS_PER_TREE = 400
+"""Steps a program holds: far more than any run asks of one tree."""
+
+FAULT_REASONS: frozenset[RejectionReason] = RETRYABLE_REASONS | {
+    RejectionReason.STALE_SENDER,
+    RejectionReason.PARENT_REBOUND,
+    RejectionReason.DEADLINE_EXCEEDED,
+    RejectionReason.TARGET_ELSEWHERE,
+}
+"""The reasons a well-formed request on a real edge may be refused with while nodes, hosts and
+etcd fail: retry later, the sender's activation moved, or the deadline ran out."""
+
+
+def _token(label: str) -> str:
+    return f"{label} {secrets.token_hex(6)}"
+
+
+def _fresh(label: str) -> Callable[[ScriptContext], str]:
+    return lambda _context: _token(label)
+
+
+def _has_leaf(context: ScriptContext) -> bool:
+    try:
+        context.child_id(0)
+    except ScriptError:
+        return False
+    return True
+
+
+_ROUND = Branch(
+    cases=(
+        (
+            lambda c: "one-shot" in c.arrived() and "Round" in c.arrived(),
+            Call(
+                calls=(
+                    ("send_message", {"agent_id": child(0), "message": _fresh("ping")}),
+                    ("send_message", {"agent_id": child(1), "message": _fresh("ping")}),
+                    ("spawn_one_shot", {"task": "Answer once.", "preset": "soak-helper"}),
+                )
+            ),
+        ),
+        (
+            lambda c: "Round" in c.arrived(),
+            Call(
+                calls=(
+                    ("send_message", {"agent_id": child(0), "message": _fresh("ping")}),
+                    ("send_message", {"agent_id": child(1), "message": _fresh("ping")}),
+                )
+            ),
+        ),
+    ),
+    otherwise=Reply(text="Noted."),
+)
+
+_WORKER_CYCLE = (
+    Call(
+        calls=(("send_message", {"agent_id": PARENT, "message": _fresh("progress")}),),
+        delay=0.05,
+    ),
+    Branch(
+        cases=(
+            (
+                _has_leaf,
+                Call(
+                    calls=(
+                        ("send_message", {"agent_id": child(0), "message": _fresh("leaf-ping")}),
+                    )
+                ),
+            ),
+        ),
+        otherwise=Call(calls=(("spawn_agent", {"task": "Be a leaf.", "preset": "soak-leaf"}),)),
+    ),
+    Call(calls=(("send_message", {"agent_id": PARENT, "message": _fresh("result")}),)),
+    Reply(text="Round done."),
+)
+
+_LEAF_CYCLE = (
+    Call(calls=(("send_message", {"agent_id": PARENT, "message": _fresh("leaf-result")}),)),
+    Reply(text="Leaf done."),
+)
+
+WORKLOAD = Scenario(
+    presets=(
+        Preset(name="soak-root", system_prompt="You lead rounds.", model="soak-root"),
+        Preset(name="soak-worker", system_prompt="You work rounds.", model="soak-worker"),
+        Preset(name="soak-leaf", system_prompt="You answer.", model="soak-leaf"),
+        Preset(name="soak-helper", system_prompt="You answer once.", model="soak-helper"),
+    ),
+    programs={
+        "soak-root": (
+            Call(
+                calls=(
+                    ("spawn_agent", {"task": "Work rounds.", "preset": "soak-worker"}),
+                    ("spawn_agent", {"task": "Work rounds.", "preset": "soak-worker"}),
+                )
+            ),
+            *([_ROUND] * (ROUNDS_PER_TREE * 8)),
+        ),
+        "soak-worker": _WORKER_CYCLE * ROUNDS_PER_TREE,
+        "soak-leaf": _LEAF_CYCLE * ROUNDS_PER_TREE,
+        "soak-helper": (Reply(text="Answered."),),
+    },
+)
+"""The scenario of fault runs (``dsh_mesh.testing:WORKLOAD``)."""
+
+
+class Workload:
+    """The driver's side of a run on ``cluster``: roots, rounds, probes, and their record."""
+
+    def __init__(self, cluster: LocalCluster, reader: MeshReader, *, rng: random.Random) -> None:
+        self.cluster = cluster
+        self.reader = reader
+        self.rng = rng
+        self.sends: list[Send] = []
+        self.roots: list[SessionId] = []
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._counter = itertools.count()
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+    def live_nodes(self) -> list[str]:
+        return [node.node_id for node in self.cluster if node.running]
+
+    def _stub(self, node: str) -> mesh_pb2_grpc.MeshControlStub:
+        channel = self._channels.get(node)
+        if channel is None or self.cluster[node].address is None:
+            channel = self.cluster.channel(node, client="soak-driver")
+            self._channels[node] = channel
+        return mesh_pb2_grpc.MeshControlStub(channel)
+
+    def forget_channel(self, node: str) -> None:
+        """Drop the channel to a node that restarted (it listens on a new port)."""
+        channel = self._channels.pop(node, None)
+        if channel is not None:
+            asyncio.get_running_loop().create_task(channel.close())
+
+    async def new_tree(self, *, on: str, within: float = 60.0) -> SessionId:
+        """A new root on node ``on`` (another live node if it is down), retried until made."""
+        deadline = time.monotonic() + within
+        request_id = secrets.token_hex(8)
+        while True:
+            nodes = [on, *[n for n in self.live_nodes() if n != on]]
+            for node in nodes:
+                try:
+                    response = await self._stub(node).CreateRootSession(
+                        mesh_pb2.CreateRootSessionRequest(
+                            preset="soak-root", initial_task="Lead rounds.", request_id=request_id
+                        ),
+                        metadata=self.cluster.metadata("soak-driver"),
+                        timeout=10,
+                    )
+                except grpc.aio.AioRpcError:
+                    continue
+                root = SessionId(response.session_id)
+                self.roots.append(root)
+                return root
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no node would create a root within {within} s")
+            await asyncio.sleep(0.2)
+
+    async def prompt(
+        self, session: SessionId, text: str, *, within: float = 30.0, avoid: str | None = None
+    ) -> Send:
+        """Prompt ``session`` through any live node (``avoid`` last), retrying with one key while
+        the answer is retryable or in doubt, for up to ``within`` seconds; recorded."""
+        key = f"k-{next(self._counter)}-{secrets.token_hex(4)}"
+        deadline = time.monotonic() + within
+        in_doubt = False
+        reason: RejectionReason | None = None
+        while True:
+            nodes = self.live_nodes()
+            self.rng.shuffle(nodes)
+            nodes.sort(key=lambda n: n == avoid)
+            for node in nodes:
+                try:
+                    await self._stub(node).SubmitPrompt(
+                        mesh_pb2.SubmitPromptRequest(
+                            session_id=session, text=text, idempotency_key=key
+                        ),
+                        metadata=self.cluster.metadata("soak-driver"),
+                        timeout=5,
+                    )
+                except grpc.aio.AioRpcError as failure:
+                    outcome = _classify(failure)
+                    if outcome is None:
+                        in_doubt = True
+                        continue
+                    reason = outcome
+                    if reason in RETRYABLE_REASONS:
+                        continue
+                    return self._record(session, text, Outcome.REJECTED, reason, FAULT_REASONS)
+                return self._record(session, text, Outcome.ACKED)
+            if time.monotonic() > deadline:
+                if in_doubt:
+                    return self._record(session, text, Outcome.UNKNOWN)
+                return self._record(session, text, Outcome.REJECTED, reason, FAULT_REASONS)
+            await asyncio.sleep(0.1)
+
+    async def probe(self) -> None:
+        """Requests that must be refused, each with its one right reason (or a fault's)."""
+        node = self.rng.choice(self.live_nodes())
+        cases = (
+            (
+                SessionId(f"no-such-{secrets.token_hex(4)}"),
+                "Round?",
+                RejectionReason.UNKNOWN_SESSION,
+            ),
+            (self.rng.choice(self.roots), "", RejectionReason.INVALID_ARGUMENT),
+        )
+        for session, text, expected in cases:
+            try:
+                await self._stub(node).SubmitPrompt(
+                    mesh_pb2.SubmitPromptRequest(
+                        session_id=session, text=text, idempotency_key=secrets.token_hex(6)
+                    ),
+                    metadata=self.cluster.metadata("soak-driver"),
+                    timeout=5,
+                )
+            except grpc.aio.AioRpcError as failure:
+                got = _classify(failure)
+                if got is None:
+                    continue  # the node went away mid-call: no verdict on the reason
+                self._record(session, text, Outcome.REJECTED, got, FAULT_REASONS | {expected})
+            else:
+                self._record(session, text, Outcome.ACKED)  # the checker calls it a phantom
+
+    async def round(self, number: int) -> None:
+        """Prompt every root with round ``number`` (every fifth also spawns a one-shot)."""
+        text = f"Round {number}" + (" one-shot" if number % 5 == 0 else "")
+        await asyncio.gather(
+            *(self.prompt(root, f"{text} {secrets.token_hex(4)}") for root in self.roots)
+        )
+
+    async def settle(self, *, within: float = 90.0) -> int:
+        """Until every session's inbound entries are consumed: wake a session holding pending
+        entries that no node hosts with a prompt (nothing else would: there is no offline
+        mailbox reader). Returns how many wake-ups it took; stops after ``within`` seconds."""
+        deadline = time.monotonic() + within
+        woken = 0
+        quiet = 0
+        while time.monotonic() < deadline and quiet < 3:
+            transcripts = await self.transcripts()
+            waiting = [s for s, records in transcripts.items() if pending_inbound(records)]
+            if not waiting:
+                quiet += 1
+                await asyncio.sleep(1.0)
+                continue
+            quiet = 0
+            await asyncio.sleep(2.0)
+            for session in waiting:
+                if await self.reader.activation(session) is None:
+                    await self.prompt(session, _token("Wake up"), within=20.0)
+                    woken += 1
+        return woken
+
+    async def transcripts(self) -> dict[SessionId, list[Record]]:
+        """Every session's durable transcript."""
+        headers = await self.reader.sessions()
+        return {h.session_id: await self.reader.transcript(h.session_id) for h in headers}
+
+    def _record(
+        self,
+        session: SessionId,
+        text: str,
+        outcome: Outcome,
+        reason: RejectionReason | None = None,
+        allowed: frozenset[RejectionReason] = frozenset(),
+    ) -> Send:
+        send = Send(
+            sender=HUMAN,
+            target=session,
+            content=text,
+            outcome=outcome,
+            reason=reason,
+            allowed=allowed,
+            position=len(self.sends),
+        )
+        self.sends.append(send)
+        return send
+
+
+def _classify(failure: grpc.aio.AioRpcError) -> RejectionReason | None:
+    """The reason of a refusal a node decided, or ``None`` when the request's fate is unknown:
+    no mesh ErrorInfo (the connection broke, a deadline ran out in flight), or a reason that
+    itself leaves it open (the target's host went away mid-call)."""
+    error: MeshError = error_from_rpc(failure)
+    decided = any(key == _DETAILS for key, _ in failure.trailing_metadata() or ())
+    if not decided or not isinstance(error, Rejected) or error.reason in _OPEN:
+        return None
+    return error.reason
+
+
+_DETAILS = "grpc-status-details-bin"
+_OPEN = frozenset({RejectionReason.PEER_UNAVAILABLE, RejectionReason.DEADLINE_EXCEEDED})
+
+
+def roots_by_node(
+    roots: Sequence[SessionId], homes: dict[SessionId, str | None]
+) -> dict[str, list[SessionId]]:
+    """Group ``roots`` by the node hosting them (``homes``)."""
+    grouped: dict[str, list[SessionId]] = {}
+    for root in roots:
+        home = homes.get(root)
+        if home is not None:
+            grouped.setdefault(home, []).append(root)
+    return grouped
