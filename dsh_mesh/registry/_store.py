@@ -286,6 +286,9 @@ class EtcdSessionStore:
                 idempotency=idempotency,
                 done=asyncio.get_running_loop().create_future(),
             )
+            # A caller cancelled while it waits leaves the outcome to nobody: mark a failure
+            # as seen, so it is not logged as "never retrieved" (the caller already gave up).
+            pending.done.add_done_callback(_seen)
             self._queues.setdefault(session, []).append(pending)
             if session not in self._flushing:
                 # This caller commits for everyone waiting on the session. Shielded: the batch
@@ -448,3 +451,8 @@ def _only(response: Any) -> Any | None:
     """The one ``KeyValue`` a transaction's single-key Range returned, if any."""
     kvs = response.response_range.kvs
     return kvs[0] if kvs else None
+
+
+def _seen(done: asyncio.Future[tuple[Record, Acceptance | None]]) -> None:
+    if not done.cancelled():
+        done.exception()

@@ -895,6 +895,11 @@ class ContinuationManager:
         if current is not None and current != activation:
             raise TargetElsewhere.held_by(target, current.node_id, current.activation_id)
         records = resumption.records
+        # Notices this session already holds were delivered (perhaps to an earlier activation
+        # on another node): the end of those children's activations must not add "lost" ones.
+        self._noticed.update(
+            r.entry.child_activation for r in records if isinstance(r.entry, SettlementNoticeEntry)
+        )
         agent = self._make_agent(header, activation, records, self._config.resume_filter)
         for record in pending_inbound(records):
             agent.deliver(record)

@@ -33,7 +33,6 @@ not at all; it is never counted lost, but a second copy is still a duplicate.
 from __future__ import annotations
 
 import enum
-import itertools
 import json
 import statistics
 from collections import Counter, defaultdict
@@ -82,8 +81,12 @@ class Send:
     """The reasons a refusal of this request may rightly give."""
     writer: str | None = None
     """The sender's activation that recorded the outcome, when known (agent sends)."""
-    position: int = 0
-    """Where the sender put it in its own order (a transcript seq, or a send counter)."""
+    position: float = 0
+    """When the sender sent it, in its own order (a transcript position, or a clock)."""
+    done: float | None = None
+    """When the sender heard back, on the same scale; ``None``: at ``position`` (a sender that
+    waits for each answer before it sends again). Only a message sent after an earlier one was
+    acknowledged must land after it: two in flight at once may land either way."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -401,17 +404,22 @@ def _check_order(
             edges[send.sender, send.target].append(send)
     for (sender, target), group in edges.items():
         landed = [
-            (s.position, seq_of[target, sender, s.content], s.content)
+            (s.position, s.position if s.done is None else s.done, seq_of[key], s.content)
             for s in group
-            if (target, sender, s.content) in seq_of
+            if (key := (target, sender, s.content)) in seq_of
         ]
-        landed.sort()
-        for (_, seq_a, a), (_, seq_b, b) in itertools.pairwise(landed):
-            if seq_b < seq_a:
+        by_done = sorted(landed, key=lambda item: item[1])
+        before: tuple[int, str] = (0, "")
+        answered = 0
+        for position, _, seq, content in sorted(landed):
+            while answered < len(by_done) and by_done[answered][1] <= position:
+                before = max(before, (by_done[answered][2], by_done[answered][3]))
+                answered += 1
+            if seq < before[0]:
                 verdict._violate(
                     "order_violations",
-                    f"{sender} -> {target}: {a!r} sent before {b!r},"
-                    f" but landed at {seq_a} > {seq_b}",
+                    f"{sender} -> {target}: {before[1]!r} was acknowledged before {content!r} was"
+                    f" sent, but landed at {before[0]} > {seq}",
                 )
 
 

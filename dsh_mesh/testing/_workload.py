@@ -1,11 +1,13 @@
 """The mixed workload the fault runs drive: trees of scripted agents talking both ways.
 
 Every node runs :data:`WORKLOAD` (``dsh_mesh.testing:WORKLOAD``). A root spawns two continuable
-workers and a one-shot helper; each round, a human prompt makes the root message both workers;
-a worker reports progress, spawns a leaf (or messages the one it has), reports a result and
-settles; a leaf answers its worker and settles. So messages cross every edge in both
-directions, children spawn, settle and are cold-resumed by the next round's message, and every
-message carries a fresh random token, so the checker can tell each one apart.
+workers; each round, a human prompt makes the root message both workers (every fifth round
+also spawns a one-shot helper); a worker reports progress, spawns a leaf (or messages the one
+it has), reports a result and settles; a leaf answers its worker and settles. So messages cross
+every edge in both directions, children spawn, settle and are cold-resumed by the next round's
+message, and every message carries a fresh random token, so the checker can tell each one
+apart. Each step is chosen from what the transcript shows, not from a step count, so a turn cut
+short by a fault picks up where it stood, and nothing ping-pongs: only a round opens work.
 
 :class:`Workload` is the driver's side: it creates the roots, prompts the rounds through any
 live node (retrying under one idempotency key until the answer settles it), probes that refusals
@@ -26,14 +28,24 @@ import grpc
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
 from dsh_mesh.core import (
     RETRYABLE_REASONS,
+    ChatMessage,
     MeshError,
     Record,
     Rejected,
     RejectionReason,
+    Role,
     SessionId,
     pending_inbound,
 )
-from dsh_mesh.models import PARENT, Branch, Call, Reply, ScriptContext, ScriptError, child
+from dsh_mesh.models import (
+    PARENT,
+    Branch,
+    Call,
+    Reply,
+    ScriptContext,
+    ScriptError,
+    child,
+)
 from dsh_mesh.node import Scenario
 from dsh_mesh.testing._cluster import LocalCluster, MeshReader
 from dsh_mesh.testing._history import HUMAN, Outcome, Send
@@ -69,10 +81,27 @@ def _has_leaf(context: ScriptContext) -> bool:
     return True
 
 
+def _round_opened(context: ScriptContext, *, one_shot: bool) -> bool:
+    """A round prompt arrived since the root's last step (``one_shot``: one that also asks for
+    a one-shot helper). Only the prompt itself counts: a notice quoting a child's words does
+    not open a round."""
+    fresh: list[ChatMessage] = []
+    for message in reversed(context.request.messages):
+        if message.role is Role.ASSISTANT:
+            break
+        fresh.append(message)
+    return any(
+        m.role is Role.USER
+        and m.content.startswith("Round ")
+        and (not one_shot or " one-shot " in m.content)
+        for m in fresh
+    )
+
+
 _ROUND = Branch(
     cases=(
         (
-            lambda c: "one-shot" in c.arrived() and "Round" in c.arrived(),
+            lambda c: _round_opened(c, one_shot=True),
             Call(
                 calls=(
                     ("send_message", {"agent_id": child(0), "message": _fresh("ping")}),
@@ -82,7 +111,7 @@ _ROUND = Branch(
             ),
         ),
         (
-            lambda c: "Round" in c.arrived(),
+            lambda c: _round_opened(c, one_shot=False),
             Call(
                 calls=(
                     ("send_message", {"agent_id": child(0), "message": _fresh("ping")}),
@@ -94,31 +123,73 @@ _ROUND = Branch(
     otherwise=Reply(text="Noted."),
 )
 
-_WORKER_CYCLE = (
-    Call(
-        calls=(("send_message", {"agent_id": PARENT, "message": _fresh("progress")}),),
-        delay=0.05,
-    ),
-    Branch(
-        cases=(
-            (
-                _has_leaf,
-                Call(
-                    calls=(
-                        ("send_message", {"agent_id": child(0), "message": _fresh("leaf-ping")}),
-                    )
-                ),
-            ),
+
+def _since_last(context: ScriptContext, marker: str) -> list[ChatMessage] | None:
+    """The messages after the last inbound one containing ``marker`` (``None``: no such one)."""
+    messages = context.request.messages
+    for index in range(len(messages) - 1, -1, -1):
+        message = messages[index]
+        if message.role is Role.USER and marker in message.content:
+            return list(messages[index + 1 :])
+    return None
+
+
+def _sent(messages: Sequence[ChatMessage], label: str) -> bool:
+    """Whether one of ``messages`` is an assistant step whose tool call carries ``label``."""
+    return any(
+        f'"{label} ' in call.arguments_json or f'"preset": "{label}"' in call.arguments_json
+        for m in messages
+        if m.role is Role.ASSISTANT
+        for call in m.tool_calls
+    )
+
+
+def _worker_next(context: ScriptContext) -> str:
+    """Where the worker stands in the round its parent's latest ping opened: ``progress``,
+    ``leaf``, ``result``, or ``idle`` (no ping, or the round is done). A leaf's answer arriving
+    changes nothing: only a ping opens a round, so a worker and its leaf never ping-pong."""
+    since = _since_last(context, "\nping ")
+    if since is None:
+        return "idle"
+    if not _sent(since, "progress"):
+        return "progress"
+    if not (_sent(since, "leaf-ping") or _sent(since, "soak-leaf")):
+        return "leaf"
+    if not _sent(since, "result"):
+        return "result"
+    return "idle"
+
+
+def _worker_is(stage: str) -> Callable[[ScriptContext], bool]:
+    return lambda context: _worker_next(context) == stage
+
+
+def _to(target: str | Callable[[ScriptContext], str], label: str) -> Call:
+    return Call(calls=(("send_message", {"agent_id": target, "message": _fresh(label)}),))
+
+
+_WORKER_STEP = Branch(
+    cases=(
+        (_worker_is("progress"), _to(PARENT, "progress")),
+        (lambda c: _worker_is("leaf")(c) and _has_leaf(c), _to(child(0), "leaf-ping")),
+        (
+            _worker_is("leaf"),
+            Call(calls=(("spawn_agent", {"task": "Be a leaf.", "preset": "soak-leaf"}),)),
         ),
-        otherwise=Call(calls=(("spawn_agent", {"task": "Be a leaf.", "preset": "soak-leaf"}),)),
+        (_worker_is("result"), _to(PARENT, "result")),
     ),
-    Call(calls=(("send_message", {"agent_id": PARENT, "message": _fresh("result")}),)),
-    Reply(text="Round done."),
+    otherwise=Reply(text="Worked."),
 )
 
-_LEAF_CYCLE = (
-    Call(calls=(("send_message", {"agent_id": PARENT, "message": _fresh("leaf-result")}),)),
-    Reply(text="Leaf done."),
+
+def _leaf_owes(context: ScriptContext) -> bool:
+    """A leaf-ping arrived that this leaf has not answered yet."""
+    since = _since_last(context, "\nleaf-ping ")
+    return since is not None and not _sent(since, "leaf-result")
+
+
+_LEAF_STEP = Branch(
+    cases=((_leaf_owes, _to(PARENT, "leaf-result")),), otherwise=Reply(text="Leaf done.")
 )
 
 WORKLOAD = Scenario(
@@ -138,8 +209,8 @@ WORKLOAD = Scenario(
             ),
             *([_ROUND] * (ROUNDS_PER_TREE * 8)),
         ),
-        "soak-worker": _WORKER_CYCLE * ROUNDS_PER_TREE,
-        "soak-leaf": _LEAF_CYCLE * ROUNDS_PER_TREE,
+        "soak-worker": (_WORKER_STEP,) * (ROUNDS_PER_TREE * 8),
+        "soak-leaf": (_LEAF_STEP,) * (ROUNDS_PER_TREE * 4),
         "soak-helper": (Reply(text="Answered."),),
     },
 )
@@ -209,7 +280,8 @@ class Workload:
         """Prompt ``session`` through any live node (``avoid`` last), retrying with one key while
         the answer is retryable or in doubt, for up to ``within`` seconds; recorded."""
         key = f"k-{next(self._counter)}-{secrets.token_hex(4)}"
-        deadline = time.monotonic() + within
+        started = time.monotonic()
+        deadline = started + within
         in_doubt = False
         reason: RejectionReason | None = None
         while True:
@@ -233,12 +305,14 @@ class Workload:
                     reason = outcome
                     if reason in RETRYABLE_REASONS:
                         continue
-                    return self._record(session, text, Outcome.REJECTED, reason, FAULT_REASONS)
-                return self._record(session, text, Outcome.ACKED)
+                    return self._record(
+                        session, text, started, Outcome.REJECTED, reason, FAULT_REASONS
+                    )
+                return self._record(session, text, started, Outcome.ACKED)
             if time.monotonic() > deadline:
                 if in_doubt:
-                    return self._record(session, text, Outcome.UNKNOWN)
-                return self._record(session, text, Outcome.REJECTED, reason, FAULT_REASONS)
+                    return self._record(session, text, started, Outcome.UNKNOWN)
+                return self._record(session, text, started, Outcome.REJECTED, reason, FAULT_REASONS)
             await asyncio.sleep(0.1)
 
     async def probe(self) -> None:
@@ -265,9 +339,9 @@ class Workload:
                 got = _classify(failure)
                 if got is None:
                     continue  # the node went away mid-call: no verdict on the reason
-                self._record(session, text, Outcome.REJECTED, got, FAULT_REASONS | {expected})
+                self._record(session, text, 0.0, Outcome.REJECTED, got, FAULT_REASONS | {expected})
             else:
-                self._record(session, text, Outcome.ACKED)  # the checker calls it a phantom
+                self._record(session, text, 0.0, Outcome.ACKED)  # never lands: the checker flags it
 
     async def round(self, number: int) -> None:
         """Prompt every root with round ``number`` (every fifth also spawns a one-shot)."""
@@ -276,22 +350,22 @@ class Workload:
             *(self.prompt(root, f"{text} {secrets.token_hex(4)}") for root in self.roots)
         )
 
-    async def settle(self, *, within: float = 90.0) -> int:
-        """Until every session's inbound entries are consumed: wake a session holding pending
-        entries that no node hosts with a prompt (nothing else would: there is no offline
-        mailbox reader). Returns how many wake-ups it took; stops after ``within`` seconds."""
+    async def settle(self, *, within: float = 120.0) -> int:
+        """Until the cluster is still: every session's inbound entries consumed and no
+        transcript growing for three reads in a row. A session holding pending entries that no
+        node hosts is woken with a prompt (nothing else would: there is no offline mailbox
+        reader). Returns how many wake-ups it took; gives up after ``within`` seconds."""
         deadline = time.monotonic() + within
         woken = 0
-        quiet = 0
-        while time.monotonic() < deadline and quiet < 3:
+        still = 0
+        sizes: dict[SessionId, int] = {}
+        while time.monotonic() < deadline and still < 3:
+            await asyncio.sleep(1.0)
             transcripts = await self.transcripts()
             waiting = [s for s, records in transcripts.items() if pending_inbound(records)]
-            if not waiting:
-                quiet += 1
-                await asyncio.sleep(1.0)
-                continue
-            quiet = 0
-            await asyncio.sleep(2.0)
+            now = {session: len(records) for session, records in transcripts.items()}
+            still = still + 1 if not waiting and now == sizes else 0
+            sizes = now
             for session in waiting:
                 if await self.reader.activation(session) is None:
                     await self.prompt(session, _token("Wake up"), within=20.0)
@@ -307,6 +381,7 @@ class Workload:
         self,
         session: SessionId,
         text: str,
+        started: float,
         outcome: Outcome,
         reason: RejectionReason | None = None,
         allowed: frozenset[RejectionReason] = frozenset(),
@@ -318,7 +393,8 @@ class Workload:
             outcome=outcome,
             reason=reason,
             allowed=allowed,
-            position=len(self.sends),
+            position=started,
+            done=time.monotonic(),
         )
         self.sends.append(send)
         return send

@@ -348,3 +348,29 @@ def test_node_history_files_are_read_back_and_a_torn_line_is_skipped(tmp_path: P
     assert [(w.session, w.seq, w.writer, w.node) for w in history.writes] == [
         ("s", 1, "a1", "node-a")
     ]
+
+
+def test_two_prompts_in_flight_at_once_may_land_either_way_but_not_after_an_answer() -> None:
+    def prompt(content: str, sent: float, answered: float) -> Send:
+        return Send(
+            sender=HUMAN,
+            target=ROOT,
+            content=content,
+            outcome=Outcome.ACKED,
+            position=sent,
+            done=answered,
+        )
+
+    root = root_transcript(
+        HumanPromptEntry(content="b"),
+        HumanPromptEntry(content="a"),
+        ConsumedEntry(seqs=(3, 4)),
+        from_child("m1"),
+        from_child("m2"),
+        notice(),
+        ConsumedEntry(seqs=(6, 7, 8)),
+    )
+    overlapping = (prompt("a", 1.0, 3.0), prompt("b", 2.0, 4.0))
+    assert judge(root, CLEAN_CHILD, *overlapping).clean
+    one_after_the_other = (prompt("a", 1.0, 1.5), prompt("b", 2.0, 4.0))
+    only(judge(root, CLEAN_CHILD, *one_after_the_other), "order_violations")

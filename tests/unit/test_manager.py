@@ -24,6 +24,7 @@ from dsh_mesh.core import (
     NodeId,
     ParentNotLive,
     RejectionReason,
+    SequentialIds,
     SessionId,
     SessionKind,
     SettlementNoticeEntry,
@@ -46,6 +47,7 @@ from dsh_mesh.models import (
     send,
     tool,
 )
+from dsh_mesh.runtime import ContinuationManager, InMemorySessionStore, ManagerConfig
 from dsh_mesh.testing import InProcessMesh, in_process_mesh
 from dsh_mesh.tools import RETURN_INSTRUCTION
 from tests.unit.conftest import drain_loop, of_type, presets
@@ -517,3 +519,41 @@ async def test_a_model_that_reuses_call_ids_still_gets_every_message_through() -
             if isinstance(r.entry, AgentMessageEntry)
         ]
         assert messages == ["progress 1", "progress 2"]
+
+
+@pytest.mark.contract(8)
+async def test_a_parent_that_moved_nodes_gets_no_lost_notice_for_a_child_it_heard_from() -> None:
+    # Found by the history checker: the child's notice reached the parent's activation on one
+    # node; the parent then moved to another node, whose manager saw the child's activation end
+    # and, never having seen the notice itself, added a second one saying "lost".
+    store = InMemorySessionStore()
+    async with in_process_mesh(presets(), store=store) as first_node:
+        first_node.scripted.program("lead", tool("spawn_agent", task="t", preset="helper"))
+        first_node.scripted.program("helper", Reply(text="done"))
+        await first_node.manager.create_root("Lead.", preset="lead")
+        await first_node.manager.quiescent()
+        child = await store.current_activation(CHILD)
+        [delivered] = await notices(first_node)
+    ended = delivered.child_activation
+    assert child is None and delivered.outcome is SettlementOutcome.COMPLETED
+    parent = await store.current_activation(ROOT)
+    if parent is not None:
+        await store.release(parent)  # the first node's lease expired
+    second_node = ContinuationManager(
+        store=store,
+        provider=ScriptedProvider(programs={"lead": (Reply(),) * 3}),
+        presets=presets(),
+        config=ManagerConfig(node_id=NodeId("node-2")),
+        ids=SequentialIds(prefix="n2-"),
+    )
+    async with second_node:
+        await second_node.submit_prompt(ROOT, "Carry on.")  # the parent resumes here
+        await second_node.activation_ended(
+            Activation(session_id=CHILD, activation_id=ended, node_id=NodeId("node-1"))
+        )
+        await second_node.quiescent()
+    assert [n.outcome for n in await notices_in(store)] == [SettlementOutcome.COMPLETED]
+
+
+async def notices_in(store: InMemorySessionStore) -> list[SettlementNoticeEntry]:
+    return [r.entry for r in await store.read(ROOT) if isinstance(r.entry, SettlementNoticeEntry)]

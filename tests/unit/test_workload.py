@@ -1,0 +1,43 @@
+"""The fault runs' workload (``dsh_mesh.testing:WORKLOAD``) in one process: each round does a
+bounded amount of work and then the tree goes quiet, so a run can be drained and read whole."""
+
+from __future__ import annotations
+
+from dsh_mesh.core import AgentMessageEntry, SessionKind, SettlementNoticeEntry
+from dsh_mesh.models import ScriptedProvider
+from dsh_mesh.testing import WORKLOAD, in_process_mesh
+
+
+async def test_each_round_crosses_every_edge_both_ways_and_then_the_tree_is_quiet() -> None:
+    scripted = ScriptedProvider(programs=dict(WORKLOAD.programs), resume_from_transcript=True)
+    async with in_process_mesh(WORKLOAD.presets, scripted=scripted) as mesh:
+        root = (await mesh.manager.create_root("Lead rounds.", preset="soak-root")).session_id
+        await mesh.manager.quiescent()
+        for number in (1, 2, 3):
+            suffix = " one-shot" if number == 2 else ""
+            await mesh.manager.submit_prompt(root, f"Round {number}{suffix} t{number}")
+            await mesh.manager.quiescent()
+        sessions = {}
+        for session in list(mesh.store._transcripts):
+            sessions[session] = await mesh.manager.header(session)
+        at_root = await mesh.transcript(root)
+        labels = [
+            r.entry.content.split()[0] for r in at_root if isinstance(r.entry, AgentMessageEntry)
+        ]
+        # Two workers, each: progress and result, every round.
+        assert sorted(labels) == ["progress"] * 6 + ["result"] * 6
+        notices = [r.entry for r in at_root if isinstance(r.entry, SettlementNoticeEntry)]
+        kinds = sorted(n.child_kind.value for n in notices)
+        # Each worker settles after spawning (1) and after each round (3); one one-shot.
+        assert kinds.count(SessionKind.CONTINUABLE_CHILD.value) == 8
+        assert kinds.count(SessionKind.ONE_SHOT_CHILD.value) == 1
+        leaves = [h for h in sessions.values() if h.spec.preset == "soak-leaf"]
+        assert len(leaves) == 2
+        for leaf in leaves:
+            at_worker = await mesh.transcript(leaf.parent_session)  # type: ignore[arg-type]
+            answers = [
+                r.entry.content
+                for r in at_worker
+                if isinstance(r.entry, AgentMessageEntry) and r.entry.content.startswith("leaf-")
+            ]
+            assert len(answers) == 2  # a leaf is spawned in round 1, pinged in rounds 2 and 3
