@@ -48,6 +48,9 @@ class ClusterRouter:
             return others[next(self._turn) % len(others)] if others else self._node_id
         return min(sorted(loads), key=lambda node: loads[node])
 
+    def is_live(self, node: NodeId) -> bool:
+        return node == self._node_id or node in self._directory.nodes()
+
     async def send_message(
         self,
         node: NodeId,

@@ -1,5 +1,6 @@
 """The runtime: the continuation manager and the session store it runs on."""
 
+from dsh_mesh.runtime._departure import Departed, unless_departed
 from dsh_mesh.runtime._manager import ContinuationManager, ManagerConfig
 from dsh_mesh.runtime._memory_store import InMemorySessionStore
 from dsh_mesh.runtime._recording import HistoryLog, RecordingStore
@@ -16,6 +17,7 @@ __all__ = [
     "MAX_HOPS",
     "Acceptance",
     "ContinuationManager",
+    "Departed",
     "HistoryLog",
     "IdempotencyKey",
     "InMemorySessionStore",
@@ -25,4 +27,5 @@ __all__ = [
     "Router",
     "SessionStore",
     "check_same_request",
+    "unless_departed",
 ]

@@ -68,6 +68,7 @@ from dsh_mesh.core import (
     pending_inbound,
 )
 from dsh_mesh.models import ModelProvider
+from dsh_mesh.runtime._departure import Departed, unless_departed
 from dsh_mesh.runtime._router import MAX_HOPS, Router
 from dsh_mesh.runtime._store import Acceptance, IdempotencyKey, SessionStore
 from dsh_mesh.tools import (
@@ -661,7 +662,9 @@ class ContinuationManager:
             if elsewhere is not None:
                 if forward is None:
                     raise elsewhere
-                return await forward(NodeId(elsewhere.node_id))
+                return await self._forward_while_there(
+                    target, elsewhere, entry, signal, key, parent_activation, forward, hops
+                )
         # Waking-send accounting starts before anything can suspend: from here until the driver
         # admits the record (or this send fails) the target cannot settle.
         self._waking[target] += 1
@@ -678,7 +681,9 @@ class ContinuationManager:
             except TargetElsewhere as lost_race:
                 if forward is None:
                     raise
-                return await forward(NodeId(lost_race.node_id))
+                return await self._forward_while_there(
+                    target, lost_race, entry, signal, key, parent_activation, forward, hops
+                )
             except _AlreadyAccepted as already:
                 return self._duplicate(already.key, already.known, target, fingerprint)
             if (
@@ -709,6 +714,47 @@ class ContinuationManager:
         finally:
             if not handed_off:
                 self._unreserve(target)
+
+    async def _forward_while_there(
+        self,
+        target: SessionId,
+        elsewhere: TargetElsewhere,
+        entry: InboundEntry,
+        signal: AbortSignal,
+        key: IdempotencyKey | None,
+        parent_activation: ActivationId | None,
+        forward: Callable[[NodeId], Coroutine[Any, Any, Delivery]],
+        hops: int,
+    ) -> Delivery:
+        """Hand the send to the node ``elsewhere`` names, for as long as that node still holds
+        the target (or, for a placement, is still registered); if it loses it mid-call (cut
+        off, frozen: its lease lapsed), route the same send again instead of waiting out the
+        call's deadline. A keyless send is not routed twice: it could land twice."""
+        node = NodeId(elsewhere.node_id)
+        activation = elsewhere.activation_id
+        router = self._router
+        assert router is not None
+
+        async def still_there() -> bool:
+            if not activation:
+                return router.is_live(node)
+            current = await self._store.current_activation(target)
+            return current is not None and current.activation_id == activation
+
+        if key is None:
+            return await forward(node)
+        try:
+            return await unless_departed(forward(node), still_there, what=f"node {node}")
+        except Departed:
+            return await self._send_admitted(
+                target,
+                entry,
+                signal,
+                key,
+                parent_activation=parent_activation,
+                forward=forward,
+                hops=hops,
+            )
 
     async def _accept(
         self,

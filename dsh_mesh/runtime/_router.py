@@ -31,6 +31,10 @@ class Router(Protocol):
         """The node that should host ``session`` next (a new child, or an absent one)."""
         ...
 
+    def is_live(self, node: NodeId) -> bool:
+        """Whether ``node`` is registered (its lease held) as far as this node knows."""
+        ...
+
     async def send_message(
         self,
         node: NodeId,

@@ -18,6 +18,7 @@ the stricken node hosted accepts a prompt through another node (a cold resume el
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -91,7 +92,9 @@ class FaultDriver:
     async def _failover(self, root: SessionId | None, *, avoid: str, since: float) -> None:
         if root is None:
             return
-        send = await self.workload.prompt(root, "Failover probe", within=30.0, avoid=avoid)
+        send = await self.workload.prompt(
+            root, f"Failover probe {secrets.token_hex(4)}", within=30.0, avoid=avoid
+        )
         if send.outcome is Outcome.ACKED:
             took = time.monotonic() - since
             self.failovers.append(took)

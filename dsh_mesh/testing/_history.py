@@ -403,10 +403,12 @@ def _check_order(
         if send.outcome is Outcome.ACKED:
             edges[send.sender, send.target].append(send)
     for (sender, target), group in edges.items():
+        # Only a message told apart from every other on its edge has one place to be judged.
+        once = Counter(s.content for s in group)
         landed = [
             (s.position, s.position if s.done is None else s.done, seq_of[key], s.content)
             for s in group
-            if (key := (target, sender, s.content)) in seq_of
+            if (key := (target, sender, s.content)) in seq_of and once[s.content] == 1
         ]
         by_done = sorted(landed, key=lambda item: item[1])
         before: tuple[int, str] = (0, "")

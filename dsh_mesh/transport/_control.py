@@ -8,7 +8,7 @@ registry. Errors follow the one status table (docs/errors.md).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import grpc
@@ -28,6 +28,7 @@ from dsh_mesh.core import (
     TargetElsewhere,
     parse_session_id,
 )
+from dsh_mesh.runtime import Departed, unless_departed
 from dsh_mesh.transport._auth import caller_hops
 from dsh_mesh.transport._convert import activation_to_wire, header_to_wire, record_to_wire
 from dsh_mesh.transport._peers import PeerPool
@@ -148,20 +149,28 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         if not request.idempotency_key:
             raise InvalidArgument("idempotency_key is required")
         session = parse_session_id(request.session_id)
-        try:
-            delivery = await self._manager().submit_prompt(
-                session, request.text, idempotency_key=request.idempotency_key
+        while True:
+            try:
+                delivery = await self._manager().submit_prompt(
+                    session, request.text, idempotency_key=request.idempotency_key
+                )
+            except TargetElsewhere as moved:
+                if caller_hops(context) > 0:
+                    raise
+                try:
+                    # A host cut off mid-call would hold the call to its deadline; once its
+                    # lease lapses the prompt is routed again (same key: no second copy).
+                    response: mesh_pb2.SubmitPromptResponse = await unless_departed(
+                        self._forward(NodeId(moved.node_id), "SubmitPrompt", request),
+                        self._holds(session, moved.activation_id),
+                        what=f"node {moved.node_id}",
+                    )
+                except Departed:
+                    continue
+                return response
+            return mesh_pb2.SubmitPromptResponse(
+                accepted_seq=delivery.accepted_seq, duplicate=delivery.duplicate
             )
-        except TargetElsewhere as moved:
-            if caller_hops(context) > 0:
-                raise
-            response: mesh_pb2.SubmitPromptResponse = await self._forward(
-                NodeId(moved.node_id), "SubmitPrompt", request
-            )
-            return response
-        return mesh_pb2.SubmitPromptResponse(
-            accepted_seq=delivery.accepted_seq, duplicate=delivery.duplicate
-        )
 
     @mesh_rpc
     async def Interrupt(
@@ -273,6 +282,15 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         if running is None or current.node_id != self._node_id:
             return mesh_pb2.AGENT_STATE_RESIDENT
         return mesh_pb2.AGENT_STATE_RUNNING if running else mesh_pb2.AGENT_STATE_IDLE
+
+    def _holds(self, session: SessionId, activation: str) -> Callable[[], Awaitable[bool]]:
+        """A check that ``session``'s current activation is still ``activation``."""
+
+        async def still() -> bool:
+            current = await self._current_activation(session)
+            return current is not None and current.activation_id == activation
+
+        return still
 
     async def _forward(self, node: NodeId, method: str, request: Any) -> Any:
         stub = mesh_pb2_grpc.MeshControlStub(self._peers.channel(node))

@@ -243,6 +243,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
     "dsh_mesh.runtime": [
         "Acceptance",
         "ContinuationManager",
+        "Departed",
         "HistoryLog",
         "IdempotencyKey",
         "InMemorySessionStore",
@@ -253,6 +254,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "Router",
         "SessionStore",
         "check_same_request",
+        "unless_departed",
     ],
     "dsh_mesh.telemetry": [
         "SENDER_BAGGAGE",

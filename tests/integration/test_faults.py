@@ -1,0 +1,47 @@
+"""The short fault run of ``make test``: the mixed workload on the multi-host bed while every
+kind of fault strikes once (a node killed, a host cut off, a node paused past its lease, an etcd
+member crashed, the whole etcd cluster stopped, a slowed lossy link), then the history checker
+reads the whole run. ``make soak`` runs the same for 30 minutes.
+
+Needs root (network namespaces); skipped with the reason otherwise, except under CI, where a
+bed that cannot be made is a failure. Prints the checker's summary (figures, failover times).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+
+import pytest
+
+from dsh_mesh.testing import FAULT_KINDS, MultiHostBed, bed_unavailable_reason, fault_run
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def bed() -> Iterator[MultiHostBed]:
+    reason = bed_unavailable_reason()
+    if reason is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the fault run on the multi-host test bed, but: {reason}")
+        pytest.skip(f"multi-host test bed not available: {reason}")
+    with MultiHostBed(tls=True) as made:
+        yield made
+
+
+async def test_every_fault_once_and_the_history_checks_clean(bed: MultiHostBed) -> None:
+    seed = int(os.environ.get("DSH_FAULT_SEED", secrets.randbelow(2**31)))
+    report = await fault_run(bed, seed=seed, seconds=60, every_kind_once=True, progress=print)
+    print("\n".join(report.log))
+    print(report.summary())
+    verdict = report.verdict
+    assert report.faults == dict.fromkeys(FAULT_KINDS, 1), report.log
+    assert verdict.acked > 100 and verdict.delivered > 100, report.summary()
+    assert verdict.clean, report.summary()
+    assert (verdict.lost, verdict.duplicated, verdict.order_violations) == (0, 0, 0)
+    assert verdict.overlapping_activations == 0
+    # The paused node and the cut-off host's node found their lease gone and fenced themselves.
+    assert report.fenced_nodes, report.log
+    assert report.failovers, report.log
