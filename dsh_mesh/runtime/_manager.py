@@ -21,6 +21,7 @@ from typing import Any, Self, TypeVar
 from dsh_mesh import telemetry
 from dsh_mesh.agent import Agent, AgentState, Settlement, completed_turn_prefix
 from dsh_mesh.core import (
+    INBOUND_TYPES,
     AbortSignal,
     Activation,
     ActivationFenced,
@@ -43,6 +44,7 @@ from dsh_mesh.core import (
     InboxFull,
     InvalidArgument,
     MeshError,
+    NodeFenced,
     NodeId,
     NodeOverloaded,
     NotResident,
@@ -50,6 +52,7 @@ from dsh_mesh.core import (
     RandomIds,
     Record,
     Refused,
+    RegistryUnavailable,
     Rejected,
     RejectionReason,
     SessionHeader,
@@ -88,6 +91,8 @@ _log = logging.getLogger(__name__)
 _MAX_TREE_DEPTH = 64
 _NOTICE_ATTEMPTS = 12
 _NOTICE_BACKOFF = 0.02
+_OUTAGE_BACKOFF = 0.05
+_OUTAGE_BACKOFF_MAX = 1.0
 _LIVENESS_REASONS = frozenset(
     {RejectionReason.STALE_SENDER, RejectionReason.PARENT_NOT_LIVE, RejectionReason.PARENT_REBOUND}
 )
@@ -554,10 +559,41 @@ class ContinuationManager:
     # -- AgentHost ------------------------------------------------------------------------------
 
     async def append(self, agent: Agent, entry: Entry) -> Record:
-        record, _ = await self._store.append(
-            agent.session_id, entry, writer=agent.activation.activation_id
-        )
-        return record
+        """The agent's own write. While the registry is away the turn waits here, at its step
+        boundary, and goes on when it answers again; a write whose answer was lost is looked
+        up, not written twice. The wait ends with the activation: fenced (another took over)
+        or cancelled (this node fenced itself when its lease could not be renewed)."""
+        session = agent.session_id
+        writer = agent.activation.activation_id
+        known = agent.records[-1].seq if agent.records else 0
+        delay = _OUTAGE_BACKOFF
+        while True:
+            try:
+                record, _ = await self._store.append(session, entry, writer=writer)
+                return record
+            except RegistryUnavailable as away:
+                _log.warning("%s: waiting at a step boundary: %s", session, away)
+            while True:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _OUTAGE_BACKOFF_MAX)
+                if self._closed:
+                    raise NodeFenced(f"node {self.node_id} stopped while {session} waited")
+                try:
+                    landed = await self._landed(session, entry, after_seq=known)
+                except RegistryUnavailable:
+                    continue
+                if landed is not None:
+                    return landed
+                break
+
+    async def _landed(self, session: SessionId, entry: Entry, *, after_seq: int) -> Record | None:
+        """The record of ``entry`` if a write of it that lost its answer landed after
+        ``after_seq``. Only the agent itself writes entries that are not inbound, one at a
+        time, so an equal one there is this one."""
+        for record in await self._store.read(session, after_seq=after_seq):
+            if not isinstance(record.entry, INBOUND_TYPES) and record.entry == entry:
+                return record
+        return None
 
     def may_settle(self, agent: Agent) -> bool:
         # A delegating agent stays available while any child of its is live, so that child's
