@@ -142,6 +142,7 @@ class Agent:
         self._last_turn_trace = ""
         self._links: list[str] = []
         self._last_detail = ""
+        self._passivating = False
 
     # -- identity and state -------------------------------------------------------------------
 
@@ -201,6 +202,13 @@ class Agent:
         """Ask the driver to re-check whether it may settle."""
         self._work.set()
 
+    def passivate(self) -> None:
+        """End this activation once the agent is idle and may settle, even if it is a root
+        (which otherwise stays resident): its host needs the memory. Durable state stays; the
+        next message or prompt cold-resumes the session. A root sends no notice."""
+        self._passivating = True
+        self._work.set()
+
     def interrupt(self) -> TurnId | None:
         """Cancel the current turn (recorded as cancelled). Returns its id, or None when idle.
         Idempotent while the cancellation is in flight; never touches the inbox."""
@@ -219,7 +227,8 @@ class Agent:
             if len(self._inbox):
                 await self._turn(self._inbox.take_turn_input())
                 continue
-            if self.header.kind is not SessionKind.ROOT and self._host.may_settle(self):
+            may_end = self.header.kind is not SessionKind.ROOT or self._passivating
+            if may_end and self._host.may_settle(self):
                 self._state = AgentState.SETTLED
                 self._host.changed()
                 try:

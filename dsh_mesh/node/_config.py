@@ -26,6 +26,8 @@ from dsh_mesh.registry import EtcdConfig, EtcdTls, LeaseConfig
 from dsh_mesh.runtime import ManagerConfig
 from dsh_mesh.transport import CallerRole, ClusterCredential, TlsCredentials
 
+_MIB = 1 << 20
+_CGROUP_MEMORY_MAX = Path("/sys/fs/cgroup/memory.max")
 _NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
@@ -76,6 +78,11 @@ class NodeConfig:
     """Sends and prompts this node handles at once; past it: NODE_OVERLOADED."""
     max_resident_sessions: int = ManagerConfig.max_resident_sessions
     """Agents this node hosts; a cold resume or new session past it: NODE_OVERLOADED."""
+    memory_high_water_mb: int | None = None
+    """Resident memory (RSS, MiB) past which the node passivates idle agents, oldest first,
+    instead of growing until it is killed; they cold-resume on their next message. ``None``:
+    80% of the memory limit of the node's cgroup when it runs under one, else no limit;
+    ``0``: never."""
     history_file: Path | None = None
     """Where to append the node's store history (one JSON line per activation and durable
     write) for the history checker of ``dsh_mesh.testing``; ``None``: no history. For test
@@ -115,6 +122,8 @@ class NodeConfig:
         if self.shutdown_grace < timedelta(0):
             raise ValueError("shutdown_grace must not be negative")
         self.manager_config()  # the limits must be positive
+        if self.memory_high_water_mb is not None and self.memory_high_water_mb < 0:
+            raise ValueError("memory_high_water_mb must not be negative (0: never passivate)")
         if self.plaintext:
             if self.tls is not None:
                 raise ValueError("plaintext and TLS settings exclude each other: choose one")
@@ -143,6 +152,13 @@ class NodeConfig:
         if self.etcd.tls is None:
             raise ValueError("a TLS node dials etcd with TLS too: etcd.tls must be set")
 
+    def memory_high_water(self) -> int | None:
+        """The RSS in bytes past which idle agents are passivated; ``None``: no limit."""
+        if self.memory_high_water_mb is not None:
+            return self.memory_high_water_mb * _MIB if self.memory_high_water_mb > 0 else None
+        limit = _cgroup_memory_limit()
+        return None if limit is None else limit * 4 // 5
+
     @property
     def listen_host(self) -> str:
         """The host part of :attr:`listen`."""
@@ -168,6 +184,11 @@ _SETTINGS: tuple[tuple[str, str, str], ...] = (
     ("max_inbox_depth", "--max-inbox-depth", "unread messages one target may hold"),
     ("max_inflight_sends", "--max-inflight-sends", "sends this node handles at once"),
     ("max_resident_sessions", "--max-resident-sessions", "agents this node may host"),
+    (
+        "memory_high_water_mb",
+        "--memory-high-water-mb",
+        "RSS (MiB) past which idle agents are passivated",
+    ),
     ("history_file", "--history-file", "append the store's history here (test runs)"),
 )
 
@@ -281,9 +302,23 @@ def _build(values: Mapping[str, Any]) -> NodeConfig:
         kwargs["placement"] = Placement(str(values["placement"]))
     if values.get("shutdown_grace") is not None:
         kwargs["shutdown_grace"] = timedelta(seconds=float(values["shutdown_grace"]))
-    for name in ("max_inbox_depth", "max_inflight_sends", "max_resident_sessions"):
+    for name in (
+        "max_inbox_depth",
+        "max_inflight_sends",
+        "max_resident_sessions",
+        "memory_high_water_mb",
+    ):
         if values.get(name) is not None:
             kwargs[name] = int(values[name])
     if values.get("history_file"):
         kwargs["history_file"] = Path(str(values["history_file"])).expanduser()
     return NodeConfig(**kwargs)
+
+
+def _cgroup_memory_limit() -> int | None:
+    """The memory limit (bytes) of this process's cgroup (v2), if it has one."""
+    try:
+        text = _CGROUP_MEMORY_MAX.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None

@@ -15,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -238,13 +240,38 @@ class Node:
         publishing = asyncio.create_task(
             self._publish_load(etcd, keys, lease, manager, router), name="load"
         )
+        guarding = asyncio.create_task(self._guard_memory(manager), name="memory")
         try:
             await asyncio.wait((keeping, stopping), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (keeping, stopping, publishing):
+            for task in (keeping, stopping, publishing, guarding):
                 task.cancel()
-            results = await asyncio.gather(keeping, stopping, publishing, return_exceptions=True)
+            results = await asyncio.gather(
+                keeping, stopping, publishing, guarding, return_exceptions=True
+            )
         return isinstance(results[0], LeaseLost)
+
+    async def _guard_memory(self, manager: ContinuationManager) -> None:
+        """Past the memory high-water mark, passivate a tenth of the idle agents (at least
+        one) each interval until the node's RSS is back under it: idle agents are the memory a
+        node can give back without losing anything, since their sessions are durable."""
+        high_water = self.config.memory_high_water()
+        if high_water is None:
+            return
+        while True:
+            await asyncio.sleep(self.config.load_interval.total_seconds())
+            rss = resident_memory()
+            if rss is None or rss <= high_water:
+                continue
+            count = manager.passivate_idle(max(1, len(manager.agents) // 10))
+            if count:
+                _log.warning(
+                    "node %s: memory %d MiB over %d MiB: passivating %d idle agents",
+                    self.config.node_id,
+                    rss >> 20,
+                    high_water >> 20,
+                    count,
+                )
 
     async def _publish_load(
         self,
@@ -283,3 +310,12 @@ class Node:
 def _address(directory: Directory, node: str) -> str | None:
     info = directory.nodes().get(node)  # type: ignore[call-overload]
     return None if info is None else info.address
+
+
+def resident_memory() -> int | None:
+    """This process's resident set size in bytes (Linux ``/proc``); ``None`` elsewhere."""
+    try:
+        fields = Path("/proc/self/statm").read_text().split()
+    except OSError:
+        return None
+    return int(fields[1]) * os.sysconf("SC_PAGE_SIZE")

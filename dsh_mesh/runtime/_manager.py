@@ -211,6 +211,22 @@ class ContinuationManager:
         for activation in held:
             await self._store.release(activation)
 
+    def passivate_idle(self, limit: int) -> int:
+        """Under memory pressure: end up to ``limit`` idle activations that may end (nothing
+        running, unread or on its way to them, no live child that could still message them),
+        longest resident first. Their sessions stay durable and cold-resume on their next
+        message. Returns how many were asked to end."""
+        chosen = 0
+        for agent in list(self._agents.values()):
+            if chosen >= limit:
+                break
+            if agent.state is AgentState.IDLE and agent.inbox_depth == 0 and self.may_settle(agent):
+                agent.passivate()
+                chosen += 1
+        if chosen:
+            telemetry.passivated(chosen)
+        return chosen
+
     def shutdown(self) -> None:
         """Stop every driver. Idempotent. Durable state is untouched: activations stay in the
         store until released, as if this node had died."""

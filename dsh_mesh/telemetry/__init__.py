@@ -15,6 +15,7 @@ from dsh_mesh.telemetry._metrics import (
     message_accepted,
     message_rejected,
     observe_node,
+    passivated,
     send_duration,
     settled,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "message_accepted",
     "message_rejected",
     "observe_node",
+    "passivated",
     "send_duration",
     "sender_traceparent",
     "server_interceptors",

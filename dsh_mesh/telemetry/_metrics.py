@@ -33,6 +33,11 @@ _cold_resume_duration = _METER.create_histogram(
 _lease_losses = _METER.create_counter(
     "dsh.lease.losses", unit="{lease}", description="Node leases lost (the node fenced itself)."
 )
+_passivations = _METER.create_counter(
+    "dsh.passivations",
+    unit="{activation}",
+    description="Idle activations ended to free memory (they cold-resume on their next message).",
+)
 _settlements = _METER.create_counter(
     "dsh.settlements", unit="{activation}", description="Settlement notices, by outcome."
 )
@@ -62,6 +67,11 @@ def cold_resumed(seconds: float) -> None:
 def lease_lost() -> None:
     """Count one lost node lease."""
     _lease_losses.add(1)
+
+
+def passivated(count: int) -> None:
+    """Count idle activations ended under memory pressure."""
+    _passivations.add(count)
 
 
 def settled(outcome: str, kind: str) -> None:

@@ -270,6 +270,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "message_accepted",
         "message_rejected",
         "observe_node",
+        "passivated",
         "send_duration",
         "sender_traceparent",
         "server_interceptors",

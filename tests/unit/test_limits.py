@@ -15,7 +15,7 @@ from dsh_mesh.core import (
     NodeOverloaded,
     RejectionReason,
 )
-from dsh_mesh.models import Reply, tool
+from dsh_mesh.models import Reply, Stall, tool
 from dsh_mesh.runtime import ManagerConfig
 from dsh_mesh.testing import in_process_mesh
 from tests.unit.conftest import of_type, presets
@@ -99,3 +99,30 @@ def test_limits_must_be_positive() -> None:
     for name in ("max_inbox_depth", "max_inflight_sends", "max_resident_sessions"):
         with pytest.raises(ValueError, match=name):
             ManagerConfig(**{name: 0})  # type: ignore[arg-type]
+
+
+async def test_under_memory_pressure_only_idle_agents_that_may_end_are_passivated() -> None:
+    async with in_process_mesh(presets()) as mesh:
+        mesh.scripted.program("solo", Reply(text="first"), Reply(text="second"))
+        mesh.scripted.program("lead", tool("spawn_agent", task="t", preset="helper"))
+        mesh.scripted.program("helper", Stall())
+        idle = await mesh.manager.create_root("Answer.", preset="solo")
+        delegating = await mesh.manager.create_root("Delegate.", preset="lead")
+        await mesh.manager.wait_until(lambda: mesh.manager.agent(idle.session_id) is not None)
+        await mesh.manager.wait_until(lambda: len(mesh.manager.agents) == 3)
+        await mesh.manager.wait_until(lambda: mesh.manager.running(idle.session_id) is False)
+        await mesh.manager.wait_until(lambda: mesh.manager.running(delegating.session_id) is False)
+        # The idle root may end; the delegating root has a live (running) child; the child runs.
+        assert mesh.manager.passivate_idle(10) == 1
+        await mesh.manager.wait_until(lambda: mesh.manager.agent(idle.session_id) is None)
+        assert await mesh.store.current_activation(idle.session_id) is None
+        assert mesh.manager.agent(delegating.session_id) is not None
+        assert len(mesh.manager.agents) == 2
+        before = await mesh.transcript(idle.session_id)
+        # Its next prompt cold-resumes it with everything it had.
+        delivery = await mesh.manager.submit_prompt(idle.session_id, "Again.")
+        assert delivery.kind is DeliveryKind.COLD_RESUMED
+        await mesh.manager.wait_until(lambda: mesh.manager.running(idle.session_id) is False)
+        after = await mesh.transcript(idle.session_id)
+        assert after[: len(before)] == before
+        assert mesh.manager.passivate_idle(0) == 0

@@ -9,6 +9,7 @@ import pytest
 
 from dsh_mesh.core import NodeId, SessionId
 from dsh_mesh.node import ClusterRouter, NodeConfig, Placement, load_config, parse_args
+from dsh_mesh.node import _config as node_config
 from dsh_mesh.registry import NodeInfo
 from dsh_mesh.transport import ClusterCredential
 
@@ -61,6 +62,25 @@ def test_the_limits_come_from_file_environment_and_flags(tmp_path: Path) -> None
     ) == (7, 8, 9)
 
 
+def test_the_memory_high_water_mark_is_set_off_or_taken_from_the_cgroup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def high_water(*flags: str) -> int | None:
+        args = parse_args(["--cluster-token", TOKEN, "--plaintext", *flags])
+        return load_config(args, {}).memory_high_water()
+
+    assert high_water("--memory-high-water-mb", "512") == 512 << 20
+    assert high_water("--memory-high-water-mb", "0") is None
+    limit = tmp_path / "memory.max"
+    monkeypatch.setattr(node_config, "_CGROUP_MEMORY_MAX", limit)
+    assert high_water() is None  # no cgroup file: no limit
+    limit.write_text("max\n")
+    assert high_water() is None  # a cgroup without a limit
+    limit.write_text(f"{1 << 30}\n")
+    assert high_water() == (1 << 30) * 4 // 5  # 80% of the limit
+    assert high_water("--memory-high-water-mb", "0") is None
+
+
 @pytest.mark.parametrize(
     ("flags", "problem"),
     [
@@ -73,6 +93,10 @@ def test_the_limits_come_from_file_environment_and_flags(tmp_path: Path) -> None
         (["--cluster-token", TOKEN, "--key-prefix", "dsh"], "key_prefix"),
         (["--cluster-token", TOKEN, "--scenario", "no-colon"], "module:attribute"),
         (["--cluster-token", TOKEN, "--plaintext", "--max-inbox-depth", "0"], "max_inbox_depth"),
+        (
+            ["--cluster-token", TOKEN, "--plaintext", "--memory-high-water-mb", "-1"],
+            "memory_high_water_mb",
+        ),
     ],
 )
 def test_bad_settings_are_refused_with_a_reason(flags: list[str], problem: str) -> None:
