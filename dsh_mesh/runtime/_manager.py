@@ -1013,6 +1013,20 @@ class ContinuationManager:
         task: str,
     ) -> Agent:
         self._check_capacity()
+        # Once its header is written a session is made whole: a caller that goes away (a
+        # deadline, a cancelled spawn) must not leave a session without its task.
+        return await self._detach(
+            self._make_new(header, parent_activation=parent_activation, first=first, task=task)
+        )
+
+    async def _make_new(
+        self,
+        header: SessionHeader,
+        *,
+        parent_activation: ActivationId | None,
+        first: tuple[Entry, ...],
+        task: str,
+    ) -> Agent:
         await self._store.create_header(header)
         activation = Activation(
             session_id=header.session_id,

@@ -31,6 +31,7 @@ from dsh_mesh.core import (
     SettlementOutcome,
     StaleSender,
     TargetUnknown,
+    TaskEntry,
     ToolResultEntry,
     TurnStartedEntry,
     canonical_json,
@@ -557,3 +558,24 @@ async def test_a_parent_that_moved_nodes_gets_no_lost_notice_for_a_child_it_hear
 
 async def notices_in(store: InMemorySessionStore) -> list[SettlementNoticeEntry]:
     return [r.entry for r in await store.read(ROOT) if isinstance(r.entry, SettlementNoticeEntry)]
+
+
+async def test_a_root_whose_creator_went_away_mid_creation_is_made_whole() -> None:
+    # Found by the wire fuzzer: CreateRootSession cut by its deadline after the header was
+    # written left a root without its task, which no turn would ever read.
+    store = HoldingStore(TaskEntry)
+    async with in_process_mesh(presets(), store=store) as mesh:
+        mesh.scripted.program("lead", Reply(text="read it"))
+        creating = asyncio.create_task(mesh.manager.create_root("Lead.", preset="lead"))
+        await store.holding.wait()
+        creating.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await creating
+        store.unblock.set()
+        async with asyncio.timeout(10):
+            await mesh.manager.wait_until(lambda: mesh.manager.agent(ROOT) is not None)
+            await mesh.manager.quiescent()
+        records = await mesh.transcript(ROOT)
+        tasks = [r for r in records if isinstance(r.entry, TaskEntry)]
+        read = {s for r in of_type(records, ConsumedEntry) for s in r.entry.seqs}  # type: ignore[union-attr]
+        assert len(tasks) == 1 and tasks[0].seq in read
