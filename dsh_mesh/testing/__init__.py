@@ -17,7 +17,9 @@ from dsh_mesh.testing._cluster import (
     MeshReader,
     NodeProcess,
     NodeProcessError,
+    PatientReader,
     create_root,
+    patiently,
 )
 from dsh_mesh.testing._etcd import (
     EtcdAddress,
@@ -99,6 +101,7 @@ __all__ = [
     "NodeProcessError",
     "OtlpReceiver",
     "Outcome",
+    "PatientReader",
     "ProxyStats",
     "Send",
     "TcpProxy",
@@ -115,6 +118,7 @@ __all__ = [
     "in_process_mesh",
     "load_node_history",
     "otel_env",
+    "patiently",
     "render_trace_tree",
     "sweep_stale_beds",
     "writers_of",

@@ -34,7 +34,7 @@ from typing import TypeVar
 import grpc
 
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
-from dsh_mesh.core import Activation, Record, SessionHeader, SessionId
+from dsh_mesh.core import Activation, Record, RegistryUnavailable, SessionHeader, SessionId
 from dsh_mesh.registry import Etcd, EtcdConfig, EtcdSessionStore, Keys
 from dsh_mesh.registry._codec import decode_header
 from dsh_mesh.testing._pki import LocalPki, TlsFiles
@@ -401,6 +401,45 @@ class MeshReader:
             if asyncio.get_running_loop().time() > deadline:
                 raise TimeoutError(f"{what} did not hold within {within}s; last: {value!r}")
             await asyncio.sleep(_POLL_SECONDS)
+
+
+class PatientReader(MeshReader):
+    """A :class:`MeshReader` whose reads wait out a registry outage (an etcd election after a
+    member was cut off or killed, or the whole cluster stopped) for up to ``patience`` seconds."""
+
+    def __init__(self, settings: ClusterSettings, *, patience: float = 10.0) -> None:
+        super().__init__(settings)
+        self.patience = patience
+
+    async def transcript(self, session: SessionId) -> list[Record]:
+        return await patiently(
+            lambda: super(PatientReader, self).transcript(session), within=self.patience
+        )
+
+    async def header(self, session: SessionId) -> SessionHeader | None:
+        return await patiently(
+            lambda: super(PatientReader, self).header(session), within=self.patience
+        )
+
+    async def activation(self, session: SessionId) -> Activation | None:
+        return await patiently(
+            lambda: super(PatientReader, self).activation(session), within=self.patience
+        )
+
+    async def sessions(self) -> list[SessionHeader]:
+        return await patiently(lambda: super(PatientReader, self).sessions(), within=self.patience)
+
+
+async def patiently(read: Callable[[], Awaitable[T]], *, within: float = 10.0) -> T:
+    """``read()``, retried while the registry is unavailable, for up to ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            return await read()
+        except RegistryUnavailable:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.05)
 
 
 def _no_lease() -> int:

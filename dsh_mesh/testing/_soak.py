@@ -14,19 +14,16 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
 
-from dsh_mesh.core import Activation, Record, RegistryUnavailable, SessionHeader, SessionId
-from dsh_mesh.testing._cluster import MeshReader
+from dsh_mesh.testing._cluster import PatientReader
 from dsh_mesh.testing._faults import FAULT_KINDS, FaultDriver
 from dsh_mesh.testing._history import Verdict, agent_sends, check, load_node_history, writers_of
 from dsh_mesh.testing._proxy import TcpProxy
 from dsh_mesh.testing._testbed import BedCluster, MultiHostBed
 from dsh_mesh.testing._workload import FAULT_REASONS, Workload
 
-T = TypeVar("T")
 SCENARIO = "dsh_mesh.testing:WORKLOAD"
 
 
@@ -57,33 +54,6 @@ class FaultRunReport:
         return f"{head}\n{body}"
 
 
-class PatientReader(MeshReader):
-    """A :class:`MeshReader` whose reads wait out an etcd outage (up to a minute)."""
-
-    async def transcript(self, session: SessionId) -> list[Record]:
-        return await _patiently(lambda: super(PatientReader, self).transcript(session))
-
-    async def header(self, session: SessionId) -> SessionHeader | None:
-        return await _patiently(lambda: super(PatientReader, self).header(session))
-
-    async def activation(self, session: SessionId) -> Activation | None:
-        return await _patiently(lambda: super(PatientReader, self).activation(session))
-
-    async def sessions(self) -> list[SessionHeader]:
-        return await _patiently(lambda: super(PatientReader, self).sessions())
-
-
-async def _patiently(read: Callable[[], Awaitable[T]], *, within: float = 60.0) -> T:
-    deadline = time.monotonic() + within
-    while True:
-        try:
-            return await read()
-        except RegistryUnavailable:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.1)
-
-
 async def fault_run(
     bed: MultiHostBed,
     *,
@@ -110,7 +80,7 @@ async def fault_run(
     ) as proxy:
         cluster = await asyncio.to_thread(_start, bed, proxy, ttl)
         try:
-            async with PatientReader(cluster.settings) as reader:
+            async with PatientReader(cluster.settings, patience=60.0) as reader:
                 workload = Workload(cluster, reader, rng=rng)
                 driver = FaultDriver(bed, cluster, workload, ttl=ttl, proxy=proxy)
                 try:

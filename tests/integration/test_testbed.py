@@ -14,7 +14,7 @@ import os
 import random
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
@@ -23,18 +23,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
 from dsh_mesh.core import (
-    Activation,
     AgentRef,
     AssistantStepEntry,
     ConsumedEntry,
     MeshError,
     NodeId,
-    Record,
-    RegistryUnavailable,
     Rejected,
     RejectionReason,
-    SessionHeader,
-    SessionId,
     SettlementOutcome,
 )
 from dsh_mesh.registry import Etcd
@@ -43,8 +38,10 @@ from dsh_mesh.testing import (
     LocalPki,
     MeshReader,
     MultiHostBed,
+    PatientReader,
     TcpProxy,
     bed_unavailable_reason,
+    patiently,
 )
 from dsh_mesh.transport import error_from_rpc, secure_channel
 from tests.integration.mesh_client import (
@@ -61,35 +58,6 @@ TLS = True
 
 StartCluster = Callable[..., BedCluster]
 T = TypeVar("T")
-
-
-async def patiently(read: Callable[[], Awaitable[T]], *, within: float = 10.0) -> T:
-    """``read()``, retried while etcd is briefly unavailable (an election after a member was
-    cut off or killed fails the requests in flight with "leader changed")."""
-    deadline = time.monotonic() + within
-    while True:
-        try:
-            return await read()
-        except RegistryUnavailable:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(0.05)
-
-
-class PatientReader(MeshReader):
-    """A :class:`MeshReader` whose reads ride out an etcd election."""
-
-    async def transcript(self, session: SessionId) -> list[Record]:
-        return await patiently(lambda: super(PatientReader, self).transcript(session))
-
-    async def header(self, session: SessionId) -> SessionHeader | None:
-        return await patiently(lambda: super(PatientReader, self).header(session))
-
-    async def activation(self, session: SessionId) -> Activation | None:
-        return await patiently(lambda: super(PatientReader, self).activation(session))
-
-    async def sessions(self) -> list[SessionHeader]:
-        return await patiently(lambda: super(PatientReader, self).sessions())
 
 
 @pytest.fixture(scope="module")
