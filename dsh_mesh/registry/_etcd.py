@@ -1,8 +1,9 @@
 """A thin, typed facade over etcd's KV, Lease and Watch APIs (through ``aetcd``).
 
 Everything the registry asks of etcd goes through :class:`Etcd`, which gives every call a
-deadline, turns transport failures into :class:`RegistryUnavailable`, and counts the reads and
-transactions it sends so tests can prove what the hot path costs.
+deadline, turns transport failures into :class:`RegistryUnavailable` and requests etcd refuses
+as malformed (too large, a key twice in one transaction) into :class:`InvalidArgument`, and
+counts the reads and transactions it sends so tests can prove what the hot path costs.
 """
 
 from __future__ import annotations
@@ -22,8 +23,24 @@ import aetcd.watcher
 import grpc
 from aetcd import rpc
 
-from dsh_mesh.core import RegistryUnavailable
+from dsh_mesh.core import InvalidArgument, RegistryUnavailable
 from dsh_mesh.registry._keys import prefix_end
+
+MAX_REVISION = 2**63 - 1
+"""The largest revision etcd can name (its revisions are signed 64-bit integers)."""
+
+_REFUSED_AS_TOO_LARGE = ("larger than max", "request is too large")
+"""How etcd says a request is over its size limit: its own ``--max-request-bytes`` check
+(INVALID_ARGUMENT) or its gRPC server's receive limit (RESOURCE_EXHAUSTED)."""
+
+
+def check_revision(revision: int, *, what: str = "revision") -> int:
+    """``revision`` if etcd can be asked for it (0 to :data:`MAX_REVISION`; 0 means "now"),
+    else :class:`InvalidArgument`. A protobuf field refuses anything wider as a ``ValueError``,
+    which must never reach aetcd: its shared watcher does not recover from one."""
+    if not 0 <= revision <= MAX_REVISION:
+        raise InvalidArgument(f"{what} {revision} is not an etcd revision (0 to {MAX_REVISION})")
+    return revision
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,6 +199,7 @@ class Etcd:
         """Range requests sent (a transaction's own reads are not counted here)."""
         self.txns = 0
         """Transactions sent."""
+        self._dropping: set[asyncio.Task[None]] = set()
 
     async def __aenter__(self) -> Etcd:
         await self.connect()
@@ -229,7 +247,7 @@ class Etcd:
     async def range(self, key: bytes, range_end: bytes = b"", *, revision: int = 0) -> Any:
         """One linearizable Range request (at ``revision`` when given)."""
         self.reads += 1
-        request = rpc.RangeRequest(key=key, range_end=range_end, revision=revision)
+        request = rpc.RangeRequest(key=key, range_end=range_end, revision=check_revision(revision))
         async with self._errors():
             await self._client.connect()
             return await self._client.kvstub.Range(
@@ -270,14 +288,28 @@ class Etcd:
         """Yield watch events (``kind`` PUT or DELETE, ``kv``, ``prev_kv``) for ``prefix``
         from ``start_revision`` (inclusive), with previous values on deletes. Raises
         :class:`RegistryUnavailable` when the stream breaks; the caller resumes from its last
-        revision + 1."""
-        async with self._errors():
-            watch = await self._client.watch(
+        revision + 1. A ``start_revision`` beyond what etcd can name is refused with
+        :class:`InvalidArgument` before anything is asked of the watcher, which every watch of
+        this client shares (a request it fails to build would wedge it for good); one ahead of
+        etcd's current revision is valid: its events come once etcd gets there."""
+        check_revision(start_revision, what="start_revision")
+        # Shielded: the shared watcher creates one watch at a time, and a create cancelled at
+        # the wrong point (its request waiting for room in the watcher's queue) would leave it
+        # waiting for that create for good. A watch created after its caller left is dropped.
+        creating = asyncio.ensure_future(
+            self._client.watch(
                 prefix,
                 range_end=prefix_end(prefix),
                 start_revision=start_revision,
                 prev_kv=True,
             )
+        )
+        async with self._errors():
+            try:
+                watch = await asyncio.shield(creating)
+            except asyncio.CancelledError:
+                creating.add_done_callback(self._drop_watch)
+                raise
         try:
             async with self._errors():
                 async for response in watch:
@@ -287,6 +319,19 @@ class Etcd:
             with contextlib.suppress(aetcd.exceptions.ClientError, grpc.RpcError):
                 await watch.cancel()
 
+    def _drop_watch(self, creating: asyncio.Future[Any]) -> None:
+        """Cancel a watch whose caller was cancelled while it was being created."""
+        if creating.cancelled() or creating.exception() is not None:
+            return
+        dropping = asyncio.ensure_future(self._cancel_quietly(creating.result()))
+        self._dropping.add(dropping)
+        dropping.add_done_callback(self._dropping.discard)
+
+    @staticmethod
+    async def _cancel_quietly(watch: Any) -> None:
+        with contextlib.suppress(aetcd.exceptions.ClientError, grpc.RpcError):
+            await watch.cancel()
+
     @asynccontextmanager
     async def _errors(self) -> AsyncIterator[None]:
         try:
@@ -294,4 +339,43 @@ class Etcd:
         except aetcd.exceptions.RevisionCompactedError:
             raise
         except (aetcd.exceptions.ClientError, grpc.RpcError, OSError) as error:
+            refusal = _refusal(error)
+            if refusal is not None:
+                raise InvalidArgument(
+                    f"etcd refused the request as invalid ({refusal}); it would fail again "
+                    "unchanged"
+                ) from error
             raise RegistryUnavailable(f"etcd {self.config.endpoint}: {error}") from error
+
+
+def _refusal(error: BaseException) -> str | None:
+    """etcd's reason when ``error`` says the request itself is at fault (retrying it unchanged
+    fails again), else None: an outage, a timeout or a broken connection, which is retryable.
+
+    etcd answers INVALID_ARGUMENT for a malformed request (a key twice in one transaction, too
+    many operations, a request over ``--max-request-bytes``); its gRPC server answers
+    RESOURCE_EXHAUSTED for a request over its receive limit, but also for "too many requests"
+    and a full database (NOSPACE), which pass: those are the registry's condition, not the
+    request's. aetcd raises some of these as its own exceptions, with the gRPC error as cause.
+    """
+    cause: BaseException | None = error
+    while cause is not None and not isinstance(cause, grpc.RpcError):
+        cause = cause.__cause__
+    if cause is None:
+        return str(error) if isinstance(error, aetcd.exceptions.InvalidArgumentError) else None
+    code, details = _status(cause)
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED) and any(
+        marker in details for marker in _REFUSED_AS_TOO_LARGE
+    ):
+        return f"the request is too large for etcd: {details}"
+    if code is grpc.StatusCode.INVALID_ARGUMENT:
+        return details
+    return None
+
+
+def _status(error: grpc.RpcError) -> tuple[grpc.StatusCode | None, str]:
+    """The status code and details of a gRPC error (an ``AioRpcError`` has both; a bare
+    ``RpcError`` may have neither)."""
+    code = getattr(error, "code", None)
+    details = getattr(error, "details", None)
+    return (code() if callable(code) else None, (details() if callable(details) else None) or "")

@@ -9,9 +9,19 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from dsh_mesh.core import Activation, Record, SessionHeader, SessionId, SessionUnknown
+import aetcd.exceptions
+
+from dsh_mesh.core import (
+    Activation,
+    InvalidArgument,
+    Record,
+    RegistryUnavailable,
+    SessionHeader,
+    SessionId,
+    SessionUnknown,
+)
 from dsh_mesh.registry._codec import decode_activation, decode_entry, decode_header
-from dsh_mesh.registry._etcd import Etcd
+from dsh_mesh.registry._etcd import MAX_REVISION, Etcd
 from dsh_mesh.registry._keys import Keys
 
 _ENTRY_SEQ_DIGITS = 16
@@ -80,6 +90,10 @@ class RegistryReads:
         With ``after_revision`` the feed replays etcd's history from the next revision (it
         must not have been compacted away). Otherwise it starts with the stored transcripts
         (``root``'s after ``after_seq``), then follows live changes.
+
+        An ``after_revision`` past the last revision etcd can name (2**63 - 1: no event can
+        follow it) is refused with :class:`InvalidArgument`. One merely ahead of etcd's current
+        revision is valid: as for etcd's own watches, its events come once etcd gets there.
         """
         # One consistent snapshot: the tree, who is resident, and every stored entry, as of
         # one revision; the watch then continues from the next one, so nothing falls between.
@@ -90,6 +104,11 @@ class RegistryReads:
             raise SessionUnknown(root)
         watched = _descendants(root, headers) if tree else {root}
         if after_revision:
+            if not 0 < after_revision < MAX_REVISION:
+                raise InvalidArgument(
+                    f"after_event_seq {after_revision}: no event can follow it (an event_seq is"
+                    f" an etcd revision, 1 to {MAX_REVISION})"
+                )
             start = after_revision + 1
         else:
             snapshot: list[FeedEvent] = []
@@ -118,8 +137,22 @@ class RegistryReads:
             for event in sorted(snapshot, key=lambda e: (e.revision, e.record is None)):
                 yield event
             start = revision + 1
-        async for event in self._watch(watched, tree=tree, start=start):
-            yield event
+        replayed = False
+        try:
+            async for event in self._watch(watched, tree=tree, start=start):
+                replayed = True
+                yield event
+        except aetcd.exceptions.RevisionCompactedError as compacted:
+            # etcd no longer holds the history this feed would replay: a resume from before
+            # its compaction can never be served, whoever is asked (a snapshot's own revision
+            # compacted meanwhile, or a watch that fell behind, is a race a retry may win).
+            if after_revision and not replayed:
+                raise InvalidArgument(
+                    f"after_event_seq {after_revision}: the registry's history before revision"
+                    f" {compacted.compacted_revision} is compacted; watch again from the stored"
+                    " transcripts (after_event_seq 0)"
+                ) from compacted
+            raise RegistryUnavailable(f"{root}: the watch fell behind compaction") from compacted
 
     async def _watch(
         self, watched: set[SessionId], *, tree: bool, start: int

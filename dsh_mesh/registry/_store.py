@@ -70,9 +70,11 @@ class _Pending:
 
 
 _ACTIVATE_ATTEMPTS = 8
-MAX_ENTRY_BYTES = 1024 * 1024
-"""The default largest encoded transcript entry: well inside etcd's default 1.5 MiB request
-limit, with room for the head, the idempotency record and the transaction's framing."""
+MAX_ENTRY_BYTES = 1024 * 1024 + 64 * 1024
+"""The default largest encoded transcript entry: a message of the full 256 Ki characters, each
+4 bytes of UTF-8, with its entry's other fields (found by the wire fuzzer: at exactly 1 MiB such
+a message was refused), and still inside etcd's default 1.5 MiB request limit with room for the
+head, the idempotency record and the transaction's framing."""
 
 
 class ActivationView(Protocol):
@@ -103,9 +105,9 @@ class EtcdSessionStore:
     activation this store wins is bound to it. Headers are cached forever (they never change);
     the last seq of sessions this node writes is cached and re-read only when a transaction
     says it moved. An entry whose encoding exceeds ``max_entry_bytes`` is refused with
-    :class:`InvalidArgument` before anything is sent (etcd would refuse the request anyway, as
-    an error indistinguishable from an outage). Every method is safe to call concurrently from
-    one event loop.
+    :class:`InvalidArgument` before anything is sent (etcd would refuse the request anyway,
+    with a message that names no entry). Every method is safe to call concurrently from one
+    event loop.
     """
 
     def __init__(
@@ -302,19 +304,28 @@ class EtcdSessionStore:
     async def _flush(self, session: SessionId) -> None:
         """Group commit: while appends to ``session`` wait, take them in arrival order and write
         as many as fit into one transaction (same writer, at most ``_BATCH_ENTRIES`` entries and
-        ``_BATCH_BYTES`` of payload), then settle each caller with its own record."""
+        ``_BATCH_BYTES`` of payload, no idempotency key twice), then settle each caller with its
+        own record.
+
+        A batch ends before an append whose idempotency key is already in it (a retry racing
+        its original): etcd refuses a transaction that writes one key twice, and the retry must
+        be decided after the first use of its key commits, when it finds the key taken and gets
+        that acceptance (or a conflict)."""
         queue = self._queues[session]
         try:
             while queue:
                 batch = [queue.pop(0)]
                 size = len(batch[0].payload)
+                keys = self._batch_keys(batch[0])
                 while (
                     queue
                     and len(batch) < _BATCH_ENTRIES
                     and queue[0].fence == batch[0].fence
                     and size + len(queue[0].payload) <= _BATCH_BYTES
+                    and keys.isdisjoint(self._batch_keys(queue[0]))
                 ):
                     size += len(queue[0].payload)
+                    keys |= self._batch_keys(queue[0])
                     batch.append(queue.pop(0))
                 await self._commit(session, batch)
         finally:
@@ -338,10 +349,17 @@ class EtcdSessionStore:
             for pending in batch:
                 await self._commit(session, [pending])
             return
-        except Exception as failure:  # settles every waiting caller; none is left hanging
+        except InvalidArgument as refused:
+            if len(batch) == 1:
+                _settle(batch, refused)
+                return
+            # etcd refused the transaction as a whole (so wrote none of it): refuse only the
+            # entries it refuses alone, not every append that happened to share the batch.
             for pending in batch:
-                if not pending.done.done():
-                    pending.done.set_exception(failure)
+                await self._commit(session, [pending])
+            return
+        except Exception as failure:  # settles every waiting caller; none is left hanging
+            _settle(batch, failure)
             return
         for pending, result in zip(batch, results, strict=True):
             if not pending.done.done():
@@ -437,6 +455,12 @@ class EtcdSessionStore:
     def _idempotency_key(self, key: IdempotencyKey) -> bytes:
         return self._keys.idempotency(key.principal, key.key)
 
+    def _batch_keys(self, pending: _Pending) -> set[bytes]:
+        """The etcd key of ``pending``'s idempotency record, if it has one."""
+        if pending.idempotency is None:
+            return set()
+        return {self._idempotency_key(pending.idempotency[0])}
+
     def _note(self, activation: Activation) -> None:
         if self._directory is not None:
             self._directory.note(activation)
@@ -451,6 +475,13 @@ def _only(response: Any) -> Any | None:
     """The one ``KeyValue`` a transaction's single-key Range returned, if any."""
     kvs = response.response_range.kvs
     return kvs[0] if kvs else None
+
+
+def _settle(batch: list[_Pending], failure: BaseException) -> None:
+    """Fail every caller of ``batch`` still waiting."""
+    for pending in batch:
+        if not pending.done.done():
+            pending.done.set_exception(failure)
 
 
 def _seen(done: asyncio.Future[tuple[Record, Acceptance | None]]) -> None:

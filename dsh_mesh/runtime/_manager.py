@@ -286,6 +286,12 @@ class ContinuationManager:
             )
         )
 
+    def default_model(self, preset: str) -> str:
+        """The model a session of ``preset`` runs when none is named ("" for an unknown
+        preset, or one that names none)."""
+        known = self._presets.get(preset)
+        return "" if known is None else known.model or ""
+
     # -- the control plane (humans are not agents) ----------------------------------------------
 
     async def create_root(

@@ -7,6 +7,7 @@ span: the calls cost a few attribute look-ups and nothing is exported.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Literal
@@ -30,6 +31,9 @@ _KINDS = {
 SENDER_BAGGAGE = "dsh.sender.traceparent"
 """Baggage key carrying the sender's span across the gRPC hop, so the target node stores the
 context of the span that *sent* a message, not of its own server span."""
+# The only form a transcript stores (dsh_mesh.core's check, repeated here): W3C Trace Context
+# version 00, lowercase hex, neither the trace id nor the span id all zeros.
+_STORED_TRACEPARENT = re.compile(r"00-(?P<trace>[0-9a-f]{32})-(?P<span>[0-9a-f]{16})-[0-9a-f]{2}")
 
 
 class SpanHandle:
@@ -90,11 +94,18 @@ def current_traceparent() -> str:
 
 def sender_traceparent() -> str:
     """The sending span's ``traceparent``: carried in baggage when the send crossed nodes,
-    else the current span's."""
+    else the current span's; "" when there is none.
+
+    Always "" or a version-00 ``traceparent``, the one form a transcript stores: trace data
+    must never change whether a message is accepted. A carried value of another W3C version
+    that parses (its first four fields as version 00) is re-written as version 00 with the same
+    trace id, span id and flags; a carried value that does not parse is ignored."""
     carried = baggage.get_baggage(SENDER_BAGGAGE)
-    if isinstance(carried, str) and _span_context(carried) is not None:
-        return carried
-    return current_traceparent()
+    if isinstance(carried, str):
+        sender = _version_00(carried)
+        if sender:
+            return sender
+    return _version_00(current_traceparent())
 
 
 @contextmanager
@@ -117,6 +128,26 @@ def _traceparent_of(current: trace.Span) -> str:
     carrier: dict[str, str] = {}
     _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(current))
     return carrier.get("traceparent", "")
+
+
+def _version_00(traceparent: str) -> str:
+    """``traceparent`` as the version-00 ``traceparent`` a transcript stores, or "" when it is
+    not a valid W3C ``traceparent`` of any version."""
+    if _is_stored_form(traceparent):
+        return traceparent
+    span_context = _span_context(traceparent)
+    if span_context is None:
+        return ""
+    rewritten = (
+        f"00-{span_context.trace_id:032x}-{span_context.span_id:016x}"
+        f"-{int(span_context.trace_flags):02x}"
+    )
+    return rewritten if _is_stored_form(rewritten) else ""
+
+
+def _is_stored_form(traceparent: str) -> bool:
+    match = _STORED_TRACEPARENT.fullmatch(traceparent)
+    return match is not None and match["trace"] != "0" * 32 and match["span"] != "0" * 16
 
 
 def _span_context(traceparent: str) -> trace.SpanContext | None:

@@ -367,8 +367,14 @@ def _check_copies(
         if len(found) < acked:
             verdict._violate("lost", f"{what}: acknowledged {acked}, in transcript {len(found)}")
         if len(found) > acked + doubtful:
+            heard = ", ".join(
+                s.outcome.value if s.reason is None else f"{s.outcome.value} {s.reason.value}"
+                for s in group
+            )
             verdict._violate(
-                "duplicated", f"{what}: in transcript {len(found)} times (seqs {found})"
+                "duplicated",
+                f"{what}: in transcript {len(found)} times (seqs {found}), but the sender heard:"
+                f" {heard}",
             )
         for seq in found:
             if not consumed.get((target, seq)):

@@ -21,7 +21,14 @@ from typing import Any
 
 import grpc
 
-from dsh_mesh.core import MeshError, NodeId, Rejected, RejectionReason, Unauthenticated
+from dsh_mesh.core import (
+    InvalidArgument,
+    MeshError,
+    NodeId,
+    Rejected,
+    RejectionReason,
+    Unauthenticated,
+)
 from dsh_mesh.transport._status import abort_with
 from dsh_mesh.transport._tls import Caller, CallerRole, identity_of_auth_context
 
@@ -32,6 +39,8 @@ _GUARDED_PREFIX = "/dsh.mesh."
 # Methods only a node may call: a client hosts no agent, so it can speak for no sender.
 _NODE_ONLY_PREFIXES = ("/dsh.mesh.v1.AgentMesh/", "/dsh.mesh.peer.v1.MeshPeer/")
 _MIN_TOKEN_CHARS = 16
+# Nodes send 0 or 1; a longer "count" is no hop count (and int() of a long one is costly).
+_MAX_HOPS_DIGITS = 9
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,14 +109,27 @@ def caller_node(context: grpc.aio.ServicerContext[Any, Any]) -> NodeId:
 
 
 def caller_hops(context: grpc.aio.ServicerContext[Any, Any]) -> int:
-    """How often the call was already handed on between nodes (0 if not said)."""
+    """How often the call was already handed on between nodes (0 if not said). A value that is
+    no count a node sends (anything but 1 to 9 ASCII digits) is ignored, as if not said: never
+    a crash, whatever a caller sends."""
     value = dict(context.invocation_metadata() or ()).get(HOPS_HEADER, "0")
-    return int(value) if isinstance(value, str) and value.isdigit() else 0
+    if not isinstance(value, str) or not _is_count(value):
+        return 0
+    return int(value)
+
+
+def _is_count(value: str) -> bool:
+    return 0 < len(value) <= _MAX_HOPS_DIGITS and value.isascii() and value.isdigit()
 
 
 class ClusterAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Guards every ``dsh.mesh.*`` method; health and reflection stay open so generic tools
     work.
+
+    - Request bytes that are no message of the method's request type (garbage, a message cut
+      short, invalid UTF-8 in a string field) fail with ``INVALID_ARGUMENT`` (reason
+      ``INVALID_ARGUMENT``), after the caller checks below: grpc.aio decodes a request before
+      any handler runs, and would otherwise answer ``UNKNOWN``.
 
     - With a ``credential``, a call without the right ``x-dsh-cluster-token`` fails with
       ``UNAUTHENTICATED`` (reason ``UNAUTHENTICATED``). ``credential=None`` (allowed only with
@@ -145,32 +167,60 @@ def _check_caller(context: grpc.aio.ServicerContext[Any, Any], *, node_only: boo
         caller_identity(context)
 
 
+@dataclass(frozen=True)
+class _Undecodable:
+    """What a guarded deserializer hands on in place of a request it could not decode."""
+
+    error: str
+
+
+def _decoding(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """``deserialize`` made total: bytes it cannot decode become an :class:`_Undecodable`
+    (which the handler refuses) instead of an exception grpc.aio would answer ``UNKNOWN``."""
+    if deserialize is None:
+        return None
+
+    def decode(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as error:  # DecodeError, and whatever else malformed bytes raise
+            return _Undecodable(f"{type(error).__name__}: {error}")
+
+    return decode
+
+
+async def _admit(
+    request: Any, context: grpc.aio.ServicerContext[Any, Any], *, node_only: bool
+) -> None:
+    """Refuse the call unless its caller may make it and its request bytes decoded."""
+    try:
+        _check_caller(context, node_only=node_only)
+        if isinstance(request, _Undecodable):
+            raise InvalidArgument(f"the request is not a well-formed message: {request.error}")
+    except MeshError as refused:
+        await abort_with(context, refused)
+
+
 def _checked(handler: Any, *, node_only: bool) -> Any:
     """``handler`` behind a check of the verified caller (the interceptor itself cannot see the
-    peer certificate: only the call's context can)."""
+    peer certificate: only the call's context can) and of the request's decoding."""
     if handler.unary_unary is not None:
         behavior = handler.unary_unary
 
         async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            try:
-                _check_caller(context, node_only=node_only)
-            except MeshError as refused:
-                await abort_with(context, refused)
+            await _admit(request, context, node_only=node_only)
             return await behavior(request, context)
 
         return grpc.unary_unary_rpc_method_handler(
             unary,
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=_decoding(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
     if handler.unary_stream is not None:
         streaming = handler.unary_stream
 
         async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            try:
-                _check_caller(context, node_only=node_only)
-            except MeshError as refused:
-                await abort_with(context, refused)
+            await _admit(request, context, node_only=node_only)
             produced = streaming(request, context)
             if inspect.isasyncgen(produced):
                 async for item in produced:
@@ -180,7 +230,7 @@ def _checked(handler: Any, *, node_only: bool) -> Any:
 
         return grpc.unary_stream_rpc_method_handler(
             stream,
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=_decoding(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
     return _refusing(handler, Unauthenticated("this kind of method is not served"))
@@ -193,7 +243,7 @@ def _refusing(handler: Any, error: MeshError) -> Any:
     if handler.unary_unary is not None:
         return grpc.unary_unary_rpc_method_handler(
             refuse,
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=_decoding(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
 
@@ -203,6 +253,6 @@ def _refusing(handler: Any, error: MeshError) -> Any:
 
     return grpc.unary_stream_rpc_method_handler(
         refuse_stream,
-        request_deserializer=handler.request_deserializer,
+        request_deserializer=_decoding(handler.request_deserializer),
         response_serializer=handler.response_serializer,
     )

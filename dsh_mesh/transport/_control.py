@@ -7,6 +7,7 @@ registry. Errors follow the one status table (docs/errors.md).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol
@@ -16,6 +17,7 @@ import grpc
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
 from dsh_mesh.core import (
     Activation,
+    AgentRef,
     IdempotencyConflict,
     InvalidArgument,
     MeshError,
@@ -26,6 +28,7 @@ from dsh_mesh.core import (
     SessionHeader,
     SessionId,
     TargetElsewhere,
+    TaskEntry,
     parse_session_id,
 )
 from dsh_mesh.runtime import Departed, unless_departed
@@ -37,6 +40,13 @@ from dsh_mesh.transport._status import abort_with, error_from_rpc, mesh_rpc
 
 DEFAULT_PAGE = 100
 MAX_PAGE = 1000
+MAX_PAGE_TOKEN_DIGITS = 19
+"""A page token this server issues is a seq or an offset: a decimal of at most this many ASCII
+digits. Anything else is refused as malformed (``INVALID_ARGUMENT``)."""
+MAX_NAME_CHARS = 256
+"""The most characters a ``CreateRootSession`` ``preset`` or ``model`` may have. Both are
+stored in the session header (one etcd value); a longer one is refused as malformed
+(``INVALID_ARGUMENT``) rather than failing at etcd's request limit."""
 _FORWARD_TIMEOUT = 30.0
 
 
@@ -93,6 +103,9 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         self._reads = reads
         self._current_activation = current_activation
         self._peers = peers
+        # Root creations under way on this node, by session: each runs to its end even when
+        # its caller gives up, and a retry of it waits for that end before it looks.
+        self._creating: dict[SessionId, asyncio.Task[AgentRef]] = {}
 
     # -- writes -----------------------------------------------------------------------------------
 
@@ -110,29 +123,65 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
                 home, "CreateRootSession", request
             )
             return response
+        _check_name("preset", request.preset)
+        _check_name("model", request.model)
         session = root_session_id(request.request_id)
-        manager = self._manager()
         try:
-            ref = await manager.create_root(
-                request.initial_task,
-                preset=request.preset,
-                model=request.model or None,
-                session_id=session,
-            )
+            ref = await self._create_root(session, request)
         except SessionExists:
             return await self._existing_root(session, request)
         return mesh_pb2.CreateRootSessionResponse(
             session_id=ref.session_id, activation_id=ref.activation_id, node_id=self._node_id
         )
 
+    async def _create_root(
+        self, session: SessionId, request: mesh_pb2.CreateRootSessionRequest
+    ) -> AgentRef:
+        """Create the root, to the end: a caller whose deadline passes mid-way (after the header
+        was written, before the initial task) must not leave a root without its task, so the
+        creation is shielded from the call's cancellation. A retry arriving while it runs
+        waits for it, then finds the root it made."""
+        earlier = self._creating.get(session)
+        if earlier is not None:
+            await asyncio.wait([earlier])  # its outcome is the retry's own to find
+        manager = self._manager()
+        creating = asyncio.ensure_future(
+            manager.create_root(
+                request.initial_task,
+                preset=request.preset,
+                model=request.model or None,
+                session_id=session,
+            )
+        )
+        self._creating[session] = creating
+        creating.add_done_callback(lambda done: self._created(session, done))
+        return await asyncio.shield(creating)
+
+    def _created(self, session: SessionId, done: asyncio.Task[AgentRef]) -> None:
+        if self._creating.get(session) is done:
+            del self._creating[session]
+        if not done.cancelled():
+            done.exception()  # retrieved: a caller that gave up no longer awaits it
+
     async def _existing_root(
         self, session: SessionId, request: mesh_pb2.CreateRootSessionRequest
     ) -> mesh_pb2.CreateRootSessionResponse:
-        header = await self._manager().header(session)
-        if header.spec.preset != request.preset or (
-            request.model and header.spec.model != request.model
+        manager = self._manager()
+        header = await manager.header(session)
+        # The model asked for: named, or (empty) the preset's default, which the header holds
+        # when the first request left it empty.
+        asked = request.model or manager.default_model(header.spec.preset)
+        first, _ = await self._reads.page(session, after_seq=0, limit=1)
+        task = first[0].entry.content if first and isinstance(first[0].entry, TaskEntry) else ""
+        if (
+            header.spec.preset != request.preset
+            or (asked and header.spec.model != asked)
+            or task != request.initial_task
         ):
-            raise IdempotencyConflict(f"request_id {request.request_id!r} created another root")
+            raise IdempotencyConflict(
+                f"request_id {request.request_id!r} created another root (other preset, model"
+                " or initial_task)"
+            )
         current = await self._current_activation(session, fresh=True)
         return mesh_pb2.CreateRootSessionResponse(
             session_id=session,
@@ -303,9 +352,17 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
 
 
 def _page(token: str, size: int) -> tuple[int, int]:
-    if token and not token.isdigit():
-        raise InvalidArgument(f"page_token {token!r} is not one this server issued")
+    """The offset a page token names and the page's size. A token is opaque to clients: one
+    that is no decimal this server could have issued is refused as malformed."""
+    if token and not (len(token) <= MAX_PAGE_TOKEN_DIGITS and token.isascii() and token.isdigit()):
+        shown = token if len(token) <= 40 else f"{token[:40]}... ({len(token)} characters)"
+        raise InvalidArgument(f"page_token {shown!r} is not one this server issued")
     return int(token or 0), min(size or DEFAULT_PAGE, MAX_PAGE)
+
+
+def _check_name(field: str, value: str) -> None:
+    if len(value) > MAX_NAME_CHARS:
+        raise InvalidArgument(f"{field} has {len(value)} characters; the limit is {MAX_NAME_CHARS}")
 
 
 def _event_to_wire(event: WatchEvent) -> mesh_pb2.SessionEvent:

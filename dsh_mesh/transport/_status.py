@@ -223,10 +223,15 @@ def _rich_status(metadata: Iterable[tuple[str, object]] | None) -> status_pb2.St
 
 
 def _mesh_error_info(status: status_pb2.Status) -> error_details_pb2.ErrorInfo | None:
+    """The first ``ErrorInfo`` of domain :data:`ERROR_DOMAIN` among the details; one whose
+    bytes do not decode is skipped (the status is then read by its code alone)."""
     for detail in status.details:
         if detail.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
             info = error_details_pb2.ErrorInfo()
-            detail.Unpack(info)
+            try:
+                detail.Unpack(info)
+            except DecodeError:
+                continue
             if info.domain == ERROR_DOMAIN:
                 return info
     return None

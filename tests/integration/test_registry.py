@@ -35,7 +35,6 @@ from dsh_mesh.core import (
     NodeFenced,
     NodeId,
     Record,
-    RegistryUnavailable,
     SessionExists,
     SessionHeader,
     SessionId,
@@ -632,10 +631,10 @@ async def test_an_entry_too_large_for_etcd_is_refused_as_invalid_and_writes_noth
     assert [r.seq for r in await node_a.store.read(session)] == [1, 2]
     assert await head(node_a.etcd, keys, session) == 2
 
-    # The limit is configurable; above etcd's own limit etcd refuses, and only as an
-    # "unavailable" error, which is why the store checks first.
+    # The limit is configurable; above etcd's own limit etcd refuses too, as invalid (never as
+    # unavailable: a retry would fail again), after a round trip the store's check saves.
     async with node(etcd.endpoint, keys, "node-lax", max_entry_bytes=4 * MAX_ENTRY_BYTES) as lax:
-        with pytest.raises(RegistryUnavailable):
+        with pytest.raises(InvalidArgument, match="too large"):
             await lax.store.append(session, prompt("z" * ETCD_MAX_REQUEST_BYTES), writer=writer)
     async with node(etcd.endpoint, keys, "node-strict", max_entry_bytes=1024) as strict:
         with pytest.raises(InvalidArgument):

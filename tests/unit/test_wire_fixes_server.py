@@ -1,0 +1,323 @@
+"""Focused cases for the server-side transport fixes: undecodable request bytes behind the
+cluster interceptor (unary and streaming), and ``CreateRootSession``'s idempotency, input
+bounds and creations cut by their caller. (tests/integration/test_wire_fuzz.py states the same
+rules against a live cluster.)"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2, status_pb2
+
+from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
+from dsh_mesh.core import (
+    Activation,
+    NodeId,
+    Record,
+    RejectionReason,
+    SessionHeader,
+    SessionId,
+    TaskEntry,
+)
+from dsh_mesh.runtime import InMemorySessionStore
+from dsh_mesh.testing import InProcessMesh, in_process_mesh
+from dsh_mesh.transport import DETAILS_METADATA_KEY, ERROR_DOMAIN, ClusterCredential
+from dsh_mesh.transport._auth import ClusterAuthInterceptor
+from dsh_mesh.transport._control import (
+    MAX_NAME_CHARS,
+    MeshControlService,
+    WatchEvent,
+    root_session_id,
+)
+from dsh_mesh.transport._peers import PeerPool
+from tests.unit.conftest import presets
+
+TOKEN = "t" * 16
+GET = "/dsh.mesh.v1.MeshControl/GetSession"
+WATCH = "/dsh.mesh.v1.MeshControl/WatchSession"
+NODE = NodeId("node-a")
+
+
+def reason_of(error: grpc.aio.AioRpcError) -> str | None:
+    for key, value in error.trailing_metadata() or ():
+        if key == DETAILS_METADATA_KEY:
+            for detail in status_pb2.Status.FromString(value).details:
+                info = error_details_pb2.ErrorInfo()
+                if detail.Unpack(info) and info.domain == ERROR_DOMAIN:
+                    return str(info.reason)
+    return None
+
+
+# -- undecodable requests behind the interceptor ------------------------------------------
+
+
+class _Control(mesh_pb2_grpc.MeshControlServicer):
+    """Answers a decoded GetSession and WatchSession; anything undecodable must not get here."""
+
+    def __init__(self) -> None:
+        self.seen: list[Any] = []
+
+    async def GetSession(
+        self, request: mesh_pb2.GetSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> mesh_pb2.Session:
+        self.seen.append(request)
+        return mesh_pb2.Session()
+
+    async def WatchSession(
+        self, request: mesh_pb2.WatchSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[mesh_pb2.SessionEvent]:
+        self.seen.append(request)
+        yield mesh_pb2.SessionEvent(session_id=request.session_id)
+
+
+@contextlib.asynccontextmanager
+async def serving(servicer: _Control) -> AsyncIterator[grpc.aio.Channel]:
+    server = grpc.aio.server(interceptors=[ClusterAuthInterceptor(ClusterCredential(token=TOKEN))])
+    mesh_pb2_grpc.add_MeshControlServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield channel
+    finally:
+        await server.stop(None)
+
+
+UNDECODABLE = [
+    b"\xff\xff\xff",  # no message at all
+    b"\x0a\x02\xc3\x28",  # session_id (field 1) holding invalid UTF-8
+    mesh_pb2.GetSessionRequest(session_id="s-1", page_token="12").SerializeToString()[:-1],
+]
+
+
+@pytest.mark.parametrize("payload", UNDECODABLE, ids=["garbage", "invalid-utf8", "cut-short"])
+async def test_undecodable_unary_request_is_invalid_argument(payload: bytes) -> None:
+    servicer = _Control()
+    async with serving(servicer) as channel:
+        call = channel.unary_unary(GET)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await call(payload, metadata=(("x-dsh-cluster-token", TOKEN),), timeout=5)
+        ok = await call(
+            mesh_pb2.GetSessionRequest(session_id="s-1").SerializeToString(),
+            metadata=(("x-dsh-cluster-token", TOKEN),),
+            timeout=5,
+        )
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert reason_of(refused.value) == RejectionReason.INVALID_ARGUMENT.value
+    assert ok == b""  # the empty Session, serialized
+    assert servicer.seen == [mesh_pb2.GetSessionRequest(session_id="s-1")]
+
+
+@pytest.mark.parametrize("payload", UNDECODABLE[:2], ids=["garbage", "invalid-utf8"])
+async def test_undecodable_streaming_request_is_invalid_argument(payload: bytes) -> None:
+    servicer = _Control()
+    async with serving(servicer) as channel:
+        call = channel.unary_stream(WATCH)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in call(payload, metadata=(("x-dsh-cluster-token", TOKEN),), timeout=5):
+                pass
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert reason_of(refused.value) == RejectionReason.INVALID_ARGUMENT.value
+    assert servicer.seen == []
+
+
+async def test_undecodable_bytes_without_the_credential_are_unauthenticated() -> None:
+    """The credential is checked first: a caller without it learns nothing about decoding."""
+    async with serving(_Control()) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await channel.unary_unary(GET)(b"\xff\xff\xff", timeout=5)
+    assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
+    assert reason_of(refused.value) == RejectionReason.UNAUTHENTICATED.value
+
+
+# -- CreateRootSession --------------------------------------------------------------------
+
+
+class _Aborted(Exception):
+    def __init__(self, status: Any) -> None:
+        super().__init__(status.code)
+        self.status = status
+
+
+class _Context:
+    """The part of a grpc.aio servicer context the control service uses."""
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
+    async def abort_with_status(self, status: Any) -> None:
+        raise _Aborted(status)
+
+
+class _StoreReads:
+    """``ControlReads`` over an in-memory store (only ``page`` is used here)."""
+
+    def __init__(self, store: InMemorySessionStore) -> None:
+        self._store = store
+
+    async def headers(self) -> list[tuple[int, SessionHeader]]:
+        raise NotImplementedError
+
+    async def tree(self, root: SessionId) -> list[SessionHeader]:
+        raise NotImplementedError
+
+    async def activations(self) -> dict[SessionId, Activation]:
+        raise NotImplementedError
+
+    async def page(
+        self, session: SessionId, *, after_seq: int, limit: int
+    ) -> tuple[list[Record], bool]:
+        records = await self._store.read(session, after_seq=after_seq)
+        return records[:limit], len(records) > limit
+
+    def follow(
+        self, root: SessionId, *, tree: bool, after_revision: int = 0, after_seq: int = 0
+    ) -> AsyncIterator[WatchEvent]:
+        raise NotImplementedError
+
+
+class _HeldTaskStore(InMemorySessionStore):
+    """Holds the append of the first TaskEntry until the test releases it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.holding = asyncio.Event()
+        self.unblock = asyncio.Event()
+
+    async def append(self, session, entry, *, writer, idempotency=None):  # type: ignore[no-untyped-def]
+        if isinstance(entry, TaskEntry) and not self.holding.is_set():
+            self.holding.set()
+            await self.unblock.wait()
+        return await super().append(session, entry, writer=writer, idempotency=idempotency)
+
+
+def control(mesh: InProcessMesh) -> MeshControlService:
+    async def current(session: SessionId, *, fresh: bool = False) -> Activation | None:
+        return await mesh.store.current_activation(session)
+
+    return MeshControlService(
+        lambda: mesh.manager,
+        node_id=mesh.manager.node_id,
+        reads=_StoreReads(mesh.store),
+        current_activation=current,
+        peers=PeerPool(node_id=mesh.manager.node_id, credential=None, address_of=lambda _: None),
+    )
+
+
+def create(
+    task: str = "The first task.", *, preset: str = "lead", model: str = "", request_id: str = "r"
+) -> mesh_pb2.CreateRootSessionRequest:
+    return mesh_pb2.CreateRootSessionRequest(
+        preset=preset, model=model, initial_task=task, request_id=request_id
+    )
+
+
+async def answer(
+    service: MeshControlService, request: mesh_pb2.CreateRootSessionRequest
+) -> mesh_pb2.CreateRootSessionResponse | RejectionReason:
+    try:
+        return await service.CreateRootSession(request, _Context())
+    except _Aborted as aborted:
+        return RejectionReason(reason_of_status(aborted.status))
+
+
+def reason_of_status(status: Any) -> str:
+    [value] = [v for k, v in status.trailing_metadata if k == DETAILS_METADATA_KEY]
+    info = error_details_pb2.ErrorInfo()
+    assert status_pb2.Status.FromString(value).details[0].Unpack(info)
+    return str(info.reason)
+
+
+async def tasks_of(mesh: InProcessMesh, session: str) -> list[str]:
+    return [
+        r.entry.content
+        for r in await mesh.transcript(SessionId(session))
+        if isinstance(r.entry, TaskEntry)
+    ]
+
+
+@pytest.mark.parametrize(
+    "replay",
+    [
+        create("Another task."),
+        create(""),
+        create(model="other-model"),
+        create(preset="worker"),
+    ],
+    ids=["other-task", "no-task", "other-model", "other-preset"],
+)
+async def test_a_request_id_replayed_with_other_fields_is_an_idempotency_conflict(
+    replay: mesh_pb2.CreateRootSessionRequest,
+) -> None:
+    async with in_process_mesh(presets()) as mesh:
+        service = control(mesh)
+        first = await answer(service, create())
+        assert isinstance(first, mesh_pb2.CreateRootSessionResponse)
+        again = await answer(service, create())
+        assert isinstance(again, mesh_pb2.CreateRootSessionResponse)
+        assert again.session_id == first.session_id
+        assert await answer(service, replay) is RejectionReason.IDEMPOTENCY_CONFLICT
+        assert await tasks_of(mesh, first.session_id) == ["The first task."]
+
+
+async def test_an_empty_model_is_the_presets_default_when_replayed() -> None:
+    async with in_process_mesh(presets()) as mesh:
+        service = control(mesh)
+        first = await answer(service, create(model=""))
+        assert isinstance(first, mesh_pb2.CreateRootSessionResponse)
+        named = await answer(service, create(model="lead"))  # the preset's default, named
+        assert isinstance(named, mesh_pb2.CreateRootSessionResponse)
+        assert named.session_id == first.session_id
+        other = await answer(service, create(model="m-1", request_id="r-2"))
+        assert isinstance(other, mesh_pb2.CreateRootSessionResponse)
+        empty = await answer(service, create(model="", request_id="r-2"))
+        assert empty is RejectionReason.IDEMPOTENCY_CONFLICT
+
+
+@pytest.mark.parametrize("field", ["preset", "model"])
+async def test_a_preset_or_model_too_long_to_store_is_invalid_argument(field: str) -> None:
+    async with in_process_mesh(presets()) as mesh:
+        request = create(request_id=f"long-{field}")
+        setattr(request, field, "m" * (MAX_NAME_CHARS + 1))
+        assert await answer(control(mesh), request) is RejectionReason.INVALID_ARGUMENT
+        assert await mesh.store.get_header(root_session_id(request.request_id)) is None
+
+
+async def test_a_model_at_the_limit_is_accepted() -> None:
+    async with in_process_mesh(presets()) as mesh:
+        created = await answer(control(mesh), create(model="m" * MAX_NAME_CHARS))
+        assert isinstance(created, mesh_pb2.CreateRootSessionResponse)
+
+
+async def test_an_unknown_preset_is_invalid_argument() -> None:
+    async with in_process_mesh(presets()) as mesh:
+        assert await answer(control(mesh), create(preset="nope")) is (
+            RejectionReason.INVALID_ARGUMENT
+        )
+
+
+async def test_a_creation_cut_by_its_caller_keeps_its_task_and_a_retry_finds_it() -> None:
+    """The caller gives up after the header is written, before the initial task: the creation
+    still ends with its task, and the retry (same request_id) waits for it and returns it."""
+    store = _HeldTaskStore()
+    async with in_process_mesh(presets(), store=store) as mesh:
+        service = control(mesh)
+        cut = asyncio.create_task(answer(service, create()))
+        await store.holding.wait()
+        cut.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cut
+        retry = asyncio.create_task(answer(service, create()))
+        await asyncio.sleep(0.01)
+        assert not retry.done()  # waits for the creation under way
+        store.unblock.set()
+        found = await retry
+        assert isinstance(found, mesh_pb2.CreateRootSessionResponse)
+        assert found.session_id == root_session_id("r")
+        assert found.node_id == mesh.manager.node_id
+        assert await tasks_of(mesh, found.session_id) == ["The first task."]
