@@ -235,6 +235,8 @@ def _tool_outcome(result: Record | None) -> tuple[Outcome, RejectionReason | Non
         return Outcome.UNKNOWN, None  # "not completed: turn ended (...)"
     if isinstance(payload, dict) and "delivered" in payload:
         return Outcome.ACKED, None
+    if isinstance(payload, dict) and payload.get("may_have_landed"):
+        return Outcome.UNKNOWN, None  # an outage's refusal: the write may have landed
     if isinstance(payload, dict) and "rejected" in payload:
         try:
             return Outcome.REJECTED, RejectionReason(payload["rejected"])

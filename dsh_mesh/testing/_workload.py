@@ -412,7 +412,16 @@ def _classify(failure: grpc.aio.AioRpcError) -> RejectionReason | None:
 
 
 _DETAILS = "grpc-status-details-bin"
-_OPEN = frozenset({RejectionReason.PEER_UNAVAILABLE, RejectionReason.DEADLINE_EXCEEDED})
+_OPEN = frozenset(
+    {
+        RejectionReason.PEER_UNAVAILABLE,
+        RejectionReason.DEADLINE_EXCEEDED,
+        RejectionReason.REGISTRY_UNAVAILABLE,
+        RejectionReason.NODE_FENCED,
+    }
+)
+"""Refusals that may come after the write was made: its answer was lost (etcd or the target's
+host went away, the deadline ran out, the node fenced itself mid-write)."""
 
 
 def roots_by_node(

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from dsh_mesh.core import Rejected, ToolDescriptor
+from dsh_mesh.core import Rejected, RejectionReason, ToolDescriptor
 from dsh_mesh.tools._runtime import ChildKind, SubagentRuntime
 from dsh_mesh.tools._tool import Tool, ToolIdentity, ToolInvocation, ToolOutput
 
@@ -91,11 +93,34 @@ def _string_fields(
     return values
 
 
+SEND_RETRY_DELAYS: tuple[float, ...] = (0.1, 0.2, 0.4, 0.8, 1.6, 2.0, 2.0, 2.0, 2.0)
+"""Waits before each retry of a send refused by an outage (about 11 s in all: a failed host's
+lease lapses and its work moves within that at the default TTL)."""
+
+_OUTAGES = frozenset(
+    {
+        RejectionReason.REGISTRY_UNAVAILABLE,
+        RejectionReason.PEER_UNAVAILABLE,
+        RejectionReason.NODE_FENCED,
+        RejectionReason.NODE_OVERLOADED,
+    }
+)
+"""Refusals that say the mesh itself is briefly away, not that the send is wrong or must wait
+for someone: the tool retries them under the same key. A model could only send again as a new
+call, under a new key, and some of them (a write whose answer was lost, a host gone mid-call)
+may have landed, so that would make a second copy."""
+
+
 @dataclass(frozen=True)
 class SendMessageTool:
-    """The standard ``send_message``: same definition, same identity, for parents and children."""
+    """The standard ``send_message``: same definition, same identity, for parents and children.
+
+    A refusal by an outage (etcd or a peer away, a fenced or overloaded node) is retried under
+    the same idempotency key after each of ``retry_delays``, while the turn is not interrupted;
+    a refusal still standing after them is handed to the model with ``may_have_landed``."""
 
     runtime: SubagentRuntime
+    retry_delays: tuple[float, ...] = SEND_RETRY_DELAYS
 
     @property
     def identity(self) -> ToolIdentity:
@@ -111,21 +136,24 @@ class SendMessageTool:
         fields = _string_fields(arguments, ("agent_id", "message"))
         if isinstance(fields, ToolOutput):
             return fields
-        try:
-            delivery = await self.runtime.send_message(
-                invocation.caller,
-                fields["agent_id"],
-                fields["message"],
-                invocation.signal,
-                idempotency_key=invocation.idempotency_key,
-            )
-        except Rejected as rejection:
-            return ToolOutput(
-                content=json.dumps(
-                    {"rejected": rejection.reason.value, "detail": rejection.detail}
-                ),
-                is_error=True,
-            )
+        delays = iter(self.retry_delays)
+        while True:
+            try:
+                delivery = await self.runtime.send_message(
+                    invocation.caller,
+                    fields["agent_id"],
+                    fields["message"],
+                    invocation.signal,
+                    idempotency_key=invocation.idempotency_key,
+                )
+                break
+            except Rejected as rejection:
+                delay = next(delays, None) if rejection.reason in _OUTAGES else None
+                if delay is not None:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(invocation.signal.wait(), delay)
+                if delay is None or invocation.signal.aborted:
+                    return _refusal(rejection)
         return ToolOutput(
             content=json.dumps(
                 {"delivered": delivery.kind.value, "agent_id": delivery.target}, sort_keys=True
@@ -193,3 +221,11 @@ def is_standard_send_message(tool: Tool) -> bool:
     for a scoped tool that merely shares the name."""
 
     return tool.identity is SEND_MESSAGE_IDENTITY
+
+
+def _refusal(rejection: Rejected) -> ToolOutput:
+    """What the model reads of a refused send; an outage's refusal may have landed."""
+    refusal: dict[str, object] = {"rejected": rejection.reason.value, "detail": rejection.detail}
+    if rejection.reason in _OUTAGES:
+        refusal["may_have_landed"] = True
+    return ToolOutput(content=json.dumps(refusal), is_error=True)

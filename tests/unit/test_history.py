@@ -374,3 +374,24 @@ def test_two_prompts_in_flight_at_once_may_land_either_way_but_not_after_an_answ
     assert judge(root, CLEAN_CHILD, *overlapping).clean
     one_after_the_other = (prompt("a", 1.0, 1.5), prompt("b", 2.0, 4.0))
     only(judge(root, CLEAN_CHILD, *one_after_the_other), "order_violations")
+
+
+def test_an_outage_refusal_that_may_have_landed_is_in_doubt_not_a_refusal() -> None:
+    # Found by the fault runs: a write whose answer etcd lost was refused as
+    # REGISTRY_UNAVAILABLE, yet it had landed; the tool now says so, and the checker reads it.
+    landed = ToolResultEntry(
+        call_id="c2",
+        name="send_message",
+        content=json.dumps(
+            {"rejected": "REGISTRY_UNAVAILABLE", "detail": "etcd away", "may_have_landed": True}
+        ),
+        is_error=True,
+    )
+    child = child_transcript(delivered("c1", ROOT), landed)
+    verdict = judge(CLEAN_ROOT, child)
+    assert verdict.clean and verdict.unknown == 1, verdict.summary()
+    # A plain refusal with that reason would have claimed that nothing was stored.
+    refused_plainly = child_transcript(
+        delivered("c1", ROOT), refused("c2", RejectionReason.REGISTRY_UNAVAILABLE)
+    )
+    assert judge(CLEAN_ROOT, refused_plainly).duplicated == 1

@@ -17,6 +17,8 @@ from dsh_mesh.core import (
     DeliveryKind,
     ForkPrefixEntry,
     Record,
+    Rejected,
+    RejectionReason,
     SessionId,
     TaskEntry,
     ToolCall,
@@ -33,6 +35,7 @@ from dsh_mesh.tools import (
     SEND_MESSAGE_IDENTITY,
     ChildKind,
     Preset,
+    SendMessageTool,
     Tool,
     ToolIdentity,
     ToolInvocation,
@@ -536,3 +539,65 @@ async def test_a_model_calling_send_message_badly_gets_an_error_result(
         r.entry for r in await team.transcript(child_id) if isinstance(r.entry, AgentMessageEntry)
     ]
     assert [m.content for m in messages] == ["well formed"]
+
+
+@dataclass
+class FlakyRuntime(RecordingRuntime):
+    """Refuses the first sends with ``failures`` (in order), then accepts; records each key."""
+
+    failures: list[Rejected] = field(default_factory=list)
+    keys: list[str | None] = field(default_factory=list)
+
+    async def send_message(
+        self,
+        sender: AgentRef,
+        target_id: str,
+        content: str,
+        signal: AbortSignal | None = None,
+        *,
+        idempotency_key: str | None = None,
+    ) -> Delivery:
+        self.keys.append(idempotency_key)
+        if self.failures:
+            raise self.failures.pop(0)
+        return await super().send_message(
+            sender, target_id, content, signal, idempotency_key=idempotency_key
+        )
+
+
+async def test_send_message_retries_a_registry_or_peer_outage_under_the_same_key() -> None:
+    # Found by the fault runs: an outage refusal was handed to the model, which could only send
+    # again as a new call, under a new key; and a refusal from a write whose answer was lost
+    # may have landed, so the new call made a second copy.
+    runtime = FlakyRuntime(
+        failures=[
+            Rejected.of(RejectionReason.REGISTRY_UNAVAILABLE, "etcd away"),
+            Rejected.of(RejectionReason.PEER_UNAVAILABLE, "host away"),
+        ]
+    )
+    tool = SendMessageTool(runtime=runtime, retry_delays=(0.0, 0.0, 0.0))
+    caller = AgentRef(session_id=SessionId("s-1"), activation_id=ActivationId("a-1"))
+    output = await tool.invoke(invocation(caller, {}), {"agent_id": "s-2", "message": "hi"})
+    assert not output.is_error and "delivered" in output.content
+    assert len(runtime.keys) == 3 and len(set(runtime.keys)) == 1
+
+
+async def test_send_message_hands_a_refusal_that_retrying_cannot_fix_to_the_model_at_once() -> None:
+    for reason in (RejectionReason.SIBLING_TARGET, RejectionReason.PARENT_NOT_LIVE):
+        runtime = FlakyRuntime(failures=[Rejected.of(reason, "no")])
+        tool = SendMessageTool(runtime=runtime, retry_delays=(0.0, 0.0, 0.0))
+        caller = AgentRef(session_id=SessionId("s-1"), activation_id=ActivationId("a-1"))
+        output = await tool.invoke(invocation(caller, {}), {"agent_id": "s-2", "message": "hi"})
+        assert output.is_error and reason.value in output.content
+        assert len(runtime.keys) == 1
+
+
+async def test_send_message_gives_up_after_its_retries_and_says_so() -> None:
+    away = Rejected.of(RejectionReason.REGISTRY_UNAVAILABLE, "etcd away")
+    runtime = FlakyRuntime(failures=[away] * 4)
+    tool = SendMessageTool(runtime=runtime, retry_delays=(0.0, 0.0, 0.0))
+    caller = AgentRef(session_id=SessionId("s-1"), activation_id=ActivationId("a-1"))
+    output = await tool.invoke(invocation(caller, {}), {"agent_id": "s-2", "message": "hi"})
+    assert output.is_error and "REGISTRY_UNAVAILABLE" in output.content
+    assert json.loads(output.content)["may_have_landed"] is True
+    assert len(runtime.keys) == 4
