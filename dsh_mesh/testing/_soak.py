@@ -42,6 +42,8 @@ class FaultRunReport:
     woken: int
     fenced_nodes: list[str] = field(default_factory=list)
     log: list[str] = field(default_factory=list)
+    evidence: tuple[object, ...] = ()
+    """What the checker read: the sends, the transcripts and the node histories."""
 
     def summary(self) -> str:
         """The checker's verdict with the run's figures."""
@@ -121,6 +123,7 @@ async def fault_run(
         woken=woken,
         fenced_nodes=fenced,
         log=driver.log,
+        evidence=(sends, transcripts, history),
     )
 
 

@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import pickle
 import secrets
 import sys
 import time
+from pathlib import Path
 
 from dsh_mesh.testing._faults import FAULT_KINDS
 from dsh_mesh.testing._soak import fault_run
-from dsh_mesh.testing._testbed import MultiHostBed, bed_unavailable_reason
+from dsh_mesh.testing._testbed import KEEP_ENV, MultiHostBed, bed_unavailable_reason
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ttl", type=float, default=2.0, help="node lease TTL in seconds (2)")
     parser.add_argument(
         "--faults", default=",".join(FAULT_KINDS), help="comma-separated kinds (all)"
+    )
+    parser.add_argument(
+        "--dump", type=Path, default=None, help="pickle what the checker read to this file"
     )
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
@@ -49,6 +55,13 @@ def main(argv: list[str] | None = None) -> int:
                 bed, seed=seed, seconds=args.minutes * 60, kinds=kinds, ttl=args.ttl, progress=say
             )
         )
+        if args.dump is not None:
+            args.dump.write_bytes(pickle.dumps(report.evidence))
+        if not report.verdict.clean:
+            # Keep the nodes' logs and histories and etcd's data for whoever reads the verdict.
+            os.environ[KEEP_ENV] = "1"
+            (bed.directory / "violations.txt").write_text("\n".join(report.verdict.violations))
+            say(f"violations, logs and node histories kept in {bed.directory}")
     print("\n".join(report.log))
     print(report.summary())
     return 0 if report.verdict.clean else 1
