@@ -1,4 +1,4 @@
-"""Focused cases for the transport-edge fixes (the pure functions): hop counts, page tokens,
+"""Edge values at the transport (the pure functions): hop counts, page tokens,
 corrupt status details and the sender's trace context. tests/unit/test_wire_properties.py states
 the same rules over arbitrary input."""
 

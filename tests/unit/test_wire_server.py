@@ -1,4 +1,4 @@
-"""Focused cases for the server-side transport fixes: undecodable request bytes behind the
+"""The server side of the transport at its edges: undecodable request bytes behind the
 cluster interceptor (unary and streaming), and ``CreateRootSession``'s idempotency, input
 bounds and creations cut by their caller. (tests/integration/test_wire_fuzz.py states the same
 rules against a live cluster.)"""

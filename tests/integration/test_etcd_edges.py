@@ -1,4 +1,4 @@
-"""Registry fixes against a real etcd:
+"""The registry at etcd's edges, against a real etcd:
 
 - a watch asked to start past any revision etcd can name is refused as ``InvalidArgument`` and
   leaves the client's shared watcher working (it used to wedge every later watch of that
