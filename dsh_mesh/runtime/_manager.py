@@ -874,7 +874,13 @@ class ContinuationManager:
 
     async def _notify_parent(self, parent: SessionId, notice: SettlementNoticeEntry) -> None:
         """Settlement notices are manager-owned: durable at the parent either way; a live parent
-        is steered with it, an absent one reads it on its next activation (docs/adr/0003)."""
+        is steered with it, an absent one reads it on its next activation (docs/adr/0003).
+
+        One activation gets one notice, whichever node writes it: every notice is written
+        under the idempotency key of the child's activation, so a second one (a ``lost`` one
+        from the parent's side racing the child's own, a retry, a node that missed its lease
+        and did not know yet) finds the first and writes nothing."""
+        key = IdempotencyKey(principal=f"notice:{parent}", key=notice.child_activation)
         for attempt in range(_NOTICE_ATTEMPTS):
             if attempt:
                 # Residency moved under us: back off, then trust etcd, not the watch-fed view.
@@ -887,7 +893,7 @@ class ContinuationManager:
                 # Like a send's acceptance, the delivery runs to completion once it began: a
                 # caller that goes away (the child's host died mid-call) must not leave a
                 # durable notice that its parent never reads and a "lost" one after it.
-                await self._detach(self._accept_notice(agent, notice))
+                await self._detach(self._accept_notice(agent, notice, key))
                 return
             if agent is not None:
                 await agent.wait_released()
@@ -901,14 +907,19 @@ class ContinuationManager:
                         continue  # that node no longer hosts the parent: look again
                     return
             try:
-                await self._store.append(parent, notice, writer=None)
+                await self._store.append(
+                    parent, notice, writer=None, idempotency=(key, _notice_acceptance(key, None))
+                )
             except ActivationFenced:
                 continue  # the parent became resident meanwhile: deliver to that activation
             return
         raise ActivationFenced(f"{parent}: kept changing residency while a notice was delivered")
 
-    async def _accept_notice(self, parent: Agent, notice: SettlementNoticeEntry) -> None:
-        await self._accept(parent, notice, DeliveryKind.STEERED, None, None)
+    async def _accept_notice(
+        self, parent: Agent, notice: SettlementNoticeEntry, key: IdempotencyKey
+    ) -> None:
+        acceptance = _notice_acceptance(key, parent)
+        await self._accept(parent, notice, DeliveryKind.STEERED, key, acceptance)
         self._child_settled(parent.session_id, notice.child_session, notice.child_activation)
 
     def _track_child(self, parent: SessionId, child: SessionId, activation: ActivationId) -> None:
@@ -1238,6 +1249,19 @@ class _AlreadyAccepted(Exception):
         super().__init__(key.key)
         self.key = key
         self.known = known
+
+
+def _notice_acceptance(key: IdempotencyKey, parent: Agent | None) -> Acceptance:
+    """What a notice's idempotency record remembers. Its fingerprint is the child activation
+    alone, so a second notice for it (``lost`` after ``completed``, or the other way round)
+    is a duplicate of the first, not a conflict."""
+    return Acceptance(
+        target=SessionId(key.principal.removeprefix("notice:")),
+        seq=0,
+        target_activation=ActivationId("") if parent is None else parent.activation.activation_id,
+        kind=DeliveryKind.STEERED,
+        fingerprint=f"notice {key.key}",
+    )
 
 
 def _fingerprint(target: SessionId, entry: InboundEntry) -> str:

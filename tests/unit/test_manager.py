@@ -44,6 +44,7 @@ from dsh_mesh.models import (
     ModelRequest,
     Reply,
     ScriptedProvider,
+    Stall,
     ToolCallEvent,
     send,
     tool,
@@ -579,3 +580,43 @@ async def test_a_root_whose_creator_went_away_mid_creation_is_made_whole() -> No
         tasks = [r for r in records if isinstance(r.entry, TaskEntry)]
         read = {s for r in of_type(records, ConsumedEntry) for s in r.entry.seqs}  # type: ignore[union-attr]
         assert len(tasks) == 1 and tasks[0].seq in read
+
+
+@pytest.mark.contract(8)
+async def test_one_activation_gets_one_notice_whichever_nodes_write_it() -> None:
+    # Found by the soak: two notices for one child activation, written by two nodes that each
+    # could not know of the other's (a "lost" one by the parent's side when the child's host
+    # missed its lease, the "completed" one by that host a moment later, to an absent parent).
+    store = InMemorySessionStore()
+    async with in_process_mesh(presets(), store=store) as first_node:
+        first_node.scripted.program("lead", tool("spawn_agent", task="t", preset="helper"))
+        first_node.scripted.program("helper", Stall())
+        await first_node.manager.create_root("Lead.", preset="lead")
+        await first_node.scripted.wait_for_call(CHILD, 1)
+        child = await store.current_activation(CHILD)
+        assert child is not None
+    for session in (ROOT, CHILD):
+        held = await store.current_activation(session)
+        if held is not None:
+            await store.release(held)  # the first node's lease expired
+    notices_written = [
+        SettlementNoticeEntry(
+            child_session=CHILD,
+            child_activation=child.activation_id,
+            child_kind=SessionKind.CONTINUABLE_CHILD,
+            outcome=outcome,
+            terminal_output="",
+        )
+        for outcome in (SettlementOutcome.LOST, SettlementOutcome.COMPLETED)
+    ]
+    for node, notice in zip(("node-2", "node-3"), notices_written, strict=True):
+        other = ContinuationManager(
+            store=store,
+            provider=ScriptedProvider(),
+            presets=presets(),
+            config=ManagerConfig(node_id=NodeId(node)),
+            ids=SequentialIds(prefix=f"{node}-"),
+        )
+        async with other:
+            await other.deliver_notice(ROOT, notice)  # the parent is absent: written for later
+    assert [n.outcome for n in await notices_in(store)] == [SettlementOutcome.LOST]
