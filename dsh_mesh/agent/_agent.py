@@ -268,7 +268,10 @@ class Agent:
                 self._host.admitted(self, admits)
             return record
 
-        return await asyncio.shield(write())
+        writing = asyncio.ensure_future(write())
+        # A turn cancelled meanwhile leaves the write's outcome to nobody: mark it seen.
+        writing.add_done_callback(_outcome_seen)
+        return await asyncio.shield(writing)
 
     async def _consume(self, records: list[Record]) -> None:
         await self._append(ConsumedEntry(seqs=tuple(r.seq for r in records)), admits=records)
@@ -436,3 +439,8 @@ class Agent:
                             )
                         )
                 return
+
+
+def _outcome_seen(done: asyncio.Future[Record]) -> None:
+    if not done.cancelled():
+        done.exception()
