@@ -61,6 +61,8 @@ class FaultDriver:
         self.proxy = proxy
         self.injected: Counter[str] = Counter()
         self.failovers: list[float] = []
+        self.stuck = 0
+        """Times the workload found no node to make a new root for two minutes."""
         self.log = log if log is not None else []
 
     async def inject(self, kind: str) -> None:

@@ -40,6 +40,7 @@ class FaultRunReport:
     rounds: int
     trees: int
     woken: int
+    stuck: int = 0
     fenced_nodes: list[str] = field(default_factory=list)
     log: list[str] = field(default_factory=list)
     evidence: tuple[object, ...] = ()
@@ -47,10 +48,12 @@ class FaultRunReport:
 
     def summary(self) -> str:
         """The checker's verdict with the run's figures."""
+        fenced = ", ".join(self.fenced_nodes) or "none"
         head = (
             f"fault run: seed {self.seed}, {self.seconds:.0f} s, {self.rounds} rounds over"
             f" {self.trees} trees, {self.woken} sessions woken to drain their inbox at the end,"
-            f" nodes that fenced themselves at least once: {', '.join(self.fenced_nodes) or 'none'}"
+            f" nodes that fenced themselves at least once: {fenced},"
+            f" tree replacements that found no node to make a root in two minutes: {self.stuck}"
         )
         body = self.verdict.summary(faults=self.faults, failovers=self.failovers, ttl=self.ttl)
         return f"{head}\n{body}"
@@ -121,6 +124,7 @@ async def fault_run(
         rounds=rounds,
         trees=len(workload.roots),
         woken=woken,
+        stuck=driver.stuck,
         fenced_nodes=fenced,
         log=driver.log,
         evidence=(sends, transcripts, history),
@@ -133,6 +137,22 @@ def _start(bed: MultiHostBed, proxy: TcpProxy, ttl: float) -> BedCluster:
     )
     cluster.__enter__()
     return cluster
+
+
+async def _replace_trees(
+    workload: Workload, driver: FaultDriver, nodes: Sequence[str], trees: int
+) -> None:
+    """New roots for the next rounds. A cluster that cannot make one in two minutes is an
+    availability finding for the log, not the end of the run: the old trees go on."""
+    old = workload.roots
+    workload.roots = []
+    try:
+        for index in range(trees):
+            await workload.new_tree(on=nodes[index % len(nodes)])
+    except TimeoutError as stuck:
+        driver.log.append(f"{time.strftime('%H:%M:%S')} could not make new trees: {stuck}")
+        driver.stuck += 1
+        workload.roots = workload.roots or old
 
 
 async def _drive(
@@ -162,9 +182,7 @@ async def _drive(
             began = time.monotonic()
             rounds += 1
             if rounds % rounds_per_tree == 0:
-                workload.roots = []
-                for index in range(trees):
-                    await workload.new_tree(on=nodes[index % len(nodes)])
+                await _replace_trees(workload, driver, nodes, trees)
             await workload.round(rounds)
             if rounds % 10 == 0:
                 await workload.probe()

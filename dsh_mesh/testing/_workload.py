@@ -250,11 +250,15 @@ class Workload:
         if channel is not None:
             asyncio.get_running_loop().create_task(channel.close())
 
-    async def new_tree(self, *, on: str, within: float = 60.0) -> SessionId:
-        """A new root on node ``on`` (another live node if it is down), retried until made."""
+    async def new_tree(self, *, on: str, within: float = 120.0) -> SessionId:
+        """A new root on node ``on`` (another live node if it is down), retried until made.
+        Each round of attempts asks under a fresh request id: a creation left in doubt may
+        leave an extra root behind, which is harmless here. Raises ``TimeoutError`` naming the
+        last refusal when no node made one within ``within`` seconds."""
         deadline = time.monotonic() + within
-        request_id = secrets.token_hex(8)
+        last = "no attempt"
         while True:
+            request_id = secrets.token_hex(8)
             nodes = [on, *[n for n in self.live_nodes() if n != on]]
             for node in nodes:
                 try:
@@ -265,13 +269,14 @@ class Workload:
                         metadata=self.cluster.metadata("soak-driver"),
                         timeout=10,
                     )
-                except grpc.aio.AioRpcError:
+                except grpc.aio.AioRpcError as failure:
+                    last = f"{node}: {failure.code().name} {failure.details()}"
                     continue
                 root = SessionId(response.session_id)
                 self.roots.append(root)
                 return root
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no node would create a root within {within} s")
+                raise TimeoutError(f"no node would create a root within {within} s; {last}")
             await asyncio.sleep(0.2)
 
     async def prompt(
