@@ -182,6 +182,18 @@ class TcpProxy:
         self._connections.add(task)
         self.stats.connections += 1
         try:
+            await self._relay(client_reader, client)
+        except asyncio.CancelledError:
+            # The proxy is closing. End quietly: asyncio's stream server logs a handler task
+            # that ends cancelled as an error of its own.
+            pass
+        finally:
+            self._connections.discard(task)
+
+    async def _relay(
+        self, client_reader: asyncio.StreamReader, client: asyncio.StreamWriter
+    ) -> None:
+        try:
             host, port = self.upstream
             try:
                 upstream_reader, upstream = await asyncio.open_connection(host, port)
@@ -197,7 +209,6 @@ class TcpProxy:
             pass  # either side went away: the other one is closed below
         finally:
             client.close()
-            self._connections.discard(task)
 
     async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """One direction: read chunks as they come, write each at its release time, in order."""

@@ -227,12 +227,14 @@ class Workload:
         self.sends: list[Send] = []
         self.roots: list[SessionId] = []
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._retired: list[grpc.aio.Channel] = []
         self._counter = itertools.count()
 
     async def close(self) -> None:
-        for channel in self._channels.values():
+        for channel in [*self._channels.values(), *self._retired]:
             await channel.close()
         self._channels.clear()
+        self._retired.clear()
 
     def live_nodes(self) -> list[str]:
         return [node.node_id for node in self.cluster if node.running]
@@ -245,10 +247,12 @@ class Workload:
         return mesh_pb2_grpc.MeshControlStub(channel)
 
     def forget_channel(self, node: str) -> None:
-        """Drop the channel to a node that restarted (it listens on a new port)."""
+        """Stop using the channel to a node that restarted (it listens on a new port). The old
+        channel is closed only at the end: closing it now would cancel the calls still on it,
+        which must end on their own (refused or timed out) to be recorded."""
         channel = self._channels.pop(node, None)
         if channel is not None:
-            asyncio.get_running_loop().create_task(channel.close())
+            self._retired.append(channel)
 
     async def new_tree(self, *, on: str, within: float = 120.0) -> SessionId:
         """A new root on node ``on`` (another live node if it is down), retried until made.
