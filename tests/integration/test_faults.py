@@ -4,7 +4,8 @@ member crashed, the whole etcd cluster stopped, a slowed lossy link), then the h
 reads the whole run. ``make soak`` runs the same for 30 minutes.
 
 Needs root (network namespaces); skipped with the reason otherwise, except under CI, where a
-bed that cannot be made is a failure. Prints the checker's summary (figures, failover times).
+bed that cannot be made is a failure. The checker's summary (figures, failover times) ends the
+pytest run's report, pass or fail.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Iterator
 import pytest
 
 from dsh_mesh.testing import FAULT_KINDS, MultiHostBed, bed_unavailable_reason, fault_run
+from tests.conftest import VERDICTS
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -31,11 +33,14 @@ def bed() -> Iterator[MultiHostBed]:
         yield made
 
 
-async def test_every_fault_once_and_the_history_checks_clean(bed: MultiHostBed) -> None:
+async def test_every_fault_once_and_the_history_checks_clean(
+    bed: MultiHostBed, request: pytest.FixtureRequest
+) -> None:
     seed = int(os.environ.get("DSH_FAULT_SEED", secrets.randbelow(2**31)))
     report = await fault_run(bed, seed=seed, seconds=60, every_kind_once=True, progress=print)
     print("\n".join(report.log))
     print(report.summary())
+    request.config.stash[VERDICTS].append(report.summary())
     verdict = report.verdict
     assert report.faults == dict.fromkeys(FAULT_KINDS, 1), report.log
     assert verdict.acked > 100 and verdict.delivered > 100, report.summary()
