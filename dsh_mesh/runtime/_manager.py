@@ -92,6 +92,16 @@ _MAX_TREE_DEPTH = 64
 _NOTICE_ATTEMPTS = 12
 _NOTICE_BACKOFF = 0.02
 _OUTAGE_BACKOFF = 0.05
+_MAY_FOLLOW_AN_ACCEPTANCE = frozenset(
+    {
+        RejectionReason.PARENT_NOT_LIVE,
+        RejectionReason.PARENT_REBOUND,
+        RejectionReason.STALE_SENDER,
+        RejectionReason.FORGED_SENDER,
+    }
+)
+"""Refusals a send's edge can earn only after the tree changed: a retry refused so may be of
+a send that was accepted before the change, so its key is looked up first."""
 _OUTAGE_BACKOFF_MAX = 1.0
 _LIVENESS_REASONS = frozenset(
     {RejectionReason.STALE_SENDER, RejectionReason.PARENT_NOT_LIVE, RejectionReason.PARENT_REBOUND}
@@ -428,6 +438,17 @@ class ContinuationManager:
         signal.raise_if_aborted()
         decision = await self._authorize(sender, target)
         if isinstance(decision, Refused):
+            if idempotency_key is not None and decision.reason in _MAY_FOLLOW_AN_ACCEPTANCE:
+                # A retry whose first try landed before the tree changed (its answer was lost
+                # with a host): the key, not today's edge, says what happened to it.
+                asked = IdempotencyKey(principal=sender.session_id, key=idempotency_key)
+                known = await self._store.lookup(asked)
+                if known is not None:
+                    probe = AgentMessageEntry(
+                        source=AgentMessageSource(sender_session_id=sender.session_id),
+                        content=content,
+                    )
+                    return self._duplicate(asked, known, target, _fingerprint(target, probe))
             telemetry.message_rejected(decision.reason.value)
             raise decision.error()
         entry = AgentMessageEntry(

@@ -199,30 +199,53 @@ def agent_sends(
     (a call with no result, or closed as not completed, is in doubt). ``writers`` (from
     :func:`load_node_history`) names the activation that recorded each result."""
     writers = writers or {}
+    return [
+        send
+        for session, records in transcripts.items()
+        for send in _sends_of(session, records, writers, allowed)
+    ]
+
+
+def _sends_of(
+    session: SessionId,
+    records: Sequence[Record],
+    writers: Mapping[tuple[SessionId, int], str | None],
+    allowed: frozenset[RejectionReason],
+) -> list[Send]:
+    """One session's ``send_message`` calls. A result answers the latest step that asked for
+    its call id: a model (or a script resumed after its host died mid-step) may use one call id
+    in two steps, and the earlier one, never answered, is in doubt."""
     sends: list[Send] = []
-    for session, records in transcripts.items():
-        results = {r.entry.call_id: r for r in records if isinstance(r.entry, ToolResultEntry)}
-        for record in records:
-            if not isinstance(record.entry, AssistantStepEntry):
-                continue
+    asked: dict[str, tuple[Record, int, dict[str, object]]] = {}
+
+    def settle(call_id: str, result: Record | None) -> None:
+        step, index, arguments = asked.pop(call_id)
+        outcome, reason = _tool_outcome(result)
+        sends.append(
+            Send(
+                sender=session,
+                target=SessionId(str(arguments.get("agent_id", ""))),
+                content=str(arguments.get("message", "")),
+                outcome=outcome,
+                reason=reason,
+                allowed=allowed,
+                writer=None if result is None else writers.get((session, result.seq)),
+                position=step.seq * _CALLS_PER_STEP + index,
+            )
+        )
+
+    for record in records:
+        if isinstance(record.entry, AssistantStepEntry):
             for index, call in enumerate(record.entry.tool_calls):
                 if call.name != SEND_TOOL:
                     continue
-                arguments = json.loads(call.arguments_json or "{}")
-                result = results.get(call.call_id)
-                outcome, reason = _tool_outcome(result)
-                sends.append(
-                    Send(
-                        sender=session,
-                        target=SessionId(str(arguments.get("agent_id", ""))),
-                        content=str(arguments.get("message", "")),
-                        outcome=outcome,
-                        reason=reason,
-                        allowed=allowed,
-                        writer=None if result is None else writers.get((session, result.seq)),
-                        position=record.seq * _CALLS_PER_STEP + index,
-                    )
-                )
+                if call.call_id in asked:
+                    settle(call.call_id, None)
+                asked[call.call_id] = (record, index, json.loads(call.arguments_json or "{}"))
+        elif isinstance(record.entry, ToolResultEntry) and record.entry.call_id in asked:
+            settle(record.entry.call_id, record)
+    for call_id in list(asked):
+        settle(call_id, None)
     return sends
 
 

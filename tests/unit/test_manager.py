@@ -620,3 +620,33 @@ async def test_one_activation_gets_one_notice_whichever_nodes_write_it() -> None
         async with other:
             await other.deliver_notice(ROOT, notice)  # the parent is absent: written for later
     assert [n.outcome for n in await notices_in(store)] == [SettlementOutcome.LOST]
+
+
+@pytest.mark.contract(10)
+async def test_a_retry_of_an_accepted_send_gets_its_acceptance_even_after_the_parent_moved_on(
+    mesh: InProcessMesh,
+) -> None:
+    # Found by the 30-minute soak: a child's message landed at its parent, but the answer was
+    # lost with the parent's host; the retry, under the same key, was refused PARENT_REBOUND
+    # (the parent now ran elsewhere), so the child was told "not sent" about a message its
+    # parent had.
+    mesh.scripted.program("helper", Reply(gate=asyncio.Event()))
+    await root_with_child(mesh)
+    child = mesh.manager.agent(CHILD)
+    root = mesh.manager.agent(ROOT)
+    assert child is not None and root is not None
+    first = await mesh.manager.send_message(child.ref, ROOT, "result", idempotency_key="k-1")
+    await mesh.store.release(root.activation)  # the parent's host is gone
+    retry = await mesh.manager.send_message(child.ref, ROOT, "result", idempotency_key="k-1")
+    assert retry.duplicate and retry.accepted_seq == first.accepted_seq
+    newer = Activation(session_id=ROOT, activation_id=ActivationId("a-new"), node_id=NodeId("n2"))
+    assert await mesh.store.try_activate(newer) == newer
+    retry = await mesh.manager.send_message(child.ref, ROOT, "result", idempotency_key="k-1")
+    assert retry.duplicate and retry.accepted_seq == first.accepted_seq
+    # A new message is still refused, and so is another message under the same key.
+    with pytest.raises(ParentNotLive):
+        await mesh.manager.send_message(child.ref, ROOT, "more", idempotency_key="k-2")
+    with pytest.raises(IdempotencyConflict):
+        await mesh.manager.send_message(child.ref, ROOT, "other", idempotency_key="k-1")
+    messages = [r for r in of_type(await mesh.transcript(ROOT), AgentMessageEntry)]
+    assert [r.seq for r in messages] == [first.accepted_seq]
