@@ -92,20 +92,14 @@ _MAX_TREE_DEPTH = 64
 _NOTICE_ATTEMPTS = 12
 _NOTICE_BACKOFF = 0.02
 _OUTAGE_BACKOFF = 0.05
-_MAY_FOLLOW_AN_ACCEPTANCE = frozenset(
-    {
-        RejectionReason.PARENT_NOT_LIVE,
-        RejectionReason.PARENT_REBOUND,
-        RejectionReason.STALE_SENDER,
-        RejectionReason.FORGED_SENDER,
-    }
-)
-"""Refusals a send's edge can earn only after the tree changed: a retry refused so may be of
-a send that was accepted before the change, so its key is looked up first."""
 _OUTAGE_BACKOFF_MAX = 1.0
 _LIVENESS_REASONS = frozenset(
     {RejectionReason.STALE_SENDER, RejectionReason.PARENT_NOT_LIVE, RejectionReason.PARENT_REBOUND}
 )
+_MAY_FOLLOW_AN_ACCEPTANCE = _LIVENESS_REASONS | {RejectionReason.FORGED_SENDER}
+"""Refusals a send's edge can earn only after the tree changed (or its sender moved node): a
+retry refused so may be of a send that was accepted before the change, so its key is looked
+up first."""
 _LOCAL_NODE = NodeId("local")
 _CHILD_KIND = {
     ChildKind.CONTINUABLE: SessionKind.CONTINUABLE_CHILD,
