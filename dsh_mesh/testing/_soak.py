@@ -175,10 +175,11 @@ async def _drive(
     say(f"{trees} trees made")
     deadline = time.monotonic() + seconds
     rounds = 0
+    faults_done = asyncio.Event()
 
     async def rounds_loop() -> None:
         nonlocal rounds
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline or not faults_done.is_set():
             began = time.monotonic()
             rounds += 1
             if rounds % rounds_per_tree == 0:
@@ -189,11 +190,19 @@ async def _drive(
             await asyncio.sleep(max(0.0, round_interval - (time.monotonic() - began)))
 
     async def faults_loop() -> None:
+        try:
+            await inject_faults()
+        finally:
+            faults_done.set()
+
+    async def inject_faults() -> None:
         order = list(kinds)
         rng.shuffle(order)
-        while time.monotonic() < deadline:
+        # With every_kind_once the run lasts until each kind has struck, however long a fault
+        # took; otherwise faults stop at the deadline.
+        while every_kind_once or time.monotonic() < deadline:
             await asyncio.sleep(rng.uniform(*quiet))
-            if time.monotonic() >= deadline:
+            if not every_kind_once and time.monotonic() >= deadline:
                 return
             if every_kind_once:
                 if not order:
