@@ -170,7 +170,6 @@ class ContinuationManager:
             dict
         )
         self._noticed: set[ActivationId] = set()
-        self._finishing: set[SessionId] = set()
         self._inflight = 0
         self._resuming: dict[SessionId, asyncio.Task[Agent]] = {}
         self._detached: set[asyncio.Task[Any]] = set()
@@ -327,22 +326,6 @@ class ContinuationManager:
             spec=spec,
         )
         agent = await self._activate_new(header, parent_activation=None, first=(), task=task)
-        return agent.ref
-
-    async def finish_root(self, session: SessionId, task: str) -> AgentRef:
-        """Make whole a root whose creation stopped before its task was written (its node died
-        between the two, or etcd went away): resident here, with ``task`` read once. Raises
-        ``TargetElsewhere`` when another node holds it (its creation may still be under way)."""
-        if task:
-            self._check_content(task)
-        agent, _ = await self._resident(session, None)
-        written = any(isinstance(r.entry, TaskEntry) for r in agent.records)
-        if task and not written and session not in self._finishing:
-            self._finishing.add(session)
-            try:
-                agent.deliver(await self.append(agent, TaskEntry(content=task)))
-            finally:
-                self._finishing.discard(session)
         return agent.ref
 
     async def submit_prompt(

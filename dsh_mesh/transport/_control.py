@@ -172,18 +172,6 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         # when the first request left it empty.
         asked = request.model or manager.default_model(header.spec.preset)
         first, _ = await self._reads.page(session, after_seq=0, limit=1)
-        if not first and header.spec.preset == request.preset and header.spec.model == asked:
-            # The header alone: the creating node died (or etcd went away) before the task was
-            # written. The retry finishes the root, here, rather than call it another one.
-            try:
-                ref = await manager.finish_root(session, request.initial_task)
-            except TargetElsewhere as held:
-                return mesh_pb2.CreateRootSessionResponse(
-                    session_id=session, activation_id=held.activation_id, node_id=held.node_id
-                )
-            return mesh_pb2.CreateRootSessionResponse(
-                session_id=session, activation_id=ref.activation_id, node_id=self._node_id
-            )
         task = first[0].entry.content if first and isinstance(first[0].entry, TaskEntry) else ""
         if (
             header.spec.preset != request.preset

@@ -17,7 +17,6 @@ from google.rpc import error_details_pb2, status_pb2
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
 from dsh_mesh.core import (
     Activation,
-    ConsumedEntry,
     NodeId,
     Record,
     RejectionReason,
@@ -25,7 +24,6 @@ from dsh_mesh.core import (
     SessionId,
     TaskEntry,
 )
-from dsh_mesh.models import Reply
 from dsh_mesh.runtime import InMemorySessionStore
 from dsh_mesh.testing import InProcessMesh, in_process_mesh
 from dsh_mesh.transport import DETAILS_METADATA_KEY, ERROR_DOMAIN, ClusterCredential
@@ -323,31 +321,3 @@ async def test_a_creation_cut_by_its_caller_keeps_its_task_and_a_retry_finds_it(
         assert found.session_id == root_session_id("r")
         assert found.node_id == mesh.manager.node_id
         assert await tasks_of(mesh, found.session_id) == ["The first task."]
-
-
-async def test_a_root_whose_node_died_before_its_task_is_finished_by_the_retry() -> None:
-    """The creating node died between writing the header and the task (its activation expired
-    with its lease): the retry under the same request_id finishes the root here, with its task
-    read once, however often it is retried."""
-    async with in_process_mesh(presets()) as mesh:
-        mesh.scripted.program("lead", Reply(text="read it"), Reply(text="again"))
-        session = root_session_id("r")
-        first = await answer(control(mesh), create())
-        assert isinstance(first, mesh_pb2.CreateRootSessionResponse)
-        # Rebuild that root as a dead node would have left it: the header alone.
-        header = await mesh.store.get_header(session)
-        assert header is not None
-        half_made = InMemorySessionStore()
-        await half_made.create_header(header)
-    async with in_process_mesh(presets(), store=half_made) as mesh:
-        mesh.scripted.program("lead", Reply(text="read it"), Reply(text="again"))
-        service = control(mesh)
-        for _ in range(2):
-            found = await answer(service, create())
-            assert isinstance(found, mesh_pb2.CreateRootSessionResponse), found
-            assert found.session_id == session and found.node_id == mesh.manager.node_id
-        await mesh.manager.quiescent()
-        assert await tasks_of(mesh, session) == ["The first task."]
-        records = await mesh.transcript(session)
-        read = {s for r in records if isinstance(r.entry, ConsumedEntry) for s in r.entry.seqs}
-        assert next(r.seq for r in records if isinstance(r.entry, TaskEntry)) in read
