@@ -5,6 +5,7 @@ order, resumable from any revision)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -26,14 +27,27 @@ from dsh_mesh.registry._keys import Keys
 
 _ENTRY_SEQ_DIGITS = 16
 
+EVENTS_PER_REVISION = 1000
+"""Room for the events one etcd revision holds in a feed position. One revision writes one
+session's entries (a group commit of at most 32, in seq order) or one residency change, so a
+position ``revision * 1000 + rank`` names every event of a feed and stays readable."""
+
+MAX_POSITION = MAX_REVISION * EVENTS_PER_REVISION + EVENTS_PER_REVISION - 1
+
 
 @dataclass(frozen=True, kw_only=True)
 class FeedEvent:
     """One event of a watched session: a transcript record, or a residency change.
-    ``revision`` is the etcd revision that wrote it (strictly increasing along a feed)."""
+
+    ``revision`` is the etcd revision that wrote it; several events can share one (a group
+    commit writes a batch of entries in one transaction). ``position`` (the wire's
+    ``event_seq``) is ``revision * EVENTS_PER_REVISION`` plus the event's rank among that
+    revision's events in this feed: strictly increasing along a feed, and a feed resumed after
+    a position continues with the next event, even within one revision."""
 
     session: SessionId
     revision: int
+    position: int = 0
     record: Record | None = None
     activated: Activation | None = None
     deactivated: Activation | None = None
@@ -82,19 +96,31 @@ class RegistryReads:
         return records[:limit], len(records) > limit
 
     async def follow(
-        self, root: SessionId, *, tree: bool, after_revision: int = 0, after_seq: int = 0
+        self, root: SessionId, *, tree: bool, after_position: int = 0, after_seq: int = 0
     ) -> AsyncIterator[FeedEvent]:
         """The events of ``root`` (and, with ``tree``, of every descendant, including those
-        created while following), in revision order, forever.
+        created while following), in position order, forever.
 
-        With ``after_revision`` the feed replays etcd's history from the next revision (it
+        With ``after_position`` (a :attr:`FeedEvent.position` seen before) the feed replays
+        etcd's history from that position's revision, after the event it names (the history
         must not have been compacted away). Otherwise it starts with the stored transcripts
         (``root``'s after ``after_seq``), then follows live changes.
 
-        An ``after_revision`` past the last revision etcd can name (2**63 - 1: no event can
-        follow it) is refused with :class:`InvalidArgument`. One merely ahead of etcd's current
+        An ``after_position`` no event can follow (its revision past 2**63 - 1, the last etcd
+        can name) is refused with :class:`InvalidArgument`. One merely ahead of etcd's current
         revision is valid: as for etcd's own watches, its events come once etcd gets there.
         """
+        ranked = _Ranks()
+        async for event in self._follow(
+            root, tree=tree, after_position=after_position, after_seq=after_seq
+        ):
+            position = ranked.position(event.revision)
+            if position > after_position:
+                yield dataclasses.replace(event, position=position)
+
+    async def _follow(
+        self, root: SessionId, *, tree: bool, after_position: int, after_seq: int
+    ) -> AsyncIterator[FeedEvent]:
         # One consistent snapshot: the tree, who is resident, and every stored entry, as of
         # one revision; the watch then continues from the next one, so nothing falls between.
         current = await self._etcd.get_prefix(self._keys.activations)
@@ -103,13 +129,17 @@ class RegistryReads:
         if not any(h.session_id == root for h in headers):
             raise SessionUnknown(root)
         watched = _descendants(root, headers) if tree else {root}
-        if after_revision:
-            if not 0 < after_revision < MAX_REVISION:
+        after_revision = after_position // EVENTS_PER_REVISION
+        if after_position:
+            if not 0 <= after_position < MAX_POSITION:
                 raise InvalidArgument(
-                    f"after_event_seq {after_revision}: no event can follow it (an event_seq is"
-                    f" an etcd revision, 1 to {MAX_REVISION})"
+                    f"after_event_seq {after_position}: no event can follow it (an event_seq is"
+                    f" an etcd revision times {EVENTS_PER_REVISION} plus a rank, at most"
+                    f" {MAX_POSITION})"
                 )
-            start = after_revision + 1
+            # The events of that revision are replayed and ranked again; those at or before
+            # the position are dropped by the caller.
+            start = max(after_revision, 1)
         else:
             snapshot: list[FeedEvent] = []
             for kv in current.kvs:
@@ -134,7 +164,7 @@ class RegistryReads:
                     )
                     for kv in response.kvs
                 )
-            for event in sorted(snapshot, key=lambda e: (e.revision, e.record is None)):
+            for event in sorted(snapshot, key=_snapshot_order):
                 yield event
             start = revision + 1
         replayed = False
@@ -146,9 +176,9 @@ class RegistryReads:
             # etcd no longer holds the history this feed would replay: a resume from before
             # its compaction can never be served, whoever is asked (a snapshot's own revision
             # compacted meanwhile, or a watch that fell behind, is a race a retry may win).
-            if after_revision and not replayed:
+            if after_position and not replayed:
                 raise InvalidArgument(
-                    f"after_event_seq {after_revision}: the registry's history before revision"
+                    f"after_event_seq {after_position}: the registry's history before revision"
                     f" {compacted.compacted_revision} is compacted; watch again from the stored"
                     " transcripts (after_event_seq 0)"
                 ) from compacted
@@ -185,6 +215,26 @@ class RegistryReads:
                         watched.add(header.session_id)
 
 
+class _Ranks:
+    """Numbers a feed's events: revision times :data:`EVENTS_PER_REVISION` plus the rank among
+    the events of that revision so far. A feed yields one revision's events in the order etcd
+    wrote them (a group commit's entries in seq order), as a stored snapshot does, so the same
+    event gets the same position in a fresh feed and in a replay."""
+
+    def __init__(self) -> None:
+        self._revision = 0
+        self._rank = 0
+
+    def position(self, revision: int) -> int:
+        if revision == self._revision:
+            self._rank += 1
+        else:
+            self._revision, self._rank = revision, 0
+        if self._rank >= EVENTS_PER_REVISION:
+            raise RuntimeError(f"revision {revision} holds more events than a position can rank")
+        return revision * EVENTS_PER_REVISION + self._rank
+
+
 def _record(prefix: bytes, kv: Any) -> Record:
     return Record(seq=int(kv.key[len(prefix) :]), entry=decode_entry(kv.value))
 
@@ -205,3 +255,8 @@ def _descendants(root: SessionId, headers: Iterable[SessionHeader]) -> set[Sessi
                 found.add(child)
                 frontier.append(child)
     return found
+
+
+def _snapshot_order(event: FeedEvent) -> tuple[int, int]:
+    # One revision holds one session's entries (in seq order) or one residency change.
+    return event.revision, event.record.seq if event.record is not None else -1

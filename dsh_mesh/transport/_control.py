@@ -56,7 +56,10 @@ class WatchEvent(Protocol):
     @property
     def session(self) -> SessionId: ...
     @property
-    def revision(self) -> int: ...
+    def position(self) -> int:
+        """The wire's ``event_seq``: strictly increasing along a feed, resumable."""
+        ...
+
     @property
     def record(self) -> Record | None: ...
     @property
@@ -75,7 +78,7 @@ class ControlReads(Protocol):
         self, session: SessionId, *, after_seq: int, limit: int
     ) -> tuple[list[Record], bool]: ...
     def follow(
-        self, root: SessionId, *, tree: bool, after_revision: int = 0, after_seq: int = 0
+        self, root: SessionId, *, tree: bool, after_position: int = 0, after_seq: int = 0
     ) -> AsyncIterator[WatchEvent]: ...
 
 
@@ -282,7 +285,7 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
             events = self._reads.follow(
                 session,
                 tree=request.tree,
-                after_revision=request.after_event_seq,
+                after_position=request.after_event_seq,
                 after_seq=request.after_seq,
             )
             async for event in events:
@@ -366,7 +369,7 @@ def _check_name(field: str, value: str) -> None:
 
 
 def _event_to_wire(event: WatchEvent) -> mesh_pb2.SessionEvent:
-    wire = mesh_pb2.SessionEvent(session_id=event.session, event_seq=event.revision)
+    wire = mesh_pb2.SessionEvent(session_id=event.session, event_seq=event.position)
     if event.record is not None:
         wire.entry.CopyFrom(record_to_wire(event.record))
     if event.activated is not None:

@@ -55,6 +55,7 @@ from dsh_mesh.registry import (
 )
 from dsh_mesh.registry import _store as store_module
 from dsh_mesh.registry._etcd import MAX_REVISION, put
+from dsh_mesh.registry._reads import EVENTS_PER_REVISION, MAX_POSITION
 from dsh_mesh.runtime import Acceptance, IdempotencyKey
 from dsh_mesh.testing import EtcdAddress, EtcdServer
 
@@ -148,6 +149,11 @@ async def revision_now(etcd: Etcd) -> int:
     return int((await etcd.range(b"/no-such-key")).header.revision)
 
 
+def after_all_of(revision: int) -> int:
+    """The feed position after every event of ``revision``."""
+    return revision * EVENTS_PER_REVISION + EVENTS_PER_REVISION - 1
+
+
 async def first_event(feed: AsyncIterator[FeedEvent]) -> FeedEvent:
     async with asyncio.timeout(WAIT):
         return await anext(feed)
@@ -228,17 +234,17 @@ async def test_watches_cancelled_while_being_created_are_dropped_and_leave_the_c
             await asyncio.sleep(0.01)
 
 
-@pytest.mark.parametrize("after", [MAX_REVISION, MAX_REVISION + 1, 2**64 - 1])
+@pytest.mark.parametrize("after", [MAX_POSITION, MAX_POSITION + 1])
 async def test_a_feed_resumed_past_any_revision_is_refused_and_feeds_still_follow(
     registry: Registry, after: int
 ) -> None:
     reads, store, writer = registry.reads, registry.store, registry.activation.activation_id
     with pytest.raises(InvalidArgument, match="after_event_seq"):
-        await first_event(reads.follow(SESSION, tree=False, after_revision=after))
+        await first_event(reads.follow(SESSION, tree=False, after_position=after))
     # The same client's feeds (and so its shared watcher) still work: a feed from now sees a
     # record appended after it started.
     start = await revision_now(registry.etcd)
-    feed = reads.follow(SESSION, tree=False, after_revision=start)
+    feed = reads.follow(SESSION, tree=False, after_position=after_all_of(start))
     pending = asyncio.ensure_future(first_event(feed))
     try:
         await asyncio.sleep(0.2)
@@ -252,7 +258,7 @@ async def test_a_feed_resumed_past_any_revision_is_refused_and_feeds_still_follo
 async def test_a_feed_resumed_ahead_of_etcd_waits_for_that_revision(registry: Registry) -> None:
     reads, store, writer = registry.reads, registry.store, registry.activation.activation_id
     ahead = await revision_now(registry.etcd) + 2
-    feed = reads.follow(SESSION, tree=False, after_revision=ahead)
+    feed = reads.follow(SESSION, tree=False, after_position=after_all_of(ahead))
     pending = asyncio.ensure_future(first_event(feed))
     try:
         seqs = [(await store.append(SESSION, prompt(f"p{n}"), writer=writer))[0].seq for n in "abc"]
@@ -261,6 +267,42 @@ async def test_a_feed_resumed_ahead_of_etcd_waits_for_that_revision(registry: Re
         assert event.record is not None and event.record.seq == seqs[2]
     finally:
         await closed(feed)
+
+
+async def test_entries_of_one_group_commit_have_their_own_positions_and_a_resume_splits_it(
+    registry: Registry,
+) -> None:
+    """A group commit writes several entries in one etcd revision: each still gets a position
+    of its own, and a feed resumed after one of them goes on with the next, not after the
+    whole revision (the event_seq of a watch must strictly increase and resume exactly)."""
+    reads, store, writer = registry.reads, registry.store, registry.activation.activation_id
+    appended = await asyncio.gather(
+        *(store.append(SESSION, prompt(f"batched {n}"), writer=writer) for n in range(8))
+    )
+    seqs = sorted(record.seq for record, _ in appended)
+    feed = reads.follow(SESSION, tree=False)
+    first: list[FeedEvent] = []
+    try:
+        while len(first) < len(seqs):
+            event = await first_event(feed)
+            if event.record is not None:  # not the activation the fixture made
+                first.append(event)
+    finally:
+        await closed(feed)
+    assert [e.record.seq for e in first if e.record] == seqs
+    positions = [e.position for e in first]
+    assert positions == sorted(set(positions)), "positions must strictly increase"
+    revisions = [e.revision for e in first]
+    shared = next((n for n in range(1, len(first)) if revisions[n] == revisions[n - 1]), None)
+    assert shared is not None, f"no two appends shared a commit: revisions {revisions}"
+    resumed = reads.follow(SESSION, tree=False, after_position=positions[shared - 1])
+    try:
+        rest = [await first_event(resumed) for _ in first[shared:]]
+    finally:
+        await closed(resumed)
+    assert [(e.position, e.record) for e in rest] == [
+        (e.position, e.record) for e in first[shared:]
+    ]
 
 
 async def test_a_feed_resumed_from_compacted_history_is_refused(etcd_server: EtcdServer) -> None:
@@ -272,7 +314,9 @@ async def test_a_feed_resumed_from_compacted_history_is_refused(etcd_server: Etc
             await registry.store.append(SESSION, prompt(f"p{n}"), writer=writer)
         await registry.etcd._client.compact(await revision_now(registry.etcd))
         with pytest.raises(InvalidArgument, match="compacted"):
-            await first_event(registry.reads.follow(SESSION, tree=False, after_revision=old))
+            await first_event(
+                registry.reads.follow(SESSION, tree=False, after_position=after_all_of(old))
+            )
         await watch_sees_a_put(registry.etcd, registry.keys.prefix + b"w/k")
 
 

@@ -176,7 +176,7 @@ class _StoreReads:
         return records[:limit], len(records) > limit
 
     def follow(
-        self, root: SessionId, *, tree: bool, after_revision: int = 0, after_seq: int = 0
+        self, root: SessionId, *, tree: bool, after_position: int = 0, after_seq: int = 0
     ) -> AsyncIterator[WatchEvent]:
         raise NotImplementedError
 
