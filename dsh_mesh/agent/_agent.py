@@ -41,7 +41,7 @@ from dsh_mesh.core import (
     TurnStartedEntry,
 )
 from dsh_mesh.models import FinishReason, ModelProvider, ModelRequest, complete
-from dsh_mesh.tools import ToolInvocation, ToolOutput, ToolSet
+from dsh_mesh.tools import ToolInvocation, ToolOutput, ToolSet, TurnLimits
 
 
 class AgentState(enum.Enum):
@@ -120,11 +120,14 @@ class Agent:
         provider: ModelProvider,
         host: AgentHost,
         ids: IdFactory,
+        limits: TurnLimits | None = None,
     ) -> None:
         self.header = header
         self.activation = activation
         self.tools = tools
         self.system_prompt = system_prompt
+        self.limits = limits or TurnLimits()
+        self._turn_tokens = 0
         self._records = sorted(records, key=lambda r: r.seq)
         self._seqs = {r.seq for r in self._records}
         self._provider = provider
@@ -298,6 +301,7 @@ class Agent:
         self._host.changed()
         await self._append(TurnStartedEntry(turn_id=turn_id))
         await self._consume(first)
+        self._turn_tokens = 0
         signal = AbortSignal()
         self._turn_task = asyncio.create_task(self._steps(signal), name=f"turn {turn_id}")
         detail = ""
@@ -348,6 +352,7 @@ class Agent:
             system_prompt=self.system_prompt,
             tools=self.tools.descriptors,
             messages=render(self._records),
+            max_output_tokens=self.limits.max_output_tokens,
         )
         with telemetry.span(
             f"chat {request.model}",
@@ -363,6 +368,12 @@ class Agent:
                     "gen_ai.response.finish_reasons": [response.finish_reason.value],
                 }
             )
+        telemetry.model_call(
+            request.model,
+            input_tokens=response.usage.input_tokens,
+            output_tokens=response.usage.output_tokens,
+            cached=response.usage.cached_input_tokens,
+        )
         step = await self._append(
             AssistantStepEntry(
                 text=response.text, tool_calls=response.tool_calls, usage=response.usage
@@ -370,6 +381,12 @@ class Agent:
         )
         if response.finish_reason is FinishReason.LENGTH:
             raise TokensExhausted("the model stopped at its token limit")
+        self._turn_tokens += response.usage.input_tokens + response.usage.output_tokens
+        budget = self.limits.turn_token_budget
+        if budget is not None and self._turn_tokens >= budget:
+            raise TokensExhausted(
+                f"the turn used {self._turn_tokens} tokens; its budget is {budget}"
+            )
         for index, call in enumerate(response.tool_calls):
             with telemetry.span(
                 f"execute_tool {call.name}",

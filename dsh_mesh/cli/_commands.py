@@ -22,6 +22,7 @@ from dsh_mesh.cli._render import (
     summary_row,
     table,
     to_jsonable,
+    usage_text,
 )
 from dsh_mesh.client import (
     ClientOptions,
@@ -195,13 +196,18 @@ async def _ls(client: MeshClient, args: argparse.Namespace, console: Console) ->
 
 async def _show(client: MeshClient, args: argparse.Namespace, console: Console) -> int:
     first: SessionPage | None = None
+    last: SessionPage | None = None
     entries: list[TranscriptEntry] = []
     pages = client.session_pages(args.session)
     async with contextlib.aclosing(pages):
         async for page in pages:
             first = first or page
+            last = page
             entries.extend(page.transcript)
-    assert first is not None
+    assert first is not None and last is not None
+    # The last page's usage was summed in the same read as that page, which reached the end:
+    # it covers exactly the entries shown.
+    usage = last.usage
     if args.json:
         console.say(
             json.dumps(
@@ -209,6 +215,7 @@ async def _show(client: MeshClient, args: argparse.Namespace, console: Console) 
                     "info": to_jsonable(first.info),
                     "activation": to_jsonable(first.activation),
                     "state": to_jsonable(first.state),
+                    "usage": to_jsonable(usage),
                     "transcript": to_jsonable(entries),
                 },
                 ensure_ascii=False,
@@ -236,6 +243,7 @@ async def _show(client: MeshClient, args: argparse.Namespace, console: Console) 
             f"{'fork of':<10}{info.fork_origin.parent_session} up to seq "
             f"{info.fork_origin.prefix_seq}"
         )
+    console.say(f"{'usage':<10}{usage_text(usage) if usage is not None else '- (not reported)'}")
     console.say(f"transcript ({len(entries)} entries)")
     for entry in entries:
         console.say(format_entry(entry, color=console.color, width=None))

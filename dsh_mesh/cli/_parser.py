@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from pathlib import Path
 
 DEFAULT_SCENARIO = "dsh_mesh.demo:SCENARIO"
 PLACEMENTS = ("local", "round-robin", "least-loaded", "others-first")
@@ -186,6 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--scenario", default=DEFAULT_SCENARIO, help=f"module:attribute ({DEFAULT_SCENARIO})"
     )
     up.add_argument("--placement", choices=PLACEMENTS, default="others-first")
+    up.add_argument(
+        "--presets-file",
+        type=Path,
+        metavar="TOML",
+        help="presets and model endpoints every node reads (docs/presets.md)",
+    )
     up.add_argument("--lease-ttl", type=_positive_float, default=2.0, metavar="SECONDS")
     up.add_argument("--shutdown-grace", type=_positive_float, default=1.0, metavar="SECONDS")
     up.add_argument(

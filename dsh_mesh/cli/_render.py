@@ -27,7 +27,7 @@ from dsh_mesh.client import (
     TurnStarted,
     UnknownEntry,
 )
-from dsh_mesh.core import MeshError, Rejected, SettlementOutcome, TurnOutcome
+from dsh_mesh.core import MeshError, Rejected, SessionUsage, SettlementOutcome, TurnOutcome, Usage
 from dsh_mesh.transport import RemoteError
 
 DEFAULT_WIDTH = 160
@@ -105,7 +105,9 @@ def describe_body(body: EntryBody, *, width: int | None = DEFAULT_WIDTH) -> tupl
         parts += [
             f"-> {call.name}({one_line(call.arguments_json, width)})" for call in body.tool_calls
         ]
-        return "step", " ".join(parts) or "(no output)", False
+        text = " ".join(parts) or "(no output)"
+        tokens = step_usage(body.usage)
+        return "step", f"{text} {tokens}" if tokens else text, False
     if isinstance(body, ToolResult):
         marker = "error: " if body.is_error else ""
         return "tool", f"{body.name} -> {marker}{one_line(body.content, width)}", body.is_error
@@ -120,6 +122,37 @@ def describe_body(body: EntryBody, *, width: int | None = DEFAULT_WIDTH) -> tupl
         return "consumed", "seq " + ", ".join(str(seq) for seq in body.seqs), False
     assert isinstance(body, UnknownEntry)
     return "entry", "(an entry kind this client does not know)", False
+
+
+def _share(share: float) -> str:
+    return f"{share:.0%}"
+
+
+def step_usage(usage: Usage) -> str:
+    """One model call's usage as a short suffix, ``[in 1,234 / cached 1,024 / out 56]``; ``""``
+    when the provider reported none (every figure zero)."""
+    if not (usage.input_tokens or usage.output_tokens or usage.cached_input_tokens):
+        return ""
+    return (
+        f"[in {usage.input_tokens:,} / cached {usage.cached_input_tokens:,}"
+        f" / out {usage.output_tokens:,}]"
+    )
+
+
+def usage_text(usage: SessionUsage) -> str:
+    """A session's usage on one line: ``3 model calls: 1,234 input (1,024 cached, 83%), 56
+    output; first call 97% cached`` (the first-call part only when there was a call)."""
+    if usage.model_calls == 0:
+        return "no model calls"
+    calls = "1 model call" if usage.model_calls == 1 else f"{usage.model_calls:,} model calls"
+    text = (
+        f"{calls}: {usage.input_tokens:,} input ({usage.cached_input_tokens:,} cached,"
+        f" {_share(usage.cache_share)}), {usage.output_tokens:,} output"
+    )
+    first = usage.first_call_cache_share
+    if first is not None:
+        text += f"; first call {_share(first)} cached"
+    return text
 
 
 def _line(label: str, text: str, bad: bool, *, color: bool) -> str:

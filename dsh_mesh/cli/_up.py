@@ -153,6 +153,7 @@ def _start_and_wait(
         shutdown_grace=args.shutdown_grace,
         log_dir=log_dir,
         tls=pki,
+        presets_file=args.presets_file,
     )
     stack.enter_context(cluster)
     stack.callback(_stop_nodes, cluster, console)

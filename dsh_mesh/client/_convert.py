@@ -38,6 +38,7 @@ from dsh_mesh.core import (
     NodeId,
     SessionId,
     SessionKind,
+    SessionUsage,
     SettlementOutcome,
     ToolCall,
     ToolDescriptor,
@@ -160,11 +161,7 @@ def _body_from_wire(entry: mesh_pb2.TranscriptEntry) -> EntryBody:
                 ToolCall(call_id=call.id, name=call.name, arguments_json=call.arguments_json)
                 for call in step.tool_calls
             ),
-            usage=Usage(
-                input_tokens=step.usage.input_tokens,
-                output_tokens=step.usage.output_tokens,
-                cached_input_tokens=step.usage.cached_input_tokens,
-            ),
+            usage=usage_from_wire(step.usage),
         )
     if which == "tool_result":
         result = entry.tool_result
@@ -186,6 +183,27 @@ def _body_from_wire(entry: mesh_pb2.TranscriptEntry) -> EntryBody:
     return UnknownEntry()
 
 
+def usage_from_wire(usage: mesh_pb2.Usage) -> Usage:
+    """One model call's wire ``Usage`` as the core :class:`Usage`."""
+    return Usage(
+        input_tokens=usage.input_tokens,
+        output_tokens=usage.output_tokens,
+        cached_input_tokens=usage.cached_input_tokens,
+    )
+
+
+def session_usage_from_wire(usage: mesh_pb2.SessionUsage) -> SessionUsage:
+    """A wire ``SessionUsage`` as the core :class:`SessionUsage` (``first_call`` unset:
+    ``None``)."""
+    return SessionUsage(
+        model_calls=usage.model_calls,
+        input_tokens=usage.input_tokens,
+        output_tokens=usage.output_tokens,
+        cached_input_tokens=usage.cached_input_tokens,
+        first_call=usage_from_wire(usage.first_call) if usage.HasField("first_call") else None,
+    )
+
+
 def entry_from_wire(entry: mesh_pb2.TranscriptEntry) -> TranscriptEntry:
     """A wire ``TranscriptEntry`` as :class:`TranscriptEntry`."""
     return TranscriptEntry(
@@ -201,6 +219,7 @@ def session_from_wire(session: mesh_pb2.Session) -> SessionPage:
         state=_STATE.get(session.state),
         transcript=tuple(entry_from_wire(entry) for entry in session.transcript),
         next_page_token=session.next_page_token,
+        usage=session_usage_from_wire(session.usage) if session.HasField("usage") else None,
     )
 
 

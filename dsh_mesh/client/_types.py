@@ -2,7 +2,8 @@
 ``dsh.mesh.v1`` control-plane messages, so a caller never touches a ``*_pb2`` message.
 
 They reuse the core vocabulary where the wire means exactly the same thing (ids, activations,
-tool descriptors, session kinds, outcomes, delivery kinds, tool calls, usage). Wherever the proto
+tool descriptors, session kinds, outcomes, delivery kinds, tool calls, usage and a session's usage
+summary). Wherever the proto
 says "UNSPECIFIED: treat as unknown", the field here is ``None``: a value sent by a newer server
 that this client does not know yet is never guessed.
 """
@@ -21,6 +22,7 @@ from dsh_mesh.core import (
     NodeId,
     SessionId,
     SessionKind,
+    SessionUsage,
     SettlementOutcome,
     ToolCall,
     ToolDescriptor,
@@ -228,13 +230,18 @@ class TranscriptEntry:
 @dataclass(frozen=True, kw_only=True)
 class SessionPage:
     """One ``GetSession`` read: the header, the residency and live state when read, and one
-    page of the transcript. ``next_page_token`` is ``""`` on the last page."""
+    page of the transcript. ``next_page_token`` is ``""`` on the last page.
+
+    ``usage`` sums the session's model calls over its whole transcript (not only this page) as
+    it was when this page was read: on the last page, exactly the calls up to its end. ``None``
+    when the server did not send one (a server older than the field)."""
 
     info: SessionInfo
     activation: Activation | None
     state: AgentState | None
     transcript: tuple[TranscriptEntry, ...]
     next_page_token: str = ""
+    usage: SessionUsage | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

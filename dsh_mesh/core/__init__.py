@@ -88,6 +88,7 @@ from dsh_mesh.core._transcript import (
     is_queue_delivery,
     pending_inbound,
 )
+from dsh_mesh.core._usage import SessionUsage, session_usage
 
 __all__ = [
     "AGENT_MESSAGE_FRAME",
@@ -141,6 +142,7 @@ __all__ = [
     "SessionKind",
     "SessionSpec",
     "SessionUnknown",
+    "SessionUsage",
     "SettlementNoticeEntry",
     "SettlementOutcome",
     "StaleSender",
@@ -169,4 +171,5 @@ __all__ = [
     "pending_inbound",
     "rejection_class",
     "rejection_error",
+    "session_usage",
 ]

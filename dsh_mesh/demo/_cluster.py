@@ -4,7 +4,8 @@ A lead agent on node-a spawns two continuable researchers and a one-shot helper,
 the other nodes. Messages cross nodes in both directions, a sibling send is refused, then the
 node hosting researcher alpha is killed mid-step: the lead gets alpha's ``lost`` notice, asks it
 to carry on, and alpha is cold-resumed on a live node with its transcript intact. Every process
-is reaped before the demo returns.
+is reaped before the demo returns. At the end every agent's token usage is read back with
+``MeshControl.GetSession``.
 """
 
 from __future__ import annotations
@@ -15,15 +16,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from dsh_mesh.client import MeshClient
 from dsh_mesh.core import (
     AgentMessageEntry,
     Record,
     SessionHeader,
     SessionId,
+    SessionUsage,
     SettlementNoticeEntry,
     SettlementOutcome,
 )
-from dsh_mesh.demo._describe import describe
+from dsh_mesh.demo._describe import describe, describe_usage
 from dsh_mesh.demo._scenario import FOLLOW_UP
 from dsh_mesh.testing import (
     CollectedSpan,
@@ -50,6 +53,10 @@ class DemoRun:
     transcripts: dict[SessionId, list[Record]] = field(default_factory=dict)
     trace: list[str] = field(default_factory=list)
     """The lead's follow-up to alpha as one trace, and the step that consumed it."""
+    usage: dict[SessionId, SessionUsage] = field(default_factory=dict)
+    """Every agent's token usage, as ``GetSession`` reported it at the end."""
+    forks: set[SessionId] = field(default_factory=set)
+    """The fork children among them: their first call shows the prompt-cache hit."""
 
     def saw_host(self, session: SessionId, node: str) -> None:
         """Record that ``node`` hosted ``session`` (in order, without repeats)."""
@@ -163,7 +170,30 @@ async def _drive(cluster: LocalCluster, say: Callable[[str], None]) -> DemoRun:
         )
         for session in (root, alpha, beta, gloss):
             run.transcripts[session] = await reader.transcript(session)
+        await _read_usage(cluster, run, await reader.sessions())
     return run
+
+
+async def _read_usage(cluster: LocalCluster, run: DemoRun, headers: list[SessionHeader]) -> None:
+    """Every agent's usage summary from ``GetSession`` on a live node (the one hosting a
+    session answers for it), named agents first."""
+    node = next(n for n in cluster if n.running and n.address is not None)
+    assert node.address is not None
+    known = {h.session_id: h for h in headers}
+    others = sorted(s for s in known if s not in run.names)
+    async with MeshClient(
+        node.address, token=cluster.settings.cluster_token, name="demo"
+    ) as client:
+        for session in [*run.names, *others]:
+            header = known.get(session)
+            if header is not None and header.fork_origin is not None:
+                run.forks.add(session)
+            if session not in run.names and header is not None:
+                kind = "fork" if header.fork_origin is not None else header.kind.value
+                run.names[session] = f"child {header.spec.preset} ({kind})"
+            page = await client.get_session(session, page_size=1)
+            if page.usage is not None:
+                run.usage[session] = page.usage
 
 
 def _outcomes(records: list[Record], child: SessionId) -> list[SettlementOutcome]:
@@ -210,6 +240,10 @@ def print_run(run: DemoRun, write: Callable[[str], None] = print) -> None:
     for session, nodes in run.hosts.items():
         write(f"  {run.names.get(session, session):<28} {session}  {' -> '.join(nodes)}")
     write(f"  (killed: {run.killed})")
+    write("\n=== model usage per agent (GetSession) ===")
+    for session, usage in run.usage.items():
+        line = describe_usage(usage, fork=session in run.forks)
+        write(f"  {run.names.get(session, session):<28} {session}  {line}")
     write("\n=== one message, one trace: the lead's follow-up to alpha ===")
     for line in run.trace:
         write(f"  {line}")

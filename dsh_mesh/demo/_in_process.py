@@ -13,8 +13,9 @@ from dsh_mesh.core import (
     SequentialIds,
     SessionId,
     ToolResultEntry,
+    session_usage,
 )
-from dsh_mesh.demo._describe import describe
+from dsh_mesh.demo._describe import describe, describe_usage
 from dsh_mesh.demo._scenario import sibling
 from dsh_mesh.models import PARENT, Call, Reply, ScriptedProvider, child, send
 from dsh_mesh.runtime import ContinuationManager, InMemorySessionStore
@@ -118,5 +119,6 @@ def main() -> None:
     }
     for session, records in transcripts.items():
         print(f"\n=== {session}: {names.get(session, '')} ===")
+        print(f"  usage: {describe_usage(session_usage(r.entry for r in records))}")
         for record in records:
             print(describe(record))

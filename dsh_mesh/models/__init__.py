@@ -1,5 +1,7 @@
-"""Model providers behind one small streaming protocol, plus the scripted and recording ones."""
+"""Model providers behind one small streaming protocol: the OpenAI-compatible one, the scripted
+and recording ones, and the router that picks one by model spec."""
 
+from dsh_mesh.models._openai import OpenAIEndpoint, OpenAIProvider
 from dsh_mesh.models._protocol import (
     Finished,
     FinishReason,
@@ -8,11 +10,14 @@ from dsh_mesh.models._protocol import (
     ModelRequest,
     ModelResponse,
     ProtocolViolation,
+    ProviderError,
     TextDelta,
     ToolCallEvent,
     complete,
 )
 from dsh_mesh.models._recording import RecordingProvider
+from dsh_mesh.models._retry import RetryPolicy
+from dsh_mesh.models._router import ModelRouter
 from dsh_mesh.models._scripted import (
     PARENT,
     Action,
@@ -44,9 +49,14 @@ __all__ = [
     "ModelProvider",
     "ModelRequest",
     "ModelResponse",
+    "ModelRouter",
+    "OpenAIEndpoint",
+    "OpenAIProvider",
     "ProtocolViolation",
+    "ProviderError",
     "RecordingProvider",
     "Reply",
+    "RetryPolicy",
     "ScriptContext",
     "ScriptError",
     "ScriptedProvider",

@@ -24,6 +24,8 @@ class ModelRequest:
     system_prompt: str
     tools: tuple[ToolDescriptor, ...]
     messages: tuple[ChatMessage, ...]
+    max_output_tokens: int | None = None
+    """The most tokens one call may generate (the preset's limit); ``None``: the provider's."""
 
 
 class FinishReason(enum.Enum):
@@ -106,3 +108,14 @@ async def complete(provider: ModelProvider, request: ModelRequest) -> ModelRespo
 
 class ProtocolViolation(Exception):
     """A provider broke the streaming protocol."""
+
+
+class ProviderError(Exception):
+    """A model call failed at its provider, for good: a refusal no retry can change (bad
+    request, bad key), or a failure that outlasted the retry budget. The turn ends with outcome
+    ``error``; the message is the provider's own, so the settlement shows it."""
+
+    def __init__(self, message: str, *, status: int | None = None, attempts: int = 1) -> None:
+        super().__init__(message)
+        self.status = status
+        self.attempts = attempts

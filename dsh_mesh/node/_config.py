@@ -83,6 +83,10 @@ class NodeConfig:
     instead of growing until it is killed; they cold-resume on their next message. ``None``:
     80% of the memory limit of the node's cgroup when it runs under one, else no limit;
     ``0``: never."""
+    presets_file: Path | None = None
+    """A TOML file of agent presets and model endpoints (docs/presets.md), read on top of the
+    scenario's presets; ``None``: the scenario's presets, and the ``openai`` endpoint from
+    ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY``."""
     history_file: Path | None = None
     """Where to append the node's store history (one JSON line per activation and durable
     write) for the history checker of ``dsh_mesh.testing``; ``None``: no history. For test
@@ -189,6 +193,7 @@ _SETTINGS: tuple[tuple[str, str, str], ...] = (
         "--memory-high-water-mb",
         "RSS (MiB) past which idle agents are passivated",
     ),
+    ("presets_file", "--presets-file", "TOML file of presets and model endpoints"),
     ("history_file", "--history-file", "append the store's history here (test runs)"),
 )
 
@@ -223,7 +228,7 @@ def load_config(args: argparse.Namespace, environ: Mapping[str, str] | None = No
         unknown = sorted(set(from_file) - {setting for setting, _, _ in _SETTINGS})
         if unknown:
             raise ValueError(f"{args.config}: unknown [node] settings {unknown}")
-        for name in _PATHS:
+        for name in (*_PATHS, "presets_file", "history_file"):
             # A relative path in a file means relative to that file, wherever the node starts.
             if isinstance(from_file.get(name), str):
                 from_file[name] = str(args.config.parent / Path(from_file[name]).expanduser())
@@ -310,6 +315,8 @@ def _build(values: Mapping[str, Any]) -> NodeConfig:
     ):
         if values.get(name) is not None:
             kwargs[name] = int(values[name])
+    if values.get("presets_file"):
+        kwargs["presets_file"] = Path(str(values["presets_file"])).expanduser()
     if values.get("history_file"):
         kwargs["history_file"] = Path(str(values["history_file"])).expanduser()
     return NodeConfig(**kwargs)

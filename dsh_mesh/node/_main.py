@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dsh_mesh import telemetry
 from dsh_mesh.node._config import load_config, parse_args
 from dsh_mesh.node._node import Node
+from dsh_mesh.node._presets import PresetFile, endpoints_from_environment, load_presets
 from dsh_mesh.node._scenario import load_scenario
 
 
@@ -28,6 +29,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         config = load_config(args)
+        scenario = load_scenario(config.scenario).configured(
+            load_presets(config.presets_file)
+            if config.presets_file is not None
+            else PresetFile(endpoints=endpoints_from_environment())
+        )
     except (ValueError, OSError) as invalid:
         print(f"dsh-mesh-node: error: {invalid}", file=sys.stderr, flush=True)
         return 2
@@ -42,7 +48,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     exporting = telemetry.configure(
         node_id=config.node_id, default_service_name=f"dsh-mesh-{config.node_id}"
     )
-    scenario = load_scenario(config.scenario)
 
     async def serve() -> None:
         node = Node(config, scenario)

@@ -176,6 +176,7 @@ class Node:
                 with contextlib.suppress(MeshError):
                     await lease.revoke()
                 await server.stop(_SERVER_GRACE.total_seconds())
+                await self._provider.aclose()
                 if history is not None:
                     history.close()
 

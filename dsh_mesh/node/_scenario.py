@@ -7,27 +7,56 @@ line as ``module:attribute``.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from dsh_mesh.models import Action, ModelProvider, ScriptedProvider
+from dsh_mesh.models import (
+    Action,
+    ModelProvider,
+    ModelRouter,
+    OpenAIEndpoint,
+    OpenAIProvider,
+    ScriptedProvider,
+)
+from dsh_mesh.node._presets import PresetFile
 from dsh_mesh.tools import Preset
 
 
 @dataclass(frozen=True, kw_only=True)
 class Scenario:
-    """Presets plus either scripted programs (by model name) or a provider factory."""
+    """Presets plus either scripted programs (by model name) or a provider factory, and the
+    OpenAI-compatible endpoints that serve ``<endpoint>:<model>`` specs."""
 
     presets: tuple[Preset, ...]
     programs: Mapping[str, Sequence[Action]] = field(default_factory=dict)
     provider_factory: Callable[[], ModelProvider] | None = None
+    endpoints: Mapping[str, OpenAIEndpoint] = field(default_factory=dict)
 
-    def provider(self) -> ModelProvider:
-        """A fresh provider for one node process."""
+    def provider(self) -> ModelRouter:
+        """A fresh provider for one node process: the endpoints by name, the scripted programs
+        (or the factory's provider) for every other model spec. Close it with ``aclose``."""
         if self.provider_factory is not None:
-            return self.provider_factory()
-        return ScriptedProvider(programs=dict(self.programs), resume_from_transcript=True)
+            default = self.provider_factory()
+        else:
+            default = ScriptedProvider(programs=dict(self.programs), resume_from_transcript=True)
+        return ModelRouter(
+            {
+                name: OpenAIProvider(endpoint, name=name)
+                for name, endpoint in self.endpoints.items()
+            },
+            default=default,
+        )
+
+    def configured(self, file: PresetFile) -> Scenario:
+        """This scenario with a presets file's endpoints and presets (a file preset replaces
+        the scenario's preset of the same name)."""
+        names = {preset.name for preset in file.presets}
+        kept = tuple(p for p in self.presets if p.name not in names)
+        return dataclasses.replace(
+            self, presets=kept + file.presets, endpoints={**self.endpoints, **file.endpoints}
+        )
 
 
 def load_scenario(name: str) -> Scenario:

@@ -1088,12 +1088,14 @@ class ContinuationManager:
         records: Sequence[Record],
         resume_filter: DescriptorFilter | None,
     ) -> Agent:
+        preset = self._preset(header.spec.preset)
         return Agent(
             header=header,
             activation=activation,
             records=records,
             tools=self._resolve_tools(header, resume_filter),
-            system_prompt=self._preset(header.spec.preset).system_prompt,
+            system_prompt=preset.system_prompt,
+            limits=preset.limits,
             provider=self._provider,
             host=self,
             ids=self._ids,

@@ -38,6 +38,11 @@ _passivations = _METER.create_counter(
     unit="{activation}",
     description="Idle activations ended to free memory (they cold-resume on their next message).",
 )
+_token_usage = _METER.create_histogram(
+    "gen_ai.client.token.usage",
+    unit="{token}",
+    description="Tokens one model call used, as its provider reported them.",
+)
 _settlements = _METER.create_counter(
     "dsh.settlements", unit="{activation}", description="Settlement notices, by outcome."
 )
@@ -72,6 +77,24 @@ def lease_lost() -> None:
 def passivated(count: int) -> None:
     """Count idle activations ended under memory pressure."""
     _passivations.add(count)
+
+
+def model_call(model: str, *, input_tokens: int, output_tokens: int, cached: int) -> None:
+    """Record the tokens of one model call (``gen_ai.token.type``: ``input``, ``output``, and
+    ``cached_input`` for the part of the input the provider's prompt cache served)."""
+    for kind, count in (
+        ("input", input_tokens),
+        ("output", output_tokens),
+        ("cached_input", cached),
+    ):
+        _token_usage.record(
+            count,
+            {
+                "gen_ai.operation.name": "chat",
+                "gen_ai.request.model": model,
+                "gen_ai.token.type": kind,
+            },
+        )
 
 
 def settled(outcome: str, kind: str) -> None:

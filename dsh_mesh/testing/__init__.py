@@ -9,8 +9,21 @@ it on loopback. ``LocalPki`` is a throwaway CA that lets both run mutual TLS.
 etcd cluster and one node per host, and has the faults to cut a host off, stop or kill an etcd
 member; ``TcpProxy`` adds delay and loss in front of a node. ``check`` is the history checker:
 it judges a whole run from what the workload heard back, what the nodes wrote and what is durable.
+``ChatCompletionsServer`` is a local OpenAI-compatible chat-completions endpoint that answers
+with scripted ``Completion``, ``Failure`` and ``Stall`` replies and records every request.
 """
 
+from dsh_mesh.testing._chat_server import (
+    ChatCompletionsServer,
+    Completion,
+    Failure,
+    RecordedRequest,
+    Reply,
+    Responder,
+    ScriptedToolCall,
+    Stall,
+    UsageForm,
+)
 from dsh_mesh.testing._cluster import (
     ClusterSettings,
     LocalCluster,
@@ -81,14 +94,17 @@ __all__ = [
     "BedNode",
     "BedSettings",
     "BedUnavailable",
+    "ChatCompletionsServer",
     "ClusterSettings",
     "CollectedPoint",
     "CollectedSpan",
+    "Completion",
     "EtcdAddress",
     "EtcdMember",
     "EtcdNotFoundError",
     "EtcdServer",
     "EtcdServerError",
+    "Failure",
     "FaultDriver",
     "FaultRunReport",
     "InProcessMesh",
@@ -103,9 +119,15 @@ __all__ = [
     "Outcome",
     "PatientReader",
     "ProxyStats",
+    "RecordedRequest",
+    "Reply",
+    "Responder",
+    "ScriptedToolCall",
     "Send",
+    "Stall",
     "TcpProxy",
     "TlsFiles",
+    "UsageForm",
     "Verdict",
     "Workload",
     "WriteEvent",

@@ -72,6 +72,8 @@ class ClusterSettings:
     history: bool = False
     """Every node appends its store history to :attr:`NodeProcess.history_path`, for the history
     checker (:func:`dsh_mesh.testing.check`)."""
+    presets_file: Path | None = None
+    """The presets file every node reads (presets and model endpoints, docs/presets.md)."""
 
     def client_files(self, name: str = "tester") -> TlsFiles | None:
         """A client certificate of this cluster's CA (None for a plaintext cluster)."""
@@ -142,6 +144,7 @@ class NodeProcess:
             "--shutdown-grace",
             str(s.shutdown_grace),
             *(["--history-file", str(self.history_path)] if s.history else []),
+            *(["--presets-file", str(s.presets_file)] if s.presets_file is not None else []),
             *self._security(),
         ]
 
@@ -267,6 +270,7 @@ class LocalCluster:
         env: Mapping[str, str] | None = None,
         tls: LocalPki | None = None,
         history: bool = False,
+        presets_file: Path | None = None,
     ) -> None:
         self.settings = ClusterSettings(
             etcd_endpoint=etcd_endpoint,
@@ -278,6 +282,7 @@ class LocalCluster:
             shutdown_grace=shutdown_grace,
             tls=tls,
             history=history,
+            presets_file=presets_file,
         )
         self._owned_dir = None if log_dir is not None else tempfile.TemporaryDirectory()
         self.log_dir = log_dir or Path(self._owned_dir.name if self._owned_dir else ".")

@@ -1,7 +1,9 @@
 """Helpers for testing agents on dsh-mesh the way the project tests itself.
 
 ``in_process_mesh`` starts a continuation manager on an in-memory store with a scripted provider
-(wrapped in a recording one), deterministic ids, and the presets you pass.
+(wrapped in a recording one), deterministic ids, and the presets you pass. Pass ``provider`` (a
+:class:`~dsh_mesh.models.ModelRouter` over real endpoints, say) to serve model calls from it
+instead; the recorder still sees every request.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from dsh_mesh.core import Record, SequentialIds, SessionId
-from dsh_mesh.models import RecordingProvider, ScriptedProvider
+from dsh_mesh.models import ModelProvider, RecordingProvider, ScriptedProvider
 from dsh_mesh.runtime import ContinuationManager, InMemorySessionStore, ManagerConfig
 from dsh_mesh.tools import Preset
 
@@ -36,10 +38,11 @@ async def in_process_mesh(
     scripted: ScriptedProvider | None = None,
     config: ManagerConfig | None = None,
     store: InMemorySessionStore | None = None,
+    provider: ModelProvider | None = None,
 ) -> AsyncIterator[InProcessMesh]:
     """Run a manager for the duration of the block; every driver is stopped on exit."""
     scripted = scripted or ScriptedProvider()
-    recorder = RecordingProvider(scripted)
+    recorder = RecordingProvider(provider or scripted)
     store = store or InMemorySessionStore()
     async with ContinuationManager(
         store=store, provider=recorder, presets=presets, config=config, ids=SequentialIds()

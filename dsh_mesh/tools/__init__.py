@@ -1,7 +1,7 @@
 """Tools: the registry, presets, the standard ``send_message`` and the spawn tools."""
 
 from dsh_mesh.tools._instructions import RETURN_INSTRUCTION, child_task
-from dsh_mesh.tools._registry import DescriptorFilter, Preset, ToolRegistry, ToolSet
+from dsh_mesh.tools._registry import DescriptorFilter, Preset, ToolRegistry, ToolSet, TurnLimits
 from dsh_mesh.tools._runtime import ChildKind, SubagentRuntime
 from dsh_mesh.tools._standard import (
     MAX_MESSAGE_CHARS,
@@ -35,6 +35,7 @@ __all__ = [
     "ToolOutput",
     "ToolRegistry",
     "ToolSet",
+    "TurnLimits",
     "child_task",
     "is_standard_send_message",
     "standard_tools",

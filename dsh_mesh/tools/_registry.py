@@ -14,13 +14,37 @@ DescriptorFilter = Callable[[ToolDescriptor], bool]
 
 
 @dataclass(frozen=True, kw_only=True)
+class TurnLimits:
+    """Token limits of an agent's model calls.
+
+    ``max_output_tokens`` bounds what one call may generate (sent to the provider; a call that
+    reaches it ends the turn with token exhaustion). ``turn_token_budget`` bounds the prompt
+    plus completion tokens the providers report over one turn's calls: a turn whose calls
+    reach it ends with token exhaustion after recording that call, before running its tools.
+    ``None``: no limit of this project's own (the provider's and the model's context still
+    apply).
+    """
+
+    max_output_tokens: int | None = None
+    turn_token_budget: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_output_tokens", "turn_token_budget"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1 (or unset)")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Preset:
     """A named way to build an agent: its system prompt and which tools it sees.
 
     ``tools`` selects registry tools by name (``None``: all of them), always in registry order.
     ``scoped_tools`` belong to this preset only; one that reuses a registry name stands in at that
     name's position but keeps its own identity, so it is never the standard tool. ``model``, when
-    set, is the model of children spawned with this preset (else they use their parent's).
+    set, is the model of children spawned with this preset (else they use their parent's) and
+    of roots created without one; it is a model spec (``openai:gpt-4o-mini``, see
+    :class:`~dsh_mesh.models.ModelRouter`). ``limits`` bound its token use.
     """
 
     name: str
@@ -28,6 +52,7 @@ class Preset:
     model: str | None = None
     tools: tuple[str, ...] | None = None
     scoped_tools: tuple[Tool, ...] = field(default=())
+    limits: TurnLimits = field(default_factory=TurnLimits)
 
 
 @dataclass(frozen=True)

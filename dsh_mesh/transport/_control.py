@@ -27,13 +27,20 @@ from dsh_mesh.core import (
     SessionExists,
     SessionHeader,
     SessionId,
+    SessionUsage,
     TargetElsewhere,
     TaskEntry,
     parse_session_id,
+    session_usage,
 )
 from dsh_mesh.runtime import Departed, unless_departed
 from dsh_mesh.transport._auth import caller_hops
-from dsh_mesh.transport._convert import activation_to_wire, header_to_wire, record_to_wire
+from dsh_mesh.transport._convert import (
+    activation_to_wire,
+    header_to_wire,
+    record_to_wire,
+    session_usage_to_wire,
+)
 from dsh_mesh.transport._peers import PeerPool
 from dsh_mesh.transport._servicer import ActivationLookup, ManagerRef
 from dsh_mesh.transport._status import abort_with, error_from_rpc, mesh_rpc
@@ -43,6 +50,10 @@ MAX_PAGE = 1000
 MAX_PAGE_TOKEN_DIGITS = 19
 """A page token this server issues is a seq or an offset: a decimal of at most this many ASCII
 digits. Anything else is refused as malformed (``INVALID_ARGUMENT``)."""
+USAGE_CHUNK = 10 * MAX_PAGE
+"""How many records ``GetSession`` reads at a time while it sums a session's usage over the
+whole transcript: a transcript up to this long takes one registry read, a longer one one more
+read per chunk, and at most one chunk plus the page is held at once."""
 MAX_NAME_CHARS = 256
 """The most characters a ``CreateRootSession`` ``preset`` or ``model`` may have. Both are
 stored in the session header (one etcd value); a longer one is refused as malformed
@@ -264,16 +275,43 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
             )
             return forwarded
         after, limit = _page(request.page_token, request.page_size)
-        records, more = await self._reads.page(session, after_seq=after, limit=limit)
+        records, more, usage = await self._page_and_usage(session, after=after, limit=limit)
         reply = mesh_pb2.Session(
             header=header_to_wire(header),
             transcript=[record_to_wire(r) for r in records],
             next_page_token=str(records[-1].seq) if more and records else "",
             state=self._state(session, current),
+            usage=session_usage_to_wire(usage),
         )
         if current is not None:
             reply.activation.CopyFrom(activation_to_wire(current))
         return reply
+
+    async def _page_and_usage(
+        self, session: SessionId, *, after: int, limit: int
+    ) -> tuple[list[Record], bool, SessionUsage]:
+        """One pass over ``session``'s transcript from seq 1 to its end as read, chunk by
+        chunk: the page (up to ``limit`` records after seq ``after``), whether records follow
+        the page, and the usage of every record read. The transcript is append-only, so the
+        pass reads a prefix of it, and a page that reaches its end has exactly the usage of
+        the records up to the page's last. Only the page and one chunk are held at a time."""
+        page: list[Record] = []
+        more = False
+        usage = SessionUsage()
+        seq = 0
+        while True:
+            chunk, rest = await self._reads.page(session, after_seq=seq, limit=USAGE_CHUNK)
+            usage = usage.followed_by(session_usage(r.entry for r in chunk))
+            for record in chunk:
+                if record.seq <= after:
+                    continue
+                if len(page) < limit:
+                    page.append(record)
+                else:
+                    more = True
+            if not (rest and chunk):
+                return page, more, usage
+            seq = chunk[-1].seq
 
     async def WatchSession(
         self,

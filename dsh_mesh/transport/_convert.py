@@ -20,6 +20,7 @@ from dsh_mesh.core import (
     SessionHeader,
     SessionId,
     SessionKind,
+    SessionUsage,
     SettlementNoticeEntry,
     SettlementOutcome,
     TaskEntry,
@@ -27,6 +28,7 @@ from dsh_mesh.core import (
     TurnEndedEntry,
     TurnOutcome,
     TurnStartedEntry,
+    Usage,
     parse_session_id,
 )
 
@@ -205,9 +207,7 @@ def record_to_wire(record: Record) -> mesh_pb2.TranscriptEntry:
             mesh_pb2.ToolCall(id=c.call_id, name=c.name, arguments_json=c.arguments_json)
             for c in entry.tool_calls
         )
-        step.usage.input_tokens = entry.usage.input_tokens
-        step.usage.output_tokens = entry.usage.output_tokens
-        step.usage.cached_input_tokens = entry.usage.cached_input_tokens
+        step.usage.CopyFrom(usage_to_wire(entry.usage))
     elif isinstance(entry, ToolResultEntry):
         wire.tool_result.call_id = entry.call_id
         wire.tool_result.name = entry.name
@@ -221,4 +221,26 @@ def record_to_wire(record: Record) -> mesh_pb2.TranscriptEntry:
         wire.turn_ended.detail = entry.detail
     elif isinstance(entry, ConsumedEntry):
         wire.consumed.seqs.extend(entry.seqs)
+    return wire
+
+
+def usage_to_wire(usage: Usage) -> mesh_pb2.Usage:
+    """The wire form of one model call's usage."""
+    return mesh_pb2.Usage(
+        input_tokens=usage.input_tokens,
+        output_tokens=usage.output_tokens,
+        cached_input_tokens=usage.cached_input_tokens,
+    )
+
+
+def session_usage_to_wire(usage: SessionUsage) -> mesh_pb2.SessionUsage:
+    """The wire form of a session's usage summary (``first_call`` unset when it made none)."""
+    wire = mesh_pb2.SessionUsage(
+        model_calls=usage.model_calls,
+        input_tokens=usage.input_tokens,
+        output_tokens=usage.output_tokens,
+        cached_input_tokens=usage.cached_input_tokens,
+    )
+    if usage.first_call is not None:
+        wire.first_call.CopyFrom(usage_to_wire(usage.first_call))
     return wire

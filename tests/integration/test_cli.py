@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
 import os
 import queue
@@ -29,6 +30,8 @@ import grpc
 import pytest
 
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
+from dsh_mesh.cli import Console, parse_args, resolve_connection
+from dsh_mesh.cli._commands import run_command
 from dsh_mesh.client import ClientOptions, MeshClient, Task
 from dsh_mesh.core import PeerUnavailable, RejectionReason, SessionUnknown
 from dsh_mesh.transport import abort_with
@@ -91,7 +94,8 @@ class ScriptedControl(mesh_pb2_grpc.MeshControlServicer):
         if request.session_id != "s-1":
             await abort_with(context, SessionUnknown(f"{request.session_id} has no header"))
         start = int(request.page_token or "1")
-        end = min(start + request.page_size, 6)
+        # Its default page is 2 entries, so `show` reads several pages.
+        end = min(start + (request.page_size or 2), 6)
         return mesh_pb2.Session(
             header=mesh_pb2.SessionHeader(session_id="s-1", kind=mesh_pb2.SESSION_KIND_ROOT),
             transcript=[
@@ -100,6 +104,16 @@ class ScriptedControl(mesh_pb2_grpc.MeshControlServicer):
             ],
             next_page_token=str(end) if end < 6 else "",
             state=mesh_pb2.AGENT_STATE_IDLE,
+            # Each page sums the transcript as it was read: later pages saw more calls.
+            usage=mesh_pb2.SessionUsage(
+                model_calls=end - 1,
+                input_tokens=1234,
+                output_tokens=56,
+                cached_input_tokens=1024,
+                first_call=mesh_pb2.Usage(
+                    input_tokens=1000, output_tokens=8, cached_input_tokens=970
+                ),
+            ),
         )
 
     async def ListAgents(
@@ -233,6 +247,38 @@ async def test_pages_are_followed_to_the_end() -> None:
         "r-1",
     )
     assert (root.session_id, root.node_id, root.request_id) == ("s-9", "node-x", "r-1")
+
+
+async def test_show_prints_the_usage_the_last_page_summed() -> None:
+    control = ScriptedControl()
+    async with serving(control) as address:
+        connection = resolve_connection(
+            node_flag=address,
+            token_flag=TOKEN,
+            environ={},
+            state=None,
+            toml=None,
+            tls_flags=(None, None, None),
+        )
+        out, err = io.StringIO(), io.StringIO()
+        args = parse_args(["show", "s-1"])
+        assert await run_command(args, connection, None, Console(out=out, err=err)) == 0
+        json_out = io.StringIO()
+        args = parse_args(["show", "s-1", "--json"])
+        assert await run_command(args, connection, None, Console(out=json_out, err=err)) == 0
+    lines = out.getvalue().splitlines()
+    # Three pages were read; the line is the last one's (5 calls), just before the transcript.
+    assert [line for line in lines if line.startswith("usage")] == [
+        "usage     5 model calls: 1,234 input (1,024 cached, 83%), 56 output; first call 97% cached"
+    ]
+    assert lines[-7].startswith("usage ") and lines[-6] == "transcript (5 entries)"
+    assert json.loads(json_out.getvalue())["usage"] == {
+        "model_calls": 5,
+        "input_tokens": 1234,
+        "output_tokens": 56,
+        "cached_input_tokens": 1024,
+        "first_call": {"input_tokens": 1000, "output_tokens": 8, "cached_input_tokens": 970},
+    }
 
 
 async def test_an_unreachable_node_is_peer_unavailable() -> None:
@@ -448,6 +494,22 @@ def test_the_command_runs_a_cluster_end_to_end(tmp_path: Path) -> None:
             "type": "task",
             "content": "Survey the lease code.",
         }
+        # The usage summary is the sum of the steps shown (read in the same pass as the last
+        # page); the scripted model reports 8 output tokens a call and nothing cached.
+        steps = [
+            e["body"]["usage"]
+            for e in shown_json["transcript"]
+            if e["body"]["type"] == "assistant_step"
+        ]
+        usage = shown_json["usage"]
+        assert usage["model_calls"] == len(steps) >= 1
+        assert usage["input_tokens"] == sum(u["input_tokens"] for u in steps) > 0
+        assert usage["output_tokens"] == 8 * len(steps)
+        assert usage["cached_input_tokens"] == 0
+        assert usage["first_call"] == steps[0]
+        (usage_line,) = [line for line in text if line.startswith("usage ")]
+        assert " model call" in usage_line and "cached" in usage_line
+        assert any(line.split()[1] == "step" and "[in " in line for line in text)
 
         healthy = cli.run("status")
         assert healthy.returncode == 0, healthy.stdout + healthy.stderr

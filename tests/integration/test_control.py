@@ -4,7 +4,7 @@ that hosts the session; creation is idempotent across nodes; reads page; watches
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import grpc
 import pytest
@@ -97,12 +97,36 @@ async def test_creation_is_idempotent_across_nodes(cluster: LocalCluster, root: 
         await call(cluster, "node-a", "CreateRootSession", create("tree-1", preset="branch"))
 
 
+def usage_of(entries: Iterable[mesh_pb2.TranscriptEntry]) -> mesh_pb2.SessionUsage:
+    """The usage summary ``entries`` add up to, worked out here from their steps."""
+    steps = [e.assistant_step.usage for e in entries if e.WhichOneof("body") == "assistant_step"]
+    expected = mesh_pb2.SessionUsage(
+        model_calls=len(steps),
+        input_tokens=sum(u.input_tokens for u in steps),
+        output_tokens=sum(u.output_tokens for u in steps),
+        cached_input_tokens=sum(u.cached_input_tokens for u in steps),
+    )
+    if steps:
+        expected.first_call.CopyFrom(steps[0])
+    return expected
+
+
 async def test_any_node_pages_through_a_transcript(cluster: LocalCluster, root: str) -> None:
     first = await call(cluster, "node-a", "GetSession", mesh_pb2.GetSessionRequest(session_id=root))
     assert isinstance(first, mesh_pb2.Session)
     assert first.activation.node_id == "node-c"
     assert first.state == mesh_pb2.AGENT_STATE_RUNNING  # answered by its host: it is stalled
+    assert not first.next_page_token  # the whole transcript: the summary is its steps' sum
+    assert first.HasField("usage")
+    assert first.usage == usage_of(first.transcript)
+    # The scripted model reports rough input tokens and 8 output tokens a call, nothing cached.
+    assert first.usage.model_calls >= 1
+    assert first.usage.input_tokens > 0
+    assert first.usage.output_tokens == 8 * first.usage.model_calls
+    assert first.usage.cached_input_tokens == 0
+    assert first.usage.first_call.output_tokens == 8
     seqs: list[int] = []
+    entries: list[mesh_pb2.TranscriptEntry] = []
     token = ""
     while True:
         page = await call(
@@ -114,10 +138,15 @@ async def test_any_node_pages_through_a_transcript(cluster: LocalCluster, root: 
         assert isinstance(page, mesh_pb2.Session)
         assert len(page.transcript) <= 2
         seqs.extend(e.seq for e in page.transcript)
+        entries.extend(page.transcript)
+        # Every page carries the summary of the WHOLE transcript, not of its two entries.
+        assert page.usage.model_calls >= first.usage.model_calls
         token = page.next_page_token
         if not token:
             break
     assert seqs == list(range(1, len(seqs) + 1)) and len(seqs) >= 6
+    # The last page reaches the end in the same read as its summary: the sum of every page.
+    assert page.usage == usage_of(entries)
     with pytest.raises(InvalidArgument):
         await call(
             cluster,
@@ -129,6 +158,33 @@ async def test_any_node_pages_through_a_transcript(cluster: LocalCluster, root: 
         await call(
             cluster, "node-a", "GetSession", mesh_pb2.GetSessionRequest(session_id="s-nobody")
         )
+
+
+async def test_an_absent_session_reports_its_usage_too(cluster: LocalCluster, root: str) -> None:
+    listed = await call(
+        cluster, "node-a", "ListAgents", mesh_pb2.ListAgentsRequest(root_session_id=root)
+    )
+    assert isinstance(listed, mesh_pb2.ListAgentsResponse)
+    (quick,) = [a for a in listed.agents if a.header.spec.preset == "quick"]
+    # The one-shot child answered once and settled: absent, read from the registry.
+    async with MeshReader(cluster.settings) as reader:
+        await reader.wait_for(
+            lambda: reader.activation(SessionId(quick.header.session_id)),
+            lambda activation: activation is None,
+            what="the one-shot child settled",
+        )
+    read = await call(
+        cluster,
+        "node-b",
+        "GetSession",
+        mesh_pb2.GetSessionRequest(session_id=quick.header.session_id),
+    )
+    assert isinstance(read, mesh_pb2.Session)
+    assert read.state == mesh_pb2.AGENT_STATE_ABSENT
+    assert read.usage == usage_of(read.transcript)
+    assert read.usage.model_calls == 1
+    assert read.usage.output_tokens == 8
+    assert read.usage.input_tokens == read.usage.first_call.input_tokens > 0
 
 
 async def test_list_agents_filters_and_pages(cluster: LocalCluster, root: str) -> None:

@@ -8,6 +8,7 @@ from dsh_mesh.core import (
     SettlementNoticeEntry,
     SettlementOutcome,
     ToolResultEntry,
+    session_usage,
 )
 from dsh_mesh.demo import print_run, run_cluster_demo
 
@@ -67,6 +68,18 @@ async def test_the_cluster_demo_shows_delivery_both_ways_a_kill_and_a_cold_resum
         line.startswith(f"consumed by dsh.step [dsh-mesh-{run.hosts[alpha][1]}]")
         for line in run.trace
     )
+    # Every agent's usage, read back with GetSession: a settled child's is exactly the sum of
+    # its durable steps (the scripted model reports 8 output tokens a call, nothing cached).
+    for child in (alpha, beta, _gloss):
+        assert run.usage[child] == session_usage(r.entry for r in run.transcripts[child])
+        assert run.usage[child].model_calls >= 1
+        assert run.usage[child].output_tokens == 8 * run.usage[child].model_calls
+    lead = run.usage[run.root]  # the lead may still be answering the last notice
+    assert lead.model_calls >= session_usage(r.entry for r in root).model_calls >= 3
+    assert lead.input_tokens > 0 and lead.cached_input_tokens == 0
     printed: list[str] = []
     print_run(run, write=printed.append)
     assert any("->" in line for line in printed)
+    usage_lines = printed[printed.index("\n=== model usage per agent (GetSession) ===") + 1 :]
+    assert usage_lines[0].split()[:3] == ["root", "(lead)", run.root]
+    assert f"{lead.model_calls} model calls: " in usage_lines[0]

@@ -38,6 +38,7 @@ from dsh_mesh.cli import (
     use_color,
     write_state,
 )
+from dsh_mesh.cli._render import step_usage, usage_text
 from dsh_mesh.client import (
     AgentMessage,
     AgentState,
@@ -65,6 +66,7 @@ from dsh_mesh.core import (
     RejectionReason,
     SessionId,
     SessionKind,
+    SessionUsage,
     SettlementOutcome,
     ToolCall,
     TurnId,
@@ -443,6 +445,20 @@ def _event(body: object, *, seq: int = 4, event_seq: int = 17) -> SessionEvent:
             'Delegating. -> spawn_agent({"preset":"x"})',
         ),
         (
+            AssistantStep(
+                text="Done.",
+                tool_calls=(),
+                usage=Usage(input_tokens=1234, output_tokens=56, cached_input_tokens=1024),
+            ),
+            "step",
+            "Done. [in 1,234 / cached 1,024 / out 56]",
+        ),
+        (
+            AssistantStep(text="", tool_calls=(), usage=Usage(output_tokens=8)),
+            "step",
+            "(no output) [in 0 / cached 0 / out 8]",
+        ),
+        (
             ToolResult(call_id="c1", name="send_message", content="no", is_error=True),
             "tool",
             "send_message -> error: no",
@@ -515,6 +531,44 @@ def test_format_entry_for_show() -> None:
         seq=12, recorded_at=None, body=HumanPrompt(content="Hi", idempotency_key="k")
     )
     assert format_entry(entry).split() == ["12", "prompt", "Hi"]
+
+
+def test_format_entry_for_show_with_usage() -> None:
+    step = AssistantStep(
+        text="Hi",
+        tool_calls=(),
+        usage=Usage(input_tokens=90, output_tokens=8, cached_input_tokens=0),
+    )
+    entry = TranscriptEntry(seq=3, recorded_at=None, body=step)
+    assert format_entry(entry) == "    3  step      Hi [in 90 / cached 0 / out 8]"
+
+
+def test_step_usage_is_shown_only_when_reported() -> None:
+    assert step_usage(Usage()) == ""
+    assert step_usage(Usage(cached_input_tokens=3)) == "[in 0 / cached 3 / out 0]"
+    assert step_usage(Usage(input_tokens=1_000_000, output_tokens=1)) == (
+        "[in 1,000,000 / cached 0 / out 1]"
+    )
+
+
+def test_the_usage_line_of_show() -> None:
+    usage = SessionUsage(
+        model_calls=3,
+        input_tokens=1234,
+        output_tokens=56,
+        cached_input_tokens=1024,
+        first_call=Usage(input_tokens=1000, output_tokens=20, cached_input_tokens=970),
+    )
+    assert usage_text(usage) == (
+        "3 model calls: 1,234 input (1,024 cached, 83%), 56 output; first call 97% cached"
+    )
+    one = SessionUsage(
+        model_calls=1, input_tokens=40, output_tokens=8, first_call=Usage(input_tokens=40)
+    )
+    assert (
+        usage_text(one) == "1 model call: 40 input (0 cached, 0%), 8 output; first call 0% cached"
+    )
+    assert usage_text(SessionUsage()) == "no model calls"
 
 
 def test_json_form_of_an_event() -> None:
@@ -715,6 +769,7 @@ def test_wire_sessions_and_summaries() -> None:
         TurnEnded(turn_id=TurnId("t-1"), outcome=TurnOutcome.ERROR, detail="boom"),
     ]
     assert page.next_page_token == "p2"
+    assert page.usage is None  # a server older than the field sent none
     root = summary_from_wire(
         mesh_pb2.AgentSummary(
             header=mesh_pb2.SessionHeader(session_id="s-root", kind=mesh_pb2.SESSION_KIND_ROOT),
@@ -727,6 +782,35 @@ def test_wire_sessions_and_summaries() -> None:
     assert root.info.parent_session is None and root.info.kind is SessionKind.ROOT
     assert root.activation is not None and root.activation.parent_activation is None
     assert root.state is AgentState.RUNNING
+
+
+def test_wire_session_usage() -> None:
+    header = mesh_pb2.SessionHeader(session_id="s-root", kind=mesh_pb2.SESSION_KIND_ROOT)
+    page = session_from_wire(
+        mesh_pb2.Session(
+            header=header,
+            usage=mesh_pb2.SessionUsage(
+                model_calls=2,
+                input_tokens=300,
+                output_tokens=16,
+                cached_input_tokens=250,
+                first_call=mesh_pb2.Usage(
+                    input_tokens=100, output_tokens=8, cached_input_tokens=90
+                ),
+            ),
+        )
+    )
+    assert page.usage == SessionUsage(
+        model_calls=2,
+        input_tokens=300,
+        output_tokens=16,
+        cached_input_tokens=250,
+        first_call=Usage(input_tokens=100, output_tokens=8, cached_input_tokens=90),
+    )
+    assert page.usage.first_call_cache_share == pytest.approx(0.9)
+    none = session_from_wire(mesh_pb2.Session(header=header, usage=mesh_pb2.SessionUsage()))
+    assert none.usage == SessionUsage()  # sent, with no calls: zero, and no first call
+    assert none.usage.first_call is None
 
 
 def test_up_refuses_a_second_cluster_in_the_same_home(

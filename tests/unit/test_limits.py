@@ -10,14 +10,19 @@ import pytest
 
 from dsh_mesh.core import (
     AgentMessageEntry,
+    AssistantStepEntry,
     DeliveryKind,
     InboxFull,
     NodeOverloaded,
     RejectionReason,
+    ToolResultEntry,
+    TurnEndedEntry,
+    TurnOutcome,
 )
 from dsh_mesh.models import Reply, Stall, tool
 from dsh_mesh.runtime import ManagerConfig
 from dsh_mesh.testing import in_process_mesh
+from dsh_mesh.tools import Preset, TurnLimits
 from tests.unit.conftest import of_type, presets
 from tests.unit.test_agent_loop import HoldingStore
 from tests.unit.test_manager import CHILD, ROOT
@@ -126,3 +131,41 @@ async def test_under_memory_pressure_only_idle_agents_that_may_end_are_passivate
         after = await mesh.transcript(idle.session_id)
         assert after[: len(before)] == before
         assert mesh.manager.passivate_idle(0) == 0
+
+
+async def test_a_turn_past_its_token_budget_ends_in_token_exhaustion_before_its_tools_run() -> None:
+    """The preset's ``turn_token_budget`` counts prompt plus completion tokens the provider
+    reports over one turn; the call that reaches it is recorded, its tool calls are not run,
+    and the turn settles as token exhaustion. ``max_output_tokens`` reaches the provider."""
+    frugal = Preset(
+        name="frugal",
+        system_prompt="You are brief.",
+        model="frugal",
+        limits=TurnLimits(max_output_tokens=64, turn_token_budget=30),
+    )
+    async with in_process_mesh((*presets(), frugal)) as mesh:
+        mesh.scripted.program(
+            "frugal",
+            tool("spawn_agent", task="t", preset="helper"),  # about 20 tokens: under budget
+            tool("spawn_agent", task="t2", preset="helper"),  # the budget is reached here
+            Reply(text="never asked for"),
+        )
+        ref = await mesh.manager.create_root("Go.", preset="frugal")
+        await mesh.manager.quiescent()
+        records = await mesh.transcript(ref.session_id)
+        first_turn = records[
+            : next(n for n, r in enumerate(records) if isinstance(r.entry, TurnEndedEntry)) + 1
+        ]
+        steps = [r.entry for r in first_turn if isinstance(r.entry, AssistantStepEntry)]
+        assert len(steps) == 2
+        spent = sum(s.usage.input_tokens + s.usage.output_tokens for s in steps)
+        assert spent >= 30 > steps[0].usage.input_tokens + steps[0].usage.output_tokens
+        ended = first_turn[-1].entry
+        assert isinstance(ended, TurnEndedEntry)
+        assert ended.outcome is TurnOutcome.TOKEN_EXHAUSTION
+        assert f"the turn used {spent} tokens; its budget is 30" in ended.detail
+        results = [r.entry for r in first_turn if isinstance(r.entry, ToolResultEntry)]
+        assert [r.is_error for r in results] == [False, True]  # the second spawn never ran
+        assert "not completed" in results[1].content
+        assert {r.max_output_tokens for r in mesh.recorder.requests_of(ref.session_id)} == {64}
+        assert {r.max_output_tokens for r in mesh.recorder.requests_of(CHILD)} == {None}

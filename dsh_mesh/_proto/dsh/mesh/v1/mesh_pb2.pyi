@@ -235,18 +235,34 @@ class GetSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("header", "activation", "transcript", "next_page_token", "state")
+    __slots__ = ("header", "activation", "transcript", "next_page_token", "state", "usage")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     ACTIVATION_FIELD_NUMBER: _ClassVar[int]
     TRANSCRIPT_FIELD_NUMBER: _ClassVar[int]
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
     header: SessionHeader
     activation: ActivationInfo
     transcript: _containers.RepeatedCompositeFieldContainer[TranscriptEntry]
     next_page_token: str
     state: AgentState
-    def __init__(self, header: _Optional[_Union[SessionHeader, _Mapping]] = ..., activation: _Optional[_Union[ActivationInfo, _Mapping]] = ..., transcript: _Optional[_Iterable[_Union[TranscriptEntry, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., state: _Optional[_Union[AgentState, str]] = ...) -> None: ...
+    usage: SessionUsage
+    def __init__(self, header: _Optional[_Union[SessionHeader, _Mapping]] = ..., activation: _Optional[_Union[ActivationInfo, _Mapping]] = ..., transcript: _Optional[_Iterable[_Union[TranscriptEntry, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., state: _Optional[_Union[AgentState, str]] = ..., usage: _Optional[_Union[SessionUsage, _Mapping]] = ...) -> None: ...
+
+class SessionUsage(_message.Message):
+    __slots__ = ("model_calls", "input_tokens", "output_tokens", "cached_input_tokens", "first_call")
+    MODEL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_CALL_FIELD_NUMBER: _ClassVar[int]
+    model_calls: int
+    input_tokens: int
+    output_tokens: int
+    cached_input_tokens: int
+    first_call: Usage
+    def __init__(self, model_calls: _Optional[int] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., cached_input_tokens: _Optional[int] = ..., first_call: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class WatchSessionRequest(_message.Message):
     __slots__ = ("session_id", "after_seq", "tree", "after_event_seq")

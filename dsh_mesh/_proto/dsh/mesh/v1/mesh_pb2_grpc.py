@@ -266,8 +266,9 @@ class MeshControlServicer:
 
     def GetSession(self, request, context):
         """GetSession returns a session's header, its current activation (if
-        resident), its live state and one page of its transcript (page_size,
-        page_token). Read-only.
+        resident), its live state, one page of its transcript (page_size,
+        page_token) and the token usage of its model calls over the whole
+        transcript (Session.usage). Read-only.
 
         The response is the Session itself rather than a GetSessionResponse
         wrapper: the name is part of every client's generated code, and a

@@ -1,0 +1,268 @@
+"""A provider for OpenAI-compatible chat-completions endpoints (OpenAI, vLLM, Ollama, llama.cpp
+server, DeepSeek and the many hosted APIs that speak the protocol), over ``httpx``.
+
+One :class:`OpenAIProvider` owns one connection pool to one endpoint (HTTP/2 where the server
+offers it over TLS, HTTP/1.1 keep-alive otherwise). Every call is streamed and consumed as it
+arrives. A call the endpoint refuses as overloaded (429) or fails (5xx, a dropped connection)
+before anything streamed is retried under the endpoint's :class:`RetryPolicy`; a prompt past the
+model's context raises :class:`~dsh_mesh.core.TokensExhausted`; anything else raises
+:class:`ProviderError` with the endpoint's own message. Cancelling the consuming task closes
+the HTTP request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import json
+import logging
+import os
+import random
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import httpx
+
+from dsh_mesh.core import TokensExhausted
+from dsh_mesh.models._openai_wire import (
+    RESERVED_FIELDS,
+    ErrorReport,
+    StreamAssembler,
+    StreamError,
+    error_of,
+    request_body,
+)
+from dsh_mesh.models._protocol import ModelEvent, ModelRequest, ProviderError
+from dsh_mesh.models._retry import RetryPolicy
+
+_log = logging.getLogger(__name__)
+
+DEFAULT_BASE_URL = "https://api.openai.com/v1"
+
+
+def is_retried(status: int) -> bool:
+    """Whether a status says "not now" rather than "never": a timeout, a conflict, a rate
+    limit, or a server failure (any 5xx but 501, which says the server cannot do it at all)."""
+    return status in (408, 409, 425, 429) or (status >= 500 and status != 501)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpenAIEndpoint:
+    """Where and how to reach one OpenAI-compatible endpoint.
+
+    ``base_url`` ends where ``/chat/completions`` is appended (``http://127.0.0.1:11434/v1``
+    for Ollama, ``http://host:8000/v1`` for vLLM). Without ``api_key`` no ``Authorization``
+    header is sent (local servers need none). ``body`` holds extra request fields sent with
+    every call (``temperature``, ``seed``...), before the tools and messages.
+    """
+
+    base_url: str = DEFAULT_BASE_URL
+    api_key: str | None = field(default=None, repr=False)
+    connect_timeout: timedelta = timedelta(seconds=10)
+    read_timeout: timedelta = timedelta(seconds=300)
+    """The longest silence between two pieces of a response (a long prefill is silent)."""
+    max_connections: int = 32
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    body: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url {self.base_url!r} must be an http:// or https:// URL")
+        if self.max_connections < 1:
+            raise ValueError("max_connections must be at least 1")
+        if self.connect_timeout <= timedelta(0) or self.read_timeout <= timedelta(0):
+            raise ValueError("timeouts must be positive")
+        reserved = sorted(RESERVED_FIELDS.intersection(self.body))
+        if reserved:
+            raise ValueError(f"body fields {reserved} are set by the provider itself")
+
+    @staticmethod
+    def from_environment(environ: Mapping[str, str] | None = None) -> OpenAIEndpoint:
+        """The endpoint the standard ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY`` variables name
+        (OpenAI's own API when the URL is unset)."""
+        env = os.environ if environ is None else environ
+        return OpenAIEndpoint(
+            base_url=env.get("OPENAI_BASE_URL") or DEFAULT_BASE_URL,
+            api_key=env.get("OPENAI_API_KEY") or None,
+        )
+
+
+class _Retryable(Exception):
+    def __init__(self, message: str, *, status: int | None, retry_after: float | None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retry_after = retry_after
+
+
+class OpenAIProvider:
+    """Streams chat completions from one endpoint. ``request.model`` is the endpoint's own
+    model name (a :class:`ModelRouter` strips the ``<endpoint>:`` prefix of a model spec).
+
+    Safe for any number of concurrent calls on one event loop; :meth:`aclose` closes the pool
+    (idempotent). ``transport`` replaces the network for tests of the provider alone.
+    """
+
+    def __init__(
+        self,
+        endpoint: OpenAIEndpoint,
+        *,
+        name: str = "openai",
+        transport: httpx.AsyncBaseTransport | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.endpoint = endpoint
+        self.name = name
+        self._rng = rng or random.Random()
+        headers = {"Accept": "text/event-stream"}
+        if endpoint.api_key:
+            headers["Authorization"] = f"Bearer {endpoint.api_key}"
+        self._client = httpx.AsyncClient(
+            base_url=endpoint.base_url.rstrip("/") + "/",
+            headers=headers,
+            http2=transport is None,
+            transport=transport,
+            timeout=httpx.Timeout(
+                endpoint.read_timeout.total_seconds(),
+                connect=endpoint.connect_timeout.total_seconds(),
+            ),
+            limits=httpx.Limits(
+                max_connections=endpoint.max_connections,
+                max_keepalive_connections=endpoint.max_connections,
+            ),
+        )
+
+    async def aclose(self) -> None:
+        """Close the connection pool; calls after this fail."""
+        await self._client.aclose()
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
+        body = request_body(
+            request,
+            model=request.model,
+            extra=self.endpoint.body,
+            max_output_tokens=request.max_output_tokens,
+        )
+        policy = self.endpoint.retry
+        started = time.monotonic()
+        for attempt in range(1, policy.max_attempts + 1):
+            streamed = False
+            try:
+                async for event in self._attempt(body):
+                    streamed = True
+                    yield event
+                return
+            except _Retryable as failure:
+                if streamed:
+                    raise ProviderError(
+                        f"{self.name}: the response broke off: {failure}",
+                        status=failure.status,
+                        attempts=attempt,
+                    ) from failure
+                wait = policy.backoff(attempt, retry_after=failure.retry_after, rng=self._rng)
+                spent = time.monotonic() - started
+                if attempt == policy.max_attempts or spent + wait > policy.budget.total_seconds():
+                    raise ProviderError(
+                        f"{self.name}: {failure} (gave up after {attempt} attempts in"
+                        f" {spent:.1f} s)",
+                        status=failure.status,
+                        attempts=attempt,
+                    ) from failure
+                _log.warning("%s: %s; retry %d in %.2f s", self.name, failure, attempt, wait)
+                await asyncio.sleep(wait)
+
+    async def _attempt(self, body: bytes) -> AsyncIterator[ModelEvent]:
+        try:
+            async with self._client.stream(
+                "POST",
+                "chat/completions",
+                content=body,
+                headers={"Content-Type": "application/json"},
+            ) as response:
+                if response.status_code != 200:
+                    raise self._refusal(response, await response.aread())
+                assembler = StreamAssembler()
+                if response.headers.get("content-type", "").startswith("application/json"):
+                    # A server that ignores "stream": the whole completion at once.
+                    payloads: AsyncIterator[Any] = _whole(await response.aread())
+                else:
+                    payloads = _server_sent_data(response)
+                async for payload in payloads:
+                    for event in assembler.feed(payload):
+                        yield event
+                for event in assembler.finish():
+                    yield event
+        except StreamError as error:
+            raise self._failure(error.report, status=None) from error
+        except httpx.TransportError as error:
+            raise _Retryable(
+                f"{type(error).__name__} talking to {self.endpoint.base_url}: {error}",
+                status=None,
+                retry_after=None,
+            ) from error
+
+    def _refusal(self, response: httpx.Response, raw: bytes) -> Exception:
+        status = response.status_code
+        report = error_of(raw, fallback=f"HTTP {status} {response.reason_phrase}")
+        if is_retried(status) and not report.context_length:
+            return _Retryable(
+                f"HTTP {status}: {report.message}",
+                status=status,
+                retry_after=_retry_after(response.headers.get("retry-after")),
+            )
+        return self._failure(report, status=status)
+
+    def _failure(self, report: ErrorReport, *, status: int | None) -> Exception:
+        if report.context_length:
+            return TokensExhausted(f"{self.name}: the context is full: {report.message}")
+        shown = f"HTTP {status}: " if status is not None else ""
+        return ProviderError(f"{self.name}: {shown}{report.message}", status=status)
+
+
+async def _server_sent_data(response: httpx.Response) -> AsyncIterator[Any]:
+    """The JSON payload of each ``data:`` event of a server-sent-event stream, up to
+    ``[DONE]``. Lines of one event are joined; comments and other fields are skipped."""
+    lines: list[str] = []
+    async for line in response.aiter_lines():
+        if line:
+            if line.startswith("data:"):
+                lines.append(line[5:].removeprefix(" "))
+            continue
+        if not lines:
+            continue
+        data, lines = "\n".join(lines), []
+        if data.strip() == "[DONE]":
+            return
+        yield _parse(data)
+    if lines and (data := "\n".join(lines)).strip() != "[DONE]":
+        yield _parse(data)
+
+
+async def _whole(raw: bytes) -> AsyncIterator[Any]:
+    yield _parse(raw.decode(errors="replace"))
+
+
+def _parse(data: str) -> Any:
+    try:
+        return json.loads(data)
+    except ValueError as bad:
+        raise StreamError(
+            ErrorReport(message=f"the endpoint sent a chunk that is not JSON: {data[:200]!r}")
+        ) from bad
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Seconds a ``Retry-After`` header asks for (a number or an HTTP date), if any."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())

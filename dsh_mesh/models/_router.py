@@ -1,0 +1,49 @@
+"""Model specs: ``<provider>:<model>`` picks a named provider, anything else the default one."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator, Mapping
+
+from dsh_mesh.models._protocol import ModelEvent, ModelProvider, ModelRequest
+
+
+class ModelRouter:
+    """Serves each call from the provider its model spec names.
+
+    A spec ``name:model`` whose ``name`` is a configured provider goes to that provider with
+    the request's ``model`` set to ``model`` (which may itself hold colons, as Ollama's
+    ``qwen2.5:7b`` does); any other spec goes unchanged to ``default`` (the scripted provider
+    of tests and the demo). A session's spec is fixed in its header, so one session always
+    talks to one provider, on every node that hosts it.
+    """
+
+    def __init__(self, providers: Mapping[str, ModelProvider], default: ModelProvider) -> None:
+        self._providers = dict(providers)
+        self._default = default
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The configured provider names, in configuration order."""
+        return tuple(self._providers)
+
+    def route(self, spec: str) -> tuple[ModelProvider, str]:
+        """The provider serving ``spec`` and the model name it is asked for."""
+        name, colon, model = spec.partition(":")
+        provider = self._providers.get(name) if colon else None
+        if provider is None:
+            return self._default, spec
+        return provider, model
+
+    def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
+        provider, model = self.route(request.model)
+        if model != request.model:
+            request = dataclasses.replace(request, model=model)
+        return provider.stream(request)
+
+    async def aclose(self) -> None:
+        """Close every provider that holds resources (connection pools). Idempotent."""
+        for provider in (*self._providers.values(), self._default):
+            closer = getattr(provider, "aclose", None)
+            if callable(closer):
+                await closer()

@@ -1,0 +1,235 @@
+"""The presets file: agent presets and model endpoints in TOML (format: docs/presets.md).
+
+```toml
+[endpoints.ollama]                      # model specs "ollama:<model>"
+base_url = "http://127.0.0.1:11434/v1"
+
+[presets.lead]
+system_prompt = "You lead a small team of agents."
+model = "ollama:qwen2.5:7b-instruct"
+tools = ["send_message", "spawn_agent"]
+max_output_tokens = 2048
+turn_token_budget = 200000
+```
+
+Every node of a cluster reads the same file, as it runs the same scenario. The ``openai``
+endpoint always exists: from ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` unless the file defines it.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from dsh_mesh.models import OpenAIEndpoint, RetryPolicy
+from dsh_mesh.tools import SEND_MESSAGE_DESCRIPTOR, SPAWN_DESCRIPTORS, Preset, TurnLimits
+
+OPENAI = "openai"
+"""The endpoint name that always exists (``openai:<model>``)."""
+
+STANDARD_TOOL_NAMES = (
+    SEND_MESSAGE_DESCRIPTOR.name,
+    *(descriptor.name for descriptor in SPAWN_DESCRIPTORS.values()),
+)
+"""The tools every node's registry holds, which a preset's ``tools`` may name."""
+
+_ENDPOINT_KEYS = frozenset(
+    {
+        "kind",
+        "base_url",
+        "api_key",
+        "api_key_env",
+        "connect_timeout_s",
+        "read_timeout_s",
+        "max_connections",
+        "retry",
+        "body",
+    }
+)
+_RETRY_KEYS = frozenset({"max_attempts", "initial_backoff_s", "max_backoff_s", "budget_s"})
+_PRESET_KEYS = frozenset(
+    {
+        "system_prompt",
+        "system_prompt_file",
+        "model",
+        "tools",
+        "max_output_tokens",
+        "turn_token_budget",
+    }
+)
+
+
+class PresetFileError(ValueError):
+    """The presets file is unreadable or says something this project cannot run; the message
+    names the file and the offending key."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PresetFile:
+    """What a presets file defines: presets (in file order) and named endpoints."""
+
+    presets: tuple[Preset, ...] = ()
+    endpoints: Mapping[str, OpenAIEndpoint] = field(default_factory=dict)
+
+
+def endpoints_from_environment(
+    environ: Mapping[str, str] | None = None,
+) -> dict[str, OpenAIEndpoint]:
+    """The endpoints a node has without a presets file: ``openai`` from the standard variables."""
+    return {OPENAI: OpenAIEndpoint.from_environment(environ)}
+
+
+def load_presets(
+    path: Path,
+    *,
+    known_tools: Collection[str] = STANDARD_TOOL_NAMES,
+    environ: Mapping[str, str] | None = None,
+) -> PresetFile:
+    """Read and validate ``path``. ``known_tools`` are the registry's tool names; a preset
+    naming any other is refused rather than silently running without it."""
+    env = os.environ if environ is None else environ
+    try:
+        with path.open("rb") as handle:
+            document = tomllib.load(handle)
+    except (OSError, tomllib.TOMLDecodeError) as error:
+        raise PresetFileError(f"{path}: {error}") from error
+    unknown = sorted(set(document) - {"endpoints", "presets"})
+    if unknown:
+        raise PresetFileError(f"{path}: unknown tables {unknown} (expected endpoints, presets)")
+    endpoints = endpoints_from_environment(env)
+    for name, table in _tables(path, document, "endpoints").items():
+        endpoints[name] = _endpoint(path, name, table, env)
+    presets = tuple(
+        _preset(path, name, table, known_tools)
+        for name, table in _tables(path, document, "presets").items()
+    )
+    return PresetFile(presets=presets, endpoints=endpoints)
+
+
+def _tables(path: Path, document: Mapping[str, Any], name: str) -> dict[str, Mapping[str, Any]]:
+    tables = document.get(name, {})
+    if not isinstance(tables, Mapping):
+        raise PresetFileError(f"{path}: [{name}] must be a table of tables")
+    for key, table in tables.items():
+        if not isinstance(table, Mapping):
+            raise PresetFileError(f"{path}: {name}.{key} must be a table")
+        if not key or ":" in key:
+            raise PresetFileError(f"{path}: {name}.{key!r}: a name must be non-empty, no ':'")
+    return dict(tables)
+
+
+def _check_keys(path: Path, where: str, table: Mapping[str, Any], allowed: frozenset[str]) -> None:
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        raise PresetFileError(f"{path}: {where}: unknown keys {unknown}")
+
+
+def _endpoint(
+    path: Path, name: str, table: Mapping[str, Any], env: Mapping[str, str]
+) -> OpenAIEndpoint:
+    where = f"endpoints.{name}"
+    _check_keys(path, where, table, _ENDPOINT_KEYS)
+    kind = table.get("kind", "openai")
+    if kind != "openai":
+        raise PresetFileError(f"{path}: {where}.kind {kind!r}: the only kind is 'openai'")
+    api_key = table.get("api_key")
+    if "api_key_env" in table:
+        api_key = env.get(str(table["api_key_env"])) or None
+    elif api_key is None and name == OPENAI:
+        api_key = env.get("OPENAI_API_KEY") or None
+    retry = table.get("retry", {})
+    if not isinstance(retry, Mapping):
+        raise PresetFileError(f"{path}: {where}.retry must be a table")
+    _check_keys(path, f"{where}.retry", retry, _RETRY_KEYS)
+    body = table.get("body", {})
+    if not isinstance(body, Mapping):
+        raise PresetFileError(f"{path}: {where}.body must be a table")
+    try:
+        policy = RetryPolicy(
+            **{
+                key: _seconds(retry[f"{key}_s"]) if f"{key}_s" in retry else default
+                for key, default in (
+                    ("initial_backoff", RetryPolicy.initial_backoff),
+                    ("max_backoff", RetryPolicy.max_backoff),
+                    ("budget", RetryPolicy.budget),
+                )
+            },
+            max_attempts=int(retry.get("max_attempts", RetryPolicy.max_attempts)),
+        )
+        return OpenAIEndpoint(
+            base_url=str(table.get("base_url") or _default_base_url(name, env)),
+            api_key=None if api_key is None else str(api_key),
+            connect_timeout=_seconds(table.get("connect_timeout_s", 10)),
+            read_timeout=_seconds(table.get("read_timeout_s", 300)),
+            max_connections=int(table.get("max_connections", 32)),
+            retry=policy,
+            body=dict(body),
+        )
+    except (TypeError, ValueError) as error:
+        raise PresetFileError(f"{path}: {where}: {error}") from error
+
+
+def _default_base_url(name: str, env: Mapping[str, str]) -> str:
+    if name == OPENAI:
+        return OpenAIEndpoint.from_environment(env).base_url
+    raise ValueError("base_url is required")
+
+
+def _seconds(value: Any) -> timedelta:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{value!r} is not a number of seconds")
+    return timedelta(seconds=value)
+
+
+def _preset(
+    path: Path, name: str, table: Mapping[str, Any], known_tools: Collection[str]
+) -> Preset:
+    where = f"presets.{name}"
+    _check_keys(path, where, table, _PRESET_KEYS)
+    if ("system_prompt" in table) == ("system_prompt_file" in table):
+        raise PresetFileError(
+            f"{path}: {where}: set exactly one of system_prompt, system_prompt_file"
+        )
+    prompt = table.get("system_prompt")
+    if prompt is None:
+        prompt_path = path.parent / Path(str(table["system_prompt_file"])).expanduser()
+        try:
+            prompt = prompt_path.read_text()
+        except OSError as error:
+            raise PresetFileError(f"{path}: {where}.system_prompt_file: {error}") from error
+    tools = table.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list) or not all(isinstance(t, str) for t in tools):
+            raise PresetFileError(f"{path}: {where}.tools must be a list of tool names")
+        unknown = sorted(set(tools) - set(known_tools))
+        if unknown:
+            raise PresetFileError(
+                f"{path}: {where}.tools: unknown tools {unknown} (known: {sorted(known_tools)})"
+            )
+    model = table.get("model")
+    try:
+        return Preset(
+            name=name,
+            system_prompt=str(prompt),
+            model=None if model is None else str(model),
+            tools=None if tools is None else tuple(tools),
+            limits=TurnLimits(
+                max_output_tokens=_optional_int(table.get("max_output_tokens")),
+                turn_token_budget=_optional_int(table.get("turn_token_budget")),
+            ),
+        )
+    except ValueError as error:
+        raise PresetFileError(f"{path}: {where}: {error}") from error
+
+
+def _optional_int(value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{value!r} is not a whole number")
+    return value

@@ -1,0 +1,162 @@
+"""The presets file (docs/presets.md): presets and model endpoints in TOML, validated when the
+node starts, and how a scenario takes them on."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from dsh_mesh.models import OpenAIEndpoint, OpenAIProvider, ScriptedProvider
+from dsh_mesh.node import (
+    STANDARD_TOOL_NAMES,
+    PresetFile,
+    PresetFileError,
+    Scenario,
+    load_presets,
+)
+from dsh_mesh.tools import Preset, TurnLimits
+
+EXAMPLE = """
+[endpoints.ollama]
+base_url = "http://127.0.0.1:11434/v1"
+
+[endpoints.vllm]
+base_url = "http://gpu-1:8000/v1"
+api_key_env = "VLLM_KEY"
+read_timeout_s = 600
+max_connections = 8
+[endpoints.vllm.retry]
+max_attempts = 3
+initial_backoff_s = 0.25
+budget_s = 20
+[endpoints.vllm.body]
+temperature = 0.2
+
+[presets.lead]
+system_prompt = "You lead a small team."
+model = "ollama:qwen2.5:7b-instruct"
+tools = ["send_message", "spawn_agent", "fork_agent"]
+max_output_tokens = 2048
+turn_token_budget = 200000
+
+[presets.researcher]
+system_prompt_file = "researcher.md"
+model = "vllm:Qwen/Qwen2.5-72B-Instruct"
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "presets.toml"
+    path.write_text(text)
+    return path
+
+
+def test_a_presets_file_defines_presets_and_endpoints(tmp_path: Path) -> None:
+    (tmp_path / "researcher.md").write_text("You research.\n")
+    loaded = load_presets(
+        write(tmp_path, EXAMPLE),
+        environ={"VLLM_KEY": "sk-vllm", "OPENAI_BASE_URL": "http://proxy/v1"},
+    )
+    lead, researcher = loaded.presets
+    assert lead == Preset(
+        name="lead",
+        system_prompt="You lead a small team.",
+        model="ollama:qwen2.5:7b-instruct",
+        tools=("send_message", "spawn_agent", "fork_agent"),
+        limits=TurnLimits(max_output_tokens=2048, turn_token_budget=200000),
+    )
+    assert researcher.system_prompt == "You research.\n"  # read relative to the file
+    assert researcher.tools is None and researcher.limits == TurnLimits()
+    assert list(loaded.endpoints) == ["openai", "ollama", "vllm"]
+    assert loaded.endpoints["openai"].base_url == "http://proxy/v1"
+    vllm = loaded.endpoints["vllm"]
+    assert vllm.api_key == "sk-vllm" and vllm.max_connections == 8
+    assert vllm.read_timeout == timedelta(seconds=600)
+    assert vllm.retry.max_attempts == 3 and vllm.retry.budget == timedelta(seconds=20)
+    assert vllm.retry.initial_backoff == timedelta(milliseconds=250)
+    assert dict(vllm.body) == {"temperature": 0.2}
+    assert loaded.endpoints["ollama"].api_key is None
+
+
+def test_the_file_may_redefine_the_openai_endpoint(tmp_path: Path) -> None:
+    loaded = load_presets(
+        write(tmp_path, '[endpoints.openai]\nbase_url = "http://local/v1"\n'),
+        environ={"OPENAI_API_KEY": "sk-env"},
+    )
+    assert loaded.endpoints["openai"] == OpenAIEndpoint(
+        base_url="http://local/v1", api_key="sk-env"
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "complaint"),
+    [
+        ("[preset.lead]\nsystem_prompt = 'x'\n", "unknown tables"),
+        (
+            "[presets.lead]\nsystem_prompt = 'x'\nmodle = 'm'\n",
+            r"presets.lead: unknown keys \['modle'\]",
+        ),
+        ("[presets.lead]\nmodel = 'm'\n", "exactly one of system_prompt"),
+        (
+            "[presets.lead]\nsystem_prompt = 'x'\nsystem_prompt_file = 'y'\n",
+            "exactly one of system_prompt",
+        ),
+        ("[presets.lead]\nsystem_prompt_file = 'missing.md'\n", "system_prompt_file"),
+        (
+            "[presets.lead]\nsystem_prompt = 'x'\ntools = ['report']\n",
+            r"unknown tools \['report'\]",
+        ),
+        ("[presets.lead]\nsystem_prompt = 'x'\nmax_output_tokens = 0\n", "max_output_tokens"),
+        ("[presets.lead]\nsystem_prompt = 'x'\nturn_token_budget = 1.5\n", "whole number"),
+        ("[endpoints.local]\napi_key = 'k'\n", "base_url is required"),
+        ("[endpoints.local]\nbase_url = 'localhost:8000'\n", "http:// or https://"),
+        ("[endpoints.local]\nbase_url = 'http://h/v1'\nkind = 'anthropic'\n", "only kind"),
+        (
+            "[endpoints.local]\nbase_url = 'http://h/v1'\n[endpoints.local.retry]\ntries = 3\n",
+            "unknown keys",
+        ),
+        ("[endpoints.local]\nbase_url = 'http://h/v1'\nread_timeout_s = 'long'\n", "seconds"),
+        (
+            "[endpoints.local]\nbase_url = 'http://h/v1'\n[endpoints.local.body]\nmodel = 'x'\n",
+            "set by the provider",
+        ),
+        ("[presets]\nlead = 'x'\n", "must be a table"),
+        ("not toml at all [", "presets.toml"),
+    ],
+)
+def test_a_file_the_node_cannot_run_is_refused_naming_the_key(
+    tmp_path: Path, text: str, complaint: str
+) -> None:
+    with pytest.raises(PresetFileError, match=complaint):
+        load_presets(write(tmp_path, text), environ={})
+
+
+def test_presets_may_name_only_the_standard_tools() -> None:
+    assert STANDARD_TOOL_NAMES == ("send_message", "spawn_agent", "spawn_one_shot", "fork_agent")
+
+
+async def test_a_scenario_takes_on_the_files_presets_and_serves_its_endpoints() -> None:
+    scenario = Scenario(
+        presets=(
+            Preset(name="lead", system_prompt="scripted lead", model="lead"),
+            Preset(name="helper", system_prompt="scripted helper", model="helper"),
+        )
+    )
+    file = PresetFile(
+        presets=(Preset(name="lead", system_prompt="real lead", model="local:m"),),
+        endpoints={"local": OpenAIEndpoint(base_url="http://127.0.0.1:9/v1")},
+    )
+    configured = scenario.configured(file)
+    assert [(p.name, p.system_prompt) for p in configured.presets] == [
+        ("helper", "scripted helper"),
+        ("lead", "real lead"),
+    ]
+    router = configured.provider()
+    try:
+        real, model = router.route("local:m")
+        assert isinstance(real, OpenAIProvider) and model == "m"
+        assert isinstance(router.route("helper")[0], ScriptedProvider)
+    finally:
+        await router.aclose()
