@@ -7,15 +7,38 @@ import asyncio
 
 from dsh_mesh.demo._cluster import print_run, run_cluster_demo
 from dsh_mesh.demo._in_process import main as in_process_main
+from dsh_mesh.demo._real import (
+    MODEL_ENV,
+    demo_model,
+    endpoint_of,
+    print_real_run,
+    run_real_demo,
+)
 
 
 def main() -> None:
-    """Run the cluster demo (default) or the in-process one."""
+    """Run the cluster demo (default), on a real model when ``DSH_DEMO_MODEL`` names one, or
+    the in-process one. Says which model it uses."""
     parser = argparse.ArgumentParser(prog="python -m dsh_mesh.demo")
     parser.add_argument("--in-process", action="store_true", help="run inside one process")
-    if parser.parse_args().in_process:
+    parser.add_argument(
+        "--model",
+        default=demo_model(),
+        help=f"a model spec such as openai:<model> (default: ${MODEL_ENV}; none: scripted)",
+    )
+    args = parser.parse_args()
+    if args.in_process:
+        print("model      scripted (the in-process demo always is)")
         in_process_main()
         return
+    if args.model:
+        print(f"model      {args.model}: {endpoint_of(args.model)}")
+        print_real_run(asyncio.run(run_real_demo(args.model)))
+        return
+    print(
+        f"model      scripted (no real endpoint configured; set {MODEL_ENV}=openai:<model> and "
+        "OPENAI_BASE_URL, e.g. http://127.0.0.1:11434/v1 for Ollama, to run on a real one)"
+    )
     print_run(asyncio.run(run_cluster_demo()))
 
 
