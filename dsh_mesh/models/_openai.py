@@ -67,6 +67,10 @@ class OpenAIEndpoint:
     max_connections: int = 32
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     body: Mapping[str, Any] = field(default_factory=dict)
+    max_tokens_field: str = "max_tokens"
+    """The body field a preset's ``max_output_tokens`` is sent as: ``max_tokens`` (vLLM,
+    Ollama, DeepSeek, most servers) or ``max_completion_tokens`` (OpenAI's reasoning models,
+    which refuse ``max_tokens``)."""
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -75,6 +79,8 @@ class OpenAIEndpoint:
             raise ValueError("max_connections must be at least 1")
         if self.connect_timeout <= timedelta(0) or self.read_timeout <= timedelta(0):
             raise ValueError("timeouts must be positive")
+        if self.max_tokens_field not in ("max_tokens", "max_completion_tokens"):
+            raise ValueError("max_tokens_field must be max_tokens or max_completion_tokens")
         reserved = sorted(RESERVED_FIELDS.intersection(self.body))
         if reserved:
             raise ValueError(f"body fields {reserved} are set by the provider itself")
@@ -144,6 +150,7 @@ class OpenAIProvider:
             model=request.model,
             extra=self.endpoint.body,
             max_output_tokens=request.max_output_tokens,
+            max_tokens_field=self.endpoint.max_tokens_field,
         )
         policy = self.endpoint.retry
         started = time.monotonic()

@@ -4,9 +4,10 @@ Pure functions and one small assembler, no I/O, so the byte layout that provider
 key on is stated (and tested) in one place:
 
 - The body's fields come in a fixed order with the conversation last: ``model``, ``stream``,
-  ``stream_options``, ``max_tokens``, any extra endpoint fields, ``tools``, ``messages``
-  (system prompt first). Two requests of one spec (a parent and its fork child) are therefore
-  byte-identical from the first byte through the last message they share.
+  ``stream_options``, ``max_tokens`` (or ``max_completion_tokens``), any extra endpoint
+  fields, ``tools``, ``messages`` (system prompt first). Two requests of one spec (a parent
+  and its fork child) are therefore byte-identical from the first byte through the last
+  message they share.
 - JSON is compact (``,`` and ``:``), UTF-8, with non-ASCII text kept as is; tool schemas are
   the descriptors' canonical JSON, inserted verbatim.
 
@@ -53,6 +54,7 @@ def request_body(
     model: str,
     extra: Mapping[str, Any] | None = None,
     max_output_tokens: int | None = None,
+    max_tokens_field: str = "max_tokens",
 ) -> bytes:
     """The streamed chat-completions body of ``request``, for the endpoint's ``model`` name.
 
@@ -64,7 +66,7 @@ def request_body(
         '"stream":true,"stream_options":{"include_usage":true}',
     ]
     if max_output_tokens is not None:
-        head += [",", _pair("max_tokens", max_output_tokens)]
+        head += [",", _pair(max_tokens_field, max_output_tokens)]
     for name, value in (extra or {}).items():
         if name in RESERVED_FIELDS:
             raise ValueError(f"the endpoint field {name!r} is set by the provider itself")
@@ -78,7 +80,15 @@ def request_body(
 
 
 RESERVED_FIELDS = frozenset(
-    {"model", "stream", "stream_options", "max_tokens", "tools", "messages"}
+    {
+        "model",
+        "stream",
+        "stream_options",
+        "max_tokens",
+        "max_completion_tokens",
+        "tools",
+        "messages",
+    }
 )
 """Body fields the provider sets itself; an endpoint's extra fields may not replace them."""
 

@@ -49,6 +49,7 @@ _ENDPOINT_KEYS = frozenset(
         "max_connections",
         "retry",
         "body",
+        "max_tokens_field",
     }
 )
 _RETRY_KEYS = frozenset({"max_attempts", "initial_backoff_s", "max_backoff_s", "budget_s"})
@@ -169,6 +170,7 @@ def _endpoint(
             max_connections=int(table.get("max_connections", 32)),
             retry=policy,
             body=dict(body),
+            max_tokens_field=str(table.get("max_tokens_field", "max_tokens")),
         )
     except (TypeError, ValueError) as error:
         raise PresetFileError(f"{path}: {where}: {error}") from error

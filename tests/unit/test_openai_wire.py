@@ -120,6 +120,17 @@ def test_assistant_tool_calls_and_tool_results_take_openai_shapes() -> None:
     assert result == {"role": "tool", "tool_call_id": "call_9", "content": "ok"}
 
 
+def test_the_output_limit_may_go_as_max_completion_tokens() -> None:
+    body = request_body(
+        request(user("x")),
+        model="o-model",
+        max_output_tokens=99,
+        max_tokens_field="max_completion_tokens",
+    )
+    assert json.loads(body)["max_completion_tokens"] == 99
+    assert b'"max_tokens"' not in body
+
+
 def test_endpoint_fields_come_before_the_tools_and_may_not_replace_the_providers() -> None:
     body = json.loads(request_body(request(user("x")), model="m", extra={"temperature": 0.2}))
     assert list(body) == ["model", "stream", "stream_options", "temperature", "tools", "messages"]

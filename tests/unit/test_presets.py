@@ -119,6 +119,10 @@ def test_the_file_may_redefine_the_openai_endpoint(tmp_path: Path) -> None:
         ),
         ("[endpoints.local]\nbase_url = 'http://h/v1'\nread_timeout_s = 'long'\n", "seconds"),
         (
+            "[endpoints.local]\nbase_url = 'http://h/v1'\nmax_tokens_field = 'limit'\n",
+            "max_tokens_field",
+        ),
+        (
             "[endpoints.local]\nbase_url = 'http://h/v1'\n[endpoints.local.body]\nmodel = 'x'\n",
             "set by the provider",
         ),
