@@ -22,7 +22,6 @@ from dsh_mesh.cli._render import (
     summary_row,
     table,
     to_jsonable,
-    usage_text,
 )
 from dsh_mesh.client import (
     ClientOptions,
@@ -243,7 +242,7 @@ async def _show(client: MeshClient, args: argparse.Namespace, console: Console) 
             f"{'fork of':<10}{info.fork_origin.parent_session} up to seq "
             f"{info.fork_origin.prefix_seq}"
         )
-    console.say(f"{'usage':<10}{usage_text(usage) if usage is not None else '- (not reported)'}")
+    console.say(f"{'usage':<10}{usage.describe() if usage is not None else '- (not reported)'}")
     console.say(f"transcript ({len(entries)} entries)")
     for entry in entries:
         console.say(format_entry(entry, color=console.color, width=None))

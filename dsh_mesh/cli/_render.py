@@ -27,7 +27,7 @@ from dsh_mesh.client import (
     TurnStarted,
     UnknownEntry,
 )
-from dsh_mesh.core import MeshError, Rejected, SessionUsage, SettlementOutcome, TurnOutcome, Usage
+from dsh_mesh.core import MeshError, Rejected, SettlementOutcome, TurnOutcome, Usage
 from dsh_mesh.transport import RemoteError
 
 DEFAULT_WIDTH = 160
@@ -137,22 +137,6 @@ def step_usage(usage: Usage) -> str:
         f"[in {usage.input_tokens:,} / cached {usage.cached_input_tokens:,}"
         f" / out {usage.output_tokens:,}]"
     )
-
-
-def usage_text(usage: SessionUsage) -> str:
-    """A session's usage on one line: ``3 model calls: 1,234 input (1,024 cached, 83%), 56
-    output; first call 97% cached`` (the first-call part only when there was a call)."""
-    if usage.model_calls == 0:
-        return "no model calls"
-    calls = "1 model call" if usage.model_calls == 1 else f"{usage.model_calls:,} model calls"
-    text = (
-        f"{calls}: {usage.input_tokens:,} input ({usage.cached_input_tokens:,} cached,"
-        f" {_share(usage.cache_share)}), {usage.output_tokens:,} output"
-    )
-    first = usage.first_call_cache_share
-    if first is not None:
-        text += f"; first call {_share(first)} cached"
-    return text
 
 
 def _line(label: str, text: str, bad: bool, *, color: bool) -> str:

@@ -43,6 +43,21 @@ class SessionUsage:
             return None
         return _share(self.first_call.cached_input_tokens, self.first_call.input_tokens)
 
+    def describe(self, *, first_call: bool = True) -> str:
+        """One line for people: ``3 model calls: 1,234 input (1,024 cached, 83%), 56 output;
+        first call 97% cached`` (the first-call part only with ``first_call`` and a call)."""
+        if self.model_calls == 0:
+            return "no model calls"
+        calls = "1 model call" if self.model_calls == 1 else f"{self.model_calls:,} model calls"
+        text = (
+            f"{calls}: {self.input_tokens:,} input ({self.cached_input_tokens:,} cached,"
+            f" {self.cache_share:.0%}), {self.output_tokens:,} output"
+        )
+        first = self.first_call_cache_share
+        if first_call and first is not None:
+            text += f"; first call {first:.0%} cached"
+        return text
+
     def followed_by(self, later: SessionUsage) -> SessionUsage:
         """The usage of this part of a transcript followed by ``later``, the usage of the part
         that comes after it: counts add up, the first call stays this part's if it had one.

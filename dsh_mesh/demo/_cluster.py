@@ -26,7 +26,7 @@ from dsh_mesh.core import (
     SettlementNoticeEntry,
     SettlementOutcome,
 )
-from dsh_mesh.demo._describe import describe, describe_usage
+from dsh_mesh.demo._describe import describe
 from dsh_mesh.demo._scenario import FOLLOW_UP
 from dsh_mesh.testing import (
     CollectedSpan,
@@ -242,7 +242,7 @@ def print_run(run: DemoRun, write: Callable[[str], None] = print) -> None:
     write(f"  (killed: {run.killed})")
     write("\n=== model usage per agent (GetSession) ===")
     for session, usage in run.usage.items():
-        line = describe_usage(usage, fork=session in run.forks)
+        line = usage.describe(first_call=session in run.forks)
         write(f"  {run.names.get(session, session):<28} {session}  {line}")
     write("\n=== one message, one trace: the lead's follow-up to alpha ===")
     for line in run.trace:

@@ -11,7 +11,6 @@ from dsh_mesh.core import (
     ForkPrefixEntry,
     HumanPromptEntry,
     Record,
-    SessionUsage,
     SettlementNoticeEntry,
     TaskEntry,
     ToolResultEntry,
@@ -59,22 +58,6 @@ def describe(record: Record) -> str:
         flag = "ERROR " if entry.is_error else ""
         return f"{prefix} tool result    {entry.name}: {flag}{_short(entry.content)}"
     return f"{prefix} {entry!r}"
-
-
-def describe_usage(usage: SessionUsage, *, fork: bool = False) -> str:
-    """One agent's model usage on one line: calls, input with its cached part and share, output;
-    for a fork child (``fork``) also the share of its first call the prompt cache served."""
-    if usage.model_calls == 0:
-        return "no model calls"
-    calls = "1 model call" if usage.model_calls == 1 else f"{usage.model_calls} model calls"
-    text = (
-        f"{calls}: {usage.input_tokens:,} input ({usage.cached_input_tokens:,} cached,"
-        f" {usage.cache_share:.0%}), {usage.output_tokens:,} output"
-    )
-    first = usage.first_call_cache_share
-    if fork and first is not None:
-        text += f"; first call {first:.0%} cached"
-    return text
 
 
 def _short(text: str, limit: int = 150) -> str:

@@ -15,7 +15,7 @@ from dsh_mesh.core import (
     ToolResultEntry,
     session_usage,
 )
-from dsh_mesh.demo._describe import describe, describe_usage
+from dsh_mesh.demo._describe import describe
 from dsh_mesh.demo._scenario import sibling
 from dsh_mesh.models import PARENT, Call, Reply, ScriptedProvider, child, send
 from dsh_mesh.runtime import ContinuationManager, InMemorySessionStore
@@ -119,6 +119,6 @@ def main() -> None:
     }
     for session, records in transcripts.items():
         print(f"\n=== {session}: {names.get(session, '')} ===")
-        print(f"  usage: {describe_usage(session_usage(r.entry for r in records))}")
+        print(f"  usage: {session_usage(r.entry for r in records).describe(first_call=False)}")
         for record in records:
             print(describe(record))

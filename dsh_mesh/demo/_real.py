@@ -36,7 +36,7 @@ from dsh_mesh.core import (
     TurnEndedEntry,
     TurnStartedEntry,
 )
-from dsh_mesh.demo._describe import describe, describe_usage
+from dsh_mesh.demo._describe import describe
 from dsh_mesh.node import endpoints_from_environment, load_presets
 from dsh_mesh.testing import EtcdServer, LocalCluster, MeshReader
 
@@ -240,7 +240,7 @@ def print_real_run(run: RealRun, write: Callable[[str], None] = print) -> None:
     for header in run.headers:
         kind = "fork" if header.fork_origin is not None else header.kind.value
         usage = run.usage.get(header.session_id)
-        line = describe_usage(usage, fork=header.fork_origin is not None) if usage else ""
+        line = usage.describe(first_call=header.fork_origin is not None) if usage else ""
         write(f"  {header.session_id}  {header.spec.preset} ({kind})  {line}")
     for header in run.headers:
         records = run.transcripts.get(header.session_id, [])

@@ -212,7 +212,10 @@ class ScriptedProvider:
             condition.notify_all()
         program = self.programs.get(request.model)
         if program is None:
-            raise ScriptError(f"no scripted program for model {request.model!r}")
+            raise ScriptError(
+                f"no scripted program for model {request.model!r} (a real model is named"
+                " <endpoint>:<model>, with that endpoint configured: see docs/presets.md)"
+            )
         cursor = self._cursors.get(request.session_id, 0)
         if self.resume_from_transcript:
             # The transcript may be ahead of what this process remembers: the session may have

@@ -8,6 +8,7 @@ the entry they protect.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -56,8 +57,11 @@ class Resumption:
 class SessionStore(Protocol):
     """Durable state of sessions. Every method is safe to call concurrently from one loop."""
 
-    async def create_header(self, header: SessionHeader) -> None:
-        """Create-only: raises ``SessionExists`` if the id is taken; headers never change."""
+    async def create_header(self, header: SessionHeader, entries: Sequence[Entry] = ()) -> None:
+        """Create the session with ``entries`` as its transcript's seqs 1..n, in one atomic step:
+        a session exists whole, or not at all. Create-only: raises ``SessionExists`` (and writes
+        nothing) if the id is taken; headers never change. The session has no activation yet,
+        so the entries are unfenced writes (``writer=None``). Durable when it returns."""
         ...
 
     async def get_header(self, session: SessionId) -> SessionHeader | None: ...

@@ -10,17 +10,8 @@ request is kept byte-exact as a :class:`RecordedRequest`, recorded before it is 
 It is plain asyncio streams, HTTP/1.1 with keep-alive: request bodies by ``Content-Length`` or
 ``Transfer-Encoding: chunked``, streamed responses chunked, one SSE event per HTTP chunk.
 
-Token accounting is a deliberate, documented approximation so tests can predict it:
-
-- ``prompt_tokens`` is the request body's length in bytes divided by 4, rounded up.
-- Cached prompt tokens simulate a provider's prefix cache: the longest common *byte* prefix of
-  this body and any earlier body the server answered with a :class:`Completion` or
-  :class:`Stall`, divided by 4 (rounded down), rounded down to a multiple of
-  ``cache_block_tokens`` (16 by default, as providers cache in blocks), and never more than
-  ``prompt_tokens``. The first request therefore has 0 cached tokens.
-- ``completion_tokens`` is :attr:`Completion.completion_tokens` when given, else the length in
-  characters of the reasoning, the text and every tool call's arguments, divided by 4 (rounded
-  down), at least 1.
+Token accounting is explained in the docstring of :mod:`dsh_mesh.testing._chat_replies`, with
+the replies and the payloads; HTTP framing is in :mod:`dsh_mesh.testing._http1`.
 """
 
 from __future__ import annotations
@@ -28,213 +19,63 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import json
 import math
 import socket
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator, Mapping
-from dataclasses import dataclass, field
-from http import HTTPStatus
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from types import MappingProxyType, TracebackType
-from typing import Any, Literal, Self, TypeAlias
+from typing import Any, Self
 from urllib.parse import urlsplit
 
+from dsh_mesh.testing._chat_replies import (
+    BYTES_PER_TOKEN,
+    DONE,
+    ChatAnswer,
+    Completion,
+    Failure,
+    RecordedRequest,
+    Reply,
+    Responder,
+    ScriptedToolCall,
+    Stall,
+    UsageForm,
+    chunk,
+    common_prefix,
+    dumps,
+    error_body,
+    parse_json,
+    phrase,
+    stream_chunks,
+    whole_completion,
+)
+from dsh_mesh.testing._http1 import (
+    HEAD_LINE_LIMIT,
+    BadRequest,
+    http_chunk,
+    read_body,
+    read_head,
+    until_closed,
+)
+
+# The package imports the scripted replies from here as well as the server.
+__all__ = [
+    "ChatCompletionsServer",
+    "Completion",
+    "Failure",
+    "RecordedRequest",
+    "Reply",
+    "Responder",
+    "ScriptedToolCall",
+    "Stall",
+    "UsageForm",
+]
+
 _LOOPBACK = "127.0.0.1"
-_BYTES_PER_TOKEN = 4
 _DEFAULT_MODEL = "test-model"
-_FINGERPRINT = "fp_dsh_mesh"
-_HEAD_LINE_LIMIT = 1 << 16
-_MAX_BODY = 1 << 28
-_READ_SIZE = 1 << 16
 _CHAT_PATHS = frozenset({"/v1/chat/completions", "/chat/completions"})
 _MODEL_PATHS = frozenset({"/v1/models", "/models"})
-
-UsageForm: TypeAlias = Literal["openai", "deepseek", "vllm", "none"]
-"""How a :class:`Completion` reports usage: ``"openai"`` (``prompt_tokens_details.cached_tokens``),
-``"deepseek"`` (``prompt_cache_hit_tokens`` / ``prompt_cache_miss_tokens``), ``"vllm"``
-(``prompt_tokens_details`` is ``null``) or ``"none"`` (no usage at all)."""
-
-_USAGE_FORMS: frozenset[str] = frozenset({"openai", "deepseek", "vllm", "none"})
-
-
-@dataclass(frozen=True, kw_only=True)
-class ScriptedToolCall:
-    """One tool call a :class:`Completion` makes: ``arguments`` is the raw JSON text, sent as
-    is (it is not checked, so a test may send malformed arguments on purpose)."""
-
-    call_id: str
-    name: str
-    arguments: str
-
-
-@dataclass(frozen=True, kw_only=True)
-class Completion:
-    """A successful answer: ``reasoning``, ``text`` then ``tool_calls``, ending with
-    ``finish_reason``.
-
-    - ``finish_reason`` defaults to ``"tool_calls"`` when there are tool calls, else
-      ``"stop"``; any string is sent as given (``"length"``, ``"content_filter"``).
-    - ``usage_form`` picks the usage shape (see :data:`UsageForm`); ``completion_tokens``
-      overrides the derived count (see the module docstring).
-    - Streamed, the reasoning, the text and each call's arguments are split into ``pieces``
-      chunks each (fewer when shorter). Tool calls go one after another, as OpenAI sends them;
-      with ``interleave`` every call's header goes first and the argument pieces of the calls
-      then alternate, as some servers do.
-    - ``reasoning`` is sent as ``reasoning_content`` (DeepSeek's reasoner, vLLM's reasoning
-      parsers): streamed as deltas ``{"content": null, "reasoning_content": piece}`` before
-      the text, whole as ``message.reasoning_content``.
-    - ``cut_after`` drops the connection mid-answer: streamed, only the first ``cut_after``
-      SSE events are sent (the role chunk is the first, ``[DONE]`` the last) and the
-      connection is closed without ending the chunked body; not streamed, the head and half
-      the JSON body are sent, then the connection is closed. A cut is the server's doing and
-      is not counted in :attr:`ChatCompletionsServer.disconnects`.
-
-    Raises ``ValueError`` for ``pieces < 1``, an unknown usage form or a negative count.
-    """
-
-    text: str = ""
-    tool_calls: tuple[ScriptedToolCall, ...] = ()
-    finish_reason: str | None = None
-    usage_form: UsageForm = "openai"
-    completion_tokens: int | None = None
-    pieces: int = 3
-    interleave: bool = False
-    reasoning: str = ""
-    cut_after: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.pieces < 1:
-            raise ValueError(f"pieces must be at least 1, got {self.pieces}")
-        if self.usage_form not in _USAGE_FORMS:
-            raise ValueError(f"usage_form must be one of {sorted(_USAGE_FORMS)}")
-        if self.completion_tokens is not None and self.completion_tokens < 0:
-            raise ValueError("completion_tokens must not be negative")
-        if self.cut_after is not None and self.cut_after < 0:
-            raise ValueError("cut_after must not be negative")
-
-    @property
-    def reason(self) -> str:
-        """The finish reason sent: ``finish_reason`` or its default."""
-        if self.finish_reason is not None:
-            return self.finish_reason
-        return "tool_calls" if self.tool_calls else "stop"
-
-    @property
-    def output_tokens(self) -> int:
-        """The ``completion_tokens`` reported: the override or the derived count."""
-        if self.completion_tokens is not None:
-            return self.completion_tokens
-        chars = len(self.reasoning) + len(self.text)
-        chars += sum(len(call.arguments) for call in self.tool_calls)
-        return max(1, chars // _BYTES_PER_TOKEN)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Failure:
-    """An HTTP error answer: ``status`` with OpenAI's body
-    ``{"error": {"message", "type", "param", "code"}}``.
-
-    ``message`` defaults to a provider-like text for the status. ``error_type`` defaults to
-    ``"requests"`` for 429 (OpenAI's rate-limit type), ``"server_error"`` for 5xx and
-    ``"invalid_request_error"`` otherwise. ``retry_after`` (seconds) is sent as a
-    ``Retry-After`` header: an integer when whole, else a decimal such as ``0.25``. Raises
-    ``ValueError`` for a status outside 400-599 or a negative ``retry_after``.
-    """
-
-    status: int
-    message: str = ""
-    code: str | None = None
-    retry_after: float | None = None
-    error_type: str | None = None
-    param: str | None = None
-
-    def __post_init__(self) -> None:
-        if not 400 <= self.status <= 599:
-            raise ValueError(f"a Failure's status must be 400-599, got {self.status}")
-        if self.retry_after is not None and self.retry_after < 0:
-            raise ValueError("retry_after must not be negative")
-
-    def body(self) -> dict[str, Any]:
-        """The JSON error object sent."""
-        return _error_body(
-            self.message or _default_message(self.status),
-            error_type=self.error_type or _default_type(self.status),
-            code=self.code,
-            param=self.param,
-        )
-
-
-@dataclass(frozen=True, kw_only=True)
-class Stall:
-    """Send the response head and the first text chunk, then hang until the client goes away.
-
-    Streamed, the client receives the head, a chunk with ``role: "assistant"`` and a chunk with
-    ``text`` as content, then nothing. Not streamed, it receives nothing at all. Either way the
-    server waits (without polling) for the client to close the connection and counts it in
-    :attr:`ChatCompletionsServer.disconnects`.
-    """
-
-    text: str = "..."
-
-
-Reply: TypeAlias = Completion | Failure | Stall
-"""What the server answers one chat-completions request with."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class RecordedRequest:
-    """One HTTP request as the server received it.
-
-    ``headers`` has lower-case names (repeated headers joined with ``", "``); ``body`` is the
-    body exactly as received (de-chunked when it came chunked); ``json`` is the parsed body, or
-    None when it is empty or not JSON. ``connection`` numbers the TCP connection it came on
-    (1 for the server's first), so a test can tell keep-alive reuse from new connections.
-    """
-
-    method: str
-    path: str
-    query: str = ""
-    headers: Mapping[str, str] = field(hash=False)
-    body: bytes
-    json: Any = field(hash=False)
-    connection: int
-
-    @property
-    def model(self) -> str | None:
-        """The body's ``model``, if it is a string."""
-        value = self._field("model")
-        return value if isinstance(value, str) else None
-
-    @property
-    def messages(self) -> list[Any]:
-        """The body's ``messages`` (empty if absent or not a list)."""
-        value = self._field("messages")
-        return value if isinstance(value, list) else []
-
-    @property
-    def tools(self) -> list[Any]:
-        """The body's ``tools`` (empty if absent or not a list)."""
-        value = self._field("tools")
-        return value if isinstance(value, list) else []
-
-    @property
-    def stream(self) -> bool:
-        """Whether the body asks for a streamed answer (``"stream": true``)."""
-        return self._field("stream") is True
-
-    @property
-    def include_usage(self) -> bool:
-        """Whether the body asks for a usage chunk (``stream_options.include_usage``)."""
-        options = self._field("stream_options")
-        return isinstance(options, dict) and options.get("include_usage") is True
-
-    def _field(self, name: str) -> Any:
-        return self.json.get(name) if isinstance(self.json, dict) else None
-
-
-Responder: TypeAlias = Callable[[RecordedRequest], Reply | Awaitable[Reply]]
-"""Chooses the reply to a chat-completions request; may be a coroutine function."""
 
 
 class ChatCompletionsServer:
@@ -249,7 +90,8 @@ class ChatCompletionsServer:
     ``max_context_tokens`` (400, code ``"context_length_exceeded"``, OpenAI's message). A
     responder that raises gets a 500 with the exception's text, and the server keeps serving.
     ``GET /v1/models`` lists the models requested so far (or ``"test-model"``); anything else
-    is a 404 with an error body. Token accounting is in the module docstring.
+    is a 404 with an error body. Token accounting is in the ``_chat_replies``
+    module docstring.
 
     Lifecycle: :meth:`start` returns once the server listens (then :attr:`base_url` is valid);
     :meth:`shutdown` closes the listener and every connection and waits for their handlers; it
@@ -316,7 +158,7 @@ class ChatCompletionsServer:
         try:
             await self._ready.wait()
             self._listener = await asyncio.start_server(
-                self._accept, sock=sock, limit=_HEAD_LINE_LIMIT
+                self._accept, sock=sock, limit=HEAD_LINE_LIMIT
             )
         finally:
             if self._listener is None:  # start_server did not take the socket over
@@ -466,14 +308,14 @@ class ChatCompletionsServer:
     ) -> bool:
         """Read one request and answer it; whether the connection stays open for another."""
         try:
-            head = await _read_head(reader)
+            head = await read_head(reader)
             if head is None:
                 return False
             if head.headers.get("expect", "").lower() == "100-continue":
                 writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-            body = await _read_body(reader, head.headers)
-        except _BadRequest as bad:
-            body_json = _error_body(str(bad), error_type="invalid_request_error")
+            body = await read_body(reader, head.headers)
+        except BadRequest as bad:
+            body_json = error_body(str(bad), error_type="invalid_request_error")
             await self._send_json(writer, 400, body_json, keep_alive=False)
             return False
         target = urlsplit(head.target)
@@ -483,7 +325,7 @@ class ChatCompletionsServer:
             query=target.query,
             headers=MappingProxyType(head.headers),
             body=body,
-            json=_parse_json(body),
+            json=parse_json(body),
             connection=connection,
         )
         self._requests.append(request)
@@ -506,7 +348,7 @@ class ChatCompletionsServer:
         await self._send_json(
             writer,
             200,
-            _whole_completion(answer, answer.reply),
+            whole_completion(answer, answer.reply),
             keep_alive=head.keep_alive,
             cut=cut,
         )
@@ -514,11 +356,11 @@ class ChatCompletionsServer:
 
     # -- internals: what to answer --------------------------------------------------------------
 
-    async def _route(self, request: RecordedRequest) -> _JsonAnswer | _ChatAnswer:
+    async def _route(self, request: RecordedRequest) -> _JsonAnswer | ChatAnswer:
         if self._api_key is not None and not self._authorized(request):
             return _JsonAnswer(
                 status=401,
-                body=_error_body(
+                body=error_body(
                     "Incorrect API key provided. You can find your API key at"
                     " https://platform.openai.com/account/api-keys.",
                     error_type="invalid_request_error",
@@ -536,7 +378,7 @@ class ChatCompletionsServer:
             return _JsonAnswer(status=200, body={"object": "list", "data": listed})
         return _JsonAnswer(
             status=404,
-            body=_error_body(
+            body=error_body(
                 f"Invalid URL ({request.method} {request.path})",
                 error_type="invalid_request_error",
             ),
@@ -546,7 +388,7 @@ class ChatCompletionsServer:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         return scheme.lower() == "bearer" and token.strip() == self._api_key
 
-    async def _chat(self, request: RecordedRequest) -> _JsonAnswer | _ChatAnswer:
+    async def _chat(self, request: RecordedRequest) -> _JsonAnswer | ChatAnswer:
         payload = request.json
         if not isinstance(payload, dict):
             return _refuse(
@@ -566,7 +408,7 @@ class ChatCompletionsServer:
                 code="missing_required_parameter",
             )
         self._models.setdefault(model)
-        prompt_tokens = math.ceil(len(request.body) / _BYTES_PER_TOKEN)
+        prompt_tokens = math.ceil(len(request.body) / BYTES_PER_TOKEN)
         limit = self._max_context_tokens
         if limit is not None and prompt_tokens > limit:
             return _refuse(
@@ -588,7 +430,7 @@ class ChatCompletionsServer:
         cached_tokens = self._cached_tokens(request.body, prompt_tokens)
         self._served_bodies.append(request.body)
         self._answers += 1
-        return _ChatAnswer(
+        return ChatAnswer(
             request=request,
             reply=reply,
             completion_id=f"chatcmpl-dsh{self._answers:012d}",
@@ -611,9 +453,9 @@ class ChatCompletionsServer:
         return reply
 
     def _cached_tokens(self, body: bytes, prompt_tokens: int) -> int:
-        shared = max((_common_prefix(body, earlier) for earlier in self._served_bodies), default=0)
+        shared = max((common_prefix(body, earlier) for earlier in self._served_bodies), default=0)
         block = self._cache_block_tokens
-        return min(prompt_tokens, shared // _BYTES_PER_TOKEN // block * block)
+        return min(prompt_tokens, shared // BYTES_PER_TOKEN // block * block)
 
     # -- internals: writing answers -------------------------------------------------------------
 
@@ -628,7 +470,7 @@ class ChatCompletionsServer:
         cut: bool = False,
     ) -> None:
         """Send a JSON answer (only the first half of the body when ``cut``)."""
-        payload = _dumps(body)
+        payload = dumps(body)
         headers = [
             ("Content-Type", "application/json"),
             ("Content-Length", str(len(payload))),
@@ -640,7 +482,7 @@ class ChatCompletionsServer:
         await writer.drain()
 
     def _head(self, status: int, headers: list[tuple[str, str]], *, keep_alive: bool) -> bytes:
-        lines = [f"HTTP/1.1 {status} {_phrase(status)}"]
+        lines = [f"HTTP/1.1 {status} {phrase(status)}"]
         lines += [f"{name}: {value}" for name, value in headers]
         lines.append(f"x-request-id: req_dsh{len(self._requests):012d}")
         if not keep_alive:
@@ -657,7 +499,7 @@ class ChatCompletionsServer:
 
     async def _stream(
         self,
-        answer: _ChatAnswer,
+        answer: ChatAnswer,
         completion: Completion,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
@@ -666,7 +508,7 @@ class ChatCompletionsServer:
     ) -> bool:
         """Stream ``completion``; False if the stream did not end (the client went away or
         the completion is cut), so the connection must close."""
-        events = [*_stream_chunks(answer, completion), _DONE]
+        events = [*stream_chunks(answer, completion), DONE]
         if completion.cut_after is not None:
             events = events[: completion.cut_after]
         self._open_streams += 1
@@ -679,7 +521,7 @@ class ChatCompletionsServer:
                 if reader.at_eof():
                     self._count_disconnect()
                     return False
-                writer.write(_http_chunk(event))
+                writer.write(http_chunk(event))
                 await writer.drain()
             if completion.cut_after is not None:
                 return False
@@ -693,7 +535,7 @@ class ChatCompletionsServer:
         return True
 
     async def _stall(
-        self, answer: _ChatAnswer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self, answer: ChatAnswer, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
         assert isinstance(answer.reply, Stall)
         streamed = answer.request.stream
@@ -701,13 +543,13 @@ class ChatCompletionsServer:
             self._open_streams += 1
         try:
             if streamed:
-                first = _chunk(answer, {"role": "assistant", "content": "", "refusal": None})
-                text = _chunk(answer, {"content": answer.reply.text})
+                first = chunk(answer, {"role": "assistant", "content": "", "refusal": None})
+                text = chunk(answer, {"content": answer.reply.text})
                 writer.write(
-                    self._stream_head(keep_alive=False) + _http_chunk(first) + _http_chunk(text)
+                    self._stream_head(keep_alive=False) + http_chunk(first) + http_chunk(text)
                 )
                 await writer.drain()
-            await _until_closed(reader)
+            await until_closed(reader)
         except ConnectionError:
             pass  # a reset is the client going away too
         finally:
@@ -730,20 +572,6 @@ class _JsonAnswer:
     extra: tuple[tuple[str, str], ...] = ()
 
 
-@dataclass(frozen=True, kw_only=True)
-class _ChatAnswer:
-    request: RecordedRequest
-    reply: Completion | Stall
-    completion_id: str
-    model: str
-    created: int
-    prompt_tokens: int
-    cached_tokens: int
-
-
-_DONE = b"data: [DONE]\n\n"
-
-
 def _refuse(
     status: int,
     message: str,
@@ -753,320 +581,11 @@ def _refuse(
     code: str | None = None,
 ) -> _JsonAnswer:
     return _JsonAnswer(
-        status=status, body=_error_body(message, error_type=error_type, param=param, code=code)
+        status=status, body=error_body(message, error_type=error_type, param=param, code=code)
     )
-
-
-def _error_body(
-    message: str, *, error_type: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
-
-
-def _default_type(status: int) -> str:
-    if status == 429:
-        return "requests"
-    return "server_error" if status >= 500 else "invalid_request_error"
-
-
-def _default_message(status: int) -> str:
-    if status == 429:
-        return "Rate limit reached for requests. Please try again later."
-    if status == 500:
-        return "The server had an error while processing your request. Sorry about that!"
-    if status == 503:
-        return "The engine is currently overloaded, please try again later."
-    return _phrase(status)
-
-
-def _phrase(status: int) -> str:
-    try:
-        return HTTPStatus(status).phrase
-    except ValueError:
-        return "Unknown"
 
 
 def _seconds(value: float) -> str:
     if float(value).is_integer():
         return str(int(value))
     return f"{value:.6f}".rstrip("0")
-
-
-def _usage(answer: _ChatAnswer, completion: Completion) -> dict[str, Any] | None:
-    prompt, cached = answer.prompt_tokens, answer.cached_tokens
-    output = completion.output_tokens
-    counts: dict[str, Any] = {
-        "prompt_tokens": prompt,
-        "completion_tokens": output,
-        "total_tokens": prompt + output,
-    }
-    form = completion.usage_form
-    if form == "none":
-        return None
-    if form == "deepseek":
-        return counts | {
-            "prompt_cache_hit_tokens": cached,
-            "prompt_cache_miss_tokens": prompt - cached,
-        }
-    if form == "vllm":
-        return counts | {"prompt_tokens_details": None}
-    return counts | {
-        "prompt_tokens_details": {"cached_tokens": cached, "audio_tokens": 0},
-        "completion_tokens_details": {
-            "reasoning_tokens": len(completion.reasoning) // _BYTES_PER_TOKEN,
-            "audio_tokens": 0,
-            "accepted_prediction_tokens": 0,
-            "rejected_prediction_tokens": 0,
-        },
-    }
-
-
-def _whole_completion(answer: _ChatAnswer, completion: Completion) -> dict[str, Any]:
-    message: dict[str, Any] = {
-        "role": "assistant",
-        "content": completion.text if completion.text or not completion.tool_calls else None,
-        "refusal": None,
-    }
-    if completion.reasoning:
-        message["reasoning_content"] = completion.reasoning
-    if completion.tool_calls:
-        message["tool_calls"] = [
-            {
-                "id": call.call_id,
-                "type": "function",
-                "function": {"name": call.name, "arguments": call.arguments},
-            }
-            for call in completion.tool_calls
-        ]
-    body: dict[str, Any] = {
-        "id": answer.completion_id,
-        "object": "chat.completion",
-        "created": answer.created,
-        "model": answer.model,
-        "choices": [
-            {"index": 0, "message": message, "logprobs": None, "finish_reason": completion.reason}
-        ],
-    }
-    usage = _usage(answer, completion)
-    if usage is not None:
-        body["usage"] = usage
-    body["system_fingerprint"] = _FINGERPRINT
-    return body
-
-
-def _chunk(
-    answer: _ChatAnswer, delta: dict[str, Any], *, finish_reason: str | None = None
-) -> bytes:
-    body: dict[str, Any] = {
-        "id": answer.completion_id,
-        "object": "chat.completion.chunk",
-        "created": answer.created,
-        "model": answer.model,
-        "system_fingerprint": _FINGERPRINT,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-    }
-    if answer.request.include_usage:
-        body["usage"] = None  # OpenAI's shape: every chunk but the last carries usage null
-    return b"data: " + _dumps(body) + b"\n\n"
-
-
-def _stream_chunks(answer: _ChatAnswer, completion: Completion) -> list[bytes]:
-    """The SSE events of a streamed completion, without the final ``[DONE]``."""
-    deltas = list(_deltas(completion))
-    first: dict[str, Any] = {"role": "assistant", "content": "", "refusal": None}
-    if completion.reasoning:
-        first = {"role": "assistant", "content": None, "reasoning_content": ""}
-    elif not completion.text and completion.tool_calls:
-        # OpenAI puts the role on the first tool-call chunk when there is no text.
-        first = {"role": "assistant", "content": None, "refusal": None} | deltas.pop(0)
-    events = [_chunk(answer, first)]
-    events += [_chunk(answer, delta) for delta in deltas]
-    events.append(_chunk(answer, {}, finish_reason=completion.reason))
-    usage = _usage(answer, completion)
-    if answer.request.include_usage and usage is not None:
-        final = {
-            "id": answer.completion_id,
-            "object": "chat.completion.chunk",
-            "created": answer.created,
-            "model": answer.model,
-            "system_fingerprint": _FINGERPRINT,
-            "choices": [],
-            "usage": usage,
-        }
-        events.append(b"data: " + _dumps(final) + b"\n\n")
-    return events
-
-
-def _deltas(completion: Completion) -> Iterator[dict[str, Any]]:
-    """The reasoning deltas, the content deltas of the text, then the tool-call deltas."""
-    for piece in _split(completion.reasoning, completion.pieces):
-        yield {"content": None, "reasoning_content": piece}
-    for piece in _split(completion.text, completion.pieces):
-        yield {"content": piece}
-    headers = [
-        {
-            "tool_calls": [
-                {
-                    "index": index,
-                    "id": call.call_id,
-                    "type": "function",
-                    "function": {"name": call.name, "arguments": ""},
-                }
-            ]
-        }
-        for index, call in enumerate(completion.tool_calls)
-    ]
-    arguments = [
-        [
-            {"tool_calls": [{"index": index, "function": {"arguments": piece}}]}
-            for piece in _split(call.arguments, completion.pieces)
-        ]
-        for index, call in enumerate(completion.tool_calls)
-    ]
-    if completion.interleave:
-        yield from headers
-        for round_ in range(max((len(pieces) for pieces in arguments), default=0)):
-            for pieces in arguments:
-                if round_ < len(pieces):
-                    yield pieces[round_]
-        return
-    for header, pieces in zip(headers, arguments, strict=True):
-        yield header
-        yield from pieces
-
-
-def _split(text: str, pieces: int) -> list[str]:
-    """``text`` cut into at most ``pieces`` non-empty, nearly equal parts (none if empty)."""
-    if not text:
-        return []
-    size = math.ceil(len(text) / pieces)
-    return [text[start : start + size] for start in range(0, len(text), size)]
-
-
-def _http_chunk(data: bytes) -> bytes:
-    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
-
-
-def _dumps(value: Any) -> bytes:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
-
-
-def _parse_json(body: bytes) -> Any:
-    if not body:
-        return None
-    try:
-        return json.loads(body)
-    except ValueError:  # UnicodeDecodeError is one too
-        return None
-
-
-def _common_prefix(a: bytes, b: bytes) -> int:
-    """The length of the longest common prefix of ``a`` and ``b`` (a binary search over slice
-    comparisons, which run in C)."""
-    low, high = 0, min(len(a), len(b))
-    view_a, view_b = memoryview(a), memoryview(b)
-    while low < high:
-        middle = (low + high + 1) // 2
-        if view_a[:middle] == view_b[:middle]:
-            low = middle
-        else:
-            high = middle - 1
-    return low
-
-
-# -- reading requests ---------------------------------------------------------------------------
-
-
-class _BadRequest(Exception):
-    """The bytes are not an HTTP/1.1 request this server can read; answered 400, then closed."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Head:
-    method: str
-    target: str
-    version: str
-    headers: dict[str, str]
-
-    @property
-    def keep_alive(self) -> bool:
-        tokens = {t.strip().lower() for t in self.headers.get("connection", "").split(",")}
-        if self.version == "HTTP/1.0":
-            return "keep-alive" in tokens
-        return "close" not in tokens
-
-
-async def _read_line(reader: asyncio.StreamReader) -> bytes:
-    try:
-        line = await reader.readline()
-    except ValueError as long:  # the line went past the reader's limit
-        raise _BadRequest("a request line or header is too long") from long
-    if not line.endswith(b"\n"):
-        raise asyncio.IncompleteReadError(line, None)
-    return line
-
-
-async def _read_head(reader: asyncio.StreamReader) -> _Head | None:
-    """The request line and headers, or None at a clean end of the connection."""
-    try:
-        first = await reader.readline()
-    except ValueError as long:
-        raise _BadRequest("the request line is too long") from long
-    if not first:
-        return None
-    if not first.endswith(b"\n"):
-        raise asyncio.IncompleteReadError(first, None)
-    parts = first.decode("latin-1").strip().split(" ")
-    if len(parts) != 3 or not parts[2].startswith("HTTP/1."):
-        raise _BadRequest(f"not an HTTP/1.x request line: {first[:100]!r}")
-    method, target, version = parts
-    headers: dict[str, str] = {}
-    while (line := await _read_line(reader)) not in (b"\r\n", b"\n"):
-        name, colon, value = line.decode("latin-1").partition(":")
-        if not colon or not name.strip():
-            raise _BadRequest(f"a malformed header line: {line[:100]!r}")
-        key, value = name.strip().lower(), value.strip()
-        headers[key] = f"{headers[key]}, {value}" if key in headers else value
-    return _Head(method=method, target=target, version=version, headers=headers)
-
-
-async def _read_body(reader: asyncio.StreamReader, headers: Mapping[str, str]) -> bytes:
-    coding = headers.get("transfer-encoding")
-    if coding is not None:
-        if coding.split(",")[-1].strip().lower() != "chunked":
-            raise _BadRequest(f"an unsupported Transfer-Encoding: {coding}")
-        return await _read_chunked(reader)
-    length = headers.get("content-length")
-    if length is None:
-        return b""
-    if not length.isdigit() or int(length) > _MAX_BODY:
-        raise _BadRequest(f"a bad Content-Length: {length!r}")
-    return await reader.readexactly(int(length))
-
-
-async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
-    parts: list[bytes] = []
-    total = 0
-    while True:
-        size_text = (await _read_line(reader)).split(b";", 1)[0].strip()
-        try:
-            size = int(size_text, 16)
-        except ValueError:
-            raise _BadRequest(f"a bad chunk size: {size_text[:20]!r}") from None
-        if size < 0 or total + size > _MAX_BODY:
-            raise _BadRequest(f"a bad chunk size: {size_text[:20]!r}")
-        if size == 0:
-            break
-        parts.append(await reader.readexactly(size))
-        total += size
-        if await reader.readexactly(2) != b"\r\n":
-            raise _BadRequest("a chunk not followed by CRLF")
-    while await _read_line(reader) not in (b"\r\n", b"\n"):
-        pass  # trailers: nothing here uses them
-    return b"".join(parts)
-
-
-async def _until_closed(reader: asyncio.StreamReader) -> None:
-    """Wait, without polling, until the peer closes its side; whatever it sends is dropped."""
-    while await reader.read(_READ_SIZE):
-        pass

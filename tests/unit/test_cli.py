@@ -38,7 +38,7 @@ from dsh_mesh.cli import (
     use_color,
     write_state,
 )
-from dsh_mesh.cli._render import step_usage, usage_text
+from dsh_mesh.cli._render import step_usage
 from dsh_mesh.client import (
     AgentMessage,
     AgentState,
@@ -559,16 +559,14 @@ def test_the_usage_line_of_show() -> None:
         cached_input_tokens=1024,
         first_call=Usage(input_tokens=1000, output_tokens=20, cached_input_tokens=970),
     )
-    assert usage_text(usage) == (
+    assert usage.describe() == (
         "3 model calls: 1,234 input (1,024 cached, 83%), 56 output; first call 97% cached"
     )
     one = SessionUsage(
         model_calls=1, input_tokens=40, output_tokens=8, first_call=Usage(input_tokens=40)
     )
-    assert (
-        usage_text(one) == "1 model call: 40 input (0 cached, 0%), 8 output; first call 0% cached"
-    )
-    assert usage_text(SessionUsage()) == "no model calls"
+    assert one.describe() == "1 model call: 40 input (0 cached, 0%), 8 output; first call 0% cached"
+    assert SessionUsage().describe() == "no model calls"
 
 
 def test_json_form_of_an_event() -> None:

@@ -25,7 +25,6 @@ from dsh_mesh.core import (
     Usage,
     session_usage,
 )
-from dsh_mesh.demo._describe import describe_usage
 
 
 def step(input_tokens: int, output_tokens: int, cached: int = 0) -> AssistantStepEntry:
@@ -112,6 +111,6 @@ def test_session_usage_is_frozen() -> None:
 def test_the_demo_shows_the_first_call_share_of_a_fork_child() -> None:
     usage = session_usage([step(2000, 8, 1940), step(2100, 8, 2000)])
     plain = "2 model calls: 4,100 input (3,940 cached, 96%), 16 output"
-    assert describe_usage(usage) == plain
-    assert describe_usage(usage, fork=True) == f"{plain}; first call 97% cached"
-    assert describe_usage(SessionUsage(), fork=True) == "no model calls"
+    assert usage.describe(first_call=False) == plain
+    assert usage.describe() == f"{plain}; first call 97% cached"
+    assert SessionUsage().describe() == "no model calls"
