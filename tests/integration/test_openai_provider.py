@@ -143,6 +143,7 @@ def bodies_of(server: ChatCompletionsServer, first_user: str) -> list[bytes]:
     ]  # fmt: skip
 
 
+@pytest.mark.contract(7)
 async def test_a_fork_childs_request_repeats_its_parents_bytes_and_hits_the_cache(
     server: ChatCompletionsServer, mesh: InProcessMesh
 ) -> None:
