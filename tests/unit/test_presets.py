@@ -164,3 +164,11 @@ async def test_a_scenario_takes_on_the_files_presets_and_serves_its_endpoints() 
         assert isinstance(router.route("helper")[0], ScriptedProvider)
     finally:
         await router.aclose()
+
+
+def test_the_sample_presets_file_is_valid() -> None:
+    sample = Path(__file__).parents[2] / "nodes" / "presets.example.toml"
+    loaded = load_presets(sample, environ={"VLLM_API_KEY": "sk-sample"})
+    assert [p.name for p in loaded.presets] == ["lead", "researcher"]
+    assert sorted(loaded.endpoints) == ["ollama", "openai", "vllm"]
+    assert loaded.endpoints["vllm"].api_key == "sk-sample"
