@@ -237,17 +237,23 @@ class Etcd:
         return response.kvs[0] if response.kvs else None
 
     async def get_prefix(
-        self, prefix: bytes, *, start: bytes | None = None, revision: int = 0
+        self, prefix: bytes, *, start: bytes | None = None, revision: int = 0, limit: int = 0
     ) -> Any:
         """Every key starting with ``prefix`` (from ``start`` on, if given), in key order, as of
-        ``revision`` (0: now). Returns etcd's ``RangeResponse``, whose ``header.revision`` is
-        the store's revision when it was read."""
-        return await self.range(start or prefix, prefix_end(prefix), revision=revision)
+        ``revision`` (0: now), at most ``limit`` of them (0: all). Returns etcd's
+        ``RangeResponse``, whose ``header.revision`` is the store's revision when it was read
+        and whose ``more`` says whether keys beyond ``limit`` were left out."""
+        return await self.range(start or prefix, prefix_end(prefix), revision=revision, limit=limit)
 
-    async def range(self, key: bytes, range_end: bytes = b"", *, revision: int = 0) -> Any:
-        """One linearizable Range request (at ``revision`` when given)."""
+    async def range(
+        self, key: bytes, range_end: bytes = b"", *, revision: int = 0, limit: int = 0
+    ) -> Any:
+        """One linearizable Range request (at ``revision`` when given, at most ``limit`` keys;
+        0: no limit)."""
         self.reads += 1
-        request = rpc.RangeRequest(key=key, range_end=range_end, revision=check_revision(revision))
+        request = rpc.RangeRequest(
+            key=key, range_end=range_end, revision=check_revision(revision), limit=limit
+        )
         async with self._errors():
             await self._client.connect()
             return await self._client.kvstub.Range(

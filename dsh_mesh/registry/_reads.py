@@ -87,12 +87,13 @@ class RegistryReads:
     async def page(
         self, session: SessionId, *, after_seq: int, limit: int
     ) -> tuple[list[Record], bool]:
-        """Up to ``limit`` records after ``after_seq``, and whether more follow."""
+        """Up to ``limit`` records after ``after_seq``, and whether more follow. Reads only
+        those from etcd (and one more, to know), however long the transcript."""
         prefix = self._keys.entries(session)
         response = await self._etcd.get_prefix(
-            prefix, start=self._keys.entry(session, after_seq + 1)
+            prefix, start=self._keys.entry(session, after_seq + 1), limit=limit + 1
         )
-        records = [_record(prefix, kv) for kv in response.kvs[: limit + 1]]
+        records = [_record(prefix, kv) for kv in response.kvs]
         return records[:limit], len(records) > limit
 
     async def follow(

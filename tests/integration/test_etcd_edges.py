@@ -305,6 +305,31 @@ async def test_entries_of_one_group_commit_have_their_own_positions_and_a_resume
     ]
 
 
+async def test_a_page_reads_only_its_own_entries_from_etcd(registry: Registry) -> None:
+    """``GetSession`` reads a long transcript page by page: each page must fetch its own
+    entries (and one more, to know that more follow), not the whole rest of the transcript."""
+    store, writer = registry.store, registry.activation.activation_id
+    for n in range(30):
+        await store.append(SESSION, prompt(f"p{n}"), writer=writer)
+    fetched: list[int] = []
+    original = registry.etcd.range
+
+    async def counting(*args: Any, **kwargs: Any) -> Any:
+        response = await original(*args, **kwargs)
+        fetched.append(len(response.kvs))
+        return response
+
+    registry.etcd.range = counting  # type: ignore[method-assign]
+    try:
+        first, more = await registry.reads.page(SESSION, after_seq=0, limit=5)
+        last, done = await registry.reads.page(SESSION, after_seq=28, limit=5)
+    finally:
+        registry.etcd.range = original  # type: ignore[method-assign]
+    assert [r.seq for r in first] == [1, 2, 3, 4, 5] and more
+    assert [r.seq for r in last] == [29, 30] and not done
+    assert fetched == [6, 2]
+
+
 async def test_a_feed_resumed_from_compacted_history_is_refused(etcd_server: EtcdServer) -> None:
     """A private etcd: compaction would disturb other tests' watches."""
     async with opened(etcd_server.address.endpoint) as registry:
