@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -134,17 +134,24 @@ class EtcdSessionStore:
 
     # -- headers --------------------------------------------------------------------------------
 
-    async def create_header(self, header: SessionHeader) -> None:
+    async def create_header(self, header: SessionHeader, entries: Sequence[Entry] = ()) -> None:
+        """One transaction: if the header is absent, put it, the head ``n`` and ``entries`` as
+        seqs 1..n (encoded and bounded as appends are). A root's task goes in with its header
+        this way, so no node that dies mid-creation can leave one without the other."""
         session = header.session_id
+        payloads = [self._encoded(session, entry) for entry in entries]
         key = self._keys.header(session)
-        response = await self._etcd.txn(
-            [compare(key, Target.CREATE, Result.EQUAL, 0)],
-            [put(key, encode_header(header)), put(self._keys.head(session), b"0")],
+        head = str(len(payloads)).encode()
+        writes = [put(key, encode_header(header)), put(self._keys.head(session), head)]
+        writes.extend(
+            put(self._keys.entry(session, seq), payload)
+            for seq, payload in enumerate(payloads, start=1)
         )
+        response = await self._etcd.txn([compare(key, Target.CREATE, Result.EQUAL, 0)], writes)
         if not response.succeeded:
             raise SessionExists(session)
         self._headers[session] = header
-        self._seqs[session] = 0
+        self._seqs[session] = len(payloads)
 
     async def get_header(self, session: SessionId) -> SessionHeader | None:
         header = self._headers.get(session)
@@ -269,12 +276,7 @@ class EtcdSessionStore:
         writer: ActivationId | None,
         idempotency: tuple[IdempotencyKey, Acceptance] | None = None,
     ) -> tuple[Record, Acceptance | None]:
-        payload = encode_entry(entry)
-        if len(payload) > self._max_entry_bytes:
-            raise InvalidArgument(
-                f"{session}: the entry encodes to {len(payload)} bytes; the limit is "
-                f"{self._max_entry_bytes}"
-            )
+        payload = self._encoded(session, entry)
         fence = 0 if writer is None else await self._fence_of(session, writer)
         with telemetry.span(
             "dsh.etcd.append",
@@ -429,6 +431,16 @@ class EtcdSessionStore:
         return _records(prefix, response.kvs)
 
     # -- helpers --------------------------------------------------------------------------------
+
+    def _encoded(self, session: SessionId, entry: Entry) -> bytes:
+        """``entry`` as it is stored; refused before anything is sent when it is too large."""
+        payload = encode_entry(entry)
+        if len(payload) > self._max_entry_bytes:
+            raise InvalidArgument(
+                f"{session}: the entry encodes to {len(payload)} bytes; the limit is "
+                f"{self._max_entry_bytes}"
+            )
+        return payload
 
     async def _record(self, session: SessionId, seq: int) -> Record:
         kv = await self._etcd.get(self._keys.entry(session, seq))

@@ -308,7 +308,13 @@ class ContinuationManager:
     ) -> AgentRef:
         """Create a root session, make it resident here and start its first turn with ``task``
         (an empty task leaves it idle, waiting for a prompt). ``session_id`` names it (for
-        idempotent creation); raises ``SessionExists`` when that id is taken."""
+        idempotent creation); raises ``SessionExists`` when that id is taken.
+
+        The header and the task are one durable write: a root exists with its task, or not at
+        all. If this node fails after that write, the root waits, without an activation, for
+        its first turn; :meth:`resume` (on a replay of the creation) runs it. Raises
+        ``TargetElsewhere``, naming the node, when a replay made the root resident on another
+        node before this one could activate it."""
         if task:
             self._check_content(task)
         chosen = self._preset(preset)
@@ -1012,12 +1018,7 @@ class ContinuationManager:
         if parent_activation is None and header.parent_session is not None:
             parent = await self._store.current_activation(header.parent_session)
             parent_activation = None if parent is None else parent.activation_id
-        activation = Activation(
-            session_id=target,
-            activation_id=self._ids.activation_id(),
-            node_id=self._config.node_id,
-            parent_activation=parent_activation,
-        )
+        activation = self._new_activation(target, parent_activation)
         resumption = await self._store.try_resume(activation, unless_known=key)
         if key is not None and resumption.known is not None:
             raise _AlreadyAccepted(key, resumption.known)
@@ -1059,13 +1060,28 @@ class ContinuationManager:
         first: tuple[Entry, ...],
         task: str,
     ) -> Agent:
+        if header.kind is SessionKind.ROOT:
+            # A root's task is written with its header, in one transaction: a node that dies
+            # after it leaves a whole root (a replay of its creation resumes it), never a root
+            # without its task. A child's first entries stay appends of their own: a fork's
+            # prefix alone may come near etcd's request limit.
+            created = (*first, TaskEntry(content=task)) if task else first
+            await self._store.create_header(header, created)
+            records = [Record(seq=seq, entry=entry) for seq, entry in enumerate(created, start=1)]
+            activation = self._new_activation(header.session_id, parent_activation)
+            current = await self._store.try_activate(activation)
+            if current != activation:
+                # A replay of the creation on another node resumed it first: it runs there.
+                raise TargetElsewhere.held_by(
+                    header.session_id, current.node_id, current.activation_id
+                )
+            agent = self._make_agent(header, activation, records, None)
+            for record in pending_inbound(records):
+                agent.deliver(record)
+            self._start(agent)
+            return agent
         await self._store.create_header(header)
-        activation = Activation(
-            session_id=header.session_id,
-            activation_id=self._ids.activation_id(),
-            node_id=self._config.node_id,
-            parent_activation=parent_activation,
-        )
+        activation = self._new_activation(header.session_id, parent_activation)
         await self._store.try_activate(activation)
         agent = self._make_agent(header, activation, (), None)
         for entry in first:
@@ -1076,10 +1092,20 @@ class ContinuationManager:
                 header.parent_session,
                 standard_send_message_visible=agent.tools.standard_send_message_visible,
             )
-        if task or header.kind is not SessionKind.ROOT:
-            agent.deliver(await self.append(agent, TaskEntry(content=task)))
+        agent.deliver(await self.append(agent, TaskEntry(content=task)))
         self._start(agent)
         return agent
+
+    def _new_activation(
+        self, session: SessionId, parent_activation: ActivationId | None
+    ) -> Activation:
+        """A fresh activation of ``session`` on this node, yet to be won."""
+        return Activation(
+            session_id=session,
+            activation_id=self._ids.activation_id(),
+            node_id=self._config.node_id,
+            parent_activation=parent_activation,
+        )
 
     def _make_agent(
         self,

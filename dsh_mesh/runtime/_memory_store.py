@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from dsh_mesh.core import (
     Activation,
@@ -34,11 +35,17 @@ class InMemorySessionStore:
         self._idempotency: dict[IdempotencyKey, Acceptance] = {}
         self.writes = 0
 
-    async def create_header(self, header: SessionHeader) -> None:
+    async def create_header(self, header: SessionHeader, entries: Sequence[Entry] = ()) -> None:
+        """The header and ``entries`` (seqs 1..n, counted in ``writes``) in one step. The entries
+        go through :meth:`append` (unfenced: nothing is activated yet), which never suspends
+        here, so nothing runs in between. A test double whose append suspends splits the
+        creation there (its header already visible), the way only a cut caller could see it."""
         if header.session_id in self._headers:
             raise SessionExists(header.session_id)
         self._headers[header.session_id] = header
         self._transcripts[header.session_id] = []
+        for entry in entries:
+            await self.append(header.session_id, entry, writer=None)
 
     async def get_header(self, session: SessionId) -> SessionHeader | None:
         return self._headers.get(session)

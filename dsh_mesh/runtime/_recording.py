@@ -6,8 +6,9 @@ as one JSON object per line, every durable step the store took for this node:
 - ``activated``: this node won a session's activation (``session``, ``activation``);
 - ``released``: it ended one (``session``, ``activation``);
 - ``wrote``: an entry became durable (``session``, ``seq``, ``writer``: the activation the write
-  was fenced on, ``null`` for a session with none; ``entry``: the entry's kind; for a
-  ``ConsumedEntry`` also ``consumed``, the seqs it delivered into the step);
+  was fenced on, ``null`` for a session with none, as for the first entries written with its
+  header; ``entry``: the entry's kind; for a ``ConsumedEntry`` also ``consumed``, the seqs it
+  delivered into the step);
 - ``fenced``: a write was refused because ``writer`` was no longer current.
 
 Every line carries ``t`` (wall-clock seconds) and ``node``. A line is written after the step it
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Self
@@ -83,8 +85,11 @@ class RecordingStore:
         self._store = store
         self._log = log
 
-    async def create_header(self, header: SessionHeader) -> None:
-        await self._store.create_header(header)
+    async def create_header(self, header: SessionHeader, entries: Sequence[Entry] = ()) -> None:
+        await self._store.create_header(header, entries)
+        # Written before any activation could exist: unfenced, like any writer=None append.
+        for seq, entry in enumerate(entries, start=1):
+            self._wrote(header.session_id, Record(seq=seq, entry=entry), None)
 
     async def get_header(self, session: SessionId) -> SessionHeader | None:
         return await self._store.get_header(session)

@@ -18,6 +18,7 @@ from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
 from dsh_mesh.core import (
     Activation,
     AgentRef,
+    ConsumedEntry,
     IdempotencyConflict,
     InvalidArgument,
     MeshError,
@@ -144,6 +145,12 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
             ref = await self._create_root(session, request)
         except SessionExists:
             return await self._existing_root(session, request)
+        except TargetElsewhere as resumed:
+            # A replay on another node resumed the root between this node's creation and its
+            # activation: the root runs there.
+            return mesh_pb2.CreateRootSessionResponse(
+                session_id=session, activation_id=resumed.activation_id, node_id=resumed.node_id
+            )
         return mesh_pb2.CreateRootSessionResponse(
             session_id=ref.session_id, activation_id=ref.activation_id, node_id=self._node_id
         )
@@ -151,10 +158,10 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
     async def _create_root(
         self, session: SessionId, request: mesh_pb2.CreateRootSessionRequest
     ) -> AgentRef:
-        """Create the root, to the end: a caller whose deadline passes mid-way (after the header
-        was written, before the initial task) must not leave a root without its task, so the
-        creation is shielded from the call's cancellation. A retry arriving while it runs
-        waits for it, then finds the root it made."""
+        """Create the root, to the end: a caller whose deadline passes mid-way (after the root
+        and its task were written, before they were activated) must not leave a root that
+        nothing runs, so the creation is shielded from the call's cancellation. A retry
+        arriving while it runs waits for it, then finds the root it made."""
         earlier = self._creating.get(session)
         if earlier is not None:
             await asyncio.wait([earlier])  # its outcome is the retry's own to find
@@ -180,11 +187,18 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
     async def _existing_root(
         self, session: SessionId, request: mesh_pb2.CreateRootSessionRequest
     ) -> mesh_pb2.CreateRootSessionResponse:
+        """The root a replayed request created, if the request asks for that root. A root whose
+        creating node died before its first turn read its task is made resident here, so that
+        turn runs (once: one activation wins)."""
         manager = self._manager()
         header = await manager.header(session)
         # The model asked for: named, or (empty) the preset's default, which the header holds
         # when the first request left it empty.
         asked = request.model or manager.default_model(header.spec.preset)
+        # The task is written with the header (one transaction), so what is stored is what was
+        # asked: a TaskEntry at seq 1, or no entry for a root created with an empty task. (So
+        # is a root that a node of an older version left with a header alone when it died
+        # before appending its task: only an empty task finds that one.)
         first, _ = await self._reads.page(session, after_seq=0, limit=1)
         task = first[0].entry.content if first and isinstance(first[0].entry, TaskEntry) else ""
         if (
@@ -197,11 +211,30 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
                 " or initial_task)"
             )
         current = await self._current_activation(session, fresh=True)
+        if current is None and task and await self._task_unread(session):
+            try:
+                current = await manager.resume(session)
+            except TargetElsewhere as held:  # another node's replay (or prompt) won it: fine
+                return mesh_pb2.CreateRootSessionResponse(
+                    session_id=session, activation_id=held.activation_id, node_id=held.node_id
+                )
         return mesh_pb2.CreateRootSessionResponse(
             session_id=session,
             activation_id="" if current is None else current.activation_id,
             node_id="" if current is None else current.node_id,
         )
+
+    async def _task_unread(self, session: SessionId) -> bool:
+        """Whether no step has read the root's task (seq 1) yet. Its first step reads it, so
+        this stops at the first ``ConsumedEntry`` that does, a few records in."""
+        after = 0
+        while True:
+            records, more = await self._reads.page(session, after_seq=after, limit=DEFAULT_PAGE)
+            if any(isinstance(r.entry, ConsumedEntry) and 1 in r.entry.seqs for r in records):
+                return False
+            if not (more and records):
+                return True
+            after = records[-1].seq
 
     @mesh_rpc
     async def SubmitPrompt(

@@ -14,7 +14,7 @@ etcd store to it too.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -23,7 +23,6 @@ from dsh_mesh.core import (
     Activation,
     ActivationId,
     ConsumedEntry,
-    Entry,
     HumanPromptEntry,
     NodeId,
     Record,
@@ -177,9 +176,10 @@ async def test_a_root_created_with_an_empty_task_is_created_without_entries() ->
     assert await store.read(ROOT) == []
 
 
-async def answer_of(creating: object) -> object:
+async def answer_of(creating: Awaitable[object]) -> object:
+    """What the creation came to: its result, or the outage that cut it."""
     try:
-        return await creating  # type: ignore[misc]
+        return await creating
     except RegistryUnavailable as refused:
         return refused
 
@@ -210,7 +210,7 @@ async def test_a_replay_after_the_creating_node_died_runs_the_root_once() -> Non
     assert ran_once(await store.read(ROOT))
 
 
-async def test_a_replay_resumes_a_root_whose_creator_died_holding_it_once_its_lease_lapsed() -> None:
+async def test_a_replay_resumes_a_root_whose_creator_died_holding_it_once_that_lapsed() -> None:
     store = DiesAfterCreation(won=True)
     async with node(store, "node-1") as (_, first_node, _):
         assert await answer(first_node, create(TASK)) is RejectionReason.REGISTRY_UNAVAILABLE
@@ -244,6 +244,30 @@ async def test_a_replay_that_loses_the_resume_to_another_node_reports_that_node(
     assert (replay.session_id, replay.node_id, replay.activation_id) == (ROOT, "n-3", "a-3")
 
 
+class ResumedElsewhereFirst(InMemorySessionStore):
+    """Between a creation's write and its activation, a replay on node n-3 resumes the root."""
+
+    async def try_activate(self, activation: Activation) -> Activation:
+        winner = Activation(
+            session_id=activation.session_id,
+            activation_id=ActivationId("a-3"),
+            node_id=NodeId("n-3"),
+        )
+        await super().try_activate(winner)
+        return await super().try_activate(activation)
+
+
+async def test_a_creation_whose_root_another_node_resumed_first_reports_that_node() -> None:
+    store = ResumedElsewhereFirst()
+    async with node(store, "node-1") as (manager, service, scripted):
+        created = await answer(service, create(TASK))
+        assert manager.agent(ROOT) is None
+        assert scripted.calls_started(ROOT) == 0
+    assert isinstance(created, mesh_pb2.CreateRootSessionResponse)
+    assert (created.session_id, created.node_id, created.activation_id) == (ROOT, "n-3", "a-3")
+    assert await store.read(ROOT) == [Record(seq=1, entry=TaskEntry(content=TASK))]
+
+
 async def test_an_empty_task_root_replayed_with_a_task_is_still_an_idempotency_conflict() -> None:
     # The earlier fix (07b8e94, reverted) finished any root without entries with the replay's
     # task, so a root created with an empty task took the task of a replay with another one.
@@ -260,7 +284,7 @@ async def test_an_empty_task_root_replayed_with_a_task_is_still_an_idempotency_c
     assert await store.read(ROOT) == []
 
 
-async def test_a_header_without_its_task_from_before_the_fix_stays_an_idempotency_conflict() -> None:
+async def test_a_header_without_its_task_from_old_code_stays_an_idempotency_conflict() -> None:
     # What a node running the old code left when it died between its two writes: it cannot be
     # told apart from a root created with an empty task, so only an empty task finds it.
     store = InMemorySessionStore()
