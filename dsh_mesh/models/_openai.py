@@ -230,9 +230,14 @@ class OpenAIProvider:
 
 async def _server_sent_data(response: httpx.Response) -> AsyncIterator[Any]:
     """The JSON payload of each ``data:`` event of a server-sent-event stream, up to
-    ``[DONE]``. Lines of one event are joined; comments and other fields are skipped."""
+    ``[DONE]``. Lines of one event are joined; comments and other fields are skipped. The body
+    is read to its end even after ``[DONE]``: a connection whose response was not read whole
+    cannot go back to the pool."""
     lines: list[str] = []
+    done = False
     async for line in response.aiter_lines():
+        if done:
+            continue
         if line:
             if line.startswith("data:"):
                 lines.append(line[5:].removeprefix(" "))
@@ -241,9 +246,10 @@ async def _server_sent_data(response: httpx.Response) -> AsyncIterator[Any]:
             continue
         data, lines = "\n".join(lines), []
         if data.strip() == "[DONE]":
-            return
+            done = True
+            continue
         yield _parse(data)
-    if lines and (data := "\n".join(lines)).strip() != "[DONE]":
+    if lines and not done and (data := "\n".join(lines)).strip() != "[DONE]":
         yield _parse(data)
 
 

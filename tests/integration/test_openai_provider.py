@@ -26,7 +26,9 @@ import pytest
 from dsh_mesh.client import AssistantStep, MeshClient, SessionPage, TurnEnded
 from dsh_mesh.core import (
     AssistantStepEntry,
+    ChatMessage,
     Entry,
+    Role,
     SessionId,
     SettlementNoticeEntry,
     SettlementOutcome,
@@ -35,12 +37,14 @@ from dsh_mesh.core import (
     session_usage,
 )
 from dsh_mesh.models import (
+    ModelRequest,
     ModelRouter,
     OpenAIEndpoint,
     OpenAIProvider,
     Reply,
     RetryPolicy,
     ScriptedProvider,
+    complete,
     tool,
 )
 from dsh_mesh.testing import (
@@ -354,3 +358,23 @@ async def until_turn_ended(client: MeshClient, session: str) -> SessionPage:
             if any(isinstance(e.body, TurnEnded) for e in page.transcript):
                 return page
             await asyncio.sleep(0.1)
+
+
+async def test_calls_share_pooled_connections(server: ChatCompletionsServer) -> None:
+    """One provider keeps its connections alive between calls (and across retries)."""
+    server.enqueue(Failure(status=503), Completion(text="a"), Completion(text="b"))
+    provider = OpenAIProvider(OpenAIEndpoint(base_url=server.base_url, retry=FAST))
+    request = ModelRequest(
+        session_id=ROOT,
+        model="test-model",
+        system_prompt="p",
+        tools=(),
+        messages=(ChatMessage(role=Role.USER, content="hi"),),
+    )
+    try:
+        texts = [(await complete(provider, request)).text for _ in range(2)]
+    finally:
+        await provider.aclose()
+    assert texts == ["a", "b"]
+    assert len(server.requests) == 3
+    assert {r.connection for r in server.requests} == {1}
