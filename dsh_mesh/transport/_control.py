@@ -308,7 +308,18 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
             )
             return forwarded
         after, limit = _page(request.page_token, request.page_size)
-        records, more, usage = await self._page_and_usage(session, after=after, limit=limit)
+        resident = None if current is None else self._manager().agent(session)
+        if (
+            resident is not None
+            and current is not None
+            and (resident.activation.activation_id == current.activation_id)
+        ):
+            # Every model call of a session is written by the agent that made it, which keeps
+            # its whole transcript: the usage needs no pass over the registry.
+            records, more = await self._reads.page(session, after_seq=after, limit=limit)
+            usage = session_usage(r.entry for r in resident.records)
+        else:
+            records, more, usage = await self._page_and_usage(session, after=after, limit=limit)
         reply = mesh_pb2.Session(
             header=header_to_wire(header),
             transcript=[record_to_wire(r) for r in records],

@@ -23,10 +23,13 @@ from dsh_mesh.core import (
     SessionHeader,
     SessionId,
     TaskEntry,
+    session_usage,
 )
+from dsh_mesh.models import Reply, tool
 from dsh_mesh.runtime import InMemorySessionStore
 from dsh_mesh.testing import InProcessMesh, in_process_mesh
 from dsh_mesh.transport import DETAILS_METADATA_KEY, ERROR_DOMAIN, ClusterCredential
+from dsh_mesh.transport import _control as control_module
 from dsh_mesh.transport._auth import ClusterAuthInterceptor
 from dsh_mesh.transport._control import (
     MAX_NAME_CHARS,
@@ -321,3 +324,63 @@ async def test_a_creation_cut_by_its_caller_keeps_its_task_and_a_retry_finds_it(
         assert found.session_id == root_session_id("r")
         assert found.node_id == mesh.manager.node_id
         assert await tasks_of(mesh, found.session_id) == ["The first task."]
+
+
+class _CountingReads(_StoreReads):
+    def __init__(self, store: InMemorySessionStore) -> None:
+        super().__init__(store)
+        self.pages = 0
+
+    async def page(
+        self, session: SessionId, *, after_seq: int, limit: int
+    ) -> tuple[list[Record], bool]:
+        self.pages += 1
+        return await super().page(session, after_seq=after_seq, limit=limit)
+
+
+async def test_a_resident_sessions_usage_comes_from_its_agent_and_an_absent_ones_from_a_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """GetSession sums a session's usage over its whole transcript. The agent hosting it holds
+    every step it made, so a resident session costs one page read however long it is; only an
+    absent one is read through, chunk by chunk."""
+    monkeypatch.setattr(control_module, "USAGE_CHUNK", 2)
+    async with in_process_mesh(presets()) as mesh:
+        mesh.scripted.program(
+            "lead",
+            tool("spawn_one_shot", task="Answer.", preset="solo"),
+            Reply(text="first"),
+            Reply(text="second"),
+        )
+        mesh.scripted.program("solo", Reply(text="answered"))
+        service = control(mesh)
+        reads = _CountingReads(mesh.store)
+        service._reads = reads
+        root = await mesh.manager.create_root("Go.", preset="lead")
+        await mesh.manager.quiescent()
+        await mesh.manager.submit_prompt(root.session_id, "Again.")
+        await mesh.manager.quiescent()
+        records = await mesh.transcript(root.session_id)
+        assert len(records) > 2 * 2  # longer than two chunks
+
+        resident = await service.GetSession(
+            mesh_pb2.GetSessionRequest(session_id=root.session_id, page_size=1), _Context()
+        )
+        assert reads.pages == 1
+        expected = session_usage(r.entry for r in records)
+        assert resident.usage.model_calls == expected.model_calls == 4
+        assert resident.usage.input_tokens == expected.input_tokens
+
+        child = SessionId("s-2")
+        assert mesh.manager.agent(child) is None  # the one-shot settled: absent
+        reads.pages = 0
+        absent = await service.GetSession(
+            mesh_pb2.GetSessionRequest(session_id=child, page_size=1), _Context()
+        )
+        child_records = await mesh.transcript(child)
+        assert reads.pages == -(-len(child_records) // 2) > 1  # every chunk of two
+        assert absent.usage.model_calls == 1
+        assert (
+            absent.usage.output_tokens
+            == session_usage(r.entry for r in child_records).output_tokens
+        )
