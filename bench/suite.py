@@ -29,6 +29,7 @@ from bench._common import FULL, QUICK, Bed, Sizes
 from bench._report import Report, format_table
 from bench.floors import measure_floors
 from bench.memory import measure_memory
+from bench.provider import measure_provider
 from bench.resume import measure_clean_resume, measure_crash_resume
 from bench.warm import (
     measure_cross_node,
@@ -48,6 +49,7 @@ SECTIONS: dict[str, Callable[[Bed], Awaitable[None]]] = {
     "nodes": measure_node_scaling,
     "cold-resume": measure_clean_resume,
     "crash": measure_crash_resume,
+    "provider": measure_provider,
     # The two that fill etcd run last, so they cannot slow the others down.
     "sessions": measure_registered_sessions,
     "memory": measure_memory,

@@ -119,7 +119,8 @@ class ChatCompletionsServer:
         self._cache_block_tokens = cache_block_tokens
         self._queue: deque[Reply] = deque()
         self._requests: list[RecordedRequest] = []
-        self._served_bodies: list[bytes] = []
+        self._served_bodies: set[bytes] = set()
+        """The distinct bodies served: the simulated prefix cache compares with each once."""
         self._models: dict[str, None] = {}
         self._answers = 0
         self._connections = 0
@@ -146,7 +147,9 @@ class ChatCompletionsServer:
         if self._started or self._stopping.is_set():
             raise RuntimeError("ChatCompletionsServer.start: a server starts once")
         self._started = True
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on its connections only then, and without
+        # it each streamed answer on a kept-alive connection waits for a delayed ACK (40 ms).
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         try:
             sock.bind((_LOOPBACK, 0))
         except OSError:
@@ -428,7 +431,7 @@ class ChatCompletionsServer:
                 extra = (("Retry-After", _seconds(reply.retry_after)),)
             return _JsonAnswer(status=reply.status, body=reply.body(), extra=extra)
         cached_tokens = self._cached_tokens(request.body, prompt_tokens)
-        self._served_bodies.append(request.body)
+        self._served_bodies.add(request.body)
         self._answers += 1
         return ChatAnswer(
             request=request,
@@ -453,7 +456,13 @@ class ChatCompletionsServer:
         return reply
 
     def _cached_tokens(self, body: bytes, prompt_tokens: int) -> int:
-        shared = max((common_prefix(body, earlier) for earlier in self._served_bodies), default=0)
+        # A body served before shares all of itself; else the longest prefix with any other.
+        if body in self._served_bodies:
+            shared = len(body)
+        else:
+            shared = max(
+                (common_prefix(body, earlier) for earlier in self._served_bodies), default=0
+            )
         block = self._cache_block_tokens
         return min(prompt_tokens, shared // BYTES_PER_TOKEN // block * block)
 
