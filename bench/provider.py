@@ -134,7 +134,7 @@ async def measure_provider(bed: Bed) -> None:
             retry=RetryPolicy(max_attempts=1),
         )
         provider = OpenAIProvider(endpoint)
-        bare = _bare_client(endpoint)
+        bare = endpoint.http_client()
         try:
 
             async def floor_call(_: int) -> None:
@@ -191,23 +191,6 @@ async def measure_provider(bed: Bed) -> None:
         "reply_text_pieces": COMPLETION.pieces,
         "connections": endpoint.max_connections,
     }
-
-
-def _bare_client(endpoint: OpenAIEndpoint) -> httpx.AsyncClient:
-    """An httpx client set up as :class:`OpenAIProvider` sets up its own."""
-    return httpx.AsyncClient(
-        base_url=endpoint.base_url.rstrip("/") + "/",
-        headers={"Accept": "text/event-stream"},
-        http2=True,
-        timeout=httpx.Timeout(
-            endpoint.read_timeout.total_seconds(),
-            connect=endpoint.connect_timeout.total_seconds(),
-        ),
-        limits=httpx.Limits(
-            max_connections=endpoint.max_connections,
-            max_keepalive_connections=endpoint.max_connections,
-        ),
-    )
 
 
 async def _stream_to_end(client: httpx.AsyncClient, body: bytes) -> str:

@@ -85,6 +85,28 @@ class OpenAIEndpoint:
         if reserved:
             raise ValueError(f"body fields {reserved} are set by the provider itself")
 
+    def http_client(self, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
+        """A pooled client for this endpoint: its base URL, key, timeouts and pool size, HTTP/2
+        where the server offers it (over the network; ``transport`` replaces that, for tests).
+        The caller closes it."""
+        headers = {"Accept": "text/event-stream"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return httpx.AsyncClient(
+            base_url=self.base_url.rstrip("/") + "/",
+            headers=headers,
+            http2=transport is None,
+            transport=transport,
+            timeout=httpx.Timeout(
+                self.read_timeout.total_seconds(),
+                connect=self.connect_timeout.total_seconds(),
+            ),
+            limits=httpx.Limits(
+                max_connections=self.max_connections,
+                max_keepalive_connections=self.max_connections,
+            ),
+        )
+
     @staticmethod
     def from_environment(environ: Mapping[str, str] | None = None) -> OpenAIEndpoint:
         """The endpoint the standard ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY`` variables name
@@ -122,23 +144,7 @@ class OpenAIProvider:
         self.endpoint = endpoint
         self.name = name
         self._rng = rng or random.Random()
-        headers = {"Accept": "text/event-stream"}
-        if endpoint.api_key:
-            headers["Authorization"] = f"Bearer {endpoint.api_key}"
-        self._client = httpx.AsyncClient(
-            base_url=endpoint.base_url.rstrip("/") + "/",
-            headers=headers,
-            http2=transport is None,
-            transport=transport,
-            timeout=httpx.Timeout(
-                endpoint.read_timeout.total_seconds(),
-                connect=endpoint.connect_timeout.total_seconds(),
-            ),
-            limits=httpx.Limits(
-                max_connections=endpoint.max_connections,
-                max_keepalive_connections=endpoint.max_connections,
-            ),
-        )
+        self._client = endpoint.http_client(transport)
 
     async def aclose(self) -> None:
         """Close the connection pool; calls after this fail."""
