@@ -211,7 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Create a root session and start its first turn with TASK.",
     )
     spawn.add_argument("--preset", default="lead", help="agent preset (default: lead)")
-    spawn.add_argument("--model", help="model name (default: the preset's)")
+    spawn.add_argument(
+        "--model", help="model spec, e.g. openai:gpt-4o-mini (default: the preset's)"
+    )
     spawn.add_argument(
         "--node",
         dest="host_node",
