@@ -177,6 +177,12 @@ async def test_a_fork_childs_request_repeats_its_parents_bytes_and_hits_the_cach
         for r in server.requests
         if str(last_message(r).get("content", "")).startswith("Explore option B.")
     ]
+    # The tools on the wire are the registry's definitions, in registry order, schemas verbatim.
+    registry = mesh.manager.registry.resolve(PRESETS[0]).descriptors
+    sent = json.loads(parent)["tools"]
+    assert [t["function"]["name"] for t in sent] == [d.name for d in registry]
+    for descriptor in registry:
+        assert b'"parameters":' + descriptor.input_schema_json.encode() in parent
     boundary = parent.index(b'{"role":"user","content":"Now fork."}')
     assert parent[:boundary].endswith(b'{"role":"assistant","content":"first turn done"},')
     assert child[:boundary] == parent[:boundary]  # head, tools and the inherited turn
