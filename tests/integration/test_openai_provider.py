@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
@@ -384,3 +387,24 @@ async def test_calls_share_pooled_connections(server: ChatCompletionsServer) -> 
     assert texts == ["a", "b"]
     assert len(server.requests) == 3
     assert {r.connection for r in server.requests} == {1}
+
+
+def test_a_node_refuses_to_start_on_a_presets_file_it_cannot_run(tmp_path: Path) -> None:
+    """Before it dials anything: exit status 2 and one error line naming the file and key."""
+    presets = tmp_path / "presets.toml"
+    presets.write_text("[presets.lead]\nsystem_prompt = 'x'\ntools = ['report']\n")
+    started = subprocess.run(
+        [sys.executable, "-m", "dsh_mesh.node", "--plaintext", "--presets-file", str(presets)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("DSH_")},
+            "DSH_CLUSTER_TOKEN": "a-token-of-sixteen-chars",
+        },
+    )
+    assert started.returncode == 2
+    [line] = started.stderr.strip().splitlines()
+    assert line.startswith("dsh-mesh-node: error: ")
+    assert f"{presets}: presets.lead.tools: unknown tools ['report']" in line
