@@ -181,6 +181,10 @@ class Agent:
 
     # -- delivery -------------------------------------------------------------------------------
 
+    def holds(self, seq: int) -> bool:
+        """Whether the record ``seq`` of the transcript is in this object's local copy."""
+        return seq in self._seqs
+
     def record(self, record: Record) -> None:
         """Keep a durably written record in the local transcript (in seq order)."""
         if record.seq not in self._seqs:

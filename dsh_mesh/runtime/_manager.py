@@ -855,7 +855,19 @@ class ContinuationManager:
                 idempotency=None if key is None or acceptance is None else (key, acceptance),
             )
             if known is not None and key is not None:
-                return self._duplicate(key, known, session, known.fingerprint)
+                duplicate = self._duplicate(key, known, session, known.fingerprint)
+                if (
+                    known.target_activation == agent.activation.activation_id
+                    and not agent.holds(known.seq)
+                    and agent.state is not AgentState.SETTLED
+                ):
+                    # The first try landed under this activation but its answer was lost (an
+                    # etcd outage): the agent never got the record. It gets it now, once.
+                    record = (await self._store.read(session, after_seq=known.seq - 1))[0]
+                    self._reserved[session].add(record.seq)
+                    agent.deliver(record)
+                    delivered = True
+                return duplicate
             self._reserved[session].add(record.seq)
             agent.deliver(record)
             delivered = True
@@ -900,7 +912,26 @@ class ContinuationManager:
         One activation gets one notice, whichever node writes it: every notice is written
         under the idempotency key of the child's activation, so a second one (a ``lost`` one
         from the parent's side racing the child's own, a retry, a node that missed its lease
-        and did not know yet) finds the first and writes nothing."""
+        and did not know yet) finds the first and writes nothing.
+
+        While the registry is away the notice waits and is written when it answers (under its
+        key, so a write whose answer was lost is found, not repeated): a child that completed
+        must not be reported ``lost`` for an outage its node outlived. The wait ends when this
+        node stops (it fenced itself: then its children's activations are lost indeed)."""
+        delay = _OUTAGE_BACKOFF
+        while True:
+            try:
+                return await self._deliver_notice(parent, notice)
+            except RegistryUnavailable as away:
+                _log.warning("%s: notice of %s waits: %s", parent, notice.child_session, away)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _OUTAGE_BACKOFF_MAX)
+            if self._closed:
+                raise NodeFenced(
+                    f"node {self.node_id} stopped while the notice of {notice.child_session} waited"
+                )
+
+    async def _deliver_notice(self, parent: SessionId, notice: SettlementNoticeEntry) -> None:
         key = IdempotencyKey(principal=f"notice:{parent}", key=notice.child_activation)
         for attempt in range(_NOTICE_ATTEMPTS):
             if attempt:

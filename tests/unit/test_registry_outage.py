@@ -4,10 +4,18 @@ that met the outage had landed before its answer was lost."""
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
+
 from dsh_mesh.core import (
+    AgentMessageEntry,
     AssistantStepEntry,
     ConsumedEntry,
+    Record,
     RegistryUnavailable,
+    SettlementNoticeEntry,
+    SettlementOutcome,
     TurnEndedEntry,
     TurnOutcome,
 )
@@ -15,6 +23,7 @@ from dsh_mesh.models import Reply, tool
 from dsh_mesh.runtime import InMemorySessionStore
 from dsh_mesh.testing import in_process_mesh
 from tests.unit.conftest import presets
+from tests.unit.test_manager import CHILD, ROOT
 
 OWN_WRITES = (ConsumedEntry, AssistantStepEntry, TurnEndedEntry)
 
@@ -61,3 +70,75 @@ async def test_a_turn_waits_out_an_outage_at_its_step_boundary_and_writes_each_e
         r.entry for r in await store.read(ref.session_id) if isinstance(r.entry, TurnEndedEntry)
     ]
     assert [e.outcome for e in ended] == [TurnOutcome.COMPLETED]
+
+
+class LostAnswerStore(InMemorySessionStore):
+    """etcd goes away under inbound writes of ``kind``: each failure in ``outage`` raises
+    ``RegistryUnavailable`` after the write landed (``True``: its answer was lost) or before
+    (``False``)."""
+
+    def __init__(self, kind: type, *outage: bool) -> None:
+        super().__init__()
+        self.kind = kind
+        self.outage = list(outage)
+        self.failed = 0
+
+    async def append(self, session, entry, *, writer, idempotency=None):  # type: ignore[no-untyped-def]
+        if self.outage and isinstance(entry, self.kind):
+            landed = self.outage.pop(0)
+            if landed:
+                await super().append(session, entry, writer=writer, idempotency=idempotency)
+            self.failed += 1
+            raise RegistryUnavailable("etcd is away")
+        return await super().append(session, entry, writer=writer, idempotency=idempotency)
+
+
+def consumed(records: list[Record]) -> set[int]:
+    return {seq for r in records if isinstance(r.entry, ConsumedEntry) for seq in r.entry.seqs}
+
+
+async def test_a_send_whose_answer_was_lost_reaches_the_resident_target_on_its_retry() -> None:
+    """The first try landed, its answer did not: the retry (same key) gets that acceptance,
+    and the running target reads the message, in this activation, once."""
+    store = LostAnswerStore(AgentMessageEntry, True)
+    async with in_process_mesh(presets(), store=store) as mesh:
+        gate = asyncio.Event()
+        mesh.scripted.program(
+            "lead", tool("spawn_agent", task="t", preset="helper"), Reply(text="delegated")
+        )
+        mesh.scripted.program("helper", Reply(gate=gate), Reply(text="read it"))
+        ref = await mesh.manager.create_root("Lead.", preset="lead")
+        await mesh.scripted.wait_for_call(CHILD, 1)
+        with pytest.raises(RegistryUnavailable):
+            await mesh.manager.send_message(ref, CHILD, "hello", idempotency_key="k1")
+        retried = await mesh.manager.send_message(ref, CHILD, "hello", idempotency_key="k1")
+        assert retried.duplicate
+        gate.set()
+        await mesh.manager.quiescent()
+        records = await mesh.transcript(CHILD)
+    [message] = [r for r in records if isinstance(r.entry, AgentMessageEntry)]
+    assert message.seq in consumed(records)
+    assert mesh.scripted.calls_started(CHILD) == 2  # the message extended the child's turn
+
+
+async def test_a_settlement_notice_waits_out_an_outage_and_arrives_once() -> None:
+    """The child completed; etcd is away when its notice is written (twice before landing,
+    once landing with its answer lost). The parent gets one ``completed`` notice and reads
+    it; no ``lost`` one follows."""
+    store = LostAnswerStore(SettlementNoticeEntry, False, True, False)
+    async with in_process_mesh(presets(), store=store) as mesh:
+        mesh.scripted.program(
+            "lead", tool("spawn_agent", task="t", preset="helper"), Reply(text="delegated"),
+            Reply(text="merged"),
+        )  # fmt: skip
+        mesh.scripted.program("helper", Reply(text="the answer"))
+        await mesh.manager.create_root("Lead.", preset="lead")
+        await mesh.manager.wait_until(lambda: store.failed == 3)
+        await mesh.manager.quiescent()
+        records = await mesh.transcript(ROOT)
+        assert mesh.manager.agent(CHILD) is None
+    notices = [r for r in records if isinstance(r.entry, SettlementNoticeEntry)]
+    assert [(n.entry.outcome, n.entry.terminal_output) for n in notices] == [
+        (SettlementOutcome.COMPLETED, "the answer")
+    ]
+    assert notices[0].seq in consumed(records)
