@@ -20,5 +20,11 @@ class RecordingProvider:
         self.requests.append(request)
         return self.inner.stream(request)
 
+    def check(self, spec: str) -> None:
+        """The wrapped provider's check of a model spec, if it has one."""
+        check = getattr(self.inner, "check", None)
+        if callable(check):
+            check(spec)
+
     def requests_of(self, session: SessionId) -> list[ModelRequest]:
         return [r for r in self.requests if r.session_id == session]

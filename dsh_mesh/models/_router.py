@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import AsyncIterator, Mapping
 
+from dsh_mesh.core import InvalidArgument
 from dsh_mesh.models._protocol import ModelEvent, ModelProvider, ModelRequest
 
 
@@ -34,6 +35,23 @@ class ModelRouter:
         if provider is None:
             return self._default, spec
         return provider, model
+
+    def check(self, spec: str) -> None:
+        """Refuse (:class:`~dsh_mesh.core.InvalidArgument`) a spec that names an endpoint
+        nobody configured, ``olama:qwen`` for ``ollama:qwen``, unless the default provider says
+        it serves that spec itself (one with a ``serves`` method; without one, any spec may be
+        its own). A session's spec is fixed for good, so a typo is refused at its creation
+        rather than failing every turn."""
+        name, colon, _ = spec.partition(":")
+        if not colon or name in self._providers:
+            return
+        serves = getattr(self._default, "serves", None)
+        if not callable(serves) or serves(spec):
+            return
+        raise InvalidArgument(
+            f"model {spec!r} names the endpoint {name!r}, which is not configured"
+            f" (configured: {', '.join(sorted(self._providers)) or 'none'}; docs/presets.md)"
+        )
 
     def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
         provider, model = self.route(request.model)

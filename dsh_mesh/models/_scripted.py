@@ -191,6 +191,10 @@ class ScriptedProvider:
     def program(self, model: str, *actions: Action) -> None:
         self.programs[model] = actions
 
+    def serves(self, model: str) -> bool:
+        """Whether a program is registered under ``model``."""
+        return model in self.programs
+
     def calls_started(self, session: SessionId) -> int:
         return self._started.get(session, 0)
 

@@ -109,6 +109,13 @@ def load_presets(
         _preset(path, name, table, known_tools)
         for name, table in _tables(path, document, "presets").items()
     )
+    for preset in presets:
+        endpoint, colon, _ = (preset.model or "").partition(":")
+        if colon and endpoint not in endpoints:
+            raise PresetFileError(
+                f"{path}: presets.{preset.name}.model {preset.model!r} names the endpoint"
+                f" {endpoint!r}, which is not defined (defined: {', '.join(endpoints)})"
+            )
     return PresetFile(presets=presets, endpoints=endpoints)
 
 

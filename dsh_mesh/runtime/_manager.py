@@ -325,6 +325,9 @@ class ContinuationManager:
         )
         if not spec.model:
             raise InvalidArgument("a root session needs a model")
+        check = getattr(self._provider, "check", None)
+        if callable(check):
+            check(spec.model)  # a spec no provider serves is refused now, not at every turn
         header = SessionHeader(
             session_id=session_id or self._ids.session_id(),
             kind=SessionKind.ROOT,

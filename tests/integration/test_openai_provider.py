@@ -31,6 +31,7 @@ from dsh_mesh.core import (
     AssistantStepEntry,
     ChatMessage,
     Entry,
+    InvalidArgument,
     Role,
     SessionId,
     SettlementNoticeEntry,
@@ -408,3 +409,12 @@ def test_a_node_refuses_to_start_on_a_presets_file_it_cannot_run(tmp_path: Path)
     [line] = started.stderr.strip().splitlines()
     assert line.startswith("dsh-mesh-node: error: ")
     assert f"{presets}: presets.lead.tools: unknown tools ['report']" in line
+
+
+async def test_a_root_on_an_endpoint_nobody_configured_is_refused_at_creation(
+    mesh: InProcessMesh,
+) -> None:
+    writes = mesh.store.writes
+    with pytest.raises(InvalidArgument, match="'opneai', which is not configured"):
+        await mesh.manager.create_root("Hello.", preset="real", model="opneai:test-model")
+    assert mesh.store.writes == writes

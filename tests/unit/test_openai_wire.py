@@ -12,7 +12,15 @@ from typing import Any
 
 import pytest
 
-from dsh_mesh.core import ChatMessage, Role, SessionId, ToolCall, ToolDescriptor, Usage
+from dsh_mesh.core import (
+    ChatMessage,
+    InvalidArgument,
+    Role,
+    SessionId,
+    ToolCall,
+    ToolDescriptor,
+    Usage,
+)
 from dsh_mesh.models import (
     Finished,
     FinishReason,
@@ -20,6 +28,7 @@ from dsh_mesh.models import (
     ModelRequest,
     ModelRouter,
     RetryPolicy,
+    ScriptedProvider,
     TextDelta,
     ToolCallEvent,
 )
@@ -324,3 +333,16 @@ async def test_a_model_spec_picks_its_provider_and_the_model_it_asks_for(
     assert len(events) == 1
     assert providers[served_by].models == [model]
     assert sum(len(p.models) for p in providers.values()) == 1
+
+
+def test_a_spec_naming_an_endpoint_nobody_configured_is_refused() -> None:
+    scripted = ScriptedProvider()
+    scripted.program("odd:but-scripted")
+    router = ModelRouter({"ollama": Named("ollama")}, default=scripted)
+    router.check("ollama:qwen2.5:7b")
+    router.check("lead")  # no endpoint named: the scripted programs' business
+    router.check("odd:but-scripted")  # the default provider serves it
+    with pytest.raises(InvalidArgument, match="'olama', which is not configured"):
+        router.check("olama:qwen2.5:7b")
+    # A default provider that cannot say what it serves may serve any spec.
+    ModelRouter({}, default=Named("custom")).check("anything:goes")

@@ -127,6 +127,10 @@ def test_the_file_may_redefine_the_openai_endpoint(tmp_path: Path) -> None:
             "set by the provider",
         ),
         ("[presets]\nlead = 'x'\n", "must be a table"),
+        (
+            "[presets.lead]\nsystem_prompt = 'x'\nmodel = 'olama:qwen2.5:7b'\n",
+            "names the endpoint 'olama', which is not defined",
+        ),
         ("not toml at all [", "presets.toml"),
     ],
 )
