@@ -13,13 +13,14 @@ the HTTP request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import email.utils
 import json
 import logging
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -163,9 +164,11 @@ class OpenAIProvider:
         for attempt in range(1, policy.max_attempts + 1):
             streamed = False
             try:
-                async for event in self._attempt(body):
-                    streamed = True
-                    yield event
+                # Closed on the way out, whatever ends the call: its response goes with it.
+                async with contextlib.aclosing(self._attempt(body)) as events:
+                    async for event in events:
+                        streamed = True
+                        yield event
                 return
             except _Retryable as failure:
                 if streamed:
@@ -186,7 +189,7 @@ class OpenAIProvider:
                 _log.warning("%s: %s; retry %d in %.2f s", self.name, failure, attempt, wait)
                 await asyncio.sleep(wait)
 
-    async def _attempt(self, body: bytes) -> AsyncIterator[ModelEvent]:
+    async def _attempt(self, body: bytes) -> AsyncGenerator[ModelEvent, None]:
         try:
             async with self._client.stream(
                 "POST",
