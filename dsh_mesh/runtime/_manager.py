@@ -864,16 +864,15 @@ class ContinuationManager:
                     and not agent.holds(known.seq)
                     and agent.state is not AgentState.SETTLED
                 ):
-                    # The first try landed under this activation but its answer was lost (an
-                    # etcd outage): the agent never got the record. It gets it now, once.
-                    record = (await self._store.read(session, after_seq=known.seq - 1))[0]
-                    self._reserved[session].add(record.seq)
-                    agent.deliver(record)
-                    delivered = True
+                    # The first try landed under this activation, and the agent does not hold
+                    # its record: that try's answer was lost (an etcd outage) or is still on
+                    # its way. Whichever of the two delivers first delivers; never both.
+                    read = await self._store.read(session, after_seq=known.seq - 1)
+                    delivered = self._deliver_once(agent, read[0])
                 return duplicate
-            self._reserved[session].add(record.seq)
-            agent.deliver(record)
-            delivered = True
+            # False only when a retry of this very write delivered it while this answer was on
+            # its way: this is still the acceptance (the retry was told "duplicate").
+            delivered = self._deliver_once(agent, record)
             if isinstance(entry, AgentMessageEntry):
                 telemetry.message_accepted(kind.value)
             return Delivery(
@@ -885,6 +884,16 @@ class ContinuationManager:
         finally:
             if not delivered:
                 self._unreserve(session)
+
+    def _deliver_once(self, agent: Agent, record: Record) -> bool:
+        """Hand an accepted record to its resident target unless it already holds it (a retry
+        and the try it repeats can both find the record); True when this call handed it.
+        Synchronous: nothing runs between the check and the delivery."""
+        if agent.holds(record.seq) or agent.state is AgentState.SETTLED:
+            return False
+        self._reserved[agent.session_id].add(record.seq)
+        agent.deliver(record)
+        return True
 
     def _duplicate(
         self, key: IdempotencyKey, known: Acceptance, target: SessionId, fingerprint: str

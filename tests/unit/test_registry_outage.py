@@ -146,3 +146,50 @@ async def test_a_settlement_notice_waits_out_an_outage_and_arrives_once() -> Non
         if isinstance(n.entry, SettlementNoticeEntry)
     ] == [(SettlementOutcome.COMPLETED, "the answer")]
     assert notices[0].seq in consumed(records)
+
+
+class HeldAnswerStore(InMemorySessionStore):
+    """The first agent message lands, then its answer is held until ``answer`` is set: a retry of
+    it can find it meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.landed = asyncio.Event()
+        self.answer = asyncio.Event()
+
+    async def append(self, session, entry, *, writer, idempotency=None):  # type: ignore[no-untyped-def]
+        result = await super().append(session, entry, writer=writer, idempotency=idempotency)
+        if isinstance(entry, AgentMessageEntry) and not self.landed.is_set():
+            self.landed.set()
+            await self.answer.wait()
+        return result
+
+
+async def test_a_retry_racing_the_answer_of_its_first_try_is_delivered_once() -> None:
+    """The retry finds the first try's record before that try's answer is back: whichever
+    comes first hands the record to the target, the other does not, and the target's waking
+    accounting stays whole (it reads the message once, then settles)."""
+    store = HeldAnswerStore()
+    async with in_process_mesh(presets(), store=store) as mesh:
+        gate = asyncio.Event()
+        mesh.scripted.program(
+            "lead", tool("spawn_agent", task="t", preset="helper"), Reply(text="delegated")
+        )
+        mesh.scripted.program("helper", Reply(gate=gate), Reply(text="read it"))
+        ref = await mesh.manager.create_root("Lead.", preset="lead")
+        await mesh.scripted.wait_for_call(CHILD, 1)
+        first = asyncio.create_task(
+            mesh.manager.send_message(ref, CHILD, "hello", idempotency_key="k1")
+        )
+        await store.landed.wait()
+        retried = await mesh.manager.send_message(ref, CHILD, "hello", idempotency_key="k1")
+        store.answer.set()
+        original = await first
+        assert retried.duplicate and not original.duplicate
+        assert retried.accepted_seq == original.accepted_seq
+        gate.set()
+        await asyncio.wait_for(mesh.manager.quiescent(), 10)
+        assert mesh.manager.agent(CHILD) is None  # settled: nothing left reserved
+        records = await mesh.transcript(CHILD)
+    reads = [s for r in records if isinstance(r.entry, ConsumedEntry) for s in r.entry.seqs]
+    assert reads.count(original.accepted_seq) == 1
