@@ -197,9 +197,8 @@ async def _drive(
                 await asyncio.sleep(0.5)
             if not run.quiet:
                 say(f"the tree was still working after {limit.total_seconds():.0f}s; showing it")
-            run.headers = [
-                h for h in await reader.sessions() if _in_tree(h, run.root, await reader.sessions())
-            ]
+            sessions = await reader.sessions()
+            run.headers = [h for h in sessions if _in_tree(h, run.root, sessions)]
             for header in run.headers:
                 run.transcripts[header.session_id] = await reader.transcript(header.session_id)
         for header in run.headers:
