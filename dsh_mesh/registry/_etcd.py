@@ -67,6 +67,14 @@ class EtcdConfig:
     endpoint: str = "127.0.0.1:2379"
     call_timeout: timedelta = timedelta(seconds=5)
     tls: EtcdTls | None = None
+    keepalive: timedelta = timedelta(seconds=5)
+    """How often the connection is pinged while calls or watches are open; one unanswered
+    for ``keepalive_timeout`` drops it, and the channel dials again (the next address of a
+    name that resolves to several members). Without it a member whose host vanished without a
+    reset (a cut link) holds the connection, and every call times out, until the kernel gives
+    up on it minutes later. etcd refuses pings more often than its
+    ``--grpc-keepalive-min-time`` (5 s by default)."""
+    keepalive_timeout: timedelta = timedelta(seconds=2)
 
     def __post_init__(self) -> None:
         host, _, port = self.endpoint.rpartition(":")
@@ -74,6 +82,17 @@ class EtcdConfig:
             raise ValueError(f"etcd endpoint {self.endpoint!r} is not HOST:PORT")
         if self.call_timeout <= timedelta(0):
             raise ValueError("call_timeout must be positive")
+        if self.keepalive <= timedelta(0) or self.keepalive_timeout <= timedelta(0):
+            raise ValueError("keepalive and keepalive_timeout must be positive")
+
+    def channel_options(self) -> dict[str, int]:
+        """The gRPC channel options of a connection to etcd (keepalive pings)."""
+        return {
+            "grpc.keepalive_time_ms": int(self.keepalive.total_seconds() * 1000),
+            "grpc.keepalive_timeout_ms": int(self.keepalive_timeout.total_seconds() * 1000),
+            "grpc.keepalive_permit_without_calls": 0,
+            "grpc.http2.max_pings_without_data": 0,
+        }
 
     @property
     def host(self) -> str:
@@ -189,11 +208,14 @@ class Etcd:
         self.config = config
         self._timeout = config.call_timeout.total_seconds()
         timeout = max(1, round(self._timeout))
+        options = config.channel_options()
         if config.tls is None:
-            self._client = aetcd.Client(host=config.host, port=config.port, timeout=timeout)
+            self._client = aetcd.Client(
+                host=config.host, port=config.port, timeout=timeout, options=options
+            )
         else:
             self._client = _TlsClient(
-                host=config.host, port=config.port, timeout=timeout, tls=config.tls
+                host=config.host, port=config.port, timeout=timeout, tls=config.tls, options=options
             )
         self.reads = 0
         """Range requests sent (a transaction's own reads are not counted here)."""
