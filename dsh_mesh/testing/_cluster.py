@@ -311,7 +311,11 @@ class LocalCluster:
         return iter(self.nodes.values())
 
     def add(self, node_id: str) -> NodeProcess:
-        """Start one more node in this cluster."""
+        """Start one more node in this cluster. Raises :class:`NodeProcessError` for an id the
+        cluster already has (restart that node with ``cluster[node_id].start()``): replacing
+        it would lose track of its process, which nothing would then stop."""
+        if node_id in self.nodes:
+            raise NodeProcessError(f"the cluster already has a node {node_id}")
         node = NodeProcess(node_id, self.settings, log_dir=self.log_dir, env=self._env)
         self.nodes[node_id] = node
         return node.start()
