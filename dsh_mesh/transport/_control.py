@@ -8,8 +8,9 @@ registry. Errors follow the one status table (docs/errors.md).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import grpc
@@ -227,13 +228,20 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
     async def _task_unread(self, session: SessionId) -> bool:
         """Whether no step has read the root's task (seq 1) yet. Its first step reads it, so
         this stops at the first ``ConsumedEntry`` that does, a few records in."""
+        async with contextlib.aclosing(self._chunks(session, size=DEFAULT_PAGE)) as chunks:
+            async for records in chunks:
+                if any(isinstance(r.entry, ConsumedEntry) and 1 in r.entry.seqs for r in records):
+                    return False
+        return True
+
+    async def _chunks(self, session: SessionId, *, size: int) -> AsyncGenerator[list[Record]]:
+        """``session``'s transcript from seq 1 to its end as read, ``size`` records at a time."""
         after = 0
         while True:
-            records, more = await self._reads.page(session, after_seq=after, limit=DEFAULT_PAGE)
-            if any(isinstance(r.entry, ConsumedEntry) and 1 in r.entry.seqs for r in records):
-                return False
+            records, more = await self._reads.page(session, after_seq=after, limit=size)
+            yield records
             if not (more and records):
-                return True
+                return
             after = records[-1].seq
 
     @mesh_rpc
@@ -342,9 +350,7 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         page: list[Record] = []
         more = False
         usage = SessionUsage()
-        seq = 0
-        while True:
-            chunk, rest = await self._reads.page(session, after_seq=seq, limit=USAGE_CHUNK)
+        async for chunk in self._chunks(session, size=USAGE_CHUNK):
             usage = usage.followed_by(session_usage(r.entry for r in chunk))
             for record in chunk:
                 if record.seq <= after:
@@ -353,9 +359,7 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
                     page.append(record)
                 else:
                     more = True
-            if not (rest and chunk):
-                return page, more, usage
-            seq = chunk[-1].seq
+        return page, more, usage
 
     async def WatchSession(
         self,
