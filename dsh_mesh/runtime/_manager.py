@@ -620,10 +620,7 @@ class ContinuationManager:
             except RegistryUnavailable as away:
                 _log.warning("%s: waiting at a step boundary: %s", session, away)
             while True:
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, _OUTAGE_BACKOFF_MAX)
-                if self._closed:
-                    raise NodeFenced(f"node {self.node_id} stopped while {session} waited")
+                delay = await self._outage_pause(delay, f"{session} waited")
                 try:
                     landed = await self._landed(session, entry, after_seq=known)
                 except RegistryUnavailable:
@@ -936,12 +933,16 @@ class ContinuationManager:
                 return await self._deliver_notice(parent, notice)
             except RegistryUnavailable as away:
                 _log.warning("%s: notice of %s waits: %s", parent, notice.child_session, away)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, _OUTAGE_BACKOFF_MAX)
-            if self._closed:
-                raise NodeFenced(
-                    f"node {self.node_id} stopped while the notice of {notice.child_session} waited"
-                )
+            delay = await self._outage_pause(delay, f"the notice of {notice.child_session} waited")
+
+    async def _outage_pause(self, delay: float, waiting: str) -> float:
+        """One back-off of a write waiting out a registry outage: sleep ``delay``, then raise
+        :class:`NodeFenced` if this node stopped meanwhile (``waiting`` says what waited); else
+        the next, doubled delay (at most :data:`_OUTAGE_BACKOFF_MAX`)."""
+        await asyncio.sleep(delay)
+        if self._closed:
+            raise NodeFenced(f"node {self.node_id} stopped while {waiting}")
+        return min(delay * 2, _OUTAGE_BACKOFF_MAX)
 
     async def _deliver_notice(self, parent: SessionId, notice: SettlementNoticeEntry) -> None:
         key = IdempotencyKey(principal=f"notice:{parent}", key=notice.child_activation)
