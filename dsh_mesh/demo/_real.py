@@ -37,6 +37,7 @@ from dsh_mesh.core import (
     TurnStartedEntry,
 )
 from dsh_mesh.demo._describe import describe
+from dsh_mesh.models import split_model_spec
 from dsh_mesh.node import endpoints_from_environment, load_presets
 from dsh_mesh.testing import EtcdServer, LocalCluster, MeshReader
 
@@ -96,11 +97,12 @@ def endpoint_of(model: str, environ: Mapping[str, str] | None = None) -> str:
         )
     except ValueError as error:
         return f"(the presets file is unusable: {error})"
-    name, colon, served = model.partition(":")
-    endpoint = endpoints.get(name) if colon else None
-    if endpoint is None:
+    split = split_model_spec(model)
+    endpoint = None if split is None else endpoints.get(split[0])
+    if split is None or endpoint is None:
+        name = model if split is None else split[0]
         return f"(no endpoint named {name!r}: known {sorted(endpoints)}; use <endpoint>:<model>)"
-    return f"model {served!r} at {endpoint.base_url}"
+    return f"model {split[1]!r} at {endpoint.base_url}"
 
 
 def presets_toml(model: str, base: Path | None = None) -> str:

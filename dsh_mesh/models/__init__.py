@@ -17,7 +17,7 @@ from dsh_mesh.models._protocol import (
 )
 from dsh_mesh.models._recording import RecordingProvider
 from dsh_mesh.models._retry import RetryPolicy
-from dsh_mesh.models._router import ModelRouter
+from dsh_mesh.models._router import ModelRouter, split_model_spec
 from dsh_mesh.models._scripted import (
     PARENT,
     Action,
@@ -67,5 +67,6 @@ __all__ = [
     "child",
     "complete",
     "send",
+    "split_model_spec",
     "tool",
 ]

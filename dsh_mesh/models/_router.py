@@ -9,6 +9,14 @@ from dsh_mesh.core import InvalidArgument
 from dsh_mesh.models._protocol import ModelEvent, ModelProvider, ModelRequest
 
 
+def split_model_spec(spec: str) -> tuple[str, str] | None:
+    """The endpoint and the endpoint's own model name a spec ``<endpoint>:<model>`` names
+    (``("ollama", "qwen2.5:7b")`` for ``ollama:qwen2.5:7b``: a model keeps its own colons);
+    ``None`` for a spec without a colon, which names no endpoint."""
+    endpoint, colon, model = spec.partition(":")
+    return (endpoint, model) if colon else None
+
+
 class ModelRouter:
     """Serves each call from the provider its model spec names.
 
@@ -23,18 +31,13 @@ class ModelRouter:
         self._providers = dict(providers)
         self._default = default
 
-    @property
-    def names(self) -> tuple[str, ...]:
-        """The configured provider names, in configuration order."""
-        return tuple(self._providers)
-
     def route(self, spec: str) -> tuple[ModelProvider, str]:
         """The provider serving ``spec`` and the model name it is asked for."""
-        name, colon, model = spec.partition(":")
-        provider = self._providers.get(name) if colon else None
-        if provider is None:
+        split = split_model_spec(spec)
+        provider = None if split is None else self._providers.get(split[0])
+        if split is None or provider is None:
             return self._default, spec
-        return provider, model
+        return provider, split[1]
 
     def check(self, spec: str) -> None:
         """Refuse (:class:`~dsh_mesh.core.InvalidArgument`) a spec that names an endpoint
@@ -42,14 +45,14 @@ class ModelRouter:
         it serves that spec itself (one with a ``serves`` method; without one, any spec may be
         its own). A session's spec is fixed for good, so a typo is refused at its creation
         rather than failing every turn."""
-        name, colon, _ = spec.partition(":")
-        if not colon or name in self._providers:
+        split = split_model_spec(spec)
+        if split is None or split[0] in self._providers:
             return
         serves = getattr(self._default, "serves", None)
         if not callable(serves) or serves(spec):
             return
         raise InvalidArgument(
-            f"model {spec!r} names the endpoint {name!r}, which is not configured"
+            f"model {spec!r} names the endpoint {split[0]!r}, which is not configured"
             f" (configured: {', '.join(sorted(self._providers)) or 'none'}; docs/presets.md)"
         )
 

@@ -26,7 +26,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from dsh_mesh.models import OpenAIEndpoint, RetryPolicy
+from dsh_mesh.models import OpenAIEndpoint, RetryPolicy, split_model_spec
 from dsh_mesh.tools import SEND_MESSAGE_DESCRIPTOR, SPAWN_DESCRIPTORS, Preset, TurnLimits
 
 OPENAI = "openai"
@@ -110,11 +110,11 @@ def load_presets(
         for name, table in _tables(path, document, "presets").items()
     )
     for preset in presets:
-        endpoint, colon, _ = (preset.model or "").partition(":")
-        if colon and endpoint not in endpoints:
+        split = split_model_spec(preset.model or "")
+        if split is not None and split[0] not in endpoints:
             raise PresetFileError(
                 f"{path}: presets.{preset.name}.model {preset.model!r} names the endpoint"
-                f" {endpoint!r}, which is not defined (defined: {', '.join(endpoints)})"
+                f" {split[0]!r}, which is not defined (defined: {', '.join(endpoints)})"
             )
     return PresetFile(presets=presets, endpoints=endpoints)
 

@@ -128,6 +128,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "child",
         "complete",
         "send",
+        "split_model_spec",
         "tool",
     ],
     "dsh_mesh.tools": [

@@ -31,6 +31,7 @@ from dsh_mesh.models import (
     ScriptedProvider,
     TextDelta,
     ToolCallEvent,
+    split_model_spec,
 )
 from dsh_mesh.models._openai_wire import (
     StreamAssembler,
@@ -346,3 +347,9 @@ def test_a_spec_naming_an_endpoint_nobody_configured_is_refused() -> None:
         router.check("olama:qwen2.5:7b")
     # A default provider that cannot say what it serves may serve any spec.
     ModelRouter({}, default=Named("custom")).check("anything:goes")
+
+
+def test_a_model_spec_splits_at_its_first_colon() -> None:
+    assert split_model_spec("ollama:qwen2.5:7b") == ("ollama", "qwen2.5:7b")
+    assert split_model_spec("openai:") == ("openai", "")
+    assert split_model_spec("lead") is None
