@@ -10,8 +10,10 @@ import pytest
 
 from dsh_mesh.core import (
     AgentMessageEntry,
+    AgentRef,
     AssistantStepEntry,
     ConsumedEntry,
+    Entry,
     Record,
     RegistryUnavailable,
     SettlementNoticeEntry,
@@ -21,24 +23,26 @@ from dsh_mesh.core import (
 )
 from dsh_mesh.models import Reply, tool
 from dsh_mesh.runtime import InMemorySessionStore
-from dsh_mesh.testing import in_process_mesh
+from dsh_mesh.testing import InProcessMesh, in_process_mesh
 from tests.unit.conftest import presets
 from tests.unit.test_manager import CHILD, ROOT
 
-OWN_WRITES = (ConsumedEntry, AssistantStepEntry, TurnEndedEntry)
+OWN_WRITES: tuple[type[Entry], ...] = (ConsumedEntry, AssistantStepEntry, TurnEndedEntry)
 
 
 class OutageStore(InMemorySessionStore):
-    """etcd goes away under the agent's own writes: each append in ``outage`` fails with
-    ``RegistryUnavailable``, after landing (``True``: the answer was lost) or not (``False``)."""
+    """etcd goes away under writes of the kinds ``under`` (the agent's own writes unless told
+    otherwise): each append in ``outage`` fails with ``RegistryUnavailable``, after landing
+    (``True``: the answer was lost) or not (``False``)."""
 
-    def __init__(self, *outage: bool) -> None:
+    def __init__(self, *outage: bool, under: tuple[type[Entry], ...] = OWN_WRITES) -> None:
         super().__init__()
         self.outage = list(outage)
+        self.under = under
         self.failed = 0
 
     async def append(self, session, entry, *, writer, idempotency=None):  # type: ignore[no-untyped-def]
-        if self.outage and isinstance(entry, OWN_WRITES) and writer is not None:
+        if self.outage and isinstance(entry, self.under):
             landed = self.outage.pop(0)
             if landed:
                 await super().append(session, entry, writer=writer, idempotency=idempotency)
@@ -72,27 +76,16 @@ async def test_a_turn_waits_out_an_outage_at_its_step_boundary_and_writes_each_e
     assert [e.outcome for e in ended] == [TurnOutcome.COMPLETED]
 
 
-class LostAnswerStore(InMemorySessionStore):
-    """etcd goes away under inbound writes of ``kind``: each failure in ``outage`` raises
-    ``RegistryUnavailable`` after the write landed (``True``: its answer was lost) or before
-    (``False``)."""
-
-    def __init__(
-        self, kind: type[AgentMessageEntry] | type[SettlementNoticeEntry], *outage: bool
-    ) -> None:
-        super().__init__()
-        self.kind = kind
-        self.outage = list(outage)
-        self.failed = 0
-
-    async def append(self, session, entry, *, writer, idempotency=None):  # type: ignore[no-untyped-def]
-        if self.outage and isinstance(entry, self.kind):
-            landed = self.outage.pop(0)
-            if landed:
-                await super().append(session, entry, writer=writer, idempotency=idempotency)
-            self.failed += 1
-            raise RegistryUnavailable("etcd is away")
-        return await super().append(session, entry, writer=writer, idempotency=idempotency)
+async def child_mid_step(mesh: InProcessMesh, gate: asyncio.Event) -> AgentRef:
+    """A root whose continuable child is in its first step until ``gate`` opens (a message
+    then extends its turn); returns the root."""
+    mesh.scripted.program(
+        "lead", tool("spawn_agent", task="t", preset="helper"), Reply(text="delegated")
+    )
+    mesh.scripted.program("helper", Reply(gate=gate), Reply(text="read it"))
+    ref = await mesh.manager.create_root("Lead.", preset="lead")
+    await mesh.scripted.wait_for_call(CHILD, 1)
+    return ref
 
 
 def consumed(records: list[Record]) -> set[int]:
@@ -102,15 +95,10 @@ def consumed(records: list[Record]) -> set[int]:
 async def test_a_send_whose_answer_was_lost_reaches_the_resident_target_on_its_retry() -> None:
     """The first try landed, its answer did not: the retry (same key) gets that acceptance,
     and the running target reads the message, in this activation, once."""
-    store = LostAnswerStore(AgentMessageEntry, True)
+    store = OutageStore(True, under=(AgentMessageEntry,))
     async with in_process_mesh(presets(), store=store) as mesh:
         gate = asyncio.Event()
-        mesh.scripted.program(
-            "lead", tool("spawn_agent", task="t", preset="helper"), Reply(text="delegated")
-        )
-        mesh.scripted.program("helper", Reply(gate=gate), Reply(text="read it"))
-        ref = await mesh.manager.create_root("Lead.", preset="lead")
-        await mesh.scripted.wait_for_call(CHILD, 1)
+        ref = await child_mid_step(mesh, gate)
         with pytest.raises(RegistryUnavailable):
             await mesh.manager.send_message(ref, CHILD, "hello", idempotency_key="k1")
         retried = await mesh.manager.send_message(ref, CHILD, "hello", idempotency_key="k1")
@@ -127,7 +115,7 @@ async def test_a_settlement_notice_waits_out_an_outage_and_arrives_once() -> Non
     """The child completed; etcd is away when its notice is written (twice before landing,
     once landing with its answer lost). The parent gets one ``completed`` notice and reads
     it; no ``lost`` one follows."""
-    store = LostAnswerStore(SettlementNoticeEntry, False, True, False)
+    store = OutageStore(False, True, False, under=(SettlementNoticeEntry,))
     async with in_process_mesh(presets(), store=store) as mesh:
         mesh.scripted.program(
             "lead", tool("spawn_agent", task="t", preset="helper"), Reply(text="delegated"),
@@ -172,12 +160,7 @@ async def test_a_retry_racing_the_answer_of_its_first_try_is_delivered_once() ->
     store = HeldAnswerStore()
     async with in_process_mesh(presets(), store=store) as mesh:
         gate = asyncio.Event()
-        mesh.scripted.program(
-            "lead", tool("spawn_agent", task="t", preset="helper"), Reply(text="delegated")
-        )
-        mesh.scripted.program("helper", Reply(gate=gate), Reply(text="read it"))
-        ref = await mesh.manager.create_root("Lead.", preset="lead")
-        await mesh.scripted.wait_for_call(CHILD, 1)
+        ref = await child_mid_step(mesh, gate)
         first = asyncio.create_task(
             mesh.manager.send_message(ref, CHILD, "hello", idempotency_key="k1")
         )
