@@ -13,8 +13,7 @@ it judges a whole run from what the workload heard back, what the nodes wrote an
 with scripted ``Completion``, ``Failure`` and ``Stall`` replies and records every request.
 """
 
-from dsh_mesh.testing._chat_server import (
-    ChatCompletionsServer,
+from dsh_mesh.testing._chat_replies import (
     Completion,
     Failure,
     RecordedRequest,
@@ -24,6 +23,7 @@ from dsh_mesh.testing._chat_server import (
     Stall,
     UsageForm,
 )
+from dsh_mesh.testing._chat_server import ChatCompletionsServer
 from dsh_mesh.testing._cluster import (
     ClusterSettings,
     LocalCluster,

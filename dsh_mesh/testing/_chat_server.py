@@ -38,9 +38,7 @@ from dsh_mesh.testing._chat_replies import (
     RecordedRequest,
     Reply,
     Responder,
-    ScriptedToolCall,
     Stall,
-    UsageForm,
     chunk,
     common_prefix,
     dumps,
@@ -60,18 +58,6 @@ from dsh_mesh.testing._http1 import (
 )
 
 # The package imports the scripted replies from here as well as the server.
-__all__ = [
-    "ChatCompletionsServer",
-    "Completion",
-    "Failure",
-    "RecordedRequest",
-    "Reply",
-    "Responder",
-    "ScriptedToolCall",
-    "Stall",
-    "UsageForm",
-]
-
 _LOOPBACK = "127.0.0.1"
 _DEFAULT_MODEL = "test-model"
 _CHAT_PATHS = frozenset({"/v1/chat/completions", "/chat/completions"})
