@@ -70,6 +70,7 @@ _SETTLEMENT_OF_TURN = {
     TurnOutcome.ERROR: SettlementOutcome.ERROR,
     TurnOutcome.CANCELLED: SettlementOutcome.CANCELLED,
     TurnOutcome.TOKEN_EXHAUSTION: SettlementOutcome.TOKEN_EXHAUSTION,
+    TurnOutcome.LOST: SettlementOutcome.LOST,
 }
 
 

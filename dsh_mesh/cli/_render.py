@@ -58,7 +58,12 @@ _LABEL_STYLE: Mapping[str, str] = {
     "entry": "dim",
 }
 _BAD_SETTLEMENTS = {SettlementOutcome.ERROR, SettlementOutcome.LOST, SettlementOutcome.CANCELLED}
-_BAD_TURNS = {TurnOutcome.ERROR, TurnOutcome.CANCELLED, TurnOutcome.TOKEN_EXHAUSTION}
+_BAD_TURNS = {
+    TurnOutcome.ERROR,
+    TurnOutcome.CANCELLED,
+    TurnOutcome.TOKEN_EXHAUSTION,
+    TurnOutcome.LOST,
+}
 _SPACE = re.compile(r"[ \t]+")
 _LABEL_WIDTH = 9
 

@@ -75,6 +75,7 @@ _TURN = {
     mesh_pb2.TURN_OUTCOME_ERROR: TurnOutcome.ERROR,
     mesh_pb2.TURN_OUTCOME_CANCELLED: TurnOutcome.CANCELLED,
     mesh_pb2.TURN_OUTCOME_TOKEN_EXHAUSTION: TurnOutcome.TOKEN_EXHAUSTION,
+    mesh_pb2.TURN_OUTCOME_LOST: TurnOutcome.LOST,
 }
 
 

@@ -44,6 +44,9 @@ class TurnOutcome(enum.Enum):
     ERROR = "error"
     CANCELLED = "cancelled"
     TOKEN_EXHAUSTION = "token-exhaustion"
+    LOST = "lost"
+    """The turn's host stopped before the turn ended; written by the session's next activation
+    after it answered every call of the turn's last step (docs/adr/0007)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -134,6 +134,7 @@ _TURN_TO_WIRE = {
     TurnOutcome.ERROR: mesh_pb2.TURN_OUTCOME_ERROR,
     TurnOutcome.CANCELLED: mesh_pb2.TURN_OUTCOME_CANCELLED,
     TurnOutcome.TOKEN_EXHAUSTION: mesh_pb2.TURN_OUTCOME_TOKEN_EXHAUSTION,
+    TurnOutcome.LOST: mesh_pb2.TURN_OUTCOME_LOST,
 }
 
 

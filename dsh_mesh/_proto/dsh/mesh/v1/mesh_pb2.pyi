@@ -76,6 +76,7 @@ class TurnOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TURN_OUTCOME_ERROR: _ClassVar[TurnOutcome]
     TURN_OUTCOME_CANCELLED: _ClassVar[TurnOutcome]
     TURN_OUTCOME_TOKEN_EXHAUSTION: _ClassVar[TurnOutcome]
+    TURN_OUTCOME_LOST: _ClassVar[TurnOutcome]
 DELIVERY_UNSPECIFIED: Delivery
 DELIVERY_STEERED: Delivery
 DELIVERY_STARTED_TURN: Delivery
@@ -125,6 +126,7 @@ TURN_OUTCOME_COMPLETED: TurnOutcome
 TURN_OUTCOME_ERROR: TurnOutcome
 TURN_OUTCOME_CANCELLED: TurnOutcome
 TURN_OUTCOME_TOKEN_EXHAUSTION: TurnOutcome
+TURN_OUTCOME_LOST: TurnOutcome
 
 class AgentRef(_message.Message):
     __slots__ = ("session_id", "activation_id")
