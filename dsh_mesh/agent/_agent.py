@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import enum
 import itertools
 import json
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from dsh_mesh import telemetry
+from dsh_mesh.agent._gate import BoundaryGate
 from dsh_mesh.agent._inbox import Inbox
 from dsh_mesh.agent._render import render
 from dsh_mesh.core import (
@@ -41,7 +43,14 @@ from dsh_mesh.core import (
     TurnStartedEntry,
 )
 from dsh_mesh.models import FinishReason, ModelProvider, ModelRequest, complete
-from dsh_mesh.tools import ToolInvocation, ToolOutput, ToolSet, TurnLimits
+from dsh_mesh.tools import (
+    ToolInvocation,
+    ToolOutput,
+    ToolSet,
+    TurnLimits,
+    is_idempotent_by_key,
+    outcome_unknown,
+)
 
 
 class AgentState(enum.Enum):
@@ -135,6 +144,7 @@ class Agent:
         self._host = host
         self._ids = ids
         self._inbox = Inbox()
+        self._gate = BoundaryGate()
         self._state = AgentState.IDLE
         self._work = asyncio.Event()
         self._released = asyncio.Event()
@@ -192,6 +202,14 @@ class Agent:
             self._seqs.add(record.seq)
             bisect.insort(self._records, record, key=lambda r: r.seq)
 
+    @contextlib.asynccontextmanager
+    async def accepting(self) -> AsyncIterator[None]:
+        """Hold off this agent's step boundary while one inbound record is appended and
+        delivered: the host wraps every accept in it, so a ``ConsumedEntry`` never has a lower
+        seq than a Steer record it did not read (docs/adr/0007)."""
+        async with self._gate.accepting():
+            yield
+
     def deliver(self, record: Record) -> DeliveryKind:
         """Insert an accepted inbound record. Synchronous: the caller already made it durable.
 
@@ -230,7 +248,12 @@ class Agent:
     # -- the driver -----------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Drive turns until the activation settles. Cancel the task to stop it abruptly."""
+        """Drive turns until the activation settles. Cancel the task to stop it abruptly.
+
+        First, before any model call, it finishes what an earlier activation left open: every
+        call of the transcript's last step gets its one answer and an unended turn is recorded
+        as lost (:meth:`_finish_left_over_turn`)."""
+        await self._finish_left_over_turn()
         while True:
             if len(self._inbox):
                 await self._turn(self._inbox.take_turn_input())
@@ -246,6 +269,66 @@ class Agent:
                 return
             self._work.clear()
             await self._work.wait()
+
+    async def _finish_left_over_turn(self) -> None:
+        """Answer, durably, every call of the last step that an earlier activation left without
+        a result (its host died, was fenced or cut off mid-step), then end that activation's
+        unended turn as ``lost``. A call of a tool that is idempotent by key (the standard
+        tools) is carried out again under the call's own key: the repeat finds what the first
+        try did (the acceptance, the child) or does it now, so the answer is exact and the
+        effect happens once. Any other call is answered "outcome unknown", never run again."""
+        open_turn: TurnId | None = None
+        step: Record | None = None
+        answered: set[str] = set()
+        for record in self._records:
+            entry = record.entry
+            if isinstance(entry, TurnStartedEntry):
+                open_turn = entry.turn_id
+            elif isinstance(entry, TurnEndedEntry):
+                open_turn = None
+            elif isinstance(entry, AssistantStepEntry):
+                step, answered = record, set()
+            elif isinstance(entry, ToolResultEntry):
+                answered.add(entry.call_id)
+        open_calls = (
+            []
+            if step is None or not isinstance(step.entry, AssistantStepEntry)
+            else [c for c in step.entry.tool_calls if c.call_id not in answered]
+        )
+        if not open_calls and open_turn is None:
+            return
+        # Running, for whoever waits on this agent: what it writes now belongs to that turn.
+        self._state = AgentState.RUNNING
+        self._host.changed()
+        if step is not None and isinstance(step.entry, AssistantStepEntry):
+            signal = AbortSignal()
+            for index, call in enumerate(step.entry.tool_calls):
+                if call not in open_calls:
+                    continue
+                tool = self.tools.get(call.name)
+                if tool is not None and is_idempotent_by_key(tool):
+                    output = await self._invoke(call, signal, step_seq=step.seq, index=index)
+                else:
+                    output = outcome_unknown(call)
+                answered.add(call.call_id)
+                await self._append(
+                    ToolResultEntry(
+                        call_id=call.call_id,
+                        name=call.name,
+                        content=output.content,
+                        is_error=output.is_error,
+                    )
+                )
+        if open_turn is not None:
+            await self._append(
+                TurnEndedEntry(
+                    turn_id=open_turn,
+                    outcome=TurnOutcome.LOST,
+                    detail="its host stopped before the turn ended",
+                )
+            )
+        self._state = AgentState.IDLE
+        self._host.changed()
 
     def _settlement(self) -> Settlement | None:
         if self._turns_run == 0:
@@ -265,15 +348,12 @@ class Agent:
                 return record.entry.text
         return ""
 
-    async def _append(self, entry: Entry, admits: Sequence[Record] = ()) -> Record:
-        # Shielded: once a write starts it finishes, is kept locally and (for a Consumed entry)
-        # admits its records, even if the turn is interrupted meanwhile. So the local
-        # transcript never lags the durable one and no waking reservation is left behind.
+    async def _append(self, entry: Entry) -> Record:
+        # Shielded: once a write starts it finishes and is kept locally, even if the turn is
+        # interrupted meanwhile. So the local transcript never lags the durable one.
         async def write() -> Record:
             record = await self._host.append(self, entry)
             self.record(record)
-            if admits:
-                self._host.admitted(self, admits)
             return record
 
         writing = asyncio.ensure_future(write())
@@ -281,10 +361,33 @@ class Agent:
         writing.add_done_callback(_outcome_seen)
         return await asyncio.shield(writing)
 
-    async def _consume(self, records: list[Record]) -> None:
-        await self._append(ConsumedEntry(seqs=tuple(r.seq for r in records)), admits=records)
+    async def _read_waiting(self, first: Sequence[Record] = ()) -> bool:
+        """The read of a step boundary (or of a turn's start, with the turn's ``first``
+        records): every Steer record waiting, in seq order, made durable as one
+        ``ConsumedEntry``. It holds the gate against accepts, so no Steer record durable before
+        that entry is left unread. False when there was nothing to read."""
+        await self._gate.hold()
+
+        async def read() -> list[Record]:
+            # Shielded like any write (see _append); the gate opens when the entry is durable.
+            try:
+                records = sorted([*first, *self._inbox.take_steered()], key=lambda r: r.seq)
+                if records:
+                    record = await self._host.append(
+                        self, ConsumedEntry(seqs=tuple(r.seq for r in records))
+                    )
+                    self.record(record)
+                    self._host.admitted(self, records)
+                return records
+            finally:
+                self._gate.release()
+
+        reading = asyncio.ensure_future(read())
+        reading.add_done_callback(_outcome_seen)
+        records = await asyncio.shield(reading)
         # The next step reads these: its span links to the spans that sent them.
         self._links.extend(getattr(r.entry, "trace", "") for r in records)
+        return bool(records)
 
     async def _turn(self, first: list[Record]) -> None:
         turn_id = self._ids.turn_id()
@@ -305,7 +408,7 @@ class Agent:
         self._state = AgentState.RUNNING
         self._host.changed()
         await self._append(TurnStartedEntry(turn_id=turn_id))
-        await self._consume(first)
+        await self._read_waiting(first)
         self._turn_tokens = 0
         signal = AbortSignal()
         self._turn_task = asyncio.create_task(self._steps(signal), name=f"turn {turn_id}")
@@ -416,10 +519,7 @@ class Agent:
             # Before the turn ends, let sends admitted while it ran land: they were told
             # "steered", so they extend this turn rather than start another.
             await self._host.inflight_settled(self)
-        steered = self._inbox.take_steered()
-        if steered:
-            await self._consume(steered)
-        elif not response.tool_calls:
+        if not await self._read_waiting() and not response.tool_calls:
             return TurnOutcome.COMPLETED
         return None
 
@@ -463,6 +563,6 @@ class Agent:
                 return
 
 
-def _outcome_seen(done: asyncio.Future[Record]) -> None:
+def _outcome_seen(done: asyncio.Future[Any]) -> None:
     if not done.cancelled():
         done.exception()

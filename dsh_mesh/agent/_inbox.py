@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
 
 from dsh_mesh.core import INBOUND_TYPES, Record, is_queue_delivery
 
 
 class Inbox:
-    """FIFO of accepted records. Steer records wait for the next step boundary (or start a turn
-    together); each Queue record (a human prompt) starts a turn of its own. Not thread-safe."""
+    """Accepted records in acceptance (seq) order, whatever order their deliveries came in: two
+    accepts' answers may come back in the reverse of their seqs. Steer records wait for the
+    next step boundary (or start a turn together); each Queue record (a human prompt) starts a
+    turn of its own. Not thread-safe."""
 
     def __init__(self) -> None:
-        self._waiting: deque[tuple[Record, bool]] = deque()
+        self._waiting: list[Record] = []
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -20,17 +22,21 @@ class Inbox:
     def put(self, record: Record) -> None:
         if not isinstance(record.entry, INBOUND_TYPES):
             raise TypeError(f"only inbound records enter an inbox, got {record.entry!r}")
-        self._waiting.append((record, is_queue_delivery(record.entry)))
+        bisect.insort(self._waiting, record, key=lambda r: r.seq)
 
     def take_turn_input(self) -> list[Record]:
         """What the next turn starts with: the oldest record if it is a human prompt, else every
         steer record waiting (in acceptance order), leaving prompts for their own turns."""
-        if self._waiting and self._waiting[0][1]:
-            return [self._waiting.popleft()[0]]
+        if self._waiting and _queued(self._waiting[0]):
+            return [self._waiting.pop(0)]
         return self.take_steered()
 
     def take_steered(self) -> list[Record]:
-        """Every waiting steer record, FIFO; human prompts stay queued."""
-        steered = [record for record, queued in self._waiting if not queued]
-        self._waiting = deque(item for item in self._waiting if item[1])
+        """Every waiting steer record, in seq order; human prompts stay queued."""
+        steered = [record for record in self._waiting if not _queued(record)]
+        self._waiting = [record for record in self._waiting if _queued(record)]
         return steered
+
+
+def _queued(record: Record) -> bool:
+    return is_queue_delivery(record.entry)  # type: ignore[arg-type]

@@ -6,6 +6,7 @@ by splitting them.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import re
 import secrets
@@ -38,6 +39,12 @@ class IdFactory(Protocol):
 
     def session_id(self) -> SessionId: ...
 
+    def child_session_id(self, parent: SessionId, call_key: str) -> SessionId:
+        """The id of the child that the spawn call ``call_key`` of ``parent`` creates: the same
+        id every time it is asked for that call, so one call can never create two children
+        (a call repeated after its host stopped finds the child the first try made)."""
+        ...
+
     def activation_id(self) -> ActivationId: ...
 
     def turn_id(self) -> TurnId: ...
@@ -48,6 +55,12 @@ class RandomIds:
 
     def session_id(self) -> SessionId:
         return SessionId(f"s-{secrets.token_hex(12)}")
+
+    def child_session_id(self, parent: SessionId, call_key: str) -> SessionId:
+        """Derived from the parent's (random) id and the call: any node, any process, gets the
+        same id for the same call; nobody who does not know the parent's id can guess it."""
+        digest = hashlib.sha256(f"{parent}\0{call_key}".encode()).hexdigest()
+        return SessionId(f"s-{digest[:24]}")
 
     def activation_id(self) -> ActivationId:
         return ActivationId(f"a-{secrets.token_hex(12)}")
@@ -65,6 +78,7 @@ class SequentialIds:
     def __init__(self, prefix: str = "") -> None:
         self._prefix = prefix
         self._counters: dict[str, Iterator[int]] = {}
+        self._children: dict[tuple[SessionId, str], SessionId] = {}
 
     def _next(self, kind: str) -> str:
         counter = self._counters.setdefault(kind, itertools.count(1))
@@ -72,6 +86,14 @@ class SequentialIds:
 
     def session_id(self) -> SessionId:
         return SessionId(self._next("s"))
+
+    def child_session_id(self, parent: SessionId, call_key: str) -> SessionId:
+        """The next readable id the first time a call asks, the same one after (for this
+        factory's life: enough for one process with an in-memory store)."""
+        known = self._children.get((parent, call_key))
+        if known is None:
+            known = self._children[parent, call_key] = self.session_id()
+        return known
 
     def activation_id(self) -> ActivationId:
         return ActivationId(self._next("a"))

@@ -55,6 +55,7 @@ from dsh_mesh.core import (
     RegistryUnavailable,
     Rejected,
     RejectionReason,
+    SessionExists,
     SessionHeader,
     SessionId,
     SessionKind,
@@ -480,9 +481,19 @@ class ContinuationManager:
         )
 
     async def spawn(
-        self, parent: AgentRef, kind: ChildKind, task: str, *, preset: str | None = None
+        self,
+        parent: AgentRef,
+        kind: ChildKind,
+        task: str,
+        *,
+        preset: str | None = None,
+        idempotency_key: str | None = None,
     ) -> SessionId:
-        """Create a child of the exact live ``parent`` here and start it on ``task``."""
+        """Create a child of the exact live ``parent`` and start it on ``task`` (here, or on the
+        node placement picks). With ``idempotency_key`` the child's id derives from the call
+        (:meth:`IdFactory.child_session_id`): a repeat of the call, even on another node after
+        the first try's host stopped, returns the child that try created and finishes what it
+        left undone (task, activation), never a second child."""
         parent_agent = self._agents.get(parent.session_id)
         if (
             parent_agent is None
@@ -509,20 +520,68 @@ class ContinuationManager:
                 model=chosen.model or parent_agent.header.spec.model,
                 tools=self.registry.resolve(chosen).descriptors,
             )
+        session = (
+            self._ids.session_id()
+            if idempotency_key is None
+            else self._ids.child_session_id(parent.session_id, idempotency_key)
+        )
         header = SessionHeader(
-            session_id=self._ids.session_id(),
+            session_id=session,
             kind=_CHILD_KIND[kind],
             parent_session=parent.session_id,
             spec=spec,
             fork_origin=fork_origin,
         )
+        if idempotency_key is not None and await self._store.get_header(session) is not None:
+            return await self._finish_spawn(session, parent, first, task)
         home = self.node_id if self._router is None else self._router.place(header.session_id)
-        if home != self.node_id:
-            return await self._spawn_elsewhere(home, header, parent, first, task)
-        agent = await self._activate_new(
-            header, parent_activation=parent.activation_id, first=first, task=task
-        )
+        try:
+            if home != self.node_id:
+                return await self._spawn_elsewhere(home, header, parent, first, task)
+            agent = await self._activate_new(
+                header, parent_activation=parent.activation_id, first=first, task=task
+            )
+        except SessionExists:
+            if idempotency_key is None:
+                raise
+            # Another try of the same call (a stale activation's, on a node that has not
+            # noticed yet) created it first.
+            return await self._finish_spawn(session, parent, first, task)
         return agent.session_id
+
+    async def _finish_spawn(
+        self, session: SessionId, parent: AgentRef, first: tuple[Entry, ...], task: str
+    ) -> SessionId:
+        """A repeated spawn call found its child: finish what the first try left undone. A
+        child without its task gets its first entries and task now (unfenced: it has no
+        activation, or the write is refused and its holder is the creator still at work); a
+        child with a task nobody runs is activated. Returns the child's id."""
+        header = await self.header(session)
+        records = await self._store.read(session)
+        if not any(isinstance(r.entry, TaskEntry) for r in records):
+            missing = [e for e in first if not any(type(r.entry) is type(e) for r in records)]
+            if header.kind is SessionKind.CONTINUABLE_CHILD:
+                visible = self._resolve_tools(header, None).standard_send_message_visible
+                task = child_task(task, parent.session_id, standard_send_message_visible=visible)
+            try:
+                for entry in (*missing, TaskEntry(content=task)):
+                    await self._store.append(session, entry, writer=None)
+            except ActivationFenced:
+                pass  # it is resident: the try that holds it writes the rest
+            records = await self._store.read(session)
+        current = await self._store.current_activation(session, fresh=True)
+        if current is None and pending_inbound(records):
+            home = self.node_id if self._router is None else self._router.place(session)
+            try:
+                if home == self.node_id or self._router is None:
+                    current = await self.resume(session, parent.activation_id)
+                else:
+                    current = await self._router.activate(home, session, parent.activation_id)
+            except TargetElsewhere:
+                current = await self._store.current_activation(session, fresh=True)
+        if current is not None:
+            self._track_child(parent.session_id, session, current.activation_id)
+        return session
 
     async def _spawn_elsewhere(
         self,
@@ -848,28 +907,32 @@ class ContinuationManager:
         if isinstance(entry, AgentMessageEntry):
             entry = dataclasses.replace(entry, delivery=kind)
         try:
-            record, known = await self._store.append(
-                session,
-                entry,
-                writer=agent.activation.activation_id,
-                idempotency=None if key is None or acceptance is None else (key, acceptance),
-            )
-            if known is not None and key is not None:
-                duplicate = self._duplicate(key, known, session, known.fingerprint)
-                if (
-                    known.target_activation == agent.activation.activation_id
-                    and not agent.holds(known.seq)
-                    and agent.state is not AgentState.SETTLED
-                ):
-                    # The first try landed under this activation, and the agent does not hold
-                    # its record: that try's answer was lost (an etcd outage) or is still on
-                    # its way. Whichever of the two delivers first delivers; never both.
-                    read = await self._store.read(session, after_seq=known.seq - 1)
-                    delivered = self._deliver_once(agent, read[0])
-                return duplicate
-            # False only when a retry of this very write delivered it while this answer was on
-            # its way: this is still the acceptance (the retry was told "duplicate").
-            delivered = self._deliver_once(agent, record)
+            # The append and the delivery hold off the target's step boundary: it cannot write
+            # a ConsumedEntry past this record without reading it (docs/adr/0007).
+            async with agent.accepting():
+                record, known = await self._store.append(
+                    session,
+                    entry,
+                    writer=agent.activation.activation_id,
+                    idempotency=None if key is None or acceptance is None else (key, acceptance),
+                )
+                if known is not None and key is not None:
+                    duplicate = self._duplicate(key, known, session, known.fingerprint)
+                    if (
+                        known.target_activation == agent.activation.activation_id
+                        and not agent.holds(known.seq)
+                        and agent.state is not AgentState.SETTLED
+                    ):
+                        # The first try landed under this activation, and the agent does not
+                        # hold its record: that try's answer was lost (an etcd outage) or is
+                        # still on its way. Whichever of the two delivers first delivers;
+                        # never both.
+                        read = await self._store.read(session, after_seq=known.seq - 1)
+                        delivered = self._deliver_once(agent, read[0])
+                    return duplicate
+                # False only when a retry of this very write delivered it while this answer was
+                # on its way: this is still the acceptance (the retry was told "duplicate").
+                delivered = self._deliver_once(agent, record)
             if isinstance(entry, AgentMessageEntry):
                 telemetry.message_accepted(kind.value)
             return Delivery(

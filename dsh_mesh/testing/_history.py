@@ -24,7 +24,15 @@ can fake for another:
 - *overlapping activations*: a session whose durable writes interleave two activations (one wrote
   again after another had written);
 - *wrong reasons*: a refusal with a reason the request could not have earned;
-- *phantoms*: an agent message in a transcript that no one sent.
+- *phantoms*: an agent message in a transcript that no one sent;
+- *unanswered calls*: a tool call of an assistant step without exactly one result, once anything
+  but inbound entries follows that step (a session whose host died mid-step may end with its
+  last step's calls open; its next activation answers them before anything else,
+  :func:`calls_without_one_answer`);
+- *blind resends*: a message stored twice at its target, once for each of two ``send_message``
+  calls of one sender, the second made before the sender was shown the first one's result (the
+  double send a model makes when it never learns whether its first send landed,
+  :func:`blind_resends`).
 
 A message whose outcome the asker never learned (its node died mid-call) may have landed once or
 not at all; it is never counted lost, but a second copy is still a duplicate.
@@ -129,6 +137,8 @@ class Verdict:
     overlapping_activations: int = 0
     wrong_reasons: int = 0
     phantoms: int = 0
+    unanswered_calls: int = 0
+    blind_resends: int = 0
     unattributed_writes: int = 0
     """Durable entries no node reported writing (their node was killed in between): counted,
     never held against the run."""
@@ -164,6 +174,10 @@ class Verdict:
             f" overlapping activations {self.overlapping_activations},"
             f" notices before messages {self.notice_violations},"
             f" wrong reasons {self.wrong_reasons}, phantoms {self.phantoms}"
+        )
+        lines.append(
+            f"  tool calls without exactly one answer {self.unanswered_calls},"
+            f" blind resends {self.blind_resends}"
         )
         lines.append(
             f"  activations {self.activations}, writes refused by the fence {self.fenced_writes},"
@@ -333,7 +347,80 @@ def check(
     _check_order(sends, transcripts, verdict)
     _check_notices(sends, transcripts, verdict)
     _check_writers(transcripts, history, verdict)
+    for session, records in transcripts.items():
+        for violation in calls_without_one_answer(records):
+            verdict._violate("unanswered_calls", f"{session}: {violation}")
+    for violation in blind_resends(transcripts):
+        verdict._violate("blind_resends", violation)
     return verdict
+
+
+def calls_without_one_answer(records: Sequence[Record]) -> list[str]:
+    """The tool calls of ``records`` (one transcript) that do not have exactly one result
+    between their step and the next, one line each. The calls of the last step may still be
+    open while nothing but inbound entries follows it: the session stopped mid-step, and its
+    next activation answers them before it does anything else."""
+    violations: list[str] = []
+    steps = [n for n, r in enumerate(records) if isinstance(r.entry, AssistantStepEntry)]
+    for number, start in enumerate(steps):
+        step = records[start]
+        assert isinstance(step.entry, AssistantStepEntry)
+        end = steps[number + 1] if number + 1 < len(steps) else len(records)
+        answers = Counter(
+            r.entry.call_id
+            for r in records[start + 1 : end]
+            if isinstance(r.entry, ToolResultEntry)
+        )
+        went_on = any(
+            not isinstance(r.entry, (*INBOUND_TYPES, ToolResultEntry)) for r in records[start + 1 :]
+        )
+        for call in step.entry.tool_calls:
+            count = answers[call.call_id]
+            if count > 1 or (count == 0 and went_on):
+                violations.append(
+                    f"call {call.call_id} ({call.name}) of the step at seq {step.seq} has"
+                    f" {count} results"
+                )
+    return violations
+
+
+def blind_resends(transcripts: Mapping[SessionId, Sequence[Record]]) -> list[str]:
+    """Messages stored twice at their target for two ``send_message`` calls of one sender with
+    the same target and content, the later call made before the earlier one's result was
+    recorded (so the sender's model could not have known whether the first had landed)."""
+    stored: Counter[tuple[SessionId, str, str]] = Counter()
+    for target, records in transcripts.items():
+        for record in records:
+            if isinstance(record.entry, AgentMessageEntry):
+                stored[target, record.entry.source.sender_session_id, record.entry.content] += 1
+    violations: list[str] = []
+    for sender, records in transcripts.items():
+        answered_at = {
+            r.entry.call_id: r.seq for r in records if isinstance(r.entry, ToolResultEntry)
+        }
+        earlier: dict[tuple[str, str], list[int | None]] = defaultdict(list)
+        for record in records:
+            if not isinstance(record.entry, AssistantStepEntry):
+                continue
+            for call in record.entry.tool_calls:
+                if call.name != SEND_TOOL:
+                    continue
+                try:
+                    arguments = json.loads(call.arguments_json or "{}")
+                except json.JSONDecodeError:
+                    continue
+                if not isinstance(arguments, dict):
+                    continue
+                key = (str(arguments.get("agent_id", "")), str(arguments.get("message", "")))
+                blind = any(seen is None or seen > record.seq for seen in earlier[key])
+                copies = stored[SessionId(key[0]), sender, key[1]]
+                if blind and copies > 1:
+                    violations.append(
+                        f"{sender} -> {key[0]} {key[1]!r}: sent again at seq {record.seq}"
+                        f" before the first send's result, stored {copies} times"
+                    )
+                earlier[key].append(answered_at.get(call.call_id))
+    return violations
 
 
 def _consumption(

@@ -14,7 +14,14 @@ from dsh_mesh.tools._standard import (
     is_standard_send_message,
     standard_tools,
 )
-from dsh_mesh.tools._tool import Tool, ToolIdentity, ToolInvocation, ToolOutput
+from dsh_mesh.tools._tool import (
+    Tool,
+    ToolIdentity,
+    ToolInvocation,
+    ToolOutput,
+    is_idempotent_by_key,
+    outcome_unknown,
+)
 
 __all__ = [
     "MAX_MESSAGE_CHARS",
@@ -37,6 +44,8 @@ __all__ = [
     "ToolSet",
     "TurnLimits",
     "child_task",
+    "is_idempotent_by_key",
     "is_standard_send_message",
+    "outcome_unknown",
     "standard_tools",
 ]

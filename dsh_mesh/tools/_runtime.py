@@ -34,7 +34,16 @@ class SubagentRuntime(Protocol):
         ...
 
     async def spawn(
-        self, parent: AgentRef, kind: ChildKind, task: str, *, preset: str | None = None
+        self,
+        parent: AgentRef,
+        kind: ChildKind,
+        task: str,
+        *,
+        preset: str | None = None,
+        idempotency_key: str | None = None,
     ) -> SessionId:
-        """Create and start a child of ``parent``; returns once the child's header is durable."""
+        """Create and start a child of ``parent``; returns once the child's header and task are
+        durable. With ``idempotency_key`` (the calling tool call's key) the child's id is derived
+        from the call: a repeat of the call returns the child the first try created (finishing
+        its creation if that try stopped half-way), never a second child."""
         ...

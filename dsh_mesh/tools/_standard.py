@@ -7,6 +7,7 @@ import contextlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import ClassVar
 
 from dsh_mesh.core import Rejected, RejectionReason, ToolDescriptor
 from dsh_mesh.tools._runtime import ChildKind, SubagentRuntime
@@ -121,6 +122,8 @@ class SendMessageTool:
 
     runtime: SubagentRuntime
     retry_delays: tuple[float, ...] = SEND_RETRY_DELAYS
+    idempotent_by_key: ClassVar[bool] = True
+    """A repeat under the call's key returns the first acceptance, or sends now if none."""
 
     @property
     def identity(self) -> ToolIdentity:
@@ -172,6 +175,8 @@ class SpawnTool:
 
     runtime: SubagentRuntime
     kind: ChildKind
+    idempotent_by_key: ClassVar[bool] = True
+    """The child's id derives from the call: a repeat returns the child the first try made."""
 
     @property
     def identity(self) -> ToolIdentity:
@@ -192,7 +197,11 @@ class SpawnTool:
             return invalid("task must not be empty")
         try:
             child = await self.runtime.spawn(
-                invocation.caller, self.kind, fields["task"], preset=fields.get("preset")
+                invocation.caller,
+                self.kind,
+                fields["task"],
+                preset=fields.get("preset"),
+                idempotency_key=invocation.idempotency_key,
             )
         except Rejected as rejection:
             return ToolOutput(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol, final
@@ -64,3 +65,29 @@ class Tool(Protocol):
     async def invoke(
         self, invocation: ToolInvocation, arguments: Mapping[str, object]
     ) -> ToolOutput: ...
+
+
+def is_idempotent_by_key(tool: Tool) -> bool:
+    """Whether a call of ``tool`` may be carried out again under its idempotency key with one
+    effect at most (its class says ``idempotent_by_key = True``: the standard tools). A call that
+    a stopped host left without a result is then answered exactly, by carrying it out again: the
+    repeat finds what the first try did, or does it now. Any other tool's call is answered by
+    :func:`outcome_unknown`, never run a second time."""
+    return getattr(tool, "idempotent_by_key", False) is True
+
+
+def outcome_unknown(call: ToolCall) -> ToolOutput:
+    """The answer to a call of a tool that is not idempotent by key, left without a result by
+    a host that stopped while the call ran: it may or may not have taken effect."""
+    return ToolOutput(
+        content=json.dumps(
+            {
+                "outcome": "unknown",
+                "tool": call.name,
+                "detail": "the host running this call stopped before it returned, so it may or"
+                " may not have taken effect; it was not run again. Check its effect before"
+                " calling it again.",
+            }
+        ),
+        is_error=True,
+    )

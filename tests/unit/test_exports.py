@@ -152,7 +152,9 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "ToolSet",
         "TurnLimits",
         "child_task",
+        "is_idempotent_by_key",
         "is_standard_send_message",
+        "outcome_unknown",
         "standard_tools",
     ],
     "dsh_mesh.agent": [
@@ -344,6 +346,8 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "WriteEvent",
         "agent_sends",
         "bed_unavailable_reason",
+        "blind_resends",
+        "calls_without_one_answer",
         "check",
         "create_root",
         "fault_run",

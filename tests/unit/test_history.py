@@ -37,6 +37,8 @@ from dsh_mesh.testing import (
     Verdict,
     WriteEvent,
     agent_sends,
+    blind_resends,
+    calls_without_one_answer,
     check,
     load_node_history,
     writers_of,
@@ -160,6 +162,8 @@ def only(verdict: Verdict, kind: str) -> None:
             "overlapping_activations",
             "wrong_reasons",
             "phantoms",
+            "unanswered_calls",
+            "blind_resends",
         )
     }
     assert counts[kind] >= 1, verdict.summary()
@@ -395,3 +399,53 @@ def test_an_outage_refusal_that_may_have_landed_is_in_doubt_not_a_refusal() -> N
         delivered("c1", ROOT), refused("c2", RejectionReason.REGISTRY_UNAVAILABLE)
     )
     assert judge(CLEAN_ROOT, refused_plainly).duplicated == 1
+
+
+def test_a_call_left_without_a_result_once_the_session_went_on_is_unanswered() -> None:
+    # The host died after the step; the next activation went on without answering c2.
+    child = child_transcript(delivered("c1", ROOT), ConsumedEntry(seqs=()), step())
+    verdict = judge(CLEAN_ROOT, child)
+    assert verdict.unanswered_calls == 1 and "c2" in verdict.summary(), verdict.summary()
+
+
+def test_a_call_with_two_results_is_unanswered_exactly_once() -> None:
+    child = child_transcript(delivered("c1", ROOT), delivered("c2", ROOT), delivered("c2", ROOT))
+    assert judge(CLEAN_ROOT, child).unanswered_calls == 1
+
+
+def test_the_last_steps_open_calls_of_a_session_stopped_mid_step_are_not_held_against_it() -> None:
+    # Only inbound entries follow the open step: nothing ran since; the next activation answers.
+    child = child_transcript(delivered("c1", ROOT), TaskEntry(content="more"))
+    assert calls_without_one_answer(child) == []
+
+
+def test_a_message_sent_again_before_the_first_result_and_stored_twice_is_a_blind_resend() -> None:
+    # m1's first call was never answered (its host died); the model sent m1 again blind.
+    child = records(
+        TaskEntry(content="work"),
+        ConsumedEntry(seqs=(1,)),
+        step(("c1", ROOT, "m1")),
+        ConsumedEntry(seqs=()),
+        step(("c2", ROOT, "m1"), ("c3", ROOT, "m2")),
+        delivered("c2", ROOT),
+        delivered("c3", ROOT),
+    )
+    root = root_transcript(
+        from_child("m1"),
+        from_child("m1"),
+        from_child("m2"),
+        notice(),
+        ConsumedEntry(seqs=(3, 4, 5, 6)),
+    )
+    assert len(blind_resends({ROOT: root, CHILD: child})) == 1
+    # The same two copies after the model saw the first result are the model's own choice.
+    seen = records(
+        TaskEntry(content="work"),
+        ConsumedEntry(seqs=(1,)),
+        step(("c1", ROOT, "m1")),
+        delivered("c1", ROOT),
+        step(("c2", ROOT, "m1"), ("c3", ROOT, "m2")),
+        delivered("c2", ROOT),
+        delivered("c3", ROOT),
+    )
+    assert blind_resends({ROOT: root, CHILD: seen}) == []

@@ -73,7 +73,13 @@ class RecordingRuntime:
         )
 
     async def spawn(
-        self, parent: AgentRef, kind: ChildKind, task: str, *, preset: str | None = None
+        self,
+        parent: AgentRef,
+        kind: ChildKind,
+        task: str,
+        *,
+        preset: str | None = None,
+        idempotency_key: str | None = None,
     ) -> SessionId:
         return SessionId("s-spawned")
 

@@ -1,0 +1,66 @@
+"""The gate between a session's inbound appends and its step boundaries."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+
+
+class BoundaryGate:
+    """Orders the appends of inbound records (accepts) against the agent's step boundaries.
+
+    Any number of accepts may be appending at once (:meth:`accepting`). A step boundary
+    (:meth:`hold`) waits until none is, and keeps new ones out until :meth:`release`. While it
+    holds the gate the boundary takes its inbox and writes its ``ConsumedEntry``: every inbound
+    record with a lower seq is then already in the inbox (its accept finished, delivering it),
+    and every accept after it gets a higher seq. So a ``ConsumedEntry`` never leaves behind a
+    message that was durable before it (docs/adr/0007).
+
+    A boundary that waits closes the gate to accepts that arrive after it, so a stream of
+    sends cannot hold a boundary off forever; each waits at most one append. One event loop;
+    one boundary at a time (the agent's driver).
+    """
+
+    def __init__(self) -> None:
+        self._accepting = 0
+        self._boundaries = 0
+        self._held = False
+        self._change = asyncio.Event()
+
+    @contextlib.asynccontextmanager
+    async def accepting(self) -> AsyncIterator[None]:
+        """Hold the gate open for one accept: its append and its delivery to the inbox."""
+        await self._until(lambda: self._boundaries == 0)
+        self._accepting += 1
+        try:
+            yield
+        finally:
+            self._accepting -= 1
+            self._changed()
+
+    async def hold(self) -> None:
+        """Return once no accept is appending, with the gate closed to new ones. Cancel-safe:
+        a boundary cancelled while it waits leaves the gate as it found it."""
+        self._boundaries += 1
+        try:
+            await self._until(lambda: self._accepting == 0 and not self._held)
+            self._held = True
+        finally:
+            if not self._held:
+                self._boundaries -= 1
+                self._changed()
+
+    def release(self) -> None:
+        """Open the gate again after :meth:`hold` (the boundary's entry is durable or failed)."""
+        self._held = False
+        self._boundaries -= 1
+        self._changed()
+
+    async def _until(self, ready: Callable[[], bool]) -> None:
+        while not ready():
+            await self._change.wait()
+
+    def _changed(self) -> None:
+        self._change.set()
+        self._change = asyncio.Event()

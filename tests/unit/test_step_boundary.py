@@ -1,0 +1,133 @@
+"""The step boundary's two promises (docs/adr/0007), each forced with the interleaving that broke
+it on a store whose appends suspend:
+
+- messages waiting together are read in acceptance (seq) order, whatever order their appends'
+  answers came back in;
+- a ConsumedEntry is true: every Steer record durable before it (lower seq) is read by it or by
+  an earlier one; none is left for a later boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import pytest
+
+from dsh_mesh.core import (
+    AgentMessageEntry,
+    ConsumedEntry,
+    Entry,
+    Record,
+    Role,
+    SessionId,
+    is_queue_delivery,
+)
+from dsh_mesh.models import Reply, tool
+from dsh_mesh.runtime import InMemorySessionStore
+from dsh_mesh.testing import in_process_mesh
+from tests.unit.conftest import GateTool, drain_loop, presets
+
+ROOT = SessionId("s-1")
+CHILD = SessionId("s-2")
+
+
+class LateAnswerStore(InMemorySessionStore):
+    """Writes the first agent message durably at once, but holds the *answer* of that append
+    until the test releases it: the record has its seq while its sender still waits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = asyncio.Event()
+        self.answer = asyncio.Event()
+
+    async def append(self, session, entry, *, writer, idempotency=None):  # type: ignore[no-untyped-def]
+        result = await super().append(session, entry, writer=writer, idempotency=idempotency)
+        if isinstance(entry, AgentMessageEntry) and not self.written.is_set():
+            self.written.set()
+            await self.answer.wait()
+        return result
+
+
+def consumed_is_true(records: Sequence[Record]) -> list[str]:
+    """Every Steer record below a ConsumedEntry's seq is read by it or an earlier one; each
+    ConsumedEntry lists its seqs in increasing order. Returns the violations."""
+    violations: list[str] = []
+    read: set[int] = set()
+    inbound: dict[int, Entry] = {}
+    for record in records:
+        entry = record.entry
+        if isinstance(entry, ConsumedEntry):
+            read.update(entry.seqs)
+            if list(entry.seqs) != sorted(entry.seqs):
+                violations.append(f"#{record.seq} reads {list(entry.seqs)} out of seq order")
+            unread = [
+                s
+                for s, e in inbound.items()
+                if s not in read and not is_queue_delivery(e)  # type: ignore[arg-type]
+            ]
+            if unread:
+                violations.append(f"#{record.seq} leaves durable {unread} for later")
+        elif isinstance(entry, AgentMessageEntry):
+            inbound[record.seq] = entry
+    return violations
+
+
+@pytest.mark.contract(9)
+async def test_messages_waiting_together_are_read_in_seq_order_when_answers_come_back_reversed(
+    gate_tool: GateTool,
+) -> None:
+    store = LateAnswerStore()
+    async with in_process_mesh(presets(gate_tool), store=store) as mesh:
+        mesh.scripted.program("worker", tool("wait"), Reply(text="read them"))
+        mesh.scripted.program("lead", tool("spawn_agent", task="t", preset="worker"), Reply())
+        await mesh.manager.create_root("Lead.", preset="lead")
+        await gate_tool.entered.wait()
+        root = mesh.manager.agent(ROOT)
+        assert root is not None
+        first = asyncio.create_task(mesh.manager.send_message(root.ref, CHILD, "first"))
+        await store.written.wait()
+        second = await mesh.manager.send_message(root.ref, CHILD, "second")
+        store.answer.set()
+        first_delivery = await first
+        assert first_delivery.accepted_seq < second.accepted_seq
+
+        gate_tool.gate.set()
+        await mesh.manager.quiescent()
+        step_two = mesh.recorder.requests_of(CHILD)[1].messages
+        assert [m.role for m in step_two[-3:]] == [Role.TOOL, Role.USER, Role.USER]
+        assert [m.content for m in step_two[-2:]] == [
+            f"Agent {ROOT} sent a message:\nfirst",
+            f"Agent {ROOT} sent a message:\nsecond",
+        ]
+        assert consumed_is_true(await mesh.transcript(CHILD)) == []
+
+
+@pytest.mark.contract(3)
+@pytest.mark.contract(9)
+async def test_a_message_durable_before_a_step_boundary_is_read_at_that_boundary(
+    gate_tool: GateTool,
+) -> None:
+    store = LateAnswerStore()
+    async with in_process_mesh(presets(gate_tool), store=store) as mesh:
+        mesh.scripted.program("worker", tool("wait"), Reply(text="read it"))
+        mesh.scripted.program("lead", tool("spawn_agent", task="t", preset="worker"), Reply())
+        await mesh.manager.create_root("Lead.", preset="lead")
+        await gate_tool.entered.wait()
+        root = mesh.manager.agent(ROOT)
+        assert root is not None
+        # The message is durable (it has its seq) but its accept has not come back yet when
+        # the child's tool returns and the child reaches its step boundary.
+        sending = asyncio.create_task(mesh.manager.send_message(root.ref, CHILD, "early"))
+        await store.written.wait()
+        gate_tool.gate.set()
+        await drain_loop()
+        store.answer.set()
+        await sending
+        await mesh.manager.quiescent()
+
+        records = await mesh.transcript(CHILD)
+        assert consumed_is_true(records) == []
+        # ...and the model read it in the step right after that boundary.
+        step_two = mesh.recorder.requests_of(CHILD)[1].messages
+        assert step_two[-1].content == f"Agent {ROOT} sent a message:\nearly"

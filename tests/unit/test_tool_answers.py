@@ -1,0 +1,277 @@
+"""Every tool call gets exactly one answer, whatever happens to its host (docs/adr/0007).
+
+Each test forces the interleaving that broke it: the first "node" (a manager on a shared
+in-memory store) dies at a chosen write (the write fails, every driver stops, the activations
+lapse as its lease would), then a second node on the same store activates the session. Before
+its next model call every call of the last step has one result: a standard tool's is exact
+(the acceptance or the child the first try made, or the send or spawn done now under the
+call's own key), any other tool's says its outcome is unknown and it never runs twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import pytest
+
+from dsh_mesh.core import (
+    AgentMessageEntry,
+    ConsumedEntry,
+    Entry,
+    NodeFenced,
+    NodeId,
+    RandomIds,
+    Record,
+    SessionHeader,
+    SessionId,
+    TaskEntry,
+    ToolDescriptor,
+    ToolResultEntry,
+    TurnEndedEntry,
+    TurnOutcome,
+)
+from dsh_mesh.models import PARENT, Action, Call, Reply, ScriptedProvider, Stall, send, tool
+from dsh_mesh.runtime import ContinuationManager, InMemorySessionStore, ManagerConfig
+from dsh_mesh.testing import calls_without_one_answer
+from dsh_mesh.tools import Preset, ToolIdentity, ToolInvocation, ToolOutput
+
+
+class DyingStore(InMemorySessionStore):
+    """A store shared by two nodes. ``die_at`` picks the write at which the first node's host
+    dies: that write blocks, and fails (never written) once the test calls :meth:`die`; so does
+    every later write of that node. The second node writes through ``for_node_two``."""
+
+    def __init__(self, die_at: Callable[[SessionId, Entry | None], bool]) -> None:
+        super().__init__()
+        self._die_at = die_at
+        self.reached = asyncio.Event()
+        self._dead = asyncio.Event()
+        self._node_two = False
+
+    def die(self) -> None:
+        self._dead.set()
+
+    def for_node_two(self) -> DyingStore:
+        self._node_two = True
+        return self
+
+    async def _dying(self, session: SessionId, entry: Entry | None) -> None:
+        if self._node_two:
+            return
+        if self._dead.is_set() or self._die_at(session, entry):
+            self.reached.set()
+            await self._dead.wait()
+            raise NodeFenced("the host died")
+
+    async def append(self, session, entry, *, writer, idempotency=None):  # type: ignore[no-untyped-def]
+        await self._dying(session, entry)
+        return await super().append(session, entry, writer=writer, idempotency=idempotency)
+
+    async def create_header(self, header: SessionHeader, entries: Sequence[Entry] = ()) -> None:
+        if header.parent_session is not None:
+            await self._dying(header.session_id, None)  # None: a child's header
+        await super().create_header(header, entries)
+
+    async def lapse(self) -> None:
+        """Every activation of the dead node ends, as its lease would."""
+        for session in list(self._transcripts):
+            current = await self.current_activation(SessionId(session))
+            if current is not None and current.node_id == "node-1":
+                await self.release(current)
+
+
+@dataclass
+class CountingTool:
+    """A scoped tool with an effect the test can count; blocks on its first call."""
+
+    runs: int = 0
+    gate: asyncio.Event = field(default_factory=asyncio.Event)
+    _identity: ToolIdentity = field(default_factory=lambda: ToolIdentity("test/charge"))
+
+    @property
+    def identity(self) -> ToolIdentity:
+        return self._identity
+
+    @property
+    def descriptor(self) -> ToolDescriptor:
+        return ToolDescriptor.of("charge", "Charges a card once per call.", {})
+
+    async def invoke(
+        self, invocation: ToolInvocation, arguments: Mapping[str, object]
+    ) -> ToolOutput:
+        self.runs += 1
+        await self.gate.wait()
+        return ToolOutput(content="charged")
+
+
+ROOT = SessionId("s-root")
+
+
+def _presets(charge: CountingTool | None = None) -> tuple[Preset, ...]:
+    return (
+        Preset(name="lead", system_prompt="You lead.", model="lead"),
+        Preset(
+            name="helper",
+            system_prompt="You help.",
+            model="helper",
+            scoped_tools=() if charge is None else (charge,),
+        ),
+    )
+
+
+Programs = dict[str, Sequence[Action]]
+
+
+def _node(
+    store: InMemorySessionStore, name: str, programs: Programs, presets: tuple[Preset, ...]
+) -> ContinuationManager:
+    return ContinuationManager(
+        store=store,
+        provider=ScriptedProvider(programs=programs, resume_from_transcript=True),
+        presets=presets,
+        config=ManagerConfig(node_id=NodeId(name)),
+        ids=RandomIds(),
+    )
+
+
+async def _children(store: InMemorySessionStore, parent: SessionId) -> list[SessionId]:
+    found = []
+    for session in list(store._headers):
+        header = await store.get_header(SessionId(session))
+        if header is not None and header.parent_session == parent:
+            found.append(header.session_id)
+    return found
+
+
+def _results(records: Sequence[Record], name: str) -> list[ToolResultEntry]:
+    return [
+        r.entry for r in records if isinstance(r.entry, ToolResultEntry) and r.entry.name == name
+    ]
+
+
+async def _die_then_resume(
+    store: DyingStore,
+    programs: Programs,
+    presets: tuple[Preset, ...],
+    resume: Callable[[], Awaitable[list[SessionId]]],
+) -> None:
+    """Node one creates the root and runs until the store reaches the chosen write; its host
+    dies there. Then node two activates the sessions ``resume`` names, in that order."""
+    async with _node(store, "node-1", programs, presets) as node_one:
+        await node_one.create_root("Lead.", preset="lead", session_id=ROOT)
+        await store.reached.wait()
+        store.die()
+    await store.lapse()
+    async with _node(store.for_node_two(), "node-2", programs, presets) as node_two:
+        for session in await resume():
+            await node_two.resume(session)
+        async with asyncio.timeout(10):
+            await node_two.quiescent()
+
+
+async def _root_only() -> list[SessionId]:
+    return [ROOT]
+
+
+async def _only_child(store: InMemorySessionStore) -> list[SessionId]:
+    children = await _children(store, ROOT)
+    assert len(children) == 1, children
+    return children
+
+
+@pytest.mark.parametrize("landed", [True, False], ids=["landed", "not-landed"])
+async def test_a_send_left_unanswered_by_its_dead_host_is_answered_exactly_and_lands_once(
+    landed: bool,
+) -> None:
+    # Landed: the host died after the parent accepted the message, before the child recorded
+    # the result. Not landed: it died while the message was being appended at the parent.
+    def die_at(session: SessionId, entry: Entry | None) -> bool:
+        if landed:
+            return isinstance(entry, ToolResultEntry) and entry.name == "send_message"
+        return isinstance(entry, AgentMessageEntry)
+
+    store = DyingStore(die_at)
+    programs: Programs = {
+        "lead": (tool("spawn_agent", task="Work.", preset="helper"), Reply(text="waiting")),
+        "helper": (send(PARENT, "the result"), Reply(text="sent")),
+    }
+
+    async def both() -> list[SessionId]:
+        # The parent first (so it is live to accept the repeat), then the child.
+        return [ROOT, *(await _only_child(store))]
+
+    await _die_then_resume(store, programs, _presets(), both)
+    [child] = await _children(store, ROOT)
+    at_root = [
+        r.entry.content for r in await store.read(ROOT) if isinstance(r.entry, AgentMessageEntry)
+    ]
+    assert at_root == ["the result"]  # once, whichever try carried it
+    records = await store.read(child)
+    [answer] = _results(records, "send_message")
+    assert json.loads(answer.content)["delivered"] in {"steered", "started-turn", "cold-resumed"}
+    assert not answer.is_error
+    assert calls_without_one_answer(records) == []
+    ended = [r.entry.outcome for r in records if isinstance(r.entry, TurnEndedEntry)]
+    assert ended[0] is TurnOutcome.LOST
+
+
+@pytest.mark.parametrize(
+    "dies_at",
+    ["result", "header", "task"],
+    ids=["child-made", "child-not-made", "child-half-made"],
+)
+async def test_a_spawn_left_unanswered_by_its_dead_host_makes_exactly_one_whole_child(
+    dies_at: str,
+) -> None:
+    def die_at(session: SessionId, entry: Entry | None) -> bool:
+        if dies_at == "result":
+            return isinstance(entry, ToolResultEntry) and entry.name == "spawn_agent"
+        if dies_at == "header":
+            return entry is None
+        return isinstance(entry, TaskEntry) and session != ROOT
+
+    store = DyingStore(die_at)
+    programs: Programs = {
+        "lead": (tool("spawn_agent", task="Work.", preset="helper"), Reply(text="waiting")),
+        "helper": (Reply(text="worked"),),
+    }
+    await _die_then_resume(store, programs, _presets(), _root_only)
+    [child] = await _children(store, ROOT)
+    records = await store.read(ROOT)
+    [answer] = _results(records, "spawn_agent")
+    assert json.loads(answer.content)["spawned"] == child
+    assert calls_without_one_answer(records) == []
+    child_records = await store.read(child)
+    [task] = [r.seq for r in child_records if isinstance(r.entry, TaskEntry)]
+    # The child's task was read exactly once: made whole and activated, never left waiting.
+    read = [s for r in child_records if isinstance(r.entry, ConsumedEntry) for s in r.entry.seqs]
+    assert read.count(task) == 1
+
+
+async def test_any_other_tool_left_unanswered_is_answered_unknown_and_never_run_twice() -> None:
+    charge = CountingTool()
+
+    def die_at(session: SessionId, entry: Entry | None) -> bool:
+        return isinstance(entry, ToolResultEntry) and entry.name == "charge"
+
+    store = DyingStore(die_at)
+    programs: Programs = {
+        "lead": (tool("spawn_agent", task="Work.", preset="helper"), Stall()),
+        "helper": (Call(calls=(("charge", {}), ("charge", {}))), Reply(text="done")),
+    }
+    charge.gate.set()  # the first call returns at once; its result's write kills the host
+
+    async def child() -> list[SessionId]:
+        return await _only_child(store)
+
+    await _die_then_resume(store, programs, _presets(charge), child)
+    [session] = await _children(store, ROOT)
+    records = await store.read(session)
+    answers = _results(records, "charge")
+    assert len(answers) == 2 and all(a.is_error for a in answers)
+    assert all(json.loads(a.content)["outcome"] == "unknown" for a in answers)
+    assert charge.runs == 1  # the first ran once; neither ran again
+    assert calls_without_one_answer(records) == []
