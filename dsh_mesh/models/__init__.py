@@ -35,6 +35,7 @@ from dsh_mesh.models._scripted import (
     send,
     tool,
 )
+from dsh_mesh.models._tool_order import tool_call_order_error, turns_of
 
 __all__ = [
     "PARENT",
@@ -69,4 +70,6 @@ __all__ = [
     "send",
     "split_model_spec",
     "tool",
+    "tool_call_order_error",
+    "turns_of",
 ]

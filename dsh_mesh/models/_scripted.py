@@ -25,9 +25,11 @@ from dsh_mesh.models._protocol import (
     FinishReason,
     ModelEvent,
     ModelRequest,
+    ProviderError,
     TextDelta,
     ToolCallEvent,
 )
+from dsh_mesh.models._tool_order import tool_call_order_error, turns_of
 
 Resolver = Callable[["ScriptContext"], str]
 Argument = str | Resolver
@@ -184,6 +186,9 @@ class ScriptedProvider:
 
     programs: dict[str, Sequence[Action]] = field(default_factory=dict)
     resume_from_transcript: bool = False
+    strict: bool = True
+    """Refuse, as OpenAI's API does (a ``ProviderError`` with its 400 text), a request whose
+    conversation has a tool call without its one result, or a result without its call."""
     _cursors: dict[SessionId, int] = field(default_factory=dict)
     _started: dict[SessionId, int] = field(default_factory=dict)
     _progress: asyncio.Condition | None = None
@@ -214,6 +219,10 @@ class ScriptedProvider:
         async with condition:
             self._started[request.session_id] = self.calls_started(request.session_id) + 1
             condition.notify_all()
+        if self.strict:
+            refusal = tool_call_order_error(turns_of(request.messages))
+            if refusal is not None:
+                raise ProviderError(refusal, status=400)
         program = self.programs.get(request.model)
         if program is None:
             raise ScriptError(

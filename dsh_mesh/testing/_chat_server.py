@@ -29,6 +29,7 @@ from types import MappingProxyType, TracebackType
 from typing import Any, Self
 from urllib.parse import urlsplit
 
+from dsh_mesh.models._tool_order import Turn, tool_call_order_error
 from dsh_mesh.testing._chat_replies import (
     BYTES_PER_TOKEN,
     DONE,
@@ -75,6 +76,9 @@ class ChatCompletionsServer:
     object (400); a missing ``model`` or ``messages`` (400); a prompt longer than
     ``max_context_tokens`` (400, code ``"context_length_exceeded"``, OpenAI's message). A
     responder that raises gets a 500 with the exception's text, and the server keeps serving.
+    With ``strict_tool_calls`` it also refuses, as OpenAI does (400, its message), a
+    conversation in which an assistant message's tool calls are not each followed by their one
+    ``tool`` message before anything else (:func:`~dsh_mesh.models.tool_call_order_error`).
     ``GET /v1/models`` lists the models requested so far (or ``"test-model"``); anything else
     is a 404 with an error body. Token accounting is in the ``_chat_replies``
     module docstring.
@@ -92,6 +96,7 @@ class ChatCompletionsServer:
         max_context_tokens: int | None = None,
         api_key: str | None = None,
         cache_block_tokens: int = 16,
+        strict_tool_calls: bool = False,
     ) -> None:
         """Prepare a server; nothing listens until :meth:`start`. Raises ``ValueError`` for a
         ``max_context_tokens`` or ``cache_block_tokens`` below 1."""
@@ -103,6 +108,7 @@ class ChatCompletionsServer:
         self._max_context_tokens = max_context_tokens
         self._api_key = api_key
         self._cache_block_tokens = cache_block_tokens
+        self._strict_tool_calls = strict_tool_calls
         self._queue: deque[Reply] = deque()
         self._requests: list[RecordedRequest] = []
         self._served_bodies: set[bytes] = set()
@@ -396,6 +402,10 @@ class ChatCompletionsServer:
                 param="messages",
                 code="missing_required_parameter",
             )
+        if self._strict_tool_calls:
+            refusal = tool_call_order_error(_turns(payload["messages"]))
+            if refusal is not None:
+                return _refuse(400, refusal, param="messages")
         self._models.setdefault(model)
         prompt_tokens = math.ceil(len(request.body) / BYTES_PER_TOKEN)
         limit = self._max_context_tokens
@@ -578,6 +588,25 @@ def _refuse(
     return _JsonAnswer(
         status=status, body=error_body(message, error_type=error_type, param=param, code=code)
     )
+
+
+def _turns(messages: list[Any]) -> list[Turn]:
+    """The tool-call rule's view of a request's ``messages`` (malformed items count as user
+    messages: the rule judges only what it can read)."""
+    turns: list[Turn] = []
+    for message in messages:
+        if not isinstance(message, dict):
+            turns.append(("user", (), None))
+            continue
+        calls = message.get("tool_calls") or []
+        ids = (
+            tuple(str(call.get("id", "")) for call in calls if isinstance(call, dict))
+            if isinstance(calls, list)
+            else ()
+        )
+        answers = message.get("tool_call_id")
+        turns.append((str(message.get("role", "")), ids, None if answers is None else str(answers)))
+    return turns
 
 
 def _seconds(value: float) -> str:

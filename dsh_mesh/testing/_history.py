@@ -384,6 +384,28 @@ def calls_without_one_answer(records: Sequence[Record]) -> list[str]:
     return violations
 
 
+def boundary_violations(records: Sequence[Record]) -> list[str]:
+    """The step boundaries of ``records`` (one transcript) that say something untrue, one line
+    each: a ``ConsumedEntry`` whose seqs are not increasing (not acceptance order), or one that
+    leaves unread a Steer record with a lower seq (durable before it) that no earlier one read.
+    Human prompts wait for their own turns and are not held to it (docs/adr/0007)."""
+    violations: list[str] = []
+    read: set[int] = set()
+    steer: list[int] = []
+    for record in records:
+        entry = record.entry
+        if isinstance(entry, ConsumedEntry):
+            read.update(entry.seqs)
+            if list(entry.seqs) != sorted(entry.seqs):
+                violations.append(f"seq {record.seq} reads {list(entry.seqs)} out of seq order")
+            unread = [seq for seq in steer if seq not in read]
+            if unread:
+                violations.append(f"seq {record.seq} leaves {unread}, durable before it, unread")
+        elif isinstance(entry, INBOUND_TYPES) and not isinstance(entry, HumanPromptEntry):
+            steer.append(record.seq)
+    return violations
+
+
 def blind_resends(transcripts: Mapping[SessionId, Sequence[Record]]) -> list[str]:
     """Messages stored twice at their target for two ``send_message`` calls of one sender with
     the same target and content, the later call made before the earlier one's result was

@@ -102,3 +102,36 @@ RESUMED = Scenario(
         "brief": (Reply(text="Done."), Reply(text="Done again.")),
     },
 )
+
+# Two children on two other nodes (placement puts one on each) report at once while their
+# parent is in one slow model call: their messages wait together for its next step boundary.
+TOGETHER = Scenario(
+    presets=(LEAD, Preset(name="reporter", system_prompt="You report.", model="reporter")),
+    programs={
+        "lead": (
+            Call(
+                calls=(
+                    ("spawn_agent", {"task": "Report.", "preset": "reporter"}),
+                    ("spawn_agent", {"task": "Report.", "preset": "reporter"}),
+                )
+            ),
+            Reply(text="Thinking while they report.", delay=2.0),
+            Reply(text="Read both."),
+        ),
+        "reporter": (
+            Call(
+                calls=(
+                    (
+                        "send_message",
+                        {
+                            "agent_id": PARENT,
+                            "message": lambda context: f"From {context.request.session_id}.",
+                        },
+                    ),
+                ),
+                delay=0.5,  # a moment of work: both reports land inside the parent's slow step
+            ),
+            Reply(text="Reported."),
+        ),
+    },
+)

@@ -609,3 +609,44 @@ async def test_a_cut_completion_drops_the_connection_mid_answer(
     assert server.disconnects == 0
     with pytest.raises(ValueError, match="cut_after"):
         Completion(cut_after=-1)
+
+
+def _conversation(*, answered: bool) -> bytes:
+    """A conversation whose assistant message asks for two calls; one or both answered."""
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": "go"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": f"call_{n}",
+                    "type": "function",
+                    "function": {"name": "f", "arguments": "{}"},
+                }
+                for n in (1, 2)
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "one"},
+    ]
+    if answered:
+        messages.append({"role": "tool", "tool_call_id": "call_2", "content": "two"})
+    messages.append({"role": "user", "content": "and then?"})
+    return json.dumps({"model": "m", "stream": False, "messages": messages}).encode()
+
+
+async def test_strict_mode_refuses_a_tool_call_without_its_result_as_openai_does() -> None:
+    async with ChatCompletionsServer(strict_tool_calls=True) as strict, _client(strict) as client:
+        refused = await _post(client, _conversation(answered=False))
+        assert refused.status_code == 400
+        assert refused.json()["error"] == {
+            "message": "An assistant message with 'tool_calls' must be followed by tool messages"
+            " responding to each 'tool_call_id'. The following tool_call_ids did not have"
+            " response messages: call_2",
+            "type": "invalid_request_error",
+            "param": "messages",
+            "code": None,
+        }
+        assert (await _post(client, _conversation(answered=True))).status_code == 200
+    async with ChatCompletionsServer() as lenient, _client(lenient) as client:
+        assert (await _post(client, _conversation(answered=False))).status_code == 200

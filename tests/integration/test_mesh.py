@@ -23,9 +23,10 @@ from dsh_mesh.core import (
     SettlementOutcome,
     TargetElsewhere,
     TurnStartedEntry,
+    pending_inbound,
 )
 from dsh_mesh.registry import Etcd, EtcdConfig
-from dsh_mesh.testing import EtcdAddress, LocalCluster, MeshReader
+from dsh_mesh.testing import EtcdAddress, LocalCluster, MeshReader, boundary_violations
 from tests.integration.mesh_client import (
     children_of,
     create_root,
@@ -109,6 +110,32 @@ async def test_messages_cross_nodes_in_both_directions(
         child_header = await reader.header(child)
         assert child_header is not None and child_header.parent_session == root
         assert hosts == {"node-a", "node-b", "node-c"}
+
+
+@pytest.mark.contract(9)
+async def test_messages_from_children_on_two_nodes_are_read_in_acceptance_order(
+    start_cluster: ClusterFactory, open_reader: Callable[[LocalCluster], MeshReader]
+) -> None:
+    # Both children (on node-b and node-c) report while their parent (on node-a) is in one slow
+    # model call; their sends reach node-a at about the same moment. Each step boundary of the
+    # parent reads what waits in seq order and leaves nothing durable before it unread.
+    cluster = start_cluster("TOGETHER")
+    async with open_reader(cluster) as reader:
+        root = SessionId(await create_root(cluster, on="node-a", task="Delegate twice."))
+        at_root = await reader.wait_for(
+            lambda: reader.transcript(root),
+            lambda records: len(notices(records)) == 2 and not pending_inbound(records),
+            what="both children's settlement notices, read",
+        )
+        reports = [r for r in at_root if isinstance(r.entry, AgentMessageEntry)]
+        assert len(reports) == 2
+        # Two senders; others-first placement put the first child on node-b, the second on
+        # node-c (the cluster's default placement, round-robin over the other nodes).
+        assert len({r.entry.source.sender_session_id for r in reports}) == 2  # type: ignore[union-attr]
+        assert boundary_violations(at_root) == []
+        read = [s for r in at_root if isinstance(r.entry, ConsumedEntry) for s in r.entry.seqs]
+        order = [s for s in read if s in {r.seq for r in reports}]
+        assert order == sorted(order) == [r.seq for r in reports]
 
 
 @pytest.mark.contract(3)

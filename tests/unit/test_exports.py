@@ -130,6 +130,8 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "send",
         "split_model_spec",
         "tool",
+        "tool_call_order_error",
+        "turns_of",
     ],
     "dsh_mesh.tools": [
         "ChildKind",
@@ -347,6 +349,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "agent_sends",
         "bed_unavailable_reason",
         "blind_resends",
+        "boundary_violations",
         "calls_without_one_answer",
         "check",
         "create_root",

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dsh_mesh.core import ChatMessage, Role, SessionId
-from dsh_mesh.models import ModelRequest, Reply, ScriptedProvider, TextDelta
+import pytest
+
+from dsh_mesh.core import ChatMessage, Role, SessionId, ToolCall
+from dsh_mesh.models import ModelRequest, ProviderError, Reply, ScriptedProvider, TextDelta
 
 
 def request(assistant_steps: int) -> ModelRequest:
@@ -40,3 +42,24 @@ async def test_a_session_back_on_a_node_that_hosted_it_before_continues_from_its
     assert await answer(provider, 1) == "action 1"
     # The session moved to another node, took five steps there, and came back.
     assert await answer(provider, 7) == "action 7"
+
+
+async def test_the_scripted_model_refuses_an_unanswered_tool_call_as_openai_does() -> None:
+    call = ToolCall(call_id="c-1", name="send_message", arguments_json="{}")
+    dangling = ModelRequest(
+        session_id=SessionId("s-1"),
+        model="m",
+        system_prompt="",
+        tools=(),
+        messages=(
+            ChatMessage(role=Role.USER, content="go"),
+            ChatMessage(role=Role.ASSISTANT, content="", tool_calls=(call,)),
+            ChatMessage(role=Role.USER, content="a steered message before the result"),
+        ),
+    )
+    provider = ScriptedProvider(programs={"m": (Reply(text="never"),)})
+    with pytest.raises(ProviderError, match="did not have response messages: c-1") as refused:
+        [event async for event in provider.stream(dangling)]
+    assert refused.value.status == 400
+    lenient = ScriptedProvider(programs={"m": (Reply(text="read"),)}, strict=False)
+    assert [e async for e in lenient.stream(dangling) if isinstance(e, TextDelta)]

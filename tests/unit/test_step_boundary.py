@@ -10,22 +10,17 @@ it on a store whose appends suspend:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 
 import pytest
 
 from dsh_mesh.core import (
     AgentMessageEntry,
-    ConsumedEntry,
-    Entry,
-    Record,
     Role,
     SessionId,
-    is_queue_delivery,
 )
 from dsh_mesh.models import Reply, tool
 from dsh_mesh.runtime import InMemorySessionStore
-from dsh_mesh.testing import in_process_mesh
+from dsh_mesh.testing import boundary_violations, in_process_mesh
 from tests.unit.conftest import GateTool, drain_loop, presets
 
 ROOT = SessionId("s-1")
@@ -47,30 +42,6 @@ class LateAnswerStore(InMemorySessionStore):
             self.written.set()
             await self.answer.wait()
         return result
-
-
-def consumed_is_true(records: Sequence[Record]) -> list[str]:
-    """Every Steer record below a ConsumedEntry's seq is read by it or an earlier one; each
-    ConsumedEntry lists its seqs in increasing order. Returns the violations."""
-    violations: list[str] = []
-    read: set[int] = set()
-    inbound: dict[int, Entry] = {}
-    for record in records:
-        entry = record.entry
-        if isinstance(entry, ConsumedEntry):
-            read.update(entry.seqs)
-            if list(entry.seqs) != sorted(entry.seqs):
-                violations.append(f"#{record.seq} reads {list(entry.seqs)} out of seq order")
-            unread = [
-                s
-                for s, e in inbound.items()
-                if s not in read and not is_queue_delivery(e)  # type: ignore[arg-type]
-            ]
-            if unread:
-                violations.append(f"#{record.seq} leaves durable {unread} for later")
-        elif isinstance(entry, AgentMessageEntry):
-            inbound[record.seq] = entry
-    return violations
 
 
 @pytest.mark.contract(9)
@@ -100,7 +71,7 @@ async def test_messages_waiting_together_are_read_in_seq_order_when_answers_come
             f"Agent {ROOT} sent a message:\nfirst",
             f"Agent {ROOT} sent a message:\nsecond",
         ]
-        assert consumed_is_true(await mesh.transcript(CHILD)) == []
+        assert boundary_violations(await mesh.transcript(CHILD)) == []
 
 
 @pytest.mark.contract(3)
@@ -127,7 +98,7 @@ async def test_a_message_durable_before_a_step_boundary_is_read_at_that_boundary
         await mesh.manager.quiescent()
 
         records = await mesh.transcript(CHILD)
-        assert consumed_is_true(records) == []
+        assert boundary_violations(records) == []
         # ...and the model read it in the step right after that boundary.
         step_two = mesh.recorder.requests_of(CHILD)[1].messages
         assert step_two[-1].content == f"Agent {ROOT} sent a message:\nearly"
