@@ -239,7 +239,9 @@ def test_a_tool_call_cut_by_the_token_limit_is_dropped_not_passed_on_as_whole() 
         {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 4}},
     )
     assert events == [
-        ToolCallEvent(call=ToolCall(call_id="a", name="fork_agent", arguments_json='{"task":"Go"}')),
+        ToolCallEvent(
+            call=ToolCall(call_id="a", name="fork_agent", arguments_json='{"task":"Go"}')
+        ),
         Finished(finish_reason=FinishReason.LENGTH, usage=Usage(input_tokens=9, output_tokens=4)),
     ]
     # Cut before its arguments began, or with no name yet: dropped as well.
