@@ -13,7 +13,8 @@ Prefix reuse: a parent's call after some completed turns, then its fork child's 
 share of each prompt the server reports cached. The server's cache is simulated (the longest
 byte prefix shared with an earlier request), so this is a functional figure: it shows that a
 child's request repeats its parent's bytes through the inherited turns, not what a real
-provider's cache would serve.
+provider's cache would serve. Next to it, the same pair on a real engine's cache
+(``bench/engine_cache.py``: llama.cpp on a tiny model, fresh cache).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from bench._common import Bed
 from bench._measure import HungCall, Load, Processes, run_load
 from bench._report import Figure, Report
 from bench.chat_server import COMPLETION
+from bench.engine_cache import engine_prefix_reuse
 from dsh_mesh.core import ChatMessage, Role, SessionId, ToolCall
 from dsh_mesh.models import (
     FinishReason,
@@ -47,6 +49,8 @@ FLOOR = "bare httpx SSE stream"
 PROVIDER = "OpenAIProvider complete()"
 PREFIX_TURNS = (5, 50)
 """Completed turns a fork child inherits, for the prefix-reuse figures."""
+ENGINE_PREFIX_TURNS = (5,)
+"""The same on the real engine (its tokens are characters: 50 turns would not fit)."""
 _T = TypeVar("_T")
 _MODEL = "bench-model"
 _TIMED_TURNS = 5
@@ -168,6 +172,9 @@ async def measure_provider(bed: Bed) -> None:
             await bare.aclose()
     finally:
         await _reap(server)
+    engine = await engine_prefix_reuse(
+        {turns: _fork_pair(turns) for turns in ENGINE_PREFIX_TURNS}, sizes.call_timeout
+    )
     _record(report, FLOOR, floors)
     _record(report, PROVIDER, loads, floors)
     for turns, (parent, child) in shares.items():
@@ -183,6 +190,20 @@ async def measure_provider(bed: Bed) -> None:
                 parent,
                 "%",
                 better="higher",
+            ),
+        )
+    for turns, (parent, child) in engine.items():
+        report.add(
+            Figure(
+                f"fork child's first call, {turns} inherited turns: prompt cached (llama.cpp)",
+                child,
+                "%",
+                better="higher",
+            ),
+            Figure(
+                f"fork parent's call, {turns} turns: prompt cached (llama.cpp; fresh cache)",
+                parent,
+                "%",
             ),
         )
     report.run["provider"] = {
@@ -237,16 +258,23 @@ async def _prefix_reuse(
     same head and turns, another final user message): the share of each prompt (%) the
     server reports cached. The turns are new to the server, so only the parent's call can
     have put them in its cache."""
-    history = _turns(turns, f"fork{turns}")
-    parent = _request(history, "Fork a child for each open question.")
-    child = _request(history, "Explore the first open question and report back.")
     shares = []
-    for request in (parent, child):
+    for request in _fork_pair(turns):
         response = await _within(complete(provider, request), hung_after)
         _expect(response)
         usage = response.usage
         shares.append(100 * usage.cached_input_tokens / usage.input_tokens)
     return shares[0], shares[1]
+
+
+def _fork_pair(turns: int) -> tuple[ModelRequest, ModelRequest]:
+    """A parent's request after ``turns`` completed turns and its fork child's first request:
+    the same head and turns, another final user message."""
+    history = _turns(turns, f"fork{turns}")
+    return (
+        _request(history, "Fork a child for each open question."),
+        _request(history, "Explore the first open question and report back."),
+    )
 
 
 async def _reap(process: asyncio.subprocess.Process) -> None:

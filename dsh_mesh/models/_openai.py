@@ -4,7 +4,9 @@ server, DeepSeek and the many hosted APIs that speak the protocol), over ``httpx
 One :class:`OpenAIProvider` owns one connection pool to one endpoint (HTTP/2 where the server
 offers it over TLS, HTTP/1.1 keep-alive otherwise). Every call is streamed and consumed as it
 arrives. A call the endpoint refuses as overloaded (429) or fails (5xx, a dropped connection)
-before anything streamed is retried under the endpoint's :class:`RetryPolicy`; a prompt past the
+before anything streamed is retried under the endpoint's :class:`RetryPolicy`; one that failed
+on a reused keep-alive connection before its response began (the server had closed it) is
+sent again at once, without spending an attempt; a prompt past the
 model's context raises :class:`~dsh_mesh.core.TokensExhausted`; anything else raises
 :class:`ProviderError` with the endpoint's own message. Cancelling the consuming task closes
 the HTTP request.
@@ -120,10 +122,41 @@ class OpenAIEndpoint:
 
 
 class _Retryable(Exception):
-    def __init__(self, message: str, *, status: int | None, retry_after: float | None) -> None:
+    """A failure another attempt may not meet. ``stale``: the request went out on a connection
+    the pool reused and failed before its response's head arrived, which is how a connection
+    the server had already closed fails; it says nothing of the endpoint's health."""
+
+    def __init__(
+        self, message: str, *, status: int | None, retry_after: float | None, stale: bool = False
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.retry_after = retry_after
+        self.stale = stale
+
+
+_CONNECTING = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+"""Failures to get a connection at all: never of a reused one."""
+
+
+class _ConnectionTrace:
+    """What httpcore's ``trace`` extension tells of one attempt: whether its request headers
+    were sent on a connection it did not open itself (one the pool reused). A transport that
+    reports nothing (a test's mock) reads as "not reused"."""
+
+    def __init__(self) -> None:
+        self._opened = False
+        self._sent = False
+
+    async def __call__(self, event: str, info: Mapping[str, Any]) -> None:
+        if event.startswith(("connection.connect_tcp.", "connection.connect_unix.")):
+            self._opened = True
+        elif event.endswith(".send_request_headers.started"):
+            self._sent = True
+
+    @property
+    def reused(self) -> bool:
+        return self._sent and not self._opened
 
 
 class OpenAIProvider:
@@ -161,7 +194,9 @@ class OpenAIProvider:
         )
         policy = self.endpoint.retry
         started = time.monotonic()
-        for attempt in range(1, policy.max_attempts + 1):
+        attempt = 1
+        resent = 0
+        while True:
             streamed = False
             try:
                 # Closed on the way out, whatever ends the call: its response goes with it.
@@ -177,6 +212,14 @@ class OpenAIProvider:
                         status=failure.status,
                         attempts=attempt,
                     ) from failure
+                if failure.stale and resent < self.endpoint.max_connections:
+                    # The server had closed the kept-alive connection (llama.cpp's does,
+                    # right after a streamed response): nothing was wrong with the call,
+                    # so it goes again at once, and the pool opens a fresh connection once
+                    # its stale ones are spent (at most one per pooled connection).
+                    resent += 1
+                    _log.info("%s: %s; sent again on another connection", self.name, failure)
+                    continue
                 wait = policy.backoff(attempt, retry_after=failure.retry_after, rng=self._rng)
                 spent = time.monotonic() - started
                 if attempt == policy.max_attempts or spent + wait > policy.budget.total_seconds():
@@ -188,15 +231,20 @@ class OpenAIProvider:
                     ) from failure
                 _log.warning("%s: %s; retry %d in %.2f s", self.name, failure, attempt, wait)
                 await asyncio.sleep(wait)
+                attempt += 1
 
     async def _attempt(self, body: bytes) -> AsyncGenerator[ModelEvent, None]:
+        trace = _ConnectionTrace()
+        answered = False
         try:
             async with self._client.stream(
                 "POST",
                 "chat/completions",
                 content=body,
                 headers={"Content-Type": "application/json"},
+                extensions={"trace": trace},
             ) as response:
+                answered = True
                 if response.status_code != 200:
                     raise self._refusal(response, await response.aread())
                 assembler = StreamAssembler()
@@ -217,6 +265,7 @@ class OpenAIProvider:
                 f"{type(error).__name__} talking to {self.endpoint.base_url}: {error}",
                 status=None,
                 retry_after=None,
+                stale=trace.reused and not answered and not isinstance(error, _CONNECTING),
             ) from error
 
     def _refusal(self, response: httpx.Response, raw: bytes) -> Exception:

@@ -204,6 +204,14 @@ class _PartialCall:
             call_id=self.call_id, name=self.name, arguments_json="".join(self.arguments)
         )
 
+    def complete(self) -> bool:
+        """Named, with arguments that are one whole JSON object."""
+        try:
+            arguments = json.loads("".join(self.arguments))
+        except ValueError:
+            return False
+        return bool(self.name) and isinstance(arguments, dict)
+
 
 @dataclass
 class StreamAssembler:
@@ -211,7 +219,10 @@ class StreamAssembler:
 
     Text is forwarded as it arrives. Tool calls are emitted, in index order, once the choice
     finishes: only then is each whole, since some servers interleave the argument pieces of
-    parallel calls. Usage may come with the finishing chunk or after it."""
+    parallel calls. When the choice finishes at the token limit (``length``), a call without a
+    name or whose arguments are not one whole JSON object was cut off and is dropped: sent
+    back in the transcript it would be refused (llama.cpp answers HTTP 500), and it was never
+    what the model meant. Usage may come with the finishing chunk or after it."""
 
     _calls: dict[int, _PartialCall] = field(default_factory=dict)
     _emitted: int = 0
@@ -263,10 +274,14 @@ class StreamAssembler:
             partial.arguments.append(_dumps(arguments))
 
     def _flush(self) -> Iterator[ModelEvent]:
+        cut = self._finish is FinishReason.LENGTH
         for index in sorted(self._calls):
             if index >= self._emitted:
-                yield ToolCallEvent(call=self._calls[index].whole())
+                partial = self._calls[index]
                 self._emitted = index + 1
+                if cut and not partial.complete():
+                    continue  # cut off by the token limit: never passed on as if whole
+                yield ToolCallEvent(call=partial.whole())
 
     def finish(self) -> Iterator[ModelEvent]:
         """The last events, once the stream ended (``[DONE]`` or end of body)."""

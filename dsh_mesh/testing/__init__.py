@@ -11,6 +11,8 @@ member; ``TcpProxy`` adds delay and loss in front of a node. ``check`` is the hi
 it judges a whole run from what the workload heard back, what the nodes wrote and what is durable.
 ``ChatCompletionsServer`` is a local OpenAI-compatible chat-completions endpoint that answers
 with scripted ``Completion``, ``Failure`` and ``Stall`` replies and records every request.
+``LlamaServer`` runs a real inference engine (llama.cpp's own server, from the ``xllamacpp``
+wheel) on the tiny model ``write_tiny_model`` writes, whose prefix cache is real.
 """
 
 from dsh_mesh.testing._chat_replies import (
@@ -58,6 +60,7 @@ from dsh_mesh.testing._history import (
     writers_of,
 )
 from dsh_mesh.testing._in_process import InProcessMesh, in_process_mesh
+from dsh_mesh.testing._llama import LlamaServer, LlamaServerError
 from dsh_mesh.testing._otlp import (
     AttributeValue,
     CollectedPoint,
@@ -82,6 +85,7 @@ from dsh_mesh.testing._testbed import (
     bed_unavailable_reason,
     sweep_stale_beds,
 )
+from dsh_mesh.testing._tiny_llama import TinyModel, write_tiny_model
 from dsh_mesh.testing._workload import FAULT_REASONS, WORKLOAD, Workload
 
 __all__ = [
@@ -111,6 +115,8 @@ __all__ = [
     "FaultDriver",
     "FaultRunReport",
     "InProcessMesh",
+    "LlamaServer",
+    "LlamaServerError",
     "LocalCluster",
     "LocalPki",
     "MeshReader",
@@ -129,6 +135,7 @@ __all__ = [
     "Send",
     "Stall",
     "TcpProxy",
+    "TinyModel",
     "TlsFiles",
     "UsageForm",
     "Verdict",
@@ -149,5 +156,6 @@ __all__ = [
     "patiently",
     "render_trace_tree",
     "sweep_stale_beds",
+    "write_tiny_model",
     "writers_of",
 ]

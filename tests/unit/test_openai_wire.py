@@ -224,6 +224,33 @@ def test_the_length_finish_is_token_exhaustion() -> None:
     assert events[-1] == Finished(finish_reason=FinishReason.LENGTH, usage=Usage())
 
 
+def test_a_tool_call_cut_by_the_token_limit_is_dropped_not_passed_on_as_whole() -> None:
+    """With ``finish_reason: length`` a call whose arguments are not complete JSON (a second
+    call the limit cut, as a server that ignores ``parallel_tool_calls`` sends) never reaches
+    the transcript: sent back, it would be refused. Calls that are whole are kept."""
+    whole = {"index": 0, "id": "a", "function": {"name": "fork_agent", "arguments": '{"task":'}}
+    events = assemble(
+        chunk({"tool_calls": [whole]}),
+        chunk({"tool_calls": [{"index": 0, "function": {"arguments": '"Go"}'}}]}),
+        chunk({"tool_calls": [{"index": 1, "id": "b", "function": {"name": "fork_agent"}}]}),
+        chunk({"tool_calls": [{"index": 1, "function": {"arguments": '{"ta'}}]}),
+        chunk({"tool_calls": [{"index": 2, "id": "c", "function": {"name": ""}}]}),
+        chunk({}, "length"),
+        {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 4}},
+    )
+    assert events == [
+        ToolCallEvent(
+            call=ToolCall(call_id="a", name="fork_agent", arguments_json='{"task":"Go"}')
+        ),
+        Finished(finish_reason=FinishReason.LENGTH, usage=Usage(input_tokens=9, output_tokens=4)),
+    ]
+    # Cut before its arguments began, or with no name yet: dropped as well.
+    for arguments in ("", "[1,", '{"task":"Go"} trailing'):
+        cut = {"index": 0, "id": "a", "function": {"name": "t", "arguments": arguments}}
+        events = assemble(chunk({"tool_calls": [cut]}), chunk({}, "length"))
+        assert events == [Finished(finish_reason=FinishReason.LENGTH, usage=Usage())]
+
+
 def test_a_stream_without_a_finish_or_with_an_error_chunk_is_an_error() -> None:
     with pytest.raises(StreamError, match="without a finish"):
         assemble(chunk({"content": "half"}))
