@@ -407,7 +407,13 @@ class Agent:
         self._turn_id = turn_id
         self._state = AgentState.RUNNING
         self._host.changed()
-        await self._append(TurnStartedEntry(turn_id=turn_id))
+        await self._append(
+            TurnStartedEntry(
+                turn_id=turn_id,
+                node_id=self.activation.node_id,
+                activation_id=self.activation.activation_id,
+            )
+        )
         await self._read_waiting(first)
         self._turn_tokens = 0
         signal = AbortSignal()

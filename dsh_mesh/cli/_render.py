@@ -117,7 +117,12 @@ def describe_body(body: EntryBody, *, width: int | None = DEFAULT_WIDTH) -> tupl
         marker = "error: " if body.is_error else ""
         return "tool", f"{body.name} -> {marker}{one_line(body.content, width)}", body.is_error
     if isinstance(body, TurnStarted):
-        return "turn", f"{body.turn_id} started", False
+        where = ""
+        if body.node_id is not None:
+            where = f" on {body.node_id}"
+            if body.activation_id is not None:
+                where += f" ({body.activation_id})"
+        return "turn", f"{body.turn_id} started{where}", False
     if isinstance(body, TurnEnded):
         text = f"{body.turn_id} ended {_outcome(body.outcome)}"
         if body.detail:

@@ -173,7 +173,12 @@ def _body_from_wire(entry: mesh_pb2.TranscriptEntry) -> EntryBody:
             is_error=result.is_error,
         )
     if which == "turn_started":
-        return TurnStarted(turn_id=TurnId(entry.turn_started.turn_id))
+        started = entry.turn_started
+        return TurnStarted(
+            turn_id=TurnId(started.turn_id),
+            node_id=NodeId(started.node_id) if started.node_id else None,
+            activation_id=ActivationId(started.activation_id) if started.activation_id else None,
+        )
     if which == "turn_ended":
         ended = entry.turn_ended
         return TurnEnded(

@@ -175,9 +175,12 @@ class ToolResult:
 
 @dataclass(frozen=True, kw_only=True)
 class TurnStarted:
-    """A turn began."""
+    """A turn began, on node ``node_id`` under activation ``activation_id`` (each ``None``
+    when the server did not record it: an entry older than the fields)."""
 
     turn_id: TurnId
+    node_id: NodeId | None = None
+    activation_id: ActivationId | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -79,13 +79,22 @@ def authorize(
         return Refused(reason=RejectionReason.SELF_TARGET, detail="an agent cannot message itself")
     target_header = headers.get(target_id)
     if target_header is None:
-        return Refused(reason=RejectionReason.UNKNOWN_TARGET, detail=f"no session {target_id}")
+        return Refused(
+            reason=RejectionReason.UNKNOWN_TARGET,
+            detail=(
+                f"no agent has the id {target_id}; use an agent_id exactly as your task or a "
+                "spawn result gave it"
+            ),
+        )
 
     if target_header.parent_session == sender.session_id:
         if target_header.kind is SessionKind.ONE_SHOT_CHILD:
             return Refused(
                 reason=RejectionReason.ONE_SHOT_TARGET,
-                detail=f"{target_id} is a one-shot child and takes no messages",
+                detail=(
+                    f"{target_id} is a one-shot child and takes no messages; its final answer"
+                    " reaches you in its settlement notice when its run ends"
+                ),
             )
         return Authorized(
             direction=Direction.TO_CHILD,
@@ -98,20 +107,29 @@ def authorize(
         if sender_header.kind is SessionKind.ONE_SHOT_CHILD:
             return Refused(
                 reason=RejectionReason.ONE_SHOT_SENDER,
-                detail="a one-shot child reports through its settlement notice only",
+                detail=(
+                    f"you are a one-shot child, so you cannot message your parent {target_id}; "
+                    + _FINAL_ANSWER.format(parent=target_id)
+                ),
             )
         parent_activation = activations.get(target_id)
         if parent_activation is None:
             return Refused(
                 reason=RejectionReason.PARENT_NOT_LIVE,
-                detail=f"parent {target_id} is not live; there is no offline mailbox",
+                detail=(
+                    f"your parent {target_id} is not running now and there is no offline "
+                    "mailbox, so nothing was delivered; send the message again later (it takes "
+                    "messages again once it runs); " + _FINAL_ANSWER.format(parent=target_id)
+                ),
             )
         if current.parent_activation != parent_activation.activation_id:
             return Refused(
                 reason=RejectionReason.PARENT_REBOUND,
                 detail=(
-                    f"parent {target_id} now runs as {parent_activation.activation_id}; this "
-                    f"child answers to {current.parent_activation} until the parent messages it"
+                    f"your parent {target_id} has restarted since it last messaged you, and it "
+                    "takes your messages again only after it has messaged you, so nothing was "
+                    f"delivered; send the message again after {target_id} messages you; "
+                    + _FINAL_ANSWER.format(parent=target_id)
                 ),
             )
         return Authorized(
@@ -127,24 +145,50 @@ def authorize(
 def _classify_non_edge(
     sender: SessionHeader, target: SessionHeader, headers: Mapping[SessionId, SessionHeader]
 ) -> Refused:
+    routes = _routes(sender)
     if sender.parent_session is not None and sender.parent_session == target.parent_session:
         return Refused(
             reason=RejectionReason.SIBLING_TARGET,
-            detail=f"{target.session_id} is a sibling; message your parent instead",
+            detail=f"{target.session_id} is your sibling, not adjacent to you; {routes}",
         )
     if target.session_id in ancestors(sender, headers):
         return Refused(
             reason=RejectionReason.ANCESTOR_BEYOND_EDGE,
-            detail=f"{target.session_id} is more than one edge above {sender.session_id}",
+            detail=f"{target.session_id} is more than one edge above you; {routes}",
         )
-    if sender.session_id in ancestors(target, headers):
+    path = ancestors(target, headers)
+    if sender.session_id in path:
+        via = path[path.index(sender.session_id) - 1]
         return Refused(
             reason=RejectionReason.DESCENDANT_BEYOND_EDGE,
-            detail=f"{target.session_id} is more than one edge below {sender.session_id}",
+            detail=(
+                f"{target.session_id} is more than one edge below you; message your direct "
+                f"child {via}, which leads to it, and ask it to pass the message on"
+            ),
         )
     return Refused(
         reason=RejectionReason.UNRELATED_TARGET,
-        detail=f"{target.session_id} is not adjacent to {sender.session_id}",
+        detail=f"{target.session_id} is in another branch or tree, not adjacent to you; {routes}",
+    )
+
+
+_FINAL_ANSWER = (
+    "your final answer reaches {parent} in any case, in the settlement notice it gets when "
+    "your run ends"
+)
+
+
+def _routes(sender: SessionHeader) -> str:
+    """Whom ``sender`` may message, said to its model (the end of a refusal's detail)."""
+    children = "your direct continuable children (the agent_id each spawn returned)"
+    parent = sender.parent_session
+    if parent is None:
+        return f"you can message only {children}"
+    if sender.kind is SessionKind.ONE_SHOT_CHILD:
+        return f"you can message only {children}; " + _FINAL_ANSWER.format(parent=parent)
+    return (
+        f"you can message only your direct parent {parent} (which may pass a message on) "
+        f"and {children}"
     )
 
 

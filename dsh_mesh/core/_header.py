@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from dsh_mesh.core._errors import InvalidArgument
 from dsh_mesh.core._ids import SessionId
@@ -64,6 +65,11 @@ class SessionHeader:
 
     ``parent_session`` is the authority for parent -> child messages: a parent may message a
     continuable child only if the child's header names it here. It is ``None`` exactly for roots.
+
+    ``created_at`` is when the store wrote the header (UTC, by the writing node's clock); the
+    store sets it on creation, and it is ``None`` on a header not written yet and on one
+    written before the field existed. It is not part of the header's identity: two headers
+    that differ only in it are equal.
     """
 
     session_id: SessionId
@@ -71,6 +77,7 @@ class SessionHeader:
     parent_session: SessionId | None
     spec: SessionSpec
     fork_origin: ForkOrigin | None = field(default=None)
+    created_at: datetime | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if (self.kind is SessionKind.ROOT) != (self.parent_session is None):

@@ -12,14 +12,15 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Final
 
 from dsh_mesh.core._chat import ChatMessage, ToolCall, Usage
 from dsh_mesh.core._delivery import DeliveryKind
 from dsh_mesh.core._errors import InvalidArgument
 from dsh_mesh.core._header import SessionKind
-from dsh_mesh.core._ids import ActivationId, SessionId, TurnId
+from dsh_mesh.core._ids import ActivationId, NodeId, SessionId, TurnId
 from dsh_mesh.core._source import AgentMessageSource, SettlementOutcome
 
 # W3C Trace Context, version 00: lowercase hex only; an all-zero trace or span id is invalid.
@@ -58,9 +59,14 @@ class TaskEntry:
 
 @dataclass(frozen=True, kw_only=True)
 class HumanPromptEntry:
-    """A human prompt, delivered by Queue: it always starts a turn of its own."""
+    """A human prompt, delivered by Queue: it always starts a turn of its own.
+
+    ``idempotency_key`` is the key the prompt was submitted with (``""`` when none was given,
+    or for an entry written before the field existed); retries are matched by the store's
+    idempotency record, not by this copy, which is there for readers of the transcript."""
 
     content: str
+    idempotency_key: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,12 +83,17 @@ class AgentMessageEntry:
     turn, started a turn, or cold-resumed its target), so watchers of the session can see it;
     ``None`` for entries written before this field existed. Like ``trace`` it is observability
     data only: it never changes rendering, ordering or authorization.
+
+    ``idempotency_key`` is the key the sender's node sent it with (``""`` when none, or for an
+    entry written before the field existed). Retries are matched by the store's idempotency
+    record, not by this copy, which is there for readers of the transcript.
     """
 
     source: AgentMessageSource
     content: str
     trace: str = ""
     delivery: DeliveryKind | None = None
+    idempotency_key: str = ""
 
     def __post_init__(self) -> None:
         _check_trace(self.trace)
@@ -118,11 +129,21 @@ class ForkPrefixEntry:
     messages: tuple[ChatMessage, ...]
 
 
+_UNRECORDED_NODE: Final = NodeId("")
+_UNRECORDED_ACTIVATION: Final = ActivationId("")
+
+
 @dataclass(frozen=True, kw_only=True)
 class TurnStartedEntry:
-    """A turn began: everything until the matching `TurnEndedEntry` belongs to it."""
+    """A turn began: everything until the matching `TurnEndedEntry` belongs to it.
+
+    ``node_id`` and ``activation_id`` say where the turn ran: the node hosting the activation
+    that wrote this entry (fenced writes: only the session's current activation can). Both are
+    ``""`` on an entry written before the fields existed."""
 
     turn_id: TurnId
+    node_id: NodeId = _UNRECORDED_NODE
+    activation_id: ActivationId = _UNRECORDED_ACTIVATION
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,10 +198,15 @@ INBOUND_TYPES = (TaskEntry, HumanPromptEntry, AgentMessageEntry, SettlementNotic
 
 @dataclass(frozen=True, kw_only=True)
 class Record:
-    """An entry as stored: ``seq`` is the session's own strictly increasing sequence (from 1)."""
+    """An entry as stored: ``seq`` is the session's own strictly increasing sequence (from 1).
+
+    ``recorded_at`` is when the store wrote it (UTC, by the writing node's clock); ``None``
+    for a record not read back from a store that keeps it, or written before it did. It is not
+    part of the record's identity: two records that differ only in it are equal."""
 
     seq: int
     entry: Entry
+    recorded_at: datetime | None = field(default=None, compare=False)
 
 
 def is_queue_delivery(entry: InboundEntry) -> bool:

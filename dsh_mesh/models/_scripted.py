@@ -18,6 +18,7 @@ import json
 import re
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Final
 
 from dsh_mesh.core import ChatMessage, Role, SessionId, ToolCall, Usage
 from dsh_mesh.models._protocol import (
@@ -53,13 +54,20 @@ class ScriptContext:
         raise ScriptError(f"{self.request.session_id} has no return instruction to read")
 
     def child_id(self, index: int) -> str:
-        """The id returned by the ``index``-th (0-based) successful spawn tool call."""
+        """The id returned by the ``index``-th (0-based) successful spawn tool call: the
+        ``agent_id`` of a tool result answering a call of one of the standard spawn tools."""
+        spawns: set[str] = set()
         spawned: list[str] = []
         for message in self.request.messages:
-            if message.role is Role.TOOL and message.content.startswith("{"):
+            spawns.update(c.call_id for c in message.tool_calls if c.name in _SPAWN_TOOLS)
+            if (
+                message.role is Role.TOOL
+                and message.tool_call_id in spawns
+                and message.content.startswith("{")
+            ):
                 payload = json.loads(message.content)
-                if isinstance(payload, dict) and "spawned" in payload:
-                    spawned.append(str(payload["spawned"]))
+                if isinstance(payload, dict) and "agent_id" in payload:
+                    spawned.append(str(payload["agent_id"]))
         if index >= len(spawned):
             raise ScriptError(f"{self.request.session_id} has spawned only {len(spawned)}")
         return spawned[index]
@@ -79,6 +87,10 @@ class ScriptContext:
                 return message.content
         return ""
 
+
+_SPAWN_TOOLS: Final = frozenset({"spawn_agent", "spawn_one_shot", "fork_agent"})
+"""The standard spawn tools' names, whose results ``{"agent_id": ..., "kind": ...}`` name the
+children that :func:`child` resolves."""
 
 _PARENT_PATTERN = re.compile(r"parent agent_id: (\"(?:[^\"\\]|\\.)*\")")
 

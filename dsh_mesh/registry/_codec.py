@@ -1,20 +1,27 @@
 """The one place where domain values become the bytes stored in etcd, and back.
 
-Format (version 3). Every stored value is one JSON object: UTF-8, compact (no insignificant
+Format (version 4). Every stored value is one JSON object: UTF-8, compact (no insignificant
 whitespace), keys sorted, non-ASCII written as itself, so equal values are equal bytes. Wrapped
 here; ``tests/unit/test_codec.py`` pins the exact bytes of every kind::
 
-    header      {"fork_origin":null,"kind":"root","parent_session":null,"session_id":"s-1",
-                 "spec":{"model":"m","preset":"lead","tools":[]},"v":3}
+    header      {"created_at":"2025-01-02T03:04:05.000006+00:00","fork_origin":null,
+                 "kind":"root","parent_session":null,"session_id":"s-1",
+                 "spec":{"model":"m","preset":"lead","tools":[]},"v":4}
     activation  {"activation_id":"a-1","node_id":"n-1","parent_activation":null,
-                 "session_id":"s-1","v":3}
-    entry       {"content":"hello","type":"human_prompt","v":3}
+                 "session_id":"s-1","v":4}
+    entry       {"at":"2025-01-02T03:04:05.000006+00:00","content":"hello",
+                 "idempotency_key":"k-1","type":"human_prompt","v":4}
     acceptance  {"fingerprint":"f","kind":"steered","seq":3,"target":"s-2",
-                 "target_activation":"a-2","v":3}
+                 "target_activation":"a-2","v":4}
 
 - ``"v"`` is the format version; only the outermost object carries it.
 - ``"type"`` tags a transcript entry with a stable name (see ``ENTRY_TAGS``), never a Python
   class name, so classes may be renamed freely.
+- ``"at"`` (entries only, from version 4) is when the record was written, the
+  ``Record.recorded_at`` of the entry (see :func:`decode_record`), or ``null`` when the writer
+  gave none.
+- A ``datetime`` is an ISO 8601 string in UTC with microseconds and ``+00:00``, exactly as
+  ``datetime.isoformat(timespec="microseconds")`` writes it; a naive one cannot be stored.
 - Every other key is a dataclass field name, and every field is written, defaults included.
   Nested dataclasses are plain objects, tuples are arrays, ``None`` is ``null``, enums are their
   ``.value`` and ids are strings.
@@ -43,6 +50,14 @@ Version history (encoders write only the newest; decoders read every one in
    it is rejected like any other unexpected field. Every other kind is stored exactly as in
    version 2 apart from ``"v"``.
 
+4. Every entry gains the envelope key ``"at"`` (above); a header gains ``"created_at"`` (a
+   datetime or ``null``); ``agent_message`` and ``human_prompt`` entries gain
+   ``"idempotency_key"`` (the key the sender or the human gave, ``""`` for none);
+   ``turn_started`` entries gain ``"node_id"`` and ``"activation_id"`` (where the turn ran).
+   An older value lacks them all: ``"at"`` and ``"created_at"`` decode as ``None``, the
+   strings as ``""``; an older value that has one is rejected like any other unexpected field.
+   Activations and acceptances are stored exactly as in version 3 apart from ``"v"``.
+
 ``_ADDED_IN`` is the table of fields added after version 1.
 """
 
@@ -55,6 +70,7 @@ import json
 import types
 import typing
 from collections.abc import Mapping
+from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Final, Literal, NewType, TypeVar, Union
 
 from dsh_mesh.core import (
@@ -66,6 +82,7 @@ from dsh_mesh.core import (
     ForkPrefixEntry,
     HumanPromptEntry,
     MeshError,
+    Record,
     SessionHeader,
     SettlementNoticeEntry,
     TaskEntry,
@@ -80,7 +97,7 @@ if TYPE_CHECKING:
 
 _D = TypeVar("_D", bound="DataclassInstance")
 
-FORMAT_VERSION: Final = 3
+FORMAT_VERSION: Final = 4
 """The version every encoder writes (see the module docstring for the history)."""
 
 READABLE_VERSIONS: Final = frozenset(range(1, FORMAT_VERSION + 1))
@@ -106,8 +123,11 @@ _TAG_OF: Final[Mapping[type[Entry], str]] = {cls: tag for tag, cls in ENTRY_TAGS
 
 _ADDED_IN: Final[Mapping[type, Mapping[str, int]]] = types.MappingProxyType(
     {
-        AgentMessageEntry: {"trace": 2, "delivery": 3},
+        AgentMessageEntry: {"trace": 2, "delivery": 3, "idempotency_key": 4},
         SettlementNoticeEntry: {"trace": 2},
+        HumanPromptEntry: {"idempotency_key": 4},
+        TurnStartedEntry: {"node_id": 4, "activation_id": 4},
+        SessionHeader: {"created_at": 4},
     }
 )
 """Fields of a stored dataclass that older versions lack, with the version that added each.
@@ -115,6 +135,8 @@ Decoding an older value leaves them out, so each must have a default, which it t
 
 _VERSION_KEY: Final = "v"
 _TAG_KEY: Final = "type"
+_AT_KEY: Final = "at"
+_AT_ADDED_IN: Final = 4
 
 
 class CodecError(MeshError):
@@ -151,24 +173,41 @@ def decode_activation(data: bytes) -> Activation:
     return _decode(Activation, *_open(data, "activation", tagged=False), "activation")
 
 
-def encode_entry(entry: Entry) -> bytes:
-    """The stored form of a transcript entry, tagged with its ``ENTRY_TAGS`` name. Pure and
-    deterministic: equal entries, equal bytes. Raises ``TypeError`` for a non-entry."""
+def encode_entry(entry: Entry, *, recorded_at: datetime | None = None) -> bytes:
+    """The stored form of a transcript entry, tagged with its ``ENTRY_TAGS`` name, with
+    ``recorded_at`` (when it is written) as ``"at"``. Pure and deterministic: equal arguments,
+    equal bytes. Raises ``TypeError`` for a non-entry or a naive ``recorded_at``."""
     tag = _TAG_OF.get(type(entry))
     if tag is None:
         raise TypeError(f"{type(entry).__name__} is not a transcript entry")
-    return _encode(entry, tag=tag)
+    return _encode(entry, tag=tag, at=recorded_at)
 
 
 def decode_entry(data: bytes) -> Entry:
     """The entry ``encode_entry`` stored as ``data``, of the class its tag names; raises
     :class:`CodecError` otherwise (including an unknown tag)."""
+    return decode_record(0, data).entry
+
+
+def decode_record(seq: int, data: bytes) -> Record:
+    """The record at ``seq`` whose entry ``encode_entry`` stored as ``data``: the entry and
+    when it was written (``recorded_at``, ``None`` for a value older than version 4 or
+    written without one); raises :class:`CodecError` like :func:`decode_entry`."""
     fields, version = _open(data, "entry", tagged=True)
     tag = fields.pop(_TAG_KEY)
     cls = ENTRY_TAGS.get(tag) if isinstance(tag, str) else None
     if cls is None:
         raise CodecError(f"entry: unknown type tag {tag!r}")
-    return _decode(cls, fields, version, f"entry({tag})")
+    at: datetime | None = None
+    if version >= _AT_ADDED_IN:
+        if _AT_KEY not in fields:
+            raise CodecError(
+                f"entry({tag}): missing fields ['{_AT_KEY}'] (format version {version})"
+            )
+        stored = fields.pop(_AT_KEY)
+        at = None if stored is None else _datetime(stored, f"entry({tag}).{_AT_KEY}")
+    entry = _decode(cls, fields, version, f"entry({tag})")
+    return Record(seq=seq, entry=entry, recorded_at=at)
 
 
 def encode_acceptance(acceptance: Acceptance) -> bytes:
@@ -186,11 +225,12 @@ def decode_acceptance(data: bytes) -> Acceptance:
 # -- encoding ---------------------------------------------------------------------------------
 
 
-def _encode(value: DataclassInstance, *, tag: str | None) -> bytes:
+def _encode(value: DataclassInstance, *, tag: str | None, at: datetime | None = None) -> bytes:
     fields = _fields_to_json(value)
     envelope: dict[str, object] = {_VERSION_KEY: FORMAT_VERSION}
     if tag is not None:
         envelope[_TAG_KEY] = tag
+        envelope[_AT_KEY] = _to_json(at)
     if clash := envelope.keys() & fields.keys():
         # A field named like an envelope key would be silently overwritten on the way out.
         raise TypeError(f"{type(value).__name__} has fields reserved by the codec: {clash}")
@@ -213,6 +253,10 @@ def _to_json(value: object) -> object:
         return value
     if isinstance(value, enum.Enum):
         return value.value
+    if isinstance(value, datetime):
+        if value.utcoffset() is None:
+            raise TypeError("the codec cannot store a naive datetime")
+        return value.astimezone(UTC).isoformat(timespec="microseconds")
     if isinstance(value, tuple):
         return [_to_json(item) for item in value]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -324,6 +368,8 @@ def _from_json(tp: object, data: object, version: int, path: str) -> object:
         if type(data) is not tp:  # exact: a JSON true is not an int, a float is not an int
             raise CodecError(f"{path}: expected {_JSON_KINDS[tp]}, got {_json_kind(data)}")
         return data
+    if tp is datetime:
+        return _datetime(data, path)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         for member in tp:
             if type(member.value) is type(data) and member.value == data:
@@ -332,6 +378,20 @@ def _from_json(tp: object, data: object, version: int, path: str) -> object:
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _decode(tp, data, version, path)
     raise TypeError(f"{path}: the codec has no rule for {tp!r}")
+
+
+def _datetime(data: object, path: str) -> datetime:
+    """The UTC datetime ``data`` stores, which must be written exactly as ``_to_json`` writes
+    it (so equal values stay equal bytes)."""
+    if not isinstance(data, str):
+        raise CodecError(f"{path}: expected a string, got {_json_kind(data)}")
+    try:
+        value = datetime.fromisoformat(data)
+    except ValueError as exc:
+        raise CodecError(f"{path}: {data!r} is not an ISO 8601 time") from exc
+    if value.utcoffset() != timedelta(0) or _to_json(value) != data:
+        raise CodecError(f"{path}: {data!r} is not a UTC time with microseconds")
+    return value
 
 
 _JSON_KINDS: Final[Mapping[type, str]] = {

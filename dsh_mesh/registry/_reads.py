@@ -21,7 +21,7 @@ from dsh_mesh.core import (
     SessionId,
     SessionUnknown,
 )
-from dsh_mesh.registry._codec import decode_activation, decode_entry, decode_header
+from dsh_mesh.registry._codec import decode_activation, decode_header, decode_record
 from dsh_mesh.registry._etcd import MAX_REVISION, Etcd
 from dsh_mesh.registry._keys import Keys
 
@@ -237,7 +237,7 @@ class _Ranks:
 
 
 def _record(prefix: bytes, kv: Any) -> Record:
-    return Record(seq=int(kv.key[len(prefix) :]), entry=decode_entry(kv.value))
+    return decode_record(int(kv.key[len(prefix) :]), kv.value)
 
 
 def _descendants(root: SessionId, headers: Iterable[SessionHeader]) -> set[SessionId]:

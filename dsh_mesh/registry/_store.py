@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from dsh_mesh import telemetry
@@ -33,8 +34,8 @@ from dsh_mesh.core import (
 from dsh_mesh.registry._codec import (
     decode_acceptance,
     decode_activation,
-    decode_entry,
     decode_header,
+    decode_record,
     encode_acceptance,
     encode_activation,
     encode_entry,
@@ -63,6 +64,7 @@ class _Pending:
 
     entry: Entry
     payload: bytes
+    recorded_at: datetime
     fence: int
     writer: ActivationId | None
     idempotency: tuple[IdempotencyKey, Acceptance] | None
@@ -139,7 +141,10 @@ class EtcdSessionStore:
         seqs 1..n (encoded and bounded as appends are). A root's task goes in with its header
         this way, so no node that dies mid-creation can leave one without the other."""
         session = header.session_id
-        payloads = [self._encoded(session, entry) for entry in entries]
+        now = datetime.now(UTC)
+        if header.created_at is None:
+            header = dataclasses.replace(header, created_at=now)
+        payloads = [self._encoded(session, entry, now) for entry in entries]
         key = self._keys.header(session)
         head = str(len(payloads)).encode()
         writes = [put(key, encode_header(header)), put(self._keys.head(session), head)]
@@ -276,7 +281,8 @@ class EtcdSessionStore:
         writer: ActivationId | None,
         idempotency: tuple[IdempotencyKey, Acceptance] | None = None,
     ) -> tuple[Record, Acceptance | None]:
-        payload = self._encoded(session, entry)
+        recorded_at = datetime.now(UTC)
+        payload = self._encoded(session, entry, recorded_at)
         fence = 0 if writer is None else await self._fence_of(session, writer)
         with telemetry.span(
             "dsh.etcd.append",
@@ -285,6 +291,7 @@ class EtcdSessionStore:
             pending = _Pending(
                 entry=entry,
                 payload=payload,
+                recorded_at=recorded_at,
                 fence=fence,
                 writer=writer,
                 idempotency=idempotency,
@@ -399,7 +406,10 @@ class EtcdSessionStore:
             response = await self._etcd.txn(compares, success, failure)
             if response.succeeded:
                 self._seqs[session] = seq + len(batch)
-                return [(Record(seq=seq + 1 + n, entry=p.entry), None) for n, p in enumerate(batch)]
+                return [
+                    (Record(seq=seq + 1 + n, entry=p.entry, recorded_at=p.recorded_at), None)
+                    for n, p in enumerate(batch)
+                ]
             head_kv, active_kv, *known_kvs = (_only(r) for r in response.responses)
             seen = [(n, kv) for (n, _, _), kv in zip(keyed, known_kvs, strict=True) if kv]
             if seen:
@@ -432,9 +442,10 @@ class EtcdSessionStore:
 
     # -- helpers --------------------------------------------------------------------------------
 
-    def _encoded(self, session: SessionId, entry: Entry) -> bytes:
-        """``entry`` as it is stored; refused before anything is sent when it is too large."""
-        payload = encode_entry(entry)
+    def _encoded(self, session: SessionId, entry: Entry, recorded_at: datetime) -> bytes:
+        """``entry`` as it is stored, written at ``recorded_at``; refused before anything is
+        sent when it is too large."""
+        payload = encode_entry(entry, recorded_at=recorded_at)
         if len(payload) > self._max_entry_bytes:
             raise InvalidArgument(
                 f"{session}: the entry encodes to {len(payload)} bytes; the limit is "
@@ -446,7 +457,7 @@ class EtcdSessionStore:
         kv = await self._etcd.get(self._keys.entry(session, seq))
         if kv is None:
             raise SessionUnknown(f"{session}: no entry {seq}")
-        return Record(seq=seq, entry=decode_entry(kv.value))
+        return decode_record(seq, kv.value)
 
     async def _read_seq(self, session: SessionId) -> int:
         kv = await self._etcd.get(self._keys.head(session))
@@ -480,7 +491,7 @@ class EtcdSessionStore:
 
 def _records(prefix: bytes, kvs: Any) -> list[Record]:
     """The transcript records of entry keys under ``prefix`` (key order is seq order)."""
-    return [Record(seq=int(kv.key[len(prefix) :]), entry=decode_entry(kv.value)) for kv in kvs]
+    return [decode_record(int(kv.key[len(prefix) :]), kv.value) for kv in kvs]
 
 
 def _only(response: Any) -> Any | None:

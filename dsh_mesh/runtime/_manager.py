@@ -343,7 +343,7 @@ class ContinuationManager:
     ) -> Delivery:
         """Queue a human prompt: it starts a turn of its own, never merged into a running one."""
         self._check_content(text)
-        entry = HumanPromptEntry(content=text)
+        entry = HumanPromptEntry(content=text, idempotency_key=idempotency_key or "")
         key = (
             None
             if idempotency_key is None
@@ -442,6 +442,7 @@ class ContinuationManager:
             source=AgentMessageSource(sender_session_id=decision.sender.session_id),
             content=content,
             trace=sender_trace,
+            idempotency_key=idempotency_key or "",
         )
         key = None
         if idempotency_key is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from datetime import UTC, datetime
 
 from dsh_mesh.core import (
     Activation,
@@ -42,6 +43,8 @@ class InMemorySessionStore:
         creation there (its header already visible), the way only a cut caller could see it."""
         if header.session_id in self._headers:
             raise SessionExists(header.session_id)
+        if header.created_at is None:
+            header = dataclasses.replace(header, created_at=datetime.now(UTC))
         self._headers[header.session_id] = header
         self._transcripts[header.session_id] = []
         for entry in entries:
@@ -100,7 +103,7 @@ class InMemorySessionStore:
                 check_same_request(key, known, acceptance)
                 return self._transcripts[known.target][known.seq - 1], known
         self._fence(session, writer)
-        record = Record(seq=len(transcript) + 1, entry=entry)
+        record = Record(seq=len(transcript) + 1, entry=entry, recorded_at=datetime.now(UTC))
         transcript.append(record)
         if idempotency is not None:
             key, acceptance = idempotency

@@ -61,7 +61,10 @@ class SessionStore(Protocol):
         """Create the session with ``entries`` as its transcript's seqs 1..n, in one atomic step:
         a session exists whole, or not at all. Create-only: raises ``SessionExists`` (and writes
         nothing) if the id is taken; headers never change. The session has no activation yet,
-        so the entries are unfenced writes (``writer=None``). Durable when it returns."""
+        so the entries are unfenced writes (``writer=None``). Durable when it returns.
+
+        The stored header gets ``created_at`` (now, UTC) unless ``header`` carries one, and each
+        entry its record's ``recorded_at``: :meth:`get_header` and :meth:`read` return them."""
         ...
 
     async def get_header(self, session: SessionId) -> SessionHeader | None: ...
@@ -104,7 +107,8 @@ class SessionStore(Protocol):
         idempotency: tuple[IdempotencyKey, Acceptance] | None = None,
     ) -> tuple[Record, Acceptance | None]:
         """Append ``entry`` as the next seq, fenced: ``writer`` must be the current activation
-        (``None``: the session must have none). Raises ``ActivationFenced`` otherwise.
+        (``None``: the session must have none). Raises ``ActivationFenced`` otherwise. The
+        record returned (and read back later) carries ``recorded_at``, when it was written.
 
         With ``idempotency``, a known key returns ``(its record, the first acceptance)`` and
         writes nothing; a new key is recorded in the same atomic step as the entry, with the

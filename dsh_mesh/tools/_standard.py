@@ -18,9 +18,11 @@ SEND_MESSAGE_IDENTITY = ToolIdentity("dsh-mesh/standard/send_message")
 
 SEND_MESSAGE_DESCRIPTOR = ToolDescriptor.of(
     SEND_MESSAGE,
-    "Send a message to an adjacent agent: your direct parent or one of your direct continuable "
-    "children. The target reads it at its next step boundary, or starts a turn if idle. Sending "
-    "does not end your turn.",
+    "Send a message to an adjacent agent: one of your direct continuable children (the "
+    "agent_id its spawn returned) or, if you are a continuable child, your direct parent (the "
+    "agent_id your task names) while it runs. A one-shot child cannot message its parent: its "
+    "final answer reaches the parent when its run ends. The target reads the message at its "
+    "next step boundary, or starts a turn if idle. Sending does not end your turn.",
     {
         "type": "object",
         "properties": {
@@ -53,19 +55,22 @@ SPAWN_DESCRIPTORS: dict[ChildKind, ToolDescriptor] = {
     ChildKind.CONTINUABLE: ToolDescriptor.of(
         "spawn_agent",
         "Start a continuable child agent with a task. It keeps its own session; message it "
-        "with send_message. Returns its agent_id at once; a settlement notice follows when its "
-        "run ends.",
+        'with send_message. Returns {"agent_id": <its id>, "kind": "continuable"} at '
+        "once; a settlement notice follows each time its run ends.",
         _task_schema({"preset": {"type": "string", "description": "Optional preset name."}}),
     ),
     ChildKind.ONE_SHOT: ToolDescriptor.of(
         "spawn_one_shot",
-        "Start a one-shot child that runs a task once and takes no messages. Returns its "
-        "agent_id at once; its settlement notice carries its final output.",
+        "Start a one-shot child that runs a task once and takes no messages. Returns "
+        '{"agent_id": <its id>, "kind": "one-shot"} at once; its settlement notice '
+        "carries its final output.",
         _task_schema({"preset": {"type": "string", "description": "Optional preset name."}}),
     ),
     ChildKind.FORK: ToolDescriptor.of(
         "fork_agent",
-        "Start a continuable child that inherits your completed turns, then works on a task.",
+        "Start a continuable child that inherits your completed turns, then works on a task. "
+        'Returns {"agent_id": <its id>, "kind": "fork"} at once; message it with '
+        "send_message; a settlement notice follows each time its run ends.",
         _task_schema(),
     ),
 }
@@ -211,7 +216,7 @@ class SpawnTool:
                 is_error=True,
             )
         return ToolOutput(
-            content=json.dumps({"spawned": child, "kind": self.kind.value}, sort_keys=True)
+            content=json.dumps({"agent_id": child, "kind": self.kind.value}, sort_keys=True)
         )
 
 

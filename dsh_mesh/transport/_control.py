@@ -45,7 +45,7 @@ from dsh_mesh.transport._convert import (
 )
 from dsh_mesh.transport._peers import PeerPool
 from dsh_mesh.transport._servicer import ActivationLookup, ManagerRef
-from dsh_mesh.transport._status import abort_with, error_from_rpc, mesh_rpc
+from dsh_mesh.transport._status import abort_with, error_from_rpc, mesh_rpc, target_of
 
 DEFAULT_PAGE = 100
 MAX_PAGE = 1000
@@ -377,7 +377,7 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
             async for event in events:
                 yield _event_to_wire(event)
         except MeshError as error:
-            await abort_with(context, error)
+            await abort_with(context, error, target=target_of(request))
 
     @mesh_rpc
     async def ListAgents(

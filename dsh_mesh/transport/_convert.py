@@ -155,6 +155,8 @@ def header_to_wire(header: SessionHeader) -> mesh_pb2.SessionHeader:
             ],
         ),
     )
+    if header.created_at is not None:
+        wire.created_at.FromDatetime(header.created_at)
     if header.fork_origin is not None:
         wire.fork_origin.CopyFrom(
             mesh_pb2.ForkOrigin(
@@ -176,20 +178,25 @@ def activation_to_wire(activation: Activation) -> mesh_pb2.ActivationInfo:
 
 
 def record_to_wire(record: Record) -> mesh_pb2.TranscriptEntry:
-    """The wire form of one transcript record. A fork child's inherited prefix has no wire
-    form yet: it travels as an entry with only its seq."""
+    """The wire form of one transcript record, with its ``recorded_at`` when it has one. A
+    fork child's inherited prefix has no wire form yet: it travels as an entry with only its
+    seq (and time)."""
     entry = record.entry
     wire = mesh_pb2.TranscriptEntry(seq=record.seq)
+    if record.recorded_at is not None:
+        wire.recorded_at.FromDatetime(record.recorded_at)
     if isinstance(entry, TaskEntry):
         wire.task.content = entry.content
     elif isinstance(entry, HumanPromptEntry):
         wire.human_prompt.content = entry.content
+        wire.human_prompt.idempotency_key = entry.idempotency_key
     elif isinstance(entry, AgentMessageEntry):
         wire.agent_message.source.kind = entry.source.kind
         wire.agent_message.source.form = entry.source.form
         wire.agent_message.source.sender_session_id = entry.source.sender_session_id
         wire.agent_message.content = entry.content
         wire.agent_message.trace = entry.trace
+        wire.agent_message.idempotency_key = entry.idempotency_key
         delivery = getattr(entry, "delivery", None)
         if delivery is not None:
             wire.agent_message.delivery = _DELIVERY_TO_WIRE[delivery]
@@ -216,6 +223,8 @@ def record_to_wire(record: Record) -> mesh_pb2.TranscriptEntry:
         wire.tool_result.is_error = entry.is_error
     elif isinstance(entry, TurnStartedEntry):
         wire.turn_started.turn_id = entry.turn_id
+        wire.turn_started.node_id = entry.node_id
+        wire.turn_started.activation_id = entry.activation_id
     elif isinstance(entry, TurnEndedEntry):
         wire.turn_ended.turn_id = entry.turn_id
         wire.turn_ended.outcome = _TURN_TO_WIRE[entry.outcome]

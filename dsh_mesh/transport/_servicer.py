@@ -26,6 +26,7 @@ from dsh_mesh.core import (
     Rejected,
     RejectionReason,
     SessionId,
+    SessionUnknown,
     StaleSender,
     TargetElsewhere,
     parse_session_id,
@@ -73,7 +74,7 @@ class AgentMeshService(mesh_pb2_grpc.AgentMeshServicer):
             sender = agent_ref_from_wire(request.sender)
             if not request.idempotency_key:
                 raise InvalidArgument("idempotency_key is required")
-            await self._check_hosted_by(sender, caller)
+            await self._check_hosted_by(sender, caller, manager)
             delivery = await manager.handed_on(
                 sender,
                 request.agent_id,
@@ -89,10 +90,23 @@ class AgentMeshService(mesh_pb2_grpc.AgentMeshServicer):
         finally:
             telemetry.send_duration(time.monotonic() - started, outcome)
 
-    async def _check_hosted_by(self, sender: AgentRef, caller: str) -> None:
+    async def _check_hosted_by(
+        self, sender: AgentRef, caller: str, manager: ContinuationManager
+    ) -> None:
+        """The sender is the current activation of a session the calling node hosts: else
+        UNKNOWN_SENDER (no such session), STALE_SENDER (not its current activation) or
+        FORGED_SENDER (hosted by another node)."""
         current = await self._current_activation(sender.session_id)
         if current is None or current.activation_id != sender.activation_id:
             current = await self._current_activation(sender.session_id, fresh=True)
+        if current is None:
+            try:
+                await manager.header(sender.session_id)
+            except SessionUnknown:
+                telemetry.message_rejected(RejectionReason.UNKNOWN_SENDER.value)
+                raise Rejected.of(
+                    RejectionReason.UNKNOWN_SENDER, f"no session {sender.session_id}"
+                ) from None
         if current is None or current.activation_id != sender.activation_id:
             telemetry.message_rejected(RejectionReason.STALE_SENDER.value)
             raise StaleSender(

@@ -34,10 +34,12 @@ from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2
 from dsh_mesh.core import (
     RETRYABLE_REASONS,
     ActivationFenced,
+    InvalidArgument,
     MeshError,
     NotResident,
     Rejected,
     RejectionReason,
+    parse_session_id,
 )
 
 ERROR_DOMAIN = "dsh.mesh.v1"
@@ -162,14 +164,49 @@ def _cut(text: str) -> str:
     return data[:MAX_DETAIL_BYTES].decode("utf-8", errors="ignore")
 
 
-def to_rpc_status(error: MeshError) -> status_pb2.Status:
+TARGET_KEY = "target_session_id"
+"""The ``ErrorInfo`` metadata key (and the ``Rejection`` field) naming the session the refused
+request named."""
+
+_TARGET_FIELD: Mapping[str, str] = MappingProxyType(
+    {
+        mesh_pb2.SendMessageRequest.DESCRIPTOR.full_name: "agent_id",
+        mesh_pb2.SubmitPromptRequest.DESCRIPTOR.full_name: "session_id",
+        mesh_pb2.InterruptRequest.DESCRIPTOR.full_name: "session_id",
+        mesh_pb2.GetSessionRequest.DESCRIPTOR.full_name: "session_id",
+        mesh_pb2.WatchSessionRequest.DESCRIPTOR.full_name: "session_id",
+        mesh_pb2.ListAgentsRequest.DESCRIPTOR.full_name: "root_session_id",
+    }
+)
+
+
+def target_of(request: object) -> str:
+    """The session a ``dsh.mesh.v1`` request names as its target: ``agent_id`` of a
+    ``SendMessageRequest``, ``session_id`` of a control request (``root_session_id`` of
+    ``ListAgents``); ``""`` for any other request, or when the field is not a well-formed
+    session id (a refusal never echoes arbitrary bytes into its trailer)."""
+    descriptor = getattr(request, "DESCRIPTOR", None)
+    field = _TARGET_FIELD.get(getattr(descriptor, "full_name", ""))
+    value = getattr(request, field, "") if field is not None else ""
+    if not isinstance(value, str) or not value:
+        return ""
+    try:
+        return parse_session_id(value)
+    except InvalidArgument:
+        return ""
+
+
+def to_rpc_status(error: MeshError, *, target: str = "") -> status_pb2.Status:
     """The ``google.rpc.Status`` that carries ``error`` across the wire. Pure; no I/O.
 
     With a reason (see :func:`wire_reason`): code ``status_of(reason)``, message
     ``"<REASON>: <detail>"``, details ``[ErrorInfo, Rejection]`` plus ``RetryInfo`` when the
-    reason is retryable. A :class:`RemoteError` keeps its code and message and has no details.
-    Any other ``MeshError`` becomes ``INTERNAL`` without details: it is a fault, not a refusal,
-    and clients must not branch on it. Details are cut to :data:`MAX_DETAIL_BYTES`.
+    reason is retryable. ``target`` (the session the refused request named, see
+    :func:`target_of`) goes into the ``ErrorInfo`` metadata as :data:`TARGET_KEY` and into
+    ``Rejection.target_session_id``, unless the error's own metadata names one already. A
+    :class:`RemoteError` keeps its code and message and has no details. Any other ``MeshError``
+    becomes ``INTERNAL`` without details: it is a fault, not a refusal, and clients must not
+    branch on it. Details are cut to :data:`MAX_DETAIL_BYTES`.
     """
     if isinstance(error, RemoteError):
         return status_pb2.Status(code=error.code.value[0], message=_cut(error.detail))
@@ -181,6 +218,8 @@ def to_rpc_status(error: MeshError) -> status_pb2.Status:
         detail, metadata = _cut(error.detail), dict(error.metadata)
     else:
         detail, metadata = _cut(f"{type(error).__name__}: {error}"), {}
+    if target:
+        metadata.setdefault(TARGET_KEY, target)
     status = status_pb2.Status(
         code=status_of(reason).value[0], message=_cut(f"{reason.value}: {detail}")
     )
@@ -191,7 +230,7 @@ def to_rpc_status(error: MeshError) -> status_pb2.Status:
         mesh_pb2.Rejection(
             reason=f"REJECTION_REASON_{reason.value}",
             detail=detail,
-            target_session_id=metadata.get("target_session_id", ""),
+            target_session_id=metadata.get(TARGET_KEY, ""),
         )
     )
     if reason in RETRYABLE_REASONS:
@@ -201,14 +240,17 @@ def to_rpc_status(error: MeshError) -> status_pb2.Status:
     return status
 
 
-async def abort_with(context: grpc.aio.ServicerContext, error: MeshError) -> NoReturn:
-    """End the current RPC with the status :func:`to_rpc_status` builds for ``error``.
+async def abort_with(
+    context: grpc.aio.ServicerContext, error: MeshError, *, target: str = ""
+) -> NoReturn:
+    """End the current RPC with the status :func:`to_rpc_status` builds for ``error`` (and
+    ``target``, the session the request named: see :func:`target_of`).
 
     Call it from a grpc.aio handler; it never returns (gRPC raises to unwind the handler, and
     the exception must be left to propagate). Only ``MeshError`` belongs here: let anything else
     propagate and grpc.aio reports it as ``UNKNOWN``.
     """
-    await context.abort_with_status(rpc_status.to_status(to_rpc_status(error)))
+    await context.abort_with_status(rpc_status.to_status(to_rpc_status(error, target=target)))
     raise AssertionError("abort_with_status returned")  # pragma: no cover - gRPC always raises
 
 
@@ -283,13 +325,14 @@ def mesh_rpc(
     handler: Callable[[_S, _Q, grpc.aio.ServicerContext[Any, Any]], Awaitable[_R]],
 ) -> Callable[[_S, _Q, grpc.aio.ServicerContext[Any, Any]], Awaitable[_R]]:
     """Decorate a grpc.aio servicer method so that a ``MeshError`` it raises ends the call with
-    the status and details of the one table (:func:`abort_with`); anything else propagates."""
+    the status and details of the one table (:func:`abort_with`), naming the request's target
+    (:func:`target_of`); anything else propagates."""
 
     @functools.wraps(handler)
     async def handle(self: _S, request: _Q, context: grpc.aio.ServicerContext[Any, Any]) -> _R:
         try:
             return await handler(self, request, context)
         except MeshError as error:
-            await abort_with(context, error)
+            await abort_with(context, error, target=target_of(request))
 
     return handle

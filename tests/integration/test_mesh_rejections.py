@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from dsh_mesh.core import (
+    ActivationId,
     AgentRef,
     MeshError,
     Rejected,
@@ -199,6 +200,30 @@ async def test_sender_not_hosted_by_the_caller_is_forged(
     impostor = next(node.node_id for node in cluster if node.node_id != host)
     error = await refused(cluster, reader, branch, tree.root, caller=impostor)
     assert_reason(error, RejectionReason.FORGED_SENDER, grpc.StatusCode.PERMISSION_DENIED)
+
+
+@pytest.mark.contract(2)
+async def test_unknown_sender_is_refused(cluster: LocalCluster, tree: Tree) -> None:
+    # A session that never existed: no header, so no activation either. It is not a stale
+    # sender (one whose activation is no longer current) but an unknown one.
+    ghost = AgentRef(session_id=SessionId("s-no-such-sender"), activation_id=ActivationId("a-1"))
+    with pytest.raises(Rejected) as caught:
+        await send_as(cluster, via="node-a", caller="node-a", sender=ghost, target=tree.root)
+    assert_reason(caught.value, RejectionReason.UNKNOWN_SENDER, grpc.StatusCode.PERMISSION_DENIED)
+
+
+async def test_a_refusal_names_the_target_the_request_named(
+    cluster: LocalCluster, reader: MeshReader, tree: Tree
+) -> None:
+    one, two = tree.branches
+    cases = [
+        (one.session_id, two.session_id),  # decided by the target's node
+        (tree.root, "s-no-such-session"),  # no node hosts it: decided by the sender's
+        (tree.leaves[0].session_id, tree.root),
+    ]
+    for sender, target in cases:
+        error = await refused(cluster, reader, sender, target)
+        assert error.metadata.get("target_session_id") == target, error
 
 
 async def test_caller_without_the_cluster_credential_is_unauthenticated(

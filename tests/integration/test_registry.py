@@ -311,6 +311,25 @@ async def test_headers_are_create_only_and_round_trip(
         await node_b.store.read(SessionId("s-nobody"))
 
 
+async def test_a_header_and_each_record_keep_when_they_were_written(
+    node_a: Node, node_b: Node
+) -> None:
+    session = SessionId("s-times")
+    await node_a.store.create_header(root_header(session), [prompt("task")])
+    header = await node_b.store.get_header(session)  # read from etcd
+    assert header is not None and header.created_at is not None
+    assert header.created_at.utcoffset() == timedelta(0)
+    cached = await node_a.store.get_header(session)
+    assert cached is not None and cached.created_at == header.created_at
+    current = await node_a.store.try_activate(node_a.activation(session))
+    appended, _ = await node_a.store.append(session, prompt("p"), writer=current.activation_id)
+    created, stored = await node_b.store.read(session)
+    assert created.recorded_at is not None and stored.recorded_at is not None
+    # What the writer was told is what every reader reads, to the microsecond.
+    assert stored.recorded_at == appended.recorded_at
+    assert created.recorded_at == header.created_at  # written in the header's transaction
+
+
 async def test_activating_an_unknown_session_is_session_unknown_and_writes_nothing(
     node_a: Node, keys: Keys
 ) -> None:

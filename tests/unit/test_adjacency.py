@@ -353,3 +353,75 @@ def test_rejection_reasons_mirror_the_proto_enum_one_to_one() -> None:
     assert set(python_names) == proto_names
     for reason in RejectionReason:
         assert reason.value == reason.name
+
+
+# -- what a model reads of a refusal: true for the sender, and actionable ----------------------
+
+REFUSED_PAIRS = sorted(
+    pair for pair, expected in EXPECTED.items() if not isinstance(expected, Direction)
+)
+
+
+def refusal(sender: AgentRef, target: SessionId) -> Refused:
+    headers, activations = tree()
+    decision = authorize(sender, target, headers, activations)
+    assert isinstance(decision, Refused), decision
+    return decision
+
+
+@pytest.mark.parametrize(("sender", "target"), REFUSED_PAIRS, ids=lambda s: str(s))
+def test_a_refusal_never_offers_a_one_shot_child_a_route_to_its_parent(
+    sender: SessionId, target: SessionId
+) -> None:
+    detail = refusal(ref(sender), target).detail
+    if PARENTS[sender][0] is SessionKind.ONE_SHOT_CHILD:
+        assert "message your parent instead" not in detail
+        assert "your direct parent" not in detail
+        if EXPECTED[(sender, target)] is not SELF:
+            # What it can do instead: its final answer reaches the parent anyway.
+            assert f"final answer reaches {R}" in detail, detail
+
+
+@pytest.mark.parametrize(
+    ("sender", "target"),
+    [pair for pair in REFUSED_PAIRS if EXPECTED[pair] in {SIBLING, ANCESTOR, UNRELATED}],
+    ids=lambda s: str(s),
+)
+def test_a_refusal_off_the_tree_edges_says_whom_the_sender_can_message(
+    sender: SessionId, target: SessionId
+) -> None:
+    detail = refusal(ref(sender), target).detail
+    assert "you can message only" in detail, detail
+    parent = PARENTS[sender][1]
+    if PARENTS[sender][0] is CC:
+        assert f"your direct parent {parent}" in detail, detail
+
+
+def test_a_refusal_of_a_grandchild_names_the_child_that_leads_to_it() -> None:
+    assert "message your direct child A," in refusal(ref(R), A1).detail
+    assert "message your direct child B," in refusal(ref(R), B1).detail
+
+
+def test_parent_not_live_tells_the_child_to_send_again_later() -> None:
+    headers, activations = tree()
+    del activations[A]
+    decision = authorize(ref(A1), A, headers, activations)
+    assert isinstance(decision, Refused)
+    assert decision.reason is RejectionReason.PARENT_NOT_LIVE
+    assert "send the message again later" in decision.detail
+    assert "nothing was delivered" in decision.detail
+
+
+def test_parent_rebound_names_no_activation_the_model_never_saw() -> None:
+    headers, activations = tree()
+    activations[A] = dataclasses.replace(activations[A], activation_id=act(A, 2))
+    decision = authorize(ref(A1), A, headers, activations)
+    assert isinstance(decision, Refused)
+    assert decision.reason is RejectionReason.PARENT_REBOUND
+    assert "act-" not in decision.detail, decision.detail
+    assert f"after {A} messages you" in decision.detail
+
+
+def test_no_refusal_of_the_tree_names_an_activation() -> None:
+    for sender, target in REFUSED_PAIRS:
+        assert "act-" not in refusal(ref(sender), target).detail

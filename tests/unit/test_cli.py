@@ -465,6 +465,13 @@ def _event(body: object, *, seq: int = 4, event_seq: int = 17) -> SessionEvent:
         ),
         (TurnStarted(turn_id=TurnId("t-1")), "turn", "t-1 started"),
         (
+            TurnStarted(
+                turn_id=TurnId("t-2"), node_id=NodeId("node-b"), activation_id=ActivationId("a-9")
+            ),
+            "turn",
+            "t-2 started on node-b (a-9)",
+        ),
+        (
             TurnEnded(turn_id=TurnId("t-1"), outcome=TurnOutcome.CANCELLED),
             "turn",
             "t-1 ended cancelled",

@@ -6,6 +6,7 @@ import copy
 import json
 import typing
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -55,6 +56,7 @@ from dsh_mesh.registry._codec import (
     decode_activation,
     decode_entry,
     decode_header,
+    decode_record,
     encode_acceptance,
     encode_activation,
     encode_entry,
@@ -71,11 +73,13 @@ FINAL_TURN_SPAN = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"
 ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
     (
         TaskEntry(content="Summarise the design.\nThen send_message your parent."),
-        '{"content":"Summarise the design.\\nThen send_message your parent.","type":"task","v":3}',
+        '{"at":null,"content":"Summarise the design.\\nThen send_message your parent.",'
+        '"type":"task","v":4}',
     ),
     (
-        HumanPromptEntry(content="Wie geht's? 你好 🙂"),
-        '{"content":"Wie geht\'s? 你好 🙂","type":"human_prompt","v":3}',
+        HumanPromptEntry(content="Wie geht's? 你好 🙂", idempotency_key="prompt-7"),
+        '{"at":null,"content":"Wie geht\'s? 你好 🙂","idempotency_key":"prompt-7",'
+        '"type":"human_prompt","v":4}',
     ),
     (
         AgentMessageEntry(
@@ -83,10 +87,12 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
             content="result: 42",
             trace=SENDER_SPAN,
             delivery=DeliveryKind.STEERED,
+            idempotency_key="call-9",
         ),
-        '{"content":"result: 42","delivery":"steered","source":{"form":"relay",'
-        '"kind":"agent-message","sender_session_id":"s-2"},"trace":"00-4bf92f3577b34da6a3ce929d0e'
-        '0e4736-00f067aa0ba902b7-01","type":"agent_message","v":3}',
+        '{"at":null,"content":"result: 42","delivery":"steered","idempotency_key":"call-9",'
+        '"source":{"form":"relay","kind":"agent-message","sender_session_id":"s-2"},'
+        '"trace":"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",'
+        '"type":"agent_message","v":4}',
     ),
     (
         SettlementNoticeEntry(
@@ -98,10 +104,11 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
             detail="budget spent",
             trace=FINAL_TURN_SPAN,
         ),
-        '{"child_activation":"a-3","child_kind":"one-shot-child","child_session":"s-3",'
-        '"detail":"budget spent","outcome":"token-exhaustion","terminal_output":"partial answer",'
+        '{"at":null,"child_activation":"a-3","child_kind":"one-shot-child",'
+        '"child_session":"s-3","detail":"budget spent","outcome":"token-exhaustion",'
+        '"terminal_output":"partial answer",'
         '"trace":"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00",'
-        '"type":"settlement_notice","v":3}',
+        '"type":"settlement_notice","v":4}',
     ),
     (
         ForkPrefixEntry(
@@ -111,18 +118,22 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
                 ChatMessage(role=Role.TOOL, content="# A", tool_call_id="c-1"),
             )
         ),
-        '{"messages":[{"content":"Plan it.","role":"user","tool_call_id":null,"tool_calls":[]},'
+        '{"at":null,"messages":[{"content":"Plan it.","role":"user","tool_call_id":null,'
+        '"tool_calls":[]},'
         '{"content":"","role":"assistant","tool_call_id":null,"tool_calls":[{"arguments_json":'
         '"{\\"path\\":\\"a.md\\"}","call_id":"c-1","name":"read_file"}]},{"content":"# A",'
-        '"role":"tool","tool_call_id":"c-1","tool_calls":[]}],"type":"fork_prefix","v":3}',
+        '"role":"tool","tool_call_id":"c-1","tool_calls":[]}],"type":"fork_prefix","v":4}',
     ),
     (
-        TurnStartedEntry(turn_id=TurnId("t-1")),
-        '{"turn_id":"t-1","type":"turn_started","v":3}',
+        TurnStartedEntry(
+            turn_id=TurnId("t-1"), node_id=NodeId("n-2"), activation_id=ActivationId("a-2")
+        ),
+        '{"activation_id":"a-2","at":null,"node_id":"n-2","turn_id":"t-1","type":"turn_started",'
+        '"v":4}',
     ),
     (
         ConsumedEntry(seqs=(3, 4)),
-        '{"seqs":[3,4],"type":"consumed","v":3}',
+        '{"at":null,"seqs":[3,4],"type":"consumed","v":4}',
     ),
     (
         AssistantStepEntry(
@@ -130,26 +141,28 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
             tool_calls=(READ_CALL,),
             usage=Usage(input_tokens=1200, output_tokens=35, cached_input_tokens=1024),
         ),
-        '{"text":"Reading it.","tool_calls":[{"arguments_json":"{\\"path\\":\\"a.md\\"}",'
+        '{"at":null,"text":"Reading it.","tool_calls":[{"arguments_json":"{\\"path\\":\\"a.md\\"}",'
         '"call_id":"c-1","name":"read_file"}],"type":"assistant_step","usage":'
-        '{"cached_input_tokens":1024,"input_tokens":1200,"output_tokens":35},"v":3}',
+        '{"cached_input_tokens":1024,"input_tokens":1200,"output_tokens":35},"v":4}',
     ),
     (
         ToolResultEntry(call_id="c-1", name="read_file", content="no such file", is_error=True),
-        '{"call_id":"c-1","content":"no such file","is_error":true,"name":"read_file",'
-        '"type":"tool_result","v":3}',
+        '{"at":null,"call_id":"c-1","content":"no such file","is_error":true,"name":"read_file",'
+        '"type":"tool_result","v":4}',
     ),
     (
         TurnEndedEntry(turn_id=TurnId("t-1"), outcome=TurnOutcome.COMPLETED),
-        '{"detail":"","outcome":"completed","turn_id":"t-1","type":"turn_ended","v":3}',
+        '{"at":null,"detail":"","outcome":"completed","turn_id":"t-1","type":"turn_ended","v":4}',
     ),
 ]
 
+WRITTEN_AT = datetime(2025, 1, 2, 3, 4, 5, 6, tzinfo=UTC)
 ROOT_HEADER = SessionHeader(
     session_id=SessionId("s-1"),
     kind=SessionKind.ROOT,
     parent_session=None,
     spec=SessionSpec(preset="lead", model="lead-model"),
+    created_at=WRITTEN_AT,
 )
 FORK_HEADER = SessionHeader(
     session_id=SessionId("s-2"),
@@ -189,34 +202,36 @@ OTHER_EXAMPLES: list[tuple[object, Callable[[Any], bytes], str]] = [
     (
         ROOT_HEADER,
         encode_header,
-        '{"fork_origin":null,"kind":"root","parent_session":null,"session_id":"s-1",'
-        '"spec":{"model":"lead-model","preset":"lead","tools":[]},"v":3}',
+        '{"created_at":"2025-01-02T03:04:05.000006+00:00","fork_origin":null,"kind":"root",'
+        '"parent_session":null,"session_id":"s-1",'
+        '"spec":{"model":"lead-model","preset":"lead","tools":[]},"v":4}',
     ),
     (
         FORK_HEADER,
         encode_header,
-        '{"fork_origin":{"parent_session":"s-1","prefix_seq":7},"kind":"continuable-child",'
+        '{"created_at":null,"fork_origin":{"parent_session":"s-1","prefix_seq":7},'
+        '"kind":"continuable-child",'
         '"parent_session":"s-1","session_id":"s-2","spec":{"model":"worker-model",'
         '"preset":"worker","tools":[{"description":"Read a file.","input_schema_json":'
         '"{\\"properties\\":{\\"path\\":{\\"type\\":\\"string\\"}},\\"type\\":\\"object\\"}",'
-        '"name":"read_file"}]},"v":3}',
+        '"name":"read_file"}]},"v":4}',
     ),
     (
         ROOT_ACTIVATION,
         encode_activation,
-        '{"activation_id":"a-1","node_id":"n-1","parent_activation":null,"session_id":"s-1","v":3}',
+        '{"activation_id":"a-1","node_id":"n-1","parent_activation":null,"session_id":"s-1","v":4}',
     ),
     (
         CHILD_ACTIVATION,
         encode_activation,
         '{"activation_id":"a-2","node_id":"n-2","parent_activation":"a-1","session_id":"s-2",'
-        '"v":3}',
+        '"v":4}',
     ),
     (
         ACCEPTANCE,
         encode_acceptance,
         '{"fingerprint":"sha256:9f86d0","kind":"cold-resumed","seq":3,"target":"s-2",'
-        '"target_activation":"a-2","v":3}',
+        '"target_activation":"a-2","v":4}',
     ),
 ]
 
@@ -290,9 +305,9 @@ def test_an_acceptance_round_trips_for_every_delivery_kind(kind: DeliveryKind) -
     assert decode_acceptance(encode_acceptance(acceptance)) == acceptance
 
 
-def test_the_format_version_is_three_and_every_older_one_is_readable() -> None:
-    assert FORMAT_VERSION == 3
-    assert sorted(READABLE_VERSIONS) == [1, 2, 3]
+def test_the_format_version_is_four_and_every_older_one_is_readable() -> None:
+    assert FORMAT_VERSION == 4
+    assert sorted(READABLE_VERSIONS) == [1, 2, 3, 4]
 
 
 def test_an_untraced_message_and_notice_store_an_empty_trace() -> None:
@@ -420,13 +435,94 @@ def test_a_version_2_agent_message_still_decodes_with_its_trace_and_no_delivery_
     )
 
 
+# Bytes written by version-3 releases (pinned before version 4 existed): never change these.
+V3_HUMAN_PROMPT = b'{"content":"hello","type":"human_prompt","v":3}'
+V3_TURN_STARTED = b'{"turn_id":"t-1","type":"turn_started","v":3}'
+V3_AGENT_MESSAGE = (
+    b'{"content":"result: 42","delivery":"steered","source":{"form":"relay",'
+    b'"kind":"agent-message","sender_session_id":"s-2"},"trace":"","type":"agent_message","v":3}'
+)
+V3_HEADER = (
+    b'{"fork_origin":null,"kind":"root","parent_session":null,"session_id":"s-1",'
+    b'"spec":{"model":"lead-model","preset":"lead","tools":[]},"v":3}'
+)
+
+
+def test_version_3_values_decode_with_empty_keys_places_and_times() -> None:
+    prompt = decode_record(5, V3_HUMAN_PROMPT)
+    assert prompt == Record(seq=5, entry=HumanPromptEntry(content="hello"))
+    assert prompt.recorded_at is None
+    assert decode_entry(V3_TURN_STARTED) == TurnStartedEntry(turn_id=TurnId("t-1"))
+    started = decode_entry(V3_TURN_STARTED)
+    assert isinstance(started, TurnStartedEntry)
+    assert (started.node_id, started.activation_id) == ("", "")
+    message = decode_entry(V3_AGENT_MESSAGE)
+    assert isinstance(message, AgentMessageEntry)
+    assert (message.idempotency_key, message.delivery) == ("", DeliveryKind.STEERED)
+    header = decode_header(V3_HEADER)
+    assert header == ROOT_HEADER and header.created_at is None
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b'{"at":null,"turn_id":"t-1","type":"turn_started","v":3}',
+        b'{"node_id":"n-1","turn_id":"t-1","type":"turn_started","v":3}',
+        b'{"content":"hello","idempotency_key":"k","type":"human_prompt","v":3}',
+    ],
+)
+def test_a_version_3_entry_with_a_version_4_field_is_rejected(data: bytes) -> None:
+    with pytest.raises(CodecError):
+        decode_entry(data)
+
+
+def test_a_version_4_entry_without_its_time_is_rejected() -> None:
+    with pytest.raises(CodecError, match="missing fields \\['at'\\]"):
+        decode_entry(b'{"seqs":[],"type":"consumed","v":4}')
+
+
+@pytest.mark.parametrize(
+    "stored",
+    [
+        "2025-01-02T03:04:05+00:00",  # no microseconds: not the one way it is written
+        "2025-01-02T04:04:05.000006+01:00",  # the same instant, not in UTC
+        "2025-01-02T03:04:05.000006",  # naive
+        "2025-01-02 03:04:05.000006+00:00",
+        "yesterday",
+        1735787045,
+        [],
+    ],
+)
+def test_a_time_not_stored_exactly_as_written_is_rejected(stored: object) -> None:
+    data = json.dumps({"at": stored, "seqs": [], "type": "consumed", "v": 4}).encode()
+    with pytest.raises(CodecError, match="at"):
+        decode_entry(data)
+    header = json.loads(encode_header(ROOT_HEADER))
+    header["created_at"] = stored
+    with pytest.raises(CodecError, match="created_at"):
+        decode_header(json.dumps(header).encode())
+
+
+def test_a_naive_time_cannot_be_stored() -> None:
+    with pytest.raises(TypeError, match="naive"):
+        encode_entry(ConsumedEntry(seqs=()), recorded_at=datetime(2025, 1, 2))
+    local = datetime(2025, 1, 2, 4, 4, 5, 6, tzinfo=timezone(timedelta(hours=1)))
+    stored = json.loads(encode_entry(ConsumedEntry(seqs=()), recorded_at=local))
+    assert stored["at"] == "2025-01-02T03:04:05.000006+00:00"
+
+
 # The fields each version added, by entry tag, with the default an older value decodes to (as
 # JSON). Kept here independently of the codec's own table: an entry missing from it makes the
 # test below fail, since an older version would then carry a field it cannot have.
 ADDED_IN: dict[str, dict[str, tuple[int, object]]] = {
-    "agent_message": {"trace": (2, ""), "delivery": (3, None)},
+    "agent_message": {"trace": (2, ""), "delivery": (3, None), "idempotency_key": (4, "")},
     "settlement_notice": {"trace": (2, "")},
+    "human_prompt": {"idempotency_key": (4, "")},
+    "turn_started": {"node_id": (4, ""), "activation_id": (4, "")},
+    "decode_header": {"created_at": (4, None)},
 }
+# The envelope key every entry gained (version 4): when the record was written.
+ENTRY_ADDED_IN: dict[str, tuple[int, object]] = {"at": (4, None)}
 OLDER_VERSIONS = sorted(READABLE_VERSIONS - {FORMAT_VERSION})
 
 
@@ -442,11 +538,11 @@ def test_every_older_version_reads_like_the_current_one_without_later_fields(
     version: int, data: bytes, decode: Decoder
 ) -> None:
     # Each version only added fields: without them, every kind reads the same in all versions.
-    later = {
-        name: default
-        for name, (added, default) in ADDED_IN.get(json.loads(data).get("type"), {}).items()
-        if added > version
-    }
+    tag = json.loads(data).get("type")
+    added_in = ADDED_IN.get(tag or decode.__name__, {})
+    if tag is not None:
+        added_in = {**added_in, **ENTRY_ADDED_IN}
+    later = {name: default for name, (added, default) in added_in.items() if added > version}
 
     def defaults(d: dict[str, Any]) -> None:
         d.update(later)
@@ -487,16 +583,21 @@ TRACEPARENTS = st.builds(
     st.text(st.sampled_from(HEX), min_size=2, max_size=2),
 )
 TRACES = st.just("") | TRACEPARENTS
+# Any aware time, in any zone: it is stored (and read back) as the same instant in UTC.
+TIMES = st.datetimes(
+    min_value=datetime(1900, 1, 1), max_value=datetime(2200, 1, 1), timezones=st.timezones()
+)
 
 ENTRIES: st.SearchStrategy[Entry] = st.one_of(
     st.builds(TaskEntry, content=TEXT),
-    st.builds(HumanPromptEntry, content=TEXT),
+    st.builds(HumanPromptEntry, content=TEXT, idempotency_key=TEXT),
     st.builds(
         AgentMessageEntry,
         source=st.builds(AgentMessageSource, sender_session_id=SESSIONS),
         content=TEXT,
         trace=TRACES,
         delivery=st.none() | st.sampled_from(DeliveryKind),
+        idempotency_key=TEXT,
     ),
     st.builds(
         SettlementNoticeEntry,
@@ -509,7 +610,7 @@ ENTRIES: st.SearchStrategy[Entry] = st.one_of(
         trace=TRACES,
     ),
     st.builds(ForkPrefixEntry, messages=st.lists(CHAT_MESSAGES, max_size=4).map(tuple)),
-    st.builds(TurnStartedEntry, turn_id=TURNS),
+    st.builds(TurnStartedEntry, turn_id=TURNS, node_id=TEXT.map(NodeId), activation_id=ACTIVATIONS),
     st.builds(ConsumedEntry, seqs=st.lists(COUNTS, max_size=5).map(tuple)),
     st.builds(
         AssistantStepEntry,
@@ -539,14 +640,22 @@ def headers(draw: st.DrawFn) -> SessionHeader:
         )
     )
     kind = draw(st.sampled_from(SessionKind))
+    created = draw(st.none() | TIMES)
     if kind is SessionKind.ROOT:
-        return SessionHeader(session_id=session, kind=kind, parent_session=None, spec=spec)
+        return SessionHeader(
+            session_id=session, kind=kind, parent_session=None, spec=spec, created_at=created
+        )
     parent = draw(SESSIONS.filter(lambda p: p != session))
     fork = draw(
         st.none() | st.builds(ForkOrigin, parent_session=st.just(parent), prefix_seq=COUNTS)
     )
     return SessionHeader(
-        session_id=session, kind=kind, parent_session=parent, spec=spec, fork_origin=fork
+        session_id=session,
+        kind=kind,
+        parent_session=parent,
+        spec=spec,
+        fork_origin=fork,
+        created_at=created,
     )
 
 
@@ -568,10 +677,24 @@ def test_every_entry_round_trips_to_equal_value_and_identical_bytes(entry: Entry
     assert is_canonical(data)
 
 
+@given(ENTRIES, COUNTS, st.none() | TIMES)
+def test_every_record_round_trips_with_the_time_it_was_written(
+    entry: Entry, seq: int, at: datetime | None
+) -> None:
+    data = encode_entry(entry, recorded_at=at)
+    record = decode_record(seq, data)
+    assert (record.seq, record.entry) == (seq, entry)
+    assert record.recorded_at == at  # the same instant, now in UTC
+    assert record.recorded_at is None or record.recorded_at.utcoffset() == timedelta(0)
+    assert encode_entry(record.entry, recorded_at=record.recorded_at) == data
+    assert is_canonical(data)
+
+
 @given(headers())
 def test_every_header_round_trips_to_equal_value_and_identical_bytes(header: SessionHeader) -> None:
     data = encode_header(header)
     assert decode_header(data) == header
+    assert decode_header(data).created_at == header.created_at  # not compared by ==
     assert encode_header(copy.deepcopy(header)) == data
     assert is_canonical(data)
 

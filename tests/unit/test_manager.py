@@ -16,9 +16,11 @@ from dsh_mesh.core import (
     ActivationId,
     AgentMessageEntry,
     AgentRef,
+    AssistantStepEntry,
     ConsumedEntry,
     DeliveryKind,
     ForkPrefixEntry,
+    HumanPromptEntry,
     IdempotencyConflict,
     InvalidArgument,
     NodeId,
@@ -650,3 +652,38 @@ async def test_a_retry_of_an_accepted_send_gets_its_acceptance_even_after_the_pa
         await mesh.manager.send_message(child.ref, ROOT, "other", idempotency_key="k-1")
     messages = [r for r in of_type(await mesh.transcript(ROOT), AgentMessageEntry)]
     assert [r.seq for r in messages] == [first.accepted_seq]
+
+
+async def test_the_transcript_records_times_keys_and_where_each_turn_ran(
+    mesh: InProcessMesh,
+) -> None:
+    # What a reader of the transcript is promised (dsh.mesh.v1): when the header and each record
+    # were written, the key each message and prompt came with, and the node and activation of
+    # every turn, durably with the turn.
+    mesh.scripted.program("helper", send(PARENT, "result"), Reply(text="done"))
+    await root_with_child(mesh)
+    await mesh.manager.quiescent()
+    await mesh.manager.submit_prompt(ROOT, "Again.", idempotency_key="human-1")
+    await mesh.manager.quiescent()
+    for session in (ROOT, CHILD):
+        header = await mesh.manager.header(session)
+        assert header.created_at is not None
+        records = await mesh.transcript(session)
+        assert all(r.recorded_at is not None for r in records)
+        starts = [r.entry for r in records if isinstance(r.entry, TurnStartedEntry)]
+        assert starts
+        for start in starts:
+            assert start.node_id == mesh.manager.node_id
+            assert start.activation_id  # the activation that ran it (settled since)
+    records = await mesh.transcript(ROOT)
+    [prompt] = [r.entry for r in records if isinstance(r.entry, HumanPromptEntry)]
+    assert prompt.idempotency_key == "human-1"
+    [message] = [r.entry for r in records if isinstance(r.entry, AgentMessageEntry)]
+    assert message.idempotency_key  # the child's tool call made it
+    child_calls = [
+        call.call_id
+        for r in await mesh.transcript(CHILD)
+        if isinstance(r.entry, AssistantStepEntry)
+        for call in r.entry.tool_calls
+    ]
+    assert any(message.idempotency_key.endswith(f".{call}") for call in child_calls), message

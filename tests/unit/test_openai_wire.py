@@ -92,7 +92,9 @@ def test_a_longer_conversation_of_one_spec_extends_the_same_bytes() -> None:
             content="",
             tool_calls=(ToolCall(call_id="c1", name="spawn_agent", arguments_json='{"a":1}'),),
         ),
-        ChatMessage(role=Role.TOOL, content='{"spawned":"s-2"}', tool_call_id="c1"),
+        ChatMessage(
+            role=Role.TOOL, content='{"agent_id":"s-2","kind":"continuable"}', tool_call_id="c1"
+        ),
         ChatMessage(role=Role.ASSISTANT, content="done"),
     )
     parent = request_body(request(*turn, user("Go on.")), model="m")

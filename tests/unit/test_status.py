@@ -45,6 +45,7 @@ from dsh_mesh.transport import (
     to_rpc_status,
     wire_reason,
 )
+from dsh_mesh.transport._status import TARGET_KEY, target_of
 
 PROTO = Path(__file__).resolve().parents[2] / "proto" / "dsh" / "mesh" / "v1" / "mesh.proto"
 REASONS = list(RejectionReason)
@@ -426,3 +427,48 @@ async def test_a_handler_crash_is_not_mapped_and_arrives_as_a_remote_error(
     rebuilt = error_from_rpc(caught.value)
     assert isinstance(rebuilt, RemoteError)
     assert rebuilt.code is grpc.StatusCode.UNKNOWN  # grpc.aio's own answer to a crash
+
+
+# -- the target a refusal names ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("request_message", "target"),
+    [
+        (mesh_pb2.SendMessageRequest(agent_id="s-2"), "s-2"),
+        (mesh_pb2.SubmitPromptRequest(session_id="s-3"), "s-3"),
+        (mesh_pb2.InterruptRequest(session_id="s-4"), "s-4"),
+        (mesh_pb2.GetSessionRequest(session_id="s-5"), "s-5"),
+        (mesh_pb2.WatchSessionRequest(session_id="s-6"), "s-6"),
+        (mesh_pb2.ListAgentsRequest(root_session_id="s-7"), "s-7"),
+        (mesh_pb2.ListAgentsRequest(), ""),
+        (mesh_pb2.CreateRootSessionRequest(request_id="r-1"), ""),
+        # Never echoed: a malformed id (here too long for a session id) could fill the trailer.
+        (mesh_pb2.SendMessageRequest(agent_id="s" * 10_000), ""),
+        (mesh_pb2.GetSessionRequest(session_id="bad id"), ""),
+    ],
+    ids=lambda value: type(value).__name__ if isinstance(value, Message) else repr(value)[:12],
+)
+def test_the_target_of_a_request_is_the_session_it_names(
+    request_message: Message, target: str
+) -> None:
+    assert target_of(request_message) == target
+
+
+@pytest.mark.parametrize("reason", REASONS, ids=REASON_IDS)
+def test_a_refusal_names_the_target_of_the_refused_request(reason: RejectionReason) -> None:
+    status = to_rpc_status(Rejected.of(reason, "why"), target="s-2")
+    [info] = unpack(status, error_details_pb2.ErrorInfo)
+    [rejection] = unpack(status, mesh_pb2.Rejection)
+    assert dict(info.metadata)[TARGET_KEY] == "s-2"
+    assert rejection.target_session_id == "s-2"
+    # A target the error names itself (a forwarded refusal) is kept.
+    named = Rejected.of(reason, "why", metadata={TARGET_KEY: "s-9"})
+    [rejection] = unpack(to_rpc_status(named, target="s-2"), mesh_pb2.Rejection)
+    assert rejection.target_session_id == "s-9"
+
+
+def test_a_fault_names_no_target() -> None:
+    status = to_rpc_status(TurnFailed("boom"), target="s-2")
+    assert status.code == grpc.StatusCode.INTERNAL.value[0]
+    assert list(status.details) == []

@@ -242,7 +242,7 @@ async def test_a_spawn_left_unanswered_by_its_dead_host_makes_exactly_one_whole_
     [child] = await _children(store, ROOT)
     records = await store.read(ROOT)
     [answer] = _results(records, "spawn_agent")
-    assert json.loads(answer.content)["spawned"] == child
+    assert json.loads(answer.content)["agent_id"] == child
     assert calls_without_one_answer(records) == []
     child_records = await store.read(child)
     [task] = [r.seq for r in child_records if isinstance(r.entry, TaskEntry)]

@@ -33,9 +33,11 @@ from dsh_mesh.tools import (
     SEND_MESSAGE,
     SEND_MESSAGE_DESCRIPTOR,
     SEND_MESSAGE_IDENTITY,
+    SPAWN_DESCRIPTORS,
     ChildKind,
     Preset,
     SendMessageTool,
+    SpawnTool,
     Tool,
     ToolIdentity,
     ToolInvocation,
@@ -236,13 +238,17 @@ class Delegation:
     scoped: SessionId
 
 
+SPAWN_TOOLS = frozenset(descriptor.name for descriptor in SPAWN_DESCRIPTORS.values())
+
+
 def spawned(records: list[Record]) -> list[SessionId]:
     found: list[SessionId] = []
     for record in records:
-        if isinstance(record.entry, ToolResultEntry) and not record.entry.is_error:
-            payload = json.loads(record.entry.content)
-            if "spawned" in payload:
-                found.append(SessionId(payload["spawned"]))
+        entry = record.entry
+        if not isinstance(entry, ToolResultEntry) or entry.is_error:
+            continue
+        if entry.name in SPAWN_TOOLS:
+            found.append(SessionId(json.loads(entry.content)["agent_id"]))
     return found
 
 
@@ -607,3 +613,29 @@ async def test_send_message_gives_up_after_its_retries_and_says_so() -> None:
     assert output.is_error and "REGISTRY_UNAVAILABLE" in output.content
     assert json.loads(output.content)["may_have_landed"] is True
     assert len(runtime.keys) == 4
+
+
+@pytest.mark.parametrize("kind", list(ChildKind), ids=lambda k: k.value)
+async def test_a_spawn_result_names_the_child_by_the_field_its_description_promises(
+    kind: ChildKind,
+) -> None:
+    tool = SpawnTool(runtime=RecordingRuntime(), kind=kind)
+    caller = AgentRef(session_id=SessionId("s-1"), activation_id=ActivationId("a-1"))
+    output = await tool.invoke(invocation(caller, {}), {"task": "Work."})
+    assert not output.is_error
+    # The child's id comes back under the name send_message takes it by.
+    assert json.loads(output.content) == {"agent_id": "s-spawned", "kind": kind.value}
+    assert "agent_id" in json.loads(SEND_MESSAGE_DESCRIPTOR.input_schema_json)["properties"]
+    description = SPAWN_DESCRIPTORS[kind].description
+    assert '"agent_id"' in description and f'"kind": "{kind.value}"' in description
+    assert "spawned" not in description
+
+
+@pytest.mark.contract(6)
+def test_the_one_send_message_description_is_true_for_every_kind_of_caller() -> None:
+    # One definition for roots, continuable and one-shot children (rule 6), so it may not offer
+    # a route some caller lacks: a one-shot child has no edge to its parent.
+    description = SEND_MESSAGE_DESCRIPTOR.description
+    assert "if you are a continuable child, your direct parent" in description
+    assert "A one-shot child cannot message its parent" in description
+    assert "your direct parent or one of" not in description

@@ -173,6 +173,30 @@ test('a lead on node-a and its worker on another node exchange messages; a forge
       [root.session_id, child],
       'ListAgents: the lead, then its child',
     );
+    for (const summary of listed.agents) {
+      const created = summary.header.created_at;
+      assert.ok(created && BigInt(created.seconds) > 0n, `created_at of ${summary.header.session_id}`);
+    }
+    // Every streamed entry says when it was written; messages and prompts carry their keys;
+    // every turn says where it ran (a node of the cluster, under an activation).
+    for (const event of view.events.filter((e) => e.entry)) {
+      const entry = event.entry;
+      const shown = JSON.stringify(entry);
+      assert.ok(entry.recorded_at && BigInt(entry.recorded_at.seconds) > 0n, `recorded_at: ${shown}`);
+      if (entry.body === 'agent_message') assert.ok(entry.agent_message.idempotency_key, shown);
+      if (entry.body === 'human_prompt') assert.equal(entry.human_prompt.idempotency_key, 'js-prompt-1');
+      if (entry.body === 'turn_started') {
+        assert.ok(entry.turn_started.node_id in nodes, shown);
+        assert.ok(entry.turn_started.activation_id, shown);
+      }
+    }
+    const childTurns = view.events.filter(
+      (e) => e.entry && e.session_id === view.child && e.entry.body === 'turn_started',
+    );
+    assert.ok(
+      childTurns.length > 0 && childTurns.every((e) => e.entry.turn_started.node_id !== 'node-a'),
+      `the child's turns ran elsewhere, and say so: ${view.summary()}`,
+    );
     const childSummary = listed.agents[1];
     assert.equal(childSummary.header.parent_session_id, root.session_id);
     assert.equal(childSummary.header.kind, 'SESSION_KIND_CONTINUABLE_CHILD');
@@ -208,6 +232,8 @@ test('a lead on node-a and its worker on another node exchange messages; a forge
       assert.equal(refused.domain, MESH_DOMAIN);
       assert.equal(refused.domain, 'dsh.mesh.v1');
       assert.equal(refused.rejection.reason, 'REJECTION_REASON_FORGED_SENDER');
+      assert.equal(refused.rejection.target_session_id, child, 'the refusal names its target');
+      assert.equal(refused.metadata.target_session_id, child);
       assert.equal(refused.retryDelayMs, null, 'FORGED_SENDER is not retryable');
     }
     // Nothing was accepted: the child's transcript holds no forged message.
