@@ -21,6 +21,7 @@ from dsh_mesh.agent._gate import BoundaryGate
 from dsh_mesh.agent._inbox import Inbox
 from dsh_mesh.agent._render import render
 from dsh_mesh.core import (
+    INBOUND_TYPES,
     AbortSignal,
     Activation,
     AgentRef,
@@ -99,6 +100,10 @@ class AgentHost(Protocol):
         """Return once no send reserved for the agent is still on its way to the inbox."""
         ...
 
+    async def read_after(self, agent: Agent, seq: int) -> Sequence[Record]:
+        """The agent's durable transcript after ``seq`` (for a boundary in doubt)."""
+        ...
+
     def admitted(self, agent: Agent, records: Sequence[Record]) -> None:
         """The driver consumed ``records``; their waking-send reservations end here."""
         ...
@@ -140,6 +145,10 @@ class Agent:
         self._turn_tokens = 0
         self._records = sorted(records, key=lambda r: r.seq)
         self._seqs = {r.seq for r in self._records}
+        self._held_through = 0
+        """Every seq up to this one is in the local copy."""
+        self._advance_held()
+        self._in_doubt = False
         self._provider = provider
         self._host = host
         self._ids = ids
@@ -201,6 +210,17 @@ class Agent:
         if record.seq not in self._seqs:
             self._seqs.add(record.seq)
             bisect.insort(self._records, record, key=lambda r: r.seq)
+            self._advance_held()
+
+    def doubt(self) -> None:
+        """An accept to this agent failed without knowing whether its append landed (its
+        answer was lost): the next step boundary reads the transcript past what it holds and
+        takes any inbound record it finds, so it leaves none behind (docs/adr/0007)."""
+        self._in_doubt = True
+
+    def _advance_held(self) -> None:
+        while self._held_through + 1 in self._seqs:
+            self._held_through += 1
 
     @contextlib.asynccontextmanager
     async def accepting(self) -> AsyncIterator[None]:
@@ -371,6 +391,8 @@ class Agent:
         async def read() -> list[Record]:
             # Shielded like any write (see _append); the gate opens when the entry is durable.
             try:
+                if self._in_doubt:
+                    await self._take_landed()
                 records = sorted([*first, *self._inbox.take_steered()], key=lambda r: r.seq)
                 if records:
                     record = await self._host.append(
@@ -388,6 +410,15 @@ class Agent:
         # The next step reads these: its span links to the spans that sent them.
         self._links.extend(getattr(r.entry, "trace", "") for r in records)
         return bool(records)
+
+    async def _take_landed(self) -> None:
+        """Deliver to this agent every inbound record that landed without its accept knowing
+        (the answer was lost); no accept is appending meanwhile (the gate is held)."""
+        self._in_doubt = False
+        for record in await self._host.read_after(self, self._held_through):
+            if not self.holds(record.seq) and isinstance(record.entry, INBOUND_TYPES):
+                self.record(record)
+                self._inbox.put(record)
 
     async def _turn(self, first: list[Record]) -> None:
         turn_id = self._ids.turn_id()

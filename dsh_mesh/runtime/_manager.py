@@ -708,6 +708,9 @@ class ContinuationManager:
         session = agent.session_id
         await self.wait_until(lambda: self._waking[session] <= len(self._reserved[session]))
 
+    async def read_after(self, agent: Agent, seq: int) -> Sequence[Record]:
+        return await self._store.read(agent.session_id, after_seq=seq)
+
     def admitted(self, agent: Agent, records: Sequence[Record]) -> None:
         reserved = self._reserved[agent.session_id]
         for record in records:
@@ -911,12 +914,18 @@ class ContinuationManager:
             # The append and the delivery hold off the target's step boundary: it cannot write
             # a ConsumedEntry past this record without reading it (docs/adr/0007).
             async with agent.accepting():
-                record, known = await self._store.append(
-                    session,
-                    entry,
-                    writer=agent.activation.activation_id,
-                    idempotency=None if key is None or acceptance is None else (key, acceptance),
-                )
+                try:
+                    record, known = await self._store.append(
+                        session,
+                        entry,
+                        writer=agent.activation.activation_id,
+                        idempotency=None
+                        if key is None or acceptance is None
+                        else (key, acceptance),
+                    )
+                except (RegistryUnavailable, NodeFenced):
+                    agent.doubt()  # it may have landed: the next boundary looks
+                    raise
                 if known is not None and key is not None:
                     duplicate = self._duplicate(key, known, session, known.fingerprint)
                     if (

@@ -29,6 +29,8 @@ can fake for another:
   but inbound entries follows that step (a session whose host died mid-step may end with its
   last step's calls open; its next activation answers them before anything else,
   :func:`calls_without_one_answer`);
+- *untrue boundaries*: a ``ConsumedEntry`` that reads out of seq order, or leaves unread a Steer
+  record durable before it (:func:`boundary_violations`);
 - *blind resends*: a message stored twice at its target, once for each of two ``send_message``
   calls of one sender, the second made before the sender was shown the first one's result (the
   double send a model makes when it never learns whether its first send landed,
@@ -138,6 +140,7 @@ class Verdict:
     wrong_reasons: int = 0
     phantoms: int = 0
     unanswered_calls: int = 0
+    untrue_boundaries: int = 0
     blind_resends: int = 0
     unattributed_writes: int = 0
     """Durable entries no node reported writing (their node was killed in between): counted,
@@ -177,7 +180,7 @@ class Verdict:
         )
         lines.append(
             f"  tool calls without exactly one answer {self.unanswered_calls},"
-            f" blind resends {self.blind_resends}"
+            f" untrue step boundaries {self.untrue_boundaries}, blind resends {self.blind_resends}"
         )
         lines.append(
             f"  activations {self.activations}, writes refused by the fence {self.fenced_writes},"
@@ -350,6 +353,8 @@ def check(
     for session, records in transcripts.items():
         for violation in calls_without_one_answer(records):
             verdict._violate("unanswered_calls", f"{session}: {violation}")
+        for violation in boundary_violations(records):
+            verdict._violate("untrue_boundaries", f"{session}: {violation}")
     for violation in blind_resends(transcripts):
         verdict._violate("blind_resends", violation)
     return verdict

@@ -7,9 +7,13 @@ sessions walk (by step count, so a session resumed on another node continues its
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Mapping
+
+from dsh_mesh.core import ToolDescriptor
 from dsh_mesh.models import PARENT, Branch, Call, Reply, Stall, arrived, child, send, tool
 from dsh_mesh.node import Scenario
-from dsh_mesh.tools import Preset
+from dsh_mesh.tools import Preset, ToolIdentity, ToolInvocation, ToolOutput
 
 LEAD = Preset(name="lead", system_prompt="You lead.", model="lead")
 
@@ -132,6 +136,44 @@ TOGETHER = Scenario(
                 delay=0.5,  # a moment of work: both reports land inside the parent's slow step
             ),
             Reply(text="Reported."),
+        ),
+    },
+)
+
+
+class HangTool:
+    """A scoped tool whose call never returns: its host is killed while it runs."""
+
+    identity = ToolIdentity("tests/hang")
+    descriptor = ToolDescriptor.of("hang", "Works until its host stops.", {})
+
+    async def invoke(
+        self, invocation: ToolInvocation, arguments: Mapping[str, object]
+    ) -> ToolOutput:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+# A child whose one step sends to its parent, then calls a tool that never returns: its host
+# dies between the step and the step's last result. Resumed by its parent's next message, it
+# answers the open call first ("outcome unknown", never run again), then reads the message.
+HANGS = Scenario(
+    presets=(
+        LEAD,
+        Preset(
+            name="hanging", system_prompt="You hang.", model="hanging", scoped_tools=(HangTool(),)
+        ),
+    ),
+    programs={
+        "lead": (tool("spawn_agent", task="Report, then hang.", preset="hanging"), Stall()),
+        "hanging": (
+            Call(
+                calls=(
+                    ("send_message", {"agent_id": PARENT, "message": "Started."}),
+                    ("hang", {}),
+                )
+            ),
+            Reply(text="Resumed and read it."),
         ),
     },
 )

@@ -5,6 +5,7 @@ cold-resume races, host failure (SIGKILL), the paused zombie (SIGSTOP) and grace
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Callable, Iterator
 
 import grpc
@@ -22,11 +23,20 @@ from dsh_mesh.core import (
     SettlementNoticeEntry,
     SettlementOutcome,
     TargetElsewhere,
+    ToolResultEntry,
+    TurnEndedEntry,
+    TurnOutcome,
     TurnStartedEntry,
     pending_inbound,
 )
 from dsh_mesh.registry import Etcd, EtcdConfig
-from dsh_mesh.testing import EtcdAddress, LocalCluster, MeshReader, boundary_violations
+from dsh_mesh.testing import (
+    EtcdAddress,
+    LocalCluster,
+    MeshReader,
+    boundary_violations,
+    calls_without_one_answer,
+)
 from tests.integration.mesh_client import (
     children_of,
     create_root,
@@ -229,6 +239,53 @@ async def test_sigkill_of_a_childs_host_settles_it_lost_then_it_resumes_elsewher
         )
         consumed = {s for r in records if isinstance(r.entry, ConsumedEntry) for s in r.entry.seqs}
         assert {before.accepted_seq, after.accepted_seq} <= consumed  # nothing acknowledged lost
+
+
+async def test_a_call_its_killed_host_left_open_is_answered_once_before_the_next_model_call(
+    start_cluster: ClusterFactory, open_reader: Callable[[LocalCluster], MeshReader]
+) -> None:
+    # The child's step sent "Started." (answered) and then called a tool that never returns;
+    # its host is SIGKILLed with that call open. Cold-resumed on another node by its parent's
+    # message, it answers the open call first, ends the dead host's turn as lost, and only then
+    # calls the model (strict: a dangling call would fail that call with OpenAI's 400).
+    cluster = start_cluster("HANGS")
+    async with open_reader(cluster) as reader:
+        root, child = await started_child(cluster, reader)
+        await reader.wait_for(
+            lambda: reader.transcript(child),
+            lambda rs: any(
+                isinstance(r.entry, ToolResultEntry) and r.entry.name == "send_message" for r in rs
+            ),
+            what="the send's result (the hang call is then running)",
+        )
+        parent, root_host = await live_ref(reader, root)
+        _, child_host = await live_ref(reader, child)
+        cluster[child_host].kill()
+        await reader.wait_for(
+            lambda: reader.transcript(root), lambda r: bool(notices(r)), what="lost notice"
+        )
+        after = await send_as(
+            cluster, via=root_host, caller=root_host, sender=parent, target=child,
+            message="Carry on.", key="after-kill",
+        )  # fmt: skip
+        records = await reader.wait_for(
+            lambda: reader.transcript(child),
+            lambda rs: sum(isinstance(r.entry, TurnEndedEntry) for r in rs) == 2,
+            what="the lost turn and the resumed one, ended",
+        )
+        assert calls_without_one_answer(records) == []
+        [hang] = [
+            r.entry
+            for r in records
+            if isinstance(r.entry, ToolResultEntry) and r.entry.name == "hang"
+        ]
+        assert hang.is_error and json.loads(hang.content)["outcome"] == "unknown"
+        ended = [r.entry.outcome for r in records if isinstance(r.entry, TurnEndedEntry)]
+        assert ended == [TurnOutcome.LOST, TurnOutcome.COMPLETED]
+        consumed = {s for r in records if isinstance(r.entry, ConsumedEntry) for s in r.entry.seqs}
+        assert after.accepted_seq in consumed
+        steps = [r.entry.text for r in records if isinstance(r.entry, AssistantStepEntry)]
+        assert steps[-1] == "Resumed and read it."
 
 
 @pytest.mark.contract(3)

@@ -163,6 +163,7 @@ def only(verdict: Verdict, kind: str) -> None:
             "wrong_reasons",
             "phantoms",
             "unanswered_calls",
+            "untrue_boundaries",
             "blind_resends",
         )
     }
@@ -185,7 +186,10 @@ def test_an_acknowledged_message_missing_from_its_target_is_lost() -> None:
 
 def test_an_acknowledged_message_never_consumed_is_lost() -> None:
     root = root_transcript(from_child("m1"), from_child("m2"), notice(), ConsumedEntry(seqs=(3, 5)))
-    only(judge(root, CLEAN_CHILD), "lost")
+    verdict = judge(root, CLEAN_CHILD)
+    # The boundary that skipped m2 is also untrue; nothing else is counted.
+    assert verdict.lost == 1 and verdict.untrue_boundaries == 1, verdict.summary()
+    assert len(verdict.violations) == 2, verdict.summary()
 
 
 def test_a_second_copy_of_a_message_is_a_duplicate() -> None:
@@ -449,3 +453,21 @@ def test_a_message_sent_again_before_the_first_result_and_stored_twice_is_a_blin
         delivered("c3", ROOT),
     )
     assert blind_resends({ROOT: root, CHILD: seen}) == []
+
+
+def test_a_boundary_that_leaves_a_message_durable_before_it_unread_is_untrue() -> None:
+    root = root_transcript(
+        from_child("m1"),
+        from_child("m2"),
+        ConsumedEntry(seqs=(4,)),
+        notice(),
+        ConsumedEntry(seqs=(3, 6)),
+    )
+    only(judge(root, CLEAN_CHILD), "untrue_boundaries")
+
+
+def test_a_boundary_that_reads_out_of_seq_order_is_untrue() -> None:
+    root = root_transcript(
+        from_child("m1"), from_child("m2"), notice(), ConsumedEntry(seqs=(4, 3, 5))
+    )
+    only(judge(root, CLEAN_CHILD), "untrue_boundaries")

@@ -13,11 +13,7 @@ import asyncio
 
 import pytest
 
-from dsh_mesh.core import (
-    AgentMessageEntry,
-    Role,
-    SessionId,
-)
+from dsh_mesh.core import AgentMessageEntry, RegistryUnavailable, Role, SessionId
 from dsh_mesh.models import Reply, tool
 from dsh_mesh.runtime import InMemorySessionStore
 from dsh_mesh.testing import boundary_violations, in_process_mesh
@@ -102,3 +98,42 @@ async def test_a_message_durable_before_a_step_boundary_is_read_at_that_boundary
         # ...and the model read it in the step right after that boundary.
         step_two = mesh.recorder.requests_of(CHILD)[1].messages
         assert step_two[-1].content == f"Agent {ROOT} sent a message:\nearly"
+
+
+class LostAnswerStore(InMemorySessionStore):
+    """Writes the first agent message durably, then loses the answer (an etcd outage cut the
+    call after the transaction applied)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lost = False
+
+    async def append(self, session, entry, *, writer, idempotency=None):  # type: ignore[no-untyped-def]
+        result = await super().append(session, entry, writer=writer, idempotency=idempotency)
+        if isinstance(entry, AgentMessageEntry) and not self.lost:
+            self.lost = True
+            raise RegistryUnavailable("etcd went away before it answered")
+        return result
+
+
+@pytest.mark.contract(3)
+async def test_a_message_whose_accept_lost_its_answer_is_still_read_at_the_next_boundary(
+    gate_tool: GateTool,
+) -> None:
+    store = LostAnswerStore()
+    async with in_process_mesh(presets(gate_tool), store=store) as mesh:
+        mesh.scripted.program("worker", tool("wait"), Reply(text="read it"))
+        mesh.scripted.program("lead", tool("spawn_agent", task="t", preset="worker"), Reply())
+        await mesh.manager.create_root("Lead.", preset="lead")
+        await gate_tool.entered.wait()
+        root = mesh.manager.agent(ROOT)
+        assert root is not None
+        with pytest.raises(RegistryUnavailable):
+            await mesh.manager.send_message(root.ref, CHILD, "landed unheard")
+        gate_tool.gate.set()
+        await mesh.manager.quiescent()
+
+        records = await mesh.transcript(CHILD)
+        assert boundary_violations(records) == []
+        step_two = mesh.recorder.requests_of(CHILD)[1].messages
+        assert step_two[-1].content == f"Agent {ROOT} sent a message:\nlanded unheard"
