@@ -12,9 +12,9 @@ import contextlib
 import enum
 import itertools
 import json
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from dsh_mesh import telemetry
 from dsh_mesh.agent._gate import BoundaryGate
@@ -52,6 +52,8 @@ from dsh_mesh.tools import (
     is_idempotent_by_key,
     outcome_unknown,
 )
+
+T = TypeVar("T")
 
 
 class AgentState(enum.Enum):
@@ -149,6 +151,10 @@ class Agent:
         """Every seq up to this one is in the local copy."""
         self._advance_held()
         self._in_doubt = False
+        self._writes: set[asyncio.Future[Any]] = set()
+        """Writes started by a turn and not finished: an interrupted turn waits for them."""
+        self._interrupted_call: tuple[str, asyncio.Future[ToolOutput]] | None = None
+        """The standard-tool call an interrupt stopped mid-way, still finding its answer."""
         self._provider = provider
         self._host = host
         self._ids = ids
@@ -376,10 +382,23 @@ class Agent:
             self.record(record)
             return record
 
-        writing = asyncio.ensure_future(write())
+        return await self._shielded(write())
+
+    async def _shielded(self, work: Coroutine[Any, Any, T]) -> T:
+        """Run ``work`` to its end even if the turn is interrupted meanwhile; the turn's close
+        waits for it (:meth:`_finish_writes`), so nothing lands after the turn's end."""
+        writing = asyncio.ensure_future(work)
+        self._writes.add(writing)
+        writing.add_done_callback(self._writes.discard)
         # A turn cancelled meanwhile leaves the write's outcome to nobody: mark it seen.
         writing.add_done_callback(_outcome_seen)
         return await asyncio.shield(writing)
+
+    async def _finish_writes(self) -> None:
+        """Wait for every write an interrupted turn left running: the step or result being
+        written must be in the local transcript before the turn's open calls are closed."""
+        while self._writes:
+            await asyncio.wait(set(self._writes))
 
     async def _read_waiting(self, first: Sequence[Record] = ()) -> bool:
         """The read of a step boundary (or of a turn's start, with the turn's ``first``
@@ -404,9 +423,7 @@ class Agent:
             finally:
                 self._gate.release()
 
-        reading = asyncio.ensure_future(read())
-        reading.add_done_callback(_outcome_seen)
-        records = await asyncio.shield(reading)
+        records = await self._shielded(read())
         # The next step reads these: its span links to the spans that sent them.
         self._links.extend(getattr(r.entry, "trace", "") for r in records)
         return bool(records)
@@ -466,6 +483,7 @@ class Agent:
             signal.abort("turn ended")
             self._turn_task = None
             self._interrupting = False
+        await self._finish_writes()
         await self._close_open_calls(outcome)
         await self._append(TurnEndedEntry(turn_id=turn_id, outcome=outcome, detail=detail))
         self._turns_run += 1
@@ -575,29 +593,62 @@ class Agent:
         invocation = ToolInvocation(
             caller=self.ref, call=call, signal=signal, step_seq=step_seq, index=index
         )
+        if not is_idempotent_by_key(tool):
+            return await _answer_of(tool.invoke(invocation, arguments))
+        # A standard tool's call is never abandoned half-way: an interrupt aborts its signal,
+        # and the call answers for itself (stopped before its point of no return, or carried
+        # out past it); the turn's close records that answer (_close_open_calls).
+        answering = asyncio.ensure_future(_answer_of(tool.invoke(invocation, arguments)))
         try:
-            return await tool.invoke(invocation, arguments)
-        except Exception as failure:  # a broken tool fails its call, not the turn
-            return ToolOutput(content=f"{type(failure).__name__}: {failure}", is_error=True)
+            return await asyncio.shield(answering)
+        except asyncio.CancelledError:
+            if self._interrupting:
+                signal.abort("the turn was interrupted")
+                self._interrupted_call = (call.call_id, answering)
+            else:
+                answering.cancel()
+            raise
 
     async def _close_open_calls(self, outcome: TurnOutcome) -> None:
-        """Give every tool call of an ended turn a result, so the transcript stays renderable."""
+        """Give every tool call of an ended turn a result, so the transcript stays renderable.
+        The standard-tool call an interrupt stopped gets its own answer (sent or not, spawned
+        or not); a call that never started, or of another tool, gets "not completed"."""
+        finishing, self._interrupted_call = self._interrupted_call, None
         answered = {r.entry.call_id for r in self._records if isinstance(r.entry, ToolResultEntry)}
         for record in reversed(self._records):
             if isinstance(record.entry, TurnStartedEntry):
-                return
+                break
             if isinstance(record.entry, AssistantStepEntry):
                 for call in record.entry.tool_calls:
-                    if call.call_id not in answered:
-                        await self._append(
-                            ToolResultEntry(
-                                call_id=call.call_id,
-                                name=call.name,
-                                content=f"not completed: turn ended ({outcome.value})",
-                                is_error=True,
-                            )
+                    if call.call_id in answered:
+                        continue
+                    if finishing is not None and finishing[0] == call.call_id:
+                        output = await finishing[1]
+                        finishing = None
+                    else:
+                        output = ToolOutput(
+                            content=f"not completed: turn ended ({outcome.value})", is_error=True
                         )
-                return
+                    answered.add(call.call_id)
+                    await self._append(
+                        ToolResultEntry(
+                            call_id=call.call_id,
+                            name=call.name,
+                            content=output.content,
+                            is_error=output.is_error,
+                        )
+                    )
+                break
+        if finishing is not None:
+            finishing[1].cancel()
+
+
+async def _answer_of(work: Awaitable[ToolOutput]) -> ToolOutput:
+    """A tool's answer; a broken tool fails its call, not the turn."""
+    try:
+        return await work
+    except Exception as failure:
+        return ToolOutput(content=f"{type(failure).__name__}: {failure}", is_error=True)
 
 
 def _outcome_seen(done: asyncio.Future[Any]) -> None:

@@ -43,11 +43,12 @@ class BoundaryGate:
         """Return once no accept is appending, with the gate closed to new ones. Cancel-safe:
         a boundary cancelled while it waits leaves the gate as it found it."""
         self._boundaries += 1
+        acquired = False
         try:
             await self._until(lambda: self._accepting == 0 and not self._held)
-            self._held = True
+            self._held = acquired = True
         finally:
-            if not self._held:
+            if not acquired:
                 self._boundaries -= 1
                 self._changed()
 

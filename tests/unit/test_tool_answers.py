@@ -19,6 +19,7 @@ import pytest
 
 from dsh_mesh.core import (
     AgentMessageEntry,
+    AssistantStepEntry,
     ConsumedEntry,
     Entry,
     NodeFenced,
@@ -35,8 +36,10 @@ from dsh_mesh.core import (
 )
 from dsh_mesh.models import PARENT, Action, Call, Reply, ScriptedProvider, Stall, send, tool
 from dsh_mesh.runtime import ContinuationManager, InMemorySessionStore, ManagerConfig
-from dsh_mesh.testing import calls_without_one_answer
+from dsh_mesh.testing import calls_without_one_answer, in_process_mesh
 from dsh_mesh.tools import Preset, ToolIdentity, ToolInvocation, ToolOutput
+from tests.unit.conftest import GateTool, drain_loop
+from tests.unit.conftest import presets as conftest_presets
 
 
 class DyingStore(InMemorySessionStore):
@@ -275,3 +278,82 @@ async def test_any_other_tool_left_unanswered_is_answered_unknown_and_never_run_
     assert all(json.loads(a.content)["outcome"] == "unknown" for a in answers)
     assert charge.runs == 1  # the first ran once; neither ran again
     assert calls_without_one_answer(records) == []
+
+
+class SlowWriteStore(InMemorySessionStore):
+    """Holds the first append of ``kind`` until the test lets it go."""
+
+    def __init__(self, kind: type[Entry]) -> None:
+        super().__init__()
+        self._kind = kind
+        self.entered = asyncio.Event()
+        self.go = asyncio.Event()
+        self._held = False
+
+    async def append(self, session, entry, *, writer, idempotency=None):  # type: ignore[no-untyped-def]
+        if isinstance(entry, self._kind) and not self._held:
+            self._held = True
+            self.entered.set()
+            await self.go.wait()
+        return await super().append(session, entry, writer=writer, idempotency=idempotency)
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [AssistantStepEntry, ToolResultEntry],
+    ids=["step-being-written", "result-being-written"],
+)
+async def test_an_interrupt_while_a_step_or_result_is_written_leaves_each_call_one_answer(
+    kind: type[Entry],
+) -> None:
+    # Found in review: the interrupted turn closed its calls before the write in flight landed,
+    # so a call got no answer (the step landed after the turn's end) or two (its real result
+    # and a "not completed" one); every later turn then failed on the strict model.
+    store = SlowWriteStore(kind)
+    gate = GateTool()
+    gate.gate.set()
+    async with in_process_mesh(conftest_presets(gate), store=store) as mesh:
+        mesh.scripted.program("worker", tool("wait"), Reply(text="x"))
+        mesh.scripted.program("lead", tool("spawn_agent", task="t", preset="worker"), Reply())
+        await mesh.manager.create_root("Lead.", preset="lead")
+        await store.entered.wait()
+        assert mesh.manager.interrupt(SessionId("s-1")) is not None
+        await drain_loop()
+        store.go.set()
+        await mesh.manager.quiescent()
+        mesh.scripted.program("lead", Reply(text="again"))
+        await mesh.manager.submit_prompt(SessionId("s-1"), "next")
+        await mesh.manager.quiescent()
+        records = await mesh.transcript(SessionId("s-1"))
+        assert calls_without_one_answer(records) == []
+        ended = [r.entry.outcome for r in records if isinstance(r.entry, TurnEndedEntry)]
+        # The interrupted turn, then turns that work (the child's notice, the prompt): none
+        # failed on the strict model for a call left open or answered twice.
+        assert ended[0] is TurnOutcome.CANCELLED
+        assert set(ended[1:]) == {TurnOutcome.COMPLETED}
+
+
+async def test_an_interrupted_send_is_answered_with_what_happened_to_it() -> None:
+    # The send passed its point of no return (its append at the parent is under way) when the
+    # child's turn was interrupted: it lands, and the child's model is told it was delivered,
+    # not "not completed" (which would invite a second copy).
+    store = SlowWriteStore(AgentMessageEntry)
+    async with in_process_mesh(conftest_presets(), store=store) as mesh:
+        mesh.scripted.program("helper", send(PARENT, "the result"), Reply(text="after"))
+        mesh.scripted.program("lead", tool("spawn_agent", task="t", preset="helper"), Reply())
+        await mesh.manager.create_root("Lead.", preset="lead")
+        await store.entered.wait()
+        child = SessionId("s-2")
+        assert mesh.manager.interrupt(child) is not None
+        await drain_loop()
+        store.go.set()
+        await mesh.manager.quiescent()
+        records = await mesh.transcript(child)
+        [answer] = _results(records, "send_message")
+        assert not answer.is_error and json.loads(answer.content)["delivered"]
+        at_root = [
+            r.entry.content
+            for r in await mesh.transcript(SessionId("s-1"))
+            if isinstance(r.entry, AgentMessageEntry)
+        ]
+        assert at_root == ["the result"]
