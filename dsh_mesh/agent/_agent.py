@@ -102,6 +102,11 @@ class AgentHost(Protocol):
         """Return once no send reserved for the agent is still on its way to the inbox."""
         ...
 
+    async def left_over_turn_lost(self, agent: Agent, activation: Activation) -> None:
+        """The agent's earlier ``activation`` left a turn unended (its host stopped): tell the
+        parent, if any, that it was lost (once per activation, whoever else tells it)."""
+        ...
+
     async def read_after(self, agent: Agent, seq: int) -> Sequence[Record]:
         """The agent's durable transcript after ``seq`` (for a boundary in doubt)."""
         ...
@@ -154,6 +159,7 @@ class Agent:
         self._writes: set[asyncio.Future[Any]] = set()
         """Writes started by a turn and not finished: an interrupted turn waits for them."""
         self._interrupted_call: tuple[str, asyncio.Future[ToolOutput]] | None = None
+        self._recovering = False
         """The standard-tool call an interrupt stopped mid-way, still finding its answer."""
         self._provider = provider
         self._host = host
@@ -192,6 +198,13 @@ class Agent:
     @property
     def records(self) -> tuple[Record, ...]:
         return tuple(self._records)
+
+    @property
+    def steers_into_a_turn(self) -> bool:
+        """Whether a Steer record delivered now is read inside a running turn (at its next
+        step boundary) rather than starting one. False while the agent only answers what an
+        earlier activation left open: that is no turn, and what arrives starts the next."""
+        return self._state is AgentState.RUNNING and not self._recovering
 
     @property
     def inbox_depth(self) -> int:
@@ -246,9 +259,7 @@ class Agent:
         self.record(record)
         self._inbox.put(record)
         self._work.set()
-        return (
-            DeliveryKind.STEERED if self._state is AgentState.RUNNING else DeliveryKind.STARTED_TURN
-        )
+        return DeliveryKind.STEERED if self.steers_into_a_turn else DeliveryKind.STARTED_TURN
 
     def poke(self) -> None:
         """Ask the driver to re-check whether it may settle."""
@@ -303,13 +314,13 @@ class Agent:
         tools) is carried out again under the call's own key: the repeat finds what the first
         try did (the acceptance, the child) or does it now, so the answer is exact and the
         effect happens once. Any other call is answered "outcome unknown", never run again."""
-        open_turn: TurnId | None = None
+        open_turn: TurnStartedEntry | None = None
         step: Record | None = None
         answered: set[str] = set()
         for record in self._records:
             entry = record.entry
             if isinstance(entry, TurnStartedEntry):
-                open_turn = entry.turn_id
+                open_turn = entry
             elif isinstance(entry, TurnEndedEntry):
                 open_turn = None
             elif isinstance(entry, AssistantStepEntry):
@@ -325,6 +336,7 @@ class Agent:
             return
         # Running, for whoever waits on this agent: what it writes now belongs to that turn.
         self._state = AgentState.RUNNING
+        self._recovering = True
         self._host.changed()
         if step is not None and isinstance(step.entry, AssistantStepEntry):
             signal = AbortSignal()
@@ -348,12 +360,23 @@ class Agent:
         if open_turn is not None:
             await self._append(
                 TurnEndedEntry(
-                    turn_id=open_turn,
+                    turn_id=open_turn.turn_id,
                     outcome=TurnOutcome.LOST,
                     detail="its host stopped before the turn ended",
                 )
             )
+            earlier = open_turn.activation_id
+            if earlier and earlier != self.activation.activation_id:
+                await self._host.left_over_turn_lost(
+                    self,
+                    Activation(
+                        session_id=self.session_id,
+                        activation_id=earlier,
+                        node_id=open_turn.node_id,
+                    ),
+                )
         self._state = AgentState.IDLE
+        self._recovering = False
         self._host.changed()
 
     def _settlement(self) -> Settlement | None:

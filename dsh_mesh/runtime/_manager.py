@@ -66,7 +66,9 @@ from dsh_mesh.core import (
     StaleSender,
     TargetElsewhere,
     TaskEntry,
+    TurnEndedEntry,
     TurnId,
+    TurnStartedEntry,
     authorize,
     parse_session_id,
     pending_inbound,
@@ -558,6 +560,12 @@ class ContinuationManager:
         activation, or the write is refused and its holder is the creator still at work); a
         child with a task nobody runs is activated. Returns the child's id."""
         header = await self.header(session)
+        if header.parent_session != parent.session_id:
+            # The derived id names a session that is not this call's child (a client chose it
+            # for a root): never adopt it.
+            raise IdempotencyConflict(
+                f"spawn call {session} of {parent.session_id} names a session of another parent"
+            )
         records = await self._store.read(session)
         if not any(isinstance(r.entry, TaskEntry) for r in records):
             missing = [e for e in first if not any(type(r.entry) is type(e) for r in records)]
@@ -571,18 +579,35 @@ class ContinuationManager:
                 pass  # it is resident: the try that holds it writes the rest
             records = await self._store.read(session)
         current = await self._store.current_activation(session, fresh=True)
-        if current is None and pending_inbound(records):
-            home = self.node_id if self._router is None else self._router.place(session)
-            try:
-                if home == self.node_id or self._router is None:
-                    current = await self.resume(session, parent.activation_id)
-                else:
-                    current = await self._router.activate(home, session, parent.activation_id)
-            except TargetElsewhere:
-                current = await self._store.current_activation(session, fresh=True)
+        if current is None and (pending_inbound(records) or _turn_left_open(records)):
+            # Work nobody runs: a task not read yet, or a turn its host died in (the resumed
+            # child answers that turn's calls and its parent hears it was lost).
+            current = await self._activate_somewhere(session, parent.activation_id)
         if current is not None:
             self._track_child(parent.session_id, session, current.activation_id)
         return session
+
+    async def _activate_somewhere(
+        self, session: SessionId, parent_activation: ActivationId
+    ) -> Activation | None:
+        """Make an absent child resident: where placement says, else here. The child exists
+        whole (its task is durable), so a failure here is no refusal of the spawn: it is
+        logged, and the child's next message cold-resumes it. None when that failed."""
+        home = self.node_id if self._router is None else self._router.place(session)
+        try:
+            if home != self.node_id and self._router is not None:
+                try:
+                    return await self._router.activate(home, session, parent_activation)
+                except PeerUnavailable as unreachable:
+                    _log.warning("%s: %s; activating it here instead", session, unreachable)
+            return await self.resume(session, parent_activation)
+        except TargetElsewhere:
+            return await self._store.current_activation(session, fresh=True)
+        except MeshError as failure:
+            _log.warning(
+                "%s: not activated now (%s); its next message resumes it", session, failure
+            )
+            return None
 
     async def _spawn_elsewhere(
         self,
@@ -707,6 +732,26 @@ class ContinuationManager:
     async def inflight_settled(self, agent: Agent) -> None:
         session = agent.session_id
         await self.wait_until(lambda: self._waking[session] <= len(self._reserved[session]))
+
+    async def left_over_turn_lost(self, agent: Agent, activation: Activation) -> None:
+        """The agent found a turn of its earlier ``activation`` unended: that activation was
+        lost with its host. Its parent gets the ``lost`` notice, once (the notice's key is the
+        activation: one written from the parent's side already is not written again)."""
+        parent = agent.header.parent_session
+        if parent is None or activation.activation_id in self._noticed:
+            return
+        records = agent.records
+        notice = SettlementNoticeEntry(
+            child_session=agent.session_id,
+            child_activation=activation.activation_id,
+            child_kind=agent.header.kind,
+            outcome=SettlementOutcome.LOST,
+            terminal_output=_last_output(records),
+            detail=f"host {activation.node_id} went away",
+        )
+        telemetry.settled(notice.outcome.value, notice.child_kind.value)
+        await self._notify_parent(parent, notice)
+        self._noticed.add(activation.activation_id)
 
     async def read_after(self, agent: Agent, seq: int) -> Sequence[Record]:
         return await self._store.read(agent.session_id, after_seq=seq)
@@ -835,7 +880,7 @@ class ContinuationManager:
                 agent.activation = await self._store.rebind(agent.activation, parent_activation)
             if resumed:
                 kind = DeliveryKind.COLD_RESUMED
-            elif agent.state is AgentState.RUNNING:
+            elif agent.steers_into_a_turn:
                 kind = DeliveryKind.STEERED
             else:
                 kind = DeliveryKind.STARTED_TURN
@@ -1428,6 +1473,16 @@ def _fingerprint(target: SessionId, entry: InboundEntry) -> str:
     digest = hashlib.sha256(f"{target}\0{type(entry).__name__}\0".encode())
     digest.update(getattr(entry, "content", "").encode())
     return digest.hexdigest()
+
+
+def _turn_left_open(records: Sequence[Record]) -> bool:
+    """Whether the transcript's last turn never ended (its host stopped during it)."""
+    for record in reversed(records):
+        if isinstance(record.entry, TurnEndedEntry):
+            return False
+        if isinstance(record.entry, TurnStartedEntry):
+            return True
+    return False
 
 
 def _last_output(records: Sequence[Record]) -> str:

@@ -28,11 +28,14 @@ from dsh_mesh.core import (
     Record,
     SessionHeader,
     SessionId,
+    SettlementNoticeEntry,
+    SettlementOutcome,
     TaskEntry,
     ToolDescriptor,
     ToolResultEntry,
     TurnEndedEntry,
     TurnOutcome,
+    TurnStartedEntry,
 )
 from dsh_mesh.models import PARENT, Action, Call, Reply, ScriptedProvider, Stall, send, tool
 from dsh_mesh.runtime import ContinuationManager, InMemorySessionStore, ManagerConfig
@@ -357,3 +360,33 @@ async def test_an_interrupted_send_is_answered_with_what_happened_to_it() -> Non
             if isinstance(r.entry, AgentMessageEntry)
         ]
         assert at_root == ["the result"]
+
+
+async def test_a_child_lost_with_its_parents_host_is_reported_lost_when_it_next_runs() -> None:
+    # Found in review: the lost notice came only from a node where the parent was resident when
+    # the child's activation vanished; a parent that died on the same host never heard. Now the
+    # child's next activation, finding its earlier activation's turn unended, reports it.
+    charge = CountingTool()
+    charge.gate.set()
+
+    def die_at(session: SessionId, entry: Entry | None) -> bool:
+        return isinstance(entry, ToolResultEntry) and entry.name == "charge"
+
+    store = DyingStore(die_at)
+    programs: Programs = {
+        "lead": (tool("spawn_agent", task="Work.", preset="helper"), Reply(text="waiting")),
+        "helper": (tool("charge"), Reply(text="done")),
+    }
+
+    async def both() -> list[SessionId]:
+        return [ROOT, *(await _only_child(store))]
+
+    await _die_then_resume(store, programs, _presets(charge), both)
+    [child] = await _children(store, ROOT)
+    first = next(r.entry for r in await store.read(child) if isinstance(r.entry, TurnStartedEntry))
+    notices = [
+        r.entry for r in await store.read(ROOT) if isinstance(r.entry, SettlementNoticeEntry)
+    ]
+    lost = [n for n in notices if n.child_activation == first.activation_id]
+    assert [n.outcome for n in lost] == [SettlementOutcome.LOST]
+    assert first.node_id == "node-1"
