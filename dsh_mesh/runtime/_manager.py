@@ -573,8 +573,7 @@ class ContinuationManager:
                 visible = self._resolve_tools(header, None).standard_send_message_visible
                 task = child_task(task, parent.session_id, standard_send_message_visible=visible)
             try:
-                for entry in (*missing, TaskEntry(content=task)):
-                    await self._store.append(session, entry, writer=None)
+                await self._write_creation(session, (*missing, TaskEntry(content=task)))
             except ActivationFenced:
                 pass  # it is resident: the try that holds it writes the rest
             records = await self._store.read(session)
@@ -586,6 +585,28 @@ class ContinuationManager:
         if current is not None:
             self._track_child(parent.session_id, session, current.activation_id)
         return session
+
+    async def _write_creation(self, session: SessionId, entries: Sequence[Entry]) -> None:
+        """Write a new child's first entries (a fork's prefix, its task) before it has an
+        activation, each under a key of its own: a second try of the same spawn (a stale one,
+        woken after another finished the child) finds them written and adds no copy."""
+        for entry in entries:
+            key = IdempotencyKey(principal=f"spawn:{session}", key=type(entry).__name__)
+            await self._store.append(
+                session,
+                entry,
+                writer=None,
+                idempotency=(
+                    key,
+                    Acceptance(
+                        target=session,
+                        seq=0,
+                        target_activation=ActivationId(""),
+                        kind=DeliveryKind.STARTED_TURN,
+                        fingerprint=f"creation {key.key}",
+                    ),
+                ),
+            )
 
     async def _activate_somewhere(
         self, session: SessionId, parent_activation: ActivationId
@@ -622,12 +643,10 @@ class ContinuationManager:
         assert self._router is not None
         session = header.session_id
         await self._store.create_header(header)
-        for entry in first:
-            await self._store.append(session, entry, writer=None)
         if header.kind is SessionKind.CONTINUABLE_CHILD:
             visible = self._resolve_tools(header, None).standard_send_message_visible
             task = child_task(task, parent.session_id, standard_send_message_visible=visible)
-        await self._store.append(session, TaskEntry(content=task), writer=None)
+        await self._write_creation(session, (*first, TaskEntry(content=task)))
         try:
             activation = await self._router.activate(node, session, parent.activation_id)
         except PeerUnavailable as unreachable:
