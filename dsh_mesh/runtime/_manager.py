@@ -572,10 +572,8 @@ class ContinuationManager:
             if header.kind is SessionKind.CONTINUABLE_CHILD:
                 visible = self._resolve_tools(header, None).standard_send_message_visible
                 task = child_task(task, parent.session_id, standard_send_message_visible=visible)
-            try:
+            with contextlib.suppress(ActivationFenced):  # resident: its holder writes the rest
                 await self._write_creation(session, (*missing, TaskEntry(content=task)))
-            except ActivationFenced:
-                pass  # it is resident: the try that holds it writes the rest
             records = await self._store.read(session)
         current = await self._store.current_activation(session, fresh=True)
         if current is None and (pending_inbound(records) or _turn_left_open(records)):
@@ -877,6 +875,11 @@ class ContinuationManager:
         handed_off = False
         try:
             if self._waking[target] > self._config.max_inbox_depth:
+                known = None if key is None else await self._store.lookup(key)
+                if key is not None and known is not None:
+                    # A repeat of a send that landed (its answer was lost, or its host died
+                    # before recording it) gets its acceptance, however full the inbox is now.
+                    return self._duplicate(key, known, target, fingerprint)
                 raise InboxFull(
                     f"{target} holds {self._config.max_inbox_depth} unread messages and prompts;"
                     " retry once it has read some",

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
-from dsh_mesh.core import Rejected, RejectionReason, ToolDescriptor
+from dsh_mesh.core import Aborted, Rejected, RejectionReason, ToolDescriptor
 from dsh_mesh.tools._runtime import ChildKind, SubagentRuntime
 from dsh_mesh.tools._tool import Tool, ToolIdentity, ToolInvocation, ToolOutput
 
@@ -99,9 +100,9 @@ def _string_fields(
     return values
 
 
-SEND_RETRY_DELAYS: tuple[float, ...] = (0.1, 0.2, 0.4, 0.8, 1.6, 2.0, 2.0, 2.0, 2.0)
-"""Waits before each retry of a send refused by an outage (about 11 s in all: a failed host's
-lease lapses and its work moves within that at the default TTL)."""
+SEND_RETRY_DELAYS: tuple[float, ...] = (0.1, 0.2, 0.4, 0.8, 1.6, 2.0)
+"""Waits before the retries of a send refused by an outage; the last one repeats until the send
+has an answer (an outage of etcd holds the sender's own writes just as long)."""
 
 _OUTAGES = frozenset(
     {
@@ -122,8 +123,11 @@ class SendMessageTool:
     """The standard ``send_message``: same definition, same identity, for parents and children.
 
     A refusal by an outage (etcd or a peer away, a fenced or overloaded node) is retried under
-    the same idempotency key after each of ``retry_delays``, while the turn is not interrupted;
-    a refusal still standing after them is handed to the model with ``may_have_landed``."""
+    the same idempotency key, after each of ``retry_delays`` and then after the last of them
+    again, until the send is accepted or refused for a reason of its own: the model gets an
+    exact answer, never a guess. Only an interrupt of the turn ends the retries early; then
+    the model is told the outage's refusal with ``may_have_landed`` (nobody can know yet), or,
+    when the send had not reached its point of no return, that it was not sent."""
 
     runtime: SubagentRuntime
     retry_delays: tuple[float, ...] = SEND_RETRY_DELAYS
@@ -144,7 +148,8 @@ class SendMessageTool:
         fields = _string_fields(arguments, ("agent_id", "message"))
         if isinstance(fields, ToolOutput):
             return fields
-        delays = iter(self.retry_delays)
+        last = self.retry_delays[-1] if self.retry_delays else SEND_RETRY_DELAYS[-1]
+        delays = itertools.chain(self.retry_delays, itertools.repeat(last))
         while True:
             try:
                 delivery = await self.runtime.send_message(
@@ -155,6 +160,13 @@ class SendMessageTool:
                     idempotency_key=invocation.idempotency_key,
                 )
                 break
+            except Aborted:
+                return ToolOutput(
+                    content=json.dumps(
+                        {"not_sent": "the turn was interrupted before the message was accepted"}
+                    ),
+                    is_error=True,
+                )
             except Rejected as rejection:
                 delay = next(delays, None) if rejection.reason in _OUTAGES else None
                 if delay is not None:

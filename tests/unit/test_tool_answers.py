@@ -22,6 +22,7 @@ from dsh_mesh.core import (
     AssistantStepEntry,
     ConsumedEntry,
     Entry,
+    InboxFull,
     NodeFenced,
     NodeId,
     RandomIds,
@@ -390,3 +391,26 @@ async def test_a_child_lost_with_its_parents_host_is_reported_lost_when_it_next_
     lost = [n for n in notices if n.child_activation == first.activation_id]
     assert [n.outcome for n in lost] == [SettlementOutcome.LOST]
     assert first.node_id == "node-1"
+
+
+async def test_a_repeat_of_a_send_that_landed_gets_its_acceptance_even_from_a_full_inbox() -> None:
+    # Found in review: the inbox limit was checked before the key, so the repeat of a landed
+    # send (what a resumed activation does for a call its dead host left open) was refused
+    # INBOX_FULL: a wrong answer about a message the target holds.
+    gate = GateTool()
+    config = ManagerConfig(max_inbox_depth=1)
+    async with in_process_mesh(conftest_presets(gate), config=config) as mesh:
+        mesh.scripted.program("worker", tool("wait"), Reply())
+        mesh.scripted.program("lead", tool("spawn_agent", task="t", preset="worker"), Reply())
+        await mesh.manager.create_root("Lead.", preset="lead")
+        await gate.entered.wait()
+        root = mesh.manager.agent(SessionId("s-1"))
+        assert root is not None
+        child = SessionId("s-2")
+        first = await mesh.manager.send_message(root.ref, child, "once", idempotency_key="k-1")
+        again = await mesh.manager.send_message(root.ref, child, "once", idempotency_key="k-1")
+        assert again.duplicate and again.accepted_seq == first.accepted_seq
+        with pytest.raises(InboxFull):
+            await mesh.manager.send_message(root.ref, child, "another", idempotency_key="k-2")
+        gate.gate.set()
+        await mesh.manager.quiescent()

@@ -604,15 +604,46 @@ async def test_send_message_hands_a_refusal_that_retrying_cannot_fix_to_the_mode
         assert len(runtime.keys) == 1
 
 
-async def test_send_message_gives_up_after_its_retries_and_says_so() -> None:
+async def test_send_message_retries_an_outage_until_it_has_an_exact_answer() -> None:
+    # An outage's refusal handed to the model ("may have landed") is a guess; the sender's own
+    # writes wait the outage out anyway, so the send does too, under its one key.
     away = Rejected.of(RejectionReason.REGISTRY_UNAVAILABLE, "etcd away")
-    runtime = FlakyRuntime(failures=[away] * 4)
-    tool = SendMessageTool(runtime=runtime, retry_delays=(0.0, 0.0, 0.0))
+    runtime = FlakyRuntime(failures=[away] * 20)
+    tool = SendMessageTool(runtime=runtime, retry_delays=(0.0,))
     caller = AgentRef(session_id=SessionId("s-1"), activation_id=ActivationId("a-1"))
     output = await tool.invoke(invocation(caller, {}), {"agent_id": "s-2", "message": "hi"})
-    assert output.is_error and "REGISTRY_UNAVAILABLE" in output.content
-    assert json.loads(output.content)["may_have_landed"] is True
-    assert len(runtime.keys) == 4
+    assert not output.is_error and "delivered" in output.content
+    assert len(runtime.keys) == 21 and len(set(runtime.keys)) == 1
+
+
+@dataclass
+class InterruptedDuringOutage(FlakyRuntime):
+    """An outage that outlasts the turn: the third try finds the turn interrupted."""
+
+    async def send_message(
+        self,
+        sender: AgentRef,
+        target_id: str,
+        content: str,
+        signal: AbortSignal | None = None,
+        *,
+        idempotency_key: str | None = None,
+    ) -> Delivery:
+        if len(self.keys) == 2 and signal is not None:
+            signal.abort("interrupted")
+        return await super().send_message(
+            sender, target_id, content, signal, idempotency_key=idempotency_key
+        )
+
+
+async def test_an_interrupt_during_an_outage_says_the_send_may_have_landed() -> None:
+    away = Rejected.of(RejectionReason.REGISTRY_UNAVAILABLE, "etcd away")
+    runtime = InterruptedDuringOutage(failures=[away] * 1000)
+    tool = SendMessageTool(runtime=runtime, retry_delays=(0.0,))
+    caller = AgentRef(session_id=SessionId("s-1"), activation_id=ActivationId("a-1"))
+    output = await tool.invoke(invocation(caller, {}), {"agent_id": "s-2", "message": "hi"})
+    assert output.is_error and json.loads(output.content)["may_have_landed"] is True
+    assert len(runtime.keys) == 3
 
 
 @pytest.mark.parametrize("kind", list(ChildKind), ids=lambda k: k.value)
