@@ -629,8 +629,9 @@ async def test_an_entry_too_large_for_etcd_is_refused_as_invalid_and_writes_noth
     await node_a.store.append(session, prompt("small"), writer=writer)
 
     # The largest entry the default limit admits fits in one etcd request, with an
-    # idempotency record beside it.
-    fits = prompt("x" * (MAX_ENTRY_BYTES - 64))
+    # idempotency record beside it (the entry's other fields and the time it was written take
+    # under 256 bytes).
+    fits = prompt("x" * (MAX_ENTRY_BYTES - 256))
     key = IdempotencyKey(principal="human", key="big")
     record, _ = await node_a.store.append(
         session, fits, writer=writer, idempotency=(key, acceptance(session, writer, "f"))

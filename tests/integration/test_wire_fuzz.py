@@ -864,7 +864,8 @@ def send_expectation(
     if not is_session_id(sender) or not activation or not key:
         return refuse(R.INVALID_ARGUMENT)
     if not live:
-        return refuse(R.STALE_SENDER)
+        # A sender with no session at all is unknown; one whose session exists is stale.
+        return refuse(R.UNKNOWN_SENDER if world.role_of(sender) is None else R.STALE_SENDER)
     if credentials in ("other_node", "unregistered_node"):
         return refuse(R.FORGED_SENDER)
     if not is_session_id(target) or bad_content(content):
