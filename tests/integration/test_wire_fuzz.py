@@ -1367,6 +1367,10 @@ async def test_fuzzed_root_creation_gets_exactly_the_answer_its_fields_call_for(
     request.node_id = node
     expect = credentials_refusal(case.credentials)
     huge = request.model == text(HUGE_MODEL)
+    # A named model with a colon names an endpoint ("m-x:y" names "m-x"), which no node of the
+    # cluster configures: refused where it enters, like a malformed one.
+    unserved = case.model_mode == "named" and ":" in request.model
+    huge = huge or unserved
     if expect is None:
         first_root = journal.roots.get(request.request_id)
         task = request.initial_task
