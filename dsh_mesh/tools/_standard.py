@@ -101,8 +101,14 @@ def _string_fields(
 
 
 SEND_RETRY_DELAYS: tuple[float, ...] = (0.1, 0.2, 0.4, 0.8, 1.6, 2.0)
-"""Waits before the retries of a send refused by an outage; the last one repeats until the send
-has an answer (an outage of etcd holds the sender's own writes just as long)."""
+"""Waits before the retries of a send refused by an outage; the last one repeats while the
+outage lasts, up to :data:`SEND_OUTAGE_WINDOW`."""
+
+SEND_OUTAGE_WINDOW = 60.0
+"""Seconds a send keeps retrying an outage under its key. An etcd outage or a host's failover is
+over well within it (a lease TTL and a re-election), and then the send has its exact answer; an
+outage that outlasts it is handed to the model as itself (``may_have_landed``), so that a tree
+whose path to one agent stays broken still reads its inbox and goes on."""
 
 _OUTAGES = frozenset(
     {
@@ -124,13 +130,15 @@ class SendMessageTool:
 
     A refusal by an outage (etcd or a peer away, a fenced or overloaded node) is retried under
     the same idempotency key, after each of ``retry_delays`` and then after the last of them
-    again, until the send is accepted or refused for a reason of its own: the model gets an
-    exact answer, never a guess. Only an interrupt of the turn ends the retries early; then
-    the model is told the outage's refusal with ``may_have_landed`` (nobody can know yet), or,
-    when the send had not reached its point of no return, that it was not sent."""
+    again, for up to ``outage_window`` seconds: an outage that ends within it (as failovers
+    and etcd re-elections do) leaves the model an exact answer, not a guess. An outage that
+    outlasts it, or an interrupt of the turn, hands the model the outage's refusal with
+    ``may_have_landed`` (nobody can know yet); a send interrupted before its point of no return
+    says it was not sent."""
 
     runtime: SubagentRuntime
     retry_delays: tuple[float, ...] = SEND_RETRY_DELAYS
+    outage_window: float = SEND_OUTAGE_WINDOW
     idempotent_by_key: ClassVar[bool] = True
     """A repeat under the call's key returns the first acceptance, or sends now if none."""
 
@@ -150,6 +158,8 @@ class SendMessageTool:
             return fields
         last = self.retry_delays[-1] if self.retry_delays else SEND_RETRY_DELAYS[-1]
         delays = itertools.chain(self.retry_delays, itertools.repeat(last))
+        clock = asyncio.get_running_loop()
+        give_up_at: float | None = None
         while True:
             try:
                 delivery = await self.runtime.send_message(
@@ -170,6 +180,9 @@ class SendMessageTool:
             except Rejected as rejection:
                 delay = next(delays, None) if rejection.reason in _OUTAGES else None
                 if delay is not None:
+                    give_up_at = give_up_at or clock.time() + self.outage_window
+                    if clock.time() >= give_up_at:
+                        return _refusal(rejection)
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(invocation.signal.wait(), delay)
                 if delay is None or invocation.signal.aborted:

@@ -616,6 +616,16 @@ async def test_send_message_retries_an_outage_until_it_has_an_exact_answer() -> 
     assert len(runtime.keys) == 21 and len(set(runtime.keys)) == 1
 
 
+async def test_an_outage_that_outlasts_the_window_is_handed_to_the_model_as_itself() -> None:
+    away = Rejected.of(RejectionReason.PEER_UNAVAILABLE, "host away")
+    runtime = FlakyRuntime(failures=[away] * 5)
+    tool = SendMessageTool(runtime=runtime, retry_delays=(0.0,), outage_window=0.0)
+    caller = AgentRef(session_id=SessionId("s-1"), activation_id=ActivationId("a-1"))
+    output = await tool.invoke(invocation(caller, {}), {"agent_id": "s-2", "message": "hi"})
+    assert output.is_error and json.loads(output.content)["may_have_landed"] is True
+    assert len(runtime.keys) == 1
+
+
 @dataclass
 class InterruptedDuringOutage(FlakyRuntime):
     """An outage that outlasts the turn: the third try finds the turn interrupted."""
