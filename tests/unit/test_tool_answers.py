@@ -414,3 +414,18 @@ async def test_a_repeat_of_a_send_that_landed_gets_its_acceptance_even_from_a_fu
             await mesh.manager.send_message(root.ref, child, "another", idempotency_key="k-2")
         gate.gate.set()
         await mesh.manager.quiescent()
+
+
+async def test_a_spawn_never_adopts_a_session_of_another_parent_under_its_derived_id() -> None:
+    # Found in review: a repeated spawn trusted any header under the id its call derives. A
+    # client that names a root with that id must not get the spawn's task written into it.
+    lead, foreign = SessionId("s-lead"), SessionId("s-1")
+    async with in_process_mesh(conftest_presets()) as mesh:
+        # SequentialIds derives the first readable id, s-1, for the lead's spawn call.
+        await mesh.manager.create_root("", preset="solo", session_id=foreign)
+        mesh.scripted.program("lead", tool("spawn_agent", task="t", preset="helper"), Reply())
+        await mesh.manager.create_root("Lead.", preset="lead", session_id=lead)
+        await mesh.manager.quiescent()
+        [answer] = _results(await mesh.transcript(lead), "spawn_agent")
+        assert answer.is_error and json.loads(answer.content)["rejected"] == "IDEMPOTENCY_CONFLICT"
+        assert not [r for r in await mesh.transcript(foreign) if isinstance(r.entry, TaskEntry)]
