@@ -349,14 +349,7 @@ class Agent:
                 else:
                     output = outcome_unknown(call)
                 answered.add(call.call_id)
-                await self._append(
-                    ToolResultEntry(
-                        call_id=call.call_id,
-                        name=call.name,
-                        content=output.content,
-                        is_error=output.is_error,
-                    )
-                )
+                await self._answer(call, output)
         if open_turn is not None:
             await self._append(
                 TurnEndedEntry(
@@ -422,6 +415,17 @@ class Agent:
         written must be in the local transcript before the turn's open calls are closed."""
         while self._writes:
             await asyncio.wait(set(self._writes))
+
+    async def _answer(self, call: ToolCall, output: ToolOutput) -> None:
+        """Record ``output`` as the one result of ``call``."""
+        await self._append(
+            ToolResultEntry(
+                call_id=call.call_id,
+                name=call.name,
+                content=output.content,
+                is_error=output.is_error,
+            )
+        )
 
     async def _read_waiting(self, first: Sequence[Record] = ()) -> bool:
         """The read of a step boundary (or of a turn's start, with the turn's ``first``
@@ -584,14 +588,7 @@ class Agent:
             ) as tool_span:
                 output = await self._invoke(call, signal, step_seq=step.seq, index=index)
                 tool_span.set("dsh.tool.error", output.is_error)
-            await self._append(
-                ToolResultEntry(
-                    call_id=call.call_id,
-                    name=call.name,
-                    content=output.content,
-                    is_error=output.is_error,
-                )
-            )
+            await self._answer(call, output)
         # Step boundary: every tool result of this step is recorded.
         if not response.tool_calls:
             # Before the turn ends, let sends admitted while it ran land: they were told
@@ -653,14 +650,7 @@ class Agent:
                             content=f"not completed: turn ended ({outcome.value})", is_error=True
                         )
                     answered.add(call.call_id)
-                    await self._append(
-                        ToolResultEntry(
-                            call_id=call.call_id,
-                            name=call.name,
-                            content=output.content,
-                            is_error=output.is_error,
-                        )
-                    )
+                    await self._answer(call, output)
                 break
         if finishing is not None:
             finishing[1].cancel()

@@ -13,10 +13,11 @@ import asyncio
 
 import pytest
 
+from dsh_mesh.agent import Agent
 from dsh_mesh.core import AgentMessageEntry, RegistryUnavailable, Role, SessionId
 from dsh_mesh.models import Reply, tool
 from dsh_mesh.runtime import InMemorySessionStore
-from dsh_mesh.testing import boundary_violations, in_process_mesh
+from dsh_mesh.testing import InProcessMesh, boundary_violations, in_process_mesh
 from tests.unit.conftest import GateTool, drain_loop, presets
 
 ROOT = SessionId("s-1")
@@ -40,18 +41,24 @@ class LateAnswerStore(InMemorySessionStore):
         return result
 
 
+async def _root_with_busy_child(mesh: InProcessMesh, gate_tool: GateTool, *, then: str) -> Agent:
+    """A root whose child is inside a tool call (held by ``gate_tool``), then answers ``then``."""
+    mesh.scripted.program("worker", tool("wait"), Reply(text=then))
+    mesh.scripted.program("lead", tool("spawn_agent", task="t", preset="worker"), Reply())
+    await mesh.manager.create_root("Lead.", preset="lead")
+    await gate_tool.entered.wait()
+    root = mesh.manager.agent(ROOT)
+    assert root is not None
+    return root
+
+
 @pytest.mark.contract(9)
 async def test_messages_waiting_together_are_read_in_seq_order_when_answers_come_back_reversed(
     gate_tool: GateTool,
 ) -> None:
     store = LateAnswerStore()
     async with in_process_mesh(presets(gate_tool), store=store) as mesh:
-        mesh.scripted.program("worker", tool("wait"), Reply(text="read them"))
-        mesh.scripted.program("lead", tool("spawn_agent", task="t", preset="worker"), Reply())
-        await mesh.manager.create_root("Lead.", preset="lead")
-        await gate_tool.entered.wait()
-        root = mesh.manager.agent(ROOT)
-        assert root is not None
+        root = await _root_with_busy_child(mesh, gate_tool, then="read them")
         first = asyncio.create_task(mesh.manager.send_message(root.ref, CHILD, "first"))
         await store.written.wait()
         second = await mesh.manager.send_message(root.ref, CHILD, "second")
@@ -77,12 +84,7 @@ async def test_a_message_durable_before_a_step_boundary_is_read_at_that_boundary
 ) -> None:
     store = LateAnswerStore()
     async with in_process_mesh(presets(gate_tool), store=store) as mesh:
-        mesh.scripted.program("worker", tool("wait"), Reply(text="read it"))
-        mesh.scripted.program("lead", tool("spawn_agent", task="t", preset="worker"), Reply())
-        await mesh.manager.create_root("Lead.", preset="lead")
-        await gate_tool.entered.wait()
-        root = mesh.manager.agent(ROOT)
-        assert root is not None
+        root = await _root_with_busy_child(mesh, gate_tool, then="read it")
         # The message is durable (it has its seq) but its accept has not come back yet when
         # the child's tool returns and the child reaches its step boundary.
         sending = asyncio.create_task(mesh.manager.send_message(root.ref, CHILD, "early"))
@@ -122,12 +124,7 @@ async def test_a_message_whose_accept_lost_its_answer_is_still_read_at_the_next_
 ) -> None:
     store = LostAnswerStore()
     async with in_process_mesh(presets(gate_tool), store=store) as mesh:
-        mesh.scripted.program("worker", tool("wait"), Reply(text="read it"))
-        mesh.scripted.program("lead", tool("spawn_agent", task="t", preset="worker"), Reply())
-        await mesh.manager.create_root("Lead.", preset="lead")
-        await gate_tool.entered.wait()
-        root = mesh.manager.agent(ROOT)
-        assert root is not None
+        root = await _root_with_busy_child(mesh, gate_tool, then="read it")
         with pytest.raises(RegistryUnavailable):
             await mesh.manager.send_message(root.ref, CHILD, "landed unheard")
         gate_tool.gate.set()
