@@ -18,9 +18,11 @@ from dataclasses import dataclass, field
 import pytest
 
 from dsh_mesh.core import (
+    ActivationId,
     AgentMessageEntry,
     AssistantStepEntry,
     ConsumedEntry,
+    DeliveryKind,
     Entry,
     InboxFull,
     NodeFenced,
@@ -39,7 +41,13 @@ from dsh_mesh.core import (
     TurnStartedEntry,
 )
 from dsh_mesh.models import PARENT, Action, Call, Reply, ScriptedProvider, Stall, send, tool
-from dsh_mesh.runtime import ContinuationManager, InMemorySessionStore, ManagerConfig
+from dsh_mesh.runtime import (
+    Acceptance,
+    ContinuationManager,
+    IdempotencyKey,
+    InMemorySessionStore,
+    ManagerConfig,
+)
 from dsh_mesh.testing import calls_without_one_answer, in_process_mesh
 from dsh_mesh.tools import Preset, ToolIdentity, ToolInvocation, ToolOutput
 from tests.unit.conftest import GateTool, drain_loop
@@ -73,7 +81,14 @@ class DyingStore(InMemorySessionStore):
             await self._dead.wait()
             raise NodeFenced("the host died")
 
-    async def append(self, session, entry, *, writer, idempotency=None):  # type: ignore[no-untyped-def]
+    async def append(
+        self,
+        session: SessionId,
+        entry: Entry,
+        *,
+        writer: ActivationId | None,
+        idempotency: tuple[IdempotencyKey, Acceptance] | None = None,
+    ) -> tuple[Record, Acceptance | None]:
         await self._dying(session, entry)
         return await super().append(session, entry, writer=writer, idempotency=idempotency)
 
@@ -429,3 +444,62 @@ async def test_a_spawn_never_adopts_a_session_of_another_parent_under_its_derive
         [answer] = _results(await mesh.transcript(lead), "spawn_agent")
         assert answer.is_error and json.loads(answer.content)["rejected"] == "IDEMPOTENCY_CONFLICT"
         assert not [r for r in await mesh.transcript(foreign) if isinstance(r.entry, TaskEntry)]
+
+
+class RepeatHoldingStore(DyingStore):
+    """On node two, holds the first agent message's append (the left-over send, repeated under
+    its key) until the test releases it."""
+
+    def __init__(self, die_at: Callable[[SessionId, Entry | None], bool]) -> None:
+        super().__init__(die_at)
+        self.held = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def append(
+        self,
+        session: SessionId,
+        entry: Entry,
+        *,
+        writer: ActivationId | None,
+        idempotency: tuple[IdempotencyKey, Acceptance] | None = None,
+    ) -> tuple[Record, Acceptance | None]:
+        if self._node_two and isinstance(entry, AgentMessageEntry) and not self.held.is_set():
+            self.held.set()
+            await self.go.wait()
+        return await super().append(session, entry, writer=writer, idempotency=idempotency)
+
+
+async def test_a_message_that_arrives_while_left_over_calls_are_answered_starts_a_turn() -> None:
+    # Found in review: while an activation answers what its dead host left open (that is no
+    # turn), a message to it was reported "steered", a promise that it extends a running turn.
+    def die_at(session: SessionId, entry: Entry | None) -> bool:
+        return isinstance(entry, AgentMessageEntry)  # the child's send dies unsent
+
+    store = RepeatHoldingStore(die_at)
+    programs: Programs = {
+        "lead": (tool("spawn_agent", task="Work.", preset="helper"), Reply(text="waiting")),
+        "helper": (send(PARENT, "the result"), Reply(text="read it")),
+    }
+    async with _node(store, "node-1", programs, _presets()) as node_one:
+        await node_one.create_root("Lead.", preset="lead", session_id=ROOT)
+        await store.reached.wait()
+        store.die()
+    await store.lapse()
+    [child] = await _only_child(store)
+    async with _node(store.for_node_two(), "node-2", programs, _presets()) as node_two:
+        await node_two.resume(ROOT)
+        await node_two.resume(child)
+        await store.held.wait()
+        root = node_two.agent(ROOT)
+        assert root is not None
+        delivery = await node_two.send_message(root.ref, child, "hello")
+        assert delivery.kind is DeliveryKind.STARTED_TURN
+        store.go.set()
+        async with asyncio.timeout(10):
+            await node_two.quiescent()
+    records = await store.read(child)
+    assert calls_without_one_answer(records) == []
+    ended = [r.entry.outcome for r in records if isinstance(r.entry, TurnEndedEntry)]
+    assert ended[0] is TurnOutcome.LOST
+    consumed = [s for r in records if isinstance(r.entry, ConsumedEntry) for s in r.entry.seqs]
+    assert delivery.accepted_seq in consumed
