@@ -175,6 +175,8 @@ class ContinuationManager:
         self._noticed: set[ActivationId] = set()
         self._inflight = 0
         self._resuming: dict[SessionId, asyncio.Task[Agent]] = {}
+        self._activating: set[ActivationId] = set()
+        """Activations of new sessions won here whose agent is not started yet."""
         self._detached: set[asyncio.Task[Any]] = set()
         self._change = asyncio.Event()
         self._group: asyncio.TaskGroup | None = None
@@ -1204,6 +1206,15 @@ class ContinuationManager:
             parent_activation = None if parent is None else parent.activation_id
         activation = self._new_activation(target, parent_activation)
         resumption = await self._store.try_resume(activation, unless_known=key)
+        held = resumption.current
+        if held is not None and held != activation and self._leaked_here(held):
+            # An activation of this node that no agent of it holds (its release was cut by an
+            # outage, or its creation failed half-way) lives as long as this node's lease:
+            # every send to the session would be routed here and back for ever. Only this
+            # node can end it (fenced by its create revision), then win the session anew.
+            _log.warning("%s: releasing %s, held here by no agent", target, held.activation_id)
+            await self._store.release(held)
+            resumption = await self._store.try_resume(activation, unless_known=key)
         if key is not None and resumption.known is not None:
             raise _AlreadyAccepted(key, resumption.known)
         current = resumption.current
@@ -1244,6 +1255,22 @@ class ContinuationManager:
         first: tuple[Entry, ...],
         task: str,
     ) -> Agent:
+        activation = self._new_activation(header.session_id, parent_activation)
+        # Won before its agent starts: not a leaked activation to release (_leaked_here).
+        self._activating.add(activation.activation_id)
+        try:
+            return await self._make_with(header, activation, first=first, task=task)
+        finally:
+            self._activating.discard(activation.activation_id)
+
+    async def _make_with(
+        self,
+        header: SessionHeader,
+        activation: Activation,
+        *,
+        first: tuple[Entry, ...],
+        task: str,
+    ) -> Agent:
         if header.kind is SessionKind.ROOT:
             # A root's task is written with its header, in one transaction: a node that dies
             # after it leaves a whole root (a replay of its creation resumes it), never a root
@@ -1252,7 +1279,6 @@ class ContinuationManager:
             created = (*first, TaskEntry(content=task)) if task else first
             await self._store.create_header(header, created)
             records = [Record(seq=seq, entry=entry) for seq, entry in enumerate(created, start=1)]
-            activation = self._new_activation(header.session_id, parent_activation)
             current = await self._store.try_activate(activation)
             if current != activation:
                 # A replay of the creation on another node resumed it first: it runs there.
@@ -1265,7 +1291,6 @@ class ContinuationManager:
             self._start(agent)
             return agent
         await self._store.create_header(header)
-        activation = self._new_activation(header.session_id, parent_activation)
         await self._store.try_activate(activation)
         agent = self._make_agent(header, activation, (), None)
         for entry in first:
@@ -1279,6 +1304,14 @@ class ContinuationManager:
         agent.deliver(await self.append(agent, TaskEntry(content=task)))
         self._start(agent)
         return agent
+
+    def _leaked_here(self, held: Activation) -> bool:
+        """Whether ``held``, the current activation of a session this manager is resuming, is
+        this node's own and no agent of it holds it nor is being made for it."""
+        if held.node_id != self.node_id or held.activation_id in self._activating:
+            return False
+        agent = self._agents.get(held.session_id)
+        return agent is None or agent.activation.activation_id != held.activation_id
 
     def _new_activation(
         self, session: SessionId, parent_activation: ActivationId | None

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from dsh_mesh.core import (
+    Activation,
     ActivationId,
     AgentMessageEntry,
     AssistantStepEntry,
@@ -503,3 +504,27 @@ async def test_a_message_that_arrives_while_left_over_calls_are_answered_starts_
     assert ended[0] is TurnOutcome.LOST
     consumed = [s for r in records if isinstance(r.entry, ConsumedEntry) for s in r.entry.seqs]
     assert delivery.accepted_seq in consumed
+
+
+async def test_an_activation_of_this_node_that_no_agent_holds_is_released_not_routed_to() -> None:
+    # Found by a fault run: a child's activation stayed in etcd, bound to its node's live lease,
+    # with no agent on that node (its release had been cut by an etcd outage). Every send to
+    # the child was routed to that node and back until "kept moving between nodes", for as
+    # long as the node lived; its parent stalled behind each one.
+    async with in_process_mesh(conftest_presets()) as mesh:
+        mesh.scripted.program("lead", tool("spawn_agent", task="t", preset="helper"), Reply())
+        mesh.scripted.program("helper", Reply(text="done"), Reply(text="again"))
+        root_ref = await mesh.manager.create_root("Lead.", preset="lead")
+        child = SessionId("s-2")
+        await mesh.manager.quiescent()
+        assert await mesh.store.current_activation(child) is None
+        leaked = Activation(
+            session_id=child, activation_id=ActivationId("a-leaked"), node_id=mesh.manager.node_id
+        )
+        assert await mesh.store.try_activate(leaked) == leaked
+        root = mesh.manager.agent(root_ref.session_id)
+        assert root is not None
+        delivery = await mesh.manager.send_message(root.ref, child, "are you there?")
+        assert delivery.kind is DeliveryKind.COLD_RESUMED
+        assert delivery.target_activation != "a-leaked"
+        await mesh.manager.quiescent()
