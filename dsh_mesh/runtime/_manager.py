@@ -537,8 +537,7 @@ class ContinuationManager:
             spec=spec,
             fork_origin=fork_origin,
         )
-        if idempotency_key is not None and await self._store.get_header(session) is not None:
-            return await self._finish_spawn(session, parent, first, task)
+        # A repeat of the call finds its child when the creation meets the header it wrote.
         home = self.node_id if self._router is None else self._router.place(header.session_id)
         try:
             if home != self.node_id:
