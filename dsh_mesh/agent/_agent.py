@@ -42,6 +42,7 @@ from dsh_mesh.core import (
     TurnId,
     TurnOutcome,
     TurnStartedEntry,
+    unended_turn,
 )
 from dsh_mesh.models import FinishReason, ModelProvider, ModelRequest, complete
 from dsh_mesh.tools import (
@@ -159,8 +160,9 @@ class Agent:
         self._writes: set[asyncio.Future[Any]] = set()
         """Writes started by a turn and not finished: an interrupted turn waits for them."""
         self._interrupted_call: tuple[str, asyncio.Future[ToolOutput]] | None = None
-        self._recovering = False
         """The standard-tool call an interrupt stopped mid-way, still finding its answer."""
+        self._recovering = False
+        """Answering what an earlier activation left open (no turn: see steers_into_a_turn)."""
         self._provider = provider
         self._host = host
         self._ids = ids
@@ -314,42 +316,22 @@ class Agent:
         tools) is carried out again under the call's own key: the repeat finds what the first
         try did (the acceptance, the child) or does it now, so the answer is exact and the
         effect happens once. Any other call is answered "outcome unknown", never run again."""
-        open_turn: TurnStartedEntry | None = None
-        step: Record | None = None
-        answered: set[str] = set()
-        for record in self._records:
-            entry = record.entry
-            if isinstance(entry, TurnStartedEntry):
-                open_turn = entry
-            elif isinstance(entry, TurnEndedEntry):
-                open_turn = None
-            elif isinstance(entry, AssistantStepEntry):
-                step, answered = record, set()
-            elif isinstance(entry, ToolResultEntry):
-                answered.add(entry.call_id)
-        open_calls = (
-            []
-            if step is None or not isinstance(step.entry, AssistantStepEntry)
-            else [c for c in step.entry.tool_calls if c.call_id not in answered]
-        )
+        open_turn = unended_turn(self._records)
+        step_seq, open_calls = self._calls_left_open()
         if not open_calls and open_turn is None:
             return
         # Running, for whoever waits on this agent: what it writes now belongs to that turn.
         self._state = AgentState.RUNNING
         self._recovering = True
         self._host.changed()
-        if step is not None and isinstance(step.entry, AssistantStepEntry):
-            signal = AbortSignal()
-            for index, call in enumerate(step.entry.tool_calls):
-                if call not in open_calls:
-                    continue
-                tool = self.tools.get(call.name)
-                if tool is not None and is_idempotent_by_key(tool):
-                    output = await self._invoke(call, signal, step_seq=step.seq, index=index)
-                else:
-                    output = outcome_unknown(call)
-                answered.add(call.call_id)
-                await self._answer(call, output)
+        signal = AbortSignal()
+        for index, call in open_calls:
+            tool = self.tools.get(call.name)
+            if tool is not None and is_idempotent_by_key(tool):
+                output = await self._invoke(call, signal, step_seq=step_seq, index=index)
+            else:
+                output = outcome_unknown(call)
+            await self._answer(call, output)
         if open_turn is not None:
             await self._append(
                 TurnEndedEntry(
@@ -371,6 +353,21 @@ class Agent:
         self._state = AgentState.IDLE
         self._recovering = False
         self._host.changed()
+
+    def _calls_left_open(self) -> tuple[int, list[tuple[int, ToolCall]]]:
+        """The seq of the transcript's last step and those of its calls (with their places in
+        it) that have no result after it yet."""
+        for position in range(len(self._records) - 1, -1, -1):
+            step = self._records[position]
+            if isinstance(step.entry, AssistantStepEntry):
+                answered = {
+                    r.entry.call_id
+                    for r in self._records[position + 1 :]
+                    if isinstance(r.entry, ToolResultEntry)
+                }
+                calls = enumerate(step.entry.tool_calls)
+                return step.seq, [(i, c) for i, c in calls if c.call_id not in answered]
+        return 0, []
 
     def _settlement(self) -> Settlement | None:
         if self._turns_run == 0:
@@ -461,8 +458,7 @@ class Agent:
         self._in_doubt = False
         for record in await self._host.read_after(self, self._held_through):
             if not self.holds(record.seq) and isinstance(record.entry, INBOUND_TYPES):
-                self.record(record)
-                self._inbox.put(record)
+                self.deliver(record)
 
     async def _turn(self, first: list[Record]) -> None:
         turn_id = self._ids.turn_id()
@@ -634,24 +630,16 @@ class Agent:
         The standard-tool call an interrupt stopped gets its own answer (sent or not, spawned
         or not); a call that never started, or of another tool, gets "not completed"."""
         finishing, self._interrupted_call = self._interrupted_call, None
-        answered = {r.entry.call_id for r in self._records if isinstance(r.entry, ToolResultEntry)}
-        for record in reversed(self._records):
-            if isinstance(record.entry, TurnStartedEntry):
-                break
-            if isinstance(record.entry, AssistantStepEntry):
-                for call in record.entry.tool_calls:
-                    if call.call_id in answered:
-                        continue
-                    if finishing is not None and finishing[0] == call.call_id:
-                        output = await finishing[1]
-                        finishing = None
-                    else:
-                        output = ToolOutput(
-                            content=f"not completed: turn ended ({outcome.value})", is_error=True
-                        )
-                    answered.add(call.call_id)
-                    await self._answer(call, output)
-                break
+        # The turn's last step, if it has one: an earlier turn's steps are all answered.
+        for _, call in self._calls_left_open()[1]:
+            if finishing is not None and finishing[0] == call.call_id:
+                output = await finishing[1]
+                finishing = None
+            else:
+                output = ToolOutput(
+                    content=f"not completed: turn ended ({outcome.value})", is_error=True
+                )
+            await self._answer(call, output)
         if finishing is not None:
             finishing[1].cancel()
 

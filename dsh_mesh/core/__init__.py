@@ -87,6 +87,7 @@ from dsh_mesh.core._transcript import (
     TurnStartedEntry,
     is_queue_delivery,
     pending_inbound,
+    unended_turn,
 )
 from dsh_mesh.core._usage import SessionUsage, session_usage
 
@@ -172,4 +173,5 @@ __all__ = [
     "rejection_class",
     "rejection_error",
     "session_usage",
+    "unended_turn",
 ]

@@ -221,3 +221,14 @@ def pending_inbound(records: Sequence[Record]) -> list[Record]:
         if isinstance(record.entry, ConsumedEntry):
             consumed.update(record.entry.seqs)
     return [r for r in records if isinstance(r.entry, INBOUND_TYPES) and r.seq not in consumed]
+
+
+def unended_turn(records: Sequence[Record]) -> TurnStartedEntry | None:
+    """The start of the transcript's last turn if that turn never ended (its host stopped during
+    it), else None."""
+    for record in reversed(records):
+        if isinstance(record.entry, TurnEndedEntry):
+            return None
+        if isinstance(record.entry, TurnStartedEntry):
+            return record.entry
+    return None

@@ -66,12 +66,11 @@ from dsh_mesh.core import (
     StaleSender,
     TargetElsewhere,
     TaskEntry,
-    TurnEndedEntry,
     TurnId,
-    TurnStartedEntry,
     authorize,
     parse_session_id,
     pending_inbound,
+    unended_turn,
 )
 from dsh_mesh.models import ModelProvider
 from dsh_mesh.runtime._departure import Departed, unless_departed
@@ -577,7 +576,7 @@ class ContinuationManager:
                 await self._write_creation(session, (*missing, TaskEntry(content=task)))
             records = await self._store.read(session)
         current = await self._store.current_activation(session, fresh=True)
-        if current is None and (pending_inbound(records) or _turn_left_open(records)):
+        if current is None and (pending_inbound(records) or unended_turn(records)):
             # Work nobody runs: a task not read yet, or a turn its host died in (the resumed
             # child answers that turn's calls and its parent hears it was lost).
             current = await self._activate_somewhere(session, parent.activation_id)
@@ -1527,16 +1526,6 @@ def _fingerprint(target: SessionId, entry: InboundEntry) -> str:
     digest = hashlib.sha256(f"{target}\0{type(entry).__name__}\0".encode())
     digest.update(getattr(entry, "content", "").encode())
     return digest.hexdigest()
-
-
-def _turn_left_open(records: Sequence[Record]) -> bool:
-    """Whether the transcript's last turn never ended (its host stopped during it)."""
-    for record in reversed(records):
-        if isinstance(record.entry, TurnEndedEntry):
-            return False
-        if isinstance(record.entry, TurnStartedEntry):
-            return True
-    return False
 
 
 def _last_output(records: Sequence[Record]) -> str:

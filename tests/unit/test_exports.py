@@ -96,6 +96,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "rejection_class",
         "rejection_error",
         "session_usage",
+        "unended_turn",
     ],
     "dsh_mesh.models": [
         "Action",
