@@ -90,6 +90,7 @@ from dsh_mesh.core._transcript import (
     unended_turn,
 )
 from dsh_mesh.core._usage import SessionUsage, session_usage
+from dsh_mesh.core._work import DetachedWork
 
 __all__ = [
     "AGENT_MESSAGE_FRAME",
@@ -112,6 +113,7 @@ __all__ = [
     "DeadlineExceeded",
     "Delivery",
     "DeliveryKind",
+    "DetachedWork",
     "Direction",
     "Entry",
     "ForkOrigin",

@@ -13,6 +13,7 @@ from dsh_mesh.core import (
     NodeId,
     SessionId,
     SettlementNoticeEntry,
+    TurnId,
 )
 from dsh_mesh.node._config import Placement
 from dsh_mesh.registry import Directory
@@ -63,6 +64,21 @@ class ClusterRouter:
     ) -> Delivery:
         return await self._pool.send_message(
             node, sender, target, content, idempotency_key=idempotency_key, hops=hops
+        )
+
+    async def submit_prompt(
+        self, node: NodeId, session: SessionId, text: str, *, idempotency_key: str | None
+    ) -> Delivery:
+        return await self._pool.submit_prompt(node, session, text, idempotency_key=idempotency_key)
+
+    async def interrupt(self, node: NodeId, session: SessionId) -> TurnId | None:
+        return await self._pool.interrupt(node, session)
+
+    async def create_root(
+        self, node: NodeId, *, request_id: str, task: str, preset: str, model: str
+    ) -> Activation:
+        return await self._pool.create_root(
+            node, request_id=request_id, task=task, preset=preset, model=model
         )
 
     async def activate(

@@ -1,7 +1,8 @@
 """The runtime: the continuation manager and the session store it runs on."""
 
+from dsh_mesh.runtime._config import ManagerConfig
 from dsh_mesh.runtime._departure import Departed, unless_departed
-from dsh_mesh.runtime._manager import ContinuationManager, ManagerConfig
+from dsh_mesh.runtime._manager import ContinuationManager
 from dsh_mesh.runtime._memory_store import InMemorySessionStore
 from dsh_mesh.runtime._recording import HistoryLog, RecordingStore
 from dsh_mesh.runtime._router import MAX_HOPS, Router

@@ -17,15 +17,18 @@ from dsh_mesh.core import (
     NodeId,
     SessionId,
     SettlementNoticeEntry,
+    TurnId,
 )
 
 MAX_HOPS = 2
-"""A send is handled by the sender's node, forwarded at most once to the node that should host
-the target, and once more if that node lost a cold-resume race: then it reaches the winner."""
+"""A request is handled by the node it reached, handed at most once to the node that should
+host its session, and once more if that node lost a cold-resume race: then it reaches the
+winner."""
 
 
 class Router(Protocol):
-    """The cluster as one manager sees it. Every method may raise ``PeerUnavailable``."""
+    """The cluster as one manager sees it. Every call to another node may raise
+    ``PeerUnavailable``, or ``TargetElsewhere`` when that node does not host the session."""
 
     def place(self, session: SessionId) -> NodeId:
         """The node that should host ``session`` next (a new child, or an absent one)."""
@@ -46,6 +49,22 @@ class Router(Protocol):
         hops: int,
     ) -> Delivery:
         """Hand an agent message to ``node``, which re-authorizes it and delivers it."""
+        ...
+
+    async def submit_prompt(
+        self, node: NodeId, session: SessionId, text: str, *, idempotency_key: str | None
+    ) -> Delivery:
+        """Hand a human prompt to ``node``, which hosts ``session``."""
+        ...
+
+    async def interrupt(self, node: NodeId, session: SessionId) -> TurnId | None:
+        """Ask ``node``, which hosts ``session``, to cancel its current turn."""
+        ...
+
+    async def create_root(
+        self, node: NodeId, *, request_id: str, task: str, preset: str, model: str
+    ) -> Activation:
+        """Ask ``node`` to create (or find, for a replay) the root ``request_id`` names."""
         ...
 
     async def activate(

@@ -7,10 +7,9 @@ registry. Errors follow the one status table (docs/errors.md).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, Protocol
 
 import grpc
@@ -24,7 +23,6 @@ from dsh_mesh.core import (
     InvalidArgument,
     MeshError,
     NodeId,
-    NotResident,
     Record,
     SessionExists,
     SessionHeader,
@@ -35,7 +33,6 @@ from dsh_mesh.core import (
     parse_session_id,
     session_usage,
 )
-from dsh_mesh.runtime import Departed, unless_departed
 from dsh_mesh.transport._auth import caller_hops
 from dsh_mesh.transport._convert import (
     activation_to_wire,
@@ -45,7 +42,7 @@ from dsh_mesh.transport._convert import (
 )
 from dsh_mesh.transport._peers import PeerPool
 from dsh_mesh.transport._servicer import ActivationLookup, ManagerRef
-from dsh_mesh.transport._status import abort_with, error_from_rpc, mesh_rpc, target_of
+from dsh_mesh.transport._status import abort_with, mesh_rpc, target_of
 
 DEFAULT_PAGE = 100
 MAX_PAGE = 1000
@@ -60,7 +57,6 @@ MAX_NAME_CHARS = 256
 """The most characters a ``CreateRootSession`` ``preset`` or ``model`` may have. Both are
 stored in the session header (one etcd value); a longer one is refused as malformed
 (``INVALID_ARGUMENT``) rather than failing at etcd's request limit."""
-_FORWARD_TIMEOUT = 30.0
 
 
 class WatchEvent(Protocol):
@@ -119,9 +115,6 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         self._reads = reads
         self._current_activation = current_activation
         self._peers = peers
-        # Root creations under way on this node, by session: each runs to its end even when
-        # its caller gives up, and a retry of it waits for that end before it looks.
-        self._creating: dict[SessionId, asyncio.Task[AgentRef]] = {}
 
     # -- writes -----------------------------------------------------------------------------------
 
@@ -135,10 +128,16 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
             raise InvalidArgument("request_id is required")
         home = NodeId(request.node_id or self._node_id)
         if home != self._node_id and caller_hops(context) == 0:
-            response: mesh_pb2.CreateRootSessionResponse = await self._forward(
-                home, "CreateRootSession", request
+            made = await self._manager().create_root_at(
+                home,
+                request_id=request.request_id,
+                task=request.initial_task,
+                preset=request.preset,
+                model=request.model,
             )
-            return response
+            return mesh_pb2.CreateRootSessionResponse(
+                session_id=made.session_id, activation_id=made.activation_id, node_id=made.node_id
+            )
         _check_name("preset", request.preset)
         _check_name("model", request.model)
         session = root_session_id(request.request_id)
@@ -159,31 +158,14 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
     async def _create_root(
         self, session: SessionId, request: mesh_pb2.CreateRootSessionRequest
     ) -> AgentRef:
-        """Create the root, to the end: a caller whose deadline passes mid-way (after the root
-        and its task were written, before they were activated) must not leave a root that
-        nothing runs, so the creation is shielded from the call's cancellation. A retry
-        arriving while it runs waits for it, then finds the root it made."""
-        earlier = self._creating.get(session)
-        if earlier is not None:
-            await asyncio.wait([earlier])  # its outcome is the retry's own to find
-        manager = self._manager()
-        creating = asyncio.ensure_future(
-            manager.create_root(
-                request.initial_task,
-                preset=request.preset,
-                model=request.model or None,
-                session_id=session,
-            )
+        """Create the root, to the end: the manager makes it whole even when this call's
+        deadline passes mid-way, and a retry arriving meanwhile waits for that end."""
+        return await self._manager().create_root(
+            request.initial_task,
+            preset=request.preset,
+            model=request.model or None,
+            session_id=session,
         )
-        self._creating[session] = creating
-        creating.add_done_callback(lambda done: self._created(session, done))
-        return await asyncio.shield(creating)
-
-    def _created(self, session: SessionId, done: asyncio.Task[AgentRef]) -> None:
-        if self._creating.get(session) is done:
-            del self._creating[session]
-        if not done.cancelled():
-            done.exception()  # retrieved: a caller that gave up no longer awaits it
 
     async def _existing_root(
         self, session: SessionId, request: mesh_pb2.CreateRootSessionRequest
@@ -252,29 +234,15 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
     ) -> mesh_pb2.SubmitPromptResponse:
         if not request.idempotency_key:
             raise InvalidArgument("idempotency_key is required")
-        session = parse_session_id(request.session_id)
-        while True:
-            try:
-                delivery = await self._manager().submit_prompt(
-                    session, request.text, idempotency_key=request.idempotency_key
-                )
-            except TargetElsewhere as moved:
-                if caller_hops(context) > 0:
-                    raise
-                try:
-                    # A host cut off mid-call would hold the call to its deadline; once its
-                    # lease lapses the prompt is routed again (same key: no second copy).
-                    response: mesh_pb2.SubmitPromptResponse = await unless_departed(
-                        self._forward(NodeId(moved.node_id), "SubmitPrompt", request),
-                        self._holds(session, moved.activation_id),
-                        what=f"node {moved.node_id}",
-                    )
-                except Departed:
-                    continue
-                return response
-            return mesh_pb2.SubmitPromptResponse(
-                accepted_seq=delivery.accepted_seq, duplicate=delivery.duplicate
-            )
+        delivery = await self._manager().submit_prompt(
+            parse_session_id(request.session_id),
+            request.text,
+            idempotency_key=request.idempotency_key,
+            hops=caller_hops(context),
+        )
+        return mesh_pb2.SubmitPromptResponse(
+            accepted_seq=delivery.accepted_seq, duplicate=delivery.duplicate
+        )
 
     @mesh_rpc
     async def Interrupt(
@@ -282,20 +250,9 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         request: mesh_pb2.InterruptRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> mesh_pb2.InterruptResponse:
-        session = parse_session_id(request.session_id)
-        manager = self._manager()
-        try:
-            turn = manager.interrupt(session)
-        except NotResident:
-            await manager.header(session)  # an unknown session is UNKNOWN_SESSION
-            current = await self._current_activation(session, fresh=True)
-            elsewhere = current is not None and current.node_id != self._node_id
-            if current is not None and elsewhere and caller_hops(context) == 0:
-                response: mesh_pb2.InterruptResponse = await self._forward(
-                    current.node_id, "Interrupt", request
-                )
-                return response
-            turn = None
+        turn = await self._manager().interrupt_session(
+            parse_session_id(request.session_id), hops=caller_hops(context)
+        )
         return mesh_pb2.InterruptResponse(interrupted=turn is not None, turn_id=turn or "")
 
     # -- reads ------------------------------------------------------------------------------------
@@ -311,10 +268,7 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         current = await self._current_activation(session, fresh=True)
         if current is not None and current.node_id != self._node_id and caller_hops(context) == 0:
             # The hosting node knows whether a turn is running; ask it.
-            forwarded: mesh_pb2.Session = await self._forward(
-                current.node_id, "GetSession", request
-            )
-            return forwarded
+            return await self._peers.get_session(current.node_id, request)
         after, limit = _page(request.page_token, request.page_size)
         resident = None if current is None else self._manager().agent(session)
         if (
@@ -420,24 +374,6 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         if running is None or current.node_id != self._node_id:
             return mesh_pb2.AGENT_STATE_RESIDENT
         return mesh_pb2.AGENT_STATE_RUNNING if running else mesh_pb2.AGENT_STATE_IDLE
-
-    def _holds(self, session: SessionId, activation: str) -> Callable[[], Awaitable[bool]]:
-        """A check that ``session``'s current activation is still ``activation``."""
-
-        async def still() -> bool:
-            current = await self._current_activation(session)
-            return current is not None and current.activation_id == activation
-
-        return still
-
-    async def _forward(self, node: NodeId, method: str, request: Any) -> Any:
-        stub = mesh_pb2_grpc.MeshControlStub(self._peers.channel(node))
-        try:
-            return await getattr(stub, method)(
-                request, metadata=self._peers.metadata(hops=1), timeout=_FORWARD_TIMEOUT
-            )
-        except grpc.aio.AioRpcError as error:
-            raise error_from_rpc(error) from error
 
 
 def _page(token: str, size: int) -> tuple[int, int]:

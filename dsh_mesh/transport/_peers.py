@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -18,15 +18,19 @@ from dsh_mesh.core import (
     ActivationId,
     AgentRef,
     Delivery,
+    DeliveryKind,
     NodeId,
     PeerUnavailable,
     SessionId,
     SettlementNoticeEntry,
+    TurnId,
 )
 from dsh_mesh.transport._auth import ClusterCredential, call_metadata
 from dsh_mesh.transport._convert import agent_ref_to_wire, delivery_from_wire, notice_to_wire
 from dsh_mesh.transport._status import error_from_rpc
 from dsh_mesh.transport._tls import TlsCredentials, secure_channel
+
+R = TypeVar("R")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,6 +107,23 @@ class PeerPool:
             self._channels[key] = channel
         return channel
 
+    async def _call(
+        self, rpc: Callable[..., Awaitable[R]], request: Any, *, deadline: timedelta, hops: int
+    ) -> R:
+        """One unary call with this node's metadata; a failure becomes its ``MeshError``."""
+        try:
+            return await rpc(
+                request, timeout=deadline.total_seconds(), metadata=self.metadata(hops=hops)
+            )
+        except grpc.aio.AioRpcError as error:
+            raise error_from_rpc(error) from error
+
+    def _control(self, node: NodeId) -> Any:
+        return mesh_pb2_grpc.MeshControlStub(self.channel(node))
+
+    def _peer(self, node: NodeId) -> Any:
+        return peer_pb2_grpc.MeshPeerStub(self.channel(node))
+
     async def send_message(
         self,
         node: NodeId,
@@ -121,32 +142,75 @@ class PeerPool:
             message=content,
             idempotency_key=idempotency_key or secrets.token_hex(16),
         )
-        try:
-            response = await stub.SendMessage(
-                request,
-                timeout=self._timeouts.send.total_seconds(),
-                metadata=self.metadata(hops=hops),
-            )
-        except grpc.aio.AioRpcError as error:
-            raise error_from_rpc(error) from error
+        response = await self._call(
+            stub.SendMessage, request, deadline=self._timeouts.send, hops=hops
+        )
         return delivery_from_wire(target, response)
+
+    async def submit_prompt(
+        self, node: NodeId, session: SessionId, text: str, *, idempotency_key: str | None
+    ) -> Delivery:
+        """``MeshControl.SubmitPrompt`` on ``node``, handed on once (it does not hand it on
+        again). Only the seq and ``duplicate`` travel back; a prompt starts a turn of its own."""
+        request = mesh_pb2.SubmitPromptRequest(
+            session_id=session, text=text, idempotency_key=idempotency_key or ""
+        )
+        response = await self._call(
+            self._control(node).SubmitPrompt, request, deadline=self._timeouts.send, hops=1
+        )
+        return Delivery(
+            target=session,
+            target_activation=ActivationId(""),
+            kind=DeliveryKind.STARTED_TURN,
+            accepted_seq=response.accepted_seq,
+            duplicate=response.duplicate,
+        )
+
+    async def interrupt(self, node: NodeId, session: SessionId) -> TurnId | None:
+        """``MeshControl.Interrupt`` on ``node``, which hosts ``session``."""
+        request = mesh_pb2.InterruptRequest(session_id=session)
+        response = await self._call(
+            self._control(node).Interrupt, request, deadline=self._timeouts.control, hops=1
+        )
+        return TurnId(response.turn_id) if response.interrupted else None
+
+    async def create_root(
+        self, node: NodeId, *, request_id: str, task: str, preset: str, model: str
+    ) -> Activation:
+        """``MeshControl.CreateRootSession`` on ``node``: the root it made (or found) and where
+        it runs (empty activation and node while nothing runs it)."""
+        request = mesh_pb2.CreateRootSessionRequest(
+            request_id=request_id, initial_task=task, preset=preset, model=model, node_id=node
+        )
+        response = await self._call(
+            self._control(node).CreateRootSession, request, deadline=self._timeouts.send, hops=1
+        )
+        return Activation(
+            session_id=SessionId(response.session_id),
+            activation_id=ActivationId(response.activation_id),
+            node_id=NodeId(response.node_id),
+        )
+
+    async def get_session(
+        self, node: NodeId, request: mesh_pb2.GetSessionRequest
+    ) -> mesh_pb2.Session:
+        """``MeshControl.GetSession`` on ``node``, which hosts the session (and knows whether a
+        turn runs)."""
+        response: mesh_pb2.Session = await self._call(
+            self._control(node).GetSession, request, deadline=self._timeouts.send, hops=1
+        )
+        return response
 
     async def activate(
         self, node: NodeId, session: SessionId, parent_activation: ActivationId | None
     ) -> Activation:
         """``MeshPeer.Activate`` on ``node``: make ``session`` resident there."""
-        stub: Any = peer_pb2_grpc.MeshPeerStub(self.channel(node))
         request = peer_pb2.ActivateRequest(
             session_id=session, parent_activation_id=parent_activation or ""
         )
-        try:
-            response = await stub.Activate(
-                request,
-                timeout=self._timeouts.send.total_seconds(),
-                metadata=self.metadata(hops=0),
-            )
-        except grpc.aio.AioRpcError as error:
-            raise error_from_rpc(error) from error
+        response = await self._call(
+            self._peer(node).Activate, request, deadline=self._timeouts.send, hops=0
+        )
         return Activation(
             session_id=session,
             activation_id=ActivationId(response.activation_id),
@@ -158,12 +222,9 @@ class PeerPool:
         self, node: NodeId, parent: SessionId, notice: SettlementNoticeEntry
     ) -> None:
         """``MeshPeer.DeliverNotice`` on ``node``, the node hosting ``parent``."""
-        stub: Any = peer_pb2_grpc.MeshPeerStub(self.channel(node))
-        try:
-            await stub.DeliverNotice(
-                notice_to_wire(parent, notice),
-                timeout=self._timeouts.control.total_seconds(),
-                metadata=self.metadata(hops=0),
-            )
-        except grpc.aio.AioRpcError as error:
-            raise error_from_rpc(error) from error
+        await self._call(
+            self._peer(node).DeliverNotice,
+            notice_to_wire(parent, notice),
+            deadline=self._timeouts.control,
+            hops=0,
+        )

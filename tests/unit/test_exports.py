@@ -32,6 +32,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "DeadlineExceeded",
         "Delivery",
         "DeliveryKind",
+        "DetachedWork",
         "Direction",
         "Entry",
         "ForkOrigin",

@@ -1,0 +1,397 @@
+"""Residency: the agents this node hosts, their drivers, and the one shared cold resume."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from datetime import timedelta
+from types import TracebackType
+from typing import Self
+
+from dsh_mesh import telemetry
+from dsh_mesh.agent import Agent, AgentHost, AgentState
+from dsh_mesh.core import (
+    Activation,
+    ActivationFenced,
+    ActivationId,
+    DetachedWork,
+    IdFactory,
+    InvalidArgument,
+    MeshError,
+    NodeId,
+    NodeOverloaded,
+    PeerUnavailable,
+    Record,
+    SessionHeader,
+    SessionId,
+    SessionUnknown,
+    SettlementNoticeEntry,
+    TargetElsewhere,
+    pending_inbound,
+)
+from dsh_mesh.models import ModelProvider
+from dsh_mesh.runtime._admission import AdmissionLedger
+from dsh_mesh.runtime._changes import ChangeSignal
+from dsh_mesh.runtime._children import ChildLedger
+from dsh_mesh.runtime._store import Acceptance, IdempotencyKey, SessionStore
+from dsh_mesh.tools import DescriptorFilter, Preset, ToolRegistry, ToolSet
+
+_log = logging.getLogger(__name__)
+
+
+class AlreadyAccepted(Exception):
+    """A cold resume found its idempotency key already used: the send is a duplicate."""
+
+    def __init__(self, key: IdempotencyKey, known: Acceptance) -> None:
+        super().__init__(key.key)
+        self.key = key
+        self.known = known
+
+
+class Residency:
+    """The resident agents of one node and everything that makes or ends their residency.
+
+    Use as ``async with``: it owns every agent driver in a task group; leaving the block (or
+    :meth:`shutdown`, idempotent) stops them all and cancels the detached work. A session is
+    resident here while its agent is in :attr:`agents` and not settled."""
+
+    def __init__(
+        self,
+        *,
+        node_id: NodeId,
+        store: SessionStore,
+        provider: ModelProvider,
+        presets: Mapping[str, Preset],
+        registry: ToolRegistry,
+        ids: IdFactory,
+        host: AgentHost,
+        children: ChildLedger,
+        admission: AdmissionLedger,
+        changes: ChangeSignal,
+        work: DetachedWork,
+        max_resident: int,
+        resume_filter: DescriptorFilter | None,
+    ) -> None:
+        self.node_id = node_id
+        self._store = store
+        self._provider = provider
+        self._presets = presets
+        self._registry = registry
+        self._ids = ids
+        self._host = host
+        self._children = children
+        self._admission = admission
+        self._changes = changes
+        self._work = work
+        self._max_resident = max_resident
+        self._resume_filter = resume_filter
+        self._agents: dict[SessionId, Agent] = {}
+        self._drivers: dict[SessionId, asyncio.Task[None]] = {}
+        self._resuming: dict[SessionId, asyncio.Task[Agent]] = {}
+        self._activating: set[ActivationId] = set()
+        """Activations of new sessions won here whose agent is not started yet."""
+        self._group: asyncio.TaskGroup | None = None
+        self.closed = False
+        self.draining = False
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        self._group = asyncio.TaskGroup()
+        await self._group.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.shutdown()
+        if self._group is not None:
+            await self._group.__aexit__(exc_type, exc, tb)
+        await self._work.wait()
+
+    def shutdown(self) -> None:
+        """Stop every driver and cancel the detached work. Idempotent. Durable state is
+        untouched: activations stay in the store until released, as if this node had died."""
+        self.closed = True
+        for task in self._drivers.values():
+            task.cancel()
+        self._work.cancel()
+
+    async def drain(self, grace: timedelta) -> None:
+        """Stop taking work, give running turns up to ``grace`` to finish, then stop every
+        driver and release every activation held here."""
+        self.draining = True
+        self._changes.changed()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(
+                self._changes.wait_until(
+                    lambda: all(a.state is not AgentState.RUNNING for a in self._agents.values())
+                ),
+                grace.total_seconds(),
+            )
+        held = [agent.activation for agent in self._agents.values()]
+        self.shutdown()
+        for activation in held:
+            await self._store.release(activation)
+
+    def passivate_idle(self, limit: int, *, may_settle: Callable[[Agent], bool]) -> int:
+        """Ask up to ``limit`` idle agents that ``may_settle`` to end, longest resident first;
+        returns how many were asked."""
+        chosen = 0
+        for agent in list(self._agents.values()):
+            if chosen >= limit:
+                break
+            if agent.state is AgentState.IDLE and agent.inbox_depth == 0 and may_settle(agent):
+                agent.passivate()
+                chosen += 1
+        if chosen:
+            telemetry.passivated(chosen)
+        return chosen
+
+    def check_open(self) -> None:
+        """Refuse new work (``PeerUnavailable``, retryable elsewhere) once draining or shut."""
+        if self.draining or self.closed:
+            raise PeerUnavailable(f"node {self.node_id} is draining; retry on another node")
+
+    def check_capacity(self) -> None:
+        """Refuse one more resident agent past the node's limit (NODE_OVERLOADED)."""
+        if len(self._agents) >= self._max_resident:
+            raise NodeOverloaded(
+                f"node {self.node_id} hosts {len(self._agents)} agents, its limit",
+                metadata={"limit": "resident_sessions"},
+            )
+
+    # -- queries ----------------------------------------------------------------------------------
+
+    @property
+    def agents(self) -> tuple[Agent, ...]:
+        """Every agent held here (also one settling)."""
+        return tuple(self._agents.values())
+
+    def agent(self, session: SessionId) -> Agent | None:
+        """The agent of ``session`` held here, if any (perhaps settling)."""
+        return self._agents.get(session)
+
+    def live(self, session: SessionId) -> Agent | None:
+        """The resident, unsettled agent of ``session`` here, if any."""
+        agent = self._agents.get(session)
+        return None if agent is None or agent.state is AgentState.SETTLED else agent
+
+    def hosts(self, session: SessionId) -> bool:
+        """Whether an agent of ``session`` is held here (the parent side of a child's tie)."""
+        return session in self._agents
+
+    def at_rest(self) -> bool:
+        """Whether no resume is under way and every agent is idle with an empty inbox."""
+        return not self._resuming and all(
+            a.state is AgentState.IDLE and a.inbox_depth == 0 for a in self._agents.values()
+        )
+
+    def preset(self, name: str) -> Preset:
+        """The preset ``name``; an unknown one is refused as malformed."""
+        preset = self._presets.get(name)
+        if preset is None:
+            raise InvalidArgument(f"unknown preset {name!r}")
+        return preset
+
+    def resolve_tools(
+        self, header: SessionHeader, resume_filter: DescriptorFilter | None
+    ) -> ToolSet:
+        """The tools ``header``'s session runs with (its durable descriptors, filtered)."""
+        preset = self.preset(header.spec.preset)
+        allowed = [d.name for d in header.spec.tools if resume_filter is None or resume_filter(d)]
+        return self._registry.resolve(preset, allowed=allowed)
+
+    # -- making agents resident -------------------------------------------------------------------
+
+    def new_activation(
+        self, session: SessionId, parent_activation: ActivationId | None
+    ) -> Activation:
+        """A fresh activation of ``session`` on this node, yet to be won."""
+        return Activation(
+            session_id=session,
+            activation_id=self._ids.activation_id(),
+            node_id=self.node_id,
+            parent_activation=parent_activation,
+        )
+
+    @contextlib.contextmanager
+    def activating(self, activation: Activation) -> Iterator[None]:
+        """Mark ``activation`` as won here for an agent being made: not a leaked one."""
+        self._activating.add(activation.activation_id)
+        try:
+            yield
+        finally:
+            self._activating.discard(activation.activation_id)
+
+    def make_agent(
+        self,
+        header: SessionHeader,
+        activation: Activation,
+        records: Sequence[Record],
+        resume_filter: DescriptorFilter | None,
+    ) -> Agent:
+        """The agent of ``activation`` over ``records`` (not started)."""
+        preset = self.preset(header.spec.preset)
+        return Agent(
+            header=header,
+            activation=activation,
+            records=records,
+            tools=self.resolve_tools(header, resume_filter),
+            system_prompt=preset.system_prompt,
+            limits=preset.limits,
+            provider=self._provider,
+            host=self._host,
+            ids=self._ids,
+        )
+
+    def start(self, agent: Agent) -> None:
+        """Make ``agent`` resident here and start its driver."""
+        if self._group is None or self.closed:
+            raise RuntimeError("the manager is not running: use `async with`")
+        session = agent.session_id
+        self._agents[session] = agent
+        if agent.header.parent_session is not None:
+            self._children.track(
+                agent.header.parent_session, session, agent.activation.activation_id
+            )
+        # A driver starts from an empty context: its turns are traces of their own, linked to
+        # the spans that sent what they consume, not children of whichever call started it.
+        self._drivers[session] = self._group.create_task(
+            self._drive(agent), name=f"agent {session}", context=contextvars.Context()
+        )
+        self._changes.changed()
+
+    def forget(self, agent: Agent) -> None:
+        """``agent`` is resident here no more (settled, fenced or failed)."""
+        if self._agents.get(agent.session_id) is agent:
+            del self._agents[agent.session_id]
+            self._drivers.pop(agent.session_id, None)
+        self._changes.changed()
+
+    async def resume(
+        self, session: SessionId, parent_activation: ActivationId | None = None
+    ) -> Activation:
+        """Make ``session`` resident here (cold-resuming it if absent) and return its current
+        activation; it cannot settle before this returns. Raises :class:`TargetElsewhere`
+        when another node holds it."""
+        self.check_open()
+        with self._admission.reserve(session):
+            agent, _ = await self.resident(session, parent_activation)
+        return agent.activation
+
+    async def resident(
+        self,
+        target: SessionId,
+        parent_activation: ActivationId | None,
+        key: IdempotencyKey | None = None,
+    ) -> tuple[Agent, bool]:
+        """The live agent of ``target`` here, cold-resuming it if it is absent (True then).
+        Concurrent callers share one cold resume, made with the first caller's ``key``: if that
+        key was already accepted, nothing is resumed, that caller gets :class:`AlreadyAccepted`
+        and the others try again. Raises :class:`TargetElsewhere` when another node holds it."""
+        while True:
+            agent = self._agents.get(target)
+            if agent is not None and agent.state is not AgentState.SETTLED:
+                return agent, False
+            if agent is not None:
+                await agent.wait_released()
+                continue
+            task = self._resuming.get(target)
+            if task is None:
+                task = self._work.start(self._cold_resume(target, parent_activation, key))
+                self._resuming[target] = task
+                task.add_done_callback(lambda _: self._resuming.pop(target, None))
+            try:
+                return await asyncio.shield(task), True
+            except AlreadyAccepted as already:
+                if already.key != key:
+                    continue
+                raise
+
+    async def _cold_resume(
+        self,
+        target: SessionId,
+        parent_activation: ActivationId | None,
+        key: IdempotencyKey | None,
+    ) -> Agent:
+        started = time.monotonic()
+        with telemetry.span(
+            "dsh.cold_resume",
+            attributes={"dsh.session.id": target, "dsh.node.id": self.node_id},
+        ) as resuming:
+            agent = await self._load_and_start(target, parent_activation, key)
+            resuming.set("dsh.activation.id", agent.activation.activation_id)
+        telemetry.cold_resumed(time.monotonic() - started)
+        return agent
+
+    async def _load_and_start(
+        self,
+        target: SessionId,
+        parent_activation: ActivationId | None,
+        key: IdempotencyKey | None,
+    ) -> Agent:
+        self.check_capacity()
+        header = await self._store.get_header(target)
+        if header is None:
+            raise SessionUnknown(target)
+        if parent_activation is None and header.parent_session is not None:
+            parent = await self._store.current_activation(header.parent_session)
+            parent_activation = None if parent is None else parent.activation_id
+        activation = self.new_activation(target, parent_activation)
+        resumption = await self._store.try_resume(activation, unless_known=key)
+        held = resumption.current
+        if held is not None and held != activation and self._leaked_here(held):
+            # An activation of this node that no agent of it holds (its release was cut by an
+            # outage, or its creation failed half-way) lives as long as this node's lease:
+            # every send to the session would be routed here and back for ever. Only this
+            # node can end it (fenced by its create revision), then win the session anew.
+            _log.warning("%s: releasing %s, held here by no agent", target, held.activation_id)
+            await self._store.release(held)
+            resumption = await self._store.try_resume(activation, unless_known=key)
+        if key is not None and resumption.known is not None:
+            raise AlreadyAccepted(key, resumption.known)
+        current = resumption.current
+        if current is not None and current != activation:
+            raise TargetElsewhere.held_by(target, current.node_id, current.activation_id)
+        records = resumption.records
+        # Notices this session already holds were delivered (perhaps to an earlier activation
+        # on another node): the end of those children's activations must not add "lost" ones.
+        self._children.note_noticed(
+            r.entry.child_activation for r in records if isinstance(r.entry, SettlementNoticeEntry)
+        )
+        agent = self.make_agent(header, activation, records, self._resume_filter)
+        for record in pending_inbound(records):
+            agent.deliver(record)
+        self.start(agent)
+        return agent
+
+    def _leaked_here(self, held: Activation) -> bool:
+        """Whether ``held``, the current activation of a session being resumed here, is this
+        node's own and no agent of it holds it nor is being made for it."""
+        if held.node_id != self.node_id or held.activation_id in self._activating:
+            return False
+        agent = self._agents.get(held.session_id)
+        return agent is None or agent.activation.activation_id != held.activation_id
+
+    async def _drive(self, agent: Agent) -> None:
+        """Run one agent's driver; a registry failure drops that agent, never the node."""
+        try:
+            await agent.run()
+        except ActivationFenced as fenced:
+            # Another activation owns the session now (or this node lost its lease): this
+            # Agent is stale and must not write again. Its successor owns the transcript.
+            _log.warning("%s: fenced, dropping the stale agent: %s", agent.session_id, fenced)
+            self.forget(agent)
+        except MeshError as failure:
+            _log.error("%s: driver failed, releasing: %s", agent.session_id, failure)
+            self.forget(agent)
+            with contextlib.suppress(MeshError):
+                await self._store.release(agent.activation)

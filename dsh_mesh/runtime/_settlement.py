@@ -1,0 +1,243 @@
+"""Settlement: when an activation may end, and the manager-owned notice of how it ended."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from datetime import timedelta
+
+from dsh_mesh import telemetry
+from dsh_mesh.agent import Agent, AgentState, Settlement
+from dsh_mesh.core import (
+    Activation,
+    ActivationFenced,
+    ActivationId,
+    AssistantStepEntry,
+    DeliveryKind,
+    DetachedWork,
+    NodeId,
+    PeerUnavailable,
+    Record,
+    RegistryUnavailable,
+    SessionHeader,
+    SessionId,
+    SettlementNoticeEntry,
+    SettlementOutcome,
+    TargetElsewhere,
+)
+from dsh_mesh.runtime._acceptance import Acceptor
+from dsh_mesh.runtime._admission import AdmissionLedger, Reservation
+from dsh_mesh.runtime._changes import ChangeSignal
+from dsh_mesh.runtime._children import ChildLedger
+from dsh_mesh.runtime._placement import Placement
+from dsh_mesh.runtime._residency import Residency
+from dsh_mesh.runtime._store import Acceptance, IdempotencyKey, SessionStore
+from dsh_mesh.runtime._writes import OutageTolerantWriter
+
+_log = logging.getLogger(__name__)
+
+
+class Settlements:
+    """Decides when an activation may end (:meth:`may_settle`) and delivers every settlement
+    notice: the child's own when it settles, a ``lost`` one when its host went away.
+
+    One activation gets one notice, whichever node writes it: every notice is written under
+    the idempotency key of the child's activation."""
+
+    def __init__(
+        self,
+        *,
+        store: SessionStore,
+        residency: Residency,
+        admission: AdmissionLedger,
+        children: ChildLedger,
+        acceptor: Acceptor,
+        placement: Placement,
+        writer: OutageTolerantWriter,
+        work: DetachedWork,
+        changes: ChangeSignal,
+        attempts: int,
+        backoff: timedelta,
+    ) -> None:
+        self._store = store
+        self._residency = residency
+        self._admission = admission
+        self._children = children
+        self._acceptor = acceptor
+        self._placement = placement
+        self._writer = writer
+        self._work = work
+        self._changes = changes
+        self._attempts = attempts
+        self._backoff = backoff.total_seconds()
+
+    def may_settle(self, agent: Agent) -> bool:
+        """Whether ``agent``'s activation may end now: no send holds it and (docs/adr/0004) no
+        child of it is live, so that child's messages and notice can always reach it."""
+        session = agent.session_id
+        return self._admission.may_settle(session) and not self._children.has_live(session)
+
+    async def settled(self, agent: Agent, settlement: Settlement | None) -> None:
+        """``agent``'s activation ended: its parent gets the notice while the activation is
+        still held, then the activation is released (whoever sees the key vanish without a
+        notice knows the host went away)."""
+        session = agent.session_id
+        parent = agent.header.parent_session
+        try:
+            if settlement is not None and parent is not None:
+                notice = SettlementNoticeEntry(
+                    child_session=session,
+                    child_activation=agent.activation.activation_id,
+                    child_kind=agent.header.kind,
+                    outcome=settlement.outcome,
+                    terminal_output=settlement.terminal_output,
+                    detail=settlement.detail,
+                    trace=settlement.trace,
+                )
+                telemetry.settled(notice.outcome.value, notice.child_kind.value)
+                await self.notify(parent, notice)
+        finally:
+            await self._store.release(agent.activation)
+            self._residency.forget(agent)
+            if parent is not None:
+                self._child_settled(parent, session, agent.activation.activation_id)
+
+    async def activation_ended(self, ended: Activation) -> None:
+        """An activation key vanished from the registry. If it was a child of a parent resident
+        here and no notice was delivered for it, its host went away: the parent gets the
+        ``lost`` notice with the child's last durable output."""
+        if self._children.noticed(ended.activation_id):
+            return
+        own = self._residency.agent(ended.session_id)
+        if own is not None and own.activation.activation_id == ended.activation_id:
+            return  # settling here; it sends its notice itself
+        header = await self._store.get_header(ended.session_id)
+        if header is None or header.parent_session is None:
+            return
+        if self._residency.live(header.parent_session) is None:
+            return
+        records = await self._store.read(ended.session_id)
+        if not self._children.noticed(ended.activation_id):
+            await self._notify_lost(header.parent_session, header, ended, records)
+
+    async def left_over_turn_lost(self, agent: Agent, activation: Activation) -> None:
+        """``agent`` found a turn of its earlier ``activation`` unended: that activation was
+        lost with its host. Its parent gets the ``lost`` notice, once."""
+        parent = agent.header.parent_session
+        if parent is None or self._children.noticed(activation.activation_id):
+            return
+        await self._notify_lost(parent, agent.header, activation, agent.records)
+        self._children.note_noticed((activation.activation_id,))
+
+    async def _notify_lost(
+        self,
+        parent: SessionId,
+        child: SessionHeader,
+        activation: Activation,
+        records: Sequence[Record],
+    ) -> None:
+        notice = SettlementNoticeEntry(
+            child_session=child.session_id,
+            child_activation=activation.activation_id,
+            child_kind=child.kind,
+            outcome=SettlementOutcome.LOST,
+            terminal_output=_last_output(records),
+            detail=f"host {activation.node_id} went away",
+        )
+        telemetry.settled(notice.outcome.value, notice.child_kind.value)
+        await self.notify(parent, notice)
+
+    async def notify(self, parent: SessionId, notice: SettlementNoticeEntry) -> None:
+        """Deliver ``notice`` to ``parent`` wherever it is: durable at the parent either way; a
+        live parent is steered with it, an absent one reads it on its next activation
+        (docs/adr/0003). A second notice of the same child activation writes nothing.
+
+        While the registry is away the notice waits and is written when it answers (under its
+        key, so a write whose answer was lost is found, not repeated): a child that completed
+        must not be reported ``lost`` for an outage its node outlived. The wait ends when this
+        node stops (it fenced itself: then its children's activations are lost indeed)."""
+        delay = self._writer.first_delay
+        while True:
+            try:
+                return await self._deliver(parent, notice)
+            except RegistryUnavailable as away:
+                _log.warning("%s: notice of %s waits: %s", parent, notice.child_session, away)
+            delay = await self._writer.pause(delay, f"the notice of {notice.child_session} waited")
+
+    async def _deliver(self, parent: SessionId, notice: SettlementNoticeEntry) -> None:
+        key = IdempotencyKey(principal=f"notice:{parent}", key=notice.child_activation)
+        for attempt in range(self._attempts):
+            if attempt:
+                # Residency moved under us: back off, then trust etcd, not the watch-fed view.
+                await asyncio.sleep(self._backoff * 2 ** min(attempt, 6))
+            agent = self._residency.agent(parent)
+            if agent is not None and agent.state is not AgentState.SETTLED:
+                if self._children.noticed(notice.child_activation):
+                    return  # a retry of a notice this node already delivered
+                # Like a send's acceptance, the delivery runs to completion once it began: a
+                # caller that goes away (the child's host died mid-call) must not leave a
+                # durable notice that its parent never reads and a "lost" one after it.
+                reservation = self._admission.reserve(parent)
+                await self._work.run(self._accept(agent, notice, key, reservation.hand_over()))
+                return
+            if agent is not None:
+                await agent.wait_released()
+                continue
+            elsewhere = await self._placement.elsewhere(parent, place=False, fresh=attempt > 0)
+            if elsewhere is not None:
+                try:
+                    node = NodeId(elsewhere.node_id)
+                    await self._placement.router.deliver_notice(node, parent, notice)
+                except (PeerUnavailable, ActivationFenced, TargetElsewhere):
+                    continue  # that node no longer hosts the parent: look again
+                return
+            try:
+                await self._store.append(
+                    parent, notice, writer=None, idempotency=(key, _notice_acceptance(key, None))
+                )
+            except ActivationFenced:
+                continue  # the parent became resident meanwhile: deliver to that activation
+            return
+        raise ActivationFenced(f"{parent}: kept changing residency while a notice was delivered")
+
+    async def _accept(
+        self,
+        parent: Agent,
+        notice: SettlementNoticeEntry,
+        key: IdempotencyKey,
+        reservation: Reservation,
+    ) -> None:
+        acceptance = _notice_acceptance(key, parent)
+        await self._acceptor.accept(
+            parent, notice, DeliveryKind.STEERED, key, acceptance, reservation
+        )
+        self._child_settled(parent.session_id, notice.child_session, notice.child_activation)
+
+    def _child_settled(self, parent: SessionId, child: SessionId, activation: ActivationId) -> None:
+        self._children.settled(parent, child, activation)
+        parent_agent = self._residency.agent(parent)
+        if parent_agent is not None:
+            parent_agent.poke()
+        self._changes.changed()
+
+
+def _notice_acceptance(key: IdempotencyKey, parent: Agent | None) -> Acceptance:
+    """What a notice's idempotency record remembers. Its fingerprint is the child activation
+    alone, so a second notice for it (``lost`` after ``completed``, or the other way round)
+    is a duplicate of the first, not a conflict."""
+    return Acceptance(
+        target=SessionId(key.principal.removeprefix("notice:")),
+        seq=0,
+        target_activation=ActivationId("") if parent is None else parent.activation.activation_id,
+        kind=DeliveryKind.STEERED,
+        fingerprint=f"notice {key.key}",
+    )
+
+
+def _last_output(records: Sequence[Record]) -> str:
+    """The last assistant text a session made durable: a lost child's terminal output."""
+    for record in reversed(records):
+        if isinstance(record.entry, AssistantStepEntry) and record.entry.text:
+            return record.entry.text
+    return ""
