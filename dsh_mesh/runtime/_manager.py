@@ -182,6 +182,11 @@ class ContinuationManager:
         untouched: activations stay in the store until released, as if this node had died."""
         self._residency.shutdown()
 
+    def waking(self, session: SessionId) -> int:
+        """How many sends and notices hold ``session`` awake now (rule 4): it cannot settle
+        while any does."""
+        return self._admission.waking(session)
+
     @property
     def detached_work(self) -> int:
         """How many pieces of detached work (acceptances, cold resumes, creations) run now."""

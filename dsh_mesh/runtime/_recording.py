@@ -54,6 +54,7 @@ class HistoryLog:
         return self
 
     def close(self) -> None:
+        """Close the file; idempotent."""
         if self._file is not None:
             self._file.close()
             self._file = None

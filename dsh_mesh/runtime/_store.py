@@ -67,7 +67,9 @@ class SessionStore(Protocol):
         entry its record's ``recorded_at``: :meth:`get_header` and :meth:`read` return them."""
         ...
 
-    async def get_header(self, session: SessionId) -> SessionHeader | None: ...
+    async def get_header(self, session: SessionId) -> SessionHeader | None:
+        """``session``'s header; None when no session has that id."""
+        ...
 
     async def try_activate(self, activation: Activation) -> Activation:
         """Create the session's activation only if none exists. Returns the current activation:
@@ -120,7 +122,10 @@ class SessionStore(Protocol):
         """The first acceptance recorded under ``key``, if any."""
         ...
 
-    async def read(self, session: SessionId, *, after_seq: int = 0) -> list[Record]: ...
+    async def read(self, session: SessionId, *, after_seq: int = 0) -> list[Record]:
+        """``session``'s durable records after ``after_seq``, in seq order (empty for an
+        unknown session)."""
+        ...
 
 
 def check_same_request(key: IdempotencyKey, known: Acceptance, asked: Acceptance) -> None:

@@ -660,3 +660,56 @@ def test_layers_import_downward_only() -> None:
     # ... and the testing package's modules, which sit on top of the runtime.
     assert {"dsh_mesh.testing", "dsh_mesh.testing._in_process"} <= {name for name, _ in modules}
     assert ("testing", "runtime") in edges
+
+
+# -- method docstrings in the runtime ---------------------------------------------------------
+
+
+def runtime_classes() -> list[type]:
+    """Every class defined in a module of ``dsh_mesh.runtime``."""
+    found: list[type] = []
+    for path in sorted((PACKAGE_DIR / "runtime").glob("_*.py")):
+        if path.name == "__init__.py":
+            continue
+        module = importlib.import_module(f"dsh_mesh.runtime.{path.stem}")
+        for _, obj in inspect.getmembers(module, inspect.isclass):
+            if obj.__module__ == module.__name__:
+                found.append(obj)
+    return found
+
+
+def test_the_runtime_class_check_sees_the_manager_and_its_owners() -> None:
+    names = {cls.__name__ for cls in runtime_classes()}
+    assert {"ContinuationManager", "AdmissionLedger", "Residency", "Deliveries"} <= names
+
+
+def method_doc(member: object) -> str:
+    function = member.fget if isinstance(member, property) else member
+    return (getattr(function, "__doc__", None) or "").strip()
+
+
+def protocol_contracts(implementation: type) -> set[str]:
+    """The methods whose contract ``implementation`` takes from a runtime protocol it
+    implements whole (the store, the router, the placement): those need no docstring again."""
+    inherited: set[str] = set()
+    for protocol in runtime_classes():
+        if not getattr(protocol, "_is_protocol", False) or protocol is implementation:
+            continue
+        methods = {n for n, m in vars(protocol).items() if not n.startswith("_") and method_doc(m)}
+        if methods and methods <= set(vars(implementation)):
+            inherited |= methods
+    return inherited
+
+
+@pytest.mark.parametrize("cls", runtime_classes(), ids=lambda cls: cls.__name__)
+def test_every_public_method_of_a_runtime_class_says_its_contract(cls: type) -> None:
+    contracts = protocol_contracts(cls)
+    missing = [
+        name
+        for name, member in vars(cls).items()
+        if not name.startswith("_")
+        and (inspect.isfunction(member) or isinstance(member, property))
+        and not method_doc(member)
+        and name not in contracts
+    ]
+    assert missing == [], f"{cls.__module__}.{cls.__name__}: no docstring on {missing}"
