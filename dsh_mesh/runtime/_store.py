@@ -26,7 +26,9 @@ from dsh_mesh.core import (
 
 @dataclass(frozen=True, kw_only=True)
 class IdempotencyKey:
-    """Who asked (a sender session, or ``human`` for prompts) and the key they chose."""
+    """Who asked and the key they chose. The principal is a sender session (agent messages),
+    ``human:<session>`` (prompts), ``notice:<parent>`` (settlement notices, keyed by the child
+    activation) or ``spawn:<child>`` (a new child's first entries, keyed by entry type)."""
 
     principal: str
     key: str

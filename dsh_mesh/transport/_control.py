@@ -1,8 +1,11 @@
 """``MeshControl``: what humans and programs in any language call, on any node.
 
-Any node serves any request. A request about a session resident on another node is handed to
-that node once (the hop count rides in the metadata); reads and watches come straight from the
-registry. Errors follow the one status table (docs/errors.md).
+Any node serves any request. This servicer translates the wire and decides nothing: a prompt,
+an interrupt or a root creation for a session on another node is routed by the manager's
+placement, like an agent message (docs/adr/0025; the hop count rides in the metadata). A
+session read that needs the hosting node's view (is a turn running?) is asked of that node;
+other reads and watches come straight from the registry. Errors follow the one status table
+(docs/errors.md).
 """
 
 from __future__ import annotations
