@@ -52,7 +52,7 @@ class ClusterRouter:
     def is_live(self, node: NodeId) -> bool:
         return node == self._node_id or node in self._directory.nodes()
 
-    async def send_message(
+    async def hand_on_message(
         self,
         node: NodeId,
         sender: AgentRef,
@@ -62,7 +62,7 @@ class ClusterRouter:
         idempotency_key: str | None,
         hops: int,
     ) -> Delivery:
-        return await self._pool.send_message(
+        return await self._pool.hand_on_message(
             node, sender, target, content, idempotency_key=idempotency_key, hops=hops
         )
 

@@ -97,7 +97,7 @@ class Deliveries:
         self._work = work
         self._max_message_chars = max_message_chars
 
-    async def send_message(
+    async def agent_message(
         self,
         sender: AgentRef,
         target_id: str,
@@ -144,7 +144,7 @@ class Deliveries:
 
             async def hand_off(node: NodeId) -> Delivery:
                 with telemetry.carrying_sender(sender_trace):
-                    delivery = await router.send_message(
+                    delivery = await router.hand_on_message(
                         node, sender, target, content, idempotency_key=idempotency_key, hops=1
                     )
                 if to_child:

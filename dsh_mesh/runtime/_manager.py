@@ -336,7 +336,7 @@ class ContinuationManager:
         On a cluster, a target hosted elsewhere is handed to its node, which re-authorizes the
         send itself (:meth:`handed_on`).
         """
-        return await self._deliveries.send_message(
+        return await self._deliveries.agent_message(
             sender, target_id, content, signal, idempotency_key=idempotency_key, hops=0
         )
 
@@ -353,7 +353,7 @@ class ContinuationManager:
         """The same operation, handed to this node by another one (the transport calls this
         after authenticating the calling node). Authorization is checked again here, from this
         node's own registry view; ``hops`` counts how often the send was already handed on."""
-        return await self._deliveries.send_message(
+        return await self._deliveries.agent_message(
             sender, target_id, content, signal, idempotency_key=idempotency_key, hops=hops
         )
 

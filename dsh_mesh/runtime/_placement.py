@@ -98,7 +98,7 @@ class _NoPeers:
     def is_live(self, node: NodeId) -> bool:
         return False
 
-    async def send_message(self, node: NodeId, *_: object, **__: object) -> Delivery:
+    async def hand_on_message(self, node: NodeId, *_: object, **__: object) -> Delivery:
         raise PeerUnavailable(f"node {node} is not reachable from a manager alone")
 
     async def submit_prompt(self, node: NodeId, *_: object, **__: object) -> Delivery:

@@ -38,7 +38,7 @@ class Router(Protocol):
         """Whether ``node`` is registered (its lease held) as far as this node knows."""
         ...
 
-    async def send_message(
+    async def hand_on_message(
         self,
         node: NodeId,
         sender: AgentRef,

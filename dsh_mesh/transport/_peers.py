@@ -124,7 +124,7 @@ class PeerPool:
     def _peer(self, node: NodeId) -> Any:
         return peer_pb2_grpc.MeshPeerStub(self.channel(node))
 
-    async def send_message(
+    async def hand_on_message(
         self,
         node: NodeId,
         sender: AgentRef,
