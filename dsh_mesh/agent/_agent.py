@@ -12,9 +12,9 @@ import contextlib
 import enum
 import itertools
 import json
-from collections.abc import AsyncIterator, Awaitable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Protocol
 
 from dsh_mesh import telemetry
 from dsh_mesh.agent._gate import BoundaryGate
@@ -28,6 +28,7 @@ from dsh_mesh.core import (
     AssistantStepEntry,
     ConsumedEntry,
     DeliveryKind,
+    DetachedWork,
     Entry,
     IdFactory,
     Record,
@@ -53,8 +54,6 @@ from dsh_mesh.tools import (
     is_idempotent_by_key,
     outcome_unknown,
 )
-
-T = TypeVar("T")
 
 
 class AgentState(enum.Enum):
@@ -157,8 +156,10 @@ class Agent:
         """Every seq up to this one is in the local copy."""
         self._advance_held()
         self._in_doubt = False
-        self._writes: set[asyncio.Future[Any]] = set()
-        """Writes started by a turn and not finished: an interrupted turn waits for them."""
+        self._writes = DetachedWork()
+        """Writes started by a turn: each runs to its end even if the turn is interrupted
+        meanwhile, and the turn's close waits for them (:meth:`_finish_writes`), so nothing
+        lands after the turn's end."""
         self._interrupted_call: tuple[str, asyncio.Future[ToolOutput]] | None = None
         """The standard-tool call an interrupt stopped mid-way, still finding its answer."""
         self._recovering = False
@@ -395,23 +396,12 @@ class Agent:
             self.record(record)
             return record
 
-        return await self._shielded(write())
-
-    async def _shielded(self, work: Coroutine[Any, Any, T]) -> T:
-        """Run ``work`` to its end even if the turn is interrupted meanwhile; the turn's close
-        waits for it (:meth:`_finish_writes`), so nothing lands after the turn's end."""
-        writing = asyncio.ensure_future(work)
-        self._writes.add(writing)
-        writing.add_done_callback(self._writes.discard)
-        # A turn cancelled meanwhile leaves the write's outcome to nobody: mark it seen.
-        writing.add_done_callback(_outcome_seen)
-        return await asyncio.shield(writing)
+        return await self._writes.run(write())
 
     async def _finish_writes(self) -> None:
         """Wait for every write an interrupted turn left running: the step or result being
         written must be in the local transcript before the turn's open calls are closed."""
-        while self._writes:
-            await asyncio.wait(set(self._writes))
+        await self._writes.wait()
 
     async def _answer(self, call: ToolCall, output: ToolOutput) -> None:
         """Record ``output`` as the one result of ``call``."""
@@ -447,7 +437,7 @@ class Agent:
             finally:
                 self._gate.release()
 
-        records = await self._shielded(read())
+        records = await self._writes.run(read())
         # The next step reads these: its span links to the spans that sent them.
         self._links.extend(getattr(r.entry, "trace", "") for r in records)
         return bool(records)
@@ -650,8 +640,3 @@ async def _answer_of(work: Awaitable[ToolOutput]) -> ToolOutput:
         return await work
     except Exception as failure:
         return ToolOutput(content=f"{type(failure).__name__}: {failure}", is_error=True)
-
-
-def _outcome_seen(done: asyncio.Future[Any]) -> None:
-    if not done.cancelled():
-        done.exception()

@@ -176,6 +176,9 @@ class Node:
                 with contextlib.suppress(MeshError):
                     await lease.revoke()
                 await server.stop(_SERVER_GRACE.total_seconds())
+                # Nothing appends any more (the manager closed, the server stopped): end the
+                # store's group commits while the etcd client is still open.
+                await cached.aclose()
                 await self._provider.aclose()
                 if history is not None:
                     history.close()

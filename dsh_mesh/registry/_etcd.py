@@ -23,7 +23,7 @@ import aetcd.watcher
 import grpc
 from aetcd import rpc
 
-from dsh_mesh.core import InvalidArgument, RegistryUnavailable
+from dsh_mesh.core import DetachedWork, InvalidArgument, RegistryUnavailable
 from dsh_mesh.registry._keys import prefix_end
 
 MAX_REVISION = 2**63 - 1
@@ -221,7 +221,8 @@ class Etcd:
         """Range requests sent (a transaction's own reads are not counted here)."""
         self.txns = 0
         """Transactions sent."""
-        self._dropping: set[asyncio.Task[None]] = set()
+        self._dropping = DetachedWork()
+        """Watches whose callers left while they were being created, dropped once created."""
 
     async def __aenter__(self) -> Etcd:
         await self.connect()
@@ -236,7 +237,10 @@ class Etcd:
             await self._client.connect()
 
     async def close(self) -> None:
-        """Close the channel and any watch stream. Idempotent."""
+        """Close the channel and any watch stream. Idempotent. Watches still being dropped
+        are cancelled first (closing the channel ends them anyway): nothing started here
+        outlives the close."""
+        await self._dropping.aclose()
         await self._client.close()
 
     # -- KV -------------------------------------------------------------------------------------
@@ -336,7 +340,7 @@ class Etcd:
             try:
                 watch = await asyncio.shield(creating)
             except asyncio.CancelledError:
-                creating.add_done_callback(self._drop_watch)
+                self._dropping.start(self._drop_when_created(creating), name="watch drop")
                 raise
         try:
             async with self._errors():
@@ -347,16 +351,16 @@ class Etcd:
             with contextlib.suppress(aetcd.exceptions.ClientError, grpc.RpcError):
                 await watch.cancel()
 
-    def _drop_watch(self, creating: asyncio.Future[Any]) -> None:
-        """Cancel a watch whose caller was cancelled while it was being created."""
-        if creating.cancelled() or creating.exception() is not None:
-            return
-        dropping = asyncio.ensure_future(self._cancel_quietly(creating.result()))
-        self._dropping.add(dropping)
-        dropping.add_done_callback(self._dropping.discard)
-
     @staticmethod
-    async def _cancel_quietly(watch: Any) -> None:
+    async def _drop_when_created(creating: asyncio.Future[Any]) -> None:
+        """Cancel a watch whose caller was cancelled while it was being created, once it is
+        created (a create that failed left nothing to cancel). Cancelled by :meth:`close`, it
+        cancels the create too: the close shuts the shared watcher down, and a new connection
+        gets a new one."""
+        try:
+            watch = await creating
+        except Exception:
+            return
         with contextlib.suppress(aetcd.exceptions.ClientError, grpc.RpcError):
             await watch.cancel()
 

@@ -22,6 +22,7 @@ from dsh_mesh.core import (
     Activation,
     ActivationFenced,
     ActivationId,
+    DetachedWork,
     Entry,
     InvalidArgument,
     Record,
@@ -109,7 +110,7 @@ class EtcdSessionStore:
     says it moved. An entry whose encoding exceeds ``max_entry_bytes`` is refused with
     :class:`InvalidArgument` before anything is sent (etcd would refuse the request anyway,
     with a message that names no entry). Every method is safe to call concurrently from one
-    event loop.
+    event loop. :meth:`aclose` ends the group commits still running.
     """
 
     def __init__(
@@ -133,6 +134,16 @@ class EtcdSessionStore:
         self._fences: dict[ActivationId, int] = {}
         self._queues: dict[SessionId, list[_Pending]] = {}
         self._flushing: set[SessionId] = set()
+        self._flushes = DetachedWork()
+        """The group commits running: each outlives the append that started it."""
+
+    async def aclose(self) -> None:
+        """Cancel every group commit still running and wait until all have ended. Idempotent.
+
+        Callers stop appending first (a commit started meanwhile is awaited, not cancelled).
+        An append whose commit is cancelled fails with :class:`RegistryUnavailable` (its entry
+        may or may not have landed, as after any outage mid-commit); none is left waiting."""
+        await self._flushes.aclose()
 
     # -- headers --------------------------------------------------------------------------------
 
@@ -302,10 +313,13 @@ class EtcdSessionStore:
             pending.done.add_done_callback(_seen)
             self._queues.setdefault(session, []).append(pending)
             if session not in self._flushing:
-                # This caller commits for everyone waiting on the session. Shielded: the batch
-                # it carries is other callers' too, so its own cancellation must not stop it.
+                # This caller commits for everyone waiting on the session. Detached: the batch
+                # it carries is other callers' too, so its own cancellation must not stop it
+                # (it ends only its wait). A commit cancelled by aclose() ends the wait too,
+                # and its answer is this caller's pending.done, like every other caller's.
                 self._flushing.add(session)
-                await asyncio.shield(asyncio.ensure_future(self._flush(session)))
+                flush = self._flushes.start(self._flush(session), name=f"flush {session}")
+                await asyncio.wait((flush,))
             record, known = await asyncio.shield(pending.done)
             appending.set_many({"dsh.seq": record.seq, "dsh.duplicate": known is not None})
             return record, known
@@ -321,6 +335,7 @@ class EtcdSessionStore:
         be decided after the first use of its key commits, when it finds the key taken and gets
         that acceptance (or a conflict)."""
         queue = self._queues[session]
+        batch: list[_Pending] = []
         try:
             while queue:
                 batch = [queue.pop(0)]
@@ -339,8 +354,10 @@ class EtcdSessionStore:
                 await self._commit(session, batch)
         finally:
             # In the same step as the queue goes: an append arriving after this starts a
-            # commit of its own, and none can find a queue that nobody will commit.
-            for stranded in queue:
+            # commit of its own, and none can find a queue that nobody will commit. A commit
+            # cancelled mid-batch (aclose) strands its batch too: _commit settles only on
+            # Exception, and the batch may or may not have landed.
+            for stranded in (*batch, *queue):
                 if not stranded.done.done():
                     stranded.done.set_exception(
                         RegistryUnavailable(f"{session}: the commit was interrupted")
