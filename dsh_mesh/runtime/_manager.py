@@ -9,6 +9,7 @@ owners.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from types import TracebackType
@@ -75,6 +76,7 @@ class ContinuationManager:
         self._store = store
         self._presets = {p.name: p for p in presets}
         self.registry = ToolRegistry(standard_tools(self))
+        self._stack = contextlib.AsyncExitStack()
         self._changes = ChangeSignal()
         self._work = DetachedWork(on_done=self._changes.changed)
         self._admission = AdmissionLedger(
@@ -153,7 +155,7 @@ class ContinuationManager:
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
-        await self._residency.__aenter__()
+        await self._stack.enter_async_context(self._residency)
         return self
 
     async def __aexit__(
@@ -162,7 +164,7 @@ class ContinuationManager:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self._residency.__aexit__(exc_type, exc, tb)
+        await self._stack.__aexit__(exc_type, exc, tb)
 
     async def drain(self, grace: timedelta) -> None:
         """Stop taking work, give running turns up to ``grace`` to finish, then stop every driver

@@ -95,14 +95,14 @@ class Residency:
         self._activating: set[ActivationId] = set()
         """Activations of new sessions won here whose agent is not started yet."""
         self._group: asyncio.TaskGroup | None = None
+        self._stack = contextlib.AsyncExitStack()
         self.closed = False
         self.draining = False
 
     # -- lifecycle --------------------------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
-        self._group = asyncio.TaskGroup()
-        await self._group.__aenter__()
+        self._group = await self._stack.enter_async_context(asyncio.TaskGroup())
         return self
 
     async def __aexit__(
@@ -112,9 +112,10 @@ class Residency:
         tb: TracebackType | None,
     ) -> None:
         self.shutdown()
-        if self._group is not None:
-            await self._group.__aexit__(exc_type, exc, tb)
-        await self._work.wait()
+        try:
+            await self._stack.__aexit__(exc_type, exc, tb)  # the drivers' task group ends
+        finally:
+            await self._work.wait()
 
     def shutdown(self) -> None:
         """Stop every driver and cancel the detached work. Idempotent. Durable state is
