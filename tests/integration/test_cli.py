@@ -364,6 +364,7 @@ class Cli:
             stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
             text=True,
+            preexec_fn=_interruptible,
         )
         assert process.stdout is not None and process.stderr is not None
         child = Child(process=process, out=Lines(process.stdout), err=Lines(process.stderr))
@@ -379,6 +380,13 @@ class Cli:
                     process.wait()
             child.out.close()
             child.err.close()
+
+
+def _interruptible() -> None:
+    """In the child, before it runs: SIGINT does what it does at a terminal. A suite started as
+    a background job (``make test &`` in a script) inherits SIGINT ignored, and Python then never
+    turns it into KeyboardInterrupt: a Ctrl-C sent to the command would do nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @dataclass
