@@ -5,7 +5,13 @@ keepalive (:class:`LeaseKeeper`), and the watch-fed :class:`Directory` of who is
 layout: docs/etcd-layout.md.
 """
 
-from dsh_mesh.registry._codec import CodecError
+from dsh_mesh.registry._codec import (
+    CodecError,
+    decode_acceptance,
+    decode_record,
+    encode_acceptance,
+    encode_entry,
+)
 from dsh_mesh.registry._directory import (
     ActivationEnded,
     ActivationStarted,
@@ -36,4 +42,8 @@ __all__ = [
     "LeaseLost",
     "NodeInfo",
     "RegistryReads",
+    "decode_acceptance",
+    "decode_record",
+    "encode_acceptance",
+    "encode_entry",
 ]

@@ -242,6 +242,14 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "main",
         "parse_args",
     ],
+    "dsh_mesh.logstore": [
+        "DEFAULT_PAGE",
+        "LogStore",
+        "MemoryLogStore",
+        "SqliteLogStore",
+        "Write",
+        "Written",
+    ],
     "dsh_mesh.registry": [
         "ActivationEnded",
         "ActivationStarted",
@@ -259,6 +267,10 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "LeaseLost",
         "NodeInfo",
         "RegistryReads",
+        "decode_acceptance",
+        "decode_record",
+        "encode_acceptance",
+        "encode_entry",
     ],
     "dsh_mesh.runtime": [
         "Acceptance",
@@ -495,6 +507,7 @@ ALL_LAYERS = {
     "agent",
     "runtime",
     "registry",
+    "logstore",
     "transport",
     "node",
     "_proto",
@@ -513,6 +526,9 @@ ALLOWED: dict[str, set[str]] = {
     "runtime": {"telemetry", "core", "models", "tools", "agent", "runtime"},
     # registry and transport sit side by side on the runtime; neither imports the other.
     "registry": {"telemetry", "core", "runtime", "registry"},
+    # The log store keeps transcripts apart from etcd; it shares the registry's durable codec
+    # (one byte format for every backend), and the node composes the two (ADR 0026).
+    "logstore": {"telemetry", "core", "runtime", "registry", "logstore"},
     "transport": {"telemetry", "core", "runtime", "transport", "_proto"},
     "node": {
         "telemetry",
@@ -521,6 +537,7 @@ ALLOWED: dict[str, set[str]] = {
         "tools",
         "runtime",
         "registry",
+        "logstore",
         "transport",
         "node",
         "_proto",

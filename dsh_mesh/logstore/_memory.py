@@ -1,0 +1,64 @@
+"""The log store in memory: unit tests, and the model every backend is held to."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import UTC, datetime
+
+from dsh_mesh.core import Record, SessionId
+from dsh_mesh.logstore._batch import plan_append
+from dsh_mesh.logstore._protocol import DEFAULT_PAGE, Write, Written
+from dsh_mesh.runtime import Acceptance, IdempotencyKey
+
+
+class MemoryLogStore:
+    """A :class:`LogStore` in one process's memory; lost when the process ends."""
+
+    def __init__(self) -> None:
+        self._fences: dict[SessionId, int] = {}
+        self._transcripts: dict[SessionId, list[Record]] = {}
+        self._idempotency: dict[IdempotencyKey, Acceptance] = {}
+
+    async def raise_fence(self, session: SessionId, fence: int) -> int:
+        current = max(self._fences.get(session, 0), fence)
+        self._fences[session] = current
+        return current
+
+    async def append(
+        self, session: SessionId, writes: Sequence[Write], *, fence: int, unfenced: bool = False
+    ) -> list[Written]:
+        transcript = self._transcripts.setdefault(session, [])
+        plan = plan_append(
+            session,
+            writes,
+            fence=fence,
+            unfenced=unfenced,
+            current_fence=self._fences.get(session, 0),
+            last_seq=len(transcript),
+            known=self._known,
+            now=datetime.now(UTC),
+        )
+        for record, guard in plan.records:
+            transcript.append(record)
+            if guard is not None:
+                self._idempotency[guard[0]] = guard[1]
+        if plan.new_fence is not None:
+            self._fences[session] = plan.new_fence
+        return plan.written
+
+    async def read(
+        self, session: SessionId, *, after_seq: int = 0, limit: int = DEFAULT_PAGE
+    ) -> list[Record]:
+        return self._transcripts.get(session, [])[after_seq : after_seq + limit]
+
+    async def lookup(self, key: IdempotencyKey) -> Acceptance | None:
+        return self._idempotency.get(key)
+
+    async def aclose(self) -> None:
+        return None
+
+    def _known(self, key: IdempotencyKey) -> tuple[Acceptance, Record] | None:
+        acceptance = self._idempotency.get(key)
+        if acceptance is None:
+            return None
+        return acceptance, self._transcripts[acceptance.target][acceptance.seq - 1]

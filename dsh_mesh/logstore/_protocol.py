@@ -1,0 +1,78 @@
+"""The log store: transcripts and idempotency records, fenced by etcd revisions (ADR 0026)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from dsh_mesh.core import Entry, Record, SessionId
+from dsh_mesh.runtime import Acceptance, IdempotencyKey
+
+DEFAULT_PAGE = 500
+"""Records one :meth:`LogStore.read` returns when no limit is given."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Write:
+    """One entry to append, with the idempotency key that guards it (if any)."""
+
+    entry: Entry
+    idempotency: tuple[IdempotencyKey, Acceptance] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Written:
+    """What one :class:`Write` became: its record, or (``known`` set) the record of the first
+    write under its key, when that key was used before and nothing was written."""
+
+    record: Record
+    known: Acceptance | None = None
+
+
+class LogStore(Protocol):
+    """Durable transcripts and idempotency records. Every method is safe to call concurrently
+    from one event loop, and from several processes sharing the same store.
+
+    Each session has a fence, an etcd revision that only rises. An activation writes under its
+    activation key's create revision; a writer with no activation under the revision at which
+    it saw the session without one (ADR 0026)."""
+
+    async def raise_fence(self, session: SessionId, fence: int) -> int:
+        """Raise ``session``'s fence to ``fence`` unless it is higher already; return the fence
+        now current. A new activation calls this (with its create revision) before it reads
+        the transcript: no append under an older fence lands after it. Durable when it
+        returns."""
+        ...
+
+    async def append(
+        self, session: SessionId, writes: Sequence[Write], *, fence: int, unfenced: bool = False
+    ) -> list[Written]:
+        """Append ``writes`` in order, as the next seqs, in one transaction: all land or none.
+
+        A write whose key is known writes nothing and answers the first acceptance (raising
+        ``IdempotencyConflict`` when the key was used for another request); a new key is
+        recorded with its entry, the acceptance's ``seq`` filled in. If anything is to be
+        written, the fence is checked first, and ``ActivationFenced`` raised when it fails:
+
+        - fenced (an activation's write): ``fence`` must equal the session's fence;
+        - ``unfenced`` (a writer with no activation): ``fence`` must be at least the session's
+          fence, which it then becomes.
+
+        Records carry ``recorded_at`` (UTC, when written). Durable when it returns."""
+        ...
+
+    async def read(
+        self, session: SessionId, *, after_seq: int = 0, limit: int = DEFAULT_PAGE
+    ) -> list[Record]:
+        """Up to ``limit`` of ``session``'s records after ``after_seq``, in seq order (empty
+        for a session with no records)."""
+        ...
+
+    async def lookup(self, key: IdempotencyKey) -> Acceptance | None:
+        """The first acceptance recorded under ``key``, if any."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release the store's connections. Idempotent; no call may follow it."""
+        ...

@@ -1,0 +1,201 @@
+"""The log store in one SQLite file: the embedded default for a mesh on one host.
+
+Node processes on one host share the file (WAL journal, so readers never block the writer).
+Each store object owns one connection, used only by its own worker thread; a write is one
+``BEGIN IMMEDIATE`` transaction, which SQLite serialises across processes, so the fence check
+and the inserts of an append see no other writer in between (ADR 0026).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TypeVar
+
+from dsh_mesh.core import Record, RegistryUnavailable, SessionId
+from dsh_mesh.logstore._batch import plan_append
+from dsh_mesh.logstore._protocol import DEFAULT_PAGE, Write, Written
+from dsh_mesh.registry import decode_acceptance, decode_record, encode_acceptance, encode_entry
+from dsh_mesh.runtime import Acceptance, IdempotencyKey
+
+T = TypeVar("T")
+
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS fences ("
+    " session TEXT PRIMARY KEY, fence INTEGER NOT NULL) WITHOUT ROWID",
+    "CREATE TABLE IF NOT EXISTS entries ("
+    " session TEXT NOT NULL, seq INTEGER NOT NULL, data BLOB NOT NULL,"
+    " PRIMARY KEY (session, seq)) WITHOUT ROWID",
+    "CREATE TABLE IF NOT EXISTS idempotency ("
+    " principal TEXT NOT NULL, key TEXT NOT NULL, data BLOB NOT NULL,"
+    " PRIMARY KEY (principal, key)) WITHOUT ROWID",
+)
+_BUSY_TIMEOUT_MS = 10_000
+"""How long a write waits for another process's transaction on the same file."""
+
+
+class SqliteLogStore:
+    """A :class:`LogStore` in the SQLite file at ``path`` (created if missing). Use
+    ``async with`` or call :meth:`aclose`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-log")
+        self._connection: sqlite3.Connection | None = None
+        self._closed = False
+
+    async def __aenter__(self) -> SqliteLogStore:
+        await self._run(self._open)
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.aclose()
+
+    async def raise_fence(self, session: SessionId, fence: int) -> int:
+        def work(db: sqlite3.Connection) -> int:
+            with _immediate(db):
+                db.execute(
+                    "INSERT INTO fences (session, fence) VALUES (?, ?)"
+                    " ON CONFLICT (session) DO UPDATE SET fence = max(fence, excluded.fence)",
+                    (session, fence),
+                )
+                return _fence_of(db, session)
+
+        return await self._run(work)
+
+    async def append(
+        self, session: SessionId, writes: Sequence[Write], *, fence: int, unfenced: bool = False
+    ) -> list[Written]:
+        def work(db: sqlite3.Connection) -> list[Written]:
+            with _immediate(db):
+                row = db.execute(
+                    "SELECT max(seq) FROM entries WHERE session = ?", (session,)
+                ).fetchone()
+                plan = plan_append(
+                    session,
+                    writes,
+                    fence=fence,
+                    unfenced=unfenced,
+                    current_fence=_fence_of(db, session),
+                    last_seq=row[0] or 0,
+                    known=lambda key: _known(db, key),
+                    now=datetime.now(UTC),
+                )
+                db.executemany(
+                    "INSERT INTO entries (session, seq, data) VALUES (?, ?, ?)",
+                    [
+                        (session, r.seq, encode_entry(r.entry, recorded_at=r.recorded_at))
+                        for r, _ in plan.records
+                    ],
+                )
+                db.executemany(
+                    "INSERT INTO idempotency (principal, key, data) VALUES (?, ?, ?)",
+                    [
+                        (key.principal, key.key, encode_acceptance(acceptance))
+                        for _, guard in plan.records
+                        if guard is not None
+                        for key, acceptance in (guard,)
+                    ],
+                )
+                if plan.new_fence is not None:
+                    db.execute(
+                        "INSERT INTO fences (session, fence) VALUES (?, ?)"
+                        " ON CONFLICT (session) DO UPDATE SET fence = excluded.fence",
+                        (session, plan.new_fence),
+                    )
+                return plan.written
+
+        return await self._run(work)
+
+    async def read(
+        self, session: SessionId, *, after_seq: int = 0, limit: int = DEFAULT_PAGE
+    ) -> list[Record]:
+        def work(db: sqlite3.Connection) -> list[Record]:
+            rows = db.execute(
+                "SELECT seq, data FROM entries WHERE session = ? AND seq > ? ORDER BY seq LIMIT ?",
+                (session, after_seq, limit),
+            ).fetchall()
+            return [decode_record(seq, data) for seq, data in rows]
+
+        return await self._run(work)
+
+    async def lookup(self, key: IdempotencyKey) -> Acceptance | None:
+        def work(db: sqlite3.Connection) -> Acceptance | None:
+            found = _known(db, key)
+            return None if found is None else found[0]
+
+        return await self._run(work)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+
+        def close() -> None:
+            if self._connection is not None:
+                self._connection.close()
+                self._connection = None
+
+        await asyncio.get_running_loop().run_in_executor(self._worker, close)
+        self._worker.shutdown(wait=True)
+
+    async def _run(self, work: Callable[[sqlite3.Connection], T]) -> T:
+        if self._closed:
+            raise RegistryUnavailable(f"the log store {self.path} is closed")
+
+        def call() -> T:
+            db = self._connection or self._open()
+            return work(db)
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._worker, call)
+        except sqlite3.OperationalError as failure:  # locked past the busy timeout, disk full
+            raise RegistryUnavailable(f"the log store {self.path}: {failure}") from failure
+
+    def _open(self, _: object = None) -> sqlite3.Connection:
+        if self._connection is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=True)
+            db.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
+            db.execute("PRAGMA journal_mode = WAL")
+            db.execute("PRAGMA synchronous = FULL")  # durable when an append returns
+            for statement in _SCHEMA:
+                db.execute(statement)
+            self._connection = db
+        return self._connection
+
+
+class _immediate:
+    """``BEGIN IMMEDIATE`` ... ``COMMIT`` (``ROLLBACK`` on any exception)."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self._db = db
+
+    def __enter__(self) -> None:
+        self._db.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        self._db.execute("COMMIT" if exc_type is None else "ROLLBACK")
+
+
+def _fence_of(db: sqlite3.Connection, session: SessionId) -> int:
+    row = db.execute("SELECT fence FROM fences WHERE session = ?", (session,)).fetchone()
+    return 0 if row is None else int(row[0])
+
+
+def _known(db: sqlite3.Connection, key: IdempotencyKey) -> tuple[Acceptance, Record] | None:
+    row = db.execute(
+        "SELECT data FROM idempotency WHERE principal = ? AND key = ?", (key.principal, key.key)
+    ).fetchone()
+    if row is None:
+        return None
+    acceptance = decode_acceptance(row[0])
+    found = db.execute(
+        "SELECT data FROM entries WHERE session = ? AND seq = ?",
+        (acceptance.target, acceptance.seq),
+    ).fetchone()
+    return acceptance, decode_record(acceptance.seq, found[0])
