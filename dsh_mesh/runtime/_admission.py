@@ -8,11 +8,13 @@ the node's in-flight count and each target's inbox limit.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import enum
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
+from typing import Any
 
 from dsh_mesh.core import InboxFull, NodeId, NodeOverloaded, Record, SessionId
 
@@ -46,6 +48,12 @@ class Reservation:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        self.end()
+
+    def end(self) -> None:
+        """Release the hold unless it was handed over or bound to a record; idempotent. The
+        owner of work that may be cancelled before it runs (so before it enters its block)
+        calls this when that work is done."""
         if self._hold is _Hold.HELD:
             self._hold = _Hold.RELEASED
             self._ledger._release(self.target)
@@ -54,6 +62,11 @@ class Reservation:
     def released(self) -> bool:
         """Whether this hold was given back (by its block, or by the record's admission)."""
         return self._hold is _Hold.RELEASED
+
+    def ends_with(self, work: asyncio.Future[Any]) -> None:
+        """Release the hold (unless handed over or bound) when ``work`` ends: work cancelled
+        before it ran (at shutdown) never entered the block that would release it."""
+        work.add_done_callback(lambda _: self.end())
 
     def hand_over(self) -> Reservation:
         """Pass the hold to a new owner (work that runs on after this block, whatever its

@@ -3,6 +3,7 @@ the target, here or on the node that hosts it."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from dsh_mesh import telemetry
@@ -251,11 +252,14 @@ class Deliveries:
                     fingerprint=fingerprint(target, send.entry),
                 )
             # The point of no return: acceptance runs to completion even if the caller is
-            # cancelled now; the reservation is the acceptance's to release from here.
-            accepting = self._acceptor.accept(
-                agent, send.entry, kind, send.key, acceptance, reservation.hand_over()
+            # cancelled now; the reservation is the acceptance's to release from here (or,
+            # cancelled at shutdown before it ran at all, its task's end releases it).
+            handed = reservation.hand_over()
+            accepting = self._work.start(
+                self._acceptor.accept(agent, send.entry, kind, send.key, acceptance, handed)
             )
-            return await self._work.run(accepting)
+            handed.ends_with(accepting)
+            return await asyncio.shield(accepting)
 
     async def _hand_on(self, send: Send, elsewhere: TargetElsewhere) -> Delivery:
         """Hand ``send`` to the node ``elsewhere`` names; route it again from the start when
@@ -267,4 +271,5 @@ class Deliveries:
                 send.target, elsewhere, send.hand_off, keyed=send.key is not None
             )
         except Departed:
+            self._residency.check_open()  # a node that began draining meanwhile takes none
             return await self._route(send)

@@ -178,8 +178,10 @@ class Settlements:
                 # Like a send's acceptance, the delivery runs to completion once it began: a
                 # caller that goes away (the child's host died mid-call) must not leave a
                 # durable notice that its parent never reads and a "lost" one after it.
-                reservation = self._admission.reserve(parent)
-                await self._work.run(self._accept(agent, notice, key, reservation.hand_over()))
+                handed = self._admission.reserve(parent).hand_over()
+                accepting = self._work.start(self._accept(agent, notice, key, handed))
+                handed.ends_with(accepting)
+                await asyncio.shield(accepting)
                 return
             if agent is not None:
                 await agent.wait_released()

@@ -153,7 +153,7 @@ class PeerPool:
         """``MeshControl.SubmitPrompt`` on ``node``, handed on once (it does not hand it on
         again). Only the seq and ``duplicate`` travel back; a prompt starts a turn of its own."""
         request = mesh_pb2.SubmitPromptRequest(
-            session_id=session, text=text, idempotency_key=idempotency_key or ""
+            session_id=session, text=text, idempotency_key=idempotency_key or secrets.token_hex(16)
         )
         response = await self._call(
             self._control(node).SubmitPrompt, request, deadline=self._timeouts.send, hops=1
@@ -170,7 +170,7 @@ class PeerPool:
         """``MeshControl.Interrupt`` on ``node``, which hosts ``session``."""
         request = mesh_pb2.InterruptRequest(session_id=session)
         response = await self._call(
-            self._control(node).Interrupt, request, deadline=self._timeouts.control, hops=1
+            self._control(node).Interrupt, request, deadline=self._timeouts.send, hops=1
         )
         return TurnId(response.turn_id) if response.interrupted else None
 

@@ -134,6 +134,33 @@ async def test_a_send_cancelled_after_its_hand_over_is_released_by_the_admission
     assert handed[0].released is False  # the caller's hold was handed over, not released
 
 
+@pytest.mark.parametrize("cancelled_before_it_ran", [True, False])
+async def test_a_hold_handed_to_work_is_released_once_however_the_work_ends(
+    cancelled_before_it_ran: bool,
+) -> None:
+    """Work cancelled before its first step never enters its block: its task's end releases
+    the hold instead (at shutdown); work that ran released it itself, and nothing twice."""
+    releases: Counter[SessionId] = Counter()
+    book = ledger(releases)
+
+    async def accept(reservation: Reservation) -> None:
+        with reservation:
+            await asyncio.sleep(0)
+
+    with book.reserve(T) as reservation:
+        handed = reservation.hand_over()
+        task = asyncio.get_running_loop().create_task(accept(handed))
+        handed.ends_with(task)
+    if cancelled_before_it_ran:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    else:
+        await task
+    await asyncio.sleep(0)  # the task's done callbacks
+    assert releases[T] == 1 and book.may_settle(T)
+
+
 def test_an_acceptance_that_delivered_nothing_releases_when_its_block_ends() -> None:
     releases: Counter[SessionId] = Counter()
     book = ledger(releases)
@@ -218,6 +245,7 @@ async def test_nothing_the_manager_started_runs_after_its_shutdown() -> None:
         manager.shutdown()
         manager.shutdown()  # idempotent
     assert manager.detached_work == 0
+    assert manager.waking(root.session_id) == 0
     assert sending.done()
     if not sending.cancelled():
         sending.exception()  # it ended (cancelled or refused): nothing left to retrieve
