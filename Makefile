@@ -6,9 +6,10 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test bench soak check lint typecheck unit protos clean
 
-$(STAMP): requirements/dev.txt pyproject.toml scripts/bootstrap.sh scripts/install_etcd.sh scripts/install_node.sh clients/node/package-lock.json
+$(STAMP): requirements/dev.txt pyproject.toml scripts/bootstrap.sh scripts/install_etcd.sh scripts/install_postgres.sh scripts/install_node.sh clients/node/package-lock.json
 	bash scripts/bootstrap.sh $(VENV)
 	bash scripts/install_etcd.sh $(VENV)
+	bash scripts/install_postgres.sh
 	bash scripts/install_testbed_tools.sh
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements/dev.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .

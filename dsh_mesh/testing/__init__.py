@@ -3,7 +3,9 @@
 ``in_process_mesh`` runs a continuation manager on an in-memory store with a scripted provider.
 ``EtcdServer`` runs a real single-member etcd on fresh loopback ports for integration tests,
 with outage controls (``pause``, ``kill``, ``restart``); ``find_etcd_binary`` locates the binary
-that ``scripts/install_etcd.sh`` installs. ``LocalCluster`` runs real node processes against
+that ``scripts/install_etcd.sh`` installs. ``PostgresServer`` runs a real PostgreSQL the same way
+(fresh ``initdb``, fresh port), for the log store; ``find_postgres_bin_dir`` locates what
+``scripts/install_postgres.sh`` installs. ``LocalCluster`` runs real node processes against
 it on loopback. ``LocalPki`` is a throwaway CA that lets both run mutual TLS.
 ``MultiHostBed`` (root only) puts hosts in network namespaces on one bridge, with a three-member
 etcd cluster and one node per host, and has the faults to cut a host off, stop or kill an etcd
@@ -70,6 +72,12 @@ from dsh_mesh.testing._otlp import (
     render_trace_tree,
 )
 from dsh_mesh.testing._pki import LocalPki, TlsFiles
+from dsh_mesh.testing._postgres import (
+    PostgresNotFoundError,
+    PostgresServer,
+    PostgresServerError,
+    find_postgres_bin_dir,
+)
 from dsh_mesh.testing._proxy import ProxyStats, TcpProxy
 from dsh_mesh.testing._soak import FaultRunReport, fault_run
 from dsh_mesh.testing._testbed import (
@@ -127,6 +135,9 @@ __all__ = [
     "OtlpReceiver",
     "Outcome",
     "PatientReader",
+    "PostgresNotFoundError",
+    "PostgresServer",
+    "PostgresServerError",
     "ProxyStats",
     "RecordedRequest",
     "Reply",
@@ -150,6 +161,7 @@ __all__ = [
     "create_root",
     "fault_run",
     "find_etcd_binary",
+    "find_postgres_bin_dir",
     "in_process_mesh",
     "load_node_history",
     "otel_env",

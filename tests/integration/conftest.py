@@ -3,6 +3,8 @@
 ``etcd`` is one server for the whole session (or the one given by ``--etcd-endpoint``); tests
 share it, so each uses keys under its own unique prefix and never disturbs the process.
 ``etcd_server`` is a private server per test, for tests that pause, kill or restart etcd.
+``postgres`` is one PostgreSQL for the whole session, for the log store; each test takes a
+database of its own on it (``PostgresServer.create_database``).
 Every test under this directory is marked ``integration``.
 """
 
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dsh_mesh.testing import EtcdAddress, EtcdServer
+from dsh_mesh.testing import EtcdAddress, EtcdServer, PostgresServer
 
 INTEGRATION_DIR = Path(__file__).resolve().parent
 
@@ -46,4 +48,12 @@ def etcd(request: pytest.FixtureRequest) -> Iterator[EtcdAddress]:
 def etcd_server() -> Iterator[EtcdServer]:
     """A started etcd owned by this one test, stopped and reaped after it whatever happens."""
     with EtcdServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    """A PostgreSQL for the session, on a fresh loopback port. Shared: no test may stop it, and
+    each works in a database of its own."""
+    with PostgresServer() as server:
         yield server
