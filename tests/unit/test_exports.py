@@ -246,6 +246,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "DEFAULT_PAGE",
         "LogStore",
         "MemoryLogStore",
+        "PostgresLogStore",
         "SqliteLogStore",
         "Write",
         "Written",

@@ -1,35 +1,18 @@
-"""The log store's conformance suite: every backend keeps the same rules (ADR 0026).
-
-Fences: an activation writes under its own fence only; a new activation raises the fence before
-it reads, after which no older writer lands; a writer with no activation needs a fence at least
-as new as the session's. Appends are all or nothing, keyed appends are exactly-once, reads page.
-"""
+"""The log store's conformance suite (tests/logstore_conformance.py) on the backends that run
+without a server, in memory and SQLite, and what only SQLite does: two stores on one file, and
+everything kept across a reopen."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from dsh_mesh.core import (
-    ActivationFenced,
-    ActivationId,
-    DeliveryKind,
-    IdempotencyConflict,
-    Record,
-    SessionId,
-    SessionKind,
-    SettlementNoticeEntry,
-    SettlementOutcome,
-    TaskEntry,
-)
-from dsh_mesh.logstore import LogStore, MemoryLogStore, SqliteLogStore, Write
-from dsh_mesh.runtime import Acceptance, IdempotencyKey
-
-S = SessionId("s-1")
-OTHER = SessionId("s-2")
+from dsh_mesh.core import ActivationFenced
+from dsh_mesh.logstore import LogStore, MemoryLogStore, SqliteLogStore
+from dsh_mesh.runtime import IdempotencyKey
+from tests.logstore_conformance import LogStoreConformance, S, contents, keyed, task
 
 
 @pytest.fixture(params=["memory", "sqlite"])
@@ -41,142 +24,8 @@ async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator
         yield sqlite
 
 
-def task(text: str) -> Write:
-    return Write(entry=TaskEntry(content=text))
-
-
-def keyed(text: str, key: str, *, target: SessionId = S, principal: str = "s-9") -> Write:
-    asked = Acceptance(
-        target=target,
-        seq=0,
-        target_activation=ActivationId("a-1"),
-        kind=DeliveryKind.STEERED,
-        fingerprint=f"fp {text}",
-    )
-    return Write(
-        entry=TaskEntry(content=text),
-        idempotency=(IdempotencyKey(principal=principal, key=key), asked),
-    )
-
-
-def contents(records: Sequence[Record]) -> list[str]:
-    return [r.entry.content if isinstance(r.entry, TaskEntry) else "" for r in records]
-
-
-async def test_an_activation_writes_under_its_own_fence(store: LogStore) -> None:
-    assert await store.raise_fence(S, 10) == 10
-    [written] = await store.append(S, [task("one")], fence=10)
-    assert written.record.seq == 1 and written.known is None
-    assert written.record.recorded_at is not None
-    with pytest.raises(ActivationFenced):
-        await store.append(S, [task("stale")], fence=7)
-    with pytest.raises(ActivationFenced):
-        await store.append(S, [task("from the future")], fence=11)
-    assert contents(await store.read(S)) == ["one"]
-
-
-async def test_a_stale_writer_lands_before_the_raise_and_is_refused_after_it(
-    store: LogStore,
-) -> None:
-    await store.raise_fence(S, 10)
-    await store.append(S, [task("before")], fence=10)  # the old activation, before the raise
-    assert await store.raise_fence(S, 20) == 20  # the new activation, then it reads
-    seen = await store.read(S)
-    with pytest.raises(ActivationFenced):
-        await store.append(S, [task("after")], fence=10)
-    assert contents(seen) == ["before"] == contents(await store.read(S))
-
-
-async def test_the_fence_never_goes_down(store: LogStore) -> None:
-    assert await store.raise_fence(S, 20) == 20
-    assert await store.raise_fence(S, 10) == 20  # an activation already stale: it must stop
-    assert await store.raise_fence(OTHER, 5) == 5  # fences are per session
-
-
-async def test_a_batch_lands_whole_or_not_at_all(store: LogStore) -> None:
-    await store.raise_fence(S, 10)
-    written = await store.append(S, [task("a"), task("b"), task("c")], fence=10)
-    assert [w.record.seq for w in written] == [1, 2, 3]
-    await store.raise_fence(S, 20)
-    with pytest.raises(ActivationFenced):
-        await store.append(S, [task("d"), task("e")], fence=10)
-    assert contents(await store.read(S)) == ["a", "b", "c"]
-
-
-async def test_a_writer_with_no_activation_needs_a_revision_as_new_as_the_fence(
-    store: LogStore,
-) -> None:
-    await store.raise_fence(S, 10)
-    with pytest.raises(ActivationFenced):  # it saw the session absent before activation 10
-        await store.append(S, [task("late notice")], fence=5, unfenced=True)
-    await store.append(S, [task("notice")], fence=15, unfenced=True)  # saw it absent at 15
-    with pytest.raises(ActivationFenced):  # activation 10 ended before 15: it is stale now
-        await store.append(S, [task("zombie")], fence=10)
-    with pytest.raises(ActivationFenced):  # a second writer that looked earlier looks again
-        await store.append(S, [task("older look")], fence=12, unfenced=True)
-    await store.append(S, [task("same look")], fence=15, unfenced=True)
-    assert await store.raise_fence(S, 30) == 30  # the next activation comes after both
-    with pytest.raises(ActivationFenced):
-        await store.append(S, [task("too late")], fence=15, unfenced=True)
-    assert contents(await store.read(S)) == ["notice", "same look"]
-
-
-async def test_a_keyed_write_lands_once_and_answers_its_first_acceptance(store: LogStore) -> None:
-    await store.raise_fence(S, 10)
-    [first] = await store.append(S, [keyed("hello", "k")], fence=10)
-    assert first.known is None
-    [again] = await store.append(S, [keyed("hello", "k")], fence=10)
-    assert again.known is not None and again.known.seq == first.record.seq == 1
-    assert again.record == first.record
-    assert await store.lookup(IdempotencyKey(principal="s-9", key="k")) == again.known
-    with pytest.raises(IdempotencyConflict):
-        await store.append(S, [keyed("another message", "k")], fence=10)
-    assert contents(await store.read(S)) == ["hello"]
-
-
-async def test_a_known_key_answers_even_a_stale_writer(store: LogStore) -> None:
-    await store.raise_fence(S, 10)
-    await store.append(S, [keyed("hello", "k")], fence=10)
-    await store.raise_fence(S, 20)
-    [again] = await store.append(S, [keyed("hello", "k")], fence=10)  # nothing to write
-    assert again.known is not None and again.record.seq == 1
-
-
-async def test_a_key_twice_in_one_batch_is_written_once(store: LogStore) -> None:
-    await store.raise_fence(S, 10)
-    one, two = await store.append(S, [keyed("x", "k"), keyed("x", "k")], fence=10)
-    assert one.known is None and two.known is not None
-    assert two.record == one.record
-    assert contents(await store.read(S)) == ["x"]
-
-
-async def test_reads_page_in_seq_order(store: LogStore) -> None:
-    await store.raise_fence(S, 10)
-    await store.append(S, [task(str(n)) for n in range(1, 8)], fence=10)
-    assert [r.seq for r in await store.read(S, after_seq=2, limit=3)] == [3, 4, 5]
-    assert [r.seq for r in await store.read(S, after_seq=5)] == [6, 7]
-    assert await store.read(S, after_seq=7) == []
-    assert await store.read(OTHER) == []
-
-
-async def test_entries_round_trip_whole(store: LogStore) -> None:
-    notice = SettlementNoticeEntry(
-        child_session=OTHER,
-        child_activation=ActivationId("a-7"),
-        child_kind=SessionKind.CONTINUABLE_CHILD,
-        outcome=SettlementOutcome.LOST,
-        terminal_output="last words",
-        detail="host n-2 went away",
-    )
-    await store.append(S, [Write(entry=notice)], fence=3, unfenced=True)
-    [record] = await store.read(S)
-    assert record.entry == notice
-
-
-async def test_concurrent_appends_get_distinct_seqs(store: LogStore) -> None:
-    await store.raise_fence(S, 10)
-    await asyncio.gather(*(store.append(S, [task(str(n))], fence=10) for n in range(20)))
-    assert [r.seq for r in await store.read(S)] == list(range(1, 21))
+class TestConformance(LogStoreConformance):
+    """The shared suite, in memory and on SQLite."""
 
 
 async def test_two_stores_on_one_sqlite_file_share_the_fence(tmp_path: Path) -> None:

@@ -1,0 +1,334 @@
+"""The log store in PostgreSQL: one database shared by the nodes of every host (ADR 0026, 0027).
+
+Each store object owns an asyncpg pool. An append is one transaction at PostgreSQL's default
+isolation (read committed): it locks the session's fence row first, so appends to one session,
+and a raise of its fence, take turns on that row, whichever node or process they come from.
+Appends to different sessions do not wait for each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime, timedelta
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+
+from dsh_mesh.core import Record, RegistryUnavailable, SessionId
+from dsh_mesh.logstore._batch import plan_append
+from dsh_mesh.logstore._protocol import DEFAULT_PAGE, Write, Written
+from dsh_mesh.registry import decode_acceptance, decode_record, encode_acceptance, encode_entry
+from dsh_mesh.runtime import Acceptance, IdempotencyKey
+
+_SCHEMA_LOCK = 0x64_73_68_6C_6F_67  # "dshlog": any constant all stores agree on
+_SCHEMA = (
+    "CREATE TABLE IF NOT EXISTS fences (session TEXT PRIMARY KEY, fence BIGINT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS entries ("
+    " session TEXT NOT NULL, seq BIGINT NOT NULL, data BYTEA NOT NULL,"
+    " PRIMARY KEY (session, seq))",
+    "CREATE TABLE IF NOT EXISTS idempotency ("
+    " principal TEXT NOT NULL, key TEXT NOT NULL, data BYTEA NOT NULL,"
+    " PRIMARY KEY (principal, key))",
+)
+_ENSURE_FENCE = "INSERT INTO fences (session, fence) VALUES ($1, 0) ON CONFLICT DO NOTHING"
+_LOCK_FENCE = "SELECT fence FROM fences WHERE session = $1 FOR UPDATE"
+_LAST_SEQ = "SELECT max(seq) FROM entries WHERE session = $1"
+_KNOWN_KEYS = (
+    "SELECT i.principal, i.key, i.data FROM idempotency i"
+    " JOIN unnest($1::text[], $2::text[]) AS k (principal, key)"
+    " ON i.principal = k.principal AND i.key = k.key"
+)
+_RECORDS_AT = (
+    "SELECT e.session, e.seq, e.data FROM entries e"
+    " JOIN unnest($1::text[], $2::bigint[]) AS r (session, seq)"
+    " ON e.session = r.session AND e.seq = r.seq"
+)
+_INSERT_ENTRIES = (
+    "INSERT INTO entries (session, seq, data)"
+    " SELECT $1, seq, data FROM unnest($2::bigint[], $3::bytea[]) AS n (seq, data)"
+)
+_INSERT_KEYS = (
+    "INSERT INTO idempotency (principal, key, data)"
+    " SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[])"
+)
+_SET_FENCE = "UPDATE fences SET fence = $2 WHERE session = $1"
+_RAISE_FENCE = (
+    "INSERT INTO fences (session, fence) VALUES ($1, $2)"
+    " ON CONFLICT (session) DO UPDATE SET fence = GREATEST(fences.fence, EXCLUDED.fence)"
+    " RETURNING fence"
+)
+_READ = "SELECT seq, data FROM entries WHERE session = $1 AND seq > $2 ORDER BY seq LIMIT $3"
+_LOOKUP = "SELECT data FROM idempotency WHERE principal = $1 AND key = $2"
+
+_PASSWORD_SETTING = re.compile(r"password\s*=\s*('(?:[^'\\]|\\.)*'|\S+)")
+_RACE_ATTEMPTS = 3
+"""Tries of an append that lost a race it cannot see under its own lock: another session's
+append inserting the same idempotency key at once, or a deadlock between two such appends."""
+
+# The failures of the connection or the server, not of the request: retry the same request.
+_UNAVAILABLE: tuple[type[BaseException], ...] = (
+    OSError,  # refused, reset, unreachable
+    TimeoutError,  # connect, pool acquire or a statement past call_timeout
+    asyncpg.PostgresConnectionError,  # class 08: the connection broke or was refused
+    asyncpg.exceptions.OperatorInterventionError,  # class 57: shutting down, not yet up
+    asyncpg.exceptions.InsufficientResourcesError,  # class 53: too many connections, disk full
+)
+
+
+class PostgresLogStore:
+    """A :class:`LogStore` in the PostgreSQL database at ``dsn``, shared by every node that
+    names it. Its tables are created when the store opens (on ``async with`` or the first call).
+
+    ``pool_size`` bounds this store's connections; ``call_timeout`` bounds each connect, each
+    wait for a pooled connection and each statement. A connection that fails or times out
+    raises ``RegistryUnavailable`` (retryable; the cause chained). As with any database, a
+    commit cut off mid-way leaves the caller in doubt: the append may have landed, so a retry
+    with the same idempotency key answers it, and an unkeyed one may write twice.
+
+    Safe to call concurrently from one event loop. :meth:`aclose` is idempotent."""
+
+    def __init__(
+        self, *, dsn: str, pool_size: int = 8, call_timeout: timedelta = timedelta(seconds=5)
+    ) -> None:
+        if pool_size < 1:
+            raise ValueError("pool_size must be at least 1")
+        if call_timeout <= timedelta(0):
+            raise ValueError("call_timeout must be positive")
+        self.dsn = dsn
+        self._where = _without_password(dsn)
+        self._pool_size = pool_size
+        self._timeout = call_timeout.total_seconds()
+        self._pool: asyncpg.Pool | None = None
+        self._opening = asyncio.Lock()
+        self._closed = False
+
+    async def __aenter__(self) -> PostgresLogStore:
+        await self._ready_pool()
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.aclose()
+
+    async def raise_fence(self, session: SessionId, fence: int) -> int:
+        async with self._connection() as db:
+            raised: int = await db.fetchval(_RAISE_FENCE, session, fence)
+            return raised
+
+    async def append(
+        self, session: SessionId, writes: Sequence[Write], *, fence: int, unfenced: bool = False
+    ) -> list[Written]:
+        keys = [w.idempotency[0] for w in writes if w.idempotency is not None]
+        attempt = 1
+        while True:
+            try:
+                return await self._append_once(session, writes, keys, fence, unfenced)
+            except (
+                asyncpg.UniqueViolationError,
+                asyncpg.exceptions.TransactionRollbackError,
+            ) as race:
+                # Rolled back whole; the next try sees the other append's keys as known.
+                if not _lost_race(race):
+                    raise
+                if attempt == _RACE_ATTEMPTS:
+                    raise RegistryUnavailable(
+                        f"the log store at {self._where}: an append to {session} lost"
+                        f" {_RACE_ATTEMPTS} races in a row: {race}"
+                    ) from race
+                attempt += 1
+
+    async def read(
+        self, session: SessionId, *, after_seq: int = 0, limit: int = DEFAULT_PAGE
+    ) -> list[Record]:
+        async with self._connection() as db:
+            rows = await db.fetch(_READ, session, after_seq, limit)
+        return [decode_record(row[0], row[1]) for row in rows]
+
+    async def lookup(self, key: IdempotencyKey) -> Acceptance | None:
+        async with self._connection() as db:
+            data: bytes | None = await db.fetchval(_LOOKUP, key.principal, key.key)
+        return None if data is None else decode_acceptance(data)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        async with self._opening:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            try:
+                await asyncio.wait_for(pool.close(), self._timeout)
+            except _UNAVAILABLE:
+                pool.terminate()  # the server is gone or stuck: drop the sockets
+
+    async def _append_once(
+        self,
+        session: SessionId,
+        writes: Sequence[Write],
+        keys: list[IdempotencyKey],
+        fence: int,
+        unfenced: bool,
+    ) -> list[Written]:
+        async with self._connection() as db, db.transaction():
+            await db.execute(_ENSURE_FENCE, session)
+            current: int = await db.fetchval(_LOCK_FENCE, session)
+            # Read committed: each statement below sees every transaction committed before it
+            # started, so also the append that held the lock we waited for. (One statement
+            # that locked and read max(seq) at once would read with its snapshot from before
+            # the wait, and miss it.)
+            last: int | None = await db.fetchval(_LAST_SEQ, session)
+            known = await _known(db, keys)
+            plan = plan_append(
+                session,
+                writes,
+                fence=fence,
+                unfenced=unfenced,
+                current_fence=current,
+                last_seq=last or 0,
+                known=known.get,
+                now=datetime.now(UTC),
+            )
+            if plan.records:
+                await db.execute(
+                    _INSERT_ENTRIES,
+                    session,
+                    [record.seq for record, _ in plan.records],
+                    [encode_entry(r.entry, recorded_at=r.recorded_at) for r, _ in plan.records],
+                )
+            guards = [guard for _, guard in plan.records if guard is not None]
+            if guards:
+                await db.execute(
+                    _INSERT_KEYS,
+                    [key.principal for key, _ in guards],
+                    [key.key for key, _ in guards],
+                    [encode_acceptance(acceptance) for _, acceptance in guards],
+                )
+            if plan.new_fence is not None:
+                await db.execute(_SET_FENCE, session, plan.new_fence)
+            return plan.written
+
+    @asynccontextmanager
+    async def _connection(self) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
+        """A pooled connection; a failure of the connection or the server raises
+        ``RegistryUnavailable`` from it."""
+        pool = await self._ready_pool()
+        try:
+            async with pool.acquire(timeout=self._timeout) as db:
+                yield db
+        except _UNAVAILABLE as failure:
+            raise self._unavailable(failure) from failure
+        except asyncpg.InterfaceError as failure:
+            # Raised when a connection that broke is touched again (rolling back the
+            # transaction it was in, say): an outage if it broke, a bug in this module if not.
+            broke = _connection_failure(failure)
+            if broke is None:
+                raise
+            raise self._unavailable(broke) from broke
+
+    async def _ready_pool(self) -> asyncpg.Pool:
+        """The pool, opened (with the schema) by the first caller; a failed open is tried
+        again by the next call."""
+        if self._closed:
+            raise RegistryUnavailable(f"the log store at {self._where} is closed")
+        if self._pool is not None:
+            return self._pool
+        async with self._opening:
+            if self._closed:
+                raise RegistryUnavailable(f"the log store at {self._where} is closed")
+            if self._pool is None:
+                self._pool = await self._open()
+            return self._pool
+
+    async def _open(self) -> asyncpg.Pool:
+        pool = asyncpg.create_pool(
+            self.dsn,
+            # No floor: with one, asyncpg keeps a task reconnecting through an outage, logging
+            # a warning each time; without, a call that needs a connection makes it.
+            min_size=0,
+            max_size=self._pool_size,
+            timeout=self._timeout,  # to connect
+            command_timeout=self._timeout,  # every statement
+        )
+        opened = False
+        try:
+            await pool
+            async with pool.acquire(timeout=self._timeout) as db, db.transaction():
+                # CREATE TABLE IF NOT EXISTS races itself when two nodes open one new
+                # database at once (both pass the check, one fails on the catalog's unique
+                # index); a lock held until commit makes them take turns.
+                await db.execute("SELECT pg_advisory_xact_lock($1)", _SCHEMA_LOCK)
+                for statement in _SCHEMA:
+                    await db.execute(statement)
+            opened = True
+        except _UNAVAILABLE as failure:
+            raise self._unavailable(failure) from failure
+        finally:
+            if not opened:
+                pool.terminate()
+        return pool
+
+    def _unavailable(self, failure: BaseException) -> RegistryUnavailable:
+        detail = str(failure) or type(failure).__name__
+        return RegistryUnavailable(f"the log store at {self._where}: {detail}")
+
+
+async def _known(
+    db: asyncpg.pool.PoolConnectionProxy, keys: Sequence[IdempotencyKey]
+) -> dict[IdempotencyKey, tuple[Acceptance, Record]]:
+    """The first acceptance under each of ``keys`` recorded before, with its record."""
+    if not keys:
+        return {}
+    rows = await db.fetch(_KNOWN_KEYS, [k.principal for k in keys], [k.key for k in keys])
+    accepted = {
+        IdempotencyKey(principal=row[0], key=row[1]): decode_acceptance(row[2]) for row in rows
+    }
+    if not accepted:
+        return {}
+    records = {
+        (row[0], row[1]): decode_record(row[1], row[2])
+        for row in await db.fetch(
+            _RECORDS_AT,
+            [a.target for a in accepted.values()],
+            [a.seq for a in accepted.values()],
+        )
+    }
+    return {key: (a, records[(a.target, a.seq)]) for key, a in accepted.items()}
+
+
+def _connection_failure(failure: BaseException) -> BaseException | None:
+    """The failure of the connection or the server that ``failure`` was raised during (its
+    ``__cause__`` or ``__context__``, at any depth), if any."""
+    seen: BaseException | None = failure
+    while seen is not None:
+        if isinstance(seen, _UNAVAILABLE):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _lost_race(failure: asyncpg.PostgresError) -> bool:
+    """A failure that another transaction caused, which a new try gets past: a deadlock or a
+    serialization failure, or the same idempotency key inserted by an append to another
+    session (under its own fence lock, not ours). A duplicate seq would be a bug: not a race."""
+    if isinstance(failure, asyncpg.UniqueViolationError):
+        return failure.constraint_name == "idempotency_pkey"
+    return True
+
+
+def _without_password(dsn: str) -> str:
+    """``dsn`` fit for an error message: the password left out, in a URL or in
+    ``key=value`` form, and a URL's query (which may carry one) too."""
+    if "://" not in dsn:
+        return _PASSWORD_SETTING.sub("password=...", dsn)
+    try:
+        parts = urlsplit(dsn)
+        host = parts.hostname or ""
+        port = parts.port
+    except ValueError:
+        return "(an unparsable DSN)"
+    netloc = f"{parts.username}@{host}" if parts.username else host
+    if port is not None:
+        netloc += f":{port}"
+    return urlunsplit(parts._replace(netloc=netloc, query=""))
