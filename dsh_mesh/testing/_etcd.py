@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import tempfile
@@ -28,6 +27,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Self
 
+from dsh_mesh.testing._processes import free_ports, kill_and_reap, log_tail
+
 if TYPE_CHECKING:
     from dsh_mesh.testing._pki import LocalPki, TlsFiles
 
@@ -36,7 +37,6 @@ _POLL_INTERVAL = 0.02
 _HEALTH_REQUEST_TIMEOUT = 0.5
 _STOP_GRACE = 3.0
 _PORT_ATTEMPTS = 5
-_LOG_TAIL_LINES = 40
 # etcd reads ETCD_<FLAG> from the environment; a developer's settings must not leak into a test
 # server. The one kept is the opt-in etcd 3.4 wants before it runs on arm64 and other platforms.
 _KEPT_ETCD_ENV = {"ETCD_UNSUPPORTED_ARCH"}
@@ -286,7 +286,7 @@ class EtcdServer:
             started = False
             try:
                 for attempt in range(_PORT_ATTEMPTS):
-                    self._client_port, self._peer_port = _free_ports(2)
+                    self._client_port, self._peer_port = free_ports(2)
                     try:
                         self._launch_and_wait()
                     except _AddressInUse:
@@ -358,7 +358,7 @@ class EtcdServer:
         with self._lock:
             process = self._process
             if process is not None:
-                _kill_and_reap(process)
+                kill_and_reap(process)
             self._process = None
             self._paused = False
 
@@ -501,36 +501,11 @@ class EtcdServer:
                 time.sleep(_POLL_INTERVAL)
         finally:
             if not healthy:
-                _kill_and_reap(process)
+                kill_and_reap(process)
                 self._process = None
 
     def _log_tail(self) -> str:
-        try:
-            lines = self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()
-        except OSError:
-            return ""
-        tail = "\n".join(lines[-_LOG_TAIL_LINES:])
-        return f"\n--- last lines of {self.log_path}:\n{tail}"
-
-
-def _free_ports(count: int) -> tuple[int, ...]:
-    """Ports the kernel just handed out for port 0. Holding all sockets open until every port
-    is chosen keeps them distinct; another process may still take one before etcd binds it,
-    which start() notices and retries."""
-    with contextlib.ExitStack() as stack:
-        ports = []
-        for _ in range(count):
-            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            sock.bind((_LOOPBACK, 0))
-            ports.append(int(sock.getsockname()[1]))
-        return tuple(ports)
-
-
-def _kill_and_reap(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            process.kill()
-    process.wait()
+        return log_tail(self.log_path)
 
 
 def _terminate_and_reap(process: subprocess.Popen[bytes], *, paused: bool) -> None:
@@ -544,7 +519,7 @@ def _terminate_and_reap(process: subprocess.Popen[bytes], *, paused: bool) -> No
         try:
             process.wait(timeout=_STOP_GRACE)
         except subprocess.TimeoutExpired:
-            _kill_and_reap(process)
+            kill_and_reap(process)
     process.wait()
 
 

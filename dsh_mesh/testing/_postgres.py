@@ -29,7 +29,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from dsh_mesh.testing._etcd import _free_ports
+from dsh_mesh.testing._processes import free_ports, kill_and_reap, log_tail
 
 _LOOPBACK = "127.0.0.1"
 _SUPERUSER = "postgres"
@@ -38,7 +38,6 @@ _DEBIAN_BIN_DIRS = Path("/usr/lib/postgresql")
 _WAIT_SLICE = 0.05
 _STOP_GRACE = 5.0
 _PORT_ATTEMPTS = 5
-_LOG_TAIL_LINES = 40
 _DATABASE_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 
 
@@ -204,7 +203,7 @@ class PostgresServer:
                 self._hand_over(self._tmpdir)
                 self._initdb()
                 for attempt in range(_PORT_ATTEMPTS):
-                    (self._port,) = _free_ports(1)
+                    (self._port,) = free_ports(1)
                     if self._launch_and_wait():
                         started = True
                         return
@@ -253,7 +252,7 @@ class PostgresServer:
         try:
             status = process.wait(timeout=self._startup_timeout)
         except subprocess.TimeoutExpired:
-            _kill_and_reap(process)
+            kill_and_reap(process)
             raise PostgresServerError(f"psql hung on {sql!r}" + self._log_tail()) from None
         if status != 0:
             raise PostgresServerError(f"psql failed on {sql!r}" + self._log_tail())
@@ -378,7 +377,7 @@ class PostgresServer:
         try:
             status = process.wait(timeout=self._startup_timeout)
         except subprocess.TimeoutExpired:
-            _kill_and_reap(process)
+            kill_and_reap(process)
             raise PostgresServerError(
                 f"initdb did not finish in {self._startup_timeout:g} s" + self._log_tail()
             ) from None
@@ -460,19 +459,7 @@ class PostgresServer:
             return ""
 
     def _log_tail(self) -> str:
-        try:
-            lines = self.log_path.read_text(encoding="utf-8", errors="replace").splitlines()
-        except OSError:
-            return ""
-        tail = "\n".join(lines[-_LOG_TAIL_LINES:])
-        return f"\n--- last lines of {self.log_path}:\n{tail}"
-
-
-def _kill_and_reap(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            process.kill()
-    process.wait()
+        return log_tail(self.log_path)
 
 
 def _stop_and_reap(process: subprocess.Popen[bytes]) -> None:
