@@ -12,11 +12,13 @@ import asyncio
 import contextlib
 import enum
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
-from dsh_mesh.core import InboxFull, NodeId, NodeOverloaded, Record, SessionId
+from dsh_mesh.core import DetachedWork, InboxFull, NodeId, NodeOverloaded, Record, SessionId
+
+T = TypeVar("T")
 
 
 class _Hold(enum.Enum):
@@ -67,6 +69,17 @@ class Reservation:
         """Release the hold (unless handed over or bound) when ``work`` ends: work cancelled
         before it ran (at shutdown) never entered the block that would release it."""
         work.add_done_callback(lambda _: self.end())
+
+    async def hand_to(
+        self, work: DetachedWork, accepting: Callable[[Reservation], Coroutine[Any, Any, T]]
+    ) -> T:
+        """Hand the hold over to ``accepting(hold)``, run detached by ``work`` to its end whatever
+        this caller does, and await it. The hold is released by that work's block or its
+        record's admission, or (cancelled before it ran) when its task ends."""
+        handed = self.hand_over()
+        task = work.start(accepting(handed))
+        handed.ends_with(task)
+        return await asyncio.shield(task)
 
     def hand_over(self) -> Reservation:
         """Pass the hold to a new owner (work that runs on after this block, whatever its

@@ -3,7 +3,6 @@ the target, here or on the node that hosts it."""
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 
 from dsh_mesh import telemetry
@@ -254,12 +253,12 @@ class Deliveries:
             # The point of no return: acceptance runs to completion even if the caller is
             # cancelled now; the reservation is the acceptance's to release from here (or,
             # cancelled at shutdown before it ran at all, its task's end releases it).
-            handed = reservation.hand_over()
-            accepting = self._work.start(
-                self._acceptor.accept(agent, send.entry, kind, send.key, acceptance, handed)
+            return await reservation.hand_to(
+                self._work,
+                lambda handed: self._acceptor.accept(
+                    agent, send.entry, kind, send.key, acceptance, handed
+                ),
             )
-            handed.ends_with(accepting)
-            return await asyncio.shield(accepting)
 
     async def _hand_on(self, send: Send, elsewhere: TargetElsewhere) -> Delivery:
         """Hand ``send`` to the node ``elsewhere`` names; route it again from the start when

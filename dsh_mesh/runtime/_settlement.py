@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Sequence
 from datetime import timedelta
@@ -178,10 +179,9 @@ class Settlements:
                 # Like a send's acceptance, the delivery runs to completion once it began: a
                 # caller that goes away (the child's host died mid-call) must not leave a
                 # durable notice that its parent never reads and a "lost" one after it.
-                handed = self._admission.reserve(parent).hand_over()
-                accepting = self._work.start(self._accept(agent, notice, key, handed))
-                handed.ends_with(accepting)
-                await asyncio.shield(accepting)
+                await self._admission.reserve(parent).hand_to(
+                    self._work, functools.partial(self._accept, agent, notice, key)
+                )
                 return
             if agent is not None:
                 await agent.wait_released()

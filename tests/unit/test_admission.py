@@ -13,6 +13,7 @@ from dsh_mesh.core import (
     Aborted,
     Activation,
     ActivationId,
+    DetachedWork,
     HumanPromptEntry,
     InboxFull,
     NodeId,
@@ -157,6 +158,39 @@ async def test_a_hold_handed_to_work_is_released_once_however_the_work_ends(
             await task
     else:
         await task
+    await asyncio.sleep(0)  # the task's done callbacks
+    assert releases[T] == 1 and book.may_settle(T)
+
+
+@pytest.mark.parametrize("cancelled_before_it_ran", [True, False])
+async def test_a_hold_handed_to_detached_work_is_released_once(
+    cancelled_before_it_ran: bool,
+) -> None:
+    """``hand_to`` as the send and notice paths use it: the owner's shutdown cancels the work
+    before its first step, or the work runs and releases the hold itself; one release."""
+    releases: Counter[SessionId] = Counter()
+    book = ledger(releases)
+    work = DetachedWork()
+
+    async def accept(reservation: Reservation) -> str:
+        with reservation:
+            await asyncio.sleep(0)
+        return "accepted"
+
+    async def send() -> str:
+        with book.reserve(T) as reservation:
+            return await reservation.hand_to(work, accept)
+
+    caller = asyncio.create_task(send())
+    await asyncio.sleep(0)  # the caller handed its hold over; the work has not run yet
+    assert releases[T] == 0 and len(work) == 1
+    if cancelled_before_it_ran:
+        work.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+    else:
+        assert await caller == "accepted"
+    await work.wait()
     await asyncio.sleep(0)  # the task's done callbacks
     assert releases[T] == 1 and book.may_settle(T)
 
