@@ -49,7 +49,7 @@ class SqliteLogStore:
         self._closed = False
 
     async def __aenter__(self) -> SqliteLogStore:
-        await self._run(self._open)
+        await self._run(lambda _: None)  # opens the file and creates the schema
         return self
 
     async def __aexit__(self, *_: object) -> None:
@@ -95,10 +95,9 @@ class SqliteLogStore:
                 db.executemany(
                     "INSERT INTO idempotency (principal, key, data) VALUES (?, ?, ?)",
                     [
-                        (key.principal, key.key, encode_acceptance(acceptance))
+                        (guard[0].principal, guard[0].key, encode_acceptance(guard[1]))
                         for _, guard in plan.records
                         if guard is not None
-                        for key, acceptance in (guard,)
                     ],
                 )
                 if plan.new_fence is not None:
@@ -156,7 +155,7 @@ class SqliteLogStore:
         except sqlite3.OperationalError as failure:  # locked past the busy timeout, disk full
             raise RegistryUnavailable(f"the log store {self.path}: {failure}") from failure
 
-    def _open(self, _: object = None) -> sqlite3.Connection:
+    def _open(self) -> sqlite3.Connection:
         if self._connection is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=True)

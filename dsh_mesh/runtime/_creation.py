@@ -44,7 +44,7 @@ from dsh_mesh.runtime._placement import Placement
 from dsh_mesh.runtime._residency import Residency
 from dsh_mesh.runtime._store import Acceptance, IdempotencyKey, SessionStore
 from dsh_mesh.runtime._writes import OutageTolerantWriter
-from dsh_mesh.tools import ChildKind, ToolRegistry, child_task
+from dsh_mesh.tools import ChildKind, ToolRegistry, ToolSet, child_task
 
 _log = logging.getLogger(__name__)
 
@@ -209,12 +209,18 @@ class Creations:
             self._children.track(parent.session_id, session, current.activation_id)
         return session
 
-    def _child_task(self, header: SessionHeader, task: str) -> str:
-        """A continuable child's task with its return instruction (contract rule 7)."""
+    def _child_task(self, header: SessionHeader, task: str, tools: ToolSet | None = None) -> str:
+        """A continuable child's task with its return instruction (contract rule 7), given
+        the child's ``tools`` (resolved from its header when not given)."""
         if header.kind is not SessionKind.CONTINUABLE_CHILD or header.parent_session is None:
             return task
-        visible = self._residency.resolve_tools(header, None).standard_send_message_visible
-        return child_task(task, header.parent_session, standard_send_message_visible=visible)
+        if tools is None:
+            tools = self._residency.resolve_tools(header, None)
+        return child_task(
+            task,
+            header.parent_session,
+            standard_send_message_visible=tools.standard_send_message_visible,
+        )
 
     async def _write_creation(self, session: SessionId, entries: Sequence[Entry]) -> None:
         """Write a new child's first entries (a fork's prefix, its task) before it has an
@@ -353,12 +359,7 @@ class Creations:
         agent = self._residency.make_agent(header, activation, (), None)
         for entry in first:
             agent.record(await self._writer.append(agent, entry))
-        if header.kind is SessionKind.CONTINUABLE_CHILD and header.parent_session is not None:
-            task = child_task(
-                task,
-                header.parent_session,
-                standard_send_message_visible=agent.tools.standard_send_message_visible,
-            )
+        task = self._child_task(header, task, agent.tools)
         agent.deliver(await self._writer.append(agent, TaskEntry(content=task)))
         self._residency.start(agent)
         return agent
