@@ -29,8 +29,7 @@ from dsh_mesh.core import (
     SettlementOutcome,
     TaskEntry,
 )
-from dsh_mesh.logstore import LogStore, Write
-from dsh_mesh.runtime import Acceptance, IdempotencyKey
+from dsh_mesh.runtime import Acceptance, IdempotencyKey, LogStore, Write
 
 S = SessionId("s-1")
 OTHER = SessionId("s-2")

@@ -8,8 +8,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from dsh_mesh.core import ActivationFenced, Record, SessionId
-from dsh_mesh.logstore._protocol import Write, Written
-from dsh_mesh.runtime import Acceptance, IdempotencyKey, check_same_request
+from dsh_mesh.runtime import Acceptance, IdempotencyKey, Write, Written, check_same_request
 
 
 @dataclass(frozen=True, kw_only=True)

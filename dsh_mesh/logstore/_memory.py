@@ -7,8 +7,7 @@ from datetime import UTC, datetime
 
 from dsh_mesh.core import Record, SessionId
 from dsh_mesh.logstore._batch import plan_append
-from dsh_mesh.logstore._protocol import DEFAULT_PAGE, Write, Written
-from dsh_mesh.runtime import Acceptance, IdempotencyKey
+from dsh_mesh.runtime import DEFAULT_PAGE, Acceptance, IdempotencyKey, Write, Written
 
 
 class MemoryLogStore:

@@ -19,9 +19,8 @@ import asyncpg
 
 from dsh_mesh.core import Record, RegistryUnavailable, SessionId
 from dsh_mesh.logstore._batch import plan_append
-from dsh_mesh.logstore._protocol import DEFAULT_PAGE, Write, Written
 from dsh_mesh.registry import decode_acceptance, decode_record, encode_acceptance, encode_entry
-from dsh_mesh.runtime import Acceptance, IdempotencyKey
+from dsh_mesh.runtime import DEFAULT_PAGE, Acceptance, IdempotencyKey, Write, Written
 
 _SCHEMA_LOCK = 0x64_73_68_6C_6F_67  # "dshlog": any constant all stores agree on
 _SCHEMA = (

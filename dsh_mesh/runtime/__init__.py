@@ -2,6 +2,7 @@
 
 from dsh_mesh.runtime._config import ManagerConfig
 from dsh_mesh.runtime._departure import Departed, unless_departed
+from dsh_mesh.runtime._log import DEFAULT_PAGE, Logged, LogStore, Write, Written
 from dsh_mesh.runtime._manager import ContinuationManager
 from dsh_mesh.runtime._memory_store import InMemorySessionStore
 from dsh_mesh.runtime._recording import HistoryLog, RecordingStore
@@ -15,6 +16,7 @@ from dsh_mesh.runtime._store import (
 )
 
 __all__ = [
+    "DEFAULT_PAGE",
     "MAX_HOPS",
     "Acceptance",
     "ContinuationManager",
@@ -22,11 +24,15 @@ __all__ = [
     "HistoryLog",
     "IdempotencyKey",
     "InMemorySessionStore",
+    "LogStore",
+    "Logged",
     "ManagerConfig",
     "RecordingStore",
     "Resumption",
     "Router",
     "SessionStore",
+    "Write",
+    "Written",
     "check_same_request",
     "unless_departed",
 ]

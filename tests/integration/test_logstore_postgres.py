@@ -16,9 +16,9 @@ import asyncpg
 import pytest
 
 from dsh_mesh.core import ActivationFenced, RegistryUnavailable, TaskEntry
-from dsh_mesh.logstore import LogStore, PostgresLogStore
+from dsh_mesh.logstore import PostgresLogStore
 from dsh_mesh.registry import encode_acceptance, encode_entry
-from dsh_mesh.runtime import IdempotencyKey
+from dsh_mesh.runtime import IdempotencyKey, LogStore
 from dsh_mesh.testing import PostgresServer
 from tests.logstore_conformance import OTHER, LogStoreConformance, S, contents, keyed, task
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from dsh_mesh.core import ActivationFenced
-from dsh_mesh.logstore import LogStore, MemoryLogStore, SqliteLogStore
-from dsh_mesh.runtime import IdempotencyKey
+from dsh_mesh.logstore import MemoryLogStore, SqliteLogStore
+from dsh_mesh.runtime import IdempotencyKey, LogStore
 from tests.logstore_conformance import LogStoreConformance, S, contents, keyed, task
 
 

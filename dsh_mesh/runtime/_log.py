@@ -1,13 +1,14 @@
-"""The log store: transcripts and idempotency records, fenced by etcd revisions (ADR 0026)."""
+"""The log store a session store keeps transcripts and idempotency records in, fenced by etcd
+revisions (ADR 0026); its backends are the ``dsh_mesh.logstore`` package."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from dsh_mesh.core import Entry, Record, SessionId
-from dsh_mesh.runtime import Acceptance, IdempotencyKey
+from dsh_mesh.runtime._store import Acceptance, IdempotencyKey
 
 DEFAULT_PAGE = 500
 """Records one :meth:`LogStore.read` returns when no limit is given."""
@@ -28,6 +29,15 @@ class Written:
 
     record: Record
     known: Acceptance | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Logged:
+    """A record with the session it belongs to and its position in the whole store."""
+
+    session: SessionId
+    position: int
+    record: Record
 
 
 class LogStore(Protocol):
@@ -67,6 +77,19 @@ class LogStore(Protocol):
     ) -> list[Record]:
         """Up to ``limit`` of ``session``'s records after ``after_seq``, in seq order (empty
         for a session with no records)."""
+        ...
+
+    async def horizon(self) -> int:
+        """A position at or below which every record is committed and readable: no append that
+        commits later gets a position at or below it. Only rises. Feeds read up to it."""
+        ...
+
+    async def since(
+        self, sessions: Collection[SessionId], *, after: int, upto: int, limit: int = DEFAULT_PAGE
+    ) -> list[Logged]:
+        """Up to ``limit`` records of ``sessions`` whose position is above ``after`` and at most
+        ``upto``, in position order. Every record has a position, strictly increasing along
+        each session's seqs and, across sessions, in the order their appends committed."""
         ...
 
     async def lookup(self, key: IdempotencyKey) -> Acceptance | None:
