@@ -3,6 +3,8 @@
 Fences: an activation writes under its own fence only; a new activation raises the fence before
 it reads, after which no older writer lands; a writer with no activation needs a fence at least
 as new as the session's. Appends are all or nothing, keyed appends are exactly-once, reads page.
+Positions: every record has one, rising along each session's seqs and across sessions in the
+order appends commit; a feed that reads up to the horizon, which only rises, misses nothing.
 
 A test module runs the suite on its backends by subclassing :class:`LogStoreConformance` as
 ``Test...`` and giving it a ``store`` fixture that yields a fresh, empty store per test
@@ -29,10 +31,12 @@ from dsh_mesh.core import (
     SettlementOutcome,
     TaskEntry,
 )
-from dsh_mesh.runtime import Acceptance, IdempotencyKey, LogStore, Write
+from dsh_mesh.runtime import Acceptance, IdempotencyKey, Logged, LogStore, Write
 
 S = SessionId("s-1")
 OTHER = SessionId("s-2")
+THIRD = SessionId("s-3")
+INT64_MAX = 2**63 - 1
 
 
 def task(text: str) -> Write:
@@ -55,6 +59,12 @@ def keyed(text: str, key: str, *, target: SessionId = S, principal: str = "s-9")
 
 def contents(records: Sequence[Record]) -> list[str]:
     return [r.entry.content if isinstance(r.entry, TaskEntry) else "" for r in records]
+
+
+def rising(logged: Sequence[Logged]) -> bool:
+    """Whether the positions of ``logged`` strictly increase, each a positive int64."""
+    positions = [entry.position for entry in logged]
+    return positions == sorted(set(positions)) and all(0 < p <= INT64_MAX for p in positions)
 
 
 class LogStoreConformance:
@@ -166,3 +176,62 @@ class LogStoreConformance:
         await store.raise_fence(S, 10)
         await asyncio.gather(*(store.append(S, [task(str(n))], fence=10) for n in range(20)))
         assert [r.seq for r in await store.read(S)] == list(range(1, 21))
+
+    async def test_positions_rise_along_a_sessions_seqs_and_across_a_batch(
+        self, store: LogStore
+    ) -> None:
+        await store.raise_fence(S, 10)
+        await store.append(S, [task("a")], fence=10)
+        await store.append(S, [task("b"), task("c"), task("d")], fence=10)
+        logged = await store.since([S], after=0, upto=await store.horizon())
+        assert [entry.record.seq for entry in logged] == [1, 2, 3, 4]
+        assert rising(logged)
+        assert {entry.session for entry in logged} == {S}
+        assert [entry.record for entry in logged] == await store.read(S)
+
+    async def test_since_reads_the_sessions_asked_in_commit_order_within_its_bounds(
+        self, store: LogStore
+    ) -> None:
+        for session in (S, OTHER, THIRD):
+            await store.raise_fence(session, 10)
+        for session, texts in [(S, "a"), (OTHER, "b"), (S, "c"), (THIRD, "x"), (OTHER, "de")]:
+            await store.append(session, [task(text) for text in texts], fence=10)
+        top = await store.horizon()
+        everything = await store.since([S, OTHER, THIRD], after=0, upto=top)
+        assert contents([entry.record for entry in everything]) == ["a", "b", "c", "x", "d", "e"]
+        assert rising(everything)
+        logged = await store.since({S, OTHER}, after=0, upto=top)
+        assert logged == [entry for entry in everything if entry.session != THIRD]
+        assert [entry.session for entry in logged] == [S, OTHER, S, OTHER, OTHER]
+        at = [entry.position for entry in logged]
+        assert await store.since([S, OTHER], after=at[0], upto=at[2]) == logged[1:3]
+        assert await store.since([OTHER], after=at[0], upto=at[3] - 1) == logged[1:2]
+        assert await store.since([S, OTHER], after=0, upto=top, limit=2) == logged[:2]
+        assert await store.since([S, OTHER], after=at[-1], upto=top) == []
+        assert await store.since([], after=0, upto=top) == []
+        assert await store.since([SessionId("s-none")], after=0, upto=top) == []
+        paged: list[Logged] = []  # a feed paging through, one record a page
+        while page := await store.since(
+            [S, OTHER], after=paged[-1].position if paged else 0, upto=top, limit=1
+        ):
+            paged += page
+        assert paged == logged
+
+    async def test_the_horizon_only_rises_and_covers_every_append_before_it(
+        self, store: LogStore
+    ) -> None:
+        start = await store.horizon()
+        assert start >= 0
+        await store.raise_fence(S, 10)
+        await store.raise_fence(OTHER, 10)
+        horizons = [start]
+        for n in range(4):
+            await store.append((S, OTHER)[n % 2], [task(str(n)), task("+")], fence=10)
+            horizons += [await store.horizon(), await store.horizon()]
+        assert horizons == sorted(horizons)
+        # Every record appended after the first horizon was read is above it, and each lies at
+        # or below the horizon read after its append.
+        logged = await store.since([S, OTHER], after=start, upto=horizons[-1])
+        assert len(logged) == 8
+        for n, entry in enumerate(logged):
+            assert entry.position <= horizons[1 + 2 * (n // 2)]

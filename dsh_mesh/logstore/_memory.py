@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from datetime import UTC, datetime
 
 from dsh_mesh.core import Record, SessionId
 from dsh_mesh.logstore._batch import plan_append
-from dsh_mesh.runtime import DEFAULT_PAGE, Acceptance, IdempotencyKey, Write, Written
+from dsh_mesh.runtime import DEFAULT_PAGE, Acceptance, IdempotencyKey, Logged, Write, Written
 
 
 class MemoryLogStore:
-    """A :class:`LogStore` in one process's memory; lost when the process ends."""
+    """A :class:`LogStore` in one process's memory; lost when the process ends. Positions
+    count the records appended to the whole store: 1, 2, 3, ..."""
 
     def __init__(self) -> None:
         self._fences: dict[SessionId, int] = {}
         self._transcripts: dict[SessionId, list[Record]] = {}
         self._idempotency: dict[IdempotencyKey, Acceptance] = {}
+        self._log: list[Logged] = []  # every record, in position order
 
     async def raise_fence(self, session: SessionId, fence: int) -> int:
         current = max(self._fences.get(session, 0), fence)
@@ -39,6 +41,7 @@ class MemoryLogStore:
         )
         for record, guard in plan.records:
             transcript.append(record)
+            self._log.append(Logged(session=session, position=len(self._log) + 1, record=record))
             if guard is not None:
                 self._idempotency[guard[0]] = guard[1]
         if plan.new_fence is not None:
@@ -49,6 +52,17 @@ class MemoryLogStore:
         self, session: SessionId, *, after_seq: int = 0, limit: int = DEFAULT_PAGE
     ) -> list[Record]:
         return self._transcripts.get(session, [])[after_seq : after_seq + limit]
+
+    async def horizon(self) -> int:
+        return len(self._log)  # an append runs whole between two awaits: nothing is pending
+
+    async def since(
+        self, sessions: Collection[SessionId], *, after: int, upto: int, limit: int = DEFAULT_PAGE
+    ) -> list[Logged]:
+        wanted = set(sessions)
+        window = self._log[max(after, 0) : max(upto, 0)]  # position p is self._log[p - 1]
+        found = [logged for logged in window if logged.session in wanted]
+        return found[:limit]
 
     async def lookup(self, key: IdempotencyKey) -> Acceptance | None:
         return self._idempotency.get(key)

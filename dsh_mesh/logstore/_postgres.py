@@ -4,13 +4,20 @@ Each store object owns an asyncpg pool. An append is one transaction at PostgreS
 isolation (read committed): it locks the session's fence row first, so appends to one session,
 and a raise of its fence, take turns on that row, whichever node or process they come from.
 Appends to different sessions do not wait for each other.
+
+Appends thus commit in any order, and positions from a counter would not follow the commits: a
+feed could read past a position whose record commits later, and miss it. A record's position
+is instead its transaction's id times 1024 (``_RANKS``) plus its rank in the transaction. The
+horizon is just below the oldest transaction id still running anywhere on the server (the
+snapshot's ``xmin``): every transaction with a smaller id has ended, and any that commits later
+has an id at least as high.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from urllib.parse import urlsplit, urlunsplit
@@ -20,14 +27,17 @@ import asyncpg
 from dsh_mesh.core import Record, RegistryUnavailable, SessionId
 from dsh_mesh.logstore._batch import plan_append
 from dsh_mesh.registry import decode_acceptance, decode_record, encode_acceptance, encode_entry
-from dsh_mesh.runtime import DEFAULT_PAGE, Acceptance, IdempotencyKey, Write, Written
+from dsh_mesh.runtime import DEFAULT_PAGE, Acceptance, IdempotencyKey, Logged, Write, Written
 
 _SCHEMA_LOCK = 0x64_73_68_6C_6F_67  # "dshlog": any constant all stores agree on
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS fences (session TEXT PRIMARY KEY, fence BIGINT NOT NULL)",
     "CREATE TABLE IF NOT EXISTS entries ("
-    " session TEXT NOT NULL, seq BIGINT NOT NULL, data BYTEA NOT NULL,"
-    " PRIMARY KEY (session, seq))",
+    " session TEXT NOT NULL, seq BIGINT NOT NULL, position BIGINT NOT NULL,"
+    " data BYTEA NOT NULL, PRIMARY KEY (session, seq))",
+    "CREATE UNIQUE INDEX IF NOT EXISTS entries_by_position ON entries (position)",
+    # A feed's poll reads only the new records of its sessions, not their whole transcripts.
+    "CREATE INDEX IF NOT EXISTS entries_by_session_position ON entries (session, position)",
     "CREATE TABLE IF NOT EXISTS idempotency ("
     " principal TEXT NOT NULL, key TEXT NOT NULL, data BYTEA NOT NULL,"
     " PRIMARY KEY (principal, key))",
@@ -45,9 +55,12 @@ _RECORDS_AT = (
     " JOIN unnest($1::text[], $2::bigint[]) AS r (session, seq)"
     " ON e.session = r.session AND e.seq = r.seq"
 )
+_RANKS = 1024
+"""Positions per transaction: an append writes at most this many records."""
 _INSERT_ENTRIES = (
-    "INSERT INTO entries (session, seq, data)"
-    " SELECT $1, seq, data FROM unnest($2::bigint[], $3::bytea[]) AS n (seq, data)"
+    "INSERT INTO entries (session, seq, position, data)"
+    f" SELECT $1, seq, pg_current_xact_id()::text::bigint * {_RANKS} + rank - 1, data"
+    " FROM unnest($2::bigint[], $3::bytea[]) WITH ORDINALITY AS n (seq, data, rank)"
 )
 _INSERT_KEYS = (
     "INSERT INTO idempotency (principal, key, data)"
@@ -60,6 +73,12 @@ _RAISE_FENCE = (
     " RETURNING fence"
 )
 _READ = "SELECT seq, data FROM entries WHERE session = $1 AND seq > $2 ORDER BY seq LIMIT $3"
+_HORIZON = f"SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint * {_RANKS} - 1"
+_SINCE = (
+    "SELECT session, position, seq, data FROM entries"
+    " WHERE session = ANY($1::text[]) AND position > $2 AND position <= $3"
+    " ORDER BY position LIMIT $4"
+)
 _LOOKUP = "SELECT data FROM idempotency WHERE principal = $1 AND key = $2"
 
 _PASSWORD_SETTING = re.compile(r"password\s*=\s*('(?:[^'\\]|\\.)*'|\S+)")
@@ -86,6 +105,9 @@ class PostgresLogStore:
     raises ``RegistryUnavailable`` (retryable; the cause chained). As with any database, a
     commit cut off mid-way leaves the caller in doubt: the append may have landed, so a retry
     with the same idempotency key answers it, and an unkeyed one may write twice.
+
+    An append takes at most 1024 writes (``ValueError`` past that). A transaction left open
+    on the server, by anyone, holds :meth:`horizon` back until it ends.
 
     Safe to call concurrently from one event loop. :meth:`aclose` is idempotent."""
 
@@ -119,6 +141,8 @@ class PostgresLogStore:
     async def append(
         self, session: SessionId, writes: Sequence[Write], *, fence: int, unfenced: bool = False
     ) -> list[Written]:
+        if len(writes) > _RANKS:
+            raise ValueError(f"an append takes at most {_RANKS} writes, not {len(writes)}")
         keys = [w.idempotency[0] for w in writes if w.idempotency is not None]
         attempt = 1
         while True:
@@ -144,6 +168,21 @@ class PostgresLogStore:
         async with self._connection() as db:
             rows = await db.fetch(_READ, session, after_seq, limit)
         return [decode_record(row[0], row[1]) for row in rows]
+
+    async def horizon(self) -> int:
+        async with self._connection() as db:
+            horizon: int = await db.fetchval(_HORIZON)
+            return horizon
+
+    async def since(
+        self, sessions: Collection[SessionId], *, after: int, upto: int, limit: int = DEFAULT_PAGE
+    ) -> list[Logged]:
+        async with self._connection() as db:
+            rows = await db.fetch(_SINCE, list(sessions), after, upto, limit)
+        return [
+            Logged(session=SessionId(row[0]), position=row[1], record=decode_record(row[2], row[3]))
+            for row in rows
+        ]
 
     async def lookup(self, key: IdempotencyKey) -> Acceptance | None:
         async with self._connection() as db:

@@ -3,14 +3,17 @@
 Node processes on one host share the file (WAL journal, so readers never block the writer).
 Each store object owns one connection, used only by its own worker thread; a write is one
 ``BEGIN IMMEDIATE`` transaction, which SQLite serialises across processes, so the fence check
-and the inserts of an append see no other writer in between (ADR 0026).
+and the inserts of an append see no other writer in between (ADR 0026). For the same reason
+appends commit in the order they take positions from the one-row clock: the horizon is the
+clock's value.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
@@ -19,7 +22,7 @@ from typing import TypeVar
 from dsh_mesh.core import Record, RegistryUnavailable, SessionId
 from dsh_mesh.logstore._batch import plan_append
 from dsh_mesh.registry import decode_acceptance, decode_record, encode_acceptance, encode_entry
-from dsh_mesh.runtime import DEFAULT_PAGE, Acceptance, IdempotencyKey, Write, Written
+from dsh_mesh.runtime import DEFAULT_PAGE, Acceptance, IdempotencyKey, Logged, Write, Written
 
 T = TypeVar("T")
 
@@ -27,8 +30,15 @@ _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS fences ("
     " session TEXT PRIMARY KEY, fence INTEGER NOT NULL) WITHOUT ROWID",
     "CREATE TABLE IF NOT EXISTS entries ("
-    " session TEXT NOT NULL, seq INTEGER NOT NULL, data BLOB NOT NULL,"
-    " PRIMARY KEY (session, seq)) WITHOUT ROWID",
+    " session TEXT NOT NULL, seq INTEGER NOT NULL, position INTEGER NOT NULL,"
+    " data BLOB NOT NULL, PRIMARY KEY (session, seq)) WITHOUT ROWID",
+    "CREATE UNIQUE INDEX IF NOT EXISTS entries_by_position ON entries (position)",
+    # A feed's poll reads only the new records of its sessions, not their whole transcripts.
+    "CREATE INDEX IF NOT EXISTS entries_by_session_position ON entries (session, position)",
+    # The last position given; a row of its own (not max(position)) so that it never goes
+    # down when old entries are deleted.
+    "CREATE TABLE IF NOT EXISTS clock ("
+    " id INTEGER PRIMARY KEY CHECK (id = 0), position INTEGER NOT NULL)",
     "CREATE TABLE IF NOT EXISTS idempotency ("
     " principal TEXT NOT NULL, key TEXT NOT NULL, data BLOB NOT NULL,"
     " PRIMARY KEY (principal, key)) WITHOUT ROWID",
@@ -84,12 +94,18 @@ class SqliteLogStore:
                     known=lambda key: _known(db, key),
                     now=datetime.now(UTC),
                 )
+                last = _clock(db)
                 db.executemany(
-                    "INSERT INTO entries (session, seq, data) VALUES (?, ?, ?)",
+                    "INSERT INTO entries (session, seq, position, data) VALUES (?, ?, ?, ?)",
                     [
-                        (session, r.seq, encode_entry(r.entry, recorded_at=r.recorded_at))
-                        for r, _ in plan.records
+                        (session, r.seq, last + n, encode_entry(r.entry, recorded_at=r.recorded_at))
+                        for n, (r, _) in enumerate(plan.records, 1)
                     ],
+                )
+                db.execute(
+                    "INSERT INTO clock (id, position) VALUES (0, ?)"
+                    " ON CONFLICT (id) DO UPDATE SET position = excluded.position",
+                    (last + len(plan.records),),
                 )
                 db.executemany(
                     "INSERT INTO idempotency (principal, key, data) VALUES (?, ?, ?)",
@@ -118,6 +134,26 @@ class SqliteLogStore:
                 (session, after_seq, limit),
             ).fetchall()
             return [decode_record(seq, data) for seq, data in rows]
+
+        return await self._run(work)
+
+    async def horizon(self) -> int:
+        return await self._run(_clock)
+
+    async def since(
+        self, sessions: Collection[SessionId], *, after: int, upto: int, limit: int = DEFAULT_PAGE
+    ) -> list[Logged]:
+        def work(db: sqlite3.Connection) -> list[Logged]:
+            rows = db.execute(
+                "SELECT session, position, seq, data FROM entries"
+                " WHERE session IN (SELECT value FROM json_each(?))"
+                " AND position > ? AND position <= ? ORDER BY position LIMIT ?",
+                (json.dumps(list(sessions)), after, upto, limit),
+            ).fetchall()
+            return [
+                Logged(session=SessionId(s), position=p, record=decode_record(seq, data))
+                for s, p, seq, data in rows
+            ]
 
         return await self._run(work)
 
@@ -182,6 +218,12 @@ class _immediate:
 
 def _fence_of(db: sqlite3.Connection, session: SessionId) -> int:
     row = db.execute("SELECT fence FROM fences WHERE session = ?", (session,)).fetchone()
+    return 0 if row is None else int(row[0])
+
+
+def _clock(db: sqlite3.Connection) -> int:
+    """The last position given (0 before the first append)."""
+    row = db.execute("SELECT position FROM clock").fetchone()
     return 0 if row is None else int(row[0])
 
 

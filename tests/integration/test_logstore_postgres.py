@@ -24,6 +24,11 @@ from tests.logstore_conformance import OTHER, LogStoreConformance, S, contents, 
 
 WAIT = 10.0
 """Seconds a test waits for the server to show an append blocked on a lock."""
+INSERT_ENTRY = (
+    "INSERT INTO entries (session, seq, position, data)"
+    " VALUES ($1, $2, pg_current_xact_id()::text::bigint * 1024, $3)"
+)
+"""Another node's append of one record: a session, its seq and the entry."""
 
 
 @pytest.fixture
@@ -129,7 +134,7 @@ async def test_an_append_blocked_by_another_lands_whole_after_it(
     try:
         await blocked_behind(dsn, holder)
         entry = encode_entry(TaskEntry(content="a"), recorded_at=datetime.now(UTC))
-        await holder.execute("INSERT INTO entries VALUES ($1, 1, $2)", S, entry)
+        await holder.execute(INSERT_ENTRY, S, 1, entry)
         await first.commit()
         written = await second
     finally:
@@ -153,7 +158,7 @@ async def test_a_key_raced_in_from_another_session_is_answered_not_failed(
     await other.start()
     await holder.execute("SELECT fence FROM fences WHERE session = $1 FOR UPDATE", S)
     entry = encode_entry(TaskEntry(content="x"), recorded_at=datetime.now(UTC))
-    await holder.execute("INSERT INTO entries VALUES ($1, 1, $2)", S, entry)
+    await holder.execute(INSERT_ENTRY, S, 1, entry)
     first = encode_acceptance(dataclasses.replace(asked, seq=1))
     await holder.execute(
         "INSERT INTO idempotency VALUES ($1, $2, $3)", key.principal, key.key, first
@@ -169,6 +174,48 @@ async def test_a_key_raced_in_from_another_session_is_answered_not_failed(
     assert unkeyed.known is None and unkeyed.record.seq == 1
     assert contents(await store.read(OTHER)) == ["unkeyed"]
     assert await store.lookup(IdempotencyKey(principal=key.principal, key=key.key)) is not None
+
+
+async def test_a_transaction_still_open_holds_the_horizon_back(
+    store: PostgresLogStore, holder: asyncpg.Connection
+) -> None:
+    """Another node's append takes its transaction id, then commits after ours: its record's
+    position is below ours. The horizon stays below both until it ends, so a feed reading up
+    to the horizon gets both, in position order, and misses neither."""
+    await store.raise_fence(S, 10)
+    await store.raise_fence(OTHER, 10)
+    cursor = await store.horizon()
+    slow = holder.transaction()
+    await slow.start()
+    entry = encode_entry(TaskEntry(content="slow"), recorded_at=datetime.now(UTC))
+    await holder.execute(INSERT_ENTRY, S, 1, entry)
+    [fast] = await store.append(OTHER, [task("fast")], fence=10)
+    [landed] = await store.since([OTHER], after=cursor, upto=2**63 - 1)
+    assert landed.record == fast.record
+    held = await store.horizon()
+    assert cursor <= held < landed.position
+    assert await store.since([S, OTHER], after=cursor, upto=held) == []
+    await slow.commit()
+    top = await store.horizon()
+    assert top >= landed.position
+    logged = await store.since([S, OTHER], after=held, upto=top)
+    assert contents([entry.record for entry in logged]) == ["slow", "fast"]
+    assert logged[1] == landed
+
+
+async def test_a_rolled_back_transaction_releases_the_horizon(
+    store: PostgresLogStore, holder: asyncpg.Connection
+) -> None:
+    await store.raise_fence(S, 10)
+    idle = holder.transaction()
+    await idle.start()
+    await holder.fetchval("SELECT pg_current_xact_id()")  # takes an id, writes nothing
+    [written] = await store.append(S, [task("after it")], fence=10)
+    [landed] = await store.since([S], after=0, upto=2**63 - 1)
+    assert await store.horizon() < landed.position
+    await idle.rollback()
+    assert await store.horizon() >= landed.position
+    assert landed.record == written.record
 
 
 async def test_nodes_opening_one_new_database_at_once_all_open(dsn: str) -> None:

@@ -1,9 +1,10 @@
 """The log store's conformance suite (tests/logstore_conformance.py) on the backends that run
 without a server, in memory and SQLite, and what only SQLite does: two stores on one file, and
-everything kept across a reopen."""
+everything (positions too) kept across a reopen."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 from dsh_mesh.core import ActivationFenced
 from dsh_mesh.logstore import MemoryLogStore, SqliteLogStore
 from dsh_mesh.runtime import IdempotencyKey, LogStore
-from tests.logstore_conformance import LogStoreConformance, S, contents, keyed, task
+from tests.logstore_conformance import OTHER, LogStoreConformance, S, contents, keyed, rising, task
 
 
 @pytest.fixture(params=["memory", "sqlite"])
@@ -41,13 +42,46 @@ async def test_two_stores_on_one_sqlite_file_share_the_fence(tmp_path: Path) -> 
         assert contents(await first.read(S)) == ["first", "second"]
 
 
+async def test_two_stores_on_one_sqlite_file_share_the_positions(tmp_path: Path) -> None:
+    """Appends from two node processes, one after the other and at once: one order of positions,
+    each given once, following each session's seqs."""
+    path = tmp_path / "shared.sqlite"
+    async with SqliteLogStore(path) as first, SqliteLogStore(path) as second:
+        await first.raise_fence(S, 10)
+        await second.raise_fence(OTHER, 10)
+        await first.append(S, [task("a")], fence=10)
+        await second.append(OTHER, [task("b"), task("c")], fence=10)
+        await second.append(S, [task("d")], fence=10)
+        await first.append(OTHER, [task("e")], fence=10)
+        await asyncio.gather(
+            *(
+                store.append(session, [task(f"{n}")], fence=10)
+                for n in range(10)
+                for store, session in [(first, S), (second, OTHER), (second, S), (first, OTHER)]
+            )
+        )
+        top = await first.horizon()
+        assert await second.horizon() == top
+        logged = await second.since([S, OTHER], after=0, upto=top)
+        assert len(logged) == 45 and rising(logged)
+        assert contents([entry.record for entry in logged[:5]]) == ["a", "b", "c", "d", "e"]
+        for session in (S, OTHER):
+            seqs = [entry.record.seq for entry in logged if entry.session == session]
+            assert seqs == list(range(1, len(seqs) + 1))
+        assert await first.since([S, OTHER], after=0, upto=top) == logged
+
+
 async def test_a_sqlite_store_keeps_everything_across_a_reopen(tmp_path: Path) -> None:
     path = tmp_path / "log.sqlite"
     async with SqliteLogStore(path) as before:
         await before.raise_fence(S, 10)
         await before.append(S, [keyed("kept", "k")], fence=10)
+        horizon = await before.horizon()
     async with SqliteLogStore(path) as after:
         assert contents(await after.read(S)) == ["kept"]
+        assert await after.horizon() == horizon
+        await after.append(S, [task("next")], fence=10)
+        assert rising(await after.since([S], after=0, upto=await after.horizon()))
         assert await after.lookup(IdempotencyKey(principal="s-9", key="k")) is not None
         assert await after.raise_fence(S, 5) == 10
         await after.aclose()  # idempotent: the block closes it again
