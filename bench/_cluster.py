@@ -74,6 +74,7 @@ async def in_process_node(
         node_id=NodeId(node_id),
         etcd=settings.etcd_config(),
         key_prefix=settings.key_prefix,
+        log_store=settings.log_store,
         lease=LeaseConfig(ttl=timedelta(seconds=settings.lease_ttl)),
         credential=ClusterCredential(token=settings.cluster_token),
         plaintext=True,

@@ -5,6 +5,7 @@ PostgreSQL across hosts (asyncpg, docs/adr/0027), SQLite on one host, in memory 
 """
 
 from dsh_mesh.logstore._memory import MemoryLogStore
+from dsh_mesh.logstore._open import check_log_store, open_log_store
 from dsh_mesh.logstore._postgres import PostgresLogStore
 from dsh_mesh.logstore._sqlite import SqliteLogStore
 
@@ -12,4 +13,6 @@ __all__ = [
     "MemoryLogStore",
     "PostgresLogStore",
     "SqliteLogStore",
+    "check_log_store",
+    "open_log_store",
 ]

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dsh_mesh.core import NodeId
+from dsh_mesh.logstore import check_log_store
 from dsh_mesh.registry import EtcdConfig, EtcdTls, LeaseConfig
 from dsh_mesh.runtime import ManagerConfig
 from dsh_mesh.transport import CallerRole, ClusterCredential, TlsCredentials
@@ -56,6 +57,10 @@ class NodeConfig:
     """The host other nodes dial; defaults to the listen host."""
     etcd: EtcdConfig = field(default_factory=EtcdConfig)
     key_prefix: str = "/dsh/"
+    log_store: str = ""
+    """Where transcripts and idempotency records live (docs/storage.md): ``sqlite:PATH`` for a
+    mesh on one host (every node of it names the same file), ``postgresql://...`` for one
+    that spans hosts. Required: a node guessing a file of its own would split the mesh."""
     lease: LeaseConfig = field(default_factory=LeaseConfig)
     credential: ClusterCredential | None = None
     """The cluster token: required in plaintext; with TLS optional, and checked on every call
@@ -121,6 +126,12 @@ class NodeConfig:
             raise ValueError(f"listen address {self.listen!r} is not HOST:PORT")
         if not self.key_prefix.startswith("/") or not self.key_prefix.endswith("/"):
             raise ValueError("key_prefix must start and end with '/'")
+        if not self.log_store:
+            raise ValueError(
+                "log_store is required: sqlite:PATH on one host (every node the same file), "
+                "postgresql://USER@HOST/DB across hosts (--log-store or DSH_LOG_STORE)"
+            )
+        check_log_store(self.log_store)
         if ":" not in self.scenario:
             raise ValueError("scenario must be 'module:attribute'")
         if self.shutdown_grace < timedelta(0):
@@ -176,6 +187,7 @@ _SETTINGS: tuple[tuple[str, str, str], ...] = (
     ("advertise_host", "--advertise-host", "host other nodes dial (default: the listen host)"),
     ("etcd", "--etcd", "etcd endpoint HOST:PORT"),
     ("key_prefix", "--key-prefix", "etcd key prefix of this mesh"),
+    ("log_store", "--log-store", "sqlite:PATH (one host) or postgresql://... (across hosts)"),
     ("lease_ttl", "--lease-ttl", "node lease TTL in seconds"),
     ("cluster_token", "--cluster-token", "shared cluster credential (16+ characters)"),
     ("tls_cert", "--tls-cert", "this node's certificate (PEM file; CN = node id)"),
@@ -232,6 +244,10 @@ def load_config(args: argparse.Namespace, environ: Mapping[str, str] | None = No
             # A relative path in a file means relative to that file, wherever the node starts.
             if isinstance(from_file.get(name), str):
                 from_file[name] = str(args.config.parent / Path(from_file[name]).expanduser())
+        store = from_file.get("log_store")
+        if isinstance(store, str) and store.startswith("sqlite:") and "//" not in store[:9]:
+            path = Path(store.removeprefix("sqlite:")).expanduser()
+            from_file["log_store"] = f"sqlite:{args.config.parent / path}"
         values.update(from_file)
     for setting, _, _ in _SETTINGS:
         env = environ.get(f"DSH_{setting.upper()}")
@@ -289,7 +305,7 @@ def _build(values: Mapping[str, Any]) -> NodeConfig:
         "tls": tls,
         "plaintext": plaintext,
     }
-    for name in ("listen", "advertise_host", "key_prefix", "scenario"):
+    for name in ("listen", "advertise_host", "key_prefix", "log_store", "scenario"):
         if values.get(name) is not None:
             kwargs[name] = str(values[name])
     etcd_tls = None

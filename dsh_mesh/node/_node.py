@@ -29,6 +29,7 @@ from dsh_mesh import telemetry
 from dsh_mesh._proto.dsh.mesh.peer.v1 import peer_pb2, peer_pb2_grpc
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
 from dsh_mesh.core import Activation, MeshError, NodeFenced, RandomIds
+from dsh_mesh.logstore import open_log_store
 from dsh_mesh.node._config import NodeConfig
 from dsh_mesh.node._router import ClusterRouter
 from dsh_mesh.node._scenario import Scenario
@@ -101,10 +102,13 @@ class Node:
         """Serve until :meth:`stop`; ``ready(address)`` is called once the node first serves."""
         config = self.config
         keys = Keys(config.key_prefix.encode())
-        async with Etcd(config.etcd_config()) as etcd:
+        log = open_log_store(config.log_store)  # opens on first use: a database down is an outage
+        async with Etcd(config.etcd_config()) as etcd, contextlib.aclosing(log):
             lease = LeaseKeeper(etcd, config.lease)
             directory = Directory(etcd, keys, on_event=self._on_directory_event)
-            cached = EtcdSessionStore(etcd, keys, lease=lambda: lease.lease_id, directory=directory)
+            cached = EtcdSessionStore(
+                etcd, keys, log=log, lease=lambda: lease.lease_id, directory=directory
+            )
             store: SessionStore = cached
             history = None
             if config.history_file is not None:
@@ -136,7 +140,7 @@ class Node:
                 MeshControlService(
                     self.manager,
                     node_id=config.node_id,
-                    reads=RegistryReads(etcd, keys),
+                    reads=RegistryReads(etcd, keys, log),
                     current_activation=cached.current_activation,
                     peers=pool,
                 ),

@@ -263,22 +263,49 @@ class Etcd:
         return response.kvs[0] if response.kvs else None
 
     async def get_prefix(
-        self, prefix: bytes, *, start: bytes | None = None, revision: int = 0, limit: int = 0
+        self,
+        prefix: bytes,
+        *,
+        start: bytes | None = None,
+        revision: int = 0,
+        limit: int = 0,
+        keys_only: bool = False,
+        count_only: bool = False,
     ) -> Any:
         """Every key starting with ``prefix`` (from ``start`` on, if given), in key order, as of
         ``revision`` (0: now), at most ``limit`` of them (0: all). Returns etcd's
-        ``RangeResponse``, whose ``header.revision`` is the store's revision when it was read
-        and whose ``more`` says whether keys beyond ``limit`` were left out."""
-        return await self.range(start or prefix, prefix_end(prefix), revision=revision, limit=limit)
+        ``RangeResponse``, whose ``header.revision`` is the store's revision when it was read,
+        whose ``more`` says whether keys beyond ``limit`` were left out and whose ``count`` is
+        the number of keys in the range (with ``count_only``, all it returns)."""
+        return await self.range(
+            start or prefix,
+            prefix_end(prefix),
+            revision=revision,
+            limit=limit,
+            keys_only=keys_only,
+            count_only=count_only,
+        )
 
     async def range(
-        self, key: bytes, range_end: bytes = b"", *, revision: int = 0, limit: int = 0
+        self,
+        key: bytes,
+        range_end: bytes = b"",
+        *,
+        revision: int = 0,
+        limit: int = 0,
+        keys_only: bool = False,
+        count_only: bool = False,
     ) -> Any:
         """One linearizable Range request (at ``revision`` when given, at most ``limit`` keys;
-        0: no limit)."""
+        0: no limit; without values with ``keys_only``; only the count with ``count_only``)."""
         self.reads += 1
         request = rpc.RangeRequest(
-            key=key, range_end=range_end, revision=check_revision(revision), limit=limit
+            key=key,
+            range_end=range_end,
+            revision=check_revision(revision),
+            limit=limit,
+            keys_only=keys_only,
+            count_only=count_only,
         )
         async with self._errors():
             await self._client.connect()

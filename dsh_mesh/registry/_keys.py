@@ -7,12 +7,13 @@ etcd cluster without seeing each other. Session and node ids are validated ids (
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 
 from dsh_mesh.core import NodeId, SessionId
 
-_SEQ_DIGITS = 16
+_STAMP_DIGITS = 20
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 @dataclass(frozen=True)
@@ -29,17 +30,28 @@ class Keys:
         """Create-only: the session's :class:`SessionHeader`."""
         return self.prefix + b"headers/" + session.encode()
 
-    def head(self, session: SessionId) -> bytes:
-        """The transcript head: its value is the last seq; its version is bumped per append."""
-        return self.prefix + b"heads/" + session.encode()
+    @property
+    def listing(self) -> bytes:
+        """Prefix of the listing of every session in creation order (:meth:`listed`)."""
+        return self.prefix + b"created/"
 
-    def entries(self, session: SessionId) -> bytes:
-        """Prefix of the session's transcript entries."""
-        return self.prefix + b"entries/" + session.encode() + b"/"
+    def listed(self, created: datetime, session: SessionId) -> bytes:
+        """The session's place in the listing: key order is creation order (a child is
+        created after its parent, so it comes after it)."""
+        return self.listing + _stamp(created) + b"/" + session.encode()
 
-    def entry(self, session: SessionId, seq: int) -> bytes:
-        """One transcript entry; zero-padded so key order is seq order."""
-        return self.entries(session) + str(seq).zfill(_SEQ_DIGITS).encode()
+    def tree(self, root: SessionId) -> bytes:
+        """Prefix of the tree index of ``root``: one key per member (root included), in
+        creation order, valued with the member's parent id (empty for the root)."""
+        return self.prefix + b"trees/" + root.encode() + b"/"
+
+    def member(self, root: SessionId, created: datetime, session: SessionId) -> bytes:
+        """The session's key in the tree index of ``root``."""
+        return self.tree(root) + _stamp(created) + b"/" + session.encode()
+
+    def root_of(self, session: SessionId) -> bytes:
+        """A child's root id (absent for a root): where its own children go in the index."""
+        return self.prefix + b"roots/" + session.encode()
 
     @property
     def activations(self) -> bytes:
@@ -67,10 +79,15 @@ class Keys:
         """The node id a node key names."""
         return NodeId(key[len(self.nodes) :].decode())
 
-    def idempotency(self, principal: str, key: str) -> bytes:
-        """The first acceptance of ``(principal, key)``; hashed so any key text is safe."""
-        digest = hashlib.sha256(principal.encode() + b"\0" + key.encode()).hexdigest()
-        return self.prefix + b"idempotency/" + digest.encode()
+
+def session_of_index_key(key: bytes) -> SessionId:
+    """The session a listing or tree-index key names (its last component)."""
+    return SessionId(key.rsplit(b"/", 1)[1].decode())
+
+
+def _stamp(created: datetime) -> bytes:
+    """``created`` as zero-padded microseconds since the epoch: byte order is time order."""
+    return str((created - _EPOCH) // timedelta(microseconds=1)).zfill(_STAMP_DIGITS).encode()
 
 
 def prefix_end(prefix: bytes) -> bytes:

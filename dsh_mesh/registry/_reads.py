@@ -1,13 +1,16 @@
-"""Reads of the registry for the control plane: listings, transcript pages, and the event feed
-that ``WatchSession`` streams (transcript entries and residency changes, in etcd revision
-order, resumable from any revision)."""
+"""Reads for the control plane: listings from etcd's indexes (one page per request, however
+many sessions there are), transcript pages from the log store, and the event feed that
+``WatchSession`` streams (transcript records in log-store position order, and residency
+changes), resumable from any position (ADR 0028)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-import dataclasses
-from collections.abc import AsyncIterator, Iterable
+import re
+from collections.abc import AsyncIterator, Collection, Iterable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import aetcd.exceptions
@@ -15,249 +18,341 @@ import aetcd.exceptions
 from dsh_mesh.core import (
     Activation,
     InvalidArgument,
+    MeshError,
     Record,
-    RegistryUnavailable,
     SessionHeader,
     SessionId,
     SessionUnknown,
 )
-from dsh_mesh.registry._codec import decode_activation, decode_header, decode_record
-from dsh_mesh.registry._etcd import MAX_REVISION, Etcd
-from dsh_mesh.registry._keys import Keys
+from dsh_mesh.registry._codec import decode_activation, decode_header
+from dsh_mesh.registry._etcd import Etcd, get
+from dsh_mesh.registry._keys import Keys, session_of_index_key
+from dsh_mesh.runtime import DEFAULT_PAGE, LogStore
 
-_ENTRY_SEQ_DIGITS = 16
-
-EVENTS_PER_REVISION = 1000
-"""Room for the events one etcd revision holds in a feed position. One revision writes one
-session's entries (a group commit of at most 32, in seq order) or one residency change, so a
-position ``revision * 1000 + rank`` names every event of a feed and stays readable."""
-
-MAX_POSITION = MAX_REVISION * EVENTS_PER_REVISION + EVENTS_PER_REVISION - 1
+MAX_POSITION = (1 << 63) - 1
+"""The largest position a feed can name (a signed 64-bit integer)."""
+_HEADERS_PER_TXN = 100
+"""Header reads per etcd transaction (etcd allows 128 operations in one by default)."""
+_INDEX_PAGE = 1000
+"""Index keys per etcd range when a read walks a whole index."""
+_TOKEN = re.compile(rb"[0-9]{20}/[A-Za-z0-9_-]{1,128}")
 
 
 @dataclass(frozen=True, kw_only=True)
 class FeedEvent:
     """One event of a watched session: a transcript record, or a residency change.
 
-    ``revision`` is the etcd revision that wrote it; several events can share one (a group
-    commit writes a batch of entries in one transaction). ``position`` (the wire's
-    ``event_seq``) is ``revision * EVENTS_PER_REVISION`` plus the event's rank among that
-    revision's events in this feed: strictly increasing along a feed, and a feed resumed after
-    a position continues with the next event, even within one revision."""
+    ``position`` (the wire's ``event_seq``) of a record is its position in the log store:
+    strictly increasing along a feed, so a feed resumed after a record's position continues
+    with the next record. A residency event carries the position of the record before it (it
+    does not advance the feed): residency is state, and a resumed feed first tells the current
+    residency of every watched session."""
 
     session: SessionId
-    revision: int
-    position: int = 0
+    position: int
     record: Record | None = None
     activated: Activation | None = None
     deactivated: Activation | None = None
 
 
-class RegistryReads:
-    """Read-only views of one mesh's registry. Every call reads etcd (linearizable)."""
+@dataclass(frozen=True, kw_only=True)
+class Listing:
+    """One page of a listing: headers in creation order (parents before their children), and
+    the token of the next page (empty on the last one)."""
 
-    def __init__(self, etcd: Etcd, keys: Keys) -> None:
+    headers: list[SessionHeader]
+    next_token: str
+
+
+class RegistryReads:
+    """Read-only views of one mesh's registry and log store. Every etcd read is linearizable;
+    a feed polls the log store every ``poll`` (and at once when residency changes)."""
+
+    def __init__(
+        self, etcd: Etcd, keys: Keys, log: LogStore, *, poll: timedelta = timedelta(seconds=0.2)
+    ) -> None:
         self._etcd = etcd
         self._keys = keys
+        self._log = log
+        self._poll = poll.total_seconds()
 
-    async def headers(self, *, revision: int = 0) -> list[tuple[int, SessionHeader]]:
-        """Every session header (as of ``revision``; 0: now) with the revision that created
-        it, in creation order."""
-        response = await self._etcd.get_prefix(self._keys.prefix + b"headers/", revision=revision)
-        found = [(int(kv.create_revision), decode_header(kv.value)) for kv in response.kvs]
-        return sorted(found, key=lambda item: item[0])
+    # -- listings -------------------------------------------------------------------------------
 
-    async def tree(self, root: SessionId) -> list[SessionHeader]:
-        """``root`` and its descendants, parents before children, else in creation order.
-        Raises :class:`SessionUnknown` when ``root`` has no header."""
-        headers = [header for _, header in await self.headers()]
-        members = _descendants(root, headers)
-        if root not in members:
-            raise SessionUnknown(root)
-        return [h for h in headers if h.session_id in members]
+    async def listing(
+        self, *, root: SessionId | None, after: str, limit: int, resident_only: bool = False
+    ) -> Listing:
+        """Up to ``limit`` headers after the page token ``after`` ('' for the first page): of
+        every session, or (``root`` given) of ``root`` and its descendants. With
+        ``resident_only``, only sessions that hold an activation. Raises
+        :class:`SessionUnknown` for an unknown ``root`` and :class:`InvalidArgument` for a
+        token this server did not issue."""
+        if after and not _TOKEN.fullmatch(after.encode()):
+            shown = after if len(after) <= 40 else f"{after[:40]}... ({len(after)} characters)"
+            raise InvalidArgument(f"page_token {shown!r} is not one this server issued")
+        if root is None:
+            candidates = self._index(self._keys.listing, after=after.encode())
+        else:
+            members = await self.members(root)
+            candidates = _aiter(
+                (token, session)
+                for token, session in members
+                if token.decode() > after  # token order is the index's key order
+            )
+        resident = set(await self.activations()) if resident_only else None
+        page: list[SessionId] = []
+        tokens: list[bytes] = []
+        more = False
+        async for token, session in candidates:
+            if resident is not None and session not in resident:
+                continue
+            if len(page) == limit:
+                more = True
+                break
+            page.append(session)
+            tokens.append(token)
+        headers = await self._headers(page)
+        return Listing(headers=headers, next_token=tokens[-1].decode() if more else "")
+
+    async def members(self, session: SessionId) -> list[tuple[bytes, SessionId]]:
+        """``session`` and its descendants in creation order, each with its index token.
+        Reads the index of the tree ``session`` belongs to (not every session's header).
+        Raises :class:`SessionUnknown` when ``session`` has no header."""
+        return await self._members(session, await self._tree_of(session))
+
+    async def _tree_of(self, session: SessionId) -> bytes:
+        """The index prefix of the tree ``session`` belongs to."""
+        header_kv = await self._etcd.get(self._keys.header(session))
+        if header_kv is None:
+            raise SessionUnknown(session)
+        root = session
+        if decode_header(header_kv.value).parent_session is not None:
+            root_kv = await self._etcd.get(self._keys.root_of(session))
+            if root_kv is None:
+                raise SessionUnknown(f"{session}: no root recorded")
+            root = SessionId(root_kv.value.decode())
+        return self._keys.tree(root)
+
+    async def _members(self, session: SessionId, prefix: bytes) -> list[tuple[bytes, SessionId]]:
+        found: set[SessionId] = {session}
+        members: list[tuple[bytes, SessionId]] = []
+        async for kv in self._range(prefix):
+            member = session_of_index_key(kv.key)
+            parent = SessionId(kv.value.decode()) if kv.value else None
+            if member == session or parent in found:  # parents come before their children
+                found.add(member)
+                members.append((kv.key[len(prefix) :], member))
+        return members
 
     async def activations(self) -> dict[SessionId, Activation]:
-        """Every current activation."""
-        response = await self._etcd.get_prefix(self._keys.activations)
+        """Every current activation (as many as agents are resident, read in pages)."""
         return {
             self._keys.session_of_activation(kv.key): decode_activation(kv.value)
-            for kv in response.kvs
+            async for kv in self._range(self._keys.activations)
         }
+
+    # -- transcripts ----------------------------------------------------------------------------
 
     async def page(
         self, session: SessionId, *, after_seq: int, limit: int
     ) -> tuple[list[Record], bool]:
         """Up to ``limit`` records after ``after_seq``, and whether more follow. Reads only
-        those from etcd (and one more, to know), however long the transcript."""
-        prefix = self._keys.entries(session)
-        response = await self._etcd.get_prefix(
-            prefix, start=self._keys.entry(session, after_seq + 1), limit=limit + 1
-        )
-        records = [_record(prefix, kv) for kv in response.kvs]
+        those from the log store (and one more, to know), however long the transcript."""
+        records = await self._log.read(session, after_seq=after_seq, limit=limit + 1)
         return records[:limit], len(records) > limit
+
+    # -- the feed -------------------------------------------------------------------------------
 
     async def follow(
         self, root: SessionId, *, tree: bool, after_position: int = 0, after_seq: int = 0
     ) -> AsyncIterator[FeedEvent]:
         """The events of ``root`` (and, with ``tree``, of every descendant, including those
-        created while following), in position order, forever.
+        created while following), forever: first the current residency of each watched
+        session, then every record after ``after_position`` (a :attr:`FeedEvent.position`
+        seen before; 0: from the start, ``root``'s records after ``after_seq``) in position
+        order, and residency changes as they happen.
 
-        With ``after_position`` (a :attr:`FeedEvent.position` seen before) the feed replays
-        etcd's history from that position's revision, after the event it names (the history
-        must not have been compacted away). Otherwise it starts with the stored transcripts
-        (``root``'s after ``after_seq``), then follows live changes.
-
-        An ``after_position`` no event can follow (its revision past 2**63 - 1, the last etcd
-        can name) is refused with :class:`InvalidArgument`. One merely ahead of etcd's current
-        revision is valid: as for etcd's own watches, its events come once etcd gets there.
-        """
-        ranked = _Ranks()
-        async for event in self._follow(
-            root, tree=tree, after_position=after_position, after_seq=after_seq
-        ):
-            position = ranked.position(event.revision)
-            if position > after_position:
-                yield dataclasses.replace(event, position=position)
-
-    async def _follow(
-        self, root: SessionId, *, tree: bool, after_position: int, after_seq: int
-    ) -> AsyncIterator[FeedEvent]:
-        # One consistent snapshot: the tree, who is resident, and every stored entry, as of
-        # one revision; the watch then continues from the next one, so nothing falls between.
-        current = await self._etcd.get_prefix(self._keys.activations)
-        revision = int(current.header.revision)
-        headers = [header for _, header in await self.headers(revision=revision)]
-        if not any(h.session_id == root for h in headers):
-            raise SessionUnknown(root)
-        watched = _descendants(root, headers) if tree else {root}
-        after_revision = after_position // EVENTS_PER_REVISION
-        if after_position:
-            if not 0 <= after_position < MAX_POSITION:
-                raise InvalidArgument(
-                    f"after_event_seq {after_position}: no event can follow it (an event_seq is"
-                    f" an etcd revision times {EVENTS_PER_REVISION} plus a rank, at most"
-                    f" {MAX_POSITION})"
-                )
-            # The events of that revision are replayed and ranked again; those at or before
-            # the position are dropped by the caller.
-            start = max(after_revision, 1)
-        else:
-            snapshot: list[FeedEvent] = []
-            for kv in current.kvs:
-                session = self._keys.session_of_activation(kv.key)
-                if session in watched:
-                    snapshot.append(
-                        FeedEvent(
+        No record is missed: a feed reads up to the log store's horizon, and reads who it
+        watches after it took the horizon. A child's header is created before any of its
+        records, so every session with a record at or below the horizon is watched by then.
+        An ``after_position`` above 2**63 - 1 is refused with :class:`InvalidArgument`."""
+        if not 0 <= after_position <= MAX_POSITION:
+            raise InvalidArgument(
+                f"after_event_seq {after_position}: no event can follow it (an event_seq is at"
+                f" most {MAX_POSITION})"
+            )
+        watched_tree = await self._tree_of(root)  # raises SessionUnknown first
+        watched = {root}
+        size = -1
+        residency = _Residency(self._etcd, self._keys)
+        cursor = after_position
+        async with residency.watching():
+            for event in await residency.snapshot(watched):
+                yield FeedEvent(session=event[0], position=cursor, activated=event[1])
+            while True:
+                for session, activated, deactivated in residency.drain():
+                    if session in watched:
+                        yield FeedEvent(
                             session=session,
-                            revision=int(kv.mod_revision),
-                            activated=decode_activation(kv.value),
+                            position=cursor,
+                            activated=activated,
+                            deactivated=deactivated,
                         )
-                    )
-            for session in sorted(watched):
-                prefix = self._keys.entries(session)
-                skip = after_seq if session == root else 0
-                response = await self._etcd.get_prefix(
-                    prefix, start=self._keys.entry(session, skip + 1), revision=revision
-                )
-                snapshot.extend(
-                    FeedEvent(
-                        session=session, revision=int(kv.mod_revision), record=_record(prefix, kv)
-                    )
-                    for kv in response.kvs
-                )
-            for event in sorted(snapshot, key=_snapshot_order):
-                yield event
-            start = revision + 1
-        replayed = False
-        try:
-            async for event in self._watch(watched, tree=tree, start=start):
-                replayed = True
-                yield event
-        except aetcd.exceptions.RevisionCompactedError as compacted:
-            # etcd no longer holds the history this feed would replay: a resume from before
-            # its compaction can never be served, whoever is asked (a snapshot's own revision
-            # compacted meanwhile, or a watch that fell behind, is a race a retry may win).
-            if after_position and not replayed:
-                raise InvalidArgument(
-                    f"after_event_seq {after_position}: the registry's history before revision"
-                    f" {compacted.compacted_revision} is compacted; watch again from the stored"
-                    " transcripts (after_event_seq 0)"
-                ) from compacted
-            raise RegistryUnavailable(f"{root}: the watch fell behind compaction") from compacted
+                horizon = await self._log.horizon()
+                if tree:
+                    # After the horizon: every session with a record at or below it is found.
+                    # The index only grows while a tree lives, so an unchanged count means
+                    # unchanged members, and a count costs etcd next to nothing.
+                    count = await self._etcd.get_prefix(watched_tree, count_only=True)
+                    if int(count.count) != size:
+                        size = int(count.count)
+                        watched = {s for _, s in await self._members(root, watched_tree)}
+                while cursor < horizon:
+                    page = await self._log.since(watched, after=cursor, upto=horizon)
+                    for logged in page:
+                        cursor = logged.position
+                        skipped = after_position == 0 and logged.session == root
+                        if skipped and logged.record.seq <= after_seq:
+                            continue
+                        yield FeedEvent(
+                            session=logged.session, position=cursor, record=logged.record
+                        )
+                    if len(page) < DEFAULT_PAGE:
+                        cursor = max(cursor, horizon)
+                await residency.changed(self._poll)
 
-    async def _watch(
-        self, watched: set[SessionId], *, tree: bool, start: int
-    ) -> AsyncIterator[FeedEvent]:
-        keys = self._keys
-        headers = keys.prefix + b"headers/"
-        entries = keys.prefix + b"entries/"
-        async for change in self._etcd.watch_prefix(keys.prefix, start_revision=start):
-            key: bytes = change.kv.key
-            revision = int(change.kv.mod_revision)
-            if key.startswith(entries) and change.kind == "PUT":
-                session = SessionId(key[len(entries) :].split(b"/", 1)[0].decode())
-                if session in watched:
-                    record = _record(keys.entries(session), change.kv)
-                    yield FeedEvent(session=session, revision=revision, record=record)
-            elif key.startswith(keys.activations):
-                session = keys.session_of_activation(key)
-                if session not in watched:
-                    continue
-                if change.kind == "PUT":
-                    activation = decode_activation(change.kv.value)
-                    yield FeedEvent(session=session, revision=revision, activated=activation)
-                elif change.prev_kv is not None:
-                    ended = decode_activation(change.prev_kv.value)
-                    yield FeedEvent(session=session, revision=revision, deactivated=ended)
-            elif tree and key.startswith(headers) and change.kind == "PUT":
-                with contextlib.suppress(ValueError):
-                    header = decode_header(change.kv.value)
-                    if header.parent_session in watched:
-                        watched.add(header.session_id)
+    # -- helpers --------------------------------------------------------------------------------
+
+    async def _index(
+        self, prefix: bytes, *, after: bytes
+    ) -> AsyncIterator[tuple[bytes, SessionId]]:
+        """The keys of an index after the token ``after``, in key order, page by page."""
+        start = prefix + after + b"\0" if after else None
+        async for kv in self._range(prefix, start=start, keys_only=True):
+            yield kv.key[len(prefix) :], session_of_index_key(kv.key)
+
+    async def _range(
+        self, prefix: bytes, *, start: bytes | None = None, keys_only: bool = False
+    ) -> AsyncIterator[Any]:
+        """Every key under ``prefix`` (from ``start``), read ``_INDEX_PAGE`` at a time."""
+        while True:
+            response = await self._etcd.get_prefix(
+                prefix, start=start, limit=_INDEX_PAGE, keys_only=keys_only
+            )
+            for kv in response.kvs:
+                yield kv
+            if not response.more:
+                return
+            start = response.kvs[-1].key + b"\0"
+
+    async def _headers(self, sessions: list[SessionId]) -> list[SessionHeader]:
+        """The headers of ``sessions``, in that order, read a transaction's worth at a time
+        (a session deleted meanwhile is left out)."""
+        headers: list[SessionHeader] = []
+        for at in range(0, len(sessions), _HEADERS_PER_TXN):
+            chunk = sessions[at : at + _HEADERS_PER_TXN]
+            response = await self._etcd.txn([], [get(self._keys.header(s)) for s in chunk])
+            for answer in response.responses:
+                kvs = answer.response_range.kvs
+                if kvs:
+                    headers.append(decode_header(kvs[0].value))
+        return headers
 
 
-class _Ranks:
-    """Numbers a feed's events: revision times :data:`EVENTS_PER_REVISION` plus the rank among
-    the events of that revision so far. A feed yields one revision's events in the order etcd
-    wrote them (a group commit's entries in seq order), as a stored snapshot does, so the same
-    event gets the same position in a fresh feed and in a replay."""
+class _Residency:
+    """Who is resident, for one feed: a snapshot, then etcd's watch of activations, resumed
+    after a broken stream; after a compaction, the next snapshot tells the current state."""
 
-    def __init__(self) -> None:
+    def __init__(self, etcd: Etcd, keys: Keys) -> None:
+        self._etcd = etcd
+        self._keys = keys
+        self._changes: list[tuple[SessionId, Activation | None, Activation | None]] = []
+        self._wake = asyncio.Event()
         self._revision = 0
-        self._rank = 0
+        self._known: dict[SessionId, Activation] = {}
 
-    def position(self, revision: int) -> int:
-        if revision == self._revision:
-            self._rank += 1
+    async def snapshot(self, watched: Collection[SessionId]) -> list[tuple[SessionId, Activation]]:
+        """The current activation of each of ``watched``; the watch continues after it."""
+        current: dict[SessionId, Activation] = {}
+        start: bytes | None = None
+        while True:
+            response = await self._etcd.get_prefix(
+                self._keys.activations, start=start, limit=_INDEX_PAGE
+            )
+            if not self._revision:
+                self._revision = int(response.header.revision)
+            for kv in response.kvs:
+                current[self._keys.session_of_activation(kv.key)] = decode_activation(kv.value)
+            if not response.more:
+                break
+            start = response.kvs[-1].key + b"\0"
+        self._known = current
+        self._ready.set()
+        return sorted((s, a) for s, a in current.items() if s in watched)
+
+    @contextlib.asynccontextmanager
+    async def watching(self) -> AsyncIterator[None]:
+        self._ready = asyncio.Event()
+        async with asyncio.TaskGroup() as group:
+            task = group.create_task(self._follow(), name="residency")
+            try:
+                yield
+            finally:
+                task.cancel()
+
+    def drain(self) -> list[tuple[SessionId, Activation | None, Activation | None]]:
+        """The changes seen since the last drain, in etcd's order."""
+        changes, self._changes = self._changes, []
+        self._wake.clear()
+        return changes
+
+    async def changed(self, within: float) -> None:
+        """Wait until residency changes, or ``within`` seconds pass."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(within):
+                await self._wake.wait()
+
+    async def _follow(self) -> None:
+        await self._ready.wait()
+        while True:
+            try:
+                async for response in self._etcd.watch_prefix(
+                    self._keys.activations, start_revision=self._revision + 1
+                ):
+                    self._apply(response)
+            except aetcd.exceptions.RevisionCompactedError:
+                # The history between is gone: what matters is who is resident now.
+                self._revision = 0
+                await self._resnapshot()
+            except MeshError:
+                await asyncio.sleep(0.5)  # etcd away: resume from the last revision seen
+
+    def _apply(self, change: Any) -> None:
+        session = self._keys.session_of_activation(change.kv.key)
+        self._revision = int(change.kv.mod_revision)
+        if change.kind == "PUT":
+            activation = decode_activation(change.kv.value)
+            self._known[session] = activation
+            self._changes.append((session, activation, None))
         else:
-            self._revision, self._rank = revision, 0
-        if self._rank >= EVENTS_PER_REVISION:
-            raise RuntimeError(f"revision {revision} holds more events than a position can rank")
-        return revision * EVENTS_PER_REVISION + self._rank
+            ended = self._known.pop(session, None)
+            if change.prev_kv is not None:
+                ended = decode_activation(change.prev_kv.value)
+            if ended is not None:
+                self._changes.append((session, None, ended))
+        self._wake.set()
+
+    async def _resnapshot(self) -> None:
+        before = dict(self._known)
+        await self.snapshot(())
+        for session, ended in before.items():
+            if self._known.get(session) != ended:
+                self._changes.append((session, None, ended))
+        for session, activation in self._known.items():
+            if before.get(session) != activation:
+                self._changes.append((session, activation, None))
+        self._wake.set()
 
 
-def _record(prefix: bytes, kv: Any) -> Record:
-    return decode_record(int(kv.key[len(prefix) :]), kv.value)
-
-
-def _descendants(root: SessionId, headers: Iterable[SessionHeader]) -> set[SessionId]:
-    children: dict[SessionId, list[SessionId]] = {}
-    known: set[SessionId] = set()
-    for header in headers:
-        known.add(header.session_id)
-        if header.parent_session is not None:
-            children.setdefault(header.parent_session, []).append(header.session_id)
-    if root not in known:
-        return set()
-    found, frontier = {root}, [root]
-    while frontier:
-        for child in children.get(frontier.pop(), []):
-            if child not in found:
-                found.add(child)
-                frontier.append(child)
-    return found
-
-
-def _snapshot_order(event: FeedEvent) -> tuple[int, int]:
-    # One revision holds one session's entries (in seq order) or one residency change.
-    return event.revision, event.record.seq if event.record is not None else -1
+async def _aiter(items: Iterable[Any]) -> AsyncIterator[Any]:
+    for item in items:
+        yield item

@@ -1,20 +1,24 @@
-"""The :class:`SessionStore` on etcd: create-only headers, lease-bound activations won by
-create-if-absent, fenced transcript appends and idempotency records written in the same
-transaction as the entry they protect (key layout: docs/etcd-layout.md).
+"""The :class:`SessionStore` of a node: coordination in etcd (create-only headers, lease-bound
+activations won by create-if-absent), transcripts and idempotency records in a log store
+(docs/storage.md; etcd key layout: docs/etcd-layout.md).
 
-Fencing: an activation is identified in etcd by the revision at which its key was created. A
-transcript append compares that create revision; a key that expired with its node's lease, was
-released, or was won again by another node has another create revision (or none), so a writer
-that lost its activation can never append again, whatever it believes locally.
+Fencing spans the two (ADR 0026): an activation is identified by the etcd revision at which its
+key was created, and the log store admits an append only under the session's current fence. A
+new activation raises the fence to its create revision before it reads the transcript; a write
+with no activation carries the revision of the etcd read that found none. A writer that lost
+its activation (its key expired with its node's lease, was released, or was won again) can
+never append after its successor has read, whatever it believes locally.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
 from dsh_mesh import telemetry
@@ -22,8 +26,10 @@ from dsh_mesh.core import (
     Activation,
     ActivationFenced,
     ActivationId,
+    DeliveryKind,
     DetachedWork,
     Entry,
+    IdempotencyConflict,
     InvalidArgument,
     Record,
     RegistryUnavailable,
@@ -33,30 +39,29 @@ from dsh_mesh.core import (
     SessionUnknown,
 )
 from dsh_mesh.registry._codec import (
-    decode_acceptance,
     decode_activation,
     decode_header,
-    decode_record,
-    encode_acceptance,
     encode_activation,
     encode_entry,
     encode_header,
 )
-from dsh_mesh.registry._etcd import Etcd, Result, Target, compare, delete, get, put, scan
+from dsh_mesh.registry._etcd import Etcd, Result, Target, compare, delete, get, put
 from dsh_mesh.registry._keys import Keys
-from dsh_mesh.runtime import Acceptance, IdempotencyKey, Resumption, check_same_request
+from dsh_mesh.runtime import (
+    DEFAULT_PAGE,
+    Acceptance,
+    IdempotencyKey,
+    LogStore,
+    Resumption,
+    Write,
+)
 
-_APPEND_ATTEMPTS = 32
+_log = logging.getLogger(__name__)
+
 _BATCH_ENTRIES = 32
-"""At most this many entries per group-commit transaction (each costs up to two of the 128
-operations etcd allows a transaction by default)."""
+"""At most this many entries per group-commit transaction."""
 _BATCH_BYTES = 1024 * 1024
-"""Payload per group-commit transaction beyond its first entry; etcd refuses requests over
-about 1.5 MiB."""
-
-
-class _Split(Exception):
-    """A batch met an idempotency key already used: it is committed entry by entry instead."""
+"""Payload per group-commit transaction beyond its first entry."""
 
 
 @dataclass(eq=False, kw_only=True)
@@ -64,9 +69,9 @@ class _Pending:
     """One append waiting for its group commit."""
 
     entry: Entry
-    payload: bytes
-    recorded_at: datetime
+    size: int
     fence: int
+    unfenced: bool
     writer: ActivationId | None
     idempotency: tuple[IdempotencyKey, Acceptance] | None
     done: asyncio.Future[tuple[Record, Acceptance | None]]
@@ -102,15 +107,14 @@ class ActivationView(Protocol):
 
 
 class EtcdSessionStore:
-    """Durable session state in etcd, for one node.
+    """Durable session state for one node: coordination in etcd, transcripts in ``log``.
 
     ``lease`` returns the node's current lease id (it raises when the node is fenced); every
-    activation this store wins is bound to it. Headers are cached forever (they never change);
-    the last seq of sessions this node writes is cached and re-read only when a transaction
-    says it moved. An entry whose encoding exceeds ``max_entry_bytes`` is refused with
-    :class:`InvalidArgument` before anything is sent (etcd would refuse the request anyway,
-    with a message that names no entry). Every method is safe to call concurrently from one
-    event loop. :meth:`aclose` ends the group commits still running.
+    activation this store wins is bound to it. Headers are cached forever (they never change),
+    and so is each activation's fence. An entry whose encoding exceeds ``max_entry_bytes`` is
+    refused with :class:`InvalidArgument` before anything is written. Every method is safe to
+    call concurrently from one event loop. :meth:`aclose` ends the group commits still
+    running; the log store is the caller's to close.
     """
 
     def __init__(
@@ -118,6 +122,7 @@ class EtcdSessionStore:
         etcd: Etcd,
         keys: Keys,
         *,
+        log: LogStore,
         lease: Callable[[], int],
         directory: ActivationView | None = None,
         max_entry_bytes: int = MAX_ENTRY_BYTES,
@@ -127,10 +132,11 @@ class EtcdSessionStore:
         self._max_entry_bytes = max_entry_bytes
         self._etcd = etcd
         self._keys = keys
+        self._log = log
         self._lease = lease
         self._directory = directory
         self._headers: dict[SessionId, SessionHeader] = {}
-        self._seqs: dict[SessionId, int] = {}
+        self._roots: dict[SessionId, SessionId] = {}
         self._fences: dict[ActivationId, int] = {}
         self._queues: dict[SessionId, list[_Pending]] = {}
         self._flushing: set[SessionId] = set()
@@ -148,26 +154,74 @@ class EtcdSessionStore:
     # -- headers --------------------------------------------------------------------------------
 
     async def create_header(self, header: SessionHeader, entries: Sequence[Entry] = ()) -> None:
-        """One transaction: if the header is absent, put it, the head ``n`` and ``entries`` as
-        seqs 1..n (encoded and bounded as appends are). A root's task goes in with its header
-        this way, so no node that dies mid-creation can leave one without the other."""
+        """The entries first, then the header (ADR 0026): a reader sees a header only once its
+        task exists, and a creator that dies between the two leaves an invisible transcript,
+        which a replay of the same creation finds by its keys and completes. The entries are
+        written with no activation, under the revision at which etcd had no header (so no
+        activation) for the session; each is keyed ``create:<session>`` by its seq, so a
+        second try writes none of them twice. A creation of the same id with other entries
+        finds those keys used for something else: :class:`SessionExists`."""
         session = header.session_id
-        now = datetime.now(UTC)
-        if header.created_at is None:
-            header = dataclasses.replace(header, created_at=now)
-        payloads = [self._encoded(session, entry, now) for entry in entries]
         key = self._keys.header(session)
-        head = str(len(payloads)).encode()
-        writes = [put(key, encode_header(header)), put(self._keys.head(session), head)]
-        writes.extend(
-            put(self._keys.entry(session, seq), payload)
-            for seq, payload in enumerate(payloads, start=1)
-        )
+        found = await self._etcd.range(key)
+        if found.kvs:
+            raise SessionExists(session)
+        parent = None
+        if header.parent_session is not None:
+            parent = await self.get_header(header.parent_session)
+            if parent is None:
+                raise SessionUnknown(header.parent_session)
+        if header.created_at is None:
+            header = dataclasses.replace(header, created_at=_created_after(parent))
+        if entries:
+            writes = [self._creation_write(session, n, e) for n, e in enumerate(entries, 1)]
+            try:
+                await self._log.append(
+                    session, writes, fence=int(found.header.revision), unfenced=True
+                )
+            except (IdempotencyConflict, ActivationFenced) as taken:
+                raise SessionExists(session) from taken
+        created = header.created_at
+        assert created is not None
+        writes = [put(key, encode_header(header)), put(self._keys.listed(created, session), b"")]
+        root = session
+        if parent is not None:
+            root = await self._root_of(parent)
+            writes.append(put(self._keys.root_of(session), root.encode()))
+        parent_id = (header.parent_session or "").encode()
+        writes.append(put(self._keys.member(root, created, session), parent_id))
         response = await self._etcd.txn([compare(key, Target.CREATE, Result.EQUAL, 0)], writes)
         if not response.succeeded:
             raise SessionExists(session)
         self._headers[session] = header
-        self._seqs[session] = len(payloads)
+        self._roots[session] = root
+
+    async def _root_of(self, header: SessionHeader) -> SessionId:
+        """The root of the tree ``header``'s session belongs to."""
+        session = header.session_id
+        root = self._roots.get(session)
+        if root is None:
+            if header.parent_session is None:
+                root = session
+            else:
+                kv = await self._etcd.get(self._keys.root_of(session))
+                if kv is None:
+                    raise SessionUnknown(f"{session}: no root recorded")
+                root = SessionId(kv.value.decode())
+            self._roots[session] = root
+        return root
+
+    def _creation_write(self, session: SessionId, seq: int, entry: Entry) -> Write:
+        payload = self._encoded(session, entry, None)
+        key = IdempotencyKey(principal=f"create:{session}", key=str(seq))
+        acceptance = Acceptance(
+            target=session,
+            seq=seq,
+            target_activation=ActivationId(""),
+            kind=DeliveryKind.STARTED_TURN,
+            fingerprint=hashlib.sha256(payload).hexdigest(),
+        )
+        return Write(entry=entry, idempotency=(key, acceptance))
 
     async def get_header(self, session: SessionId) -> SessionHeader | None:
         header = self._headers.get(session)
@@ -189,9 +243,9 @@ class EtcdSessionStore:
     async def try_resume(
         self, activation: Activation, *, unless_known: IdempotencyKey | None = None
     ) -> Resumption:
-        """:meth:`try_activate` that also reads the transcript head and entries in the same
-        transaction. The head refreshes this node's cached seq, which may be stale if it hosted
-        the session before."""
+        """:meth:`try_activate` that also reads the transcript, page by page, once the fence is
+        raised. A resume that fails after winning the key (the log store unreachable, a read
+        refused) releases it before it raises: no session is left held by nothing."""
         return await self._activate(activation, unless_known=unless_known, read=True)
 
     async def _activate(
@@ -204,13 +258,15 @@ class EtcdSessionStore:
                 "dsh.activation.id": activation.activation_id,
             },
         ) as activating:
-            resumption = await self._race_for(activation, unless_known, read)
+            if unless_known is not None:
+                known = await self._log.lookup(unless_known)
+                if known is not None:
+                    return Resumption(current=None, known=known)
+            resumption = await self._race_for(activation, read)
             activating.set("dsh.activation.won", resumption.current == activation)
             return resumption
 
-    async def _race_for(
-        self, activation: Activation, unless_known: IdempotencyKey | None, read: bool
-    ) -> Resumption:
+    async def _race_for(self, activation: Activation, read: bool) -> Resumption:
         session = activation.session_id
         key, header = self._keys.activation(session), self._keys.header(session)
         compares = [
@@ -219,30 +275,15 @@ class EtcdSessionStore:
         ]
         success = [put(key, encode_activation(activation), lease=self._lease())]
         failure = [get(key), get(header)]
-        if unless_known is not None:
-            known_key = self._idempotency_key(unless_known)
-            compares.append(compare(known_key, Target.CREATE, Result.EQUAL, 0))
-            failure.append(get(known_key))
-        prefix = self._keys.entries(session)
-        if read:
-            success += [get(self._keys.head(session)), scan(prefix)]
         for _ in range(_ACTIVATE_ATTEMPTS):
             response = await self._etcd.txn(compares, success, failure)
             if response.succeeded:
-                self._fences[activation.activation_id] = response.header.revision
-                self._note(activation)
-                if not read:
-                    return Resumption(current=activation)
-                _, head_read, entries = response.responses
-                head = _only(head_read)
-                if head is None:  # the header exists (compared above), so its head does too
-                    raise SessionUnknown(f"{session}: no transcript head")
-                self._seqs[session] = int(head.value)
-                records = _records(prefix, entries.response_range.kvs)
-                return Resumption(current=activation, records=tuple(records))
-            current_kv, header_kv, *known_kv = (_only(r) for r in response.responses)
-            if known_kv and known_kv[0] is not None:
-                return Resumption(current=None, known=decode_acceptance(known_kv[0].value))
+                fence = int(response.header.revision)
+                won = await self._fenced(activation, fence, read)
+                if won is not None:
+                    return won
+                continue  # our key had already ended when the fence went up: race again
+            current_kv, header_kv = (_only(r) for r in response.responses)
             if header_kv is None:
                 raise SessionUnknown(session)
             if current_kv is not None:
@@ -251,6 +292,25 @@ class EtcdSessionStore:
                 return Resumption(current=current)
             # The holder let go between our compare and our read: race again.
         raise RegistryUnavailable(f"{session}: activation kept changing hands")
+
+    async def _fenced(self, activation: Activation, fence: int, read: bool) -> Resumption | None:
+        """Raise the log store's fence to the won key's ``fence``, then read the transcript.
+        None when the fence was already higher: the key had ended before the raise (a writer
+        that saw the session absent later wrote meanwhile). Releases the key on any failure."""
+        session = activation.session_id
+        resumed = False
+        try:
+            current = await self._log.raise_fence(session, fence)
+            if current != fence:
+                return None
+            self._fences[activation.activation_id] = fence
+            self._note(activation)
+            records = await self.read(session) if read else []
+            resumed = True
+            return Resumption(current=activation, records=tuple(records))
+        finally:
+            if not resumed:
+                await self._let_go(activation, fence)
 
     async def current_activation(
         self, session: SessionId, *, fresh: bool = False
@@ -282,6 +342,20 @@ class EtcdSessionStore:
         if self._directory is not None:
             self._directory.forget(activation)
 
+    async def _let_go(self, activation: Activation, fence: int) -> None:
+        """Delete the activation key won at ``fence`` if it is still that one. A failure is
+        logged, not raised: the caller is already failing, and the key ends with the lease."""
+        self._fences.pop(activation.activation_id, None)
+        key = self._keys.activation(activation.session_id)
+        try:
+            await asyncio.shield(
+                self._etcd.txn([compare(key, Target.CREATE, Result.EQUAL, fence)], [delete(key)])
+            )
+        except Exception as failure:  # the lease ends it, as it ends any key of a dead node
+            _log.warning("%s: could not release a failed resume (%s)", activation, failure)
+        if self._directory is not None:
+            self._directory.forget(activation)
+
     # -- transcript -----------------------------------------------------------------------------
 
     async def append(
@@ -292,18 +366,20 @@ class EtcdSessionStore:
         writer: ActivationId | None,
         idempotency: tuple[IdempotencyKey, Acceptance] | None = None,
     ) -> tuple[Record, Acceptance | None]:
-        recorded_at = datetime.now(UTC)
-        payload = self._encoded(session, entry, recorded_at)
-        fence = 0 if writer is None else await self._fence_of(session, writer)
+        size = len(self._encoded(session, entry, datetime.now(UTC)))
+        if writer is None:
+            fence, unfenced = await self._absent_at(session), True
+        else:
+            fence, unfenced = await self._fence_of(session, writer), False
         with telemetry.span(
-            "dsh.etcd.append",
-            attributes={"dsh.session.id": session, "dsh.entry.bytes": len(payload)},
+            "dsh.log.append",
+            attributes={"dsh.session.id": session, "dsh.entry.bytes": size},
         ) as appending:
             pending = _Pending(
                 entry=entry,
-                payload=payload,
-                recorded_at=recorded_at,
+                size=size,
                 fence=fence,
+                unfenced=unfenced,
                 writer=writer,
                 idempotency=idempotency,
                 done=asyncio.get_running_loop().create_future(),
@@ -326,30 +402,22 @@ class EtcdSessionStore:
 
     async def _flush(self, session: SessionId) -> None:
         """Group commit: while appends to ``session`` wait, take them in arrival order and write
-        as many as fit into one transaction (same writer, at most ``_BATCH_ENTRIES`` entries and
-        ``_BATCH_BYTES`` of payload, no idempotency key twice), then settle each caller with its
-        own record.
-
-        A batch ends before an append whose idempotency key is already in it (a retry racing
-        its original): etcd refuses a transaction that writes one key twice, and the retry must
-        be decided after the first use of its key commits, when it finds the key taken and gets
-        that acceptance (or a conflict)."""
+        as many as fit into one log-store transaction (same fence, at most ``_BATCH_ENTRIES``
+        entries and ``_BATCH_BYTES`` of payload), then settle each caller with its own record.
+        A key used twice in one batch is written once; the second use answers the first."""
         queue = self._queues[session]
         batch: list[_Pending] = []
         try:
             while queue:
                 batch = [queue.pop(0)]
-                size = len(batch[0].payload)
-                keys = self._batch_keys(batch[0])
+                size = batch[0].size
                 while (
                     queue
                     and len(batch) < _BATCH_ENTRIES
-                    and queue[0].fence == batch[0].fence
-                    and size + len(queue[0].payload) <= _BATCH_BYTES
-                    and keys.isdisjoint(self._batch_keys(queue[0]))
+                    and (queue[0].fence, queue[0].unfenced) == (batch[0].fence, batch[0].unfenced)
+                    and size + queue[0].size <= _BATCH_BYTES
                 ):
-                    size += len(queue[0].payload)
-                    keys |= self._batch_keys(queue[0])
+                    size += queue[0].size
                     batch.append(queue.pop(0))
                 await self._commit(session, batch)
         finally:
@@ -367,101 +435,58 @@ class EtcdSessionStore:
             self._flushing.discard(session)
 
     async def _commit(self, session: SessionId, batch: list[_Pending]) -> None:
+        first = batch[0]
         try:
-            results = await self._append_batch(session, batch)
-        except _Split:
-            # A key in the batch was seen before: commit one by one, so each retry gets its own
-            # first acceptance and the others still go in, in order.
+            written = await self._log.append(
+                session,
+                [Write(entry=p.entry, idempotency=p.idempotency) for p in batch],
+                fence=first.fence,
+                unfenced=first.unfenced,
+            )
+        except IdempotencyConflict as conflict:
+            if len(batch) == 1:
+                _settle(batch, conflict)
+                return
+            # One retry reused its key for another message, which refuses the whole batch:
+            # commit one by one, so only that one is refused and the others go in, in order.
             for pending in batch:
                 await self._commit(session, [pending])
             return
-        except InvalidArgument as refused:
-            if len(batch) == 1:
-                _settle(batch, refused)
-                return
-            # etcd refused the transaction as a whole (so wrote none of it): refuse only the
-            # entries it refuses alone, not every append that happened to share the batch.
-            for pending in batch:
-                await self._commit(session, [pending])
+        except ActivationFenced as fenced:
+            _settle(batch, ActivationFenced(f"{session}: writer {first.writer}: {fenced}"))
             return
         except Exception as failure:  # settles every waiting caller; none is left hanging
             _settle(batch, failure)
             return
-        for pending, result in zip(batch, results, strict=True):
+        for pending, answer in zip(batch, written, strict=True):
             if not pending.done.done():
-                pending.done.set_result(result)
-
-    async def _append_batch(
-        self, session: SessionId, batch: list[_Pending]
-    ) -> list[tuple[Record, Acceptance | None]]:
-        head = self._keys.head(session)
-        active = self._keys.activation(session)
-        fence, writer = batch[0].fence, batch[0].writer
-        keyed = [
-            (n, self._idempotency_key(p.idempotency[0]), p.idempotency)
-            for n, p in enumerate(batch)
-            if p.idempotency is not None
-        ]
-        for _ in range(_APPEND_ATTEMPTS):
-            seq = self._seqs.get(session)
-            if seq is None:
-                seq = await self._read_seq(session)
-            compares = [
-                compare(head, Target.VALUE, Result.EQUAL, str(seq).encode()),
-                compare(active, Target.CREATE, Result.EQUAL, fence),
-            ]
-            success = [put(head, str(seq + len(batch)).encode())]
-            success.extend(
-                put(self._keys.entry(session, seq + 1 + n), p.payload) for n, p in enumerate(batch)
-            )
-            failure = [get(head), get(active)]
-            for n, key, (_, acceptance) in keyed:
-                accepted = dataclasses.replace(acceptance, seq=seq + 1 + n)
-                compares.append(compare(key, Target.CREATE, Result.EQUAL, 0))
-                success.append(put(key, encode_acceptance(accepted)))
-                failure.append(get(key))
-            response = await self._etcd.txn(compares, success, failure)
-            if response.succeeded:
-                self._seqs[session] = seq + len(batch)
-                return [
-                    (Record(seq=seq + 1 + n, entry=p.entry, recorded_at=p.recorded_at), None)
-                    for n, p in enumerate(batch)
-                ]
-            head_kv, active_kv, *known_kvs = (_only(r) for r in response.responses)
-            seen = [(n, kv) for (n, _, _), kv in zip(keyed, known_kvs, strict=True) if kv]
-            if seen:
-                if len(batch) > 1:
-                    raise _Split
-                idempotency, kv = keyed[0][2], seen[0][1]
-                known = decode_acceptance(kv.value)
-                check_same_request(idempotency[0], known, idempotency[1])
-                return [(await self._record(known.target, known.seq), known)]
-            if head_kv is None:
-                raise SessionUnknown(session)
-            holder = 0 if active_kv is None else active_kv.create_revision
-            if holder != fence:
-                raise ActivationFenced(f"{session}: writer {writer} is not the current activation")
-            self._seqs[session] = int(head_kv.value)
-        raise RegistryUnavailable(f"{session}: transcript head kept moving")
+                pending.done.set_result((answer.record, answer.known))
 
     async def lookup(self, key: IdempotencyKey) -> Acceptance | None:
-        kv = await self._etcd.get(self._idempotency_key(key))
-        return None if kv is None else decode_acceptance(kv.value)
+        return await self._log.lookup(key)
 
-    async def read(self, session: SessionId, *, after_seq: int = 0) -> list[Record]:
-        prefix = self._keys.entries(session)
-        response = await self._etcd.get_prefix(
-            prefix, start=self._keys.entry(session, after_seq + 1)
-        )
-        if not response.kvs and await self.get_header(session) is None:
+    async def read(
+        self, session: SessionId, *, after_seq: int = 0, limit: int | None = None
+    ) -> list[Record]:
+        """Read in pages of the log store's :data:`DEFAULT_PAGE` (one page when ``limit`` is
+        given), so that no request or response grows with the transcript."""
+        records: list[Record] = []
+        while limit is None or len(records) < limit:
+            page = DEFAULT_PAGE if limit is None else min(DEFAULT_PAGE, limit - len(records))
+            got = await self._log.read(session, after_seq=after_seq, limit=page)
+            records.extend(got)
+            if len(got) < page:
+                break
+            after_seq = got[-1].seq
+        if not records and await self.get_header(session) is None:
             raise SessionUnknown(session)
-        return _records(prefix, response.kvs)
+        return records
 
     # -- helpers --------------------------------------------------------------------------------
 
-    def _encoded(self, session: SessionId, entry: Entry, recorded_at: datetime) -> bytes:
-        """``entry`` as it is stored, written at ``recorded_at``; refused before anything is
-        sent when it is too large."""
+    def _encoded(self, session: SessionId, entry: Entry, recorded_at: datetime | None) -> bytes:
+        """``entry`` as it is stored; refused before anything is written when it is too
+        large."""
         payload = encode_entry(entry, recorded_at=recorded_at)
         if len(payload) > self._max_entry_bytes:
             raise InvalidArgument(
@@ -470,17 +495,17 @@ class EtcdSessionStore:
             )
         return payload
 
-    async def _record(self, session: SessionId, seq: int) -> Record:
-        kv = await self._etcd.get(self._keys.entry(session, seq))
-        if kv is None:
-            raise SessionUnknown(f"{session}: no entry {seq}")
-        return decode_record(seq, kv.value)
-
-    async def _read_seq(self, session: SessionId) -> int:
-        kv = await self._etcd.get(self._keys.head(session))
-        if kv is None:
+    async def _absent_at(self, session: SessionId) -> int:
+        """The revision of an etcd read that found ``session``'s header and no activation: a
+        write with no activation is fenced by it (ADR 0026). Raises :class:`SessionUnknown`
+        without a header and :class:`ActivationFenced` when the session is resident."""
+        if await self.get_header(session) is None:
             raise SessionUnknown(session)
-        return int(kv.value)
+        response = await self._etcd.range(self._keys.activation(session))
+        if response.kvs:
+            holder = decode_activation(response.kvs[0].value).activation_id
+            raise ActivationFenced(f"{session}: held by {holder}; a write needs no activation")
+        return int(response.header.revision)
 
     async def _fence_of(self, session: SessionId, writer: ActivationId) -> int:
         fence = self._fences.get(writer)
@@ -492,23 +517,18 @@ class EtcdSessionStore:
         self._fences[writer] = kv.create_revision
         return int(kv.create_revision)
 
-    def _idempotency_key(self, key: IdempotencyKey) -> bytes:
-        return self._keys.idempotency(key.principal, key.key)
-
-    def _batch_keys(self, pending: _Pending) -> set[bytes]:
-        """The etcd key of ``pending``'s idempotency record, if it has one."""
-        if pending.idempotency is None:
-            return set()
-        return {self._idempotency_key(pending.idempotency[0])}
-
     def _note(self, activation: Activation) -> None:
         if self._directory is not None:
             self._directory.note(activation)
 
 
-def _records(prefix: bytes, kvs: Any) -> list[Record]:
-    """The transcript records of entry keys under ``prefix`` (key order is seq order)."""
-    return [decode_record(int(kv.key[len(prefix) :]), kv.value) for kv in kvs]
+def _created_after(parent: SessionHeader | None) -> datetime:
+    """Now, or just after ``parent``'s creation if this host's clock is behind the parent's
+    host's: a child is always listed after its parent."""
+    now = datetime.now(UTC)
+    if parent is None or parent.created_at is None:
+        return now
+    return max(now, parent.created_at + timedelta(microseconds=1))
 
 
 def _only(response: Any) -> Any | None:

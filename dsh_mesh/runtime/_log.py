@@ -89,7 +89,8 @@ class LogStore(Protocol):
     ) -> list[Logged]:
         """Up to ``limit`` records of ``sessions`` whose position is above ``after`` and at most
         ``upto``, in position order. Every record has a position, strictly increasing along
-        each session's seqs and, across sessions, in the order their appends committed."""
+        each session's seqs. Across sessions positions need not follow commit order (two
+        transactions may commit in either order): a reader reads only up to :meth:`horizon`."""
         ...
 
     async def lookup(self, key: IdempotencyKey) -> Acceptance | None:

@@ -114,11 +114,13 @@ class InMemorySessionStore:
     async def lookup(self, key: IdempotencyKey) -> Acceptance | None:
         return self._idempotency.get(key)
 
-    async def read(self, session: SessionId, *, after_seq: int = 0) -> list[Record]:
+    async def read(
+        self, session: SessionId, *, after_seq: int = 0, limit: int | None = None
+    ) -> list[Record]:
         transcript = self._transcripts.get(session)
         if transcript is None:
             raise SessionUnknown(session)
-        return transcript[after_seq:]
+        return transcript[after_seq : None if limit is None else after_seq + limit]
 
     def _fence(self, session: SessionId, writer: ActivationId | None) -> None:
         current = self._activations.get(session)

@@ -143,8 +143,10 @@ class RecordingStore:
     async def lookup(self, key: IdempotencyKey) -> Acceptance | None:
         return await self._store.lookup(key)
 
-    async def read(self, session: SessionId, *, after_seq: int = 0) -> list[Record]:
-        return await self._store.read(session, after_seq=after_seq)
+    async def read(
+        self, session: SessionId, *, after_seq: int = 0, limit: int | None = None
+    ) -> list[Record]:
+        return await self._store.read(session, after_seq=after_seq, limit=limit)
 
     def _activated(self, asked: Activation, current: Activation | None) -> None:
         if current is not None and current.activation_id == asked.activation_id:

@@ -48,7 +48,8 @@ class Acceptance:
 @dataclass(frozen=True, kw_only=True)
 class Resumption:
     """What :meth:`SessionStore.try_resume` found: the session's current activation (the one
-    asked for when the call won it) and, when it won, the transcript as of that moment; or,
+    asked for when the call won it) and, when it won, the transcript as of that moment (read
+    after every earlier activation was fenced off); or,
     instead of either, the first acceptance of an idempotency key already used."""
 
     current: Activation | None
@@ -124,9 +125,12 @@ class SessionStore(Protocol):
         """The first acceptance recorded under ``key``, if any."""
         ...
 
-    async def read(self, session: SessionId, *, after_seq: int = 0) -> list[Record]:
-        """``session``'s durable records after ``after_seq``, in seq order (empty for an
-        unknown session)."""
+    async def read(
+        self, session: SessionId, *, after_seq: int = 0, limit: int | None = None
+    ) -> list[Record]:
+        """``session``'s durable records after ``after_seq``, in seq order, at most ``limit``
+        of them (None: all, read in bounded pages). Raises ``SessionUnknown`` for a session
+        that does not exist."""
         ...
 
 

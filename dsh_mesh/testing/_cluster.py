@@ -35,6 +35,7 @@ import grpc
 
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
 from dsh_mesh.core import Activation, Record, RegistryUnavailable, SessionHeader, SessionId
+from dsh_mesh.logstore import open_log_store
 from dsh_mesh.registry import Etcd, EtcdConfig, EtcdSessionStore, Keys
 from dsh_mesh.registry._codec import decode_header
 from dsh_mesh.testing._pki import LocalPki, TlsFiles
@@ -63,6 +64,8 @@ class ClusterSettings:
     scenario: str
     key_prefix: str
     cluster_token: str
+    log_store: str
+    """The log store every node names (``sqlite:PATH`` or a PostgreSQL DSN)."""
     placement: str = "others-first"
     lease_ttl: float = 2.0
     shutdown_grace: float = 1.0
@@ -135,6 +138,8 @@ class NodeProcess:
             s.etcd_endpoint,
             "--key-prefix",
             s.key_prefix,
+            "--log-store",
+            s.log_store,
             "--lease-ttl",
             str(s.lease_ttl),
             "--placement",
@@ -271,7 +276,10 @@ class LocalCluster:
         tls: LocalPki | None = None,
         history: bool = False,
         presets_file: Path | None = None,
+        log_store: str | None = None,
     ) -> None:
+        self._owned_dir = None if log_dir is not None else tempfile.TemporaryDirectory()
+        self.log_dir = log_dir or Path(self._owned_dir.name if self._owned_dir else ".")
         self.settings = ClusterSettings(
             etcd_endpoint=etcd_endpoint,
             scenario=scenario,
@@ -283,9 +291,8 @@ class LocalCluster:
             tls=tls,
             history=history,
             presets_file=presets_file,
+            log_store=log_store or f"sqlite:{self.log_dir / 'log.db'}",
         )
-        self._owned_dir = None if log_dir is not None else tempfile.TemporaryDirectory()
-        self.log_dir = log_dir or Path(self._owned_dir.name if self._owned_dir else ".")
         self._env = dict(env or {})
         self.nodes = {
             node_id: NodeProcess(node_id, self.settings, log_dir=self.log_dir, env=self._env)
@@ -366,13 +373,15 @@ class MeshReader:
     def __init__(self, settings: ClusterSettings) -> None:
         self._etcd = Etcd(settings.etcd_config())
         self.keys = Keys(settings.key_prefix.encode())
-        self._store = EtcdSessionStore(self._etcd, self.keys, lease=_no_lease)
+        self._log = open_log_store(settings.log_store)
+        self._store = EtcdSessionStore(self._etcd, self.keys, log=self._log, lease=_no_lease)
 
     async def __aenter__(self) -> MeshReader:
         await self._etcd.connect()
         return self
 
     async def __aexit__(self, *_: object) -> None:
+        await self._log.aclose()
         await self._etcd.close()
 
     async def transcript(self, session: SessionId) -> list[Record]:

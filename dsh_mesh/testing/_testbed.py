@@ -383,6 +383,7 @@ class BedNode(NodeProcess):
             f"listen = {_toml(listen)}",
             f"etcd = {_toml(f'{ETCD_CLIENT_NAME}:{_ETCD_CLIENT_PORT}')}",
             f"key_prefix = {_toml(settings.key_prefix)}",
+            f"log_store = {_toml(settings.log_store)}",
             f"lease_ttl = {settings.lease_ttl}",
             f"placement = {_toml(settings.placement)}",
             f"scenario = {_toml(settings.scenario)}",

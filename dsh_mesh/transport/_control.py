@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any, Protocol
 
 import grpc
@@ -80,11 +80,21 @@ class WatchEvent(Protocol):
     def deactivated(self) -> Activation | None: ...
 
 
+class AgentListing(Protocol):
+    """One page of headers and the next page's token (the registry's listing)."""
+
+    @property
+    def headers(self) -> list[SessionHeader]: ...
+    @property
+    def next_token(self) -> str: ...
+
+
 class ControlReads(Protocol):
     """The registry reads the control plane needs (implemented by ``RegistryReads``)."""
 
-    async def headers(self) -> list[tuple[int, SessionHeader]]: ...
-    async def tree(self, root: SessionId) -> list[SessionHeader]: ...
+    async def listing(
+        self, *, root: SessionId | None, after: str, limit: int, resident_only: bool = False
+    ) -> AgentListing: ...
     async def activations(self) -> dict[SessionId, Activation]: ...
     async def page(
         self, session: SessionId, *, after_seq: int, limit: int
@@ -342,21 +352,16 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         request: mesh_pb2.ListAgentsRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> mesh_pb2.ListAgentsResponse:
-        if request.root_session_id:
-            headers: Sequence[SessionHeader] = await self._reads.tree(
-                parse_session_id(request.root_session_id)
-            )
-        else:
-            headers = [header for _, header in await self._reads.headers()]
-        activations = await self._reads.activations()
-        if request.resident_only:
-            headers = [h for h in headers if h.session_id in activations]
-        offset, limit = _page(request.page_token, request.page_size)
-        page = headers[offset : offset + limit]
-        reply = mesh_pb2.ListAgentsResponse(
-            next_page_token=str(offset + limit) if offset + limit < len(headers) else ""
+        root = parse_session_id(request.root_session_id) if request.root_session_id else None
+        listing = await self._reads.listing(
+            root=root,
+            after=request.page_token,
+            limit=min(request.page_size or DEFAULT_PAGE, MAX_PAGE),
+            resident_only=request.resident_only,
         )
-        for header in page:
+        activations = await self._reads.activations()
+        reply = mesh_pb2.ListAgentsResponse(next_page_token=listing.next_token)
+        for header in listing.headers:
             current = activations.get(header.session_id)
             summary = reply.agents.add(
                 header=header_to_wire(header), state=self._state(header.session_id, current)

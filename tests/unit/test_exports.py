@@ -246,6 +246,8 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "MemoryLogStore",
         "PostgresLogStore",
         "SqliteLogStore",
+        "check_log_store",
+        "open_log_store",
     ],
     "dsh_mesh.registry": [
         "ActivationEnded",

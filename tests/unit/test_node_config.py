@@ -13,6 +13,7 @@ from dsh_mesh.node import _config as node_config
 from dsh_mesh.registry import NodeInfo
 from dsh_mesh.transport import ClusterCredential
 
+STORE = ["--log-store", "sqlite:log.db"]
 TOKEN = "t" * 32
 S = SessionId("s-1")
 
@@ -23,7 +24,7 @@ def test_flags_beat_environment_beat_file(tmp_path: Path) -> None:
         '[node]\nnode_id = "from-file"\nlisten = "127.0.0.1:7001"\nlease_ttl = 9\n'
         'placement = "round-robin"\n'
     )
-    args = parse_args(["--config", str(config_file), "--listen", "127.0.0.1:7003"])
+    args = parse_args([*STORE, "--config", str(config_file), "--listen", "127.0.0.1:7003"])
     environ = {
         "DSH_CLUSTER_TOKEN": TOKEN,
         "DSH_NODE_ID": "from-env",
@@ -40,19 +41,19 @@ def test_flags_beat_environment_beat_file(tmp_path: Path) -> None:
 
 def test_no_etcd_call_may_outlast_half_the_lease() -> None:
     flags = ["--cluster-token", TOKEN, "--plaintext"]
-    short = load_config(parse_args([*flags, "--lease-ttl", "2"]), {})
+    short = load_config(parse_args([*STORE, *flags, "--lease-ttl", "2"]), {})
     assert short.etcd_config().call_timeout == timedelta(seconds=1)
     assert short.etcd_config().endpoint == short.etcd.endpoint
-    default = load_config(parse_args(flags), {})
+    default = load_config(parse_args([*STORE, *flags]), {})
     assert default.etcd_config().call_timeout == default.lease.ttl / 2 == timedelta(seconds=2.5)
-    long = load_config(parse_args([*flags, "--lease-ttl", "60"]), {})
+    long = load_config(parse_args([*STORE, *flags, "--lease-ttl", "60"]), {})
     assert long.etcd_config() == long.etcd  # its own call timeout (5 s) is shorter
 
 
 def test_the_limits_come_from_file_environment_and_flags(tmp_path: Path) -> None:
     config_file = tmp_path / "node.toml"
     config_file.write_text("[node]\nmax_inbox_depth = 7\n")
-    args = parse_args(["--config", str(config_file), "--max-resident-sessions", "9"])
+    args = parse_args([*STORE, "--config", str(config_file), "--max-resident-sessions", "9"])
     environ = {"DSH_CLUSTER_TOKEN": TOKEN, "DSH_PLAINTEXT": "1", "DSH_MAX_INFLIGHT_SENDS": "8"}
     manager = load_config(args, environ).manager_config()
     assert (
@@ -66,7 +67,7 @@ def test_the_memory_high_water_mark_is_set_off_or_taken_from_the_cgroup(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def high_water(*flags: str) -> int | None:
-        args = parse_args(["--cluster-token", TOKEN, "--plaintext", *flags])
+        args = parse_args([*STORE, "--cluster-token", TOKEN, "--plaintext", *flags])
         return load_config(args, {}).memory_high_water()
 
     assert high_water("--memory-high-water-mb", "512") == 512 << 20
@@ -101,7 +102,7 @@ def test_the_memory_high_water_mark_is_set_off_or_taken_from_the_cgroup(
 )
 def test_bad_settings_are_refused_with_a_reason(flags: list[str], problem: str) -> None:
     with pytest.raises(ValueError, match=problem):
-        load_config(parse_args(flags), {})
+        load_config(parse_args([*STORE, *flags]), {})
 
 
 class _Nodes:
@@ -143,22 +144,44 @@ def test_placement_policies() -> None:
 
 def test_a_config_is_frozen() -> None:
     config = NodeConfig(
-        node_id=NodeId("n1"), credential=ClusterCredential(token=TOKEN), plaintext=True
+        node_id=NodeId("n1"),
+        credential=ClusterCredential(token=TOKEN),
+        plaintext=True,
+        log_store="sqlite:log.db",
     )
     with pytest.raises(AttributeError):
         config.listen = "x:1"  # type: ignore[misc]
+
+
+def test_a_node_without_a_log_store_is_refused_with_what_to_set() -> None:
+    with pytest.raises(ValueError, match="log_store is required: sqlite:PATH"):
+        load_config(parse_args(["--cluster-token", TOKEN, "--plaintext"]), {})
+    with pytest.raises(ValueError, match="neither sqlite:PATH"):
+        load_config(
+            parse_args([*STORE, "--log-store", "mysql://x", "--plaintext"]),
+            {"DSH_CLUSTER_TOKEN": TOKEN},
+        )
+
+
+def test_a_relative_sqlite_file_in_a_config_file_is_relative_to_that_file(tmp_path: Path) -> None:
+    config_file = tmp_path / "node.toml"
+    config_file.write_text('[node]\nlog_store = "sqlite:state/log.db"\nplaintext = true\n')
+    config = load_config(parse_args(["--config", str(config_file)]), {"DSH_CLUSTER_TOKEN": TOKEN})
+    assert config.log_store == f"sqlite:{tmp_path / 'state/log.db'}"
 
 
 def test_an_unknown_setting_in_the_file_is_refused(tmp_path: Path) -> None:
     config_file = tmp_path / "node.toml"
     config_file.write_text('[node]\nnode_id = "n1"\nlease_tll = 3\n')
     with pytest.raises(ValueError, match="lease_tll"):
-        load_config(parse_args(["--config", str(config_file)]), {"DSH_CLUSTER_TOKEN": TOKEN})
+        load_config(
+            parse_args([*STORE, "--config", str(config_file)]), {"DSH_CLUSTER_TOKEN": TOKEN}
+        )
 
 
 def test_the_sample_node_configs_load() -> None:
     nodes = Path(__file__).resolve().parents[2] / "nodes"
     samples = sorted(nodes.glob("node-*.toml"))  # presets.example.toml is no node config
     assert samples
-    ids = {load_config(parse_args(["--config", str(p)]), {}).node_id for p in samples}
+    ids = {load_config(parse_args([*STORE, "--config", str(p)]), {}).node_id for p in samples}
     assert len(ids) == len(samples)

@@ -1,4 +1,5 @@
-"""The registry's detached work, ended by its owner's close (no etcd needed: fakes answer).
+"""The registry's detached work, ended by its owner's close (no etcd or database needed: fakes
+answer).
 
 The store's group commit outlives the append that started it (it carries other callers'
 appends), and :meth:`EtcdSessionStore.aclose` ends every commit still running: each append it
@@ -15,36 +16,61 @@ from typing import Any, cast
 
 import pytest
 
-from dsh_mesh.core import HumanPromptEntry, Record, RegistryUnavailable, SessionId
+from dsh_mesh.core import (
+    HumanPromptEntry,
+    Record,
+    RegistryUnavailable,
+    SessionHeader,
+    SessionId,
+    SessionKind,
+    SessionSpec,
+)
+from dsh_mesh.logstore import MemoryLogStore
 from dsh_mesh.registry import Etcd, EtcdConfig, EtcdSessionStore, Keys
+from dsh_mesh.registry._codec import encode_header
+from dsh_mesh.runtime import Written
 
 SESSION = SessionId("s-1")
 
 
-class BlockingEtcd:
-    """An etcd whose transcript head is at 0 and whose transactions wait for ``gate``."""
+class FakeEtcd:
+    """An etcd that knows one root, ``SESSION``, with no activation."""
+
+    async def get(self, key: bytes) -> Any:
+        header = SessionHeader(
+            session_id=SESSION,
+            kind=SessionKind.ROOT,
+            parent_session=None,
+            spec=SessionSpec(preset="p", model="m"),
+        )
+        return SimpleNamespace(value=encode_header(header))
+
+    async def range(self, key: bytes) -> Any:
+        return SimpleNamespace(kvs=[], header=SimpleNamespace(revision=5))
+
+
+class BlockingLog(MemoryLogStore):
+    """A log store whose appends wait for ``gate``."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.gate = asyncio.Event()
         self.txns = 0
         self.in_txn = asyncio.Event()
         self.txn_ended = 0
 
-    async def get(self, key: bytes) -> Any:
-        return SimpleNamespace(value=b"0")
-
-    async def txn(self, compares: Any, success: Any, failure: Any = ()) -> Any:
+    async def append(self, session: SessionId, writes: Any, **kwargs: Any) -> list[Written]:
         self.txns += 1
         self.in_txn.set()
         try:
             await self.gate.wait()
         finally:
             self.txn_ended += 1
-        return SimpleNamespace(succeeded=True, responses=[])
+        return await super().append(session, writes, **kwargs)
 
 
-def _store(etcd: BlockingEtcd) -> EtcdSessionStore:
-    return EtcdSessionStore(cast(Etcd, etcd), Keys(b"/t/"), lease=lambda: 1)
+def _store(log: BlockingLog) -> EtcdSessionStore:
+    return EtcdSessionStore(cast(Etcd, FakeEtcd()), Keys(b"/t/"), log=log, lease=lambda: 1)
 
 
 async def _append(store: EtcdSessionStore, content: str) -> tuple[Record, Any]:
@@ -52,35 +78,35 @@ async def _append(store: EtcdSessionStore, content: str) -> tuple[Record, Any]:
 
 
 async def test_aclose_fails_every_append_of_a_running_commit_and_leaves_nothing_running() -> None:
-    etcd = BlockingEtcd()
-    store = _store(etcd)
+    log = BlockingLog()
+    store = _store(log)
     leader = asyncio.create_task(_append(store, "a"))
-    await etcd.in_txn.wait()  # "a" is in flight; the next two queue behind it
+    await log.in_txn.wait()  # "a" is in flight; the next two queue behind it
     queued = [asyncio.create_task(_append(store, c)) for c in ("b", "c")]
     await asyncio.sleep(0)
     await store.aclose()
-    assert etcd.txns == 1 and etcd.txn_ended == 1
+    assert log.txns == 1 and log.txn_ended == 1
     for appending in (leader, *queued):
         # The leader too gets the store's answer, not the cancellation of its commit.
         with pytest.raises(RegistryUnavailable, match="interrupted"):
             await asyncio.wait_for(appending, 5)
     assert len(store._flushes) == 0
     await store.aclose()  # idempotent
-    assert etcd.txns == 1
+    assert log.txns == 1
 
 
 async def test_a_cancelled_leader_leaves_its_commit_running_for_the_others() -> None:
-    etcd = BlockingEtcd()
-    store = _store(etcd)
+    log = BlockingLog()
+    store = _store(log)
     leader = asyncio.create_task(_append(store, "a"))
-    await etcd.in_txn.wait()
+    await log.in_txn.wait()
     follower = asyncio.create_task(_append(store, "b"))
     await asyncio.sleep(0)
     leader.cancel()
     with pytest.raises(asyncio.CancelledError):
         await leader
     assert len(store._flushes) == 1
-    etcd.gate.set()
+    log.gate.set()
     record, known = await asyncio.wait_for(follower, 5)
     assert record.seq == 2 and known is None  # "a" landed as 1 though its caller left
     await store.aclose()
@@ -88,9 +114,9 @@ async def test_a_cancelled_leader_leaves_its_commit_running_for_the_others() -> 
 
 
 async def test_aclose_with_nothing_running_returns() -> None:
-    etcd = BlockingEtcd()
-    store = _store(etcd)
-    etcd.gate.set()
+    log = BlockingLog()
+    store = _store(log)
+    log.gate.set()
     record, _ = await _append(store, "a")
     assert record.seq == 1
     await store.aclose()

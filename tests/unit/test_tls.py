@@ -31,6 +31,7 @@ from dsh_mesh.transport import (
     identity_of_certificate,
 )
 
+STORE = ["--log-store", "sqlite:log.db"]
 TOKEN = "t" * 32
 
 
@@ -308,13 +309,15 @@ def test_a_tls_node_takes_its_id_from_its_certificate(
     ca: CertificateAuthority, tmp_path: Path
 ) -> None:
     files = write_party(tmp_path, ca, ca.issue_node("node-a"))
-    config = load_config(parse_args(node_flags(*files)), {})
+    config = load_config(parse_args([*STORE, *node_flags(*files)]), {})
     assert config.node_id == "node-a"
     assert config.tls is not None and not config.plaintext
     assert config.credential is None  # the certificate is the credential; a token is optional
     assert config.etcd.tls is not None and config.etcd.tls.cert_pem == config.tls.cert_pem
     assert "PRIVATE" not in repr(config)
-    with_token = load_config(parse_args(node_flags(*files)), {"DSH_CLUSTER_TOKEN": TOKEN})
+    with_token = load_config(
+        parse_args([*STORE, *node_flags(*files)]), {"DSH_CLUSTER_TOKEN": TOKEN}
+    )
     assert with_token.credential is not None
 
 
@@ -335,26 +338,26 @@ def test_tls_settings_that_do_not_add_up_are_refused(
 ) -> None:
     files = write_party(tmp_path, ca, ca.issue_node("node-a"))
     with pytest.raises(ValueError, match=problem):
-        load_config(parse_args([*node_flags(*files), *extra]), environ)
+        load_config(parse_args([*STORE, *node_flags(*files), *extra]), environ)
 
 
 def test_a_client_certificate_cannot_run_a_node(ca: CertificateAuthority, tmp_path: Path) -> None:
     files = write_party(tmp_path, ca, ca.issue_client("alice"))
     with pytest.raises(ValueError, match="not a node certificate"):
-        load_config(parse_args(node_flags(*files)), {})
+        load_config(parse_args([*STORE, *node_flags(*files)]), {})
 
 
 def test_without_tls_a_node_needs_an_explicit_plaintext() -> None:
     with pytest.raises(ValueError, match="TLS is required"):
-        load_config(parse_args(["--cluster-token", TOKEN]), {})
+        load_config(parse_args([*STORE, "--cluster-token", TOKEN]), {})
     with pytest.raises(ValueError, match="missing"):
-        load_config(parse_args(["--tls-cert", "x.crt"]), {})
+        load_config(parse_args([*STORE, "--tls-cert", "x.crt"]), {})
     for environ in ({"DSH_PLAINTEXT": "1"}, {"DSH_PLAINTEXT": "yes"}, {"DSH_PLAINTEXT": "true"}):
-        config = load_config(parse_args(["--cluster-token", TOKEN]), environ)
+        config = load_config(parse_args([*STORE, "--cluster-token", TOKEN]), environ)
         assert config.plaintext and config.tls is None and config.etcd.tls is None
-    assert load_config(parse_args(["--cluster-token", TOKEN, "--plaintext"]), {}).plaintext
+    assert load_config(parse_args([*STORE, "--cluster-token", TOKEN, "--plaintext"]), {}).plaintext
     with pytest.raises(ValueError, match="TLS is required"):
-        load_config(parse_args(["--cluster-token", TOKEN]), {"DSH_PLAINTEXT": "0"})
+        load_config(parse_args([*STORE, "--cluster-token", TOKEN]), {"DSH_PLAINTEXT": "0"})
 
 
 def test_tls_paths_in_a_file_are_relative_to_that_file(
@@ -367,8 +370,8 @@ def test_tls_paths_in_a_file_are_relative_to_that_file(
         '[node]\ntls_cert = "certs/node-c.crt"\ntls_key = "certs/node-c.key"\n'
         'tls_ca = "certs/ca.crt"\n'
     )
-    config = load_config(parse_args(["--config", str(config_file)]), {})
+    config = load_config(parse_args([*STORE, "--config", str(config_file)]), {})
     assert config.node_id == "node-c"
     plain_file = tmp_path / "plain.toml"
     plain_file.write_text(f'[node]\nplaintext = true\ncluster_token = "{TOKEN}"\n')
-    assert load_config(parse_args(["--config", str(plain_file)]), {}).plaintext
+    assert load_config(parse_args([*STORE, "--config", str(plain_file)]), {}).plaintext

@@ -20,7 +20,6 @@ from dsh_mesh.core import (
     NodeId,
     Record,
     RejectionReason,
-    SessionHeader,
     SessionId,
     TaskEntry,
     session_usage,
@@ -33,6 +32,7 @@ from dsh_mesh.transport import _control as control_module
 from dsh_mesh.transport._auth import ClusterAuthInterceptor
 from dsh_mesh.transport._control import (
     MAX_NAME_CHARS,
+    AgentListing,
     MeshControlService,
     WatchEvent,
     root_session_id,
@@ -163,10 +163,9 @@ class _StoreReads:
     def __init__(self, store: InMemorySessionStore) -> None:
         self._store = store
 
-    async def headers(self) -> list[tuple[int, SessionHeader]]:
-        raise NotImplementedError
-
-    async def tree(self, root: SessionId) -> list[SessionHeader]:
+    async def listing(
+        self, *, root: SessionId | None, after: str, limit: int, resident_only: bool = False
+    ) -> AgentListing:
         raise NotImplementedError
 
     async def activations(self) -> dict[SessionId, Activation]:
