@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import AsyncIterator, Collection, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -180,34 +180,31 @@ class RegistryReads:
                 f"after_event_seq {after_position}: no event can follow it (an event_seq is at"
                 f" most {MAX_POSITION})"
             )
-        watched_tree = await self._tree_of(root)  # raises SessionUnknown first
-        watched = {root}
-        size = -1
+        index = await self._tree_of(root)  # raises SessionUnknown first
+        members = _Members(self._etcd, lambda: self._members(root, index), root, index, tree=tree)
+        await members.refresh()
         residency = _Residency(self._etcd, self._keys)
         cursor = after_position
         async with residency.watching():
-            for event in await residency.snapshot(watched):
-                yield FeedEvent(session=event[0], position=cursor, activated=event[1])
+            for session, activation in await residency.snapshot(members.watched):
+                yield FeedEvent(session=session, position=cursor, activated=activation)
             while True:
-                for session, activated, deactivated in residency.drain():
-                    if session in watched:
+                horizon = await self._log.horizon()
+                # After the horizon: every session with a record at or below it is found.
+                await members.refresh()
+                changes = residency.drain()
+                if any(session not in members.watched for session, _, _ in changes):
+                    await members.refresh()  # a child may have appeared since the last look
+                for session, activated, deactivated in changes:
+                    if session in members.watched:
                         yield FeedEvent(
                             session=session,
                             position=cursor,
                             activated=activated,
                             deactivated=deactivated,
                         )
-                horizon = await self._log.horizon()
-                if tree:
-                    # After the horizon: every session with a record at or below it is found.
-                    # The index only grows while a tree lives, so an unchanged count means
-                    # unchanged members, and a count costs etcd next to nothing.
-                    count = await self._etcd.get_prefix(watched_tree, count_only=True)
-                    if int(count.count) != size:
-                        size = int(count.count)
-                        watched = {s for _, s in await self._members(root, watched_tree)}
                 while cursor < horizon:
-                    page = await self._log.since(watched, after=cursor, upto=horizon)
+                    page = await self._log.since(members.watched, after=cursor, upto=horizon)
                     for logged in page:
                         cursor = logged.position
                         skipped = after_position == 0 and logged.session == root
@@ -256,6 +253,38 @@ class RegistryReads:
                 if kvs:
                     headers.append(decode_header(kvs[0].value))
         return headers
+
+
+class _Members:
+    """Who a feed watches: ``root`` alone, or (``tree``) ``root`` and its descendants, read
+    from the tree index again whenever its count changed (the index only grows while a tree
+    lives, and a count costs etcd next to nothing)."""
+
+    def __init__(
+        self,
+        etcd: Etcd,
+        read: Callable[[], Awaitable[list[tuple[bytes, SessionId]]]],
+        root: SessionId,
+        index: bytes,
+        *,
+        tree: bool,
+    ) -> None:
+        self._etcd = etcd
+        self._read = read
+        self._root = root
+        self._index = index
+        self._tree = tree
+        self._size = -1
+        self.watched: set[SessionId] = {root}
+
+    async def refresh(self) -> None:
+        if not self._tree:
+            return
+        count = await self._etcd.get_prefix(self._index, count_only=True)
+        if int(count.count) != self._size:
+            self._size = int(count.count)
+            found = await self._read()
+            self.watched = {session for _, session in found}
 
 
 class _Residency:

@@ -310,9 +310,13 @@ async def test_a_node_presenting_another_names_certificate_is_refused_when_diale
         assert await _health(channel) is grpc.StatusCode.OK
 
 
+STORE = ("--log-store", "sqlite:never-opened.db")
+
+
 def _node(*flags: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "dsh_mesh.node", "--listen", "127.0.0.1:0", *flags],
+        # The store is named but never opened: these nodes are refused before they start.
+        [sys.executable, "-m", "dsh_mesh.node", "--listen", "127.0.0.1:0", *STORE, *flags],
         capture_output=True,
         text=True,
         timeout=30,
