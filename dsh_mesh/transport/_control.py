@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, Protocol
 
 import grpc
@@ -49,6 +49,9 @@ from dsh_mesh.transport._status import abort_with, mesh_rpc, target_of
 
 DEFAULT_PAGE = 100
 MAX_PAGE = 1000
+MAX_PAGE_BYTES = 3 * 1024 * 1024
+"""The most transcript bytes one ``GetSession`` page carries: under gRPC's 4 MiB default
+receive limit with the header and usage beside it (one entry is at most ``MAX_ENTRY_BYTES``)."""
 MAX_PAGE_TOKEN_DIGITS = 19
 """A page token this server issues is a seq or an offset: a decimal of at most this many ASCII
 digits. Anything else is refused as malformed (``INVALID_ARGUMENT``)."""
@@ -295,10 +298,14 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
             usage = session_usage(r.entry for r in resident.records)
         else:
             records, more, usage = await self._page_and_usage(session, after=after, limit=limit)
+        transcript = [record_to_wire(r) for r in records]
+        fitting = _fitting(transcript)
+        if fitting < len(transcript):
+            transcript, more = transcript[:fitting], True
         reply = mesh_pb2.Session(
             header=header_to_wire(header),
-            transcript=[record_to_wire(r) for r in records],
-            next_page_token=str(records[-1].seq) if more and records else "",
+            transcript=transcript,
+            next_page_token=str(transcript[-1].seq) if more and transcript else "",
             state=self._state(session, current),
             usage=session_usage_to_wire(usage),
         )
@@ -391,6 +398,17 @@ def _page(token: str, size: int) -> tuple[int, int]:
         shown = token if len(token) <= 40 else f"{token[:40]}... ({len(token)} characters)"
         raise InvalidArgument(f"page_token {shown!r} is not one this server issued")
     return int(token or 0), min(size or DEFAULT_PAGE, MAX_PAGE)
+
+
+def _fitting(transcript: Sequence[mesh_pb2.TranscriptEntry]) -> int:
+    """How many of ``transcript``'s first entries fit in one response (at least one): a page
+    of large entries is cut short, and its token leads on, rather than fail at gRPC's limit."""
+    size = 0
+    for count, entry in enumerate(transcript):
+        size += entry.ByteSize()
+        if size > MAX_PAGE_BYTES and count > 0:
+            return count
+    return len(transcript)
 
 
 def _check_name(field: str, value: str) -> None:

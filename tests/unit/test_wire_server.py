@@ -383,3 +383,34 @@ async def test_a_resident_sessions_usage_comes_from_its_agent_and_an_absent_ones
             absent.usage.output_tokens
             == session_usage(r.entry for r in child_records).output_tokens
         )
+
+
+async def test_a_page_of_large_entries_is_cut_short_under_grpcs_limit_and_its_token_leads_on() -> (
+    None
+):
+    """Five prompts of 256 Ki four-byte characters (about 1 MiB each) cannot share one 4 MiB
+    response: each page stops under the byte budget (never empty), and its token leads through
+    all of them, each exactly once."""
+    async with in_process_mesh(presets()) as mesh:
+        mesh.scripted.program("lead", *[Reply(text=f"read {n}") for n in range(6)])
+        service = control(mesh)
+        root = await mesh.manager.create_root("Go.", preset="lead")
+        await mesh.manager.quiescent()
+        for n in range(5):
+            await mesh.manager.submit_prompt(root.session_id, chr(0x1F600 + n) * (256 * 1024))
+            await mesh.manager.quiescent()
+        stored = await mesh.transcript(root.session_id)
+        seen: list[int] = []
+        token = ""
+        while True:
+            page = await service.GetSession(
+                mesh_pb2.GetSessionRequest(session_id=root.session_id, page_token=token),
+                _Context(),
+            )
+            assert page.ByteSize() < 4 * 1024 * 1024
+            assert len(page.transcript) >= 1
+            seen.extend(entry.seq for entry in page.transcript)
+            token = page.next_page_token
+            if not token:
+                break
+        assert seen == [r.seq for r in stored]
