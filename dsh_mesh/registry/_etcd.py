@@ -33,6 +33,11 @@ _REFUSED_AS_TOO_LARGE = ("larger than max", "request is too large")
 """How etcd says a request is over its size limit: its own ``--max-request-bytes`` check
 (INVALID_ARGUMENT) or its gRPC server's receive limit (RESOURCE_EXHAUSTED)."""
 
+_ANSWER_TOO_LARGE = "Received message larger than max"
+"""How this process's own gRPC client (C-core) says an *answer* exceeded its receive limit. The
+server-side refusal of a request says "grpc: received message ..." (etcd's Go server). Every
+read of the mesh is paged, so this is a server-side fault, never the caller's request."""
+
 
 def check_revision(revision: int, *, what: str = "revision") -> int:
     """``revision`` if etcd can be asked for it (0 to :data:`MAX_REVISION`; 0 means "now"),
@@ -423,6 +428,8 @@ def _refusal(error: BaseException) -> str | None:
     if cause is None:
         return str(error) if isinstance(error, aetcd.exceptions.InvalidArgumentError) else None
     code, details = _status(cause)
+    if details.startswith(_ANSWER_TOO_LARGE):
+        return None  # etcd's answer was too large for this client: not the caller's request
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED) and any(
         marker in details for marker in _REFUSED_AS_TOO_LARGE
     ):

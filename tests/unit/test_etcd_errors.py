@@ -62,6 +62,9 @@ OUTAGES = [
     (Code.RESOURCE_EXHAUSTED, "etcdserver: mvcc: database space exceeded"),
     (Code.UNKNOWN, "etcdserver: leader changed"),
     (Code.CANCELLED, "Cancelled"),
+    # An answer over this client's receive limit is etcd's (or the mesh's) fault, not the
+    # request's: never INVALID_ARGUMENT (issue 18).
+    (Code.RESOURCE_EXHAUSTED, "Received message larger than max (5242880 vs. 4194304)"),
 ]
 
 
