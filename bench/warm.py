@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from datetime import UTC, datetime
 
 import grpc
 
@@ -40,7 +41,7 @@ SAME_NODE = "warm send, same node"
 CROSS_NODE = "warm send, cross-node"
 HOP_ONLY = "warm send, cross-node, hop only"
 _OTHER_NODES = ("node-b", "node-c", "node-d")
-_SESSIONS_PER_TXN = 64  # a header and a transcript head each: 128 puts, etcd's default limit
+_SESSIONS_PER_TXN = 42  # a header, a listing key and a tree-index key each: 126 puts (limit 128)
 _WRITERS = 4
 _BENCH = "bench process"
 
@@ -320,8 +321,10 @@ async def measure_registered_sessions(bed: Bed) -> None:
 
 
 async def _register(etcd: Etcd, keys: Keys, template: SessionHeader, start: int, end: int) -> None:
-    """Write filler sessions ``start`` .. ``end - 1``: a header (the template's, re-keyed) and
-    a transcript head each, ``_SESSIONS_PER_TXN`` per transaction."""
+    """Write filler roots ``start`` .. ``end - 1`` with no transcript, as
+    ``EtcdSessionStore.create_header`` writes a root without entries: its header (the
+    template's, re-keyed, created now), its listing key and its tree-index key, in
+    ``_SESSIONS_PER_TXN`` per transaction. Transcripts are in the log store, not etcd."""
     batches = iter(range(start, end, _SESSIONS_PER_TXN))
 
     async def writer() -> None:
@@ -329,9 +332,13 @@ async def _register(etcd: Etcd, keys: Keys, template: SessionHeader, start: int,
             operations = []
             for number in range(first, min(end, first + _SESSIONS_PER_TXN)):
                 session = SessionId(f"bench-filler-{number:07d}")
-                header = dataclasses.replace(template, session_id=session)
+                created = datetime.now(UTC)
+                header = dataclasses.replace(
+                    template, session_id=session, parent_session=None, created_at=created
+                )
                 operations.append(put(keys.header(session), encode_header(header)))
-                operations.append(put(keys.head(session), b"0"))
+                operations.append(put(keys.listed(created, session), b""))
+                operations.append(put(keys.member(session, created, session), b""))
             await etcd.txn([], operations)
 
     await asyncio.gather(*(writer() for _ in range(_WRITERS)))

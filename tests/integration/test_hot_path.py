@@ -1,13 +1,13 @@
-"""The rule: a warm send to a resident target does no etcd read on the hot path.
+"""The rule: a warm send to a resident target costs no etcd request on the hot path.
 
-One node in-process: a continuation manager on an :class:`EtcdSessionStore` (real etcd) whose
-activation view is a following :class:`Directory`, with a lease from a :class:`LeaseKeeper`
-kept alive meanwhile. A root spawns a continuable child that stalls in its first model call, so
-the child stays resident and running. After warm-up, every parent -> child send (each with its
-own idempotency key) must cost exactly one etcd transaction, the durable append that also
-records the idempotency key, and no Range request: authorization reads cached headers and the
-directory, the fence and the transcript head are cached, and the append's own compare refuses a
-known key instead of a lookup.
+One node in-process: a continuation manager on an :class:`EtcdSessionStore` (real etcd, SQLite
+log store) whose activation view is a following :class:`Directory`, with a lease from a
+:class:`LeaseKeeper` kept alive meanwhile. A root spawns a continuable child that stalls in its
+first model call, so the child stays resident and running. After warm-up, every parent -> child
+send (each with its own idempotency key) must cost exactly one log-store transaction, the
+durable append that also records the idempotency key, and no etcd request at all: authorization
+reads cached headers and the directory, the activation's fence is cached since its win (the
+log store checks it, ADR 0026), and the append itself answers a known key instead of a lookup.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 from datetime import timedelta
+from pathlib import Path
 
 from dsh_mesh.agent import AgentState
 from dsh_mesh.core import (
@@ -25,6 +26,7 @@ from dsh_mesh.core import (
     SessionId,
     SessionKind,
 )
+from dsh_mesh.logstore import SqliteLogStore
 from dsh_mesh.models import ScriptedProvider, Stall, tool
 from dsh_mesh.registry import (
     Directory,
@@ -38,6 +40,7 @@ from dsh_mesh.registry import (
 from dsh_mesh.runtime import ContinuationManager, ManagerConfig
 from dsh_mesh.testing import EtcdAddress
 from dsh_mesh.tools import Preset
+from tests.integration.test_registry import ProbedLog
 
 WARM_SENDS = 25
 WAIT = 10.0
@@ -47,18 +50,24 @@ PRESETS = (
 )
 
 
-async def test_a_warm_send_to_a_resident_child_does_no_etcd_read(etcd: EtcdAddress) -> None:
+async def test_a_warm_send_to_a_resident_child_costs_one_log_append_and_no_etcd_request(
+    etcd: EtcdAddress, tmp_path: Path
+) -> None:
     keys = Keys(prefix=f"/t-{secrets.token_hex(4)}/".encode())
+    log_path = tmp_path / "log.sqlite"
     scripted = ScriptedProvider()
     scripted.program("lead", tool("spawn_agent", task="Work on it.", preset="helper"))
     scripted.program("helper", Stall())  # the child's first model call never answers
 
     config = EtcdConfig(endpoint=etcd.endpoint, call_timeout=timedelta(seconds=3))
-    async with Etcd(config) as client:
+    async with Etcd(config) as client, SqliteLogStore(log_path) as sqlite:
         keeper = LeaseKeeper(client, LeaseConfig(ttl=timedelta(seconds=5)))
         await keeper.grant()
         directory = Directory(client, keys)
-        store = EtcdSessionStore(client, keys, lease=lambda: keeper.lease_id, directory=directory)
+        log = ProbedLog(sqlite)
+        store = EtcdSessionStore(
+            client, keys, log=log, lease=lambda: keeper.lease_id, directory=directory
+        )
         try:
             async with asyncio.TaskGroup() as background:
                 following = background.create_task(directory.follow(), name="directory")
@@ -96,6 +105,7 @@ async def test_a_warm_send_to_a_resident_child_does_no_etcd_read(etcd: EtcdAddre
                     assert directory.synced  # else the store would fall back to etcd reads
 
                     reads, txns = client.reads, client.txns
+                    calls = dict(log.calls)
                     seqs = []
                     for i in range(1, WARM_SENDS + 1):
                         delivery = await manager.send_message(
@@ -104,14 +114,19 @@ async def test_a_warm_send_to_a_resident_child_does_no_etcd_read(etcd: EtcdAddre
                         assert (delivery.kind, delivery.duplicate) == (DeliveryKind.STEERED, False)
                         seqs.append(delivery.accepted_seq)
                         assert client.reads == reads, f"warm send {i} read etcd"
-                        assert client.txns == txns + i, f"warm send {i}: not one transaction"
+                        assert client.txns == txns, f"warm send {i} sent an etcd transaction"
+                        assert log.calls == {**calls, "append": calls["append"] + i}, (
+                            f"warm send {i}: not one log-store append and nothing else"
+                        )
                     assert seqs == list(
                         range(first.accepted_seq + 1, first.accepted_seq + 1 + WARM_SENDS)
                     )
                     assert directory.synced
                     assert child.state is AgentState.RUNNING  # steered, waiting at its boundary
 
-                    await assert_durable(client, keys, child.session_id, root.session_id, seqs)
+                    await assert_durable(
+                        client, keys, log_path, child.session_id, root.session_id, seqs
+                    )
                     manager.shutdown()
                 following.cancel()
                 keeping.cancel()
@@ -120,12 +135,14 @@ async def test_a_warm_send_to_a_resident_child_does_no_etcd_read(etcd: EtcdAddre
 
 
 async def assert_durable(
-    client: Etcd, keys: Keys, child: SessionId, sender: SessionId, seqs: list[int]
+    client: Etcd, keys: Keys, log_path: Path, child: SessionId, sender: SessionId, seqs: list[int]
 ) -> None:
-    """Every warm send is in the child's transcript, read back from etcd by a store with
-    nothing cached, with the one durable source derived from the sender."""
-    reader = EtcdSessionStore(client, keys, lease=lambda: 0)
-    records = {r.seq: r.entry for r in await reader.read(child)}
+    """Every warm send is in the child's transcript, read back by a store with nothing cached
+    over a connection of its own to the log store, with the one durable source derived from
+    the sender."""
+    async with SqliteLogStore(log_path) as log:
+        reader = EtcdSessionStore(client, keys, log=log, lease=lambda: 0)
+        records = {r.seq: r.entry for r in await reader.read(child)}
     for i, seq in enumerate(seqs, start=1):
         entry = records[seq]
         assert isinstance(entry, AgentMessageEntry)

@@ -1,8 +1,10 @@
-"""A root is created whole on a real etcd: ``create_header`` writes the header, the transcript
-head and the root's task in one transaction, so a node that dies mid-creation can no longer
-leave a root without its task (tests/unit/test_root_creation.py states the rest).
+"""A root is created whole on a real etcd and a log store: ``create_header`` writes the root's
+task first (to the log store, under its creation keys) and then, in one etcd transaction, the
+header with its listing and tree-index keys, so no reader ever sees a root without its task, and
+a replay of a creation cut between the two completes it (tests/unit/test_root_creation.py
+states the rest; tests/integration/test_registry.py the cut and the replay).
 
-Every test works under a key prefix of its own.
+Every test works under a key prefix of its own; its nodes share one SQLite log store file.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import asyncio
 import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -25,8 +28,10 @@ from dsh_mesh.core import (
     SessionId,
     TaskEntry,
 )
+from dsh_mesh.logstore import SqliteLogStore
 from dsh_mesh.registry import Etcd, EtcdConfig, EtcdSessionStore, Keys, LeaseConfig, LeaseKeeper
 from dsh_mesh.testing import EtcdAddress
+from tests.integration.test_registry import ProbedLog
 from tests.unit.test_root_creation import created_whole, root_header
 
 SESSION = SessionId("s-whole")
@@ -34,32 +39,39 @@ SESSION = SessionId("s-whole")
 
 @dataclass
 class Node:
-    """One node's view: its own etcd client, lease and store, on the test's key prefix."""
+    """One node's view: its own etcd client, lease, log store connection and store, on the
+    test's key prefix and log store file."""
 
     etcd: Etcd
     keys: Keys
+    log: ProbedLog
     store: EtcdSessionStore
     lease: LeaseKeeper
 
 
-async def opened(client: Etcd, keys: Keys) -> Node:
+async def opened(client: Etcd, keys: Keys, log: SqliteLogStore) -> Node:
     lease = LeaseKeeper(client, LeaseConfig())
     await lease.grant()
-    store = EtcdSessionStore(client, keys, lease=lambda: lease.lease_id)
-    return Node(client, keys, store, lease)
+    probed = ProbedLog(log)
+    store = EtcdSessionStore(client, keys, log=probed, lease=lambda: lease.lease_id)
+    return Node(client, keys, probed, store, lease)
 
 
 @pytest.fixture
-async def nodes(etcd: EtcdAddress) -> AsyncIterator[tuple[Node, Node]]:
-    """Two nodes on one key prefix."""
+async def nodes(etcd: EtcdAddress, tmp_path: Path) -> AsyncIterator[tuple[Node, Node]]:
+    """Two nodes on one key prefix and one log store file."""
     keys = Keys(f"/root-{secrets.token_hex(4)}/".encode())
+    path = tmp_path / "log.sqlite"
     async with (
         Etcd(EtcdConfig(endpoint=etcd.endpoint)) as one,
         Etcd(EtcdConfig(endpoint=etcd.endpoint)) as two,
+        SqliteLogStore(path) as log_one,
+        SqliteLogStore(path) as log_two,
     ):
-        a, b = await opened(one, keys), await opened(two, keys)
+        a, b = await opened(one, keys, log_one), await opened(two, keys, log_two)
         yield a, b
         for node in (a, b):
+            await node.store.aclose()
             await node.lease.revoke()
 
 
@@ -70,25 +82,29 @@ async def test_the_etcd_store_creates_a_session_with_its_first_entries(
     await created_whole(a.store, SESSION)
 
 
-async def test_a_root_and_its_task_are_one_transaction(nodes: tuple[Node, Node]) -> None:
+async def test_a_roots_task_goes_first_then_its_header_in_one_etcd_transaction(
+    nodes: tuple[Node, Node],
+) -> None:
     a, b = nodes
     task = TaskEntry(content="Do it.")
-    before = a.etcd.txns
+    txns, reads = a.etcd.txns, a.etcd.reads
     await a.store.create_header(root_header(SESSION), [task])
-    assert a.etcd.txns - before == 1
-    head = await a.etcd.get(a.keys.head(SESSION))
-    assert head is not None and head.value == b"1"
+    # One read (no header yet, at the revision the task is written under), one transaction
+    # (the header and its index keys), and one log-store append (the task).
+    assert (a.etcd.txns - txns, a.etcd.reads - reads) == (1, 1)
+    assert a.log.calls["append"] == 1
+    assert await b.log.read(SESSION) == [Record(seq=1, entry=task)]  # seq 1 is the task
     assert await b.store.read(SESSION) == [Record(seq=1, entry=task)]  # another node sees it
     activation = Activation(
         session_id=SESSION, activation_id=ActivationId("a-1"), node_id=NodeId("n-1")
     )
     await a.store.try_activate(activation)
-    before = a.etcd.txns
+    txns, reads = a.etcd.txns, a.etcd.reads
     record, _ = await a.store.append(
         SESSION, HumanPromptEntry(content="Next."), writer=activation.activation_id
     )
     assert record.seq == 2
-    assert a.etcd.txns - before == 1  # the cached head was right: no retry on a stale one
+    assert (a.etcd.txns, a.etcd.reads) == (txns, reads)  # the fence is cached: no etcd request
 
 
 async def test_a_concurrent_creation_of_one_session_fails_whole(nodes: tuple[Node, Node]) -> None:
@@ -105,19 +121,28 @@ async def test_a_concurrent_creation_of_one_session_fails_whole(nodes: tuple[Nod
     header = await loser.store.get_header(SESSION)
     assert header == root_header(SESSION, winner)
     assert await loser.store.read(SESSION) == [Record(seq=1, entry=tasks[winner])]
-    head = await a.etcd.get(a.keys.head(SESSION))
-    assert head is not None and head.value == b"1"
+    # The loser's task never reached the log store: seq 1 is the winner's, and alone.
+    assert await a.log.read(SESSION) == [Record(seq=1, entry=tasks[winner])]
     with pytest.raises(SessionExists):  # and again, later: still nothing written
         await loser.store.create_header(root_header(SESSION, "p-c"), [TaskEntry(content="c")])
     assert await a.store.read(SESSION) == [Record(seq=1, entry=tasks[winner])]
+    assert await b.log.read(SESSION) == [Record(seq=1, entry=tasks[winner])]
 
 
-async def test_a_task_too_large_to_store_refuses_the_creation_whole(etcd: EtcdAddress) -> None:
+async def test_a_task_too_large_to_store_refuses_the_creation_whole(
+    etcd: EtcdAddress, tmp_path: Path
+) -> None:
     keys = Keys(f"/root-{secrets.token_hex(4)}/".encode())
-    async with Etcd(EtcdConfig(endpoint=etcd.endpoint)) as client:
-        store = EtcdSessionStore(client, keys, lease=lambda: 0, max_entry_bytes=64)
-        before = client.txns
+    async with (
+        Etcd(EtcdConfig(endpoint=etcd.endpoint)) as client,
+        SqliteLogStore(tmp_path / "log.sqlite") as sqlite,
+    ):
+        log = ProbedLog(sqlite)
+        store = EtcdSessionStore(client, keys, log=log, lease=lambda: 0, max_entry_bytes=64)
+        txns = client.txns
         with pytest.raises(InvalidArgument):
             await store.create_header(root_header(SESSION), [TaskEntry(content="x" * 64)])
-        assert client.txns == before  # refused before anything was sent
+        assert client.txns == txns  # refused before anything was written: not in etcd
+        assert log.calls["append"] == 0  # nor in the log store
         assert await client.get(keys.header(SESSION)) is None
+        assert await log.read(SESSION) == []
