@@ -2,13 +2,19 @@
 
 - a watch asked to start past any revision etcd can name is refused as ``InvalidArgument`` and
   leaves the client's shared watcher working (it used to wedge every later watch of that
-  client); a feed resumed after such a revision is refused the same way, one resumed ahead of
-  etcd's current revision waits for it, and one resumed from compacted history is refused;
+  client);
+- a feed (``WatchSession``) follows log-store positions, not etcd revisions: one resumed after
+  any position a signed 64-bit integer can name is refused, one resumed at the last of them or
+  ahead of the log store waits for records above it, the records of one group commit each have
+  a position of their own, and residency lost to an etcd compaction while the activation watch
+  was down is recovered from a fresh snapshot (transcript records are never compacted away);
+- a transcript page reads only its own records (and one more) from the log store, none from etcd;
 - concurrent appends under one idempotency key are decided one after the other: one is
   accepted, the same request gets that acceptance back, another request a conflict, and none
   fails as an outage (etcd refuses a transaction that writes one key twice);
 - a request etcd refuses as malformed (too large, a key twice) is ``InvalidArgument``, not a
-  retryable ``RegistryUnavailable``, while an unreachable or frozen etcd still is.
+  retryable ``RegistryUnavailable``, while an unreachable or frozen etcd still is; an entry over
+  the store's own limit is refused alone, before anything is written.
 
 Every test works under a key prefix of its own; every wait is bounded.
 """
@@ -18,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -32,6 +38,7 @@ from dsh_mesh.core import (
     AgentMessageEntry,
     AgentMessageSource,
     DeliveryKind,
+    Entry,
     HumanPromptEntry,
     IdempotencyConflict,
     InvalidArgument,
@@ -43,6 +50,7 @@ from dsh_mesh.core import (
     SessionKind,
     SessionSpec,
 )
+from dsh_mesh.logstore import MemoryLogStore
 from dsh_mesh.registry import (
     Etcd,
     EtcdConfig,
@@ -55,12 +63,14 @@ from dsh_mesh.registry import (
 )
 from dsh_mesh.registry import _store as store_module
 from dsh_mesh.registry._etcd import MAX_REVISION, put
-from dsh_mesh.registry._reads import EVENTS_PER_REVISION, MAX_POSITION
-from dsh_mesh.runtime import Acceptance, IdempotencyKey
+from dsh_mesh.registry._reads import MAX_POSITION
+from dsh_mesh.runtime import DEFAULT_PAGE, Acceptance, IdempotencyKey, Write, Written
 from dsh_mesh.testing import EtcdAddress, EtcdServer
 
 WAIT = 10.0
 """Upper bound of any wait in this module."""
+POLL = timedelta(seconds=0.05)
+"""How often the feeds of this module poll the log store."""
 SESSION = SessionId("s-fixes")
 MIB = 1024 * 1024
 
@@ -68,10 +78,38 @@ MIB = 1024 * 1024
 # -- helpers ------------------------------------------------------------------------------------
 
 
+class CountingLog(MemoryLogStore):
+    """The memory log store, noting the size of every append and every read it is asked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.appends: list[int] = []
+        """Writes per append (one group commit each)."""
+        self.commits: list[list[Entry]] = []
+        """The entries of each append."""
+        self.reads: list[tuple[int, int]] = []
+        """(limit asked, records returned) per read."""
+
+    async def append(
+        self, session: SessionId, writes: Sequence[Write], *, fence: int, unfenced: bool = False
+    ) -> list[Written]:
+        self.appends.append(len(writes))
+        self.commits.append([write.entry for write in writes])
+        return await super().append(session, writes, fence=fence, unfenced=unfenced)
+
+    async def read(
+        self, session: SessionId, *, after_seq: int = 0, limit: int = DEFAULT_PAGE
+    ) -> list[Record]:
+        records = await super().read(session, after_seq=after_seq, limit=limit)
+        self.reads.append((limit, len(records)))
+        return records
+
+
 @dataclass
 class Registry:
     etcd: Etcd
     keys: Keys
+    log: CountingLog
     store: EtcdSessionStore
     reads: RegistryReads
     activation: Activation
@@ -85,14 +123,17 @@ async def registry(etcd: EtcdAddress) -> AsyncIterator[Registry]:
 
 @asynccontextmanager
 async def opened(endpoint: str, **store_options: Any) -> AsyncIterator[Registry]:
-    """A client, a lease, a store with one resident root session, and the reads, under a key
-    prefix of their own."""
+    """A client, a lease, a log store of its own (in memory), a store with one resident root
+    session, and the reads, under a key prefix of their own."""
     async with Etcd(EtcdConfig(endpoint=endpoint, call_timeout=timedelta(seconds=3))) as etcd:
         lease = LeaseKeeper(etcd, LeaseConfig())
         await lease.grant()
+        log = CountingLog()
         try:
             keys = Keys(f"/fix-{secrets.token_hex(4)}/".encode())
-            store = EtcdSessionStore(etcd, keys, lease=lambda: lease.lease_id, **store_options)
+            store = EtcdSessionStore(
+                etcd, keys, log=log, lease=lambda: lease.lease_id, **store_options
+            )
             await store.create_header(
                 SessionHeader(
                     session_id=SESSION,
@@ -105,7 +146,8 @@ async def opened(endpoint: str, **store_options: Any) -> AsyncIterator[Registry]
                 session_id=SESSION, activation_id=ActivationId("a-1"), node_id=NodeId("n-1")
             )
             await store.try_activate(activation)
-            yield Registry(etcd, keys, store, RegistryReads(etcd, keys), activation)
+            reads = RegistryReads(etcd, keys, log, poll=POLL)
+            yield Registry(etcd, keys, log, store, reads, activation)
         finally:
             with contextlib.suppress(RegistryUnavailable):  # a test may have stopped etcd
                 await lease.revoke()
@@ -140,23 +182,36 @@ def seq_and_known(outcome: object) -> tuple[Record, Acceptance | None]:
 
 
 async def closed(events: AsyncIterator[Any]) -> None:
-    """Close a watch or a feed (an async generator)."""
+    """Close a watch or a feed (an async generator).
+
+    A feed's close raises a group holding only its own ``GeneratorExit`` (the bug that
+    ``test_closing_a_feed_ends_it_without_an_error`` states); that one is let pass here, so
+    the other tests state their own rules. Anything else the close raises fails the test."""
     assert isinstance(events, AsyncGenerator)
-    await events.aclose()
+    try:
+        await events.aclose()
+    except BaseExceptionGroup as group:
+        _, rest = group.split(GeneratorExit)
+        if rest is not None:
+            raise
 
 
 async def revision_now(etcd: Etcd) -> int:
     return int((await etcd.range(b"/no-such-key")).header.revision)
 
 
-def after_all_of(revision: int) -> int:
-    """The feed position after every event of ``revision``."""
-    return revision * EVENTS_PER_REVISION + EVENTS_PER_REVISION - 1
-
-
 async def first_event(feed: AsyncIterator[FeedEvent]) -> FeedEvent:
     async with asyncio.timeout(WAIT):
         return await anext(feed)
+
+
+async def next_record(feed: AsyncIterator[FeedEvent]) -> FeedEvent:
+    """The feed's next record event, past any residency events before it."""
+    async with asyncio.timeout(WAIT):
+        while True:
+            event = await anext(feed)
+            if event.record is not None:
+                return event
 
 
 async def drain(events: AsyncIterator[Any]) -> None:
@@ -234,36 +289,81 @@ async def test_watches_cancelled_while_being_created_are_dropped_and_leave_the_c
             await asyncio.sleep(0.01)
 
 
-@pytest.mark.parametrize("after", [MAX_POSITION, MAX_POSITION + 1])
-async def test_a_feed_resumed_past_any_revision_is_refused_and_feeds_still_follow(
+# -- the feed: log-store positions --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("after", [MAX_POSITION + 1, 2**64 - 1, -1])
+async def test_a_feed_resumed_past_any_position_is_refused_and_feeds_still_follow(
     registry: Registry, after: int
 ) -> None:
     reads, store, writer = registry.reads, registry.store, registry.activation.activation_id
-    with pytest.raises(InvalidArgument, match="after_event_seq"):
-        await first_event(reads.follow(SESSION, tree=False, after_position=after))
-    # The same client's feeds (and so its shared watcher) still work: a feed from now sees a
-    # record appended after it started.
-    start = await revision_now(registry.etcd)
-    feed = reads.follow(SESSION, tree=False, after_position=after_all_of(start))
-    pending = asyncio.ensure_future(first_event(feed))
+    for _ in range(2):  # a refusal leaves nothing behind that wedges the next feed
+        with pytest.raises(InvalidArgument, match="after_event_seq"):
+            await first_event(reads.follow(SESSION, tree=False, after_position=after))
+    # A feed from now sees a record appended after it started, its position above the horizon.
+    horizon = await registry.log.horizon()
+    feed = reads.follow(SESSION, tree=False, after_position=horizon)
     try:
-        await asyncio.sleep(0.2)
+        resident = await first_event(feed)
+        assert (resident.activated, resident.position) == (registry.activation, horizon)
         record, _ = await store.append(SESSION, prompt("live"), writer=writer)
-        event = await pending
-        assert event.record == record and event.revision > start
+        event = await next_record(feed)
+        assert event.record == record and event.position > horizon
     finally:
         await closed(feed)
 
 
-async def test_a_feed_resumed_ahead_of_etcd_waits_for_that_revision(registry: Registry) -> None:
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug in dsh_mesh/registry/_reads.py: RegistryReads.follow yields inside "
+    "_Residency.watching(), a context manager around an asyncio.TaskGroup; closing the feed "
+    "throws GeneratorExit into the TaskGroup, which raises it wrapped in a BaseExceptionGroup",
+)
+async def test_closing_a_feed_ends_it_without_an_error(registry: Registry) -> None:
+    """A client that stops watching closes its feed (``aclose``): that must end it quietly,
+    its residency watch cancelled, as closing any async generator does."""
+    feed = registry.reads.follow(SESSION, tree=False)
+    assert isinstance(feed, AsyncGenerator)
+    assert (await first_event(feed)).activated == registry.activation
+    await feed.aclose()
+
+
+async def test_a_feed_resumed_at_the_last_position_tells_residency_and_waits(
+    registry: Registry,
+) -> None:
+    """2**63 - 1 is a position a feed can name: no record follows it, so the feed tells the
+    current residency and then waits, while a feed from now sees the same append."""
     reads, store, writer = registry.reads, registry.store, registry.activation.activation_id
-    ahead = await revision_now(registry.etcd) + 2
-    feed = reads.follow(SESSION, tree=False, after_position=after_all_of(ahead))
-    pending = asyncio.ensure_future(first_event(feed))
+    far = reads.follow(SESSION, tree=False, after_position=MAX_POSITION)
+    near = reads.follow(SESSION, tree=False, after_position=await registry.log.horizon())
     try:
+        resident = await first_event(far)
+        assert (resident.activated, resident.position) == (registry.activation, MAX_POSITION)
+        waiting = asyncio.ensure_future(anext(far))
+        record, _ = await store.append(SESSION, prompt("never followed"), writer=writer)
+        assert (await next_record(near)).record == record
+        done, _ = await asyncio.wait({waiting}, timeout=5 * POLL.total_seconds())
+        assert not done, waiting.result()
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+    finally:
+        await closed(far)
+        await closed(near)
+
+
+async def test_a_feed_resumed_ahead_of_the_log_store_waits_for_that_position(
+    registry: Registry,
+) -> None:
+    reads, store, writer = registry.reads, registry.store, registry.activation.activation_id
+    ahead = await registry.log.horizon() + 2  # memory store: positions count appends
+    feed = reads.follow(SESSION, tree=False, after_position=ahead)
+    try:
+        resident = await first_event(feed)  # residency first, at the position resumed from
+        assert (resident.activated, resident.position) == (registry.activation, ahead)
         seqs = [(await store.append(SESSION, prompt(f"p{n}"), writer=writer))[0].seq for n in "abc"]
-        event = await pending
-        assert event.revision == ahead + 1  # the first two appends were at or before `ahead`
+        event = await next_record(feed)
+        assert event.position == ahead + 1  # the first two appends were at or before `ahead`
         assert event.record is not None and event.record.seq == seqs[2]
     finally:
         await closed(feed)
@@ -272,32 +372,29 @@ async def test_a_feed_resumed_ahead_of_etcd_waits_for_that_revision(registry: Re
 async def test_entries_of_one_group_commit_have_their_own_positions_and_a_resume_splits_it(
     registry: Registry,
 ) -> None:
-    """A group commit writes several entries in one etcd revision: each still gets a position
-    of its own, and a feed resumed after one of them goes on with the next, not after the
-    whole revision (the event_seq of a watch must strictly increase and resume exactly)."""
+    """A group commit writes several entries in one log-store transaction: each still gets a
+    position of its own, and a feed resumed after one of them goes on with the next, not after
+    the whole commit (the event_seq of a watch must strictly increase and resume exactly)."""
     reads, store, writer = registry.reads, registry.store, registry.activation.activation_id
+    log = registry.log
     appended = await asyncio.gather(
         *(store.append(SESSION, prompt(f"batched {n}"), writer=writer) for n in range(8))
     )
+    assert any(size > 1 for size in log.appends), f"no two appends shared a commit: {log.appends}"
+    shared = next(n for n, size in enumerate(log.appends) if size > 1)
+    shared = sum(log.appends[:shared]) + 1  # the second record of that commit
     seqs = sorted(record.seq for record, _ in appended)
     feed = reads.follow(SESSION, tree=False)
-    first: list[FeedEvent] = []
     try:
-        while len(first) < len(seqs):
-            event = await first_event(feed)
-            if event.record is not None:  # not the activation the fixture made
-                first.append(event)
+        first = [await next_record(feed) for _ in seqs]
     finally:
         await closed(feed)
     assert [e.record.seq for e in first if e.record] == seqs
     positions = [e.position for e in first]
     assert positions == sorted(set(positions)), "positions must strictly increase"
-    revisions = [e.revision for e in first]
-    shared = next((n for n in range(1, len(first)) if revisions[n] == revisions[n - 1]), None)
-    assert shared is not None, f"no two appends shared a commit: revisions {revisions}"
     resumed = reads.follow(SESSION, tree=False, after_position=positions[shared - 1])
     try:
-        rest = [await first_event(resumed) for _ in first[shared:]]
+        rest = [await next_record(resumed) for _ in first[shared:]]
     finally:
         await closed(resumed)
     assert [(e.position, e.record) for e in rest] == [
@@ -305,44 +402,81 @@ async def test_entries_of_one_group_commit_have_their_own_positions_and_a_resume
     ]
 
 
-async def test_a_page_reads_only_its_own_entries_from_etcd(registry: Registry) -> None:
+async def test_a_page_reads_only_its_own_entries_from_the_log_store(registry: Registry) -> None:
     """``GetSession`` reads a long transcript page by page: each page must fetch its own
-    entries (and one more, to know that more follow), not the whole rest of the transcript."""
+    records (and one more, to know that more follow) from the log store, not the whole rest of
+    the transcript, and nothing from etcd."""
     store, writer = registry.store, registry.activation.activation_id
+    log = registry.log
     for n in range(30):
         await store.append(SESSION, prompt(f"p{n}"), writer=writer)
-    fetched: list[int] = []
-    original = registry.etcd.range
-
-    async def counting(*args: Any, **kwargs: Any) -> Any:
-        response = await original(*args, **kwargs)
-        fetched.append(len(response.kvs))
-        return response
-
-    registry.etcd.range = counting  # type: ignore[method-assign]
-    try:
-        first, more = await registry.reads.page(SESSION, after_seq=0, limit=5)
-        last, done = await registry.reads.page(SESSION, after_seq=28, limit=5)
-    finally:
-        registry.etcd.range = original  # type: ignore[method-assign]
+    log.reads.clear()
+    etcd_before = (registry.etcd.reads, registry.etcd.txns)
+    first, more = await registry.reads.page(SESSION, after_seq=0, limit=5)
+    last, done = await registry.reads.page(SESSION, after_seq=28, limit=5)
     assert [r.seq for r in first] == [1, 2, 3, 4, 5] and more
     assert [r.seq for r in last] == [29, 30] and not done
-    assert fetched == [6, 2]
+    assert log.reads == [(6, 6), (6, 2)]
+    assert (registry.etcd.reads, registry.etcd.txns) == etcd_before
 
 
-async def test_a_feed_resumed_from_compacted_history_is_refused(etcd_server: EtcdServer) -> None:
-    """A private etcd: compaction would disturb other tests' watches."""
+async def test_residency_lost_to_a_compaction_is_recovered_from_a_fresh_snapshot(
+    etcd_server: EtcdServer,
+) -> None:
+    """The activation watch resumes after the last revision it saw; when etcd compacted that
+    history meanwhile (the stream was down), the feed reads who is resident now and tells the
+    difference: the activation that ended, then the one current now; an activation that came
+    and went in the lost history is not told. A private etcd: compaction would disturb other
+    tests' watches.
+
+    The first watch of the feed is held back (as a broken stream would hold it) until the
+    residency changed and etcd compacted past the feed's snapshot."""
     async with opened(etcd_server.address.endpoint) as registry:
-        writer = registry.activation.activation_id
-        old = await revision_now(registry.etcd)
-        for n in range(3):
-            await registry.store.append(SESSION, prompt(f"p{n}"), writer=writer)
-        await registry.etcd._client.compact(await revision_now(registry.etcd))
-        with pytest.raises(InvalidArgument, match="compacted"):
-            await first_event(
-                registry.reads.follow(SESSION, tree=False, after_position=after_all_of(old))
+        etcd, store, old = registry.etcd, registry.store, registry.activation
+        original = etcd.watch_prefix
+        gate, asked = asyncio.Event(), asyncio.Event()
+        held: list[int] = []
+
+        async def held_back(prefix: bytes, *, start_revision: int) -> AsyncIterator[Any]:
+            held.append(start_revision)
+            asked.set()
+            await gate.wait()
+            async for change in original(prefix, start_revision=start_revision):
+                yield change
+
+        def activation(name: str) -> Activation:
+            return Activation(
+                session_id=SESSION, activation_id=ActivationId(name), node_id=NodeId("n-1")
             )
-        await watch_sees_a_put(registry.etcd, registry.keys.prefix + b"w/k")
+
+        etcd.watch_prefix = held_back  # type: ignore[method-assign]
+        feed = registry.reads.follow(SESSION, tree=False)
+        try:
+            resident = await first_event(feed)
+            assert resident.activated == old
+            snapshot = await revision_now(etcd)
+            await store.release(old)
+            passing, new = activation("a-2"), activation("a-3")
+            assert await store.try_activate(passing) == passing
+            await store.release(passing)
+            assert await store.try_activate(new) == new
+            await etcd._client.compact(await revision_now(etcd))
+            await asyncio.wait_for(asked.wait(), WAIT)
+            assert held[0] <= snapshot + 1  # the watch asked for history from the snapshot on
+            gate.set()
+            ended = await first_event(feed)
+            began = await first_event(feed)
+            assert (ended.session, ended.deactivated, ended.activated) == (SESSION, old, None)
+            assert (began.session, began.activated, began.deactivated) == (SESSION, new, None)
+            assert ended.position == began.position == 0
+            # The watch goes on after the snapshot: a later release is the very next event.
+            await store.release(new)
+            later = await first_event(feed)
+            assert (later.deactivated, later.activated) == (new, None)
+            assert len(held) >= 2  # and a watch was asked for again, after the compaction
+        finally:
+            await closed(feed)
+        await watch_sees_a_put(etcd, registry.keys.prefix + b"w/k")
 
 
 # -- R2: one idempotency key, concurrent appends ------------------------------------------------
@@ -436,27 +570,33 @@ async def test_requests_etcd_refuses_as_malformed_are_invalid_arguments(
     assert await registry.store.get_header(SessionId("s-huge")) is None
 
 
-async def test_an_entry_over_etcds_limit_is_invalid_and_a_refused_batch_spares_the_rest(
-    etcd: EtcdAddress, monkeypatch: pytest.MonkeyPatch
+async def test_an_entry_over_the_limit_is_refused_alone_and_commits_stay_bounded(
+    registry: Registry,
 ) -> None:
-    # A store allowed entries etcd refuses, batching more than etcd takes in one request.
-    monkeypatch.setattr(store_module, "_BATCH_BYTES", 8 * MIB)
-    async with opened(etcd.endpoint, max_entry_bytes=4 * MIB) as registry:
-        store, writer = registry.store, registry.activation.activation_id
-        with pytest.raises(InvalidArgument, match="too large for etcd"):
-            await store.append(SESSION, prompt("z" * 2 * MIB), writer=writer)
-        big = "y" * (MIB - 1024)  # fits alone; two of them do not
-        texts = ["a", big, big, "z" * 2 * MIB, "b"]
-        results = await asyncio.gather(
-            *(store.append(SESSION, prompt(t), writer=writer) for t in texts),
-            return_exceptions=True,
-        )
-        refused = results.pop(3)
-        assert isinstance(refused, InvalidArgument), results
-        assert [seq_and_known(r)[0].seq for r in results] == [1, 2, 3, 4], results
-        assert [r.entry for r in await store.read(SESSION)] == [
-            prompt("a"), prompt(big), prompt(big), prompt("b"),
-        ]  # fmt: skip
+    """Entries go to the log store, not etcd, so etcd's request limit is no longer theirs: the
+    store's own limit refuses an entry before anything is written, the appends around it go in
+    in order, and a group commit carries at most ``_BATCH_BYTES`` beyond its first entry (two
+    entries of nearly 1 MiB never share one)."""
+    store, writer = registry.store, registry.activation.activation_id
+    log = registry.log
+    with pytest.raises(InvalidArgument, match="limit is"):
+        await store.append(SESSION, prompt("z" * 2 * MIB), writer=writer)
+    assert await store.read(SESSION) == [] and log.appends == []
+    big = "y" * (MIB - 1024)  # fits alone; two of them do not fit one commit
+    texts = ["a", big, big, "z" * 2 * MIB, "b"]
+    results = await asyncio.gather(
+        *(store.append(SESSION, prompt(t), writer=writer) for t in texts),
+        return_exceptions=True,
+    )
+    refused = results.pop(3)
+    assert isinstance(refused, InvalidArgument), results
+    assert [seq_and_known(r)[0].seq for r in results] == [1, 2, 3, 4], results
+    assert [r.entry for r in await store.read(SESSION)] == [
+        prompt("a"), prompt(big), prompt(big), prompt("b"),
+    ]  # fmt: skip
+    assert sum(log.appends) == 4, log.appends
+    assert 2 * len(big) > store_module._BATCH_BYTES
+    assert all(commit.count(prompt(big)) < 2 for commit in log.commits), log.appends
 
 
 async def test_an_unreachable_or_frozen_etcd_is_still_unavailable(
