@@ -20,6 +20,7 @@ from dsh_mesh.core import (
     InvalidArgument,
     MeshError,
     Record,
+    RegistryUnavailable,
     SessionHeader,
     SessionId,
     SessionUnknown,
@@ -320,16 +321,26 @@ class _Residency:
 
     @contextlib.asynccontextmanager
     async def watching(self) -> AsyncIterator[None]:
+        """Follow etcd's activations while the block runs; the follower ends with it.
+
+        Not a task group: the block is a feed's body, an async generator that suspends at
+        each event, and a generator closed there must end quietly, which a task group turns
+        into an exception group. The follower is this block's alone, cancelled and awaited on
+        the way out whatever ends the block."""
         self._ready = asyncio.Event()
-        async with asyncio.TaskGroup() as group:
-            task = group.create_task(self._follow(), name="residency")
-            try:
-                yield
-            finally:
-                task.cancel()
+        follower = self._follower = asyncio.create_task(self._follow(), name="residency")
+        try:
+            yield
+        finally:
+            follower.cancel()
+            await asyncio.wait((follower,))
+            if not follower.cancelled() and follower.exception() is not None:
+                raise RegistryUnavailable("the residency watch failed") from follower.exception()
 
     def drain(self) -> list[tuple[SessionId, Activation | None, Activation | None]]:
         """The changes seen since the last drain, in etcd's order."""
+        if self._follower.done():  # it only ends by failing: say so, never go quiet
+            raise RegistryUnavailable("the residency watch failed") from self._follower.exception()
         changes, self._changes = self._changes, []
         self._wake.clear()
         return changes

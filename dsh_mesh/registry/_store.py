@@ -154,10 +154,12 @@ class EtcdSessionStore:
     # -- headers --------------------------------------------------------------------------------
 
     async def create_header(self, header: SessionHeader, entries: Sequence[Entry] = ()) -> None:
-        """The entries first, then the header (ADR 0026): a reader sees a header only once its
+        """A root's entries first, then its header (ADR 0026): a reader sees a root only once its
         task exists, and a creator that dies between the two leaves an invisible transcript,
-        which a replay of the same creation finds by its keys and completes. The entries are
-        written with no activation, under the revision at which etcd had no header (so no
+        which a replay of the same creation finds by its keys and completes. A child's header
+        first, then its entries: a tree feed must know a member before it sees its records
+        (ADR 0028), and a child's creator completes a cut creation (``Creations``). The entries
+        are written with no activation, under the revision at which etcd had no header (so no
         activation) for the session; each is keyed ``create:<session>`` by its seq, so a
         second try writes none of them twice. A creation of the same id with other entries
         finds those keys used for something else: :class:`SessionExists`."""
@@ -173,14 +175,34 @@ class EtcdSessionStore:
                 raise SessionUnknown(header.parent_session)
         if header.created_at is None:
             header = dataclasses.replace(header, created_at=_created_after(parent))
-        if entries:
-            writes = [self._creation_write(session, n, e) for n, e in enumerate(entries, 1)]
-            try:
-                await self._log.append(
-                    session, writes, fence=int(found.header.revision), unfenced=True
-                )
-            except (IdempotencyConflict, ActivationFenced) as taken:
-                raise SessionExists(session) from taken
+        if not entries and parent is None and await self._log.read(session, limit=1):
+            # A root with no task whose id a creation cut short already used for its task
+            # (another request of the same id): never adopt that transcript.
+            raise SessionExists(session)
+        fence = int(found.header.revision)  # no header then, so no activation (ADR 0026)
+        if parent is None:
+            await self._create_entries(session, entries, fence)
+        await self._create_indexed(header, parent)
+        if parent is not None:
+            # A child's header comes first: a tree feed finds a member before any of its
+            # records (ADR 0028). Its creator writes these before it activates the child.
+            await self._create_entries(session, entries, fence)
+
+    async def _create_entries(
+        self, session: SessionId, entries: Sequence[Entry], fence: int
+    ) -> None:
+        if not entries:
+            return
+        writes = [self._creation_write(session, n, e) for n, e in enumerate(entries, 1)]
+        try:
+            await self._log.append(session, writes, fence=fence, unfenced=True)
+        except (IdempotencyConflict, ActivationFenced) as taken:
+            raise SessionExists(session) from taken
+
+    async def _create_indexed(self, header: SessionHeader, parent: SessionHeader | None) -> None:
+        """The header and its index keys, in one create-only transaction."""
+        session = header.session_id
+        key = self._keys.header(session)
         created = header.created_at
         assert created is not None
         writes = [put(key, encode_header(header)), put(self._keys.listed(created, session), b"")]
@@ -478,7 +500,8 @@ class EtcdSessionStore:
             if len(got) < page:
                 break
             after_seq = got[-1].seq
-        if not records and await self.get_header(session) is None:
+        if await self.get_header(session) is None:
+            # A transcript no header names is a creation cut short (ADR 0026): invisible.
             raise SessionUnknown(session)
         return records
 

@@ -182,18 +182,9 @@ def seq_and_known(outcome: object) -> tuple[Record, Acceptance | None]:
 
 
 async def closed(events: AsyncIterator[Any]) -> None:
-    """Close a watch or a feed (an async generator).
-
-    A feed's close raises a group holding only its own ``GeneratorExit`` (the bug that
-    ``test_closing_a_feed_ends_it_without_an_error`` states); that one is let pass here, so
-    the other tests state their own rules. Anything else the close raises fails the test."""
+    """Close a watch or a feed (an async generator); anything the close raises fails the test."""
     assert isinstance(events, AsyncGenerator)
-    try:
-        await events.aclose()
-    except BaseExceptionGroup as group:
-        _, rest = group.split(GeneratorExit)
-        if rest is not None:
-            raise
+    await events.aclose()
 
 
 async def revision_now(etcd: Etcd) -> int:
@@ -313,12 +304,6 @@ async def test_a_feed_resumed_past_any_position_is_refused_and_feeds_still_follo
         await closed(feed)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug in dsh_mesh/registry/_reads.py: RegistryReads.follow yields inside "
-    "_Residency.watching(), a context manager around an asyncio.TaskGroup; closing the feed "
-    "throws GeneratorExit into the TaskGroup, which raises it wrapped in a BaseExceptionGroup",
-)
 async def test_closing_a_feed_ends_it_without_an_error(registry: Registry) -> None:
     """A client that stops watching closes its feed (``aclose``): that must end it quietly,
     its residency watch cancelled, as closing any async generator does."""

@@ -1026,12 +1026,6 @@ async def test_a_creation_cut_after_its_task_is_invisible_and_a_replay_completes
     assert contents(resumed.records) == [(1, "Do it.")]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 18: EtcdSessionStore.read answers the records of a session with no header"
-    " (it asks for the header only when the log store has none), so a cut creation's task is"
-    " readable; SessionStore.read must raise SessionUnknown for a session that does not exist",
-)
 async def test_the_task_of_a_creation_cut_before_its_header_cannot_be_read(
     node_a: Node, node_b: Node
 ) -> None:
