@@ -93,6 +93,11 @@ _UNAVAILABLE: tuple[type[BaseException], ...] = (
     asyncpg.PostgresConnectionError,  # class 08: the connection broke or was refused
     asyncpg.exceptions.OperatorInterventionError,  # class 57: shutting down, not yet up
     asyncpg.exceptions.InsufficientResourcesError,  # class 53: too many connections, disk full
+    # A transaction the server ended while its node was stopped (idle past the timeout), and
+    # what using that connection afterwards raises: the append may not have landed, retry.
+    asyncpg.exceptions.IdleInTransactionSessionTimeoutError,
+    asyncpg.exceptions.ConnectionDoesNotExistError,
+    asyncpg.exceptions.InternalClientError,
 )
 
 
@@ -288,6 +293,12 @@ class PostgresLogStore:
             max_size=self._pool_size,
             timeout=self._timeout,  # to connect
             command_timeout=self._timeout,  # every statement
+            # A node stopped (SIGSTOP, a frozen VM) inside an append holds its session's fence
+            # row: the server ends such a transaction, so the session's next activation is
+            # not blocked behind a zombie for longer than this (and the zombie's commit fails).
+            server_settings={
+                "idle_in_transaction_session_timeout": str(int(self._timeout * 1000)),
+            },
         )
         opened = False
         try:

@@ -116,12 +116,15 @@ _OUTAGES = frozenset(
         RejectionReason.PEER_UNAVAILABLE,
         RejectionReason.NODE_FENCED,
         RejectionReason.NODE_OVERLOADED,
+        # A hop's deadline that ran out on a call forwarded to the target's node: the target
+        # may have accepted (docs/errors.md), so only a retry under the key tells.
+        RejectionReason.DEADLINE_EXCEEDED,
     }
 )
-"""Refusals that say the mesh itself is briefly away, not that the send is wrong or must wait
-for someone: the tool retries them under the same key. A model could only send again as a new
-call, under a new key, and some of them (a write whose answer was lost, a host gone mid-call)
-may have landed, so that would make a second copy."""
+"""Refusals that say the mesh itself is briefly away or slow, not that the send is wrong or
+must wait for someone: the tool retries them under the same key. A model could only send again
+as a new call, under a new key, and some of them (a write whose answer was lost, a host gone
+mid-call) may have landed, so that would make a second copy."""
 
 
 @dataclass(frozen=True)

@@ -457,12 +457,19 @@ def test_the_command_runs_a_cluster_end_to_end(tmp_path: Path) -> None:
             watch.send_signal(signal.SIGINT)  # Ctrl-C is how a watch is meant to stop
             assert watch.wait(timeout=10) == 0
         seqs = [event["event_seq"] for event in events]
-        assert seqs == sorted(set(seqs)), "event_seq must strictly increase along a watch"
+        assert seqs == sorted(seqs), "event_seq must never go back along a watch"
+        entries = [event for event in events if event.get("entry")]
+        entry_seqs = [event["event_seq"] for event in entries]
+        assert entry_seqs == sorted(set(entry_seqs)), "an entry's event_seq is its own"
 
-        # A watch resumed after an event_seq continues exactly where that one was.
-        resumed = cli.run("watch", root, "--tree", "--json", "--from", str(seqs[2]), "--count", "2")
+        # A watch resumed after an entry's event_seq tells who is resident now, then continues
+        # with exactly the entries after that one.
+        after = entry_seqs[2]
+        resumed = cli.run("watch", root, "--tree", "--json", "--from", str(after), "--for", "3")
         assert resumed.returncode == 0, resumed.stderr
-        assert [json.loads(line) for line in resumed.stdout.splitlines()] == events[3:5]
+        again = [json.loads(line) for line in resumed.stdout.splitlines()]
+        assert all(event["event_seq"] >= after for event in again)
+        assert [e for e in again if e.get("entry")][: len(entries) - 3] == entries[3:]
 
         listed = cli.run("ls", "--json")
         assert listed.returncode == 0, listed.stderr

@@ -311,3 +311,36 @@ async def test_a_store_that_cannot_connect_is_registry_unavailable_and_closes(
     await store.aclose()
     with pytest.raises(RegistryUnavailable):  # closed: no call may follow
         await store.read(S)
+
+
+async def test_a_node_stopped_inside_an_append_does_not_hold_its_session_for_good(
+    dsn: str,
+) -> None:
+    """A node frozen (SIGSTOP) in the middle of an append holds the session's fence row. The
+    server ends a store's transaction left idle past the store's call timeout, so the next
+    activation's raise goes through soon after instead of waiting for the zombie forever; the
+    zombie's transaction is gone and writes nothing."""
+    async with (
+        PostgresLogStore(dsn=dsn, call_timeout=timedelta(seconds=1)) as zombie,
+        PostgresLogStore(dsn=dsn) as successor,
+    ):
+        await zombie.raise_fence(S, 10)
+        async with zombie._connection() as db:  # the zombie's own pooled connection
+            frozen = db.transaction()
+            await frozen.start()
+            await db.execute("SELECT fence FROM fences WHERE session = $1 FOR UPDATE", S)
+            await db.execute(
+                "INSERT INTO entries (session, seq, position, data) VALUES"
+                " ($1, 1, pg_current_xact_id()::text::bigint * 1024, $2)",
+                S,
+                encode_entry(TaskEntry(content="never")),
+            )
+            # ...and the node stops here, its transaction open and idle.
+            started = time.monotonic()
+            assert await successor.raise_fence(S, 20) == 20
+            assert time.monotonic() - started < WAIT
+            with pytest.raises(
+                (asyncpg.PostgresError, asyncpg.InterfaceError, asyncpg.InternalClientError)
+            ):
+                await frozen.commit()
+        assert await successor.read(S) == []

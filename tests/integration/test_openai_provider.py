@@ -395,7 +395,16 @@ def test_a_node_refuses_to_start_on_a_presets_file_it_cannot_run(tmp_path: Path)
     presets = tmp_path / "presets.toml"
     presets.write_text("[presets.lead]\nsystem_prompt = 'x'\ntools = ['report']\n")
     started = subprocess.run(
-        [sys.executable, "-m", "dsh_mesh.node", "--plaintext", "--presets-file", str(presets)],
+        [
+            sys.executable,
+            "-m",
+            "dsh_mesh.node",
+            "--plaintext",
+            "--log-store",
+            f"sqlite:{tmp_path / 'log.db'}",
+            "--presets-file",
+            str(presets),
+        ],
         capture_output=True,
         text=True,
         timeout=30,

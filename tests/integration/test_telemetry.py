@@ -107,7 +107,7 @@ async def test_one_trace_follows_a_message_across_nodes_and_into_a_cold_resumed_
                 s.name == "dsh.etcd.activate" and s.attributes.get("dsh.activation.won") is True
                 for s in trace
             )
-            appends = [s for s in trace if s.name == "dsh.etcd.append"]
+            appends = [s for s in trace if s.name == "dsh.log.append"]
             assert any(s.resource["dsh.node.id"] == target_node for s in appends)
             decisions = {
                 s.attributes.get("dsh.authorize.decision")

@@ -65,6 +65,7 @@ from dsh_mesh.core import (
     SettlementNoticeEntry,
     TaskEntry,
 )
+from dsh_mesh.registry._reads import MAX_POSITION
 from dsh_mesh.testing import (
     HUMAN,
     EtcdAddress,
@@ -135,6 +136,7 @@ FUZZ = settings(
 
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 _PAGE_TOKEN = re.compile(r"[0-9]{1,19}")
+_LISTING_TOKEN = re.compile(r"[0-9]{20}/[A-Za-z0-9_-]{1,128}")
 
 
 def is_session_id(text: str) -> bool:
@@ -1462,12 +1464,21 @@ def read_cases(draw: st.DrawFn) -> ReadCase:
 
 
 def page_token_expectation(token: str) -> Expect:
-    """An empty or decimal token reads a page; one no server could have issued is malformed.
-    A digit string that is no plain small number may be read (past the end) or refused."""
+    """GetSession: an empty or decimal token reads a page; one no server could have issued is
+    malformed. A digit string that is no plain small number may be read (past the end) or
+    refused."""
     if token == "" or _PAGE_TOKEN.fullmatch(token):
         return ACCEPT
     if token.isdigit():
         return ACCEPT.or_refused(R.INVALID_ARGUMENT)
+    return refuse(R.INVALID_ARGUMENT)
+
+
+def listing_token_expectation(token: str) -> Expect:
+    """ListAgents: an empty token or an index key (20 digits, '/', a session id) reads a page
+    (possibly past the end); anything else is malformed (ADR 0028)."""
+    if token == "" or _LISTING_TOKEN.fullmatch(token):
+        return ACCEPT
     return refuse(R.INVALID_ARGUMENT)
 
 
@@ -1487,15 +1498,19 @@ async def test_fuzzed_reads_get_exactly_the_answer_their_fields_call_for(
     expect = credentials_refusal(case.credentials)
     if expect is None:
         if case.method == LIST and session == "":
-            expect = page_token_expectation(token)
+            expect = listing_token_expectation(token)
         elif not is_session_id(session):
             expect = refuse(R.INVALID_ARGUMENT)
         elif case.session_mode != "member":
             expect = refuse(R.UNKNOWN_SESSION)
         elif case.method == WATCH:
-            # The stream stays open until the caller's deadline: every uint64 names a position
-            # etcd can reach (a revision times 1000 plus a rank), however far ahead.
+            # The stream stays open until the caller's deadline, unless the position is past
+            # any a log store can give (2**63 - 1, ADR 0028).
             expect = DEADLINE_ONLY
+            if case.after_event_seq > MAX_POSITION:
+                expect = refuse(R.INVALID_ARGUMENT)
+        elif case.method == LIST:
+            expect = listing_token_expectation(token)
         else:
             expect = page_token_expectation(token)
     expect = with_deadline(with_hops(expect, case.hops), case.timeout)
@@ -1905,7 +1920,8 @@ async def test_a_watch_resumed_past_any_revision_is_not_a_crash(
     answer = await wire.stream(
         "node-a", WATCH, request.SerializeToString(), list(cluster.metadata(CLIENT))
     )
-    judge(answer, DEADLINE_ONLY, f"WatchSession after {after}")
+    expect = DEADLINE_ONLY if after <= MAX_POSITION else refuse(R.INVALID_ARGUMENT)
+    judge(answer, expect, f"WatchSession after {after}")
 
 
 async def test_a_watch_still_follows_live_changes_after_a_resume_past_any_revision(

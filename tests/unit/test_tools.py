@@ -585,13 +585,16 @@ async def test_send_message_retries_a_registry_or_peer_outage_under_the_same_key
         failures=[
             Rejected.of(RejectionReason.REGISTRY_UNAVAILABLE, "etcd away"),
             Rejected.of(RejectionReason.PEER_UNAVAILABLE, "host away"),
+            # Found by the fault run of issue 18: a forwarded hop's deadline ran out after the
+            # target had accepted; handed to the model as a refusal, it read as "not sent".
+            Rejected.of(RejectionReason.DEADLINE_EXCEEDED, "the hop ran out of time"),
         ]
     )
     tool = SendMessageTool(runtime=runtime, retry_delays=(0.0, 0.0, 0.0))
     caller = AgentRef(session_id=SessionId("s-1"), activation_id=ActivationId("a-1"))
     output = await tool.invoke(invocation(caller, {}), {"agent_id": "s-2", "message": "hi"})
     assert not output.is_error and "delivered" in output.content
-    assert len(runtime.keys) == 3 and len(set(runtime.keys)) == 1
+    assert len(runtime.keys) == 4 and len(set(runtime.keys)) == 1
 
 
 async def test_send_message_hands_a_refusal_that_retrying_cannot_fix_to_the_model_at_once() -> None:
