@@ -87,13 +87,13 @@ class RegistryReads:
         ``resident_only``, only sessions that hold an activation. Raises
         :class:`SessionUnknown` for an unknown ``root`` and :class:`InvalidArgument` for a
         token this server did not issue."""
+        members = None if root is None else await self.members(root)  # an unknown root first
         if after and not _TOKEN.fullmatch(after.encode()):
             shown = after if len(after) <= 40 else f"{after[:40]}... ({len(after)} characters)"
             raise InvalidArgument(f"page_token {shown!r} is not one this server issued")
-        if root is None:
+        if members is None:
             candidates = self._index(self._keys.listing, after=after.encode())
         else:
-            members = await self.members(root)
             candidates = _aiter(
                 (token, session)
                 for token, session in members
