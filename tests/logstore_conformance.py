@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from datetime import UTC, datetime
 
 import pytest
 
@@ -65,6 +66,14 @@ def rising(logged: Sequence[Logged]) -> bool:
     """Whether the positions of ``logged`` strictly increase, each a positive int64."""
     positions = [entry.position for entry in logged]
     return positions == sorted(set(positions)) and all(0 < p <= INT64_MAX for p in positions)
+
+
+def _clock_past(record: Record) -> None:
+    """Return once the clock reads later than ``record`` was written (times are microseconds:
+    two writes in a row may share one)."""
+    assert record.recorded_at is not None
+    while datetime.now(UTC) <= record.recorded_at:  # a microsecond at most
+        pass
 
 
 class LogStoreConformance:
@@ -235,3 +244,60 @@ class LogStoreConformance:
         assert len(logged) == 8
         for n, entry in enumerate(logged):
             assert entry.position <= horizons[1 + 2 * (n // 2)]
+
+    # -- retention ------------------------------------------------------------------------------
+
+    async def test_last_is_the_last_record_or_none(self, store: LogStore) -> None:
+        assert await store.last(S) is None
+        await store.raise_fence(S, 10)
+        await store.append(S, [task("a"), task("b")], fence=10)
+        await store.append(OTHER, [task("other")], fence=1, unfenced=True)
+        last = await store.last(S)
+        assert last is not None and last.seq == 2 and contents([last]) == ["b"]
+
+    async def test_a_deleted_session_is_gone_and_its_old_writers_stay_refused(
+        self, store: LogStore
+    ) -> None:
+        await store.raise_fence(S, 10)
+        await store.append(S, [task("a"), keyed("b", "k1")], fence=10)
+        await store.append(OTHER, [keyed("kept", "k2", target=OTHER)], fence=1, unfenced=True)
+        horizon = await store.horizon()
+        await store.delete(S, 30)
+        await store.delete(S, 30)  # idempotent
+        assert await store.read(S) == [] and await store.last(S) is None
+        assert await store.lookup(IdempotencyKey(principal="s-9", key="k1")) is None
+        assert await store.since([S, OTHER], after=0, upto=horizon) == [
+            logged for logged in await store.since([OTHER], after=0, upto=horizon)
+        ]
+        assert await store.lookup(IdempotencyKey(principal="s-9", key="k2")) is not None
+        with pytest.raises(ActivationFenced):  # the activation from before the deletion
+            await store.append(S, [task("zombie")], fence=10)
+        with pytest.raises(ActivationFenced):  # a writer that looked before the deletion
+            await store.append(S, [task("late")], fence=20, unfenced=True)
+        # The id used again (a replayed creation after its tree was deleted) starts afresh.
+        [again] = await store.append(S, [task("new")], fence=31, unfenced=True)
+        assert again.record.seq == 1 and contents(await store.read(S)) == ["new"]
+        assert [
+            found.record.seq
+            for found in await store.since([S], after=0, upto=await store.horizon())
+        ] == [1]
+
+    async def test_expired_keys_are_forgotten_and_a_retry_after_them_is_a_new_request(
+        self, store: LogStore
+    ) -> None:
+        [old] = await store.append(S, [keyed("old", "k-old")], fence=1, unfenced=True)
+        _clock_past(old.record)
+        [cut] = await store.append(S, [task("between")], fence=1, unfenced=True)
+        assert cut.record.recorded_at is not None
+        _clock_past(cut.record)
+        await store.append(S, [keyed("new", "k-new")], fence=1, unfenced=True)
+        # Every key written strictly before ``between`` was recorded goes.
+        assert await store.expire_keys(cut.record.recorded_at) == 1
+        assert await store.lookup(IdempotencyKey(principal="s-9", key="k-old")) is None
+        assert await store.lookup(IdempotencyKey(principal="s-9", key="k-new")) is not None
+        [retry] = await store.append(S, [keyed("old", "k-old")], fence=1, unfenced=True)
+        assert retry.known is None and retry.record.seq == 4  # landed twice, as documented
+        [again] = await store.append(S, [keyed("new", "k-new")], fence=1, unfenced=True)
+        assert again.known is not None and again.record.seq == 3
+        assert contents(await store.read(S)) == ["old", "between", "new", "old"]
+        assert await store.expire_keys(cut.record.recorded_at) == 0

@@ -17,8 +17,9 @@ class MemoryLogStore:
     def __init__(self) -> None:
         self._fences: dict[SessionId, int] = {}
         self._transcripts: dict[SessionId, list[Record]] = {}
-        self._idempotency: dict[IdempotencyKey, Acceptance] = {}
+        self._idempotency: dict[IdempotencyKey, tuple[Acceptance, datetime]] = {}
         self._log: list[Logged] = []  # every record, in position order
+        self._forgotten: dict[SessionId, int] = {}  # deleted sessions: up to which position
 
     async def raise_fence(self, session: SessionId, fence: int) -> int:
         current = max(self._fences.get(session, 0), fence)
@@ -43,7 +44,7 @@ class MemoryLogStore:
             transcript.append(record)
             self._log.append(Logged(session=session, position=len(self._log) + 1, record=record))
             if guard is not None:
-                self._idempotency[guard[0]] = guard[1]
+                self._idempotency[guard[0]] = (guard[1], record.recorded_at or datetime.now(UTC))
         if plan.new_fence is not None:
             self._fences[session] = plan.new_fence
         return plan.written
@@ -61,17 +62,41 @@ class MemoryLogStore:
     ) -> list[Logged]:
         wanted = set(sessions)
         window = self._log[max(after, 0) : max(upto, 0)]  # position p is self._log[p - 1]
-        found = [logged for logged in window if logged.session in wanted]
+        found = [
+            logged
+            for logged in window
+            if logged.session in wanted
+            and logged.position > self._forgotten.get(logged.session, 0)
+        ]
         return found[:limit]
 
     async def lookup(self, key: IdempotencyKey) -> Acceptance | None:
-        return self._idempotency.get(key)
+        known = self._idempotency.get(key)
+        return None if known is None else known[0]
+
+    async def last(self, session: SessionId) -> Record | None:
+        transcript = self._transcripts.get(session)
+        return transcript[-1] if transcript else None
+
+    async def delete(self, session: SessionId, fence: int) -> None:
+        self._fences[session] = max(self._fences.get(session, 0), fence)
+        self._transcripts.pop(session, None)
+        self._forgotten[session] = len(self._log)
+        for key in [k for k, (a, _) in self._idempotency.items() if a.target == session]:
+            del self._idempotency[key]
+
+    async def expire_keys(self, before: datetime) -> int:
+        expired = [key for key, (_, at) in self._idempotency.items() if at < before]
+        for key in expired:
+            del self._idempotency[key]
+        return len(expired)
 
     async def aclose(self) -> None:
         return None
 
     def _known(self, key: IdempotencyKey) -> tuple[Acceptance, Record] | None:
-        acceptance = self._idempotency.get(key)
-        if acceptance is None:
+        known = self._idempotency.get(key)
+        if known is None:
             return None
+        acceptance = known[0]
         return acceptance, self._transcripts[acceptance.target][acceptance.seq - 1]

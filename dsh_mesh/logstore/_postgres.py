@@ -38,9 +38,13 @@ _SCHEMA = (
     "CREATE UNIQUE INDEX IF NOT EXISTS entries_by_position ON entries (position)",
     # A feed's poll reads only the new records of its sessions, not their whole transcripts.
     "CREATE INDEX IF NOT EXISTS entries_by_session_position ON entries (session, position)",
+    # ``target`` and ``at`` serve retention: a deleted session's keys go with it, and keys
+    # expire by age.
     "CREATE TABLE IF NOT EXISTS idempotency ("
-    " principal TEXT NOT NULL, key TEXT NOT NULL, data BYTEA NOT NULL,"
-    " PRIMARY KEY (principal, key))",
+    " principal TEXT NOT NULL, key TEXT NOT NULL, target TEXT NOT NULL,"
+    " at TIMESTAMPTZ NOT NULL, data BYTEA NOT NULL, PRIMARY KEY (principal, key))",
+    "CREATE INDEX IF NOT EXISTS idempotency_by_target ON idempotency (target)",
+    "CREATE INDEX IF NOT EXISTS idempotency_by_age ON idempotency (at)",
 )
 _ENSURE_FENCE = "INSERT INTO fences (session, fence) VALUES ($1, 0) ON CONFLICT DO NOTHING"
 _LOCK_FENCE = "SELECT fence FROM fences WHERE session = $1 FOR UPDATE"
@@ -63,9 +67,15 @@ _INSERT_ENTRIES = (
     " FROM unnest($2::bigint[], $3::bytea[]) WITH ORDINALITY AS n (seq, data, rank)"
 )
 _INSERT_KEYS = (
-    "INSERT INTO idempotency (principal, key, data)"
-    " SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[])"
+    "INSERT INTO idempotency (principal, key, target, at, data)"
+    " SELECT principal, key, $1, at, data"
+    " FROM unnest($2::text[], $3::text[], $4::timestamptz[], $5::bytea[])"
+    " AS k (principal, key, at, data)"
 )
+_LAST = "SELECT seq, data FROM entries WHERE session = $1 ORDER BY seq DESC LIMIT 1"
+_FORGET_ENTRIES = "DELETE FROM entries WHERE session = $1"
+_FORGET_KEYS = "DELETE FROM idempotency WHERE target = $1"
+_EXPIRE_KEYS = "DELETE FROM idempotency WHERE at < $1"
 _SET_FENCE = "UPDATE fences SET fence = $2 WHERE session = $1"
 _RAISE_FENCE = (
     "INSERT INTO fences (session, fence) VALUES ($1, $2)"
@@ -194,6 +204,22 @@ class PostgresLogStore:
             data: bytes | None = await db.fetchval(_LOOKUP, key.principal, key.key)
         return None if data is None else decode_acceptance(data)
 
+    async def last(self, session: SessionId) -> Record | None:
+        async with self._connection() as db:
+            row = await db.fetchrow(_LAST, session)
+        return None if row is None else decode_record(row[0], row[1])
+
+    async def delete(self, session: SessionId, fence: int) -> None:
+        async with self._connection() as db, db.transaction():
+            await db.fetchval(_RAISE_FENCE, session, fence)  # holds the row: appends wait
+            await db.execute(_FORGET_ENTRIES, session)
+            await db.execute(_FORGET_KEYS, session)
+
+    async def expire_keys(self, before: datetime) -> int:
+        async with self._connection() as db:
+            status: str = await db.execute(_EXPIRE_KEYS, before)
+        return int(status.split()[-1])  # "DELETE <n>"
+
     async def aclose(self) -> None:
         if self._closed:
             return
@@ -240,13 +266,15 @@ class PostgresLogStore:
                     [record.seq for record, _ in plan.records],
                     [encode_entry(r.entry, recorded_at=r.recorded_at) for r, _ in plan.records],
                 )
-            guards = [guard for _, guard in plan.records if guard is not None]
-            if guards:
+            guarded = [(r, guard) for r, guard in plan.records if guard is not None]
+            if guarded:
                 await db.execute(
                     _INSERT_KEYS,
-                    [key.principal for key, _ in guards],
-                    [key.key for key, _ in guards],
-                    [encode_acceptance(acceptance) for _, acceptance in guards],
+                    session,
+                    [key.principal for _, (key, _) in guarded],
+                    [key.key for _, (key, _) in guarded],
+                    [r.recorded_at for r, _ in guarded],
+                    [encode_acceptance(acceptance) for _, (_, acceptance) in guarded],
                 )
             if plan.new_fence is not None:
                 await db.execute(_SET_FENCE, session, plan.new_fence)

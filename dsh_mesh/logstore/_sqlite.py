@@ -15,7 +15,7 @@ import json
 import sqlite3
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TypeVar
 
@@ -39,10 +39,15 @@ _SCHEMA = (
     # down when old entries are deleted.
     "CREATE TABLE IF NOT EXISTS clock ("
     " id INTEGER PRIMARY KEY CHECK (id = 0), position INTEGER NOT NULL)",
+    # ``target`` and ``at`` (microseconds since the epoch) serve retention: a deleted session's
+    # keys go with it, and keys expire by age.
     "CREATE TABLE IF NOT EXISTS idempotency ("
-    " principal TEXT NOT NULL, key TEXT NOT NULL, data BLOB NOT NULL,"
-    " PRIMARY KEY (principal, key)) WITHOUT ROWID",
+    " principal TEXT NOT NULL, key TEXT NOT NULL, target TEXT NOT NULL, at INTEGER NOT NULL,"
+    " data BLOB NOT NULL, PRIMARY KEY (principal, key)) WITHOUT ROWID",
+    "CREATE INDEX IF NOT EXISTS idempotency_by_target ON idempotency (target)",
+    "CREATE INDEX IF NOT EXISTS idempotency_by_age ON idempotency (at)",
 )
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _BUSY_TIMEOUT_MS = 10_000
 """How long a write waits for another process's transaction on the same file."""
 
@@ -108,10 +113,17 @@ class SqliteLogStore:
                     (last + len(plan.records),),
                 )
                 db.executemany(
-                    "INSERT INTO idempotency (principal, key, data) VALUES (?, ?, ?)",
+                    "INSERT INTO idempotency (principal, key, target, at, data)"
+                    " VALUES (?, ?, ?, ?, ?)",
                     [
-                        (guard[0].principal, guard[0].key, encode_acceptance(guard[1]))
-                        for _, guard in plan.records
+                        (
+                            guard[0].principal,
+                            guard[0].key,
+                            session,
+                            _micros(r.recorded_at),
+                            encode_acceptance(guard[1]),
+                        )
+                        for r, guard in plan.records
                         if guard is not None
                     ],
                 )
@@ -161,6 +173,38 @@ class SqliteLogStore:
         def work(db: sqlite3.Connection) -> Acceptance | None:
             found = _known(db, key)
             return None if found is None else found[0]
+
+        return await self._run(work)
+
+    async def last(self, session: SessionId) -> Record | None:
+        def work(db: sqlite3.Connection) -> Record | None:
+            row = db.execute(
+                "SELECT seq, data FROM entries WHERE session = ? ORDER BY seq DESC LIMIT 1",
+                (session,),
+            ).fetchone()
+            return None if row is None else decode_record(row[0], row[1])
+
+        return await self._run(work)
+
+    async def delete(self, session: SessionId, fence: int) -> None:
+        def work(db: sqlite3.Connection) -> None:
+            with _immediate(db):
+                db.execute(
+                    "INSERT INTO fences (session, fence) VALUES (?, ?)"
+                    " ON CONFLICT (session) DO UPDATE SET fence = max(fence, excluded.fence)",
+                    (session, fence),
+                )
+                db.execute("DELETE FROM entries WHERE session = ?", (session,))
+                db.execute("DELETE FROM idempotency WHERE target = ?", (session,))
+
+        await self._run(work)
+
+    async def expire_keys(self, before: datetime) -> int:
+        def work(db: sqlite3.Connection) -> int:
+            with _immediate(db):
+                return db.execute(
+                    "DELETE FROM idempotency WHERE at < ?", (_micros(before),)
+                ).rowcount
 
         return await self._run(work)
 
@@ -239,3 +283,8 @@ def _known(db: sqlite3.Connection, key: IdempotencyKey) -> tuple[Acceptance, Rec
         (acceptance.target, acceptance.seq),
     ).fetchone()
     return acceptance, decode_record(acceptance.seq, found[0])
+
+
+def _micros(at: datetime | None) -> int:
+    """``at`` (now, when None) as microseconds since the epoch."""
+    return ((at or datetime.now(UTC)) - _EPOCH) // timedelta(microseconds=1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Protocol
 
 from dsh_mesh.core import Entry, Record, SessionId
@@ -95,6 +96,23 @@ class LogStore(Protocol):
 
     async def lookup(self, key: IdempotencyKey) -> Acceptance | None:
         """The first acceptance recorded under ``key``, if any."""
+        ...
+
+    async def last(self, session: SessionId) -> Record | None:
+        """``session``'s last record (None when it has none): one row read, however long the
+        transcript."""
+        ...
+
+    async def delete(self, session: SessionId, fence: int) -> None:
+        """Forget ``session``: its records and the idempotency records that point at them go,
+        in one transaction that first raises its fence to ``fence`` (the etcd revision that
+        deleted its header). The fence stays: a writer from before the deletion is refused,
+        as after any raise. Idempotent. Durable when it returns."""
+        ...
+
+    async def expire_keys(self, before: datetime) -> int:
+        """Forget the idempotency records written before ``before`` (their entries stay): a
+        retry under such a key is a new request. Returns how many went."""
         ...
 
     async def aclose(self) -> None:

@@ -25,7 +25,7 @@ import secrets
 from collections.abc import AsyncGenerator, AsyncIterator, Collection, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +117,15 @@ class HeldLog:
 
     async def lookup(self, key: IdempotencyKey) -> Acceptance | None:
         return await self.inner.lookup(key)
+
+    async def last(self, session: SessionId) -> Record | None:
+        return await self.inner.last(session)
+
+    async def delete(self, session: SessionId, fence: int) -> None:
+        await self.inner.delete(session, fence)
+
+    async def expire_keys(self, before: datetime) -> int:
+        return await self.inner.expire_keys(before)
 
     async def aclose(self) -> None:
         await self.inner.aclose()

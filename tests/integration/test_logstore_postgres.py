@@ -161,7 +161,11 @@ async def test_a_key_raced_in_from_another_session_is_answered_not_failed(
     await holder.execute(INSERT_ENTRY, S, 1, entry)
     first = encode_acceptance(dataclasses.replace(asked, seq=1))
     await holder.execute(
-        "INSERT INTO idempotency VALUES ($1, $2, $3)", key.principal, key.key, first
+        "INSERT INTO idempotency (principal, key, target, at, data) VALUES ($1, $2, $3, now(), $4)",
+        key.principal,
+        key.key,
+        S,
+        first,
     )
     ours = asyncio.create_task(store.append(OTHER, [racing, task("unkeyed")], fence=10))
     try:

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequ
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TypeVar
 
@@ -203,6 +203,15 @@ class ProbedLog:
 
     async def lookup(self, key: IdempotencyKey) -> Acceptance | None:
         return await self._probed("lookup", lambda: self.inner.lookup(key))
+
+    async def last(self, session: SessionId) -> Record | None:
+        return await self._probed("last", lambda: self.inner.last(session))
+
+    async def delete(self, session: SessionId, fence: int) -> None:
+        await self._probed("delete", lambda: self.inner.delete(session, fence))
+
+    async def expire_keys(self, before: datetime) -> int:
+        return await self._probed("expire_keys", lambda: self.inner.expire_keys(before))
 
     async def aclose(self) -> None:
         await self.inner.aclose()
