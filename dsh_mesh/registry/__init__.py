@@ -1,8 +1,10 @@
-"""The registry: durable session state and live residency in etcd.
+"""The registry: coordination in etcd, and the node's session store over etcd and a log store.
 
-Headers, transcripts and idempotency records (:class:`EtcdSessionStore`), the node lease and its
-keepalive (:class:`LeaseKeeper`), and the watch-fed :class:`Directory` of who is live where. Key
-layout: docs/etcd-layout.md.
+Headers, their indexes and activations in etcd, transcripts and idempotency records in the log
+store (:class:`EtcdSessionStore`), the node lease and its keepalive (:class:`LeaseKeeper`), the
+watch-fed :class:`Directory` of who is live where, the control plane's reads
+(:class:`RegistryReads`) and retention (:class:`Retention`). Layout: docs/etcd-layout.md and
+docs/storage.md.
 """
 
 from dsh_mesh.registry._codec import (
@@ -23,6 +25,7 @@ from dsh_mesh.registry._etcd import Etcd, EtcdConfig, EtcdTls
 from dsh_mesh.registry._keys import Keys
 from dsh_mesh.registry._lease import LeaseConfig, LeaseKeeper, LeaseLost
 from dsh_mesh.registry._reads import FeedEvent, RegistryReads
+from dsh_mesh.registry._retention import Pruned, Retention
 from dsh_mesh.registry._store import EtcdSessionStore
 
 __all__ = [
@@ -41,7 +44,9 @@ __all__ = [
     "LeaseKeeper",
     "LeaseLost",
     "NodeInfo",
+    "Pruned",
     "RegistryReads",
+    "Retention",
     "decode_acceptance",
     "decode_record",
     "encode_acceptance",

@@ -85,6 +85,11 @@ def session_of_index_key(key: bytes) -> SessionId:
     return SessionId(key.rsplit(b"/", 1)[1].decode())
 
 
+def stamp_time(stamp: bytes) -> datetime:
+    """The creation time an index key's stamp names (the inverse of the stamp)."""
+    return _EPOCH + timedelta(microseconds=int(stamp))
+
+
 def _stamp(created: datetime) -> bytes:
     """``created`` as zero-padded microseconds since the epoch: byte order is time order."""
     return str((created - _EPOCH) // timedelta(microseconds=1)).zfill(_STAMP_DIGITS).encode()

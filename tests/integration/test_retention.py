@@ -1,0 +1,156 @@
+"""Retention against a real etcd and a SQLite log store: settled trees go by age, archived
+first when asked; resident and young trees stay; a tree that wakes mid-prune keeps a tree;
+expired idempotency keys are forgotten (a retry after the window lands again)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from dsh_mesh.core import Activation, ActivationFenced, DeliveryKind, SessionId
+from dsh_mesh.logstore import SqliteLogStore
+from dsh_mesh.registry import Retention
+from dsh_mesh.runtime import Acceptance, IdempotencyKey, Write
+from dsh_mesh.testing import EtcdAddress
+from tests.integration.test_listing_and_feed import Mesh, listed, opened, prompt
+
+LATER = datetime.now(UTC) + timedelta(days=40)
+"""A prune's "now", 40 days on: everything made by a test is older than 30 days then."""
+MONTH = timedelta(days=30)
+
+
+@pytest.fixture
+async def mesh(etcd: EtcdAddress, tmp_path: Path) -> AsyncIterator[Mesh]:
+    async with (
+        SqliteLogStore(tmp_path / "log.sqlite") as log,
+        opened(etcd.endpoint, log) as made,
+    ):
+        yield made
+
+
+def retention(mesh: Mesh) -> Retention:
+    return Retention(mesh.etcd, mesh.keys, mesh.log)
+
+
+async def tree(mesh: Mesh, name: str) -> tuple[SessionId, SessionId, SessionId]:
+    """A root with a child and a grandchild, each with a record; nothing left resident."""
+    root = await mesh.root(f"{name}-r")
+    child = await mesh.child(f"{name}-c", root)
+    grandchild = await mesh.child(f"{name}-g", child)
+    for session in (root, child, grandchild):
+        activation = await mesh.activate(session)
+        await mesh.append(activation, f"{session} worked")
+        await mesh.store.release(activation)
+    return root, child, grandchild
+
+
+async def test_settled_trees_older_than_the_limit_go_whole_and_nothing_else_does(
+    mesh: Mesh,
+) -> None:
+    old = await tree(mesh, "old")
+    busy = await tree(mesh, "busy")
+    held = await mesh.activate(busy[2])  # a grandchild still resident: the tree stays
+    before = await listed(mesh.reads, root=None, limit=100)
+
+    dry = await retention(mesh).prune(older_than=MONTH, now=LATER, dry_run=True)
+    assert (dry.trees, dry.sessions, dry.kept_resident) == ([old[0]], 3, 1)
+    assert await listed(mesh.reads, root=None, limit=100) == before  # a dry run writes nothing
+
+    young = await retention(mesh).prune(older_than=MONTH)  # measured from now: all too young
+    assert (young.trees, young.kept_young) == ([], 1)
+
+    pruned = await retention(mesh).prune(older_than=MONTH, now=LATER)
+    assert (pruned.trees, pruned.sessions, pruned.woke) == ([old[0]], 3, [])
+    assert await listed(mesh.reads, root=None, limit=100) == list(busy)
+    for session in old:
+        assert await mesh.log.read(session) == [] and await mesh.log.last(session) is None
+        assert await mesh.etcd.get(mesh.keys.header(session)) is None
+        assert await mesh.etcd.get(mesh.keys.root_of(session)) is None
+    assert not (await mesh.etcd.get_prefix(mesh.keys.tree(old[0]))).kvs
+    for session in busy:
+        assert len(await mesh.log.read(session)) >= 1
+    await mesh.store.release(held)
+
+
+async def test_an_archive_holds_the_tree_before_it_goes(mesh: Mesh, tmp_path: Path) -> None:
+    root, child, grandchild = await tree(mesh, "kept")
+    archive = tmp_path / "archive"
+    pruned = await retention(mesh).prune(older_than=MONTH, now=LATER, archive=archive)
+    assert pruned.trees == [root]
+    lines = [json.loads(line) for line in (archive / f"{root}.jsonl").read_text().splitlines()]
+    headers = [line["header"]["session_id"] for line in lines if "header" in line]
+    assert headers == [root, child, grandchild]
+    records = [(line["session"], line["seq"]) for line in lines if "entry" in line]
+    assert records == [(root, 1), (child, 1), (grandchild, 1)]
+    assert all(line["entry"]["type"] == "human_prompt" for line in lines if "entry" in line)
+
+
+async def test_a_tree_that_wakes_mid_prune_keeps_its_parents(mesh: Mesh) -> None:
+    """Children go before parents, a transaction's worth at a time, each only while nothing
+    in it holds an activation: a root woken while its tree is deleted stays, with the
+    children not reached yet, and is still a tree."""
+    root = await mesh.root("wake-r")
+    children = [await mesh.child(f"wake-c{n:02d}", root) for n in range(30)]
+    original = mesh.log.delete
+    woken: list[Activation] = []
+
+    async def wake_the_root_after_the_first_batch(session: SessionId, fence: int) -> None:
+        await original(session, fence)
+        if not woken:
+            woken.append(await mesh.activate(root))
+
+    mesh.log.delete = wake_the_root_after_the_first_batch  # type: ignore[method-assign]
+    pruned = await retention(mesh).prune(older_than=MONTH, now=LATER)
+    assert pruned.woke == [root] and pruned.trees == []
+    assert pruned.sessions == 25  # the newest 25 children: one transaction
+    assert await listed(mesh.reads, root=None, limit=100) == [root, *children[:5]]
+    await mesh.store.release(woken[0])
+
+
+async def test_a_writer_from_before_the_deletion_is_refused(mesh: Mesh) -> None:
+    """A node that lost its activation but still reaches the log store (the zombie) could
+    append until a successor raised the fence; the deletion raises it too."""
+    root = await mesh.root("zombie-r")
+    activation = await mesh.activate(root)
+    await mesh.append(activation, "before")
+    fence = await mesh.log.raise_fence(root, 0)  # the zombie's fence: its key's revision
+    await mesh.store.release(activation)  # its key is gone (as when its lease ends)
+    assert (await retention(mesh).prune(older_than=MONTH, now=LATER)).trees == [root]
+    with pytest.raises(ActivationFenced):
+        await mesh.log.append(root, [Write(entry=prompt("after"))], fence=fence)
+    assert await mesh.log.read(root) == []
+
+
+async def test_expired_keys_go_and_a_retry_after_the_window_lands_again(mesh: Mesh) -> None:
+    root = await mesh.root("keys-r")
+    activation = await mesh.activate(root)
+    key = IdempotencyKey(principal=f"human:{root}", key="k-1")
+    asked = Acceptance(
+        target=root,
+        seq=0,
+        target_activation=activation.activation_id,
+        kind=DeliveryKind.STEERED,
+        fingerprint="hi",
+    )
+    first, _ = await mesh.store.append(
+        root, prompt("hi"), writer=activation.activation_id, idempotency=(key, asked)
+    )
+    retained = retention(mesh)
+    assert await retained.expire_keys(older_than=timedelta(days=7)) == 0  # inside the window
+    again, known = await mesh.store.append(
+        root, prompt("hi"), writer=activation.activation_id, idempotency=(key, asked)
+    )
+    assert (again.seq, known is not None) == (first.seq, True)
+    assert await retained.expire_keys(older_than=timedelta(days=7), now=LATER) == 1
+    assert await mesh.store.lookup(key) is None
+    late, known = await mesh.store.append(
+        root, prompt("hi"), writer=activation.activation_id, idempotency=(key, asked)
+    )
+    assert known is None and late.seq == first.seq + 1  # a second copy, as documented
+    with pytest.raises(ValueError, match="positive"):
+        await retained.expire_keys(older_than=timedelta(0))
+    await mesh.store.release(activation)
