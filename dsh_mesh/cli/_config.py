@@ -68,6 +68,8 @@ class ClusterState:
     scenario: str
     nodes: tuple[NodeEntry, ...]
     log_dir: str = ""
+    log_store: str = ""
+    """The log store the nodes share (``sqlite:PATH``); ``dsh-mesh prune`` opens it."""
     tls: TlsPaths | None = None
     """The client certificate of a mutual-TLS cluster (``up --tls``); None: plaintext."""
 
@@ -85,6 +87,7 @@ class ClusterState:
             "key_prefix": self.key_prefix,
             "scenario": self.scenario,
             "log_dir": self.log_dir,
+            "log_store": self.log_store,
             "nodes": [
                 {"node_id": n.node_id, "address": n.address, "pid": n.pid} for n in self.nodes
             ],
@@ -104,6 +107,7 @@ class ClusterState:
                 key_prefix=str(data["key_prefix"]),
                 scenario=str(data["scenario"]),
                 log_dir=str(data.get("log_dir", "")),
+                log_store=str(data.get("log_store", "")),
                 tls=_tls_paths(data.get("tls")),
                 nodes=tuple(
                     NodeEntry(

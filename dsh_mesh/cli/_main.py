@@ -21,6 +21,7 @@ from dsh_mesh.cli._config import (
     state_home,
 )
 from dsh_mesh.cli._parser import parse_args
+from dsh_mesh.cli._prune import run_prune
 from dsh_mesh.cli._render import error_line
 from dsh_mesh.cli._up import StartFailed, run_up
 from dsh_mesh.core import MeshError
@@ -58,6 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "certs":
             return run_certs(args, console)
         state = read_state(state_home(args.home, environ))
+        if args.command == "prune":
+            return asyncio.run(run_prune(args, state, console, environ))
         toml = read_toml(Path(args.config)) if args.config else None
         connection: Connection | None
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 
 DEFAULT_SCENARIO = "dsh_mesh.demo:SCENARIO"
@@ -45,6 +46,17 @@ def _positive_float(text: str) -> float:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be greater than 0")
     return value
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _duration(text: str) -> timedelta:
+    """``30d``, ``12h``, ``90m``, ``45s`` (a positive whole number and a unit)."""
+    number, unit = text[:-1], text[-1:]
+    if unit not in _UNITS or not number.isdigit() or int(number) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an age like 30d, 12h, 90m or 45s")
+    return timedelta(seconds=int(number) * _UNITS[unit])
 
 
 def _non_negative_int(text: str) -> int:
@@ -282,6 +294,31 @@ def build_parser() -> argparse.ArgumentParser:
         "connection options name) and of etcd. Exits 1 unless all are healthy.",
     )
     _json_flag(status)
+
+    prune = commands.add_parser(
+        "prune",
+        help="delete settled trees older than a limit (and expire idempotency keys)",
+        description="Delete every tree none of whose agents is resident and in which nothing "
+        "happened for --older-than, from etcd and the log store, children first; with "
+        "--archive, write each tree to DIR/<root>.jsonl first. Runs with a node's access "
+        "(--node-config, a node's TOML file) or that of the local cluster `up` started. "
+        "docs/operations.md, Retention.",
+    )
+    prune.add_argument(
+        "--older-than", type=_duration, required=True, metavar="AGE", help="e.g. 30d, 12h, 90m"
+    )
+    prune.add_argument("--archive", type=Path, metavar="DIR", help="archive each tree here first")
+    prune.add_argument(
+        "--keys-older-than",
+        type=_duration,
+        metavar="AGE",
+        help="also forget idempotency records older than AGE (a retry after it may land twice)",
+    )
+    prune.add_argument("--dry-run", action="store_true", help="say what would go; change nothing")
+    prune.add_argument(
+        "--node-config", type=Path, metavar="TOML", help="a node's configuration file to act as"
+    )
+    _json_flag(prune)
 
     _certs_parser(commands)
     return parser

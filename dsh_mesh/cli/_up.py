@@ -154,6 +154,9 @@ def _start_and_wait(
         log_dir=log_dir,
         tls=pki,
         presets_file=args.presets_file,
+        # One host: the nodes share one SQLite file, kept with the cluster's home (not its
+        # logs) so that it outlives a restart of `up` on the same etcd.
+        log_store=f"sqlite:{home / 'log.db'}",
     )
     stack.enter_context(cluster)
     stack.callback(_stop_nodes, cluster, console)
@@ -178,12 +181,14 @@ def _start_and_wait(
         scenario=args.scenario,
         nodes=tuple(entries),
         log_dir=str(log_dir),
+        log_store=cluster.settings.log_store,
         tls=tls,
     )
     path = write_state(home, state)
     stack.callback(remove_state, home, owner=os.getpid())
     console.say(f"state     {path}")
     console.say(f"logs      {log_dir}")
+    console.say(f"log store {cluster.settings.log_store}")
     if tls is not None:
         cert, key, ca = TLS_ENV
         console.say(

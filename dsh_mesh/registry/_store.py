@@ -173,8 +173,9 @@ class EtcdSessionStore:
             parent = await self.get_header(header.parent_session)
             if parent is None:
                 raise SessionUnknown(header.parent_session)
-        if header.created_at is None:
-            header = dataclasses.replace(header, created_at=_created_after(parent))
+        created = _created_after(parent, header.created_at)
+        if created != header.created_at:
+            header = dataclasses.replace(header, created_at=created)
         if not entries and parent is None and await self._log.read(session, limit=1):
             # A root with no task whose id a creation cut short already used for its task
             # (another request of the same id): never adopt that transcript.
@@ -545,13 +546,14 @@ class EtcdSessionStore:
             self._directory.note(activation)
 
 
-def _created_after(parent: SessionHeader | None) -> datetime:
-    """Now, or just after ``parent``'s creation if this host's clock is behind the parent's
-    host's: a child is always listed after its parent."""
-    now = datetime.now(UTC)
+def _created_after(parent: SessionHeader | None, given: datetime | None) -> datetime:
+    """``given`` (now, when None), or just after ``parent``'s creation if that is not later
+    (this host's clock is behind the parent's host's): a child is always listed after its
+    parent."""
+    created = given or datetime.now(UTC)
     if parent is None or parent.created_at is None:
-        return now
-    return max(now, parent.created_at + timedelta(microseconds=1))
+        return created
+    return max(created, parent.created_at + timedelta(microseconds=1))
 
 
 def _only(response: Any) -> Any | None:

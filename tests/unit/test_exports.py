@@ -564,6 +564,7 @@ ALLOWED: dict[str, set[str]] = {
         "agent",
         "runtime",
         "registry",
+        "logstore",
         "transport",
         "node",
         "_proto",
