@@ -92,6 +92,16 @@ class NodeConfig:
     """A TOML file of agent presets and model endpoints (docs/presets.md), read on top of the
     scenario's presets; ``None``: the scenario's presets, and the ``openai`` endpoint from
     ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY``."""
+    retention_days: float = 0.0
+    """Settled trees in which nothing happened for this many days are deleted (archived first
+    into ``retention_archive_dir`` when set), once per ``retention_interval``, by the live
+    node with the lowest id; ``0``: never (docs/operations.md, "Retention")."""
+    retention_archive_dir: Path | None = None
+    """Where a pruned tree is written first (``<root>.jsonl``); ``None``: not archived."""
+    idempotency_days: float = 7.0
+    """Idempotency records older than this many days are forgotten (a retry after that is a
+    new request and may land twice); ``0``: never."""
+    retention_interval: timedelta = timedelta(hours=1)
     history_file: Path | None = None
     """Where to append the node's store history (one JSON line per activation and durable
     write) for the history checker of ``dsh_mesh.testing``; ``None``: no history. For test
@@ -137,6 +147,10 @@ class NodeConfig:
         if self.shutdown_grace < timedelta(0):
             raise ValueError("shutdown_grace must not be negative")
         self.manager_config()  # the limits must be positive
+        if self.retention_days < 0 or self.idempotency_days < 0:
+            raise ValueError("retention_days and idempotency_days must not be negative (0: never)")
+        if self.retention_interval <= timedelta(0):
+            raise ValueError("retention_interval must be positive")
         if self.memory_high_water_mb is not None and self.memory_high_water_mb < 0:
             raise ValueError("memory_high_water_mb must not be negative (0: never passivate)")
         if self.plaintext:
@@ -206,6 +220,14 @@ _SETTINGS: tuple[tuple[str, str, str], ...] = (
         "RSS (MiB) past which idle agents are passivated",
     ),
     ("presets_file", "--presets-file", "TOML file of presets and model endpoints"),
+    ("retention_days", "--retention-days", "delete settled trees idle this many days (0: never)"),
+    ("retention_archive_dir", "--retention-archive-dir", "archive pruned trees here first"),
+    (
+        "idempotency_days",
+        "--idempotency-days",
+        "forget idempotency records after N days (0: never)",
+    ),
+    ("retention_interval", "--retention-interval", "seconds between two retention runs"),
     ("history_file", "--history-file", "append the store's history here (test runs)"),
 )
 
@@ -240,7 +262,7 @@ def load_config(args: argparse.Namespace, environ: Mapping[str, str] | None = No
         unknown = sorted(set(from_file) - {setting for setting, _, _ in _SETTINGS})
         if unknown:
             raise ValueError(f"{args.config}: unknown [node] settings {unknown}")
-        for name in (*_PATHS, "presets_file", "history_file"):
+        for name in (*_PATHS, "presets_file", "history_file", "retention_archive_dir"):
             # A relative path in a file means relative to that file, wherever the node starts.
             if isinstance(from_file.get(name), str):
                 from_file[name] = str(args.config.parent / Path(from_file[name]).expanduser())
@@ -333,6 +355,13 @@ def _build(values: Mapping[str, Any]) -> NodeConfig:
             kwargs[name] = int(values[name])
     if values.get("presets_file"):
         kwargs["presets_file"] = Path(str(values["presets_file"])).expanduser()
+    for name in ("retention_days", "idempotency_days"):
+        if values.get(name) is not None:
+            kwargs[name] = float(values[name])
+    if values.get("retention_interval") is not None:
+        kwargs["retention_interval"] = timedelta(seconds=float(values["retention_interval"]))
+    if values.get("retention_archive_dir"):
+        kwargs["retention_archive_dir"] = Path(str(values["retention_archive_dir"])).expanduser()
     if values.get("history_file"):
         kwargs["history_file"] = Path(str(values["history_file"])).expanduser()
     return NodeConfig(**kwargs)

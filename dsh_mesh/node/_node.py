@@ -44,6 +44,7 @@ from dsh_mesh.registry import (
     LeaseLost,
     NodeInfo,
     RegistryReads,
+    Retention,
 )
 from dsh_mesh.registry._etcd import put
 from dsh_mesh.runtime import ContinuationManager, HistoryLog, RecordingStore, SessionStore
@@ -173,7 +174,10 @@ class Node:
                     self._group = group
                     following = group.create_task(directory.follow(), name="directory")
                     await asyncio.wait_for(directory.ready(), _READY_TIMEOUT.total_seconds())
-                    await self._serve(etcd, keys, lease, store, router, health, ready)
+                    retention = Retention(etcd, keys, log)
+                    await self._serve(
+                        etcd, keys, lease, store, router, health, ready, retention, directory
+                    )
                     following.cancel()
             finally:
                 self._group = None
@@ -196,6 +200,8 @@ class Node:
         router: ClusterRouter,
         health: HealthServicer,
         ready: Callable[[str], None] | None,
+        retention: Retention,
+        directory: Directory,
     ) -> None:
         assert self.address is not None
         while not self._stopping.is_set():
@@ -222,7 +228,7 @@ class Node:
                 if ready is not None:
                     ready(self.address)
                     ready = None
-                lost = await self._hold(etcd, keys, lease, manager, router)
+                lost = await self._hold(etcd, keys, lease, manager, router, retention, directory)
                 await health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
                 self._manager = None
                 if lost:
@@ -241,23 +247,57 @@ class Node:
         lease: LeaseKeeper,
         manager: ContinuationManager,
         router: ClusterRouter,
+        retention: Retention,
+        directory: Directory,
     ) -> bool:
-        """Keep the lease and publish load until stopped (False) or the lease is lost (True)."""
+        """Keep the lease, publish load and run retention until stopped (False) or the lease
+        is lost (True)."""
         keeping = asyncio.create_task(lease.keep(), name="lease keepalive")
         stopping = asyncio.create_task(self._stopping.wait(), name="stop request")
         publishing = asyncio.create_task(
             self._publish_load(etcd, keys, lease, manager, router), name="load"
         )
         guarding = asyncio.create_task(self._guard_memory(manager), name="memory")
+        retaining = asyncio.create_task(self._retain(retention, directory), name="retention")
         try:
             await asyncio.wait((keeping, stopping), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (keeping, stopping, publishing, guarding):
+            for task in (keeping, stopping, publishing, guarding, retaining):
                 task.cancel()
             results = await asyncio.gather(
-                keeping, stopping, publishing, guarding, return_exceptions=True
+                keeping, stopping, publishing, guarding, retaining, return_exceptions=True
             )
         return isinstance(results[0], LeaseLost)
+
+    async def _retain(self, retention: Retention, directory: Directory) -> None:
+        """Every ``retention_interval``, if this is the live node with the lowest id: delete
+        the settled trees idle past ``retention_days`` and forget the idempotency records
+        older than ``idempotency_days`` (either off at 0). Several nodes running it at once
+        (the directory lags) is safe: every deletion is conditional and idempotent."""
+        config = self.config
+        if not config.retention_days and not config.idempotency_days:
+            return
+        while True:
+            await asyncio.sleep(config.retention_interval.total_seconds())
+            live = directory.nodes()
+            if live and min(live) != config.node_id:
+                continue
+            try:
+                if config.retention_days:
+                    pruned = await retention.prune(
+                        older_than=timedelta(days=config.retention_days),
+                        archive=config.retention_archive_dir,
+                    )
+                    if pruned.trees or pruned.woke:
+                        _log.info(
+                            "retention: deleted %d trees (%d sessions)",
+                            len(pruned.trees),
+                            pruned.sessions,
+                        )
+                if config.idempotency_days:
+                    await retention.expire_keys(older_than=timedelta(days=config.idempotency_days))
+            except (MeshError, OSError) as failure:
+                _log.warning("retention: not run this time (%s)", failure)
 
     async def _guard_memory(self, manager: ContinuationManager) -> None:
         """Past the memory high-water mark, passivate a tenth of the idle agents (at least

@@ -4,6 +4,7 @@ expired idempotency keys are forgotten (a retry after the window lands again).""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -11,12 +12,21 @@ from pathlib import Path
 
 import pytest
 
-from dsh_mesh.core import Activation, ActivationFenced, DeliveryKind, SessionId
-from dsh_mesh.logstore import SqliteLogStore
-from dsh_mesh.registry import Retention
+from dsh_mesh.core import (
+    Activation,
+    ActivationFenced,
+    DeliveryKind,
+    SessionHeader,
+    SessionId,
+    SessionKind,
+    SessionSpec,
+)
+from dsh_mesh.logstore import SqliteLogStore, open_log_store
+from dsh_mesh.registry import Etcd, EtcdConfig, EtcdSessionStore, Keys, Retention
 from dsh_mesh.runtime import Acceptance, IdempotencyKey, Write
-from dsh_mesh.testing import EtcdAddress
+from dsh_mesh.testing import EtcdAddress, LocalCluster
 from tests.integration.test_listing_and_feed import Mesh, listed, opened, prompt
+from tests.integration.test_registry import until_async
 
 LATER = datetime.now(UTC) + timedelta(days=40)
 """A prune's "now", 40 days on: everything made by a test is older than 30 days then."""
@@ -154,3 +164,48 @@ async def test_expired_keys_go_and_a_retry_after_the_window_lands_again(mesh: Me
     with pytest.raises(ValueError, match="positive"):
         await retained.expire_keys(older_than=timedelta(0))
     await mesh.store.release(activation)
+
+
+async def test_a_node_prunes_on_its_own_and_only_the_lowest_id_does(
+    etcd: EtcdAddress, tmp_path: Path
+) -> None:
+    """Two nodes with retention on: the settled tree idle past the limit goes without anyone
+    asking; the young one stays; the node with the higher id never runs it."""
+    env = {
+        "DSH_RETENTION_DAYS": "30",
+        "DSH_RETENTION_INTERVAL": "0.2",
+        "DSH_RETENTION_ARCHIVE_DIR": str(tmp_path / "archive"),
+    }
+    with LocalCluster(
+        etcd_endpoint=etcd.endpoint,
+        scenario="tests.integration.scenarios:TREE",
+        nodes=("node-a", "node-b"),
+        env=env,
+    ) as cluster:
+        settings = cluster.settings
+        async with (
+            Etcd(EtcdConfig(endpoint=etcd.endpoint)) as client,
+            contextlib.aclosing(open_log_store(settings.log_store)) as log,
+        ):
+            keys = Keys(settings.key_prefix.encode())
+            store = EtcdSessionStore(client, keys, log=log, lease=lambda: 0)
+            old = datetime.now(UTC) - timedelta(days=40)
+            for session, created in ((SessionId("old-r"), old), (SessionId("new-r"), None)):
+                await store.create_header(
+                    SessionHeader(
+                        session_id=session,
+                        kind=SessionKind.ROOT,
+                        parent_session=None,
+                        spec=SessionSpec(preset="p", model="m"),
+                        created_at=created,
+                    )
+                )
+
+            async def pruned() -> bool:
+                return await client.get(keys.header(SessionId("old-r"))) is None
+
+            await until_async(pruned)
+            assert await client.get(keys.header(SessionId("new-r"))) is not None
+        assert (tmp_path / "archive" / "old-r.jsonl").exists()
+        assert "retention: deleted 1 trees" in cluster["node-a"].log()
+        assert "retention: deleted" not in cluster["node-b"].log()
