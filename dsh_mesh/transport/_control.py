@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, Protocol
 
@@ -56,6 +57,8 @@ MAX_PAGE_TOKEN_DIGITS = 19
 """A page token this server issues is a seq or an offset: a decimal of at most this many ASCII
 digits. Anything else is refused as malformed (``INVALID_ARGUMENT``)."""
 USAGE_CHUNK = 10 * MAX_PAGE
+USAGE_SESSIONS = 1024
+"""Sessions whose usage so far a node remembers for ``GetSession``."""
 """How many records ``GetSession`` reads at a time while it sums a session's usage over the
 whole transcript: a transcript up to this long takes one registry read, a longer one one more
 read per chunk, and at most one chunk plus the page is held at once."""
@@ -129,6 +132,8 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         self._manager = manager
         self._node_id = node_id
         self._reads = reads
+        self._usage: OrderedDict[SessionId, tuple[int, SessionUsage]] = OrderedDict()
+        """Per session read lately: the usage of its transcript up to a seq (an LRU)."""
         self._current_activation = current_activation
         self._peers = peers
 
@@ -232,9 +237,11 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
                     return False
         return True
 
-    async def _chunks(self, session: SessionId, *, size: int) -> AsyncGenerator[list[Record]]:
-        """``session``'s transcript from seq 1 to its end as read, ``size`` records at a time."""
-        after = 0
+    async def _chunks(
+        self, session: SessionId, *, size: int, after: int = 0
+    ) -> AsyncGenerator[list[Record]]:
+        """``session``'s transcript after seq ``after`` to its end as read, ``size`` records
+        at a time."""
         while True:
             records, more = await self._reads.page(session, after_seq=after, limit=size)
             yield records
@@ -316,24 +323,27 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
     async def _page_and_usage(
         self, session: SessionId, *, after: int, limit: int
     ) -> tuple[list[Record], bool, SessionUsage]:
-        """One pass over ``session``'s transcript from seq 1 to its end as read, chunk by
-        chunk: the page (up to ``limit`` records after seq ``after``), whether records follow
-        the page, and the usage of every record read. The transcript is append-only, so the
-        pass reads a prefix of it, and a page that reaches its end has exactly the usage of
-        the records up to the page's last. Only the page and one chunk are held at a time."""
-        page: list[Record] = []
-        more = False
-        usage = SessionUsage()
-        async for chunk in self._chunks(session, size=USAGE_CHUNK):
+        """The page (up to ``limit`` records after seq ``after``), whether records follow it,
+        and the usage of the transcript from seq 1 to its end as read, which the page does not
+        pass: so when nothing follows the page, the usage is exactly that of the records up
+        to its end. The transcript is append-only, so the usage of a prefix never changes:
+        this node remembers it per session (:data:`USAGE_SESSIONS` of them) and reads only
+        what was appended since, chunk by chunk. Paging through a long transcript reads it
+        once, not once per page."""
+        known, usage = self._usage.pop(session, (0, SessionUsage()))
+        if known and not (await self._reads.page(session, after_seq=known - 1, limit=1))[0]:
+            known, usage = 0, SessionUsage()  # deleted (retention) since: start again
+        end = known
+        async for chunk in self._chunks(session, size=USAGE_CHUNK, after=known):
             usage = usage.followed_by(session_usage(r.entry for r in chunk))
-            for record in chunk:
-                if record.seq <= after:
-                    continue
-                if len(page) < limit:
-                    page.append(record)
-                else:
-                    more = True
-        return page, more, usage
+            if chunk:
+                end = chunk[-1].seq
+        self._usage[session] = (end, usage)
+        while len(self._usage) > USAGE_SESSIONS:
+            self._usage.popitem(last=False)
+        records, more = await self._reads.page(session, after_seq=after, limit=limit)
+        page = [r for r in records if r.seq <= end]
+        return page, bool(page) and (more or len(page) < len(records)), usage
 
     async def WatchSession(
         self,

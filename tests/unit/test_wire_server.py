@@ -377,12 +377,25 @@ async def test_a_resident_sessions_usage_comes_from_its_agent_and_an_absent_ones
             mesh_pb2.GetSessionRequest(session_id=child, page_size=1), _Context()
         )
         child_records = await mesh.transcript(child)
-        assert reads.pages == -(-len(child_records) // 2) > 1  # every chunk of two
+        chunks = -(-len(child_records) // 2)
+        assert reads.pages == chunks + 1 > 2  # every chunk of two, then the page
         assert absent.usage.model_calls == 1
         assert (
             absent.usage.output_tokens
             == session_usage(r.entry for r in child_records).output_tokens
         )
+        # The next page costs the same however long the transcript: the usage so far is
+        # remembered, and only what was appended since is read (a check that the last seq it
+        # knows is still there, an empty chunk after it, and the page).
+        reads.pages = 0
+        second = await service.GetSession(
+            mesh_pb2.GetSessionRequest(
+                session_id=child, page_size=1, page_token=absent.next_page_token
+            ),
+            _Context(),
+        )
+        assert reads.pages == 3
+        assert [e.seq for e in second.transcript] == [2] and second.usage == absent.usage
 
 
 async def test_a_page_of_large_entries_is_cut_short_under_grpcs_limit_and_its_token_leads_on() -> (
