@@ -177,3 +177,10 @@ HANGS = Scenario(
         ),
     },
 )
+
+# A root that stalls in its first model call, resident, so a test can give it a long past and
+# kill its host; resumed elsewhere, past its program, it answers each prompt with a reply.
+LONG = Scenario(
+    presets=(Preset(name="long", system_prompt="You live long.", model="long"),),
+    programs={"long": (Stall(),)},
+)
