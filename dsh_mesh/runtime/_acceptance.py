@@ -71,7 +71,7 @@ class Acceptor:
                         # hold its record: that try's answer was lost (an etcd outage) or is
                         # still on its way. Whichever of the two delivers first delivers;
                         # never both.
-                        read = await self._store.read(session, after_seq=known.seq - 1)
+                        read = await self._store.read(session, after_seq=known.seq - 1, limit=1)
                         deliver_once(agent, read[0], reservation)
                     return duplicate
                 # Nothing handed over only when a retry of this very write delivered it while
