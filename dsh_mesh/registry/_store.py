@@ -488,6 +488,9 @@ class EtcdSessionStore:
     async def lookup(self, key: IdempotencyKey) -> Acceptance | None:
         return await self._log.lookup(key)
 
+    async def last(self, session: SessionId) -> Record | None:
+        return await self._log.last(session)
+
     async def read(
         self, session: SessionId, *, after_seq: int = 0, limit: int | None = None
     ) -> list[Record]:

@@ -114,6 +114,10 @@ class InMemorySessionStore:
     async def lookup(self, key: IdempotencyKey) -> Acceptance | None:
         return self._idempotency.get(key)
 
+    async def last(self, session: SessionId) -> Record | None:
+        transcript = self._transcripts.get(session)
+        return transcript[-1] if transcript else None
+
     async def read(
         self, session: SessionId, *, after_seq: int = 0, limit: int | None = None
     ) -> list[Record]:

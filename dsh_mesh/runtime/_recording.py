@@ -143,6 +143,9 @@ class RecordingStore:
     async def lookup(self, key: IdempotencyKey) -> Acceptance | None:
         return await self._store.lookup(key)
 
+    async def last(self, session: SessionId) -> Record | None:
+        return await self._store.last(session)
+
     async def read(
         self, session: SessionId, *, after_seq: int = 0, limit: int | None = None
     ) -> list[Record]:

@@ -118,9 +118,9 @@ class Settlements:
             return
         if self._residency.live(header.parent_session) is None:
             return
-        records = await self._store.read(ended.session_id)
+        output = await self._last_output_of(ended.session_id)
         if not self._children.noticed(ended.activation_id):
-            await self._notify_lost(header.parent_session, header, ended, records)
+            await self._notify_lost(header.parent_session, header, ended, output)
 
     async def left_over_turn_lost(self, agent: Agent, activation: Activation) -> None:
         """``agent`` found a turn of its earlier ``activation`` unended: that activation was
@@ -128,22 +128,37 @@ class Settlements:
         parent = agent.header.parent_session
         if parent is None or self._children.noticed(activation.activation_id):
             return
-        await self._notify_lost(parent, agent.header, activation, agent.records)
+        await self._notify_lost(parent, agent.header, activation, _last_output(agent.records))
         self._children.note_noticed((activation.activation_id,))
+
+    async def _last_output_of(self, session: SessionId) -> str:
+        """The last assistant text ``session`` made durable, read from the end back a page at
+        a time (its last step is usually in the last page, however long the transcript)."""
+        last = await self._store.last(session)
+        end = 0 if last is None else last.seq
+        while end > 0:
+            start = max(0, end - _TAIL_PAGE)
+            output = _last_output(
+                await self._store.read(session, after_seq=start, limit=end - start)
+            )
+            if output:
+                return output
+            end = start
+        return ""
 
     async def _notify_lost(
         self,
         parent: SessionId,
         child: SessionHeader,
         activation: Activation,
-        records: Sequence[Record],
+        output: str,
     ) -> None:
         notice = SettlementNoticeEntry(
             child_session=child.session_id,
             child_activation=activation.activation_id,
             child_kind=child.kind,
             outcome=SettlementOutcome.LOST,
-            terminal_output=_last_output(records),
+            terminal_output=output,
             detail=f"host {activation.node_id} went away",
         )
         telemetry.settled(notice.outcome.value, notice.child_kind.value)
@@ -235,6 +250,10 @@ def _notice_acceptance(key: IdempotencyKey, parent: Agent | None) -> Acceptance:
         kind=DeliveryKind.STEERED,
         fingerprint=f"notice {key.key}",
     )
+
+
+_TAIL_PAGE = 100
+"""Records read at a time, from the end back, to find a lost child's last output."""
 
 
 def _last_output(records: Sequence[Record]) -> str:

@@ -125,6 +125,11 @@ class SessionStore(Protocol):
         """The first acceptance recorded under ``key``, if any."""
         ...
 
+    async def last(self, session: SessionId) -> Record | None:
+        """``session``'s last durable record (None when it has none); one read, however long
+        the transcript."""
+        ...
+
     async def read(
         self, session: SessionId, *, after_seq: int = 0, limit: int | None = None
     ) -> list[Record]:

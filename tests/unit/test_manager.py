@@ -25,6 +25,7 @@ from dsh_mesh.core import (
     InvalidArgument,
     NodeId,
     ParentNotLive,
+    Record,
     RejectionReason,
     SequentialIds,
     SessionId,
@@ -687,3 +688,53 @@ async def test_the_transcript_records_times_keys_and_where_each_turn_ran(
         for call in r.entry.tool_calls
     ]
     assert any(message.idempotency_key.endswith(f".{call}") for call in child_calls), message
+
+
+class BoundedReads(InMemorySessionStore):
+    """Records the ``limit`` of every read: None is a read of a whole transcript."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.limits: list[int | None] = []
+
+    async def read(
+        self, session: SessionId, *, after_seq: int = 0, limit: int | None = None
+    ) -> list[Record]:
+        self.limits.append(limit)
+        return await super().read(session, after_seq=after_seq, limit=limit)
+
+
+async def test_a_lost_childs_last_output_is_found_from_the_end_back_in_pages() -> None:
+    """The lost notice carries the child's last output; finding it reads the transcript from
+    its end, a page at a time, never the whole of a long one (issue 18)."""
+    store = BoundedReads()
+    async with in_process_mesh(presets(), store=store) as first_node:
+        first_node.scripted.program("lead", tool("spawn_agent", task="t", preset="helper"))
+        first_node.scripted.program("helper", Reply(text="the last finding"))
+        await first_node.manager.create_root("Lead.", preset="lead")
+        await first_node.manager.quiescent()
+    for n in range(250):  # a long tail after it with no text of its own
+        await store.append(
+            CHILD, ToolResultEntry(call_id=f"c{n}", name="search", content="x"), writer=None
+        )
+    parent = await store.current_activation(ROOT)
+    if parent is not None:
+        await store.release(parent)
+    second_node = ContinuationManager(
+        store=store,
+        provider=ScriptedProvider(programs={"lead": (Reply(),) * 3}),
+        presets=presets(),
+        config=ManagerConfig(node_id=NodeId("node-2")),
+        ids=SequentialIds(prefix="n2-"),
+    )
+    async with second_node:
+        await second_node.submit_prompt(ROOT, "Carry on.")
+        store.limits.clear()
+        await second_node.activation_ended(
+            Activation(session_id=CHILD, activation_id=ActivationId("a-gone"), node_id=NodeId("n1"))
+        )
+        await second_node.quiescent()
+        tail_reads = [limit for limit in store.limits if limit is not None]
+    lost = [n for n in await notices_in(store) if n.outcome is SettlementOutcome.LOST]
+    assert [n.terminal_output for n in lost] == ["the last finding"]
+    assert len(tail_reads) == 3 and max(tail_reads) <= 100  # 250 results: three pages back
