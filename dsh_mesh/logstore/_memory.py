@@ -65,8 +65,7 @@ class MemoryLogStore:
         found = [
             logged
             for logged in window
-            if logged.session in wanted
-            and logged.position > self._forgotten.get(logged.session, 0)
+            if logged.session in wanted and logged.position > self._forgotten.get(logged.session, 0)
         ]
         return found[:limit]
 
