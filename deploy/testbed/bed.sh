@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The multi-host test bed by hand (README.md beside this). Run as root from anywhere:
-#   deploy/testbed/bed.sh up [--tls] [--scenario MODULE:ATTR] [--lease-ttl S]
+#   deploy/testbed/bed.sh up [--tls] [--sqlite] [--scenario MODULE:ATTR] [--lease-ttl S]
 #   deploy/testbed/bed.sh sweep
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"

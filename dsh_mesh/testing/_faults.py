@@ -9,10 +9,20 @@ Each fault is undone before the next begins, and the driver measures what it can
 - ``etcd-member``: crash one etcd member, then start it again;
 - ``etcd-cluster``: stop every etcd member (the whole registry is away: sends are refused as
   unavailable, running turns wait at their next step boundary), then start them all;
-- ``slow-link``: shape the TCP proxy in front of one node to delay and drop, then clear it.
+- ``slow-link``: shape the TCP proxy in front of one node to delay and drop, then clear it;
+- ``db-kill``: SIGKILL the PostgreSQL server of the bed's database host (every backend with
+  it), wait a lease TTL, and start it again on the same data and port. Meanwhile the log store
+  answers ``REGISTRY_UNAVAILABLE``: sends and prompts are refused as unavailable (or left in
+  doubt, if their commit was cut off) and running turns wait at their next write; the nodes
+  keep their leases (etcd is up). The driver then times how long until a root accepts a prompt;
+- ``etcd-cut``: cut the host of a node hosting a root off from every host but the database
+  host, for longer than a lease, then restore it. The node loses its etcd quorum and its
+  peers, its lease lapses and its sessions resume elsewhere, while it still reaches
+  PostgreSQL: the zombie of ADR 0026, whose appends the successor's fence must refuse.
 
-For ``kill``, ``cut`` and ``pause`` the driver times the failover: from the fault until a root
-the stricken node hosted accepts a prompt through another node (a cold resume elsewhere).
+For ``kill``, ``cut``, ``pause`` and ``etcd-cut`` the driver times the failover: from the fault
+until a root the stricken node hosted accepts a prompt through another node (a cold resume
+elsewhere). ``db-kill`` and ``etcd-cut`` need a bed with a database host (the default).
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ import asyncio
 import secrets
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from dsh_mesh.core import MeshError, SessionId
 from dsh_mesh.testing._history import Outcome
@@ -36,6 +46,8 @@ FAULT_KINDS: tuple[str, ...] = (
     "etcd-member",
     "etcd-cluster",
     "slow-link",
+    "db-kill",
+    "etcd-cut",
 )
 """Every fault the driver knows, by name."""
 
@@ -116,7 +128,19 @@ class FaultDriver:
         node, root = await self._victim()
         host = self.cluster.host_of(node).name
         self._note(f"cut host {host} ({node}, hosting {root})")
-        await asyncio.to_thread(self.bed.cut, host)
+        await self._cut_off(host, self.bed.cut, node=node, root=root)
+
+    async def _etcd_cut(self) -> None:
+        node, root = await self._victim()
+        host = self.cluster.host_of(node).name
+        self._note(f"cut host {host} from etcd, not from the database ({node}, hosting {root})")
+        await self._cut_off(host, self.bed.isolate_from_etcd, node=node, root=root)
+
+    async def _cut_off(
+        self, host: str, cut: Callable[[str], None], *, node: str, root: SessionId | None
+    ) -> None:
+        """``cut(host)`` for 1.5 leases, timing the failover of ``root`` off ``node``."""
+        await asyncio.to_thread(cut, host)
         since = time.monotonic()
         try:
             await self._failover(root, avoid=node, since=since)
@@ -152,6 +176,22 @@ class FaultDriver:
         await asyncio.to_thread(_start_all, self.bed, members)
         self._note("etcd is back")
 
+    async def _db_kill(self) -> None:
+        self._note("crash the database")
+        await asyncio.to_thread(self.bed.kill_database)
+        try:
+            await asyncio.sleep(self.ttl)
+        finally:
+            await asyncio.to_thread(self.bed.restart_database)
+        back = time.monotonic()
+        self._note("the database is back")
+        if self.workload.roots:
+            root = self.workload.rng.choice(self.workload.roots)
+            probe = f"Recovery probe {secrets.token_hex(4)}"
+            send = await self.workload.prompt(root, probe, within=30.0)
+            if send.outcome is Outcome.ACKED:
+                self._note(f"{root} took a prompt {time.monotonic() - back:.2f} s after")
+
     async def _slow_link(self) -> None:
         if self.proxy is None:
             return
@@ -163,8 +203,11 @@ class FaultDriver:
             self.proxy.shape(delay=0.0, jitter=0.0, loss=0.0)
 
     async def heal(self) -> None:
-        """Undo anything left: hosts restored, etcd members and nodes running."""
+        """Undo anything left: hosts restored (also from an isolation from etcd), the database,
+        etcd members and nodes running."""
         await asyncio.to_thread(self.bed.restore_all)
+        if self.bed.database is not None and not self.bed.database.running:
+            await asyncio.to_thread(self.bed.restart_database)
         stopped = [name for name, member in self.bed.etcd.items() if not member.running]
         if stopped:
             await asyncio.to_thread(_start_all, self.bed, stopped)

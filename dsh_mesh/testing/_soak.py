@@ -1,7 +1,8 @@
 """A fault run: the workload on the multi-host bed, faults injected, the history checked.
 
 :func:`fault_run` starts a cluster of :data:`~dsh_mesh.testing.WORKLOAD` nodes on a bed (one
-node fronted by a TCP proxy for slow-link faults, every node keeping a store history), makes
+node fronted by a TCP proxy for slow-link faults, every node keeping a store history, the log
+store a fresh database on the bed's PostgreSQL host, which the checker reads too), makes
 trees, prompts rounds while the :class:`~dsh_mesh.testing.FaultDriver` breaks things, then heals
 everything, lets every accepted message be consumed, reads the durable state and runs the
 checker. ``make test`` runs a short one (tests/integration/test_faults.py), ``make soak`` a long

@@ -6,18 +6,25 @@ pair and given its own address in a fresh /24 of 10.231.0.0/16 that exists only 
 bed made. There is no route out of a host: a host's only route is its own /24. Every host runs
 one member of a three-member etcd cluster and, per :meth:`MultiHostBed.cluster`, one node process
 started by ``ip netns exec`` from a TOML file in the deployment format (``nodes/README.md``).
+With ``database=True`` (the default) one more host, ``pg``, runs neither: it runs the PostgreSQL
+server (:attr:`MultiHostBed.database`) that every cluster of the bed keeps its log store in, one
+fresh database per cluster, reached by the nodes and the test process over the bridge.
 With ``tls=True`` every etcd member and every node has its own certificate from a CA made for the
 bed (the project's own :class:`~dsh_mesh.transport.CertificateAuthority`, as ``dsh-mesh certs``
 uses), and every connection is mutual TLS; without it nodes run with the explicit ``plaintext``
 switch and the cluster token in the environment.
 
 Faults: :meth:`MultiHostBed.cut` takes a host off the network (``iptables`` DROP of everything
-but loopback inside its namespace, or its link down), :meth:`MultiHostBed.restore` brings it
-back; :meth:`MultiHostBed.stop_etcd`, :meth:`MultiHostBed.kill_etcd` and
+but loopback inside its namespace, or its link down), :meth:`MultiHostBed.isolate_from_etcd`
+takes it off everything but the database host (its node loses etcd and its peers but still
+reaches PostgreSQL: the zombie of ADR 0026), :meth:`MultiHostBed.restore` brings it back;
+:meth:`MultiHostBed.stop_etcd`, :meth:`MultiHostBed.kill_etcd` and
 :meth:`MultiHostBed.start_etcd` stop, crash and restart one etcd member, and
-:meth:`MultiHostBed.etcd_leader` finds the current leader. Node processes are
-:class:`~dsh_mesh.testing.NodeProcess` objects (``kill``, ``pause``, ``terminate``). Delay and
-loss come from :class:`~dsh_mesh.testing.TcpProxy` placed in front of a node (see ``fronted``).
+:meth:`MultiHostBed.etcd_leader` finds the current leader; :meth:`MultiHostBed.kill_database`
+and :meth:`MultiHostBed.restart_database` crash PostgreSQL and start it again on the same data.
+Node processes are :class:`~dsh_mesh.testing.NodeProcess` objects (``kill``, ``pause``,
+``terminate``). Delay and loss come from :class:`~dsh_mesh.testing.TcpProxy` placed in front of
+a node (see ``fronted``).
 
 Every name is unique per run (a random run id), so beds of two runs on one machine never
 collide. Teardown kills every process in the bed's namespaces, deletes the namespaces (and with
@@ -54,6 +61,7 @@ from dsh_mesh.registry import EtcdConfig
 from dsh_mesh.testing._cluster import ClusterSettings, LocalCluster, NodeProcess, NodeProcessError
 from dsh_mesh.testing._etcd import EtcdAddress, find_etcd_binary
 from dsh_mesh.testing._pki import LocalPki, TlsFiles
+from dsh_mesh.testing._postgres import PostgresServer
 
 _STATE_DIR = Path("/run/dsh-testbed")
 _NETNS_ETC = Path("/etc/netns")
@@ -65,6 +73,20 @@ ETCD_CLIENT_NAME = "etcd-client"
 ``/etc/netns/<namespace>/hosts`` that ``ip netns exec`` puts in place of ``/etc/hosts``: a node's
 ``etcd`` setting names it, so the node's etcd client fails over to another member when one goes
 away, as a DNS name with several addresses does in a deployment."""
+DATABASE_HOST = "pg"
+"""The name of the bed's database host (``database=True``): it runs PostgreSQL, no etcd member
+and no node. Every node host's ``/etc/hosts`` names it too."""
+DATABASE_PORT = 5432
+"""PostgreSQL's port on the database host (the host is the bed's own: nothing else binds it)."""
+_DATABASE_SETTINGS = {
+    # Three nodes' pools (8 each), the test process's readers, and the connections of nodes
+    # killed or cut off that the server has not yet noticed are gone.
+    "max_connections": "300",
+    # A client whose host was cut off sends no reset: keepalives end its backend in ~11 s.
+    "tcp_keepalives_idle": "5",
+    "tcp_keepalives_interval": "2",
+    "tcp_keepalives_count": "3",
+}
 _SUBNETS = ipaddress.IPv4Network("10.231.0.0/16")
 _ETCD_CLIENT_PORT = 2379
 _ETCD_PEER_PORT = 2380
@@ -436,8 +458,10 @@ class BedSettings(ClusterSettings):
 
 class BedCluster(LocalCluster):
     """One node per bed host (``node-a`` on host ``a``, ...), all under a fresh key prefix of
-    the bed's etcd cluster. A :class:`LocalCluster` in every other respect (``with``, ``[...]``,
-    ``metadata``, ``settings`` for a :class:`MeshReader`); ``close()`` stops every node."""
+    the bed's etcd cluster, with the log store ``log_store`` (default: a SQLite file in the
+    cluster's directory, which every host sees). A :class:`LocalCluster` in every other respect
+    (``with``, ``[...]``, ``metadata``, ``settings`` for a :class:`MeshReader`); ``close()``
+    stops every node."""
 
     def __init__(
         self,
@@ -450,6 +474,7 @@ class BedCluster(LocalCluster):
         fronted: Mapping[str, tuple[str, int]],
         env: Mapping[str, str] | None,
         history: bool = False,
+        log_store: str | None = None,
     ) -> None:
         log_dir = Path(tempfile.mkdtemp(prefix="cluster-", dir=bed.directory))
         super().__init__(
@@ -463,6 +488,7 @@ class BedCluster(LocalCluster):
             env=env,
             tls=bed.pki,
             history=history,
+            log_store=log_store,
         )
         plain = self.settings
         self.settings = BedSettings(**{f.name: getattr(plain, f.name) for f in fields(plain)})
@@ -505,6 +531,13 @@ class MultiHostBed:
     every node has its own (CN and DNS SAN: its node id; its host's address), which it serves
     with, dials other nodes with and dials etcd with. Without ``tls`` every node is started
     with the explicit ``plaintext`` switch.
+
+    ``database`` (default) adds the host :data:`DATABASE_HOST` (:attr:`db_host`), which is no
+    etcd member and runs no node: it runs a PostgreSQL server (:attr:`database`) listening on
+    its address at :data:`DATABASE_PORT`, trusting every client of the bed's subnet (the hosts
+    and the test process; the connections are plaintext, as the database is the bed's own). Each
+    :meth:`cluster` gets a fresh database on it as its log store. Without ``database`` a
+    cluster's nodes share a SQLite file, as on one machine (they do share its file system).
     """
 
     def __init__(
@@ -514,13 +547,23 @@ class MultiHostBed:
         tls: bool = False,
         heartbeat_ms: int = 10,
         election_ms: int = 100,
+        database: bool = True,
     ) -> None:
         if len(hosts) < 1 or len(set(hosts)) != len(hosts):
             raise ValueError("hosts must be distinct, at least one")
         for name in hosts:
             if not (name.isascii() and name.isalnum() and len(name) <= 2):
                 raise ValueError(f"host name {name!r}: one or two letters or digits")
+        if database and DATABASE_HOST in hosts:
+            raise ValueError(f"host name {DATABASE_HOST!r} is the database host's")
         self.tls = tls
+        self.with_database = database
+        """Whether the bed runs a database host (``database=True``)."""
+        self.database: PostgresServer | None = None
+        """The PostgreSQL server on :attr:`db_host` once started (``database=True``), else
+        None."""
+        self.db_host: BedHost | None = None
+        """The database host (no etcd member, no node), once the network is built."""
         self.pki: LocalPki | None = None
         """The bed's CA under TLS (in the bed's directory), else None."""
         self.run_id = secrets.token_hex(3)
@@ -536,17 +579,19 @@ class MultiHostBed:
         self.hosts: dict[str, BedHost] = {}
         self.etcd: dict[str, EtcdMember] = {}
         self._clusters: list[BedCluster] = []
-        self._cut: dict[str, str] = {}
+        self._cut: dict[str, tuple[str, tuple[tuple[str, ...], ...]]] = {}
         self._made: list[str] = []  # namespaces created so far
         self._state_file: Path | None = None
+        self._state: dict[str, object] = {}
         self._started = False
         self._closed = False
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> Self:
-        """Build the network, start the etcd cluster, return once every member is healthy. On
-        failure everything made so far is torn down before the error propagates."""
+        """Build the network, start the database (``database=True``) and the etcd cluster, and
+        return once the database accepts connections and every member is healthy. On failure
+        everything made so far is torn down before the error propagates."""
         if self._started:
             raise BedError("the bed is already started")
         reason = bed_unavailable_reason()
@@ -559,6 +604,8 @@ class MultiHostBed:
         _LIVE.add(self)
         try:
             self._build_network()
+            if self.db_host is not None:
+                self._start_database(self.db_host)
             if self.tls:
                 self.pki = LocalPki(self.directory / "pki")
             scheme = "https" if self.tls else "http"
@@ -592,15 +639,22 @@ class MultiHostBed:
         return self
 
     def close(self) -> None:
-        """Tear everything down: nodes, etcd members, every other process in the bed's
-        namespaces, the namespaces, the bridge, the directory. Idempotent; never raises for
-        something already gone."""
+        """Tear everything down: nodes, the database (its data directory with it; its log is
+        copied to the bed's directory when that is kept), etcd members, every other process in
+        the bed's namespaces, the namespaces, the bridge, the directory. Idempotent; never
+        raises for something already gone."""
         if self._closed:
             return
         self._closed = True
         for cluster in self._clusters:
             with contextlib.suppress(Exception):
                 cluster.close()
+        if self.database is not None:
+            if os.environ.get(KEEP_ENV) and self.db_host is not None:
+                with contextlib.suppress(Exception):
+                    shutil.copy(self.database.log_path, self.db_host.directory / "postgres.log")
+            with contextlib.suppress(Exception):
+                self.database.stop()
         for member in self.etcd.values():
             with contextlib.suppress(Exception):
                 member.kill()
@@ -626,7 +680,11 @@ class MultiHostBed:
         self.close()
 
     def __repr__(self) -> str:
-        return f"MultiHostBed(run={self.run_id}, network={self.network}, hosts={list(self.hosts)})"
+        database = "" if self.db_host is None else f", database on {self.db_host.address}"
+        return (
+            f"MultiHostBed(run={self.run_id}, network={self.network}, hosts={list(self.hosts)}"
+            f"{database})"
+        )
 
     # -- etcd and nodes -------------------------------------------------------------------------
 
@@ -655,9 +713,13 @@ class MultiHostBed:
         host's address at ``port`` and publishes the advertised host instead, so peers dial
         whatever listens there (a :class:`TcpProxy` forwarding to the node). Other nodes listen
         on their host's address at a free port. With ``history`` every node keeps a store history
-        (:attr:`NodeProcess.history_path`) for the history checker. The bed stops every cluster
-        on close.
+        (:attr:`NodeProcess.history_path`) for the history checker. With a database host the
+        cluster's log store is a fresh database on it (``settings.log_store`` is its DSN, which
+        the test process's readers use too). The bed stops every cluster on close.
         """
+        log_store = None
+        if self.database is not None:
+            log_store = self.database.create_database(f"mesh_{secrets.token_hex(6)}")
         cluster = BedCluster(
             self,
             scenario=scenario,
@@ -667,6 +729,7 @@ class MultiHostBed:
             fronted=fronted or {},
             env=env,
             history=history,
+            log_store=log_store,
         )
         self._clusters.append(cluster)
         return cluster
@@ -705,39 +768,109 @@ class MultiHostBed:
         member.start()
         member.wait_healthy(timeout)
 
+    # -- the database ---------------------------------------------------------------------------
+
+    def kill_database(self) -> None:
+        """Crash PostgreSQL (SIGKILL to the postmaster and every backend); its data stays for
+        :meth:`restart_database`. Every client's connection breaks and new ones are refused:
+        the nodes' log stores answer ``REGISTRY_UNAVAILABLE``. Idempotent."""
+        self._require_database().kill()
+
+    def restart_database(self) -> None:
+        """Start PostgreSQL again on the same data and port (every DSN stays valid) and wait
+        until it accepts connections; it recovers every committed transaction. A running
+        database is crashed first."""
+        self._require_database().restart()
+
+    @property
+    def database_running(self) -> bool:
+        """True while the bed's PostgreSQL runs (False without a database host)."""
+        return self.database is not None and self.database.running
+
+    def _require_database(self) -> PostgresServer:
+        if self.database is None:
+            raise BedError("this bed has no database host (made with database=False)")
+        return self.database
+
+    def _start_database(self, host: BedHost) -> None:
+        assert self.network is not None
+        self.database = PostgresServer(
+            listen=host.address,
+            port=DATABASE_PORT,
+            wrap=["ip", "netns", "exec", host.namespace],
+            trusted=[str(self.network)],
+            settings=_DATABASE_SETTINGS,
+        )
+        self.database.start()
+        # A bed swept after its owner was killed outright takes the data directory with it.
+        self._state["directories"] = [str(self.database.socket_dir)]
+        self._write_state()
+
     # -- network faults -------------------------------------------------------------------------
 
-    def cut(self, host: str, *, how: str | None = None) -> None:
+    def cut(self, host: str, *, how: str | None = None, keep: Sequence[str] = ()) -> None:
         """Cut ``host`` off from every other host (and from the test process): ``"drop"``
         inserts iptables rules in its namespace that drop every packet in and out except on
         loopback; ``"link"`` takes the bridge side of its veth down. Default: ``"drop"`` when
-        iptables is installed, else ``"link"``. Processes on the host keep running and still
-        reach each other. Idempotent per host."""
+        iptables is installed, else ``"link"``. ``keep`` names hosts whose traffic with it still
+        flows (``"drop"`` only): rules before the drops accept packets from and to their
+        addresses. Processes on the host keep running and still reach each other. Idempotent
+        per host (a host cut already stays cut as it was). ``host`` may be the database host."""
         if host in self._cut:
             return
         how = how or ("drop" if iptables_available() else "link")
-        ns = self.hosts[host].namespace
+        if keep and how != "drop":
+            raise ValueError("keep needs how='drop' (iptables)")
+        target = self._host(host)
         if how == "drop":
-            for rule in _DROP_RULES:
-                _run(["ip", "netns", "exec", ns, "iptables", "-w", "-I", *rule])
+            rules = _drop_rules([self._host(name).address for name in keep])
+            inserted: list[tuple[str, ...]] = []
+            try:
+                for position, rule in rules:
+                    iptables = ["iptables", "-w", "-I", rule[0], position, *rule[1:]]
+                    _run(["ip", "netns", "exec", target.namespace, *iptables])
+                    inserted.append(rule)
+            except BaseException:
+                self._delete_rules(target, inserted)
+                raise
+            self._cut[host] = (how, tuple(inserted))
         elif how == "link":
-            _run(["ip", "link", "set", self.hosts[host].veth, "down"])
+            _run(["ip", "link", "set", target.veth, "down"])
+            self._cut[host] = (how, ())
         else:
             raise ValueError(f"how must be 'drop' or 'link', not {how!r}")
-        self._cut[host] = how
+
+    def isolate_from_etcd(self, host: str) -> None:
+        """Cut node host ``host`` off from every host but the database host (and from the test
+        process): its node loses its etcd members and its peers, so its lease lapses and
+        another node takes its sessions over, while it still reaches PostgreSQL, where it
+        may try to append until the successor's fence refuses it (ADR 0026). Needs iptables and
+        a database host. :meth:`restore` undoes it."""
+        if host not in self.hosts:
+            raise ValueError(f"no node host {host!r} in the bed")
+        if self.db_host is None:
+            raise BedError("this bed has no database host (made with database=False)")
+        if not iptables_available():
+            raise BedError("isolating a host from etcd needs iptables")
+        self.cut(host, how="drop", keep=(self.db_host.name,))
 
     def restore(self, host: str) -> None:
-        """Undo :meth:`cut`. Idempotent."""
-        how = self._cut.pop(host, None)
-        ns = self.hosts[host].namespace
+        """Undo :meth:`cut` or :meth:`isolate_from_etcd`. Idempotent."""
+        how, rules = self._cut.pop(host, ("", ()))
+        target = self._host(host)
         if how == "drop":
-            for rule in _DROP_RULES_DELETE:
-                _run(["ip", "netns", "exec", ns, "iptables", "-w", "-D", *rule])
+            self._delete_rules(target, rules)
         elif how == "link":
-            _run(["ip", "link", "set", self.hosts[host].veth, "up"])
+            _run(["ip", "link", "set", target.veth, "up"])
+
+    def _delete_rules(self, host: BedHost, rules: Sequence[tuple[str, ...]]) -> None:
+        # `iptables -D` takes the rule without a position; drops first, so nothing the kept
+        # hosts send is dropped in between.
+        for rule in reversed(rules):
+            _run(["ip", "netns", "exec", host.namespace, "iptables", "-w", "-D", *rule])
 
     def is_cut(self, host: str) -> bool:
-        """True while ``host`` is cut off."""
+        """True while ``host`` is cut off (also when isolated from etcd)."""
         return host in self._cut
 
     def restore_all(self) -> None:
@@ -746,14 +879,20 @@ class MultiHostBed:
             self.restore(host)
 
     def exec(self, host: str, *argv: str) -> subprocess.CompletedProcess[str]:
-        """Run a short command inside ``host``'s namespace; its output is returned, a non-zero
-        exit raises :class:`BedError`."""
-        return _run(["ip", "netns", "exec", self.hosts[host].namespace, *argv])
+        """Run a short command inside ``host``'s namespace (a node host or the database host);
+        its output is returned, a non-zero exit raises :class:`BedError`."""
+        return _run(["ip", "netns", "exec", self._host(host).namespace, *argv])
 
     def pids(self, host: str) -> list[int]:
         """Every process running in ``host``'s namespace."""
-        result = _run(["ip", "netns", "pids", self.hosts[host].namespace], check=False)
+        result = _run(["ip", "netns", "pids", self._host(host).namespace], check=False)
         return [int(p) for p in result.stdout.split()]
+
+    def _host(self, name: str) -> BedHost:
+        """A node host or the database host, by name."""
+        if self.db_host is not None and name == self.db_host.name:
+            return self.db_host
+        return self.hosts[name]
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -767,23 +906,20 @@ class MultiHostBed:
             addresses = list(network.hosts())
             self.bridge_address = str(addresses[0])
             self._state_file = _STATE_DIR / f"{self.run_id}.json"
-            namespaces = [f"dshh{self.run_id}{name}" for name in self._host_names]
-            self._state_file.write_text(
-                json.dumps(
-                    {
-                        "pid": os.getpid(),
-                        "started": _start_time(os.getpid()),
-                        "bridge": self.bridge,
-                        "namespaces": namespaces,
-                        "directory": str(self.directory),
-                    }
-                )
-            )
+            names = (*self._host_names, *([DATABASE_HOST] if self.with_database else []))
+            self._state = {
+                "pid": os.getpid(),
+                "started": _start_time(os.getpid()),
+                "bridge": self.bridge,
+                "namespaces": [f"dshh{self.run_id}{name}" for name in names],
+                "directory": str(self.directory),
+            }
+            self._write_state()
             _run(["ip", "link", "add", self.bridge, "type", "bridge"])
             cidr = f"{self.bridge_address}/{network.prefixlen}"
             _run(["ip", "addr", "add", cidr, "dev", self.bridge])
             _run(["ip", "link", "set", self.bridge, "up"])
-        for index, name in enumerate(self._host_names):
+        for index, name in enumerate(names):
             ns = f"dshh{self.run_id}{name}"
             veth = f"dshv{self.run_id}{name}"
             directory = self.directory / name
@@ -804,23 +940,39 @@ class MultiHostBed:
             _run(["ip", "-n", ns, "addr", "add", cidr, "dev", "eth0"])
             _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
             _run(["ip", "-n", ns, "link", "set", "lo", "up"])
-            self.hosts[name] = host
+            if name in self._host_names:
+                self.hosts[name] = host
+            else:
+                self.db_host = host
+        database = [] if self.db_host is None else [f"{self.db_host.address} {DATABASE_HOST}"]
         for host in self.hosts.values():
             others = sorted(self.hosts.values(), key=lambda h: (h.name != host.name, h.name))
             lines = [
                 "127.0.0.1 localhost",
                 f"{host.address} {host.node_id}",
                 *(f"{h.address} {ETCD_CLIENT_NAME}" for h in others),
+                *database,
             ]
             (_NETNS_ETC / host.namespace / "hosts").write_text("\n".join(lines) + "\n")
+        if self.db_host is not None:
+            lines = ["127.0.0.1 localhost", *database]
+            (_NETNS_ETC / self.db_host.namespace / "hosts").write_text("\n".join(lines) + "\n")
+
+    def _write_state(self) -> None:
+        """Record the bed in its state file, for :func:`sweep_stale_beds`."""
+        if self._state_file is not None:
+            self._state_file.write_text(json.dumps(self._state))
 
 
-_DROP_RULES = (
-    ("INPUT", "1", "!", "-i", "lo", "-j", "DROP"),
-    ("OUTPUT", "1", "!", "-o", "lo", "-j", "DROP"),
-)
-# `iptables -D` takes the rule without a position.
-_DROP_RULES_DELETE = tuple((r[0], *r[2:]) for r in _DROP_RULES)
+def _drop_rules(keep: Sequence[str]) -> list[tuple[str, tuple[str, ...]]]:
+    """The iptables rules of a cut, as (position, rule) in the order to insert them: in each
+    chain, accept the addresses in ``keep`` first, then drop every packet but loopback's."""
+    rules: list[tuple[str, tuple[str, ...]]] = []
+    for chain, interface, peer in (("INPUT", "-i", "-s"), ("OUTPUT", "-o", "-d")):
+        for position, address in enumerate(keep, start=1):
+            rules.append((str(position), (chain, peer, address, "-j", "ACCEPT")))
+        rules.append((str(len(keep) + 1), (chain, "!", interface, "lo", "-j", "DROP")))
+    return rules
 
 
 def _free_subnet() -> ipaddress.IPv4Network:
@@ -879,9 +1031,9 @@ def sweep_stale_beds() -> list[str]:
         if started is not None and started == state.get("started", started):
             continue  # its owner still runs
         _teardown(list(state.get("namespaces", [])), str(state.get("bridge", "")))
-        directory = state.get("directory")
-        if directory:
-            shutil.rmtree(directory, ignore_errors=True)
+        for directory in [state.get("directory"), *state.get("directories", [])]:
+            if directory:
+                shutil.rmtree(directory, ignore_errors=True)
         state_file.unlink(missing_ok=True)
         swept.append(state_file.stem)
     return swept

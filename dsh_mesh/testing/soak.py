@@ -1,7 +1,8 @@
 """``python -m dsh_mesh.testing.soak``: the long fault run (``make soak``).
 
-Makes a multi-host bed (root only), runs the mixed workload on it for ``--minutes`` while
-injecting every kind of fault, then prints the history checker's verdict and figures and exits
+Makes a multi-host bed (root only; its log store in PostgreSQL on a host of its own), runs the
+mixed workload on it for ``--minutes`` while injecting every kind of fault (the database's among
+them: ``db-kill``, ``etcd-cut``), then prints the history checker's verdict and figures and exits
 non-zero unless the history checks clean. ``--seed`` repeats a run's choices.
 """
 
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.monotonic() - began:7.1f} s] {text}", flush=True)
 
     say(f"soak: seed {seed}, {args.minutes:g} minutes, faults {', '.join(kinds)}")
-    with MultiHostBed(tls=True) as bed:
+    with MultiHostBed(tls=True, database=True) as bed:
         report = asyncio.run(
             fault_run(
                 bed, seed=seed, seconds=args.minutes * 60, kinds=kinds, ttl=args.ttl, progress=say

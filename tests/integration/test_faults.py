@@ -1,7 +1,9 @@
-"""The short fault run of ``make test``: the mixed workload on the multi-host bed while every
-kind of fault strikes once (a node killed, a host cut off, a node paused past its lease, an etcd
-member crashed, the whole etcd cluster stopped, a slowed lossy link), then the history checker
-reads the whole run. ``make soak`` runs the same for 30 minutes.
+"""The short fault run of ``make test``: the mixed workload on the multi-host bed, its log store
+in PostgreSQL on a host of its own, while every kind of fault strikes once (a node killed, a
+host cut off, a node paused past its lease, an etcd member crashed, the whole etcd cluster
+stopped, a slowed lossy link, the database crashed and restarted, a host cut from etcd while it
+still reaches the database), then the history checker reads the whole run. ``make soak`` runs
+the same for 30 minutes.
 
 Needs root (network namespaces); skipped with the reason otherwise, except under CI, where a
 bed that cannot be made is a failure. The checker's summary (figures, failover times) ends the
@@ -29,7 +31,7 @@ def bed() -> Iterator[MultiHostBed]:
         if os.environ.get("CI"):
             pytest.fail(f"CI must run the fault run on the multi-host test bed, but: {reason}")
         pytest.skip(f"multi-host test bed not available: {reason}")
-    with MultiHostBed(tls=True) as made:
+    with MultiHostBed(tls=True, database=True) as made:
         yield made
 
 
@@ -38,6 +40,8 @@ async def test_every_fault_once_and_the_history_checks_clean(
 ) -> None:
     seed = int(os.environ.get("DSH_FAULT_SEED", secrets.randbelow(2**31)))
     report = await fault_run(bed, seed=seed, seconds=60, every_kind_once=True, progress=print)
+    assert bed.database is not None
+    assert bed.database.running  # healed: the database crashed once and runs again
     print("\n".join(report.log))
     print(report.summary())
     request.config.stash[VERDICTS].append(report.summary())

@@ -1,8 +1,10 @@
 """The mesh on the multi-host test bed (deploy/testbed/): three hosts in network namespaces on
-one bridge, a three-member etcd cluster across them, one node per host. Cross-host messages, a
-host cut off from the network and brought back, an etcd member stopped, the etcd leader killed,
-and a delaying, lossy proxy in front of one node. Needs root; skipped with the reason otherwise,
-except under CI (``CI`` set), where a bed that cannot be made is a failure.
+one bridge, a three-member etcd cluster across them, one node per host, and a fourth host
+running the PostgreSQL that keeps every cluster's transcripts. Cross-host messages, a host cut
+off from the network and brought back, a host cut from etcd but not from the database, an etcd
+member stopped, the etcd leader killed, and a delaying, lossy proxy in front of one node. Needs
+root; skipped with the reason otherwise, except under CI (``CI`` set), where a bed that cannot
+be made is a failure.
 
 The TCP proxy's own test runs on loopback, without root.
 """
@@ -10,13 +12,16 @@ The TCP proxy's own test runs on loopback, without root.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import secrets
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
+import asyncpg
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -35,6 +40,8 @@ from dsh_mesh.core import (
 from dsh_mesh.registry import Etcd
 from dsh_mesh.testing import (
     BedCluster,
+    BedError,
+    BedNode,
     LocalPki,
     MeshReader,
     MultiHostBed,
@@ -533,3 +540,83 @@ async def test_a_delaying_lossy_proxy_in_front_of_a_node_loses_no_message(
         f"{proxy.stats}"
     )
     assert fenced(cluster) == []
+
+
+async def test_the_nodes_keep_their_transcripts_in_postgresql_on_the_database_host(
+    bed: MultiHostBed, start_cluster: StartCluster, reader_of: Callable[[BedCluster], MeshReader]
+) -> None:
+    assert bed.database is not None and bed.db_host is not None
+    db_host = bed.db_host
+    # A host of its own: no etcd member, no node.
+    assert db_host.name not in bed.hosts and db_host.name not in bed.etcd
+    assert any(bed.database.pid == pid for pid in bed.pids(db_host.name))
+    cluster = start_cluster("EXCHANGE")
+    dsn = cluster.settings.log_store
+    assert dsn.startswith(f"postgresql://postgres@{db_host.address}:{bed.database.port}/")
+    for node in cluster:
+        assert isinstance(node, BedNode)
+        assert f"log_store = {json.dumps(dsn)}" in node.config_path.read_text()
+    async with reader_of(cluster) as reader:
+        root = await create_root(cluster, on="node-a", task="Survey the stack.")
+        transcript = await reader.wait_for(
+            lambda: reader.transcript(root),
+            lambda records: bool(notices(records)),
+            what="the child's settlement notice",
+        )
+    # What the nodes wrote is in the database, straight from the test process's connection.
+    connection = await asyncpg.connect(dsn, timeout=10)
+    try:
+        rows = await connection.fetch(
+            "SELECT seq, convert_from(data, 'UTF8') FROM entries WHERE session = $1 ORDER BY seq",
+            root,
+        )
+    finally:
+        await connection.close()
+    assert [row[0] for row in rows][: len(transcript)] == [r.seq for r in transcript]
+    assert "Survey the stack." in rows[0][1]
+
+
+def reaches(bed: MultiHostBed, host: str, address: str, port: int) -> bool:
+    """Whether a TCP connection from inside ``host``'s namespace to ``address:port`` opens
+    within two seconds."""
+    probe = f"import socket; socket.create_connection(({address!r}, {port}), 2).close()"
+    try:
+        bed.exec(host, sys.executable, "-c", probe)
+    except BedError:
+        return False
+    return True
+
+
+async def test_a_host_cut_from_etcd_still_reaches_the_database_and_nothing_else(
+    bed: MultiHostBed, start_cluster: StartCluster, reader_of: Callable[[BedCluster], MeshReader]
+) -> None:
+    assert bed.database is not None and bed.db_host is not None
+    cluster = start_cluster("EXCHANGE")
+    database = (bed.db_host.address, bed.database.port)
+    other = bed.hosts["a"]
+    other_node = cluster["node-a"].address
+    assert other_node is not None
+    node_host, node_port = other_node.rpartition(":")[::2]
+    async with reader_of(cluster) as reader:
+        held = (await leases(cluster, reader))["node-b"]
+        assert held is not None
+        await asyncio.to_thread(bed.isolate_from_etcd, "b")
+        assert bed.is_cut("b")
+        try:
+            assert await asyncio.to_thread(reaches, bed, "b", *database)
+            assert not await asyncio.to_thread(reaches, bed, "b", other.address, 2379)
+            assert not await asyncio.to_thread(reaches, bed, "b", node_host, int(node_port))
+            # Its node loses its lease (no etcd quorum), although its log store is there.
+            key = reader.keys.node(NodeId("node-b"))
+            async with Etcd(cluster.settings.etcd_config()) as etcd:
+                await reader.wait_for(
+                    lambda: patiently(lambda: etcd.get(key)),
+                    lambda kv: kv is None or int(kv.lease) != held,
+                    what="node-b's registration to lapse",
+                )
+        finally:
+            await asyncio.to_thread(bed.restore, "b")
+        assert not bed.is_cut("b")
+        assert await asyncio.to_thread(reaches, bed, "b", other.address, 2379)
+        assert await asyncio.to_thread(reaches, bed, "b", *database)
+    assert "node-b" in fenced(cluster)
