@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import timedelta
 
 from dsh_mesh import telemetry
@@ -118,7 +118,9 @@ class Settlements:
             return
         if self._residency.live(header.parent_session) is None:
             return
-        output = await self._last_output_of(ended.session_id)
+        output = await self._waiting_out_outages(
+            lambda: self._last_output_of(ended.session_id), f"the output of {ended.session_id}"
+        )
         if not self._children.noticed(ended.activation_id):
             await self._notify_lost(header.parent_session, header, ended, output)
 
@@ -130,6 +132,18 @@ class Settlements:
             return
         await self._notify_lost(parent, agent.header, activation, _last_output(agent.records))
         self._children.note_noticed((activation.activation_id,))
+
+    async def _waiting_out_outages(self, read: Callable[[], Awaitable[str]], what: str) -> str:
+        """``read()``, again after each registry or log-store outage until it answers, as the
+        notice's own write waits: a host lost during an outage still gets its ``lost`` notice
+        (found by the fault run's database kill, issue 18). Ends when this node stops."""
+        delay = self._writer.first_delay
+        while True:
+            try:
+                return await read()
+            except RegistryUnavailable as away:
+                _log.warning("reading %s waits: %s", what, away)
+            delay = await self._writer.pause(delay, f"reading {what} waited")
 
     async def _last_output_of(self, session: SessionId) -> str:
         """The last assistant text ``session`` made durable, read from the end back a page at

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import json
 from collections.abc import AsyncIterator
+from datetime import timedelta
 
 import pytest
 
@@ -26,6 +27,7 @@ from dsh_mesh.core import (
     NodeId,
     ParentNotLive,
     Record,
+    RegistryUnavailable,
     RejectionReason,
     SequentialIds,
     SessionId,
@@ -738,3 +740,48 @@ async def test_a_lost_childs_last_output_is_found_from_the_end_back_in_pages() -
     lost = [n for n in await notices_in(store) if n.outcome is SettlementOutcome.LOST]
     assert [n.terminal_output for n in lost] == ["the last finding"]
     assert len(tail_reads) == 3 and max(tail_reads) <= 100  # 250 results: three pages back
+
+
+class DownForTwoReads(BoundedReads):
+    """A log store away for the first two reads of a transcript's end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failing = 0
+
+    async def last(self, session: SessionId) -> Record | None:
+        if self.failing:
+            self.failing -= 1
+            raise RegistryUnavailable("the log store is away")
+        return await super().last(session)
+
+
+async def test_a_child_lost_while_the_log_store_is_away_still_gets_its_lost_notice() -> None:
+    # Found by the fault run's database kill (issue 18): the read of the lost child's last
+    # output met the outage and the notice was dropped; it now waits, as the notice's write does.
+    store = DownForTwoReads()
+    async with in_process_mesh(presets(), store=store) as first_node:
+        first_node.scripted.program("lead", tool("spawn_agent", task="t", preset="helper"))
+        first_node.scripted.program("helper", Reply(text="the last finding"))
+        await first_node.manager.create_root("Lead.", preset="lead")
+        await first_node.manager.quiescent()
+    parent = await store.current_activation(ROOT)
+    if parent is not None:
+        await store.release(parent)
+    second_node = ContinuationManager(
+        store=store,
+        provider=ScriptedProvider(programs={"lead": (Reply(),) * 3}),
+        presets=presets(),
+        config=ManagerConfig(node_id=NodeId("node-2"), outage_backoff=timedelta(milliseconds=1)),
+        ids=SequentialIds(prefix="n2-"),
+    )
+    async with second_node:
+        await second_node.submit_prompt(ROOT, "Carry on.")
+        store.failing = 2
+        await second_node.activation_ended(
+            Activation(session_id=CHILD, activation_id=ActivationId("a-gone"), node_id=NodeId("n1"))
+        )
+        await second_node.quiescent()
+    assert store.failing == 0
+    lost = [n for n in await notices_in(store) if n.outcome is SettlementOutcome.LOST]
+    assert [n.terminal_output for n in lost] == ["the last finding"]
