@@ -8,7 +8,10 @@ Then the files are checked against each other and against the node: the etcd mem
 deployment form one cluster, nodes wait for etcd and present their own certificates, probes ask
 the gRPC health service, every ``DSH_*`` variable is a node setting, every setting and every etcd
 flag used is in docs/configuration.md, the image pins what pyproject.toml pins, and the
-certificates deploy/secrets/generate.sh makes name every host each deployment dials.
+certificates deploy/secrets/generate.sh makes name every host each deployment dials. The log
+store: PostgreSQL runs with TLS (its key where and as PostgreSQL accepts it, network connections
+over TLS only), and the nodes read its DSN, password included, from what generate.sh writes (an
+env file, a Secret), which names the database's host, a CA file the nodes have and the password.
 
 No network: the schemas ship inside the validators' packages (``make test`` installs them from
 requirements/dev.txt).
@@ -22,6 +25,7 @@ import contextlib
 import io
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -29,6 +33,7 @@ import sysconfig
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
@@ -36,6 +41,7 @@ import yaml
 from cryptography import x509
 from cryptography.x509.oid import NameOID
 
+from dsh_mesh.logstore import check_log_store
 from dsh_mesh.node import parse_args
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,6 +51,7 @@ COMPOSE = DEPLOY / "compose" / "compose.yaml"
 SYSTEMD = DEPLOY / "systemd"
 CONTAINER = DEPLOY / "container"
 CONFIG_DOC = ROOT / "docs" / "configuration.md"
+PG_HBA = DEPLOY / "compose" / "pg_hba.conf"
 SCRIPTS = Path(sysconfig.get_path("scripts"))
 
 # The oldest and the newest Kubernetes whose schemas kubernetes-validate ships: the manifests use
@@ -63,6 +70,11 @@ NOT_SETTINGS = {
     "POD_NAME",  # Kubernetes downward API, for $(POD_NAME)
     "POD_NAMESPACE",
 }
+# Variables of the postgres image's entry point (deploy/README.md, The log store), set for the
+# PostgreSQL servers only. A literal POSTGRES_PASSWORD is not among them.
+POSTGRES_IMAGE_VARIABLES = {"POSTGRES_USER", "POSTGRES_DB", "POSTGRES_PASSWORD_FILE", "PGDATA"}
+# The compose service and the Kubernetes StatefulSet that run PostgreSQL.
+POSTGRES = "postgres"
 
 
 # -- reading the files ----------------------------------------------------------------------------
@@ -149,6 +161,59 @@ def initial_cluster(value: str) -> dict[str, str]:
     return dict(member.split("=", 1) for member in value.split(","))
 
 
+def postgres_settings(argv: Sequence[str]) -> dict[str, str]:
+    """The ``-c name=value`` arguments of a ``postgres`` command line as {name: value}."""
+    assert argv[0] == "postgres", argv
+    found = {}
+    for flag, setting in zip(argv[1::2], argv[2::2], strict=True):
+        assert flag == "-c", argv
+        name, _, value = setting.partition("=")
+        found[name] = value
+    return found
+
+
+def hba_lines(text: str) -> list[list[str]]:
+    """The rules of a pg_hba.conf, each as its fields."""
+    lines = (line.split("#", 1)[0].split() for line in text.splitlines())
+    return [fields for fields in lines if fields]
+
+
+def _assert_tls_only(rules: list[list[str]]) -> None:
+    """Network connections over TLS only, to dsh as dsh, with a password; the socket stays."""
+    assert {r[0] for r in rules} == {"local", "hostssl"}, rules
+    for rule in rules:
+        if rule[0] == "hostssl":
+            assert rule[1:3] == ["dsh", "dsh"] and rule[-1] == "scram-sha-256", rule
+
+
+def log_store_dsn(dsn: str) -> dict[str, Any]:
+    """A PostgreSQL DSN the node accepts, taken apart."""
+    check_log_store(dsn)
+    url = urlsplit(dsn)
+    query = {k: v for k, (v,) in parse_qs(url.query, strict_parsing=True).items()}
+    assert url.scheme == "postgresql" and url.hostname and url.port, dsn
+    return {
+        "user": url.username,
+        "password": url.password,
+        "host": url.hostname,
+        "port": url.port,
+        "database": url.path.removeprefix("/"),
+        **query,
+    }
+
+
+def strings(value: Any) -> Iterator[str]:
+    """Every string in a parsed YAML document."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from strings(item)
+
+
 def node_settings() -> list[str]:
     """Every node setting, from the node's own command line."""
     return sorted(name for name in vars(parse_args([])) if name != "config")
@@ -186,13 +251,21 @@ def test_kubernetes_manifests_pass_the_kubernetes_schemas(version: str) -> None:
         kubernetes_validate.validate(obj, version, strict=True)
 
 
+def _generator_files(generator: Mapping[str, Any]) -> dict[str, str]:
+    """A secretGenerator's files as {key: path}: ``KEY=PATH``, or the file's name for a key."""
+    files = {}
+    for entry in generator["files"]:
+        key, sep, path = entry.partition("=")
+        files[key if sep else Path(entry).name] = path if sep else entry
+    return files
+
+
 def _generated_secrets() -> list[dict[str, Any]]:
     """The Secrets kustomize generates from kustomization.yaml (placeholder contents)."""
     secrets = []
     for generator in kustomization()["secretGenerator"]:
         data = {
-            Path(file).name: base64.b64encode(b"placeholder").decode()
-            for file in generator["files"]
+            key: base64.b64encode(b"placeholder").decode() for key in _generator_files(generator)
         }
         secrets.append(
             {
@@ -210,6 +283,9 @@ def test_the_generated_secrets_hold_every_file_a_pod_reads() -> None:
     secrets = {s["metadata"]["name"]: set(s["data"]) for s in _generated_secrets()}
     for secret in _generated_secrets():
         kubernetes_validate.validate(secret, K8S_VERSIONS[-1], strict=True)
+    config_files = {
+        o["metadata"]["name"]: set(o["data"]) for o in k8s_objects() if o["kind"] == "ConfigMap"
+    }
     for sts in (o for o in k8s_objects() if o["kind"] == "StatefulSet"):
         pod = sts["spec"]["template"]["spec"]
         (container,) = pod["containers"]
@@ -220,6 +296,21 @@ def test_the_generated_secrets_hold_every_file_a_pod_reads() -> None:
             if v["name"] == m["name"] and "secret" in v
         }
         assert mounts, f"{sts['metadata']['name']} mounts no certificates"
+        # Variables from a Secret: a generated one, with that key.
+        for env in container.get("env", ()):
+            ref = env.get("valueFrom", {}).get("secretKeyRef")
+            if ref is not None:
+                assert ref["key"] in secrets[ref["name"]], (env["name"], ref)
+        # Files from a ConfigMap (pg_hba.conf): keys of that ConfigMap.
+        config_mounts = {
+            m["mountPath"]: v["configMap"]["name"]
+            for m in container["volumeMounts"]
+            for v in pod["volumes"]
+            if v["name"] == m["name"] and "configMap" in v
+        }
+        for mount, config_map in config_mounts.items():
+            read = re.findall(re.escape(mount) + r"/([\w.-]+)", " ".join(container.get("args", ())))
+            assert read and set(read) <= config_files[config_map], (mount, read)
         used = " ".join(
             [*container.get("args", ()), *(e.get("value", "") for e in container.get("env", ()))]
         )
@@ -242,7 +333,7 @@ def test_kustomize_builds_the_whole_cluster(tmp_path: Path) -> None:
         pytest.skip("kubectl (its built-in kustomize) is not installed")
     shutil.copytree(K8S, tmp_path / "k8s")
     for generator in kustomization()["secretGenerator"]:
-        for file in generator["files"]:
+        for file in _generator_files(generator).values():
             (tmp_path / "k8s" / file).parent.mkdir(exist_ok=True)
             (tmp_path / "k8s" / file).write_text("placeholder\n")
     built = run(kubectl, "kustomize", str(tmp_path / "k8s"))
@@ -251,12 +342,17 @@ def test_kustomize_builds_the_whole_cluster(tmp_path: Path) -> None:
     for obj in objects:
         kubernetes_validate.validate(obj, K8S_VERSIONS[-1], strict=True)
         assert obj["metadata"].get("namespace", "dsh-mesh") == "dsh-mesh"
-    # The StatefulSets mount the generated (hash-suffixed) Secrets.
+    # The StatefulSets mount the generated (hash-suffixed) Secrets, and read variables from them.
     names = {o["metadata"]["name"] for o in objects if o["kind"] == "Secret"}
     for sts in (o for o in objects if o["kind"] == "StatefulSet"):
         for volume in sts["spec"]["template"]["spec"]["volumes"]:
             if "secret" in volume:
                 assert volume["secret"]["secretName"] in names
+        for container in sts["spec"]["template"]["spec"]["containers"]:
+            for env in container.get("env", ()):
+                ref = env.get("valueFrom", {}).get("secretKeyRef")
+                if ref is not None:
+                    assert ref["name"] in names, (env["name"], ref)
 
 
 @pytest.mark.parametrize(
@@ -341,6 +437,77 @@ def test_services_and_budgets_select_the_pods_of_their_statefulset() -> None:
         assert obj["metadata"].get("namespace", "dsh-mesh") == "dsh-mesh"
 
 
+def _mount_of(pod: Mapping[str, Any], path: str) -> dict[str, Any]:
+    """The volume mount a file of the pod's one container lies under."""
+    (container,) = pod["containers"]
+    mounts: list[dict[str, Any]] = container["volumeMounts"]
+    (mount,) = [m for m in mounts if path.startswith(m["mountPath"] + "/")]
+    return mount
+
+
+def _volume_of(pod: Mapping[str, Any], path: str) -> dict[str, Any]:
+    """The pod's volume (not a claim template's) a file of its one container lies in."""
+    volumes: list[dict[str, Any]] = pod["volumes"]
+    (volume,) = [v for v in volumes if v["name"] == _mount_of(pod, path)["name"]]
+    return volume
+
+
+def test_kubernetes_nodes_read_the_log_store_from_a_secret() -> None:
+    (container,) = k8s_object("StatefulSet", "node")["spec"]["template"]["spec"]["containers"]
+    (env,) = [e for e in container["env"] if e["name"] == "DSH_LOG_STORE"]
+    # A managed database replaces this Secret; nothing else names the log store.
+    assert env == {
+        "name": "DSH_LOG_STORE",
+        "valueFrom": {"secretKeyRef": {"name": "dsh-mesh-log-store", "key": "dsn"}},
+    }
+    assert "DSH_LOG_STORE" not in k8s_object("ConfigMap", "dsh-mesh-node")["data"]
+    for obj in k8s_objects():
+        for value in strings(obj):
+            assert "postgresql://" not in value, f"{obj['metadata']['name']}: {value}"
+
+
+def test_kubernetes_postgres_serves_tls_only_and_is_ready_on_pg_isready() -> None:
+    sts = k8s_object("StatefulSet", POSTGRES)
+    pod = sts["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["image"] == "postgres:15"
+    assert sts["spec"]["replicas"] == 1
+    headless = k8s_object("Service", sts["spec"]["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None"
+    # Only a ready server is dialled.
+    assert not headless["spec"].get("publishNotReadyAddresses", False)
+    settings = postgres_settings(container["args"])
+    assert settings["ssl"] == "on"
+    # The Secret's files are root's, in group fsGroup: PostgreSQL takes a key owned by root with
+    # no more than u=rw,g=r, and its user (runAsUser) reads it through that group.
+    context = pod["securityContext"]
+    assert context["runAsNonRoot"] and context["fsGroup"] == context["runAsUser"] == 999
+    for setting in ("ssl_cert_file", "ssl_key_file"):
+        assert _mount_of(pod, settings[setting])["readOnly"]
+        assert _volume_of(pod, settings[setting])["secret"]["defaultMode"] & 0o037 == 0
+    # The kubelet would otherwise make the data directory group-writable, which PostgreSQL
+    # refuses.
+    assert context["fsGroupChangePolicy"] == "OnRootMismatch"
+    hba = k8s_object("ConfigMap", _volume_of(pod, settings["hba_file"])["configMap"]["name"])
+    rules = hba_lines(hba["data"][Path(settings["hba_file"]).name])
+    _assert_tls_only(rules)
+    assert rules == hba_lines(PG_HBA.read_text())  # the same rules as compose's
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert set(env) == POSTGRES_IMAGE_VARIABLES
+    assert env["POSTGRES_USER"] == env["POSTGRES_DB"] == "dsh"
+    assert "secret" in _volume_of(pod, env["POSTGRES_PASSWORD_FILE"])
+    (claim,) = sts["spec"]["volumeClaimTemplates"]
+    # Below the volume's root, which may hold lost+found.
+    assert _mount_of(pod, env["PGDATA"])["name"] == claim["metadata"]["name"]
+    probe = ["pg_isready", "--host=127.0.0.1", "--port=5432", "--username=dsh", "--dbname=dsh"]
+    assert container["readinessProbe"]["exec"]["command"] == probe
+    assert container["startupProbe"]["exec"]["command"] == probe
+    # SIGTERM is a smart shutdown, which waits for the nodes' pools: a fast one instead.
+    stop = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert stop == ["pg_ctl", "stop", "--mode=fast", f"--pgdata={env['PGDATA']}"]
+    assert [p["port"] for p in headless["spec"]["ports"]] == [5432]
+
+
 # -- compose -------------------------------------------------------------------------------------
 
 
@@ -366,6 +533,7 @@ def test_the_compose_file_passes_the_compose_spec_schema() -> None:
         ("condition: service_healthy", "condition: service_happy"),
         ("stop_grace_period: 20s", "stop_grace_periods: 20s"),
         ("      interval: 5s", "      interval: [5s]"),
+        ("      - source: pg_hba.conf", "      - sources: pg_hba.conf"),
     ],
 )
 def test_the_compose_schema_check_refuses_a_broken_file(tmp_path: Path, old: str, new: str) -> None:
@@ -409,7 +577,9 @@ def test_compose_nodes_wait_for_etcd_and_present_their_own_certificates() -> Non
     secrets = compose()["secrets"]
     published = set()
     for name, service in nodes.items():
-        assert service["depends_on"] == {m: {"condition": "service_healthy"} for m in etcd}
+        assert service["depends_on"] == {
+            m: {"condition": "service_healthy"} for m in (*etcd, POSTGRES)
+        }
         assert service["healthcheck"]["test"] == ["CMD", "dsh-mesh-healthcheck"]
         assert service["build"]["dockerfile"] == "deploy/container/Dockerfile"
         assert (COMPOSE.parent / service["build"]["context"]).resolve() == ROOT
@@ -433,6 +603,50 @@ def test_compose_nodes_wait_for_etcd_and_present_their_own_certificates() -> Non
     assert len(published) == len(nodes)
     for secret in secrets.values():
         assert secret["file"].startswith("./tls/") and not secret["file"].endswith("ca.key")
+
+
+def _compose_entrypoint_script() -> str:
+    """The shell script of the postgres service's entry point, as compose runs it."""
+    entrypoint = compose()["services"][POSTGRES]["entrypoint"]
+    assert entrypoint[:2] == ["/bin/sh", "-c"] and len(entrypoint) == 4
+    return str(entrypoint[2]).replace("$$", "$")  # compose's escape of a literal $
+
+
+def test_compose_postgres_serves_tls_only_with_a_key_it_accepts() -> None:
+    service = compose()["services"][POSTGRES]
+    assert service["image"] == "postgres:15"
+    settings = postgres_settings(service["command"])
+    assert settings["ssl"] == "on"
+    assert settings["ssl_cert_file"] == "/run/secrets/postgres.crt"
+    # The mounted key is the host's file (0644, not the server's user's): the entry point
+    # copies it, as root, to the file PostgreSQL reads, the postgres user's with mode 0600, and
+    # only then runs the image's entry point with the command.
+    steps = [shlex.split(step) for step in _compose_entrypoint_script().split("&&")]
+    copy = ["install", "-o", "postgres", "-g", "postgres", "-m", "0600"]
+    assert [*copy, "/run/secrets/postgres.key", settings["ssl_key_file"]] in steps
+    assert steps[-1] == ["exec", "docker-entrypoint.sh", "$@"]
+    assert {"postgres.crt", "postgres.key"} <= set(service["secrets"])
+    (config,) = service["configs"]
+    assert config["target"] == settings["hba_file"]
+    assert COMPOSE.parent / compose()["configs"][config["source"]]["file"] == PG_HBA
+    _assert_tls_only(hba_lines(PG_HBA.read_text()))
+    env = service["environment"]
+    assert set(env) <= POSTGRES_IMAGE_VARIABLES and "POSTGRES_PASSWORD" not in env
+    assert env["POSTGRES_USER"] == env["POSTGRES_DB"] == "dsh"
+    assert env["POSTGRES_PASSWORD_FILE"].removeprefix("/run/secrets/") in service["secrets"]
+    assert any(v.endswith(":/var/lib/postgresql/data") for v in service["volumes"])
+    # Healthy once the real server listens on TCP (the first-start setup's is socket-only).
+    test = ["CMD", "pg_isready", "--host=127.0.0.1", "--port=5432", "--username=dsh"]
+    assert service["healthcheck"]["test"] == [*test, "--dbname=dsh"]
+
+
+def test_compose_nodes_read_the_log_store_from_the_generated_env_file() -> None:
+    for name, service in _compose_services("node-").items():
+        assert service["env_file"] == ["./tls/log-store.env"], name
+        assert "DSH_LOG_STORE" not in service["environment"]
+        assert service["depends_on"][POSTGRES] == {"condition": "service_healthy"}
+    for value in strings(compose()):
+        assert "postgresql://" not in value, value
 
 
 # -- systemd -------------------------------------------------------------------------------------
@@ -477,6 +691,7 @@ def test_systemd_nodes_read_their_env_files_and_restart_after_their_lease() -> N
     assert exec_start == "/opt/dsh-mesh/bin/dsh-mesh-node"
     assert unit_values(unit, "Service", "EnvironmentFile") == [
         "/etc/dsh-mesh/cluster.env",
+        "/etc/dsh-mesh/log-store.env",  # root-only: the DSN holds the database password
         "/etc/dsh-mesh/%i.env",
     ]
     assert "DSH_NODE_ID=%i" in unit_values(unit, "Service", "Environment")
@@ -498,7 +713,26 @@ def test_systemd_nodes_read_their_env_files_and_restart_after_their_lease() -> N
         etcd_host, _, etcd_port = env["DSH_ETCD"].rpartition(":")
         assert etcd_host in members and etcd_port == "2379"
         assert env["DSH_LISTEN"].rpartition(":")[0] == env["DSH_ADVERTISE_HOST"]
+        assert "DSH_LOG_STORE" not in env
     assert "DSH_TLS_CA" in shared and "DSH_PLAINTEXT" not in shared
+    assert "DSH_LOG_STORE" not in shared
+
+
+def test_systemd_nodes_name_postgresql_or_a_sqlite_file_the_unit_lets_them_write() -> None:
+    unit = read_unit(SYSTEMD / "dsh-mesh-node@.service")
+    sample = SYSTEMD / "env" / "log-store.env"
+    dsn = log_store_dsn(read_env_file(sample)["DSH_LOG_STORE"])
+    assert dsn["password"] == "PASSWORD"  # a placeholder: generate.sh writes the real file
+    assert (dsn["user"], dsn["database"], dsn["sslmode"]) == ("dsh", "dsh", "verify-full")
+    shared = read_env_file(SYSTEMD / "env" / "cluster.env")
+    assert dsn["sslrootcert"] == shared["DSH_TLS_CA"]
+    # One host: a SQLite file in the unit's state directory, the one place ProtectSystem=strict
+    # leaves the node to write.
+    assert unit_values(unit, "Service", "ProtectSystem") == ["strict"]
+    (state,) = unit_values(unit, "Service", "StateDirectory")
+    (sqlite,) = re.findall(r"^#DSH_LOG_STORE=(\S+)$", sample.read_text(), flags=re.M)
+    check_log_store(sqlite)
+    assert sqlite.startswith(f"sqlite:/var/lib/{state}/")
 
 
 def test_systemd_analyze_accepts_the_units(tmp_path: Path) -> None:
@@ -547,7 +781,10 @@ def test_the_dockerfile_passes_hadolint(tmp_path: Path) -> None:
 
 def test_the_shell_scripts_pass_shellcheck(tmp_path: Path) -> None:
     shellcheck = script("shellcheck")
-    scripts = [DEPLOY / "secrets" / "generate.sh", CONTAINER / "entrypoint.sh"]
+    # compose's postgres entry point too: sh -c SCRIPT, with the command as "$@".
+    inline = tmp_path / "postgres-entrypoint.sh"
+    inline.write_text("#!/bin/sh\n" + _compose_entrypoint_script() + "\n")
+    scripts = [DEPLOY / "secrets" / "generate.sh", CONTAINER / "entrypoint.sh", inline]
     checked = run(shellcheck, "--severity=style", *map(str, scripts))
     assert checked.returncode == 0, checked.stdout + checked.stderr
     broken = tmp_path / "broken.sh"
@@ -668,11 +905,19 @@ def _deploy_variables() -> Iterator[tuple[str, str]]:
     for unit in SYSTEMD.glob("*.service"):
         for value in unit_values(read_unit(unit), "Service", "Environment"):
             yield unit.name, value.split("=", 1)[0]
-    for service in compose()["services"].values():
+    for service_name, service in compose()["services"].items():
         for name in service.get("environment", {}):
-            yield "compose.yaml", name
+            yield f"compose.yaml {service_name}", name
+    # ConfigMaps a container takes its environment from (envFrom); others hold files.
+    env_maps = {
+        ref["configMapRef"]["name"]
+        for obj in k8s_objects()
+        if obj["kind"] == "StatefulSet"
+        for container in obj["spec"]["template"]["spec"]["containers"]
+        for ref in container.get("envFrom", ())
+    }
     for obj in k8s_objects():
-        if obj["kind"] == "ConfigMap":
+        if obj["kind"] == "ConfigMap" and obj["metadata"]["name"] in env_maps:
             for name in obj["data"]:
                 yield obj["metadata"]["name"], name
         if obj["kind"] == "StatefulSet":
@@ -692,8 +937,13 @@ def _deploy_variables() -> Iterator[tuple[str, str]]:
 def test_deploy_sets_only_variables_the_node_or_the_image_knows() -> None:
     settings = {f"DSH_{s.upper()}" for s in node_settings()}
     documented = CONFIG_DOC.read_text()
+    readme = (DEPLOY / "README.md").read_text()
     for where, name in _deploy_variables():
-        if name.startswith("DSH_"):
+        if name in POSTGRES_IMAGE_VARIABLES:
+            # The postgres image's own, for PostgreSQL only.
+            assert where in (f"compose.yaml {POSTGRES}", POSTGRES), f"{where}: {name}"
+            assert f"`{name}`" in readme, f"{where}: {name} is not in deploy/README.md"
+        elif name.startswith("DSH_"):
             assert name in settings, f"{where}: {name} is not a node setting"
         elif name.startswith("OTEL_"):
             assert f"`{name}`" in documented, f"{where}: {name} is not in the reference"
@@ -800,13 +1050,20 @@ def test_the_entry_point_waits_only_when_its_container_restarts(tmp_path: Path) 
 
 
 PROFILES = ("compose", "kubernetes", "systemd")
+# The systemd profile's directory holds a database password before generate.sh runs, as after a
+# first run: the script must keep it (the database was created with it).
+KEPT_PASSWORD = "0123456789abcdef" * 3
 
 
 @pytest.fixture(scope="module")
 def certificates(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """deploy/secrets/generate.sh run for each profile (concurrently: each is a few seconds)."""
     base = tmp_path_factory.mktemp("certs")
-    env = {**os.environ, "DSH_MESH": script("dsh-mesh")}
+    # The script's defaults: the sample addresses and namespace the deployments name.
+    env = {k: v for k, v in os.environ.items() if k not in ("HOSTS", "DATABASE_HOST", "NAMESPACE")}
+    env["DSH_MESH"] = script("dsh-mesh")
+    (base / "systemd").mkdir()
+    (base / "systemd" / "postgres-password").write_text(KEPT_PASSWORD)
 
     def generate(profile: str) -> tuple[str, subprocess.CompletedProcess[str]]:
         out = base / profile
@@ -837,6 +1094,23 @@ def _covers(hosts: set[str], host: str) -> bool:
     )
 
 
+def _assert_log_store(tls: Path, dsn: Mapping[str, Any], database: Mapping[str, str]) -> None:
+    """What every form's generated DSN must say: TLS that checks the server's certificate, which
+    names the host dialled; the role, database and password the server was set up with."""
+    assert dsn["sslmode"] == "verify-full"
+    common, hosts = _names(tls / "postgres.crt")
+    assert common == "etcd:postgres"  # the server kind of `dsh-mesh certs`
+    assert dsn["host"] in hosts
+    assert dsn["port"] == 5432
+    assert (dsn["user"], dsn["database"]) == (database["user"], database["database"])
+    password = (tls / "postgres-password").read_text()
+    assert re.fullmatch(r"[0-9a-f]{48}", password) and dsn["password"] == password
+    # The password's files are closed to others, or their directory is (compose).
+    for secret in ("postgres-password", "log-store.env", "log-store-dsn"):
+        if (tls / secret).exists():
+            assert not (tls / secret).stat().st_mode & 0o077 or not tls.stat().st_mode & 0o077
+
+
 def test_compose_certificates_name_what_compose_dials(certificates: dict[str, Path]) -> None:
     tls = certificates["compose"]
     for secret in compose()["secrets"].values():
@@ -859,12 +1133,29 @@ def test_compose_certificates_name_what_compose_dials(certificates: dict[str, Pa
         tls / "ca.key"
     ).stat().st_mode & 0o077
     assert not tls.stat().st_mode & 0o077
+    # The log store: what every node's env_file sets, naming the service postgres as its
+    # certificate does, with the CA the nodes mount.
+    postgres = compose()["services"][POSTGRES]
+    nodes = _compose_services("node-")
+    (env_file,) = {file for service in nodes.values() for file in service["env_file"]}
+    assert env_file.startswith("./tls/")
+    generated = read_env_file(tls / Path(env_file).name)
+    assert set(generated) == {"DSH_LOG_STORE"}
+    dsn = log_store_dsn(generated["DSH_LOG_STORE"])
+    assert dsn["host"] == POSTGRES
+    env = postgres["environment"]
+    _assert_log_store(tls, dsn, {"user": env["POSTGRES_USER"], "database": env["POSTGRES_DB"]})
+    for service in nodes.values():
+        assert dsn["sslrootcert"] == service["environment"]["DSH_TLS_CA"]
+    secret = env["POSTGRES_PASSWORD_FILE"].removeprefix("/run/secrets/")
+    assert compose()["secrets"][secret]["file"] == "./tls/postgres-password"
+    assert (tls / "postgres.key").stat().st_mode & 0o044  # its entry point copies it (root)
 
 
 def test_kubernetes_certificates_name_what_the_pods_dial(certificates: dict[str, Path]) -> None:
     tls = certificates["kubernetes"]
     for generator in kustomization()["secretGenerator"]:
-        for file in generator["files"]:
+        for file in _generator_files(generator).values():
             assert (tls / Path(file).name).is_file(), file
     ns = kustomization()["namespace"]
     etcd = k8s_object("StatefulSet", "etcd")
@@ -896,6 +1187,29 @@ def test_kubernetes_certificates_name_what_the_pods_dial(certificates: dict[str,
         advertised = node_env["DSH_ADVERTISE_HOST"].replace("$(POD_NAME)", pod)
         assert advertised.replace("$(POD_NAMESPACE)", ns) in hosts
         assert f"dsh-mesh.{ns}.svc" in hosts  # clients dial the Service dsh-mesh
+    # The log store: the Secret's value is the file's bytes, which must be the DSN alone.
+    (generator,) = [
+        g for g in kustomization()["secretGenerator"] if g["name"] == "dsh-mesh-log-store"
+    ]
+    text = (tls / Path(_generator_files(generator)["dsn"]).name).read_text()
+    assert text == text.strip()
+    dsn = log_store_dsn(text)
+    postgres = k8s_object("StatefulSet", POSTGRES)
+    (container,) = postgres["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    _assert_log_store(tls, dsn, {"user": env["POSTGRES_USER"], "database": env["POSTGRES_DB"]})
+    service = postgres["spec"]["serviceName"]
+    assert dsn["host"] == f"{service}.{ns}.svc"
+    assert dsn["port"] in [p["port"] for p in k8s_object("Service", service)["spec"]["ports"]]
+    assert _covers(_names(tls / "postgres.crt")[1], f"{POSTGRES}-0.{service}.{ns}.svc")
+    # The CA file it names is in the node's certificate Secret, where the node mounts it.
+    volume = _volume_of(
+        k8s_object("StatefulSet", "node")["spec"]["template"]["spec"], dsn["sslrootcert"]
+    )
+    (node_tls,) = [
+        g for g in kustomization()["secretGenerator"] if g["name"] == volume["secret"]["secretName"]
+    ]
+    assert Path(dsn["sslrootcert"]).name in _generator_files(node_tls)
 
 
 def test_systemd_certificates_name_what_the_hosts_dial(certificates: dict[str, Path]) -> None:
@@ -918,3 +1232,12 @@ def test_systemd_certificates_name_what_the_hosts_dial(certificates: dict[str, P
         (member,) = etcd_members
         assert etcd_host in _names(tls / f"{member}.crt")[1]
     assert (tls / "ca.crt").is_file() and (tls / "admin.crt").is_file()
+    # The log store: the sample's DSN with the password the directory already held (kept).
+    generated = read_env_file(tls / "log-store.env")
+    assert set(generated) == {"DSH_LOG_STORE"}
+    assert KEPT_PASSWORD in generated["DSH_LOG_STORE"]
+    sample = read_env_file(SYSTEMD / "env" / "log-store.env")["DSH_LOG_STORE"]
+    assert generated["DSH_LOG_STORE"].replace(KEPT_PASSWORD, "PASSWORD") == sample
+    _assert_log_store(
+        tls, log_store_dsn(generated["DSH_LOG_STORE"]), {"user": "dsh", "database": "dsh"}
+    )
