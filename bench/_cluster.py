@@ -44,9 +44,11 @@ def node_processes(
     *,
     lease_ttl: float = 2.0,
     placement: str = "others-first",
+    log_store: str | None = None,
 ) -> LocalCluster:
     """A :class:`LocalCluster` of ``nodes`` (possibly none) on the run's etcd, running
-    ``scenario`` of :mod:`bench.scenarios`, that drains at once on close."""
+    ``scenario`` of :mod:`bench.scenarios`, that drains at once on close. Its log store is
+    ``log_store``, by default (None) a SQLite file in its log directory."""
     return LocalCluster(
         etcd_endpoint=bed.etcd_endpoint,
         log_dir=bed.log_dir(scenario),
@@ -56,6 +58,7 @@ def node_processes(
         placement=placement,
         shutdown_grace=0.0,
         env={"DSH_MAX_INBOX_DEPTH": str(INBOX_DEPTH)},
+        log_store=log_store,
     )
 
 

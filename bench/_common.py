@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench._measure import Load
 from bench._report import Report
+from dsh_mesh.testing import PostgresServer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,6 +33,18 @@ class Sizes:
     scaling_in_flight: int = 64
     call_timeout: float
     """Seconds after which a timed call counts as hung (and its section fails)."""
+    long_resume: tuple[int, ...]
+    """Steps (a 4 KB tool result and the assistant step that called it) in the transcripts
+    cold-resumed by ``long-resume``, smallest first."""
+    long_resume_reps: int
+    """Cold resumes of each of those transcripts (each on a freshly started node process)."""
+    control_sessions: tuple[int, ...]
+    """Sessions registered in etcd while ``control`` times the control plane's reads."""
+    control_calls: int
+    """Timed calls of each control-plane read at each of those sizes."""
+    storage_steps: tuple[int, int]
+    """Steps of the two agents whose stored bytes ``storage`` compares (each a preset of
+    ``bench.scenarios.STORAGE``)."""
 
 
 FULL = Sizes(
@@ -44,6 +58,11 @@ FULL = Sizes(
     session_calls=2000,
     scaling_calls=3000,
     call_timeout=15.0,
+    long_resume=(10, 1_000, 10_000),
+    long_resume_reps=3,
+    control_sessions=(100, 10_000, 100_000),
+    control_calls=300,
+    storage_steps=(10, 1_000),
 )
 
 QUICK = Sizes(
@@ -57,16 +76,39 @@ QUICK = Sizes(
     session_calls=40,
     scaling_calls=64,
     call_timeout=5.0,
+    long_resume=(10, 100, 1_000),
+    long_resume_reps=1,
+    control_sessions=(100, 1_000, 5_000),
+    control_calls=20,
+    storage_steps=(10, 50),
 )
+
+
+SQLITE = "SQLite"
+POSTGRES = "PostgreSQL"
+"""The log stores the suite measures, by the name its figures give them."""
+
+
+@dataclass
+class LogFloors:
+    """One log store's floors, by number of calls in flight: a grpc.aio echo in another
+    process whose handler appends one entry (200 bytes, with its idempotency record) to the
+    store, and the same append made straight from the benchmark process (every caller to a
+    session of its own, through one store object, as a node has)."""
+
+    hop: dict[int, Load] = field(default_factory=dict)
+    alone: dict[int, Load] = field(default_factory=dict)
 
 
 @dataclass
 class Floors:
     """The floors of this run, by number of calls in flight: a bare grpc.aio echo between two
-    processes, and one etcd transaction (a guarded put, like an append)."""
+    processes, one etcd transaction (a guarded put, like an append), and each log store's
+    (by :data:`SQLITE` or :data:`POSTGRES`; PostgreSQL's once a section needs them)."""
 
     echo: dict[int, Load] = field(default_factory=dict)
     txn: dict[int, Load] = field(default_factory=dict)
+    log: dict[str, LogFloors] = field(default_factory=dict)
 
     @property
     def hop_and_txn_p50(self) -> float:
@@ -91,9 +133,31 @@ class Bed:
     """Where every cluster of the run keeps its node logs (kept when a section fails)."""
     floors: Floors = field(default_factory=Floors)
     _clusters: itertools.count[int] = field(default_factory=itertools.count)
+    _postgres: PostgresServer | None = None
+    _databases: itertools.count[int] = field(default_factory=itertools.count)
 
     def log_dir(self, scenario: str) -> Path:
         """A new directory for the node logs of one cluster."""
         path = self.log_root / f"{next(self._clusters):02d}-{scenario}"
         path.mkdir(parents=True)
         return path
+
+    def sqlite_store(self, name: str) -> str:
+        """The ``log_store`` setting of a new SQLite file under the run's log directory."""
+        return f"sqlite:{self.log_root / f'{next(self._databases):02d}-{name}.db'}"
+
+    async def postgres_store(self, name: str) -> str:
+        """The DSN of a new database on the run's PostgreSQL server: one real server for the
+        whole run, ``fsync`` on (its figures claim a commit's cost), started on first use."""
+        if self._postgres is None:
+            server = PostgresServer(fsync=True)
+            await asyncio.to_thread(server.start)
+            self._postgres = server
+        database = f"bench_{next(self._databases):02d}_{name.replace('-', '_')}"
+        return await asyncio.to_thread(self._postgres.create_database, database)
+
+    def close(self) -> None:
+        """Stop the run's PostgreSQL server, if one was started. Idempotent."""
+        if self._postgres is not None:
+            self._postgres.stop()
+            self._postgres = None

@@ -4,9 +4,13 @@ never return is a ``Stall``, so the agents concerned stay resident and running."
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+from bench._log import TOOL, tool_output
+from dsh_mesh.core import ToolDescriptor
 from dsh_mesh.models import PARENT, Call, Reply, Stall, tool
 from dsh_mesh.node import Scenario
-from dsh_mesh.tools import Preset
+from dsh_mesh.tools import Preset, ToolIdentity, ToolInvocation, ToolOutput
 
 LEAD = Preset(name="lead", system_prompt="You lead.", model="lead")
 SINK = Preset(name="sink", system_prompt="You listen.", model="sink")
@@ -65,3 +69,42 @@ CRASHING_CHILD = Scenario(
 
 # Roots created with an empty task stay idle and resident: no model call, no transcript.
 IDLE_ROOTS = Scenario(presets=(LEAD,), programs={"lead": (Stall(),)})
+
+# A root that stalls in its first model call, resident mid-turn, so the benchmark can give it a
+# long past (``long-resume``); resumed by a prompt, past its program, it answers with an empty
+# reply and ends its turn.
+LONG_ROOT = Scenario(
+    presets=(Preset(name="long", system_prompt="You live long.", model="long"),),
+    programs={"long": (Stall(),)},
+)
+
+
+class FetchTool:
+    """A scoped tool whose every call returns 4 KB of incompressible text (a tool output)."""
+
+    identity = ToolIdentity("bench/fetch")
+    descriptor = ToolDescriptor.of(TOOL, "Returns 4 KB of text.", {})
+
+    async def invoke(
+        self, invocation: ToolInvocation, arguments: Mapping[str, object]
+    ) -> ToolOutput:
+        return ToolOutput(content=tool_output(invocation.call.call_id))
+
+
+STORAGE_STEPS = (10, 50, 1_000)
+"""The step counts ``storage`` may compare: one preset each."""
+
+# Roots of preset ``steps-N`` take N steps, each one call of ``fetch`` (a 4 KB output), then
+# stall in their next model call: resident, writing nothing more.
+STORAGE = Scenario(
+    presets=tuple(
+        Preset(
+            name=f"steps-{n}",
+            system_prompt="You fetch.",
+            model=f"steps-{n}",
+            scoped_tools=(FetchTool(),),
+        )
+        for n in STORAGE_STEPS
+    ),
+    programs={f"steps-{n}": (*(tool(TOOL) for _ in range(n)), Stall()) for n in STORAGE_STEPS},
+)

@@ -27,31 +27,41 @@ from pathlib import Path
 
 from bench._common import FULL, QUICK, Bed, Sizes
 from bench._report import Report, format_table
+from bench.control import measure_control
 from bench.floors import measure_floors
+from bench.long_resume import measure_long_resume
 from bench.memory import measure_memory
 from bench.provider import measure_provider
 from bench.resume import measure_clean_resume, measure_crash_resume
+from bench.storage import measure_storage
 from bench.warm import (
     measure_cross_node,
     measure_node_scaling,
+    measure_postgres_hot_path,
     measure_registered_sessions,
     measure_same_node,
 )
 from dsh_mesh.testing import EtcdServer
 
 HERE = Path(__file__).resolve().parent
-TARGETS = 6
-"""Figures with a target in a complete report (one per target of the issue)."""
+TARGETS = 10
+"""Figures with a target in a complete report (one per target of the issue): six for the warm
+sends, the resumes and idle memory, one for long transcripts' resume (``long-resume``) and three
+for the control plane's reads (``control``)."""
 
 SECTIONS: dict[str, Callable[[Bed], Awaitable[None]]] = {
     "same-node": measure_same_node,
     "cross-node": measure_cross_node,
+    "postgres": measure_postgres_hot_path,
     "nodes": measure_node_scaling,
     "cold-resume": measure_clean_resume,
+    "long-resume": measure_long_resume,
     "crash": measure_crash_resume,
+    "storage": measure_storage,
     "provider": measure_provider,
-    # The two that fill etcd run last, so they cannot slow the others down.
+    # The ones that fill etcd run last, so they cannot slow the others down.
     "sessions": measure_registered_sessions,
+    "control": measure_control,
     "memory": measure_memory,
 }
 
@@ -79,19 +89,22 @@ async def run(sizes: Sizes, sections: list[str]) -> tuple[Report, list[str]]:
             report=report,
             log_root=log_root,
         )
-        started = time.perf_counter()
-        _progress("floors")
-        await measure_floors(bed)
-        timings["floors"] = round(time.perf_counter() - started, 1)
-        for name in sections:
-            _progress(name)
+        try:
             started = time.perf_counter()
-            try:
-                await SECTIONS[name](bed)
-            except Exception as error:
-                errors.append(f"{name}: {type(error).__name__}: {error}")
-                traceback.print_exc()
-            timings[name] = round(time.perf_counter() - started, 1)
+            _progress("floors")
+            await measure_floors(bed)
+            timings["floors"] = round(time.perf_counter() - started, 1)
+            for name in sections:
+                _progress(name)
+                started = time.perf_counter()
+                try:
+                    await SECTIONS[name](bed)
+                except Exception as error:
+                    errors.append(f"{name}: {type(error).__name__}: {error}")
+                    traceback.print_exc()
+                timings[name] = round(time.perf_counter() - started, 1)
+        finally:
+            bed.close()  # the PostgreSQL server, if a section started one
     report.run["errors"] = errors
     if errors:
         errors.append(f"node logs kept in {log_root}")

@@ -1,5 +1,6 @@
-"""Warm sends to resident targets: on the sender's node, on another node, spread over 1, 2 or 3
-nodes, and with many sessions registered in etcd.
+"""Warm sends to resident targets: on the sender's node, on another node (both also with the
+cluster's log store in PostgreSQL), spread over 1, 2 or 3 nodes, and with many sessions
+registered in etcd. Each is reported against the etcd floors and against its log store's.
 
 Every send is made by the in-process sender node (``node-a``) exactly as an agent's
 ``send_message`` tool makes it, and each carries its own idempotency key, so each is a durable
@@ -25,10 +26,10 @@ from bench._cluster import (
     node_processes,
     resident,
 )
-from bench._common import Bed
+from bench._common import POSTGRES, SQLITE, Bed
 from bench._measure import Load, Processes, run_load, run_loads
 from bench._report import Figure
-from bench.floors import etcd_singles, record_loads
+from bench.floors import append_alone, etcd_singles, hop_and_append, log_floors, record_loads
 from bench.scenarios import FANOUT_CHILDREN
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
 from dsh_mesh.core import AgentRef, SessionHeader, SessionId
@@ -47,9 +48,25 @@ _BENCH = "bench process"
 
 
 async def measure_same_node(bed: Bed) -> None:
-    """Warm sends from a root to its resident child on the same node: floor one etcd txn."""
+    """Warm sends from a root to its resident child on the same node: floor one etcd txn, and
+    one append to the cluster's log store (SQLite, ``LocalCluster``'s default)."""
     sizes, floors = bed.sizes, bed.floors
-    with node_processes(bed, "RESIDENT_CHILD", ()) as cluster:
+    loads = await _same_node_loads(bed, None)
+    record_loads(
+        bed.report,
+        SAME_NODE,
+        loads,
+        latency_floor={n: floors.txn[n].p50 for n in sizes.levels},
+        throughput_floor={n: floors.txn[n].throughput for n in sizes.levels},
+    )
+    _same_node_against_log(bed, SQLITE, loads, SAME_NODE)
+
+
+async def _same_node_loads(bed: Bed, log_store: str | None) -> list[Load]:
+    """Warm same-node sends at every load level, on a cluster whose log store is
+    ``log_store`` (None: a SQLite file)."""
+    sizes = bed.sizes
+    with node_processes(bed, "RESIDENT_CHILD", (), log_store=log_store) as cluster:
         async with (
             in_process_node(cluster.settings) as node,
             MeshReader(cluster.settings) as reader,
@@ -64,7 +81,7 @@ async def measure_same_node(bed: Bed) -> None:
             async def send(i: int) -> None:
                 await manager.send_message(root, child, f"m{i}", idempotency_key=f"k{i}")
 
-            loads = await run_loads(
+            return await run_loads(
                 send,
                 levels=sizes.levels,
                 calls=sizes.calls,
@@ -72,50 +89,37 @@ async def measure_same_node(bed: Bed) -> None:
                 hung_after=sizes.call_timeout,
                 watch={f"{_BENCH} (node-a: sender and target)": None, "etcd": bed.etcd_pid},
             )
-    record_loads(
-        bed.report,
-        SAME_NODE,
-        loads,
-        latency_floor={n: floors.txn[n].p50 for n in sizes.levels},
-        throughput_floor={n: floors.txn[n].throughput for n in sizes.levels},
+
+
+def _same_node_against_log(bed: Bed, backend: str, loads: list[Load], label: str) -> None:
+    """Same-node sends against the floors of the log store they append to."""
+    log = bed.floors.log[backend]
+    by_level = {load.in_flight: load for load in loads}
+    most = max(bed.sizes.levels)
+    bed.report.add(
+        Figure(
+            f"{label}: p50 / {append_alone(backend)} p50",
+            by_level[1].p50,
+            "ms",
+            log.alone[1].p50,
+        ),
+        Figure(
+            f"{label}: throughput at {most} in flight / {backend} appends per second at"
+            f" {most} in flight",
+            by_level[most].throughput,
+            "calls/s",
+            log.alone[most].throughput,
+            better="higher",
+        ),
     )
 
 
 async def measure_cross_node(bed: Bed) -> None:
     """Warm sends from a root on node-a to its resident child on a node process: floor one
-    gRPC hop plus one etcd txn. Then the same target timed hop only."""
+    gRPC hop plus one etcd txn, and one gRPC hop plus one append to the cluster's log store
+    (SQLite). Then the same target timed hop only."""
     sizes, floors, report = bed.sizes, bed.floors, bed.report
-    with node_processes(bed, "RESIDENT_CHILD", _OTHER_NODES[:2]) as cluster:
-        async with (
-            in_process_node(cluster.settings) as node,
-            MeshReader(cluster.settings) as reader,
-        ):
-            root = await create_root(node)
-            [child] = await children(reader, root.session_id, 1)
-            host = (await resident(reader, child)).node_id
-            manager = node.manager()
-
-            async def send(i: int) -> None:
-                await manager.send_message(root, child, f"m{i}", idempotency_key=f"k{i}")
-
-            loads = await run_loads(
-                send,
-                levels=sizes.levels,
-                calls=sizes.calls,
-                warmup=sizes.warmup,
-                hung_after=sizes.call_timeout,
-                watch={
-                    f"{_BENCH} (node-a: sender)": None,
-                    f"{host} (target)": cluster[host].pid,
-                    "etcd": bed.etcd_pid,
-                },
-            )
-            watch = {
-                f"{_BENCH} (client as node-a)": None,
-                f"{host} (target)": cluster[host].pid,
-                "etcd": bed.etcd_pid,
-            }
-            hop_only = await _hop_only(cluster, host, root, child, bed, watch)
+    loads, hop_only = await _cross_node_loads(bed, None, hop_only=True)
     hop_floor = {n: floors.echo[n].p50 + floors.txn[n].p50 for n in sizes.levels}
     echo_rate = {n: floors.echo[n].throughput for n in sizes.levels}
     record_loads(report, CROSS_NODE, loads, latency_floor=hop_floor, throughput_floor=echo_rate)
@@ -142,6 +146,94 @@ async def measure_cross_node(bed: Bed) -> None:
             better="higher",
         ),
     )
+    _cross_node_against_log(bed, SQLITE, loads, CROSS_NODE)
+
+
+async def _cross_node_loads(
+    bed: Bed, log_store: str | None, *, hop_only: bool
+) -> tuple[list[Load], list[Load]]:
+    """Warm cross-node sends at every load level, on a cluster whose log store is
+    ``log_store`` (None: a SQLite file); with ``hop_only``, then the same timed hop only
+    (else no such loads)."""
+    sizes = bed.sizes
+    with node_processes(bed, "RESIDENT_CHILD", _OTHER_NODES[:2], log_store=log_store) as cluster:
+        async with (
+            in_process_node(cluster.settings) as node,
+            MeshReader(cluster.settings) as reader,
+        ):
+            root = await create_root(node)
+            [child] = await children(reader, root.session_id, 1)
+            host = (await resident(reader, child)).node_id
+            manager = node.manager()
+
+            async def send(i: int) -> None:
+                await manager.send_message(root, child, f"m{i}", idempotency_key=f"k{i}")
+
+            loads = await run_loads(
+                send,
+                levels=sizes.levels,
+                calls=sizes.calls,
+                warmup=sizes.warmup,
+                hung_after=sizes.call_timeout,
+                watch={
+                    f"{_BENCH} (node-a: sender)": None,
+                    f"{host} (target)": cluster[host].pid,
+                    "etcd": bed.etcd_pid,
+                },
+            )
+            if not hop_only:
+                return loads, []
+            watch = {
+                f"{_BENCH} (client as node-a)": None,
+                f"{host} (target)": cluster[host].pid,
+                "etcd": bed.etcd_pid,
+            }
+            return loads, await _hop_only(cluster, host, root, child, bed, watch)
+
+
+def _cross_node_against_log(bed: Bed, backend: str, loads: list[Load], label: str) -> None:
+    """Cross-node sends against the floor of one gRPC hop plus one append to their log store."""
+    log = bed.floors.log[backend]
+    by_level = {load.in_flight: load for load in loads}
+    bed.report.add(
+        Figure(
+            f"{label}: p50 / ({hop_and_append(backend)})",
+            by_level[1].p50,
+            "ms",
+            log.hop[1].p50,
+        )
+    )
+    latency = bed.report.curves["latency"]
+    for n, load in log.hop.items():
+        latency.add(f"floor: {hop_and_append(backend)}", n, load.p50)
+
+
+async def measure_postgres_hot_path(bed: Bed) -> None:
+    """Warm same-node and cross-node sends with the cluster's log store in PostgreSQL (fsync
+    on), against PostgreSQL's own floors: one gRPC hop plus one append, and the appends per
+    second one store object makes at 64 in flight."""
+    sizes, floors, report = bed.sizes, bed.floors, bed.report
+    await log_floors(bed, POSTGRES)
+    same = await _same_node_loads(bed, await bed.postgres_store("same-node"))
+    cross, _ = await _cross_node_loads(bed, await bed.postgres_store("cross-node"), hop_only=False)
+    same_label, cross_label = f"{SAME_NODE} ({POSTGRES})", f"{CROSS_NODE} ({POSTGRES})"
+    log = floors.log[POSTGRES]
+    record_loads(
+        report,
+        same_label,
+        same,
+        latency_floor={n: log.alone[n].p50 for n in sizes.levels},
+        throughput_floor={n: log.alone[n].throughput for n in sizes.levels},
+    )
+    record_loads(
+        report,
+        cross_label,
+        cross,
+        latency_floor={n: log.hop[n].p50 for n in sizes.levels},
+        throughput_floor={n: floors.echo[n].throughput for n in sizes.levels},
+    )
+    _same_node_against_log(bed, POSTGRES, same, same_label)
+    _cross_node_against_log(bed, POSTGRES, cross, cross_label)
 
 
 async def _hop_only(
@@ -265,7 +357,7 @@ async def measure_registered_sessions(bed: Bed) -> None:
             registered = 2  # the root and its child
             for total in sizes.sessions:
                 started = time.perf_counter()
-                await _register(etcd, keys, template, registered, total)
+                await register_fillers(etcd, keys, template, registered, total)
                 write_seconds[str(total)] = round(time.perf_counter() - started, 2)
                 registered = max(registered, total)
                 await asyncio.sleep(0.5)  # let etcd's backend commit settle
@@ -320,7 +412,9 @@ async def measure_registered_sessions(bed: Bed) -> None:
     )
 
 
-async def _register(etcd: Etcd, keys: Keys, template: SessionHeader, start: int, end: int) -> None:
+async def register_fillers(
+    etcd: Etcd, keys: Keys, template: SessionHeader, start: int, end: int
+) -> None:
     """Write filler roots ``start`` .. ``end - 1`` with no transcript, as
     ``EtcdSessionStore.create_header`` writes a root without entries: its header (the
     template's, re-keyed, created now), its listing key and its tree-index key, in

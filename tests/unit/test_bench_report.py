@@ -11,10 +11,14 @@ from typing import Any
 
 import pytest
 
+from bench._common import QUICK, Bed
 from bench._report import FIGURE_KEYS, Figure, Report, check_report, format_table
+from bench.storage import Stored, record_storage
+from bench.suite import TARGETS
 
 
 def a_report() -> Report:
+    """A complete report: one figure per target of the suite, and two measurements."""
     report = Report()
     report.add(
         Figure("warm cross-node send p50", 1.9, "ms", 1.4, 1.3, "lower"),
@@ -23,6 +27,10 @@ def a_report() -> Report:
         Figure("cold resume", 3.0, "ms", 0.8, 5.0, "lower"),
         Figure("SIGKILL until live elsewhere", 2.1, "s", None, 2.5, "lower"),
         Figure("idle resident agent memory", 7.5, "KiB", None, 20.0, "lower"),
+        Figure("cold resume per tool result at 10000 / at 1000", 0.11, "ms", 0.1, 1.2, "lower"),
+        Figure("ListAgents of a tree at 100k / at 100", 6.0, "ms", 5.8, 1.1, "lower"),
+        Figure("WatchSession first event at 100k / at 100", 5.0, "ms", 4.9, 1.1, "lower"),
+        Figure("GetSession first page at 100k / at 100", 2.1, "ms", 2.0, 1.1, "lower"),
         Figure("bare echo p50", 0.6, "ms"),
         Figure("warm same-node send throughput", 5000.0, "calls/s", 4000.0, better="higher"),
     )
@@ -37,8 +45,9 @@ def a_document() -> dict[str, Any]:
 
 def test_a_complete_report_conforms_and_lists_only_targets_as_figures() -> None:
     document = a_document()
-    assert check_report(document, expected_targets=6) == []
-    assert len(document["figures"]) == 6
+    assert TARGETS == 10  # six of the first suite, long-resume's one, control's three
+    assert check_report(document, expected_targets=TARGETS) == []
+    assert len(document["figures"]) == TARGETS
     assert all(sorted(f) == sorted(FIGURE_KEYS) for f in document["figures"])
     assert all(f["target"] is not None for f in document["figures"])
     assert [m["target"] for m in document["measurements"]] == [None, None]
@@ -49,7 +58,7 @@ def test_the_report_round_trips_through_json(tmp_path: Path) -> None:
     path = tmp_path / "out" / "report.json"
     written = a_report().write(path)
     assert json.loads(path.read_text()) == written
-    assert check_report(json.loads(path.read_text()), expected_targets=6) == []
+    assert check_report(json.loads(path.read_text()), expected_targets=TARGETS) == []
 
 
 @pytest.mark.parametrize(
@@ -75,13 +84,13 @@ def test_a_target_is_a_ratio_to_the_floor_or_an_absolute_value(
 def broken(edit: Any) -> list[str]:
     document = copy.deepcopy(a_document())
     edit(document)
-    return check_report(document, expected_targets=6)
+    return check_report(document, expected_targets=TARGETS)
 
 
 @pytest.mark.parametrize(
     ("edit", "complaint"),
     [
-        (lambda d: d["figures"].pop(), "has 5 entries"),
+        (lambda d: d["figures"].pop(), f"has {TARGETS - 1} entries"),
         (lambda d: d["figures"][0].pop("floor"), "has keys"),
         (lambda d: d["figures"][0].update(extra=1), "has keys"),
         (lambda d: d["figures"][0].update(better="smaller"), "better"),
@@ -125,3 +134,20 @@ def test_the_table_shows_each_ratio_target_and_verdict() -> None:
     assert by_name["throughput at 64 in flight"].endswith("0.75x  >= 0.70x   yes")
     assert by_name["SIGKILL until live elsewhere"].rstrip().endswith("<= 2.50   yes")
     assert by_name["bare echo p50"].rstrip().endswith("ms")
+
+
+def test_storage_per_step_cancels_what_a_session_costs_once(tmp_path: Path) -> None:
+    bed = Bed(etcd_endpoint="-", etcd_pid=None, sizes=QUICK, report=Report(), log_root=tmp_path)
+    added = {  # what a session costs once, plus 5,000 bytes per step in the log store
+        10: Stored(log=20_000 + 10 * 5_000, etcd=2_900, revision=3, etcd_in_use=4096),
+        1000: Stored(log=20_000 + 1000 * 5_000, etcd=2_898, revision=3, etcd_in_use=4096),
+    }
+    record_storage(bed, "SQLite", 10, 1000, added)
+    figures = {f.name: f.value for f in bed.report.figures}
+    step = "storage (SQLite log store), a step with a 4 KB tool output"
+    assert figures[f"{step}: log-store bytes per step"] == pytest.approx(5_000)
+    assert figures[f"{step}: etcd bytes per step (keys + values)"] == 0  # -2 / 990: none
+    assert figures[f"{step}: etcd writes per step"] == 0
+    agent = "storage (SQLite log store), one agent after 1000 steps"
+    assert figures[f"{agent}: log-store bytes"] == 20_000 + 1000 * 5_000
+    assert check_report(bed.report.as_json()) == []

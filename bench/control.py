@@ -1,0 +1,147 @@
+"""The control plane's reads of one small tree while more and more sessions are registered.
+
+One node process runs the ``FANOUT`` scenario: a root with six resident children (a tree of
+seven sessions, all stalled in a model call). Filler roots are then registered straight into
+etcd under the cluster's prefix (a header, a listing key and a tree-index key each, as
+``EtcdSessionStore.create_header`` writes a root without entries; ``warm.register_fillers``)
+until ``control_sessions`` are registered, and at each size these ``MeshControl`` calls to the
+node are timed, one at a time, over one channel:
+
+- ``ListAgents`` of the tree (``root_session_id``: its seven sessions);
+- ``WatchSession`` of the tree (``tree = true``): from the call until its first event (the
+  residency of a watched session), then the stream is cancelled;
+- ``GetSession`` of the root: its first page (the server's default page size);
+- for context, ``ListAgents`` of every session: its first page (100).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+from bench._cluster import children, node_processes
+from bench._common import Bed
+from bench._measure import Load, run_load
+from bench._report import Figure
+from bench.scenarios import FANOUT_CHILDREN
+from bench.warm import register_fillers
+from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
+from dsh_mesh.registry import Etcd, Keys
+from dsh_mesh.testing import MeshReader, create_root
+
+NODE = "node-b"
+LIST_TREE = "ListAgents of a 7-session tree"
+WATCH = "WatchSession of a 7-session tree, until its first event"
+GET = "GetSession of the root, first page"
+LIST_ALL = "ListAgents of every session, first page"
+TARGETED = (LIST_TREE, WATCH, GET)
+"""The reads whose p50 at the most sessions has a target (against the same at the fewest)."""
+_WARMUP = 10
+
+
+async def measure_control(bed: Bed) -> None:
+    """p50 and p99 of each read at each of ``sizes.control_sessions``."""
+    sizes, report = bed.sizes, bed.report
+    results: dict[int, dict[str, Load]] = {}
+    write_seconds: dict[str, float] = {}
+    report.run["control_write_seconds"] = write_seconds
+    with node_processes(bed, "FANOUT", (NODE,)) as cluster:
+        async with (
+            MeshReader(cluster.settings) as reader,
+            Etcd(cluster.settings.etcd_config()) as etcd,
+            cluster.channel(NODE) as channel,
+        ):
+            root = await create_root(cluster, on=NODE, task="Lead.", preset="lead")
+            tree = await children(reader, root, FANOUT_CHILDREN)
+            template = await reader.header(root)
+            assert template is not None
+            keys = Keys(cluster.settings.key_prefix.encode())
+            reads = _reads(mesh_pb2_grpc.MeshControlStub(channel), cluster.metadata("bench"), root)
+            listed = await mesh_pb2_grpc.MeshControlStub(channel).ListAgents(
+                mesh_pb2.ListAgentsRequest(root_session_id=root),
+                metadata=cluster.metadata("bench"),
+                timeout=10,
+            )
+            if len(listed.agents) != 1 + len(tree):
+                raise RuntimeError(f"ListAgents of the tree gave {len(listed.agents)} sessions")
+            registered = 1 + len(tree)
+            for total in sizes.control_sessions:
+                started = time.perf_counter()
+                await register_fillers(etcd, keys, template, registered, total)
+                write_seconds[str(total)] = round(time.perf_counter() - started, 2)
+                registered = max(registered, total)
+                await asyncio.sleep(0.5)  # let etcd's backend commit settle
+                results[total] = {}
+                for name, read in reads.items():
+                    results[total][name] = await run_load(
+                        read,
+                        calls=sizes.control_calls,
+                        in_flight=1,
+                        warmup=_WARMUP,
+                        hung_after=sizes.call_timeout,
+                    )
+    _record(bed, results)
+
+
+def _reads(
+    stub: mesh_pb2_grpc.MeshControlStub, metadata: tuple[tuple[str, str], ...], root: str
+) -> dict[str, Callable[[int], Awaitable[None]]]:
+    async def list_tree(_: int) -> None:
+        await stub.ListAgents(
+            mesh_pb2.ListAgentsRequest(root_session_id=root), metadata=metadata, timeout=10
+        )
+
+    async def watch(_: int) -> None:
+        stream = stub.WatchSession(
+            mesh_pb2.WatchSessionRequest(session_id=root, tree=True), metadata=metadata, timeout=10
+        )
+        try:
+            await stream.read()
+        finally:
+            stream.cancel()
+
+    async def get(_: int) -> None:
+        await stub.GetSession(
+            mesh_pb2.GetSessionRequest(session_id=root), metadata=metadata, timeout=10
+        )
+
+    async def list_all(_: int) -> None:
+        await stub.ListAgents(mesh_pb2.ListAgentsRequest(), metadata=metadata, timeout=10)
+
+    return {LIST_TREE: list_tree, WATCH: watch, GET: get, LIST_ALL: list_all}
+
+
+def _record(bed: Bed, results: dict[int, dict[str, Load]]) -> None:
+    report = bed.report
+    baseline, most = min(results), max(results)
+    curve = report.curve(
+        "control",
+        "control-plane reads by sessions registered (p50)",
+        "sessions registered in etcd",
+        "ms",
+        log_x=True,
+    )
+    for total, loads in results.items():
+        for name, load in loads.items():
+            report.add(
+                Figure(
+                    f"{name}, {total} sessions registered: p50",
+                    load.p50,
+                    "ms",
+                    None if total == baseline else results[baseline][name].p50,
+                ),
+                Figure(f"{name}, {total} sessions registered: p99", load.p99, "ms"),
+            )
+            curve.add(name, total, load.p50)
+    for name in TARGETED:
+        report.add(
+            Figure(
+                f"{name}: p50 at {most} sessions / at {baseline}",
+                results[most][name].p50,
+                "ms",
+                results[baseline][name].p50,
+                target=1.1,
+                better="lower",
+            )
+        )
