@@ -213,8 +213,18 @@ class EtcdSessionStore:
             writes.append(put(self._keys.root_of(session), root.encode()))
         parent_id = (header.parent_session or "").encode()
         writes.append(put(self._keys.member(root, created, session), parent_id))
-        response = await self._etcd.txn([compare(key, Target.CREATE, Result.EQUAL, 0)], writes)
+        compares = [compare(key, Target.CREATE, Result.EQUAL, 0)]
+        if parent is not None:  # not under a parent deleted meanwhile (retention)
+            compares.append(
+                compare(self._keys.header(parent.session_id), Target.CREATE, Result.GREATER, 0)
+            )
+        response = await self._etcd.txn(compares, writes)
         if not response.succeeded:
+            if (
+                parent is not None
+                and await self._etcd.get(self._keys.header(parent.session_id)) is None
+            ):
+                raise SessionUnknown(parent.session_id)
             raise SessionExists(session)
         self._headers[session] = header
         self._roots[session] = root
@@ -311,6 +321,13 @@ class EtcdSessionStore:
                 raise SessionUnknown(session)
             if current_kv is not None:
                 current = decode_activation(current_kv.value)
+                if current.activation_id == activation.activation_id:
+                    # Our own key: an earlier try won it and lost the answer, or passed the
+                    # fence and failed to let go. Won either way only once the fence is up.
+                    won = await self._fenced(activation, int(current_kv.create_revision), read)
+                    if won is not None:
+                        return won
+                    continue
                 self._fences[current.activation_id] = current_kv.create_revision
                 return Resumption(current=current)
             # The holder let go between our compare and our read: race again.
@@ -526,11 +543,16 @@ class EtcdSessionStore:
         """The revision of an etcd read that found ``session``'s header and no activation: a
         write with no activation is fenced by it (ADR 0026). Raises :class:`SessionUnknown`
         without a header and :class:`ActivationFenced` when the session is resident."""
-        if await self.get_header(session) is None:
+        # One read of both, never the header cache: a session deleted by retention (its
+        # header gone) must not take a write under a revision after its deletion.
+        response = await self._etcd.txn(
+            [], [get(self._keys.header(session)), get(self._keys.activation(session))]
+        )
+        header_kv, activation_kv = (_only(r) for r in response.responses)
+        if header_kv is None:
             raise SessionUnknown(session)
-        response = await self._etcd.range(self._keys.activation(session))
-        if response.kvs:
-            holder = decode_activation(response.kvs[0].value).activation_id
+        if activation_kv is not None:
+            holder = decode_activation(activation_kv.value).activation_id
             raise ActivationFenced(f"{session}: held by {holder}; a write needs no activation")
         return int(response.header.revision)
 

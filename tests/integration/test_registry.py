@@ -64,7 +64,7 @@ from dsh_mesh.registry import (
     LeaseLost,
     NodeInfo,
 )
-from dsh_mesh.registry._codec import decode_activation
+from dsh_mesh.registry._codec import decode_activation, encode_activation
 from dsh_mesh.registry._etcd import put
 from dsh_mesh.registry._store import MAX_ENTRY_BYTES
 from dsh_mesh.runtime import (
@@ -455,6 +455,26 @@ async def test_activating_an_unknown_session_is_session_unknown_and_writes_nothi
         await node_a.store.try_activate(node_a.activation(session))
     assert await node_a.etcd.get(keys.activation(session)) is None
     assert await node_a.store.current_activation(session) is None
+
+
+async def test_a_try_whose_answer_was_lost_finds_its_own_key_and_is_won_with_the_fence_up(
+    node_a: Node, node_b: Node
+) -> None:
+    """A try that won the key but never heard so (its answer lost, or its fence passed and its
+    release failed) tries again: it finds its own key and takes it, fence raised, transcript
+    read, so its writes land and a stale writer's do not."""
+    session = SessionId("s-own-key")
+    await node_a.store.create_header(root_header(session), [TaskEntry(content="Do it.")])
+    mine = node_a.activation(session)
+    key = node_a.store._keys.activation(session)
+    # The won transaction, as if its answer never came back: the key is there, the fence not.
+    await node_a.etcd.txn([], [put(key, encode_activation(mine), lease=node_a.lease)])
+    resumed = await node_a.store.try_resume(mine)
+    assert resumed.current == mine and contents(list(resumed.records)) == [(1, "Do it.")]
+    record, _ = await node_a.store.append(session, prompt("mine"), writer=mine.activation_id)
+    assert record.seq == 2
+    with pytest.raises(ActivationFenced):
+        await node_b.store.append(session, prompt("no one's"), writer=None)
 
 
 async def test_racing_activations_have_exactly_one_winner_and_the_loser_learns_it(
@@ -971,10 +991,11 @@ async def test_an_unfenced_write_is_refused_once_an_activation_raised_the_fence_
 
     # Between node a's etcd read (no activation at R) and its log-store write, node b wins.
     node_a.log.before["append"] = activated_meanwhile
-    reads, appends = node_a.etcd.reads, node_a.log.calls["append"]
+    txns, appends = node_a.etcd.txns, node_a.log.calls["append"]
     with pytest.raises(ActivationFenced):
         await node_a.store.append(session, message("s-parent", "late"), writer=None)
-    assert node_a.etcd.reads == reads + 1  # the one read that found no activation
+    # The one read (header and activation together) that found no activation.
+    assert node_a.etcd.txns == txns + 1
     assert node_a.log.calls["append"] == appends + 1  # refused by the log store's fence
     assert await fence_of(node_a.log, session) == await create_revision(node_a.etcd, keys, session)
 

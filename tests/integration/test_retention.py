@@ -20,6 +20,7 @@ from dsh_mesh.core import (
     SessionId,
     SessionKind,
     SessionSpec,
+    SessionUnknown,
 )
 from dsh_mesh.logstore import SqliteLogStore, open_log_store
 from dsh_mesh.registry import Etcd, EtcdConfig, EtcdSessionStore, Keys, Retention
@@ -209,3 +210,19 @@ async def test_a_node_prunes_on_its_own_and_only_the_lowest_id_does(
         assert (tmp_path / "archive" / "old-r.jsonl").exists()
         assert "retention: deleted 1 trees" in cluster["node-a"].log()
         assert "retention: deleted" not in cluster["node-b"].log()
+
+
+async def test_a_deleted_session_takes_no_write_and_no_child_even_from_a_node_that_cached_it(
+    mesh: Mesh,
+) -> None:
+    """Nodes cache headers for good. A deleted session's cached header must not let a notice
+    (a write with no activation) or a new child in after the deletion."""
+    root = await mesh.root("gone-r")
+    assert await mesh.store.get_header(root) is not None  # cached by this "node"
+    assert (await retention(mesh).prune(older_than=MONTH, now=LATER)).trees == [root]
+    with pytest.raises(SessionUnknown):
+        await mesh.store.append(root, prompt("a late notice"), writer=None)
+    with pytest.raises(SessionUnknown):
+        await mesh.child("gone-c", root)
+    assert await mesh.log.read(root) == []
+    assert await mesh.etcd.get(mesh.keys.header(SessionId("gone-c"))) is None
