@@ -189,6 +189,7 @@ class RegistryReads:
         async with residency.watching():
             for session, activation in await residency.snapshot(members.watched):
                 yield FeedEvent(session=session, position=cursor, activated=activation)
+            told = set(members.watched)  # sessions whose residency this feed has told
             while True:
                 horizon = await self._log.horizon()
                 # After the horizon: every session with a record at or below it is found.
@@ -196,14 +197,22 @@ class RegistryReads:
                 changes = residency.drain()
                 if any(session not in members.watched for session, _, _ in changes):
                     await members.refresh()  # a child may have appeared since the last look
+                joined, told = members.watched - told, told | members.watched
                 for session, activated, deactivated in changes:
                     if session in members.watched:
+                        joined.discard(session)  # its change tells it
                         yield FeedEvent(
                             session=session,
                             position=cursor,
                             activated=activated,
                             deactivated=deactivated,
                         )
+                for session in sorted(joined):
+                    # A member found since: its activation may be older than this feed's
+                    # watch (won between the first look and the snapshot). Tell it now.
+                    current = residency.current(session)
+                    if current is not None:
+                        yield FeedEvent(session=session, position=cursor, activated=current)
                 while cursor < horizon:
                     page = await self._log.since(members.watched, after=cursor, upto=horizon)
                     for logged in page:
@@ -304,12 +313,14 @@ class _Residency:
         """The current activation of each of ``watched``; the watch continues after it."""
         current: dict[SessionId, Activation] = {}
         start: bytes | None = None
+        at = 0  # every page at the first one's revision: one consistent snapshot
         while True:
             response = await self._etcd.get_prefix(
-                self._keys.activations, start=start, limit=_INDEX_PAGE
+                self._keys.activations, start=start, limit=_INDEX_PAGE, revision=at
             )
+            at = at or int(response.header.revision)
             if not self._revision:
-                self._revision = int(response.header.revision)
+                self._revision = at
             for kv in response.kvs:
                 current[self._keys.session_of_activation(kv.key)] = decode_activation(kv.value)
             if not response.more:
@@ -336,6 +347,10 @@ class _Residency:
             await asyncio.wait((follower,))
             if not follower.cancelled() and follower.exception() is not None:
                 raise RegistryUnavailable("the residency watch failed") from follower.exception()
+
+    def current(self, session: SessionId) -> Activation | None:
+        """``session``'s activation as this watch last saw it."""
+        return self._known.get(session)
 
     def drain(self) -> list[tuple[SessionId, Activation | None, Activation | None]]:
         """The changes seen since the last drain, in etcd's order."""

@@ -56,6 +56,7 @@ from dsh_mesh.registry import (
     LeaseConfig,
     LeaseKeeper,
     RegistryReads,
+    _reads,
 )
 from dsh_mesh.registry._reads import MAX_POSITION, Listing
 from dsh_mesh.runtime import (
@@ -655,3 +656,30 @@ async def test_a_position_past_any_feed_is_invalid(fed: Mesh, after: int) -> Non
             await next_event(fed.reads.follow(root, tree=tree, after_position=after))
     with pytest.raises(SessionUnknown):
         await next_event(fed.reads.follow(SessionId("s-nobody"), tree=True))
+
+
+async def test_a_tree_feed_tells_a_child_activated_between_its_first_look_and_its_snapshot(
+    fed: Mesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: a child created and activated after the feed read the tree but before
+    it took its residency snapshot was in neither (the snapshot filtered it out, the watch
+    starts after the snapshot); its activation was never told. It is told once found."""
+    root = await fed.root("r")
+    original = _reads._Residency.snapshot
+    made: list[Activation] = []
+
+    async def meanwhile(
+        self: _reads._Residency, watched: Collection[SessionId]
+    ) -> list[tuple[SessionId, Activation]]:
+        if not made:
+            child = await fed.child("c", root)
+            made.append(await fed.activate(child))
+        return await original(self, watched)
+
+    monkeypatch.setattr(_reads._Residency, "snapshot", meanwhile)
+    feed = fed.reads.follow(root, tree=True)
+    try:
+        event = await next_event(feed)
+        assert (event.session, event.activated) == (SessionId("c"), made[0])
+    finally:
+        await closed(feed)
