@@ -322,10 +322,11 @@ class PostgresLogStore:
             timeout=self._timeout,  # to connect
             command_timeout=self._timeout,  # every statement
             # A node stopped (SIGSTOP, a frozen VM) inside an append holds its session's fence
-            # row: the server ends such a transaction, so the session's next activation is
-            # not blocked behind a zombie for longer than this (and the zombie's commit fails).
+            # row: the server ends such a transaction after half a call timeout, so the
+            # session's next activation, waiting on that row for up to a whole one, gets
+            # through (and the zombie's commit fails).
             server_settings={
-                "idle_in_transaction_session_timeout": str(int(self._timeout * 1000)),
+                "idle_in_transaction_session_timeout": str(int(self._timeout * 500)),
             },
         )
         opened = False
