@@ -100,7 +100,7 @@ class Retention:
                 continue
             if archive is not None:
                 await self._archive(archive, root, members)
-            deleted = await self._delete(root, members)
+            deleted = await self._delete(root, members, cutoff)
             sessions += deleted
             if deleted == len(members):
                 trees.append(root)
@@ -177,13 +177,20 @@ class Retention:
                 await asyncio.to_thread(_write, path, lines, fresh=False)
                 after = page[-1].seq
 
-    async def _delete(self, root: SessionId, members: list[_Member]) -> int:
+    async def _delete(self, root: SessionId, members: list[_Member], cutoff: datetime) -> int:
         """Delete ``members``, children before parents; returns how many went (all, unless a
-        session gained an activation meanwhile, which stops the deletion there)."""
+        session woke meanwhile, which stops the deletion there).
+
+        Each transaction's sessions are checked again just before it: nothing newer than
+        ``cutoff`` in the log store (a turn that ran and settled since the tree was judged
+        old, or was archived), and, in the transaction, no activation. What is left between
+        the two is a turn that both begins and settles within that one round trip."""
         deleted = 0
         ordered = list(reversed(members))
         for at in range(0, len(ordered), _SESSIONS_PER_TXN):
             chunk = ordered[at : at + _SESSIONS_PER_TXN]
+            if await self._newest(chunk) >= cutoff:
+                return deleted
             compares = [
                 compare(self._keys.activation(m.session), Target.CREATE, Result.EQUAL, 0)
                 for m in chunk

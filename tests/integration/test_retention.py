@@ -9,6 +9,7 @@ import json
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -226,3 +227,29 @@ async def test_a_deleted_session_takes_no_write_and_no_child_even_from_a_node_th
         await mesh.child("gone-c", root)
     assert await mesh.log.read(root) == []
     assert await mesh.etcd.get(mesh.keys.header(SessionId("gone-c"))) is None
+
+
+async def test_a_tree_that_ran_and_settled_while_judged_old_is_kept(
+    mesh: Mesh, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: the age was judged (and the archive written) long before the deletion,
+    whose transaction only asks "no activation now": a turn that ran and settled in between
+    was deleted with the rest. The age is judged again just before each deletion."""
+    root, child, grandchild = await tree(mesh, "late")
+    original = Retention._archive
+
+    async def a_turn_meanwhile(
+        self: Retention, directory: Path, tree_root: SessionId, members: list[Any]
+    ) -> None:
+        await original(self, directory, tree_root, members)
+        activation = await mesh.activate(root)
+        await mesh.append(activation, "a turn since")
+        await mesh.store.release(activation)
+
+    monkeypatch.setattr(Retention, "_archive", a_turn_meanwhile)
+    judged = datetime.now(UTC)  # everything so far is older than this; the turn is not
+    pruned = await retention(mesh).prune(
+        older_than=timedelta(microseconds=1), now=judged, archive=tmp_path
+    )
+    assert pruned.trees == [] and pruned.woke == [root] and pruned.sessions == 0
+    assert await listed(mesh.reads, root=root, limit=10) == [root, child, grandchild]
