@@ -45,8 +45,16 @@ class FakeEtcd:
         )
         return SimpleNamespace(value=encode_header(header))
 
-    async def range(self, key: bytes) -> Any:
-        return SimpleNamespace(kvs=[], header=SimpleNamespace(revision=5))
+    async def txn(self, compares: Any, success: Any, failure: Any = ()) -> Any:
+        """The one read of a write with no activation: the header, and no activation."""
+        header = await self.get(b"")
+
+        def answer(*kvs: Any) -> Any:
+            return SimpleNamespace(response_range=SimpleNamespace(kvs=list(kvs)))
+
+        return SimpleNamespace(
+            succeeded=True, responses=[answer(header), answer()], header=SimpleNamespace(revision=5)
+        )
 
 
 class BlockingLog(MemoryLogStore):
