@@ -505,6 +505,17 @@ class EtcdSessionStore:
     async def lookup(self, key: IdempotencyKey) -> Acceptance | None:
         return await self._log.lookup(key)
 
+    async def seal(self, session: SessionId) -> bool:
+        """Raise the fence to the revision of an etcd read that found no activation, as a
+        write with no activation does (ADR 0026): an ended activation's write still in flight
+        lands before the raise, or is refused after it."""
+        try:
+            revision = await self._absent_at(session)
+        except ActivationFenced:
+            return False
+        await self._log.raise_fence(session, revision)
+        return True
+
     async def last(self, session: SessionId) -> Record | None:
         return await self._log.last(session)
 

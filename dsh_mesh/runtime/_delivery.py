@@ -121,6 +121,13 @@ class Deliveries:
             raise
         signal.raise_if_aborted()
         decision = await self._authorizer.authorize(sender, target)
+        if (
+            isinstance(decision, Refused)
+            and decision.reason is RejectionReason.PARENT_NOT_LIVE
+            and not await self._store.seal(target)
+        ):
+            # The parent became live since: the edge is decided again, on today's activation.
+            decision = await self._authorizer.authorize(sender, target)
         if isinstance(decision, Refused):
             if idempotency_key is not None and decision.reason in MAY_FOLLOW_AN_ACCEPTANCE:
                 # A retry whose first try landed before the tree changed (its answer was lost

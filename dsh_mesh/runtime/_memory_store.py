@@ -114,6 +114,10 @@ class InMemorySessionStore:
     async def lookup(self, key: IdempotencyKey) -> Acceptance | None:
         return self._idempotency.get(key)
 
+    async def seal(self, session: SessionId) -> bool:
+        # Appends here check the current activation itself: an ended one never writes again.
+        return session not in self._activations
+
     async def last(self, session: SessionId) -> Record | None:
         transcript = self._transcripts.get(session)
         return transcript[-1] if transcript else None

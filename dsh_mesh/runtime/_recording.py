@@ -143,6 +143,9 @@ class RecordingStore:
     async def lookup(self, key: IdempotencyKey) -> Acceptance | None:
         return await self._store.lookup(key)
 
+    async def seal(self, session: SessionId) -> bool:
+        return await self._store.seal(session)
+
     async def last(self, session: SessionId) -> Record | None:
         return await self._store.last(session)
 

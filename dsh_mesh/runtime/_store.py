@@ -125,6 +125,13 @@ class SessionStore(Protocol):
         """The first acceptance recorded under ``key``, if any."""
         ...
 
+    async def seal(self, session: SessionId) -> bool:
+        """If ``session`` has no activation now, make sure no writer of an activation that
+        ended can still append to it (a frozen or cut-off host's write in flight), and return
+        True; False when it has an activation. After True, a key not recorded yet never will
+        be by such a writer: a refusal that says "not live" is then exact."""
+        ...
+
     async def last(self, session: SessionId) -> Record | None:
         """``session``'s last durable record (None when it has none); one read, however long
         the transcript."""

@@ -888,6 +888,28 @@ async def test_a_node_whose_lease_was_revoked_can_never_append_again(
     await assert_zombie_fenced(node_a, node_b, session, old, resumed.current)
 
 
+async def test_sealing_an_absent_session_makes_a_refusal_exact(
+    node_a: Node, node_b: Node, keys: Keys
+) -> None:
+    """Found by the 30-minute soak (issue 18): a parent's host lost its lease with a child's
+    message still being appended there; the child's retry was refused PARENT_NOT_LIVE, and
+    then the zombie's append landed. A node that is about to say "not live" seals the session
+    first: the zombie's write landed before (and the key says so) or is refused after."""
+    session = SessionId("s-sealed")
+    await node_a.store.create_header(root_header(session))
+    old = await node_a.store.try_activate(node_a.activation(session))
+    await node_b.etcd.revoke(node_a.lease)  # the parent's host is lost; nobody resumes it
+    assert await node_b.store.seal(session)
+    with pytest.raises(ActivationFenced):  # the zombie's write in flight, after the seal
+        await node_a.store.append(session, prompt("late"), writer=old.activation_id)
+    assert await node_b.store.read(session) == []
+    # A live session is not sealed: its activation writes on.
+    current = await node_b.store.try_activate(node_b.activation(session))
+    assert not await node_a.store.seal(session)
+    record, _ = await node_b.store.append(session, prompt("live"), writer=current.activation_id)
+    assert record.seq == 1
+
+
 @pytest.mark.contract(3)
 async def test_a_node_whose_lease_expired_can_never_append_again(
     etcd: EtcdAddress, node_b: Node, keys: Keys, log_path: Path
