@@ -175,13 +175,14 @@ class RegistryReads:
         No record is missed: a feed reads up to the log store's horizon, and reads who it
         watches after it took the horizon. A child's header is created before any of its
         records, so every session with a record at or below the horizon is watched by then.
-        An ``after_position`` above 2**63 - 1 is refused with :class:`InvalidArgument`."""
+        An unknown ``root`` is refused with :class:`SessionUnknown` first, as a listing is;
+        then an ``after_position`` above 2**63 - 1 with :class:`InvalidArgument`."""
+        index = await self._tree_of(root)  # raises SessionUnknown
         if not 0 <= after_position <= MAX_POSITION:
             raise InvalidArgument(
                 f"after_event_seq {after_position}: no event can follow it (an event_seq is at"
                 f" most {MAX_POSITION})"
             )
-        index = await self._tree_of(root)  # raises SessionUnknown first
         members = _Members(self._etcd, lambda: self._members(root, index), root, index, tree=tree)
         await members.refresh()
         residency = _Residency(self._etcd, self._keys)

@@ -1924,6 +1924,20 @@ async def test_a_watch_resumed_past_any_revision_is_not_a_crash(
     judge(answer, expect, f"WatchSession after {after}")
 
 
+async def test_a_watch_of_an_unknown_session_past_any_position_is_told_the_session_is_unknown(
+    cluster: LocalCluster, wire: Wire
+) -> None:
+    """The session is looked up before the position is judged, as ListAgents looks its root
+    up before its page token: the caller hears the first thing wrong with the request."""
+    request = mesh_pb2.WatchSessionRequest(
+        session_id=f"s-{secrets.token_hex(12)}", after_event_seq=MAX_POSITION + 1
+    )
+    answer = await wire.stream(
+        "node-a", WATCH, request.SerializeToString(), list(cluster.metadata(CLIENT))
+    )
+    judge(answer, refuse(R.UNKNOWN_SESSION), "WatchSession of an unknown session after 2**63")
+
+
 async def test_a_watch_still_follows_live_changes_after_a_resume_past_any_revision(
     cluster: LocalCluster, world: World, wire: Wire, journal: Journal
 ) -> None:
