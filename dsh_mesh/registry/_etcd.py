@@ -428,7 +428,7 @@ def _refusal(error: BaseException) -> str | None:
     if cause is None:
         return str(error) if isinstance(error, aetcd.exceptions.InvalidArgumentError) else None
     code, details = _status(cause)
-    if details.startswith(_ANSWER_TOO_LARGE):
+    if _ANSWER_TOO_LARGE in details:
         return None  # etcd's answer was too large for this client: not the caller's request
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED) and any(
         marker in details for marker in _REFUSED_AS_TOO_LARGE
