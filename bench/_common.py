@@ -42,6 +42,8 @@ class Sizes:
     """Sessions registered in etcd while ``control`` times the control plane's reads."""
     control_calls: int
     """Timed calls of each control-plane read at each of those sizes."""
+    control_settle: float
+    """Seconds between registering sessions and timing the reads, at every size."""
     storage_steps: tuple[int, int]
     """Steps of the two agents whose stored bytes ``storage`` compares (each a preset of
     ``bench.scenarios.STORAGE``)."""
@@ -62,6 +64,7 @@ FULL = Sizes(
     long_resume_reps=3,
     control_sessions=(100, 10_000, 100_000),
     control_calls=300,
+    control_settle=5.0,
     storage_steps=(10, 1_000),
 )
 
@@ -80,6 +83,7 @@ QUICK = Sizes(
     long_resume_reps=1,
     control_sessions=(100, 1_000, 5_000),
     control_calls=20,
+    control_settle=0.5,
     storage_steps=(10, 50),
 )
 

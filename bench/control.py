@@ -21,11 +21,11 @@ import time
 from collections.abc import Awaitable, Callable
 
 from bench._cluster import children, node_processes
-from bench._common import Bed
+from bench._common import Bed, Sizes
 from bench._measure import Load, run_load
 from bench._report import Figure
 from bench.scenarios import FANOUT_CHILDREN
-from bench.warm import register_fillers
+from bench.warm import register_fillers, remove_fillers
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
 from dsh_mesh.registry import Etcd, Keys
 from dsh_mesh.testing import MeshReader, create_root
@@ -71,17 +71,33 @@ async def measure_control(bed: Bed) -> None:
                 await register_fillers(etcd, keys, template, registered, total)
                 write_seconds[str(total)] = round(time.perf_counter() - started, 2)
                 registered = max(registered, total)
-                await asyncio.sleep(0.5)  # let etcd's backend commit settle
-                results[total] = {}
-                for name, read in reads.items():
-                    results[total][name] = await run_load(
-                        read,
-                        calls=sizes.control_calls,
-                        in_flight=1,
-                        warmup=_WARMUP,
-                        hung_after=sizes.call_timeout,
-                    )
-    _record(bed, results)
+                # Let etcd settle after the burst of writes (its backend commits, its Go
+                # heap): the figure is what a read costs with this many sessions registered,
+                # not while they are being registered. The same wait at every size.
+                await asyncio.sleep(sizes.control_settle)
+                results[total] = await _time(reads, sizes)
+            # The smallest size again, at the end: a figure that moved as much between the
+            # two timings of it moved with the run (the processes' age, the machine), not
+            # with the sessions registered.
+            await remove_fillers(etcd, keys)
+            await asyncio.sleep(sizes.control_settle)
+            again = await _time(reads, sizes)
+    _record(bed, results, again)
+
+
+async def _time(
+    reads: dict[str, Callable[[int], Awaitable[None]]], sizes: Sizes
+) -> dict[str, Load]:
+    return {
+        name: await run_load(
+            read,
+            calls=sizes.control_calls,
+            in_flight=1,
+            warmup=_WARMUP,
+            hung_after=sizes.call_timeout,
+        )
+        for name, read in reads.items()
+    }
 
 
 def _reads(
@@ -112,7 +128,7 @@ def _reads(
     return {LIST_TREE: list_tree, WATCH: watch, GET: get, LIST_ALL: list_all}
 
 
-def _record(bed: Bed, results: dict[int, dict[str, Load]]) -> None:
+def _record(bed: Bed, results: dict[int, dict[str, Load]], again: dict[str, Load]) -> None:
     report = bed.report
     baseline, most = min(results), max(results)
     curve = report.curve(
@@ -143,5 +159,13 @@ def _record(bed: Bed, results: dict[int, dict[str, Load]]) -> None:
                 results[baseline][name].p50,
                 target=1.1,
                 better="lower",
+            )
+        )
+        report.add(
+            Figure(
+                f"{name}: p50 at {baseline} sessions again, at the end / at the start",
+                again[name].p50,
+                "ms",
+                results[baseline][name].p50,
             )
         )

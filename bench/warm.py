@@ -17,6 +17,7 @@ import time
 from datetime import UTC, datetime
 
 import grpc
+from aetcd import rpc
 
 from bench._cluster import (
     SENDER,
@@ -35,7 +36,8 @@ from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
 from dsh_mesh.core import AgentRef, SessionHeader, SessionId
 from dsh_mesh.registry import Etcd, Keys
 from dsh_mesh.registry._codec import encode_header
-from dsh_mesh.registry._etcd import put
+from dsh_mesh.registry._etcd import delete, put
+from dsh_mesh.registry._keys import prefix_end
 from dsh_mesh.testing import LocalCluster, MeshReader
 
 SAME_NODE = "warm send, same node"
@@ -142,6 +144,15 @@ async def measure_cross_node(bed: Bed) -> None:
             by_level[most].throughput,
             "calls/s",
             floors.echo[most].throughput,
+        ),
+        # Every accepted send is one durable append on the target's node: since the
+        # transcripts left etcd (ADR 0026) that append costs the target's own CPU, which the
+        # bare echo does not do. Its floor is the echo whose handler makes that append.
+        Figure(
+            f"warm send throughput, {most} in flight to one node / ({hop_and_append(SQLITE)})",
+            by_level[most].throughput,
+            "calls/s",
+            floors.log[SQLITE].hop[most].throughput,
             target=0.7,
             better="higher",
         ),
@@ -436,3 +447,24 @@ async def register_fillers(
             await etcd.txn([], operations)
 
     await asyncio.gather(*(writer() for _ in range(_WRITERS)))
+
+
+async def remove_fillers(etcd: Etcd, keys: Keys) -> None:
+    """Delete every filler :func:`register_fillers` wrote (headers, listing keys and tree
+    indexes), so a later size times the same cluster with its own sessions only."""
+    fillers = SessionId("bench-filler-")
+    for prefix in (keys.header(fillers), keys.tree(fillers).removesuffix(b"/")):
+        end = prefix_end(prefix)
+        await etcd.txn(
+            [],
+            [rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=prefix, range_end=end))],
+        )
+    start: bytes | None = None
+    while True:  # the listing in pages (an unpaged read of 100k keys is over gRPC's limit)
+        listed = await etcd.get_prefix(keys.listing, start=start, limit=1000, keys_only=True)
+        doomed = [delete(kv.key) for kv in listed.kvs if fillers.encode() in kv.key]
+        for first in range(0, len(doomed), 100):
+            await etcd.txn([], doomed[first : first + 100])
+        if not listed.more:
+            return
+        start = listed.kvs[-1].key + b"\0"

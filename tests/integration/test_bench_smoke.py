@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench._report import check_report
 from bench.suite import SECTIONS, TARGETS
 
@@ -17,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.timeout(300)  # the run's own limit (below) decides
 def test_a_quick_run_writes_a_conforming_report_and_a_plot(tmp_path: Path) -> None:
     report_path, plot_path = tmp_path / "report.json", tmp_path / "report.png"
     command = [sys.executable, "-m", "bench", "--quick"]
