@@ -27,7 +27,7 @@ function describe(event) {
       return `${where} ${entry.seq} step: ${JSON.stringify(body.text)}${calls ? ` calls ${calls}` : ''}`;
     }
     case 'tool_result':
-      return `${where} ${entry.seq} ${body.name} -> ${JSON.stringify(body.content)}`;
+      return `${where} ${entry.seq} ${body.name} (${body.duration_ms} ms${body.is_error ? ', error' : ''}) -> ${JSON.stringify(body.content)}`;
     case 'turn_started':
       return `${where} ${entry.seq} turn ${body.turn_id} started`;
     case 'turn_ended':

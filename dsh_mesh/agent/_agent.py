@@ -12,7 +12,9 @@ import contextlib
 import enum
 import itertools
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -52,7 +54,9 @@ from dsh_mesh.tools import (
     ToolSet,
     TurnLimits,
     is_idempotent_by_key,
+    limits_of,
     outcome_unknown,
+    run_limited,
 )
 
 
@@ -143,8 +147,11 @@ class Agent:
         host: AgentHost,
         ids: IdFactory,
         limits: TurnLimits | None = None,
+        tool_executor: Executor | None = None,
     ) -> None:
         self.header = header
+        self._tool_executor = tool_executor
+        """Where a blocking Python tool's function runs (None: the loop's default executor)."""
         self.activation = activation
         self.tools = tools
         self.system_prompt = system_prompt
@@ -161,6 +168,8 @@ class Agent:
         meanwhile, and the turn's close waits for them (:meth:`_finish_writes`), so nothing
         lands after the turn's end."""
         self._interrupted_call: tuple[str, asyncio.Future[ToolOutput]] | None = None
+        self._running_call: str | None = None
+        """The call id of the tool call the current step is running, if any."""
         """The standard-tool call an interrupt stopped mid-way, still finding its answer."""
         self._recovering = False
         """Answering what an earlier activation left open (no turn: see steers_into_a_turn)."""
@@ -328,11 +337,13 @@ class Agent:
         signal = AbortSignal()
         for index, call in open_calls:
             tool = self.tools.get(call.name)
+            started: float | None = None
             if tool is not None and is_idempotent_by_key(tool):
+                started = time.monotonic()
                 output = await self._invoke(call, signal, step_seq=step_seq, index=index)
             else:
                 output = outcome_unknown(call)
-            await self._answer(call, output)
+            await self._answer(call, output, started=started)
         if open_turn is not None:
             await self._append(
                 TurnEndedEntry(
@@ -403,14 +414,19 @@ class Agent:
         written must be in the local transcript before the turn's open calls are closed."""
         await self._writes.wait()
 
-    async def _answer(self, call: ToolCall, output: ToolOutput) -> None:
-        """Record ``output`` as the one result of ``call``."""
+    async def _answer(
+        self, call: ToolCall, output: ToolOutput, *, started: float | None = None
+    ) -> None:
+        """Record ``output`` as the one result of ``call`` (which ran from ``started``, a
+        ``time.monotonic()``; None: it did not run here)."""
+        elapsed = 0 if started is None else round((time.monotonic() - started) * 1000)
         await self._append(
             ToolResultEntry(
                 call_id=call.call_id,
                 name=call.name,
                 content=output.content,
                 is_error=output.is_error,
+                duration_ms=elapsed,
             )
         )
 
@@ -572,9 +588,12 @@ class Agent:
                     "gen_ai.tool.call.id": call.call_id,
                 },
             ) as tool_span:
+                self._running_call = call.call_id
+                started = time.monotonic()
                 output = await self._invoke(call, signal, step_seq=step.seq, index=index)
+                self._running_call = None
                 tool_span.set("dsh.tool.error", output.is_error)
-            await self._answer(call, output)
+            await self._answer(call, output, started=started)
         # Step boundary: every tool result of this step is recorded.
         if not response.tool_calls:
             # Before the turn ends, let sends admitted while it ran land: they were told
@@ -597,10 +616,16 @@ class Agent:
         if not isinstance(arguments, dict):
             return ToolOutput(content="arguments must be a JSON object", is_error=True)
         invocation = ToolInvocation(
-            caller=self.ref, call=call, signal=signal, step_seq=step_seq, index=index
+            caller=self.ref,
+            call=call,
+            signal=signal,
+            step_seq=step_seq,
+            index=index,
+            executor=self._tool_executor,
         )
-        if not is_idempotent_by_key(tool):
-            return await _answer_of(tool.invoke(invocation, arguments))
+        if not answers_for_itself(tool):
+            # A user tool: its limits apply, and an interrupt cancels it.
+            return await run_limited(tool, invocation, arguments, limits_of(tool))
         # A standard tool's call is never abandoned half-way: an interrupt aborts its signal,
         # and the call answers for itself (stopped before its point of no return, or carried
         # out past it); the turn's close records that answer (_close_open_calls).
@@ -618,20 +643,36 @@ class Agent:
     async def _close_open_calls(self, outcome: TurnOutcome) -> None:
         """Give every tool call of an ended turn a result, so the transcript stays renderable.
         The standard-tool call an interrupt stopped gets its own answer (sent or not, spawned
-        or not); a call that never started, or of another tool, gets "not completed"."""
+        or not); a user tool's call that was running is told it was cancelled and may or may
+        not have taken effect; a call that never started is told so."""
         finishing, self._interrupted_call = self._interrupted_call, None
+        running, self._running_call = self._running_call, None
         # The turn's last step, if it has one: an earlier turn's steps are all answered.
         for _, call in self._calls_left_open()[1]:
             if finishing is not None and finishing[0] == call.call_id:
                 output = await finishing[1]
                 finishing = None
+            elif call.call_id == running:
+                output = ToolOutput(
+                    content=f"not completed: the turn ended ({outcome.value}) while this call"
+                    " ran, and the call was cancelled; it may or may not have taken effect.",
+                    is_error=True,
+                )
             else:
                 output = ToolOutput(
-                    content=f"not completed: turn ended ({outcome.value})", is_error=True
+                    content=f"not run: the turn ended ({outcome.value}) before this call started.",
+                    is_error=True,
                 )
             await self._answer(call, output)
         if finishing is not None:
             finishing[1].cancel()
+
+
+def answers_for_itself(tool: object) -> bool:
+    """Whether ``tool`` is a standard tool, whose call is answered exactly from durable state
+    and is never abandoned half-way (an interrupt lets it find its own answer); a user tool's
+    call runs under its limits and is cancelled by an interrupt."""
+    return getattr(tool, "idempotent_by_key", False) is True
 
 
 async def _answer_of(work: Awaitable[ToolOutput]) -> ToolOutput:

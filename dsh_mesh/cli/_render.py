@@ -115,7 +115,9 @@ def describe_body(body: EntryBody, *, width: int | None = DEFAULT_WIDTH) -> tupl
         return "step", f"{text} {tokens}" if tokens else text, False
     if isinstance(body, ToolResult):
         marker = "error: " if body.is_error else ""
-        return "tool", f"{body.name} -> {marker}{one_line(body.content, width)}", body.is_error
+        took = f" ({_duration(body.duration_ms)})" if body.duration_ms else ""
+        text = f"{body.name}{took} -> {marker}{one_line(body.content, width)}"
+        return "tool", text, body.is_error
     if isinstance(body, TurnStarted):
         where = ""
         if body.node_id is not None:
@@ -259,3 +261,14 @@ def error_line(error: MeshError) -> str:
         code, detail = type(error).__name__, str(error)
     detail = one_line(detail, None) or "(no detail)"
     return f"error: {code}: {detail}"
+
+
+def _duration(milliseconds: int) -> str:
+    """A call's duration as people read it: ``340 ms``, ``2.4 s``, ``3 min 5 s``."""
+    if milliseconds < 1000:
+        return f"{milliseconds} ms"
+    seconds = milliseconds / 1000
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes} min {rest} s"

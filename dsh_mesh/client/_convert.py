@@ -171,6 +171,7 @@ def _body_from_wire(entry: mesh_pb2.TranscriptEntry) -> EntryBody:
             name=result.name,
             content=result.content,
             is_error=result.is_error,
+            duration_ms=result.duration_ms,
         )
     if which == "turn_started":
         started = entry.turn_started

@@ -164,12 +164,16 @@ class AssistantStepEntry:
 
 @dataclass(frozen=True, kw_only=True)
 class ToolResultEntry:
-    """The recorded result of one tool call, keyed by the call id the model gave it."""
+    """The recorded result of one tool call, keyed by the call id the model gave it.
+
+    ``duration_ms`` is how long the call ran on its node (0: it did not run there, e.g. an
+    answer "outcome unknown" or "not run"); it is not part of the entry's identity."""
 
     call_id: str
     name: str
     content: str
     is_error: bool = False
+    duration_ms: int = field(default=0, compare=False)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -272,7 +272,7 @@ def _tool_outcome(result: Record | None) -> tuple[Outcome, RejectionReason | Non
     try:
         payload = json.loads(result.entry.content)
     except json.JSONDecodeError:
-        return Outcome.UNKNOWN, None  # "not completed: turn ended (...)"
+        return Outcome.UNKNOWN, None  # "not completed: ..." or "not run: ..." (a turn ended)
     if isinstance(payload, dict) and "delivered" in payload:
         return Outcome.ACKED, None
     if isinstance(payload, dict) and payload.get("may_have_landed"):

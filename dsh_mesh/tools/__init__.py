@@ -1,5 +1,8 @@
-"""Tools: the registry, presets, the standard ``send_message`` and the spawn tools."""
+"""Tools: the registry, presets, the standard ``send_message`` and the spawn tools, Python tools
+(:func:`tool`) and the limits every user tool call runs under."""
 
+from dsh_mesh.tools._function import FunctionTool, ToolContext, tool
+from dsh_mesh.tools._guard import CallLimits, cut, limits_of, run_limited
 from dsh_mesh.tools._instructions import RETURN_INSTRUCTION, child_task
 from dsh_mesh.tools._registry import DescriptorFilter, Preset, ToolRegistry, ToolSet, TurnLimits
 from dsh_mesh.tools._runtime import ChildKind, SubagentRuntime
@@ -15,12 +18,15 @@ from dsh_mesh.tools._standard import (
     standard_tools,
 )
 from dsh_mesh.tools._tool import (
+    Heartbeat,
+    Replay,
     Tool,
     ToolIdentity,
     ToolInvocation,
     ToolOutput,
     is_idempotent_by_key,
     outcome_unknown,
+    replay_of,
 )
 
 __all__ = [
@@ -30,13 +36,18 @@ __all__ = [
     "SEND_MESSAGE_DESCRIPTOR",
     "SEND_MESSAGE_IDENTITY",
     "SPAWN_DESCRIPTORS",
+    "CallLimits",
     "ChildKind",
     "DescriptorFilter",
+    "FunctionTool",
+    "Heartbeat",
     "Preset",
+    "Replay",
     "SendMessageTool",
     "SpawnTool",
     "SubagentRuntime",
     "Tool",
+    "ToolContext",
     "ToolIdentity",
     "ToolInvocation",
     "ToolOutput",
@@ -44,8 +55,13 @@ __all__ = [
     "ToolSet",
     "TurnLimits",
     "child_task",
+    "cut",
     "is_idempotent_by_key",
     "is_standard_send_message",
+    "limits_of",
     "outcome_unknown",
+    "replay_of",
+    "run_limited",
     "standard_tools",
+    "tool",
 ]

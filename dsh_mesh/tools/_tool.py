@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import enum
 import json
+import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
 from typing import Protocol, final
 
 from dsh_mesh.core import AbortSignal, AgentRef, ToolCall, ToolDescriptor
@@ -25,17 +28,49 @@ class ToolIdentity:
         return f"ToolIdentity({self._label!r})"
 
 
+class Replay(enum.Enum):
+    """Whether a call a stopped host left without a result may be run again.
+
+    ``SAFE``: the tool's effect is idempotent under the call's idempotency key (it finds what
+    an earlier run under that key did, or has no effect worth keeping once), so the resume runs
+    the call again under the same key. ``UNSAFE`` (the default of every user tool): the resume
+    answers the call "outcome unknown" and never runs it a second time."""
+
+    SAFE = "safe"
+    UNSAFE = "unsafe"
+
+
+@final
+class Heartbeat:
+    """The last sign of life of one running call. A tool calls :meth:`beat` when it makes
+    progress (an MCP progress notification does it for MCP tools); the call's idle limit runs
+    from the last beat. Safe to call from any thread."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        self.last = time.monotonic()
+
+    def beat(self) -> None:
+        self.last = time.monotonic()  # one store: atomic for the reader on the loop
+
+
 @dataclass(frozen=True, kw_only=True)
 class ToolInvocation:
     """One call of a tool by one agent: who calls (its exact live ref), the call, the signal,
     and where the call stands in the caller's transcript: ``step_seq`` is the seq of the
-    assistant step that asked for it, ``index`` its place among that step's calls."""
+    assistant step that asked for it, ``index`` its place among that step's calls.
+
+    ``heartbeat`` is the call's own (see :class:`Heartbeat`); ``executor`` runs a blocking
+    tool's function (None: the event loop's default executor)."""
 
     caller: AgentRef
     call: ToolCall
     signal: AbortSignal
     step_seq: int = 0
     index: int = 0
+    heartbeat: Heartbeat = field(default_factory=Heartbeat, compare=False)
+    executor: Executor | None = field(default=None, compare=False)
 
     @property
     def idempotency_key(self) -> str:
@@ -69,11 +104,18 @@ class Tool(Protocol):
 
 def is_idempotent_by_key(tool: Tool) -> bool:
     """Whether a call of ``tool`` may be carried out again under its idempotency key with one
-    effect at most (its class says ``idempotent_by_key = True``: the standard tools). A call that
-    a stopped host left without a result is then answered exactly, by carrying it out again: the
-    repeat finds what the first try did, or does it now. Any other tool's call is answered by
+    effect at most: the standard tools (their class says ``idempotent_by_key = True``) and a
+    user tool declared ``replay = Replay.SAFE``. A call that a stopped host left without a
+    result is then answered by carrying it out again under the same key: the repeat finds what
+    the first try did, or does it now. Any other tool's call is answered by
     :func:`outcome_unknown`, never run a second time."""
-    return getattr(tool, "idempotent_by_key", False) is True
+    return getattr(tool, "idempotent_by_key", False) is True or replay_of(tool) is Replay.SAFE
+
+
+def replay_of(tool: Tool) -> Replay:
+    """What ``tool`` declares (``replay``); a tool that declares nothing is unsafe to re-run."""
+    replay = getattr(tool, "replay", Replay.UNSAFE)
+    return replay if isinstance(replay, Replay) else Replay.UNSAFE
 
 
 def outcome_unknown(call: ToolCall) -> ToolOutput:

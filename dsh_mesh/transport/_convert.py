@@ -221,6 +221,7 @@ def record_to_wire(record: Record) -> mesh_pb2.TranscriptEntry:
         wire.tool_result.name = entry.name
         wire.tool_result.content = entry.content
         wire.tool_result.is_error = entry.is_error
+        wire.tool_result.duration_ms = entry.duration_ms
     elif isinstance(entry, TurnStartedEntry):
         wire.turn_started.turn_id = entry.turn_id
         wire.turn_started.node_id = entry.node_id

@@ -14,6 +14,7 @@ import asyncio
 import json
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import pytest
 
@@ -50,7 +51,8 @@ from dsh_mesh.runtime import (
     ManagerConfig,
 )
 from dsh_mesh.testing import calls_without_one_answer, in_process_mesh
-from dsh_mesh.tools import Preset, ToolIdentity, ToolInvocation, ToolOutput
+from dsh_mesh.tools import Preset, ToolContext, ToolIdentity, ToolInvocation, ToolOutput
+from dsh_mesh.tools import tool as python_tool
 from tests.unit.conftest import GateTool, drain_loop
 from tests.unit.conftest import presets as conftest_presets
 
@@ -528,3 +530,48 @@ async def test_an_activation_of_this_node_that_no_agent_holds_is_released_not_ro
         assert delivery.kind is DeliveryKind.COLD_RESUMED
         assert delivery.target_activation != "a-leaked"
         await mesh.manager.quiescent()
+
+
+@pytest.mark.parametrize("replay", ["safe", "unsafe"])
+async def test_a_python_tool_left_unanswered_runs_again_only_if_declared_safe(
+    replay: Literal["safe", "unsafe"],
+) -> None:
+    """A call whose host died before its result was written: a ``replay="safe"`` tool runs
+    again under the same idempotency key; an unsafe one is answered "outcome unknown" and runs
+    exactly once."""
+    keys: list[str] = []
+
+    @python_tool(name="charge", replay=replay)
+    async def charge(amount: int, context: ToolContext) -> str:
+        """Charge a card."""
+        keys.append(context.idempotency_key)
+        return f"charged {amount}"
+
+    def die_at(session: SessionId, entry: Entry | None) -> bool:
+        return isinstance(entry, ToolResultEntry) and entry.name == "charge"
+
+    store = DyingStore(die_at)
+    programs: Programs = {
+        "lead": (tool("spawn_agent", task="Work.", preset="helper"), Stall()),
+        "helper": (Call(calls=(("charge", {"amount": "5"}),)), Reply(text="done")),
+    }
+    presets = (
+        Preset(name="lead", system_prompt="You lead.", model="lead"),
+        Preset(name="helper", system_prompt="You help.", model="helper", scoped_tools=(charge,)),
+    )
+
+    async def child() -> list[SessionId]:
+        return await _only_child(store)
+
+    await _die_then_resume(store, programs, presets, child)
+    [session] = await _children(store, ROOT)
+    records = await store.read(session)
+    [answer] = _results(records, "charge")
+    if replay == "safe":
+        assert len(keys) == 2 and keys[0] == keys[1]  # the same key both times
+        assert answer == ToolResultEntry(call_id=answer.call_id, name="charge", content="charged 5")
+        assert answer.duration_ms >= 0
+    else:
+        assert len(keys) == 1
+        assert answer.is_error and json.loads(answer.content)["outcome"] == "unknown"
+    assert calls_without_one_answer(records) == []

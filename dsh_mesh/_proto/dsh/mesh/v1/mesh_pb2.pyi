@@ -489,16 +489,18 @@ class AssistantStepEntry(_message.Message):
     def __init__(self, text: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class ToolResultEntry(_message.Message):
-    __slots__ = ("call_id", "name", "content", "is_error")
+    __slots__ = ("call_id", "name", "content", "is_error", "duration_ms")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     IS_ERROR_FIELD_NUMBER: _ClassVar[int]
+    DURATION_MS_FIELD_NUMBER: _ClassVar[int]
     call_id: str
     name: str
     content: str
     is_error: bool
-    def __init__(self, call_id: _Optional[str] = ..., name: _Optional[str] = ..., content: _Optional[str] = ..., is_error: _Optional[bool] = ...) -> None: ...
+    duration_ms: int
+    def __init__(self, call_id: _Optional[str] = ..., name: _Optional[str] = ..., content: _Optional[str] = ..., is_error: _Optional[bool] = ..., duration_ms: _Optional[int] = ...) -> None: ...
 
 class TurnStartedEntry(_message.Message):
     __slots__ = ("turn_id", "node_id", "activation_id")
