@@ -72,6 +72,10 @@ class RejectionReason(enum.Enum):
     NODE_OVERLOADED = "NODE_OVERLOADED"
     """The serving node is at a capacity limit (metadata ``limit``: ``inflight_sends`` or
     ``resident_sessions``). Retryable."""
+    TOOLS_UNAVAILABLE = "TOOLS_UNAVAILABLE"
+    """The node that would resume the target cannot serve a tool its header records: the tool
+    is not deployed there, or its descriptor differs (metadata ``tool``, ``problem``). A
+    session's tools mean the same on every node; nothing was accepted."""
 
 
 RETRYABLE_REASONS: frozenset[RejectionReason] = frozenset(
@@ -228,6 +232,15 @@ class NodeOverloaded(_FixedRejected):
     fixed_reason = RejectionReason.NODE_OVERLOADED
 
 
+class ToolsUnavailable(_FixedRejected):
+    """The node cannot serve a tool the session's header records (``metadata["tool"]`` names
+    it, ``metadata["problem"]`` says ``missing`` or ``descriptor``): resuming it here would
+    change what its tools mean. Nothing was accepted; fix the deployment (every node imports
+    the same tool modules) and send again."""
+
+    fixed_reason = RejectionReason.TOOLS_UNAVAILABLE
+
+
 class NodeFenced(_FixedRejected):
     """This node lost its etcd lease: it accepts nothing until it has registered again.
     Retryable: another node (or this one, re-registered) can take the request."""
@@ -335,6 +348,7 @@ _CLASS_OF_REASON: Mapping[RejectionReason, type[Rejected]] = MappingProxyType(
         RejectionReason.TARGET_ELSEWHERE: TargetElsewhere,
         RejectionReason.INBOX_FULL: InboxFull,
         RejectionReason.NODE_OVERLOADED: NodeOverloaded,
+        RejectionReason.TOOLS_UNAVAILABLE: ToolsUnavailable,
     }
 )
 

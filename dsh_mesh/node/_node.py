@@ -16,7 +16,8 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
@@ -77,6 +78,12 @@ class Node:
         self.config = config
         self._scenario = scenario
         self._provider = scenario.provider()
+        # Blocking Python tools run here, never on the loop: a tool that blocks for a minute
+        # must not delay the lease's renewal. Its threads cannot be stopped; at exit the node
+        # does not wait for them (a call still running was answered when its turn ended).
+        self._tool_threads = ThreadPoolExecutor(
+            max_workers=scenario.tool_threads, thread_name_prefix=f"dsh-tool-{config.node_id}"
+        )
         self._stopping = asyncio.Event()
         self._manager: ContinuationManager | None = None
         self._group: asyncio.TaskGroup | None = None
@@ -104,7 +111,11 @@ class Node:
         config = self.config
         keys = Keys(config.key_prefix.encode())
         log = open_log_store(config.log_store)  # opens on first use: a database down is an outage
-        async with Etcd(config.etcd_config()) as etcd, contextlib.aclosing(log):
+        async with (
+            Etcd(config.etcd_config()) as etcd,
+            contextlib.aclosing(log),
+            _shut_down_at_exit(self._tool_threads),
+        ):
             lease = LeaseKeeper(etcd, config.lease)
             directory = Directory(etcd, keys, on_event=self._on_directory_event)
             cached = EtcdSessionStore(
@@ -221,6 +232,8 @@ class Node:
                 config=self.config.manager_config(),
                 ids=RandomIds(),
                 router=router,
+                tools=self._scenario.tools,
+                tool_executor=self._tool_threads,
             ) as manager:
                 self._manager = manager
                 await health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -367,3 +380,11 @@ def resident_memory() -> int | None:
     except OSError:
         return None
     return int(fields[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@contextlib.asynccontextmanager
+async def _shut_down_at_exit(executor: ThreadPoolExecutor) -> AsyncIterator[None]:
+    try:
+        yield
+    finally:
+        executor.shutdown(wait=False, cancel_futures=True)

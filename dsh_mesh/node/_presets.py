@@ -10,7 +10,14 @@ model = "ollama:qwen2.5:7b-instruct"
 tools = ["send_message", "spawn_agent"]
 max_output_tokens = 2048
 turn_token_budget = 200000
+
+[tools]                                 # Python tools every node imports (docs/tools.md)
+paths = ["tools"]                       # directories put on sys.path, relative to this file
+modules = ["myproj.tools"]              # each module's @dsh_mesh.tool functions are registered
+threads = 32                            # worker threads for blocking tools
 ```
+
+A preset's ``tools`` names standard tools and registered Python tools alike.
 
 Every node of a cluster reads the same file, as it runs the same scenario. The ``openai``
 endpoint always exists: from ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` unless the file defines it.
@@ -18,7 +25,9 @@ endpoint always exists: from ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` unless the
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 import tomllib
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
@@ -27,7 +36,14 @@ from pathlib import Path
 from typing import Any
 
 from dsh_mesh.models import OpenAIEndpoint, RetryPolicy, split_model_spec
-from dsh_mesh.tools import SEND_MESSAGE_DESCRIPTOR, SPAWN_DESCRIPTORS, Preset, TurnLimits
+from dsh_mesh.tools import (
+    SEND_MESSAGE_DESCRIPTOR,
+    SPAWN_DESCRIPTORS,
+    FunctionTool,
+    Preset,
+    Tool,
+    TurnLimits,
+)
 
 OPENAI = "openai"
 """The endpoint name that always exists (``openai:<model>``)."""
@@ -52,6 +68,9 @@ _ENDPOINT_KEYS = frozenset(
         "max_tokens_field",
     }
 )
+_TOOLS_KEYS = frozenset({"paths", "modules", "threads"})
+DEFAULT_TOOL_THREADS = 32
+"""Worker threads for blocking Python tools, per node, unless ``[tools] threads`` says."""
 _RETRY_KEYS = frozenset({"max_attempts", "initial_backoff_s", "max_backoff_s", "budget_s"})
 _PRESET_KEYS = frozenset(
     {
@@ -72,10 +91,13 @@ class PresetFileError(ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class PresetFile:
-    """What a presets file defines: presets (in file order) and named endpoints."""
+    """What a presets file defines: presets (in file order), named endpoints, and the Python
+    tools of the modules it names (in module order, then definition order)."""
 
     presets: tuple[Preset, ...] = ()
     endpoints: Mapping[str, OpenAIEndpoint] = field(default_factory=dict)
+    tools: tuple[Tool, ...] = ()
+    tool_threads: int = DEFAULT_TOOL_THREADS
 
 
 def endpoints_from_environment(
@@ -99,9 +121,16 @@ def load_presets(
             document = tomllib.load(handle)
     except (OSError, tomllib.TOMLDecodeError) as error:
         raise PresetFileError(f"{path}: {error}") from error
-    unknown = sorted(set(document) - {"endpoints", "presets"})
+    unknown = sorted(set(document) - {"endpoints", "presets", "tools"})
     if unknown:
-        raise PresetFileError(f"{path}: unknown tables {unknown} (expected endpoints, presets)")
+        raise PresetFileError(
+            f"{path}: unknown tables {unknown} (expected endpoints, presets, tools)"
+        )
+    tools, threads = _tools(path, document.get("tools", {}))
+    clashes = sorted({t.descriptor.name for t in tools} & set(known_tools))
+    if clashes:
+        raise PresetFileError(f"{path}: tools.modules: {clashes} are names of standard tools")
+    known_tools = (*known_tools, *(t.descriptor.name for t in tools))
     endpoints = endpoints_from_environment(env)
     for name, table in _tables(path, document, "endpoints").items():
         endpoints[name] = _endpoint(path, name, table, env)
@@ -116,7 +145,50 @@ def load_presets(
                 f"{path}: presets.{preset.name}.model {preset.model!r} names the endpoint"
                 f" {split[0]!r}, which is not defined (defined: {', '.join(endpoints)})"
             )
-    return PresetFile(presets=presets, endpoints=endpoints)
+    return PresetFile(presets=presets, endpoints=endpoints, tools=tools, tool_threads=threads)
+
+
+def _tools(path: Path, table: Any) -> tuple[tuple[Tool, ...], int]:
+    """The Python tools of the ``[tools]`` table's modules, and its worker thread count. A
+    module that cannot be imported, or defines no tool, or two tools of one name, is refused:
+    a node that starts without a tool its presets name would refuse every session using it."""
+    if not isinstance(table, Mapping):
+        raise PresetFileError(f"{path}: [tools] must be a table")
+    _check_keys(path, "tools", table, _TOOLS_KEYS)
+    for key in ("paths", "modules"):
+        value = table.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise PresetFileError(f"{path}: tools.{key} must be a list of non-empty strings")
+    threads = table.get("threads", DEFAULT_TOOL_THREADS)
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise PresetFileError(f"{path}: tools.threads must be a whole number of at least 1")
+    for directory in reversed(table.get("paths", [])):
+        resolved = str((path.parent / Path(directory).expanduser()).resolve())
+        if resolved not in sys.path:
+            sys.path.insert(0, resolved)
+    tools: dict[str, Tool] = {}
+    for name in table.get("modules", []):
+        try:
+            module = importlib.import_module(name)
+        except Exception as failure:  # any error of the user's module refuses the file
+            raise PresetFileError(
+                f"{path}: tools.modules: cannot import {name!r}: {type(failure).__name__}:"
+                f" {failure}"
+            ) from failure
+        found = [v for v in vars(module).values() if isinstance(v, FunctionTool)]
+        if not found:
+            raise PresetFileError(
+                f"{path}: tools.modules: {name!r} defines no tool (decorate functions with"
+                " @dsh_mesh.tool)"
+            )
+        for tool in found:
+            other = tools.get(tool.descriptor.name)
+            if other is not None and other is not tool:
+                raise PresetFileError(
+                    f"{path}: tools.modules: two tools are named {tool.descriptor.name!r}"
+                )
+            tools[tool.descriptor.name] = tool
+    return tuple(tools.values()), threads
 
 
 def _tables(path: Path, document: Mapping[str, Any], name: str) -> dict[str, Mapping[str, Any]]:

@@ -20,19 +20,22 @@ from dsh_mesh.models import (
     OpenAIProvider,
     ScriptedProvider,
 )
-from dsh_mesh.node._presets import PresetFile
-from dsh_mesh.tools import Preset
+from dsh_mesh.node._presets import DEFAULT_TOOL_THREADS, PresetFile
+from dsh_mesh.tools import Preset, Tool
 
 
 @dataclass(frozen=True, kw_only=True)
 class Scenario:
-    """Presets plus either scripted programs (by model name) or a provider factory, and the
-    OpenAI-compatible endpoints that serve ``<endpoint>:<model>`` specs."""
+    """Presets plus either scripted programs (by model name) or a provider factory, the
+    OpenAI-compatible endpoints that serve ``<endpoint>:<model>`` specs, and the user tools
+    every node registers (``tools``; blocking ones run on ``tool_threads`` worker threads)."""
 
     presets: tuple[Preset, ...]
     programs: Mapping[str, Sequence[Action]] = field(default_factory=dict)
     provider_factory: Callable[[], ModelProvider] | None = None
     endpoints: Mapping[str, OpenAIEndpoint] = field(default_factory=dict)
+    tools: tuple[Tool, ...] = ()
+    tool_threads: int = DEFAULT_TOOL_THREADS
 
     def provider(self) -> ModelRouter:
         """A fresh provider for one node process: the endpoints by name, the scripted programs
@@ -50,12 +53,18 @@ class Scenario:
         )
 
     def configured(self, file: PresetFile) -> Scenario:
-        """This scenario with a presets file's endpoints and presets (a file preset replaces
-        the scenario's preset of the same name)."""
+        """This scenario with a presets file's endpoints, presets and tools (a file preset
+        replaces the scenario's preset of the same name; a file tool, its tool)."""
         names = {preset.name for preset in file.presets}
         kept = tuple(p for p in self.presets if p.name not in names)
+        tool_names = {tool.descriptor.name for tool in file.tools}
+        tools = tuple(t for t in self.tools if t.descriptor.name not in tool_names) + file.tools
         return dataclasses.replace(
-            self, presets=kept + file.presets, endpoints={**self.endpoints, **file.endpoints}
+            self,
+            presets=kept + file.presets,
+            endpoints={**self.endpoints, **file.endpoints},
+            tools=tools,
+            tool_threads=file.tool_threads,
         )
 
 

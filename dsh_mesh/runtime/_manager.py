@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from datetime import timedelta
 from types import TracebackType
 from typing import Self
@@ -50,7 +51,7 @@ from dsh_mesh.runtime._router import Router
 from dsh_mesh.runtime._settlement import Settlements
 from dsh_mesh.runtime._store import SessionStore
 from dsh_mesh.runtime._writes import OutageTolerantWriter
-from dsh_mesh.tools import ChildKind, Preset, ToolRegistry, standard_tools
+from dsh_mesh.tools import ChildKind, Preset, Tool, ToolRegistry, standard_tools
 
 
 class ContinuationManager:
@@ -58,7 +59,11 @@ class ContinuationManager:
 
     Use as ``async with ContinuationManager(...) as manager``: it owns every agent driver in a
     task group; leaving the block (or :meth:`shutdown`, idempotent) stops them all, and with
-    them every piece of detached work."""
+    them every piece of detached work.
+
+    ``tools`` are the node's user tools (Python tools, MCP tools), registered after the
+    standard ones; presets select them by name. ``tool_executor`` runs blocking Python tools
+    (None: the event loop's default executor)."""
 
     def __init__(
         self,
@@ -69,13 +74,15 @@ class ContinuationManager:
         config: ManagerConfig | None = None,
         ids: IdFactory | None = None,
         router: Router | None = None,
+        tools: Sequence[Tool] = (),
+        tool_executor: Executor | None = None,
     ) -> None:
         config = config or ManagerConfig()
         ids = ids or RandomIds()
         self._config = config
         self._store = store
         self._presets = {p.name: p for p in presets}
-        self.registry = ToolRegistry(standard_tools(self))
+        self.registry = ToolRegistry((*standard_tools(self), *tools))
         self._stack = contextlib.AsyncExitStack()
         self._changes = ChangeSignal()
         self._work = DetachedWork(on_done=self._changes.changed)
@@ -100,6 +107,7 @@ class ContinuationManager:
             work=self._work,
             max_resident=config.max_resident_sessions,
             resume_filter=config.resume_filter,
+            tool_executor=tool_executor,
         )
         placement: Placement = (
             LocalPlacement(config.node_id)

@@ -8,6 +8,7 @@ import contextvars
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Executor
 from datetime import timedelta
 from types import TracebackType
 from typing import Self
@@ -31,6 +32,7 @@ from dsh_mesh.core import (
     SessionUnknown,
     SettlementNoticeEntry,
     TargetElsewhere,
+    ToolsUnavailable,
     pending_inbound,
 )
 from dsh_mesh.models import ModelProvider
@@ -75,8 +77,10 @@ class Residency:
         work: DetachedWork,
         max_resident: int,
         resume_filter: DescriptorFilter | None,
+        tool_executor: Executor | None = None,
     ) -> None:
         self.node_id = node_id
+        self._tool_executor = tool_executor
         self._store = store
         self._provider = provider
         self._presets = presets
@@ -205,10 +209,28 @@ class Residency:
     def resolve_tools(
         self, header: SessionHeader, resume_filter: DescriptorFilter | None
     ) -> ToolSet:
-        """The tools ``header``'s session runs with (its durable descriptors, filtered)."""
+        """The tools ``header``'s session runs with: its durable descriptors (filtered), each
+        served by this node's tool of that name with a byte-identical descriptor. Raises
+        :class:`ToolsUnavailable` when this node lacks one or its descriptor differs: resuming
+        here would change what the session's tools mean."""
         preset = self.preset(header.spec.preset)
-        allowed = [d.name for d in header.spec.tools if resume_filter is None or resume_filter(d)]
-        return self._registry.resolve(preset, allowed=allowed)
+        recorded = [d for d in header.spec.tools if resume_filter is None or resume_filter(d)]
+        tools = self._registry.resolve(preset, allowed=[d.name for d in recorded])
+        for descriptor in recorded:
+            served = tools.get(descriptor.name)
+            if served is None or served.descriptor != descriptor:
+                problem = "missing" if served is None else "descriptor"
+                raise ToolsUnavailable(
+                    f"node {self.node_id} cannot serve tool {descriptor.name!r} of session"
+                    f" {header.session_id}: "
+                    + (
+                        "it is not deployed here"
+                        if served is None
+                        else "its descriptor here differs from the one the session recorded"
+                    ),
+                    metadata={"tool": descriptor.name, "problem": problem},
+                )
+        return tools
 
     # -- making agents resident -------------------------------------------------------------------
 
@@ -251,6 +273,7 @@ class Residency:
             provider=self._provider,
             host=self._host,
             ids=self._ids,
+            tool_executor=self._tool_executor,
         )
 
     def start(self, agent: Agent) -> None:
@@ -343,6 +366,9 @@ class Residency:
         header = await self._store.get_header(target)
         if header is None:
             raise SessionUnknown(target)
+        # Before racing for the session: a node that cannot serve its preset or its tools
+        # refuses without ever holding it.
+        self.resolve_tools(header, self._resume_filter)
         if parent_activation is None and header.parent_session is not None:
             parent = await self._store.current_activation(header.parent_session)
             parent_activation = None if parent is None else parent.activation_id
@@ -368,7 +394,11 @@ class Residency:
         self._children.note_noticed(
             r.entry.child_activation for r in records if isinstance(r.entry, SettlementNoticeEntry)
         )
-        agent = self.make_agent(header, activation, records, self._resume_filter)
+        try:
+            agent = self.make_agent(header, activation, records, self._resume_filter)
+        except MeshError:
+            await self._store.release(activation)  # won, but nothing will run it here
+            raise
         for record in pending_inbound(records):
             agent.deliver(record)
         self.start(agent)

@@ -83,6 +83,7 @@ STATUS_OF_REASON: Mapping[RejectionReason, grpc.StatusCode] = MappingProxyType(
         RejectionReason.TARGET_ELSEWHERE: grpc.StatusCode.FAILED_PRECONDITION,
         RejectionReason.INBOX_FULL: grpc.StatusCode.RESOURCE_EXHAUSTED,
         RejectionReason.NODE_OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+        RejectionReason.TOOLS_UNAVAILABLE: grpc.StatusCode.FAILED_PRECONDITION,
     }
 )
 """Each reason travels with exactly this status code; (code, reason) is the wire contract."""

@@ -79,6 +79,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "ToolCall",
         "ToolDescriptor",
         "ToolResultEntry",
+        "ToolsUnavailable",
         "TurnEndedEntry",
         "TurnFailed",
         "TurnId",

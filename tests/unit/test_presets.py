@@ -176,3 +176,83 @@ def test_the_sample_presets_file_is_valid() -> None:
     assert [p.name for p in loaded.presets] == ["lead", "researcher"]
     assert sorted(loaded.endpoints) == ["ollama", "openai", "vllm"]
     assert loaded.endpoints["vllm"].api_key == "sk-sample"
+
+
+# -- [tools]: Python tools every node imports ----------------------------------------------------
+
+TOOL_MODULE = '''
+import dsh_mesh
+
+
+@dsh_mesh.tool(replay="safe")
+def read_note(name: str) -> str:
+    """Read a note."""
+    return name
+
+
+@dsh_mesh.tool
+async def file_note(name: str, text: str) -> str:
+    """File a note."""
+    return "filed"
+
+
+helper = 3  # not a tool
+'''
+
+
+def tool_module(tmp_path: Path, name: str, text: str = TOOL_MODULE) -> None:
+    (tmp_path / "tools").mkdir(exist_ok=True)
+    (tmp_path / "tools" / f"{name}.py").write_text(text)
+
+
+def test_the_tools_of_the_named_modules_are_registered_and_presets_may_name_them(
+    tmp_path: Path,
+) -> None:
+    tool_module(tmp_path, "notes_tools_a")
+    path = write(
+        tmp_path,
+        "[tools]\npaths = ['tools']\nmodules = ['notes_tools_a']\nthreads = 4\n"
+        "[presets.filer]\nsystem_prompt = 'x'\ntools = ['send_message', 'read_note']\n",
+    )
+    loaded = load_presets(path, environ={})
+    assert [t.descriptor.name for t in loaded.tools] == ["read_note", "file_note"]
+    assert loaded.tool_threads == 4
+    assert loaded.presets[0].tools == ("send_message", "read_note")
+
+
+@pytest.mark.parametrize(
+    ("tools_table", "complaint"),
+    [
+        ("modules = ['no_such_tools_module']", "cannot import 'no_such_tools_module'"),
+        ("paths = ['tools']\nmodules = ['broken_tools']", "cannot import 'broken_tools'"),
+        ("paths = ['tools']\nmodules = ['toolless']", "'toolless' defines no tool"),
+        ("paths = ['tools']\nmodules = ['clash_tools']", "names of standard tools"),
+        ("modules = 'one'", "tools.modules must be a list"),
+        ("threads = 0", "tools.threads"),
+        ("module = []", "unknown keys"),
+    ],
+)
+def test_a_tools_table_the_node_cannot_serve_is_refused_at_start(
+    tmp_path: Path, tools_table: str, complaint: str
+) -> None:
+    tool_module(tmp_path, "broken_tools", "raise RuntimeError('no database')\n")
+    tool_module(tmp_path, "toolless", "x = 1\n")
+    tool_module(
+        tmp_path,
+        "clash_tools",
+        "import dsh_mesh\n\n@dsh_mesh.tool\ndef send_message(agent_id: str) -> str:\n"
+        "    '''Shadow the standard tool.'''\n    return ''\n",
+    )
+    with pytest.raises(PresetFileError, match=complaint):
+        load_presets(write(tmp_path, f"[tools]\n{tools_table}\n"), environ={})
+
+
+def test_a_preset_naming_a_tool_no_module_defines_is_refused(tmp_path: Path) -> None:
+    tool_module(tmp_path, "notes_tools_b")
+    path = write(
+        tmp_path,
+        "[tools]\npaths = ['tools']\nmodules = ['notes_tools_b']\n"
+        "[presets.filer]\nsystem_prompt = 'x'\ntools = ['read_file']\n",
+    )
+    with pytest.raises(PresetFileError, match=r"unknown tools \['read_file'\]"):
+        load_presets(path, environ={})

@@ -44,6 +44,7 @@ class RejectionReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REJECTION_REASON_TARGET_ELSEWHERE: _ClassVar[RejectionReason]
     REJECTION_REASON_INBOX_FULL: _ClassVar[RejectionReason]
     REJECTION_REASON_NODE_OVERLOADED: _ClassVar[RejectionReason]
+    REJECTION_REASON_TOOLS_UNAVAILABLE: _ClassVar[RejectionReason]
 
 class AgentState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -106,6 +107,7 @@ REJECTION_REASON_UNKNOWN_SESSION: RejectionReason
 REJECTION_REASON_TARGET_ELSEWHERE: RejectionReason
 REJECTION_REASON_INBOX_FULL: RejectionReason
 REJECTION_REASON_NODE_OVERLOADED: RejectionReason
+REJECTION_REASON_TOOLS_UNAVAILABLE: RejectionReason
 AGENT_STATE_UNSPECIFIED: AgentState
 AGENT_STATE_IDLE: AgentState
 AGENT_STATE_RUNNING: AgentState
