@@ -6,6 +6,7 @@ model. A node that serves the same tool resumes it."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 import grpc
 import pytest
@@ -17,14 +18,14 @@ from dsh_mesh.core import (
     SessionId,
     ToolsUnavailable,
 )
-from dsh_mesh.models import Call, Reply, ScriptedProvider, Stall, tool
+from dsh_mesh.models import Action, Call, Reply, ScriptedProvider, Stall, tool
 from dsh_mesh.runtime import ContinuationManager, InMemorySessionStore, ManagerConfig
 from dsh_mesh.tools import FunctionTool, Preset, ToolContext
 from dsh_mesh.tools import tool as python_tool
 from dsh_mesh.transport import status_of
 
 ROOT = SessionId("s-root")
-PROGRAMS = {
+PROGRAMS: dict[str, Sequence[Action]] = {
     "lead": (tool("spawn_agent", task="Take notes.", preset="helper"), Stall()),
     "helper": (Call(calls=(("read_note", {"name": "a"}),)), Reply(text="done")),
 }
