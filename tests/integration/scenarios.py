@@ -184,3 +184,45 @@ LONG = Scenario(
     presets=(Preset(name="long", system_prompt="You live long.", model="long"),),
     programs={"long": (Stall(),)},
 )
+
+# A lead spawns a prober (its preset, with the probe tools, comes from the test's presets file:
+# PROBE_PRESETS) whose step calls one probe tool; the tool blocks on its gate file, so the test
+# can SIGKILL its host mid-call. Resumed by its parent's message, it answers the open call
+# (run again if safe, "outcome unknown" if not), then replies.
+PROBE = Scenario(
+    presets=(),
+    programs={
+        "lead-safe": (tool("spawn_agent", task="Probe.", preset="prober-safe"), Stall()),
+        "lead-unsafe": (tool("spawn_agent", task="Probe.", preset="prober-unsafe"), Stall()),
+        "prober-safe": (Call(calls=(("probe_safe", {}),)), Reply(text="Resumed and finished.")),
+        "prober-unsafe": (
+            Call(calls=(("probe_unsafe", {}),)),
+            Reply(text="Resumed and finished."),
+        ),
+    },
+)
+
+PROBE_PRESETS = """
+[tools]
+modules = ["dsh_mesh.testing.probe_tools"]
+
+[presets.lead-safe]
+system_prompt = "You lead."
+model = "lead-safe"
+tools = ["send_message", "spawn_agent"]
+
+[presets.lead-unsafe]
+system_prompt = "You lead."
+model = "lead-unsafe"
+tools = ["send_message", "spawn_agent"]
+
+[presets.prober-safe]
+system_prompt = "You probe."
+model = "prober-safe"
+tools = ["send_message", "probe_safe"]
+
+[presets.prober-unsafe]
+system_prompt = "You probe."
+model = "prober-unsafe"
+tools = ["send_message", "probe_unsafe"]
+"""
