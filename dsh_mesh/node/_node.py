@@ -17,7 +17,6 @@ import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from dsh_mesh.logstore import open_log_store
 from dsh_mesh.node._config import NodeConfig
 from dsh_mesh.node._router import ClusterRouter
 from dsh_mesh.node._scenario import Scenario
+from dsh_mesh.node._threads import ToolThreads
 from dsh_mesh.registry import (
     ActivationEnded,
     Directory,
@@ -81,9 +81,7 @@ class Node:
         # Blocking Python tools run here, never on the loop: a tool that blocks for a minute
         # must not delay the lease's renewal. Its threads cannot be stopped; at exit the node
         # does not wait for them (a call still running was answered when its turn ended).
-        self._tool_threads = ThreadPoolExecutor(
-            max_workers=scenario.tool_threads, thread_name_prefix=f"dsh-tool-{config.node_id}"
-        )
+        self._tool_threads = ToolThreads(scenario.tool_threads, name=f"dsh-tool-{config.node_id}")
         self._stopping = asyncio.Event()
         self._manager: ContinuationManager | None = None
         self._group: asyncio.TaskGroup | None = None
@@ -383,8 +381,8 @@ def resident_memory() -> int | None:
 
 
 @contextlib.asynccontextmanager
-async def _shut_down_at_exit(executor: ThreadPoolExecutor) -> AsyncIterator[None]:
+async def _shut_down_at_exit(executor: ToolThreads) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        executor.shutdown(wait=False, cancel_futures=True)
+        executor.shutdown(wait=False)

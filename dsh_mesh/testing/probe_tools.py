@@ -66,6 +66,14 @@ def probe_safe(context: ToolContext) -> str:
     return _probe("probe_safe", context)
 
 
+@tool(timeout_s=3600)
+def pause(seconds: float) -> str:
+    """Block the calling thread for ``seconds`` (a probe of blocking tools: it cannot be
+    stopped, as a blocking call in a worker thread cannot)."""
+    time.sleep(seconds)
+    return f"paused {seconds:g} s"
+
+
 def read_probe_log(path: Path) -> list[ProbeRun]:
     """Every execution ``path`` records, in order (none when it does not exist)."""
     if not path.exists():

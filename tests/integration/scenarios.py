@@ -199,6 +199,11 @@ PROBE = Scenario(
             Call(calls=(("probe_unsafe", {}),)),
             Reply(text="Resumed and finished."),
         ),
+        # A child whose tool blocks its thread for 10 s (twice the lease TTL of 2 s).
+        "lead-pause": (tool("spawn_agent", task="Pause.", preset="pauser"), Stall()),
+        "pauser": (Call(calls=(("pause", {"seconds": "10"}),)), Reply(text="Paused.")),
+        # A root whose tool blocks for 60 s: to be interrupted.
+        "stuck": (Call(calls=(("pause", {"seconds": "60"}),)), Reply(text="Unstuck.")),
     },
 )
 
@@ -225,4 +230,19 @@ tools = ["send_message", "probe_safe"]
 system_prompt = "You probe."
 model = "prober-unsafe"
 tools = ["send_message", "probe_unsafe"]
+
+[presets.lead-pause]
+system_prompt = "You lead."
+model = "lead-pause"
+tools = ["send_message", "spawn_agent"]
+
+[presets.pauser]
+system_prompt = "You pause."
+model = "pauser"
+tools = ["send_message", "pause"]
+
+[presets.stuck]
+system_prompt = "You get stuck."
+model = "stuck"
+tools = ["pause"]
 """

@@ -8,12 +8,22 @@ and never runs a second time. Either way the call has exactly one result."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
-from dsh_mesh.core import ToolResultEntry, TurnEndedEntry, TurnOutcome
+from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
+from dsh_mesh.core import (
+    AssistantStepEntry,
+    SettlementOutcome,
+    ToolResultEntry,
+    TurnEndedEntry,
+    TurnOutcome,
+    TurnStartedEntry,
+)
 from dsh_mesh.testing import (
     EtcdAddress,
     LocalCluster,
@@ -90,3 +100,77 @@ async def test_a_python_tool_call_survives_the_sigkill_of_its_host(
 
 async def _async(value: object) -> object:
     return value
+
+
+async def test_a_tool_that_blocks_past_the_lease_ttl_never_delays_the_lease(
+    probed: tuple[LocalCluster, Path, Path],
+) -> None:
+    """The tool blocks its thread for 10 s with a lease TTL of 2 s: it runs on a worker
+    thread, so the node's loop keeps renewing the lease. The child keeps its one activation,
+    its call gets its real result, and its parent hears it completed, never lost."""
+    cluster, _, _ = probed
+    async with MeshReader(cluster.settings) as reader:
+        root = await create_root(cluster, on="node-a", task="Delegate.", preset="lead-pause")
+        [child] = await reader.wait_for(
+            lambda: children_of(reader, root), lambda c: len(c) == 1, what="the child's header"
+        )
+        at_root = await reader.wait_for(
+            lambda: reader.transcript(root),
+            lambda r: bool(notices(r)),
+            within=40,
+            what="the child's settlement notice",
+        )
+        records = await reader.transcript(child.session_id)
+    [notice] = notices(at_root)
+    assert notice.outcome is SettlementOutcome.COMPLETED, notice
+    assert notice.terminal_output == "Paused."
+    [result] = [r.entry for r in records if isinstance(r.entry, ToolResultEntry)]
+    assert not result.is_error and result.content == "paused 10 s"
+    assert result.duration_ms >= 10_000
+    turns = [r.entry for r in records if isinstance(r.entry, TurnStartedEntry)]
+    assert len(turns) == 1  # one activation ran it all: never fenced, never resumed
+    print(f"\n10 s blocking tool, lease TTL 2 s: call ran {result.duration_ms} ms, one turn")
+
+
+async def test_an_interrupt_ends_a_turn_whose_60_s_tool_is_running(
+    probed: tuple[LocalCluster, Path, Path],
+) -> None:
+    """A root's tool blocks for 60 s; the interrupt cancels the call and ends the turn at once
+    (the thread cannot be stopped; the call is answered as cancelled, its effect unknown)."""
+    cluster, _, _ = probed
+    async with MeshReader(cluster.settings) as reader:
+        root = await create_root(cluster, on="node-a", task="Get stuck.", preset="stuck")
+        await reader.wait_for(
+            lambda: reader.transcript(root),
+            lambda rs: any(isinstance(r.entry, AssistantStepEntry) for r in rs),
+            what="the step whose call blocks",
+        )
+        started = time.monotonic()
+        stopped = await interrupt(cluster, root)
+        assert stopped.interrupted
+        records = await reader.wait_for(
+            lambda: reader.transcript(root),
+            lambda rs: any(isinstance(r.entry, TurnEndedEntry) for r in rs),
+            within=30,
+            what="the cancelled turn",
+        )
+        ended_after = time.monotonic() - started
+    [result] = [r.entry for r in records if isinstance(r.entry, ToolResultEntry)]
+    assert result.is_error and "the call was cancelled" in result.content
+    [ended] = [r.entry for r in records if isinstance(r.entry, TurnEndedEntry)]
+    assert ended.outcome is TurnOutcome.CANCELLED
+    assert ended_after < 30  # long before the tool's 60 s: the turn did not wait for it
+    print(f"\ninterrupt with a 60 s tool running: the turn ended {ended_after:.2f} s later")
+
+
+async def interrupt(cluster: LocalCluster, session: str) -> mesh_pb2.InterruptResponse:
+    address = cluster["node-a"].address
+    assert address is not None
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = mesh_pb2_grpc.MeshControlStub(channel)
+        response: mesh_pb2.InterruptResponse = await stub.Interrupt(
+            mesh_pb2.InterruptRequest(session_id=session),
+            metadata=cluster.metadata("a-human"),
+            timeout=10,
+        )
+        return response
