@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from dsh_mesh.core import Record, SequentialIds, SessionId
 from dsh_mesh.models import ModelProvider, RecordingProvider, ScriptedProvider
 from dsh_mesh.runtime import ContinuationManager, InMemorySessionStore, ManagerConfig
-from dsh_mesh.tools import Preset
+from dsh_mesh.tools import Preset, Tool
 
 
 @dataclass
@@ -39,12 +39,20 @@ async def in_process_mesh(
     config: ManagerConfig | None = None,
     store: InMemorySessionStore | None = None,
     provider: ModelProvider | None = None,
+    tools: Sequence[Tool] = (),
 ) -> AsyncIterator[InProcessMesh]:
-    """Run a manager for the duration of the block; every driver is stopped on exit."""
+    """Run a manager for the duration of the block; every driver is stopped on exit.
+    ``tools`` are user tools (``@dsh_mesh.tool`` functions) registered after the standard
+    ones, as a presets file's ``[tools]`` modules are."""
     scripted = scripted or ScriptedProvider()
     recorder = RecordingProvider(provider or scripted)
     store = store or InMemorySessionStore()
     async with ContinuationManager(
-        store=store, provider=recorder, presets=presets, config=config, ids=SequentialIds()
+        store=store,
+        provider=recorder,
+        presets=presets,
+        config=config,
+        ids=SequentialIds(),
+        tools=tools,
     ) as manager:
         yield InProcessMesh(manager=manager, store=store, scripted=scripted, recorder=recorder)

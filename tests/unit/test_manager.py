@@ -57,6 +57,7 @@ from dsh_mesh.models import (
 from dsh_mesh.runtime import ContinuationManager, InMemorySessionStore, ManagerConfig
 from dsh_mesh.testing import InProcessMesh, in_process_mesh
 from dsh_mesh.tools import RETURN_INSTRUCTION
+from dsh_mesh.tools import tool as tool_decorator
 from tests.unit.conftest import drain_loop, of_type, presets
 from tests.unit.test_agent_loop import HoldingStore
 
@@ -450,6 +451,45 @@ async def test_fork_child_request_head_is_byte_identical_and_starts_with_the_par
     assert isinstance(child_records[0].entry, ForkPrefixEntry)
     header = await mesh.manager.header(CHILD)
     assert header.fork_origin is not None and header.spec == (await mesh.manager.header(ROOT)).spec
+
+
+@tool_decorator(replay="safe")
+def look_up(term: str) -> str:
+    """Look a term up in the team's glossary."""
+    return f"{term}: a term"
+
+
+@pytest.mark.contract(7)
+async def test_a_fork_child_sends_its_parents_user_tools_byte_identical() -> None:
+    """Rule 7 extends to user tools: the fork child's tools array is its parent's, byte for
+    byte, user tools included, at the same places."""
+    async with in_process_mesh(presets(), tools=(look_up,)) as team:
+        team.scripted.program(
+            "lead",
+            tool("look_up", term="lease"),
+            Reply(text="first turn done"),
+            tool("fork_agent", task="Explore option B."),
+            Reply(text="forked"),
+        )
+        ref = await team.manager.create_root("Plan the work.", preset="lead")
+        await team.manager.quiescent()
+        await team.manager.submit_prompt(ref.session_id, "Now fork.")
+        await team.manager.wait_until(lambda: bool(team.recorder.requests_of(CHILD)))
+        await team.manager.quiescent()
+        parent_requests = team.recorder.requests_of(ROOT)
+        fork_request = team.recorder.requests_of(CHILD)[0]
+        results = of_type(await team.transcript(ROOT), ToolResultEntry)
+    assert results[0].entry == ToolResultEntry(
+        call_id=results[0].entry.call_id,  # type: ignore[union-attr]
+        name="look_up",
+        content="lease: a term",
+    )
+    names = [d.name for d in fork_request.tools]
+    assert names[-1] == "look_up" and "send_message" in names
+    fork_tools = canonical_json([d.__dict__ for d in fork_request.tools])
+    for request in parent_requests:
+        assert canonical_json([d.__dict__ for d in request.tools]) == fork_tools
+        assert request.system_prompt == fork_request.system_prompt
 
 
 @pytest.mark.contract(1)
