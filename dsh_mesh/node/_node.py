@@ -30,6 +30,7 @@ from dsh_mesh._proto.dsh.mesh.peer.v1 import peer_pb2, peer_pb2_grpc
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
 from dsh_mesh.core import Activation, MeshError, NodeFenced, RandomIds
 from dsh_mesh.logstore import open_log_store
+from dsh_mesh.mcp import McpServers
 from dsh_mesh.node._config import NodeConfig
 from dsh_mesh.node._router import ClusterRouter
 from dsh_mesh.node._scenario import Scenario
@@ -84,6 +85,7 @@ class Node:
         self._tool_threads = ToolThreads(scenario.tool_threads, name=f"dsh-tool-{config.node_id}")
         self._stopping = asyncio.Event()
         self._manager: ContinuationManager | None = None
+        self._mcp_servers: McpServers | None = None
         self._group: asyncio.TaskGroup | None = None
         self.address: str | None = None
         """``host:port`` other nodes dial; set once the server listens."""
@@ -113,7 +115,9 @@ class Node:
             Etcd(config.etcd_config()) as etcd,
             contextlib.aclosing(log),
             _shut_down_at_exit(self._tool_threads),
+            McpServers(self._scenario.mcp_servers) as mcp_servers,
         ):
+            self._mcp_servers = mcp_servers
             lease = LeaseKeeper(etcd, config.lease)
             directory = Directory(etcd, keys, on_event=self._on_directory_event)
             cached = EtcdSessionStore(
@@ -232,6 +236,7 @@ class Node:
                 router=router,
                 tools=self._scenario.tools,
                 tool_executor=self._tool_threads,
+                tool_source=self._mcp_servers,
             ) as manager:
                 self._manager = manager
                 await health.set("", health_pb2.HealthCheckResponse.SERVING)

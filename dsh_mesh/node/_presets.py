@@ -17,7 +17,19 @@ modules = ["myproj.tools"]              # each module's @dsh_mesh.tool functions
 threads = 32                            # worker threads for blocking tools
 ```
 
-A preset's ``tools`` names standard tools and registered Python tools alike.
+```toml
+[mcp.servers.time]                      # a stdio server the node launches (docs/tools.md)
+command = "uvx"
+args = ["mcp-server-time"]
+safe_tools = ["get_current_time"]       # may run again after a host death (default: none)
+
+[mcp.servers.docs]                      # a streamable-HTTP server
+url = "https://docs.example/mcp"
+headers_env = { Authorization = "DOCS_MCP_AUTH" }   # header values from the environment
+```
+
+A preset's ``tools`` names standard tools and registered Python tools alike, and an MCP
+server's tools as ``"mcp:<server>"`` (all of them) or ``"mcp:<server>/<tool>"`` (one).
 
 Every node of a cluster reads the same file, as it runs the same scenario. The ``openai``
 endpoint always exists: from ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` unless the file defines it.
@@ -35,10 +47,12 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from dsh_mesh.mcp import SELECTOR_PREFIX, McpServerConfig
 from dsh_mesh.models import OpenAIEndpoint, RetryPolicy, split_model_spec
 from dsh_mesh.tools import (
     SEND_MESSAGE_DESCRIPTOR,
     SPAWN_DESCRIPTORS,
+    CallLimits,
     FunctionTool,
     Preset,
     Tool,
@@ -69,6 +83,23 @@ _ENDPOINT_KEYS = frozenset(
     }
 )
 _TOOLS_KEYS = frozenset({"paths", "modules", "threads"})
+_MCP_KEYS = frozenset(
+    {
+        "command",
+        "args",
+        "env",
+        "cwd",
+        "url",
+        "headers_env",
+        "timeout_s",
+        "idle_timeout_s",
+        "max_output_chars",
+        "max_concurrency",
+        "idle_close_s",
+        "connect_timeout_s",
+        "safe_tools",
+    }
+)
 DEFAULT_TOOL_THREADS = 32
 """Worker threads for blocking Python tools, per node, unless ``[tools] threads`` says."""
 _RETRY_KEYS = frozenset({"max_attempts", "initial_backoff_s", "max_backoff_s", "budget_s"})
@@ -98,6 +129,7 @@ class PresetFile:
     endpoints: Mapping[str, OpenAIEndpoint] = field(default_factory=dict)
     tools: tuple[Tool, ...] = ()
     tool_threads: int = DEFAULT_TOOL_THREADS
+    mcp_servers: tuple[McpServerConfig, ...] = ()
 
 
 def endpoints_from_environment(
@@ -121,16 +153,21 @@ def load_presets(
             document = tomllib.load(handle)
     except (OSError, tomllib.TOMLDecodeError) as error:
         raise PresetFileError(f"{path}: {error}") from error
-    unknown = sorted(set(document) - {"endpoints", "presets", "tools"})
+    unknown = sorted(set(document) - {"endpoints", "presets", "tools", "mcp"})
     if unknown:
         raise PresetFileError(
-            f"{path}: unknown tables {unknown} (expected endpoints, presets, tools)"
+            f"{path}: unknown tables {unknown} (expected endpoints, presets, tools, mcp)"
         )
+    mcp_servers = _mcp_servers(path, document.get("mcp", {}), env)
     tools, threads = _tools(path, document.get("tools", {}))
     clashes = sorted({t.descriptor.name for t in tools} & set(known_tools))
     if clashes:
         raise PresetFileError(f"{path}: tools.modules: {clashes} are names of standard tools")
-    known_tools = (*known_tools, *(t.descriptor.name for t in tools))
+    known_tools = (
+        *known_tools,
+        *(t.descriptor.name for t in tools),
+        *(f"{SELECTOR_PREFIX}{server.name}" for server in mcp_servers),
+    )
     endpoints = endpoints_from_environment(env)
     for name, table in _tables(path, document, "endpoints").items():
         endpoints[name] = _endpoint(path, name, table, env)
@@ -145,7 +182,69 @@ def load_presets(
                 f"{path}: presets.{preset.name}.model {preset.model!r} names the endpoint"
                 f" {split[0]!r}, which is not defined (defined: {', '.join(endpoints)})"
             )
-    return PresetFile(presets=presets, endpoints=endpoints, tools=tools, tool_threads=threads)
+    return PresetFile(
+        presets=presets,
+        endpoints=endpoints,
+        tools=tools,
+        tool_threads=threads,
+        mcp_servers=mcp_servers,
+    )
+
+
+def _mcp_servers(path: Path, table: Any, env: Mapping[str, str]) -> tuple[McpServerConfig, ...]:
+    """The ``[mcp.servers.<name>]`` tables. A header's value comes from the environment
+    (``headers_env``), never from the file, so the file holds no secret."""
+    if not isinstance(table, Mapping) or set(table) - {"servers"}:
+        raise PresetFileError(f"{path}: [mcp] holds only [mcp.servers.<name>] tables")
+    servers = []
+    for name, server in _tables(path, table, "servers").items():
+        where = f"mcp.servers.{name}"
+        _check_keys(path, where, server, _MCP_KEYS)
+        args = server.get("args", [])
+        safe = server.get("safe_tools", [])
+        for key, value in (("args", args), ("safe_tools", safe)):
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise PresetFileError(f"{path}: {where}.{key} must be a list of strings")
+        maps = {}
+        for key in ("env", "headers_env"):
+            value = server.get(key, {})
+            if not isinstance(value, Mapping) or not all(
+                isinstance(v, str) for v in value.values()
+            ):
+                raise PresetFileError(f"{path}: {where}.{key} must be a table of strings")
+            maps[key] = dict(value)
+        missing = sorted(v for v in maps["headers_env"].values() if v not in env)
+        if missing:
+            raise PresetFileError(f"{path}: {where}.headers_env: {missing} are not set")
+        cwd = server.get("cwd")
+        try:
+            servers.append(
+                McpServerConfig(
+                    name=name,
+                    command=None if server.get("command") is None else str(server["command"]),
+                    args=tuple(args),
+                    env=maps["env"],
+                    cwd=None if cwd is None else path.parent / Path(str(cwd)).expanduser(),
+                    url=None if server.get("url") is None else str(server["url"]),
+                    headers={k: env[v] for k, v in maps["headers_env"].items()},
+                    limits=CallLimits(
+                        timeout=_seconds(server.get("timeout_s", 600)),
+                        idle_timeout=(
+                            None
+                            if server.get("idle_timeout_s") is None
+                            else _seconds(server["idle_timeout_s"])
+                        ),
+                        max_output_chars=int(server.get("max_output_chars", 100_000)),
+                    ),
+                    max_concurrency=int(server.get("max_concurrency", 16)),
+                    idle_close=_seconds(server.get("idle_close_s", 300)),
+                    connect_timeout=_seconds(server.get("connect_timeout_s", 30)),
+                    safe_tools=frozenset(safe),
+                )
+            )
+        except (TypeError, ValueError) as error:
+            raise PresetFileError(f"{path}: {where}: {error}") from error
+    return tuple(servers)
 
 
 def _tools(path: Path, table: Any) -> tuple[tuple[Tool, ...], int]:
@@ -287,7 +386,11 @@ def _preset(
     if tools is not None:
         if not isinstance(tools, list) or not all(isinstance(t, str) for t in tools):
             raise PresetFileError(f"{path}: {where}.tools must be a list of tool names")
-        unknown = sorted(set(tools) - set(known_tools))
+        unknown = sorted(
+            t
+            for t in set(tools) - set(known_tools)
+            if not (t.startswith(SELECTOR_PREFIX) and t.partition("/")[0] in known_tools)
+        )
         if unknown:
             raise PresetFileError(
                 f"{path}: {where}.tools: unknown tools {unknown} (known: {sorted(known_tools)})"

@@ -12,6 +12,7 @@ import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from dsh_mesh.mcp import McpServerConfig
 from dsh_mesh.models import (
     Action,
     ModelProvider,
@@ -36,6 +37,7 @@ class Scenario:
     endpoints: Mapping[str, OpenAIEndpoint] = field(default_factory=dict)
     tools: tuple[Tool, ...] = ()
     tool_threads: int = DEFAULT_TOOL_THREADS
+    mcp_servers: tuple[McpServerConfig, ...] = ()
 
     def provider(self) -> ModelRouter:
         """A fresh provider for one node process: the endpoints by name, the scripted programs
@@ -65,6 +67,7 @@ class Scenario:
             endpoints={**self.endpoints, **file.endpoints},
             tools=tools,
             tool_threads=file.tool_threads,
+            mcp_servers=file.mcp_servers,
         )
 
 

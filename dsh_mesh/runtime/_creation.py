@@ -98,6 +98,7 @@ class Creations:
         if task:
             check_content(task, self._max_message_chars)
         chosen = self._residency.preset(preset)
+        await self._registry.prepare(chosen)  # an MCP server's listing, on first use
         spec = SessionSpec(
             preset=chosen.name,
             model=model or chosen.model or "",
@@ -144,6 +145,7 @@ class Creations:
             first = (ForkPrefixEntry(messages=prefix),)
         else:
             chosen = self._residency.preset(preset or parent_agent.header.spec.preset)
+            await self._registry.prepare(chosen)
             spec = SessionSpec(
                 preset=chosen.name,
                 model=chosen.model or parent_agent.header.spec.model,

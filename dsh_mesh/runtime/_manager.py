@@ -51,7 +51,7 @@ from dsh_mesh.runtime._router import Router
 from dsh_mesh.runtime._settlement import Settlements
 from dsh_mesh.runtime._store import SessionStore
 from dsh_mesh.runtime._writes import OutageTolerantWriter
-from dsh_mesh.tools import ChildKind, Preset, Tool, ToolRegistry, standard_tools
+from dsh_mesh.tools import ChildKind, Preset, Tool, ToolRegistry, ToolSource, standard_tools
 
 
 class ContinuationManager:
@@ -63,7 +63,8 @@ class ContinuationManager:
 
     ``tools`` are the node's user tools (Python tools, MCP tools), registered after the
     standard ones; presets select them by name. ``tool_executor`` runs blocking Python tools
-    (None: the event loop's default executor)."""
+    (None: the event loop's default executor). ``tool_source`` serves the tools presets select
+    with selectors (the node's MCP servers)."""
 
     def __init__(
         self,
@@ -76,13 +77,14 @@ class ContinuationManager:
         router: Router | None = None,
         tools: Sequence[Tool] = (),
         tool_executor: Executor | None = None,
+        tool_source: ToolSource | None = None,
     ) -> None:
         config = config or ManagerConfig()
         ids = ids or RandomIds()
         self._config = config
         self._store = store
         self._presets = {p.name: p for p in presets}
-        self.registry = ToolRegistry((*standard_tools(self), *tools))
+        self.registry = ToolRegistry((*standard_tools(self), *tools), source=tool_source)
         self._stack = contextlib.AsyncExitStack()
         self._changes = ChangeSignal()
         self._work = DetachedWork(on_done=self._changes.changed)

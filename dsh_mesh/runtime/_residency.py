@@ -215,7 +215,7 @@ class Residency:
         here would change what the session's tools mean."""
         preset = self.preset(header.spec.preset)
         recorded = [d for d in header.spec.tools if resume_filter is None or resume_filter(d)]
-        tools = self._registry.resolve(preset, allowed=[d.name for d in recorded])
+        tools = self._registry.resolve_recorded(preset, recorded)
         for descriptor in recorded:
             served = tools.get(descriptor.name)
             if served is None or served.descriptor != descriptor:

@@ -4,7 +4,14 @@
 from dsh_mesh.tools._function import FunctionTool, ToolContext, tool
 from dsh_mesh.tools._guard import CallLimits, cut, limits_of, run_limited
 from dsh_mesh.tools._instructions import RETURN_INSTRUCTION, child_task
-from dsh_mesh.tools._registry import DescriptorFilter, Preset, ToolRegistry, ToolSet, TurnLimits
+from dsh_mesh.tools._registry import (
+    DescriptorFilter,
+    Preset,
+    ToolRegistry,
+    ToolSet,
+    ToolSource,
+    TurnLimits,
+)
 from dsh_mesh.tools._runtime import ChildKind, SubagentRuntime
 from dsh_mesh.tools._standard import (
     MAX_MESSAGE_CHARS,
@@ -53,6 +60,7 @@ __all__ = [
     "ToolOutput",
     "ToolRegistry",
     "ToolSet",
+    "ToolSource",
     "TurnLimits",
     "child_task",
     "cut",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from dsh_mesh.core import InvalidArgument, ToolDescriptor
 from dsh_mesh.tools._standard import is_standard_send_message
@@ -76,22 +77,85 @@ class ToolSet:
         return any(is_standard_send_message(t) for t in self.tools)
 
 
+class ToolSource(Protocol):
+    """Tools known only at run time (an MCP server's), selected by a preset with selectors
+    (``mcp:<server>``, ``mcp:<server>/<tool>``) rather than names."""
+
+    def selects(self, selector: str) -> bool:
+        """Whether ``selector`` is this source's."""
+        ...
+
+    async def load(self, selector: str) -> None:
+        """Make :meth:`select` answer for ``selector`` (list the tools it names); raises a
+        ``Rejected`` (``ToolsUnavailable``) when it cannot."""
+        ...
+
+    def select(self, selector: str) -> tuple[Tool, ...]:
+        """The tools ``selector`` names, as last loaded."""
+        ...
+
+    def bind(self, descriptor: ToolDescriptor) -> Tool | None:
+        """A tool serving a session's recorded ``descriptor`` exactly (None: not this
+        source's)."""
+        ...
+
+
 class ToolRegistry:
     """The process-wide, ordered list of tools. Parents and children resolve against the same
-    registry, so they get the same definitions in the same order."""
+    registry, so they get the same definitions in the same order. ``source`` serves the
+    selectors presets use for tools known only at run time (MCP servers)."""
 
-    def __init__(self, tools: Sequence[Tool]) -> None:
+    def __init__(self, tools: Sequence[Tool], *, source: ToolSource | None = None) -> None:
         names = [t.descriptor.name for t in tools]
         if len(set(names)) != len(names):
             raise InvalidArgument(f"duplicate tool names in registry: {names}")
         self._tools = tuple(tools)
+        self._source = source
+
+    def _selectors(self, preset: Preset) -> list[str]:
+        if preset.tools is None or self._source is None:
+            return []
+        return [name for name in preset.tools if self._source.selects(name)]
+
+    async def prepare(self, preset: Preset) -> None:
+        """Load what ``preset``'s selectors name (before :meth:`resolve` for a new session)."""
+        source = self._source
+        if source is not None:
+            for selector in self._selectors(preset):
+                await source.load(selector)
+
+    def resolve_recorded(self, preset: Preset, recorded: Sequence[ToolDescriptor]) -> ToolSet:
+        """The tools of a session resumed with ``recorded`` descriptors (its header's, after
+        any filter): the registry's and the preset's of those names, in registry order, then
+        the source's bound to the remaining recorded descriptors, in recorded order (the
+        order the session was created with). A recorded tool nobody serves is left out: the
+        caller compares."""
+        names = [d.name for d in recorded]
+        plain = self.resolve(preset, allowed=names, with_source=False)
+        served = {t.descriptor.name for t in plain.tools}
+        bound: list[Tool] = []
+        for descriptor in recorded:
+            if descriptor.name in served or self._source is None:
+                continue
+            tool = self._source.bind(descriptor)
+            if tool is not None:
+                bound.append(tool)
+        return ToolSet((*plain.tools, *bound))
 
     @property
     def tools(self) -> tuple[Tool, ...]:
         return self._tools
 
-    def resolve(self, preset: Preset, *, allowed: Collection[str] | None = None) -> ToolSet:
-        """The tool set of an agent built from ``preset``.
+    def resolve(
+        self,
+        preset: Preset,
+        *,
+        allowed: Collection[str] | None = None,
+        with_source: bool = True,
+    ) -> ToolSet:
+        """The tool set of an agent built from ``preset``: the registry's tools it names (all
+        of them for ``tools=None``) in registry order, its scoped tools, then (``with_source``)
+        what its selectors name, as last loaded (:meth:`prepare`), in the preset's order.
 
         ``allowed`` (the names a session's durable spec still lists after any resume filter)
         removes tools but never adds one the preset does not select.
@@ -104,6 +168,13 @@ class ToolRegistry:
                 continue
             chosen.append(scoped.pop(name, standard))
         chosen.extend(scoped.values())
+        if with_source and self._source is not None:
+            taken = {t.descriptor.name for t in chosen}
+            for selector in self._selectors(preset):
+                for tool in self._source.select(selector):
+                    if tool.descriptor.name not in taken:
+                        taken.add(tool.descriptor.name)
+                        chosen.append(tool)
         if allowed is not None:
             chosen = [t for t in chosen if t.descriptor.name in allowed]
         return ToolSet(tuple(chosen))
