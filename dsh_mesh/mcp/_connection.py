@@ -75,12 +75,15 @@ class McpConnection:
         meta: Mapping[str, Any],
         on_progress: Callable[[], None],
     ) -> mcp_types.CallToolResult:
-        """Call ``tool``; cancelling the caller cancels the call on the server."""
+        """Call ``tool``; cancelling the caller cancels the call on the server. A call waits
+        for one of the ``max_concurrency`` slots; ``on_progress`` is called when it gets one and
+        at each progress notification."""
 
         async def progressed(progress: float, total: float | None, message: str | None) -> None:
             on_progress()
 
         async with self._using() as client:
+            on_progress()  # its turn came: the idle limit runs from now, not from the queue
             result: mcp_types.CallToolResult = await client.call_tool(
                 tool, dict(arguments), progress_callback=progressed, meta=dict(meta)
             )

@@ -1,0 +1,80 @@
+"""An MCP server for the tests, over streamable HTTP on loopback (the official SDK's
+``MCPServer``, served by uvicorn on port 0 in the test's own event loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import uvicorn
+from mcp.server.mcpserver import Context, MCPServer
+
+from dsh_mesh.mcp import IDEMPOTENCY_META
+
+
+@dataclass
+class Observed:
+    """What the server saw: idempotency keys, calls in flight at most, cancellations."""
+
+    keys: list[str] = field(default_factory=list)
+    in_flight: int = 0
+    most_in_flight: int = 0
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    headers: list[str] = field(default_factory=list)
+
+
+def build(observed: Observed) -> MCPServer:
+    server = MCPServer("dsh-test")
+
+    @server.tool()
+    async def whoami(ctx: Context) -> str:
+        """Say which idempotency key this call carries."""
+        meta = ctx.request_context.meta or {}
+        key = str(meta.get(IDEMPOTENCY_META, ""))
+        observed.keys.append(key)
+        return key
+
+    @server.tool()
+    async def slow(seconds: float, beats: int, ctx: Context) -> str:
+        """Work for a while, reporting progress ``beats`` times."""
+        observed.in_flight += 1
+        observed.most_in_flight = max(observed.most_in_flight, observed.in_flight)
+        try:
+            for beat in range(beats):
+                await asyncio.sleep(seconds / beats)
+                await ctx.report_progress(beat + 1, beats)
+        finally:
+            observed.in_flight -= 1
+        return "slow done"
+
+    @server.tool()
+    async def forever() -> str:
+        """Never return (until cancelled)."""
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            observed.cancelled.set()
+            raise
+        return "never"
+
+    return server
+
+
+@contextlib.asynccontextmanager
+async def serving(observed: Observed) -> AsyncIterator[str]:
+    """Serve the test server; yields its URL."""
+    app = build(observed).streamable_http_app()
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    try:
+        async with asyncio.timeout(10):
+            while not server.started:  # noqa: ASYNC110 (uvicorn sets a flag, no event)
+                await asyncio.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        yield f"http://127.0.0.1:{port}/mcp"
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 10)
