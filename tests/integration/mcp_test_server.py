@@ -22,7 +22,10 @@ class Observed:
     in_flight: int = 0
     most_in_flight: int = 0
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
-    headers: list[str] = field(default_factory=list)
+    gate: asyncio.Event = field(default_factory=asyncio.Event)
+    """Opens every ``gated_*`` call (until then they wait)."""
+    gated: list[tuple[str, str]] = field(default_factory=list)
+    """(tool, idempotency key) of every ``gated_*`` execution, in order."""
 
 
 def build(observed: Observed) -> MCPServer:
@@ -48,6 +51,22 @@ def build(observed: Observed) -> MCPServer:
         finally:
             observed.in_flight -= 1
         return "slow done"
+
+    async def gated(name: str, ctx: Context) -> str:
+        key = str((ctx.request_context.meta or {}).get(IDEMPOTENCY_META, ""))
+        observed.gated.append((name, key))
+        await observed.gate.wait()
+        return f"{name} ran ({key})"
+
+    @server.tool()
+    async def gated_safe(ctx: Context) -> str:
+        """Do something safe to repeat under one key, once the test lets it."""
+        return await gated("gated_safe", ctx)
+
+    @server.tool()
+    async def gated_unsafe(ctx: Context) -> str:
+        """Do something that must happen at most once, once the test lets it."""
+        return await gated("gated_unsafe", ctx)
 
     @server.tool()
     async def forever() -> str:

@@ -246,3 +246,21 @@ system_prompt = "You get stuck."
 model = "stuck"
 tools = ["pause"]
 """
+
+
+# MCP tools on node processes (tests/integration/test_mcp_tools.py writes the presets file: the
+# test's HTTP server "docs", whose gated_safe is declared safe, and the stdio server "time").
+MCP = Scenario(
+    presets=(),
+    programs={
+        "mcp-lead-safe": (tool("spawn_agent", task="Call.", preset="mcp-safe"), Stall()),
+        "mcp-lead-unsafe": (tool("spawn_agent", task="Call.", preset="mcp-unsafe"), Stall()),
+        "mcp-lead-time": (tool("spawn_agent", task="Tell the time.", preset="mcp-time"), Stall()),
+        "mcp-safe": (Call(calls=(("docs__gated_safe", {}),)), Reply(text="Resumed and finished.")),
+        "mcp-unsafe": (
+            Call(calls=(("docs__gated_unsafe", {}),)),
+            Reply(text="Resumed and finished."),
+        ),
+        "mcp-time": (Call(calls=(("time__get_current_time", {"timezone": "UTC"}),)), Stall()),
+    },
+)

@@ -11,13 +11,30 @@ import os
 import sys
 from collections.abc import AsyncIterator
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 
-from dsh_mesh.core import AbortSignal, ActivationId, AgentRef, SessionId, ToolCall
+from dsh_mesh.core import (
+    AbortSignal,
+    ActivationId,
+    AgentRef,
+    SessionId,
+    ToolCall,
+    ToolResultEntry,
+    TurnEndedEntry,
+)
 from dsh_mesh.mcp import McpServerConfig, McpServers
+from dsh_mesh.testing import (
+    EtcdAddress,
+    LocalCluster,
+    MeshReader,
+    calls_without_one_answer,
+    create_root,
+)
 from dsh_mesh.tools import CallLimits, Tool, ToolInvocation, ToolOutput, run_limited
 from tests.integration.mcp_test_server import Observed, serving
+from tests.integration.mesh_client import children_of, live_ref, notices, send_as
 
 CALLER = AgentRef(session_id=SessionId("s-1"), activation_id=ActivationId("a-1"))
 TIME_SERVER = (sys.executable, ("-m", "mcp_server_time", "--local-timezone", "UTC"))
@@ -57,7 +74,13 @@ async def test_a_streamable_http_servers_tools_carry_the_key_and_honour_the_limi
     async with McpServers([config]) as servers:
         await servers.load("mcp:docs")
         tools = {t.descriptor.name: t for t in servers.select("mcp:docs")}
-        assert sorted(tools) == ["docs__forever", "docs__slow", "docs__whoami"]
+        assert sorted(tools) == [
+            "docs__forever",
+            "docs__gated_safe",
+            "docs__gated_unsafe",
+            "docs__slow",
+            "docs__whoami",
+        ]
         schema = json.loads(tools["docs__slow"].descriptor.input_schema_json)
         assert sorted(schema["properties"]) == ["beats", "seconds"]
 
@@ -139,3 +162,162 @@ async def test_a_stdio_server_is_one_process_shared_closed_when_idle_and_on_exit
         assert not json.loads((await call(tool, {"timezone": "UTC"})).content).get("error")
         assert connection.opened == 2  # opened again by the next call
     assert not [c for c in descendants(os.getpid()).values() if "mcp_server_time" in c]
+
+
+# -- on node processes -------------------------------------------------------------------------
+
+MCP_PRESETS = """
+[mcp.servers.docs]
+url = "{url}"
+safe_tools = ["gated_safe"]
+
+[mcp.servers.time]
+command = "{python}"
+args = ["-m", "mcp_server_time", "--local-timezone", "UTC"]
+
+[presets.mcp-lead-safe]
+system_prompt = "You lead."
+model = "mcp-lead-safe"
+tools = ["spawn_agent"]
+
+[presets.mcp-lead-unsafe]
+system_prompt = "You lead."
+model = "mcp-lead-unsafe"
+tools = ["spawn_agent"]
+
+[presets.mcp-lead-time]
+system_prompt = "You lead."
+model = "mcp-lead-time"
+tools = ["spawn_agent"]
+
+[presets.mcp-safe]
+system_prompt = "You call."
+model = "mcp-safe"
+tools = ["send_message", "mcp:docs/gated_safe"]
+
+[presets.mcp-unsafe]
+system_prompt = "You call."
+model = "mcp-unsafe"
+tools = ["send_message", "mcp:docs/gated_unsafe"]
+
+[presets.mcp-time]
+system_prompt = "You tell the time."
+model = "mcp-time"
+tools = ["send_message", "mcp:time"]
+"""
+
+
+@pytest.fixture
+async def mcp_cluster(
+    etcd: EtcdAddress, tmp_path: Path, http_server: tuple[str, Observed]
+) -> AsyncIterator[tuple[LocalCluster, Observed]]:
+    url, observed = http_server
+    presets = tmp_path / "presets.toml"
+    presets.write_text(MCP_PRESETS.format(url=url, python=sys.executable))
+    cluster = LocalCluster(
+        etcd_endpoint=etcd.endpoint,
+        scenario="tests.integration.scenarios:MCP",
+        presets_file=presets,
+    )
+    await asyncio.to_thread(cluster.__enter__)
+    try:
+        yield cluster, observed
+    finally:
+        await asyncio.to_thread(cluster.close)
+
+
+@pytest.mark.parametrize("replay", ["safe", "unsafe"])
+async def test_an_mcp_tool_call_survives_the_sigkill_of_its_host(
+    mcp_cluster: tuple[LocalCluster, Observed], replay: str
+) -> None:
+    cluster, observed = mcp_cluster
+    name = f"gated_{replay}"
+    async with MeshReader(cluster.settings) as reader:
+        root = await create_root(cluster, on="node-a", task="Go.", preset=f"mcp-lead-{replay}")
+        [child] = await reader.wait_for(
+            lambda: children_of(reader, root), lambda c: len(c) == 1, what="the child's header"
+        )
+        await reader.wait_for(
+            lambda: _value(len(observed.gated)), bool, what="the call reaching the server"
+        )
+        _, child_host = await live_ref(reader, child.session_id)
+        cluster[child_host].kill()  # the call is running: the server holds it at its gate
+        await reader.wait_for(
+            lambda: reader.transcript(root), lambda r: bool(notices(r)), what="lost notice"
+        )
+        observed.gate.set()
+        parent, root_host = await live_ref(reader, root)
+        await send_as(
+            cluster, via=root_host, caller=root_host, sender=parent, target=child.session_id,
+            message="Carry on.", key="after-kill",
+        )  # fmt: skip
+        records = await reader.wait_for(
+            lambda: reader.transcript(child.session_id),
+            lambda rs: sum(isinstance(r.entry, TurnEndedEntry) for r in rs) == 2,
+            what="the lost turn and the resumed one, ended",
+        )
+    assert calls_without_one_answer(records) == []
+    [result] = [
+        r.entry
+        for r in records
+        if isinstance(r.entry, ToolResultEntry) and r.entry.name == f"docs__{name}"
+    ]
+    runs = observed.gated
+    if replay == "safe":
+        assert [tool for tool, _ in runs] == [name, name]  # on the dead host, then again
+        assert runs[0][1] == runs[1][1]  # under the same key, in _meta
+        assert not result.is_error and result.content == f"{name} ran ({runs[0][1]})"
+    else:
+        assert [tool for tool, _ in runs] == [name]  # never a second time
+        assert result.is_error and json.loads(result.content)["outcome"] == "unknown"
+
+
+async def test_a_stdio_server_dies_with_its_node(
+    mcp_cluster: tuple[LocalCluster, Observed],
+) -> None:
+    """SIGKILL of a node leaves no MCP server process behind: the reaper that leads the
+    server's process group gets its parent's death signal and kills the group."""
+    cluster, _ = mcp_cluster
+    async with MeshReader(cluster.settings) as reader:
+        root = await create_root(cluster, on="node-a", task="Go.", preset="mcp-lead-time")
+        [child] = await reader.wait_for(
+            lambda: children_of(reader, root), lambda c: len(c) == 1, what="the child's header"
+        )
+        records = await reader.wait_for(
+            lambda: reader.transcript(child.session_id),
+            lambda rs: any(isinstance(r.entry, ToolResultEntry) for r in rs),
+            what="the time tool's result",
+        )
+        header = await reader.header(child.session_id)
+        _, child_host = await live_ref(reader, child.session_id)
+    [result] = [r.entry for r in records if isinstance(r.entry, ToolResultEntry)]
+    assert not result.is_error and json.loads(result.content)["timezone"] == "UTC"
+    assert header is not None
+    assert [d.name for d in header.spec.tools] == [
+        "send_message",
+        "time__get_current_time",
+        "time__convert_time",
+    ]
+    node_pid = cluster[child_host].pid
+    spawned = {
+        pid: command
+        for pid, command in descendants(node_pid).items()
+        if "mcp_server_time" in command
+    }
+    assert len(spawned) == 2, spawned  # the reaper and the server: one per node
+    cluster[child_host].kill()
+    async with asyncio.timeout(10):
+        while any(_alive(pid) for pid in spawned):  # noqa: ASYNC110 (processes: no event)
+            await asyncio.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+async def _value(value: object) -> object:
+    return value
