@@ -140,7 +140,10 @@ class McpConnection:
         """Own the client for its whole life (the SDK's scopes must be left by the task that
         entered them): enter it, hand it out, wait until it is idle or closed, leave it."""
         try:
-            async with Client(self._server(), mode="auto") as client:
+            async with contextlib.AsyncExitStack() as stack:
+                client = await stack.enter_async_context(
+                    Client(await self._server(stack), mode="auto")
+                )
                 ready.set_result(client)
                 idle = self.config.idle_close.total_seconds()
                 while not self._closing.is_set():
@@ -161,7 +164,7 @@ class McpConnection:
             self._closing.set()
             self._client = None
 
-    def _server(self) -> StdioServerParameters | Any:
+    async def _server(self, stack: contextlib.AsyncExitStack) -> StdioServerParameters | Any:
         config = self.config
         if config.command is not None:
             return StdioServerParameters(
@@ -178,5 +181,7 @@ class McpConnection:
                 cwd=config.cwd,
             )
         assert config.url is not None
-        http = httpx2.AsyncClient(headers=dict(config.headers), timeout=None)
+        http = await stack.enter_async_context(
+            httpx2.AsyncClient(headers=dict(config.headers), timeout=None)
+        )
         return streamable_http_client(config.url, http_client=http)

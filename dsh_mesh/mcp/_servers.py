@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Sequence
 from types import TracebackType
 from typing import Self
@@ -14,6 +15,9 @@ from dsh_mesh.mcp._connection import McpConnection, McpUnavailable
 from dsh_mesh.mcp._tool import McpTool, descriptor_of
 from dsh_mesh.tools import Tool
 
+LISTING_TTL = 60.0
+"""Seconds a server's tool listing serves new sessions before it is listed again. A session
+keeps the descriptors it was created with, whatever the server lists later."""
 SELECTOR_PREFIX = "mcp:"
 """A preset names a server's tools as ``mcp:<server>`` (all of them, in the server's order)
 or ``mcp:<server>/<tool>`` (one)."""
@@ -30,6 +34,7 @@ class McpServers:
         self._configs = {config.name: config for config in configs}
         self._connections: dict[str, McpConnection] = {}
         self._listings: dict[str, tuple[McpTool, ...]] = {}
+        self._listed_at: dict[str, float] = {}
         self._group: asyncio.TaskGroup | None = None
         self._stack = contextlib.AsyncExitStack()
 
@@ -71,10 +76,12 @@ class McpServers:
         return None
 
     async def load(self, selector: str) -> None:
-        """List the selected server's tools (opening its connection) unless listed already.
-        Raises :class:`ToolsUnavailable` when the server cannot be reached or lacks the tool."""
+        """List the selected server's tools (opening its connection) unless listed within
+        :data:`LISTING_TTL`. Raises :class:`ToolsUnavailable` when the server cannot be reached
+        or lacks the tool."""
         server, _, tool = selector.removeprefix(SELECTOR_PREFIX).partition("/")
-        if server not in self._listings:
+        fresh = time.monotonic() - self._listed_at.get(server, -LISTING_TTL) < LISTING_TTL
+        if not fresh:
             connection = self._connections[server]
             try:
                 listed = await connection.list_tools()
@@ -87,6 +94,7 @@ class McpServers:
                 McpTool(connection, t.name, descriptor_of(config.tool_name(t.name), t))
                 for t in listed
             )
+            self._listed_at[server] = time.monotonic()
         if tool and not any(
             t.descriptor.name.endswith(f"__{tool}") for t in self._listings[server]
         ):

@@ -34,7 +34,12 @@ can fake for another:
 - *blind resends*: a message stored twice at its target, once for each of two ``send_message``
   calls of one sender, the second made before the sender was shown the first one's result (the
   double send a model makes when it never learns whether its first send landed,
-  :func:`blind_resends`).
+  :func:`blind_resends`);
+- *duplicated unsafe executions*: a ``replay="unsafe"`` probe tool call that ran more than once
+  (the probe's own log, :mod:`dsh_mesh.testing.probe_tools`, counts executions by idempotency
+  key); *unrecorded executions*: a probe run whose call no transcript records; *untrue results*:
+  a probe call answered as done that never ran (:func:`check_tool_runs`). Safe calls run again
+  after a host death are counted, never held against the run.
 
 A message whose outcome the asker never learned (its node died mid-call) may have landed once or
 not at all; it is never counted lost, but a second copy is still a duplicate.
@@ -62,6 +67,7 @@ from dsh_mesh.core import (
     SettlementNoticeEntry,
     ToolResultEntry,
 )
+from dsh_mesh.testing.probe_tools import ProbeRun
 
 HUMAN = "human"
 """The sender of a prompt."""
@@ -142,6 +148,13 @@ class Verdict:
     unanswered_calls: int = 0
     untrue_boundaries: int = 0
     blind_resends: int = 0
+    tool_runs: int = 0
+    """Executions of the probe tools (their log's lines)."""
+    unsafe_duplicates: int = 0
+    unrecorded_runs: int = 0
+    untrue_results: int = 0
+    safe_reruns: int = 0
+    """Safe probe calls that ran more than once (again after a host death): allowed."""
     unattributed_writes: int = 0
     """Durable entries no node reported writing (their node was killed in between): counted,
     never held against the run."""
@@ -183,6 +196,12 @@ class Verdict:
             f" untrue step boundaries {self.untrue_boundaries}, blind resends {self.blind_resends}"
         )
         lines.append(
+            f"  tool executions {self.tool_runs}: unsafe executions duplicated"
+            f" {self.unsafe_duplicates}, safe calls re-run {self.safe_reruns},"
+            f" executions without a recorded call {self.unrecorded_runs},"
+            f" results of calls that never ran {self.untrue_results}"
+        )
+        lines.append(
             f"  activations {self.activations}, writes refused by the fence {self.fenced_writes},"
             f" unattributed writes {self.unattributed_writes}"
         )
@@ -203,6 +222,8 @@ class Verdict:
 
 
 SEND_TOOL = "send_message"
+UNSAFE_PROBE = "probe_unsafe"
+PROBE_TOOLS = frozenset({UNSAFE_PROBE, "probe_safe"})
 _CALLS_PER_STEP = 1000
 
 
@@ -327,8 +348,10 @@ def check(
     sends: Sequence[Send],
     transcripts: Mapping[SessionId, Sequence[Record]],
     history: NodeHistory,
+    tool_runs: Sequence[ProbeRun] = (),
 ) -> Verdict:
-    """Judge a whole run; see the module docstring for what is counted."""
+    """Judge a whole run; see the module docstring for what is counted. ``tool_runs`` are the
+    probe tools' executions (their log)."""
     verdict = Verdict(operations=len(sends))
     verdict.activations = history.activations
     verdict.fenced_writes = history.fenced_writes
@@ -357,7 +380,48 @@ def check(
             verdict._violate("untrue_boundaries", f"{session}: {violation}")
     for violation in blind_resends(transcripts):
         verdict._violate("blind_resends", violation)
+    check_tool_runs(transcripts, tool_runs, verdict)
     return verdict
+
+
+def check_tool_runs(
+    transcripts: Mapping[SessionId, Sequence[Record]],
+    runs: Sequence[ProbeRun],
+    verdict: Verdict,
+) -> None:
+    """Judge the probe tools' executions against the transcripts: an unsafe call runs at most
+    once; every execution belongs to a recorded call (the step is durable before any of its
+    calls runs); a call answered as done ran at least once. A call's key is its idempotency key
+    (``<step seq>.<index>.<call id>``), as the tool saw it."""
+    verdict.tool_runs = len(runs)
+    recorded: dict[tuple[str, str], str] = {}
+    answered: dict[tuple[str, str], ToolResultEntry] = {}
+    for session, records in transcripts.items():
+        by_call: dict[str, str] = {}
+        for record in records:
+            entry = record.entry
+            if isinstance(entry, AssistantStepEntry):
+                for index, call in enumerate(entry.tool_calls):
+                    if call.name in PROBE_TOOLS:
+                        key = f"{record.seq}.{index}.{call.call_id}"
+                        recorded[(session, key)] = call.name
+                        by_call[call.call_id] = key
+            elif isinstance(entry, ToolResultEntry) and entry.call_id in by_call:
+                answered[(session, by_call[entry.call_id])] = entry
+    counts = Counter((run.session, run.key) for run in runs)
+    for (ran_in, key), count in sorted(counts.items()):
+        name = recorded.get((ran_in, key))
+        if name is None:
+            verdict._violate("unrecorded_runs", f"{ran_in}: a probe ran under {key}, no call")
+        elif count > 1 and name == UNSAFE_PROBE:
+            verdict._violate("unsafe_duplicates", f"{ran_in}: {name} {key} ran {count} times")
+        elif count > 1:
+            verdict.safe_reruns += 1
+    for (called_in, key), result in sorted(answered.items()):
+        if not result.is_error and counts[(called_in, key)] == 0:
+            verdict._violate(
+                "untrue_results", f"{called_in}: {result.name} {key} answered done, never ran"
+            )
 
 
 def calls_without_one_answer(records: Sequence[Record]) -> list[str]:

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import random
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from dsh_mesh.testing._cluster import PatientReader
 from dsh_mesh.testing._faults import FAULT_KINDS, FaultDriver
@@ -24,6 +27,7 @@ from dsh_mesh.testing._history import Verdict, agent_sends, check, load_node_his
 from dsh_mesh.testing._proxy import TcpProxy
 from dsh_mesh.testing._testbed import BedCluster, MultiHostBed
 from dsh_mesh.testing._workload import FAULT_REASONS, Workload
+from dsh_mesh.testing.probe_tools import LOG_ENV, read_probe_log
 
 SCENARIO = "dsh_mesh.testing:WORKLOAD"
 
@@ -84,7 +88,8 @@ async def fault_run(
     async with TcpProxy(
         listen=(bed.bridge_address, 0), upstream=(bed.hosts["c"].address, 0)
     ) as proxy:
-        cluster = await asyncio.to_thread(_start, bed, proxy, ttl)
+        probe_log = Path(tempfile.mkdtemp(prefix="dsh-probe-")) / "probe.log"
+        cluster = await asyncio.to_thread(_start, bed, proxy, ttl, probe_log)
         try:
             async with PatientReader(cluster.settings, patience=60.0) as reader:
                 workload = Workload(cluster, reader, rng=rng)
@@ -111,7 +116,8 @@ async def fault_run(
                 *agent_sends(transcripts, writers_of(history), allowed=FAULT_REASONS),
                 *workload.sends,
             ]
-            verdict = check(sends, transcripts, history)
+            verdict = check(sends, transcripts, history, read_probe_log(probe_log))
+            shutil.rmtree(probe_log.parent, ignore_errors=True)
             fenced = sorted(node.node_id for node in cluster if "lost its lease" in node.log())
         finally:
             await asyncio.to_thread(cluster.close)
@@ -132,9 +138,13 @@ async def fault_run(
     )
 
 
-def _start(bed: MultiHostBed, proxy: TcpProxy, ttl: float) -> BedCluster:
+def _start(bed: MultiHostBed, proxy: TcpProxy, ttl: float, probe_log: Path) -> BedCluster:
     cluster = bed.cluster(
-        SCENARIO, lease_ttl=ttl, fronted={"node-c": (proxy.host, proxy.port)}, history=True
+        SCENARIO,
+        lease_ttl=ttl,
+        fronted={"node-c": (proxy.host, proxy.port)},
+        history=True,
+        env={LOG_ENV: str(probe_log)},
     )
     cluster.__enter__()
     return cluster

@@ -6,8 +6,11 @@ also spawns a one-shot helper); a worker reports progress, spawns a leaf (or mes
 it has), reports a result and settles; a leaf answers its worker and settles. So messages cross
 every edge in both directions, children spawn, settle and are cold-resumed by the next round's
 message, and every message carries a fresh random token, so the checker can tell each one
-apart. Each step is chosen from what the transcript shows, not from a step count, so a turn cut
-short by a fault picks up where it stood, and nothing ping-pongs: only a round opens work.
+apart. A leaf's answer step first calls the two probe tools
+(:mod:`~dsh_mesh.testing.probe_tools`: one unsafe, one safe to re-run), whose executions the
+checker counts. Each step is chosen from what the transcript shows, not from a step count, so a
+turn cut short by a fault picks up where it stood, and nothing ping-pongs: only a round opens
+work.
 
 :class:`Workload` is the driver's side: it creates the roots, prompts the rounds through any
 live node (retrying under one idempotency key until the answer settles it), probes that refusals
@@ -49,6 +52,7 @@ from dsh_mesh.models import (
 from dsh_mesh.node import Scenario
 from dsh_mesh.testing._cluster import LocalCluster, MeshReader
 from dsh_mesh.testing._history import HUMAN, Outcome, Send
+from dsh_mesh.testing.probe_tools import probe_safe, probe_unsafe
 from dsh_mesh.tools import Preset
 from dsh_mesh.transport import error_from_rpc
 
@@ -189,7 +193,21 @@ def _leaf_owes(context: ScriptContext) -> bool:
 
 
 _LEAF_STEP = Branch(
-    cases=((_leaf_owes, _to(PARENT, "leaf-result")),), otherwise=Reply(text="Leaf done.")
+    cases=(
+        (
+            _leaf_owes,
+            # Two probe tools with effects the checker counts (one line per execution), then
+            # the answer: a host that dies mid-step leaves them open for the next activation.
+            Call(
+                calls=(
+                    ("probe_unsafe", {}),
+                    ("probe_safe", {}),
+                    ("send_message", {"agent_id": PARENT, "message": _fresh("leaf-result")}),
+                )
+            ),
+        ),
+    ),
+    otherwise=Reply(text="Leaf done."),
 )
 
 WORKLOAD = Scenario(
@@ -199,6 +217,7 @@ WORKLOAD = Scenario(
         Preset(name="soak-leaf", system_prompt="You answer.", model="soak-leaf"),
         Preset(name="soak-helper", system_prompt="You answer once.", model="soak-helper"),
     ),
+    tools=(probe_unsafe, probe_safe),
     programs={
         "soak-root": (
             Call(

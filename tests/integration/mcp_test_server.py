@@ -82,9 +82,9 @@ def build(observed: Observed) -> MCPServer:
 
 
 @contextlib.asynccontextmanager
-async def serving(observed: Observed) -> AsyncIterator[str]:
-    """Serve the test server; yields its URL."""
-    app = build(observed).streamable_http_app()
+async def serving(observed: Observed, mcp: MCPServer | None = None) -> AsyncIterator[str]:
+    """Serve the test server (or ``mcp``); yields its URL."""
+    app = (mcp or build(observed)).streamable_http_app()
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())

@@ -51,6 +51,9 @@ async def test_every_fault_once_and_the_history_checks_clean(
     assert verdict.clean, report.summary()
     assert (verdict.lost, verdict.duplicated, verdict.order_violations) == (0, 0, 0)
     assert verdict.overlapping_activations == 0
+    # The leaves' probe tools ran (one line per execution), and no unsafe call ran twice.
+    assert verdict.tool_runs > 20, report.summary()
+    assert (verdict.unsafe_duplicates, verdict.unanswered_calls) == (0, 0)
     # The paused node and the cut-off host's node found their lease gone and fenced themselves.
     assert report.fenced_nodes, report.log
     assert report.failovers, report.log

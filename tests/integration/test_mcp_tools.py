@@ -33,7 +33,7 @@ from dsh_mesh.testing import (
     create_root,
 )
 from dsh_mesh.tools import CallLimits, Tool, ToolInvocation, ToolOutput, run_limited
-from tests.integration.mcp_test_server import Observed, serving
+from tests.integration.mcp_test_server import Observed, build, serving
 from tests.integration.mesh_client import children_of, live_ref, notices, send_as
 
 CALLER = AgentRef(session_id=SessionId("s-1"), activation_id=ActivationId("a-1"))
@@ -321,3 +321,38 @@ def _alive(pid: int) -> bool:
 
 async def _value(value: object) -> object:
     return value
+
+
+async def test_a_changing_tool_list_never_changes_what_a_session_recorded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server adds a tool and rewords another while sessions run: a new session's listing
+    shows it; a session's recorded descriptors (bound on resume) stay byte for byte as they
+    were, in their order."""
+    monkeypatch.setattr("dsh_mesh.mcp._servers.LISTING_TTL", 0.0)
+    observed = Observed()
+    server = build(observed)
+    async with (
+        serving(observed, server) as url,
+        McpServers([McpServerConfig(name="docs", url=url)]) as servers,
+    ):
+        await servers.load("mcp:docs")
+        recorded = [t.descriptor for t in servers.select("mcp:docs")]
+
+        server._tool_manager.remove_tool("whoami")  # the SDK keeps a tool's first definition
+
+        @server.tool(name="whoami", description="Reworded: say the key.")
+        async def reworded() -> str:
+            return "reworded"
+
+        @server.tool()
+        async def added() -> str:
+            """A tool that appeared later."""
+            return "added"
+
+        await servers.load("mcp:docs")
+        now = {t.descriptor.name: t.descriptor for t in servers.select("mcp:docs")}
+        assert "docs__added" in now
+        assert now["docs__whoami"].description == "Reworded: say the key."
+        bound = [servers.bind(d) for d in recorded]
+        assert [b.descriptor for b in bound if b is not None] == recorded

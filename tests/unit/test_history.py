@@ -43,6 +43,7 @@ from dsh_mesh.testing import (
     load_node_history,
     writers_of,
 )
+from dsh_mesh.testing.probe_tools import ProbeRun
 
 ROOT = SessionId("root")
 CHILD = SessionId("child")
@@ -471,3 +472,59 @@ def test_a_boundary_that_reads_out_of_seq_order_is_untrue() -> None:
         from_child("m1"), from_child("m2"), notice(), ConsumedEntry(seqs=(4, 3, 5))
     )
     only(judge(root, CLEAN_CHILD), "untrue_boundaries")
+
+
+# -- probe tool executions -----------------------------------------------------------------------
+
+
+def probe_transcript() -> list[Record]:
+    """One step (seq 1) calling both probes; each answered as done."""
+    return records(
+        AssistantStepEntry(
+            text="",
+            tool_calls=(
+                ToolCall(call_id="u", name="probe_unsafe", arguments_json="{}"),
+                ToolCall(call_id="s", name="probe_safe", arguments_json="{}"),
+            ),
+            usage=Usage(),
+        ),
+        ToolResultEntry(call_id="u", name="probe_unsafe", content="ran"),
+        ToolResultEntry(call_id="s", name="probe_safe", content="ran"),
+    )
+
+
+def run(tool: str, key: str, pid: int = 1) -> ProbeRun:
+    return ProbeRun(tool=tool, session=CHILD, key=key, pid=pid)
+
+
+def test_probe_runs_once_each_are_clean_and_a_safe_rerun_is_counted_not_held() -> None:
+    verdict = check(
+        [],
+        {CHILD: probe_transcript()},
+        NodeHistory(),
+        [run("probe_unsafe", "1.0.u"), run("probe_safe", "1.1.s"), run("probe_safe", "1.1.s", 2)],
+    )
+    assert verdict.clean, verdict.violations
+    assert verdict.tool_runs == 3 and verdict.safe_reruns == 1
+
+
+def test_an_unsafe_probe_run_twice_is_a_violation() -> None:
+    verdict = check(
+        [],
+        {CHILD: probe_transcript()},
+        NodeHistory(),
+        [run("probe_unsafe", "1.0.u"), run("probe_unsafe", "1.0.u", 2), run("probe_safe", "1.1.s")],
+    )
+    assert verdict.unsafe_duplicates == 1 and not verdict.clean
+
+
+def test_a_run_without_a_recorded_call_and_a_result_without_a_run_are_violations() -> None:
+    verdict = check(
+        [],
+        {CHILD: probe_transcript()},
+        NodeHistory(),
+        [run("probe_unsafe", "1.0.u"), run("probe_unsafe", "9.0.x")],
+    )
+    assert verdict.unrecorded_runs == 1
+    assert verdict.untrue_results == 1  # the safe probe answered done, never ran
+    assert "executions without a recorded call 1" in verdict.summary()

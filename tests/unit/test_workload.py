@@ -3,14 +3,14 @@ bounded amount of work and then the tree goes quiet, so a run can be drained and
 
 from __future__ import annotations
 
-from dsh_mesh.core import AgentMessageEntry, SessionKind, SettlementNoticeEntry
+from dsh_mesh.core import AgentMessageEntry, SessionKind, SettlementNoticeEntry, ToolResultEntry
 from dsh_mesh.models import ScriptedProvider
 from dsh_mesh.testing import WORKLOAD, in_process_mesh
 
 
 async def test_each_round_crosses_every_edge_both_ways_and_then_the_tree_is_quiet() -> None:
     scripted = ScriptedProvider(programs=dict(WORKLOAD.programs), resume_from_transcript=True)
-    async with in_process_mesh(WORKLOAD.presets, scripted=scripted) as mesh:
+    async with in_process_mesh(WORKLOAD.presets, scripted=scripted, tools=WORKLOAD.tools) as mesh:
         root = (await mesh.manager.create_root("Lead rounds.", preset="soak-root")).session_id
         await mesh.manager.quiescent()
         for number in (1, 2, 3):
@@ -41,3 +41,10 @@ async def test_each_round_crosses_every_edge_both_ways_and_then_the_tree_is_quie
                 if isinstance(r.entry, AgentMessageEntry) and r.entry.content.startswith("leaf-")
             ]
             assert len(answers) == 2  # a leaf is spawned in round 1, pinged in rounds 2 and 3
+            # Each answer step first ran both probes (no probe log here: their results only).
+            probes = [
+                r.entry
+                for r in await mesh.transcript(leaf.session_id)
+                if isinstance(r.entry, ToolResultEntry) and r.entry.name.startswith("probe_")
+            ]
+            assert len(probes) == 4 and not any(p.is_error for p in probes)
