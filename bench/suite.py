@@ -34,6 +34,7 @@ from bench.memory import measure_memory
 from bench.provider import measure_provider
 from bench.resume import measure_clean_resume, measure_crash_resume
 from bench.storage import measure_storage
+from bench.tools import measure_tools
 from bench.warm import (
     measure_cross_node,
     measure_node_scaling,
@@ -44,7 +45,7 @@ from bench.warm import (
 from dsh_mesh.testing import EtcdServer
 
 HERE = Path(__file__).resolve().parent
-TARGETS = 10
+TARGETS = 15
 """Figures with a target in a complete report (one per target of the issue): six for the warm
 sends, the resumes and idle memory, one for long transcripts' resume (``long-resume``) and three
 for the control plane's reads (``control``)."""
@@ -59,6 +60,7 @@ SECTIONS: dict[str, Callable[[Bed], Awaitable[None]]] = {
     "crash": measure_crash_resume,
     "storage": measure_storage,
     "provider": measure_provider,
+    "tools": measure_tools,
     # The ones that fill etcd run last, so they cannot slow the others down.
     "sessions": measure_registered_sessions,
     "control": measure_control,

@@ -56,7 +56,8 @@ def describe(record: Record) -> str:
         return f"{prefix} model          {said}{' calls ' + _short(calls) if calls else ''}"
     if isinstance(entry, ToolResultEntry):
         flag = "ERROR " if entry.is_error else ""
-        return f"{prefix} tool result    {entry.name}: {flag}{_short(entry.content)}"
+        took = f" ({entry.duration_ms} ms)" if entry.duration_ms else ""
+        return f"{prefix} tool result    {entry.name}{took}: {flag}{_short(entry.content)}"
     return f"{prefix} {entry!r}"
 
 

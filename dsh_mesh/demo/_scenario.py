@@ -1,16 +1,22 @@
 """The scenario every node of the demo cluster runs (``--scenario dsh_mesh.demo:SCENARIO``).
 
 A lead agent splits a survey between two continuable researchers and a one-shot glossary
-helper, which the cluster places on the other nodes. The lead reacts to whatever arrives, in
-whatever order: a progress message gets a follow-up, a ``lost`` settlement notice (its child's
-host died) gets a request to carry on, which cold-resumes that child on a live node.
+helper, which the cluster places on the other nodes. Researcher beta first reads this
+project's docs: through a Python tool (``read_doc``) and through an MCP server over stdio that
+its node launches (``docs__search_docs``, :mod:`dsh_mesh.demo.docs_server`). The lead reacts
+to whatever arrives, in whatever order: a progress message gets a follow-up, a ``lost``
+settlement notice (its child's host died) gets a request to carry on, which cold-resumes that
+child on a live node.
 """
 
 from __future__ import annotations
 
 import re
+import sys
 
 from dsh_mesh.core import Role
+from dsh_mesh.demo.tools import DOCS, read_doc
+from dsh_mesh.mcp import McpServerConfig
 from dsh_mesh.models import (
     PARENT,
     Branch,
@@ -62,11 +68,23 @@ _REACT = Branch(
     otherwise=Reply(text="Noted. I will merge results as they arrive."),
 )
 
+DOCS_SERVER = McpServerConfig(
+    name="docs",
+    command=sys.executable,
+    args=("-m", "dsh_mesh.demo.docs_server", str(DOCS)),
+    safe_tools=frozenset({"search_docs"}),
+)
+
 SCENARIO = Scenario(
     presets=(
         Preset(name="lead", system_prompt="You lead a survey team.", model="lead"),
         Preset(name="alpha", system_prompt="You are a careful researcher.", model="alpha"),
-        Preset(name="beta", system_prompt="You are a careful researcher.", model="beta"),
+        Preset(
+            name="beta",
+            system_prompt="You are a careful researcher.",
+            model="beta",
+            tools=("send_message", "read_doc", "mcp:docs"),
+        ),
         Preset(name="gloss", system_prompt="You write glossary entries.", model="gloss"),
     ),
     programs={
@@ -111,6 +129,13 @@ SCENARIO = Scenario(
             Reply(text="Survey of etcd leases complete."),
         ),
         "beta": (
+            Call(
+                text="Reading the project's docs first.",
+                calls=(
+                    ("read_doc", {"name": "contract.md", "max_lines": "6"}),
+                    ("docs__search_docs", {"term": "deadline", "limit": "3"}),
+                ),
+            ),
             send(sibling, "Hi sibling, want to compare notes?"),
             send(
                 PARENT, "Result: every gRPC call carries a deadline; servers see it as time left."
@@ -119,4 +144,6 @@ SCENARIO = Scenario(
         ),
         "gloss": (Reply(text="Activation: one live residency of a session on a node."),),
     },
+    tools=(read_doc,),
+    mcp_servers=(DOCS_SERVER,),
 )

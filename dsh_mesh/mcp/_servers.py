@@ -80,6 +80,11 @@ class McpServers:
         :data:`LISTING_TTL`. Raises :class:`ToolsUnavailable` when the server cannot be reached
         or lacks the tool."""
         server, _, tool = selector.removeprefix(SELECTOR_PREFIX).partition("/")
+        if server not in self._connections:
+            raise ToolsUnavailable(
+                f"no MCP server {server!r} is declared on this node",
+                metadata={"tool": selector, "problem": "missing"},
+            )
         fresh = time.monotonic() - self._listed_at.get(server, -LISTING_TTL) < LISTING_TTL
         if not fresh:
             connection = self._connections[server]

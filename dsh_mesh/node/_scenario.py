@@ -55,19 +55,22 @@ class Scenario:
         )
 
     def configured(self, file: PresetFile) -> Scenario:
-        """This scenario with a presets file's endpoints, presets and tools (a file preset
-        replaces the scenario's preset of the same name; a file tool, its tool)."""
+        """This scenario with a presets file's endpoints, presets, tools and MCP servers (a
+        file preset replaces the scenario's preset of the same name; a file tool or server,
+        the scenario's of that name)."""
         names = {preset.name for preset in file.presets}
         kept = tuple(p for p in self.presets if p.name not in names)
         tool_names = {tool.descriptor.name for tool in file.tools}
         tools = tuple(t for t in self.tools if t.descriptor.name not in tool_names) + file.tools
+        server_names = {server.name for server in file.mcp_servers}
+        servers = tuple(s for s in self.mcp_servers if s.name not in server_names)
         return dataclasses.replace(
             self,
             presets=kept + file.presets,
             endpoints={**self.endpoints, **file.endpoints},
             tools=tools,
-            tool_threads=file.tool_threads,
-            mcp_servers=file.mcp_servers,
+            tool_threads=file.tool_threads if file.tools else self.tool_threads,
+            mcp_servers=servers + file.mcp_servers,
         )
 
 

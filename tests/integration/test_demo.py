@@ -51,6 +51,14 @@ async def test_the_cluster_demo_shows_delivery_both_ways_a_kill_and_a_cold_resum
     ]
     assert max(from_alpha) < alpha_notices[-1][0]  # its messages precede its final notice
     assert (beta, SettlementOutcome.COMPLETED) in _notices(root)
+    # beta read the docs through the Python tool and through the MCP server its node launched.
+    results = {
+        r.entry.name: r.entry for r in run.transcripts[beta] if isinstance(r.entry, ToolResultEntry)
+    }
+    assert not results["read_doc"].is_error
+    assert results["read_doc"].content.startswith("# ")  # the doc's title line
+    assert not results["docs__search_docs"].is_error
+    assert "deadline" in results["docs__search_docs"].content.lower()
     # The sibling send was refused with its reason; the resume was reported as such.
     assert any(
         isinstance(r.entry, ToolResultEntry) and "SIBLING_TARGET" in r.entry.content

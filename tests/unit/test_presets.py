@@ -256,3 +256,15 @@ def test_a_preset_naming_a_tool_no_module_defines_is_refused(tmp_path: Path) -> 
     )
     with pytest.raises(PresetFileError, match=r"unknown tools \['read_file'\]"):
         load_presets(path, environ={})
+
+
+def test_a_scenarios_own_tools_and_servers_survive_a_file_that_names_none() -> None:
+    """A node without a presets file, or with one that names no tools, keeps what its
+    scenario declares (the demo's ``read_doc`` and its docs MCP server)."""
+    from dsh_mesh.demo import SCENARIO
+    from dsh_mesh.node import PresetFile
+
+    configured = SCENARIO.configured(PresetFile())
+    assert [t.descriptor.name for t in configured.tools] == ["read_doc"]
+    assert [s.name for s in configured.mcp_servers] == ["docs"]
+    assert configured.tool_threads == SCENARIO.tool_threads
