@@ -31,6 +31,11 @@ def a_report() -> Report:
         Figure("ListAgents of a tree at 100k / at 100", 6.0, "ms", 5.8, 1.1, "lower"),
         Figure("WatchSession first event at 100k / at 100", 5.0, "ms", 4.9, 1.1, "lower"),
         Figure("GetSession first page at 100k / at 100", 2.1, "ms", 2.0, 1.1, "lower"),
+        Figure("Python tool p50 / bare", 2.0, "ms", 1.8, 1.2, "lower"),
+        Figure("Python tool throughput / bare", 850.0, "calls/s", 560.0, 0.833, "higher"),
+        Figure("MCP tool p50 / bare", 1.5, "ms", 1.4, 1.2, "lower"),
+        Figure("MCP tool throughput / bare", 945.0, "calls/s", 993.0, 0.833, "higher"),
+        Figure("server processes for 1000 agents", 1.0, "processes", None, 1.0, "lower"),
         Figure("bare echo p50", 0.6, "ms"),
         Figure("warm same-node send throughput", 5000.0, "calls/s", 4000.0, better="higher"),
     )
@@ -45,7 +50,7 @@ def a_document() -> dict[str, Any]:
 
 def test_a_complete_report_conforms_and_lists_only_targets_as_figures() -> None:
     document = a_document()
-    assert TARGETS == 10  # six of the first suite, long-resume's one, control's three
+    assert TARGETS == 15  # six of the first suite, long-resume's one, control's three, tools' five
     assert check_report(document, expected_targets=TARGETS) == []
     assert len(document["figures"]) == TARGETS
     assert all(sorted(f) == sorted(FIGURE_KEYS) for f in document["figures"])
