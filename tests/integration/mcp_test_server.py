@@ -22,6 +22,7 @@ class Observed:
     in_flight: int = 0
     most_in_flight: int = 0
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    forever_started: asyncio.Event = field(default_factory=asyncio.Event)
     gate: asyncio.Event = field(default_factory=asyncio.Event)
     """Opens every ``gated_*`` call (until then they wait)."""
     gated: list[tuple[str, str]] = field(default_factory=list)
@@ -71,6 +72,7 @@ def build(observed: Observed) -> MCPServer:
     @server.tool()
     async def forever() -> str:
         """Never return (until cancelled)."""
+        observed.forever_started.set()
         try:
             await asyncio.sleep(3600)
         except asyncio.CancelledError:

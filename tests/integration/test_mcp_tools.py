@@ -356,3 +356,21 @@ async def test_a_changing_tool_list_never_changes_what_a_session_recorded(
         assert now["docs__whoami"].description == "Reworded: say the key."
         bound = [servers.bind(d) for d in recorded]
         assert [b.descriptor for b in bound if b is not None] == recorded
+
+
+async def test_cancelling_a_running_call_cancels_it_on_the_server(
+    http_server: tuple[str, Observed],
+) -> None:
+    """What an interrupt does to a running MCP call: the turn's task is cancelled, and the SDK
+    tells the server (``notifications/cancelled``), whose handler is cancelled."""
+    url, observed = http_server
+    async with McpServers([McpServerConfig(name="docs", url=url)]) as servers:
+        await servers.load("mcp:docs/forever")
+        [forever] = servers.select("mcp:docs/forever")
+        running = asyncio.create_task(call(forever, {}))
+        await asyncio.wait_for(observed.forever_started.wait(), 5)  # on the server now
+        assert not running.done() and not observed.cancelled.is_set()
+        running.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await running
+        await asyncio.wait_for(observed.cancelled.wait(), 5)

@@ -190,11 +190,17 @@ test('a lead on node-a and its worker on another node exchange messages; a forge
       assert.ok(entry.recorded_at && BigInt(entry.recorded_at.seconds) > 0n, `recorded_at: ${shown}`);
       if (entry.body === 'agent_message') assert.ok(entry.agent_message.idempotency_key, shown);
       if (entry.body === 'human_prompt') assert.equal(entry.human_prompt.idempotency_key, 'js-prompt-1');
+      // A tool result says how long its call ran (a uint64, as a decimal string).
+      if (entry.body === 'tool_result') assert.match(entry.tool_result.duration_ms, /^\d+$/, shown);
       if (entry.body === 'turn_started') {
         assert.ok(entry.turn_started.node_id in nodes, shown);
         assert.ok(entry.turn_started.activation_id, shown);
       }
     }
+    assert.ok(
+      view.events.some((e) => e.entry && e.entry.body === 'tool_result'),
+      `a tool result was streamed: ${view.summary()}`,
+    );
     const childTurns = view.events.filter(
       (e) => e.entry && e.session_id === view.child && e.entry.body === 'turn_started',
     );
