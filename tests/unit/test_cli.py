@@ -463,6 +463,21 @@ def _event(body: object, *, seq: int = 4, event_seq: int = 17) -> SessionEvent:
             "tool",
             "send_message -> error: no",
         ),
+        (
+            ToolResult(call_id="c2", name="read_doc", content="# Tools", duration_ms=340),
+            "tool",
+            "read_doc (340 ms) -> # Tools",
+        ),
+        (
+            ToolResult(call_id="c3", name="pause", content="paused", duration_ms=10_001),
+            "tool",
+            "pause (10.0 s) -> paused",
+        ),
+        (
+            ToolResult(call_id="c4", name="crawl", content="done", duration_ms=185_000),
+            "tool",
+            "crawl (3 min 5 s) -> done",
+        ),
         (TurnStarted(turn_id=TurnId("t-1")), "turn", "t-1 started"),
         (
             TurnStarted(
