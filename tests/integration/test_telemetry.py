@@ -100,9 +100,12 @@ async def test_one_trace_follows_a_message_across_nodes_and_into_a_cold_resumed_
             assert server.kind == "SERVER" and server.parent_span_id == client.span_id
             target_node = server.resource["dsh.node.id"]
             assert target_node != "node-a"
-            resume = one(trace, "dsh.cold_resume")
-            assert resume.resource["dsh.node.id"] == target_node
-            assert resume.attributes["dsh.session.id"] == child
+            # The cold resume the send made, in the same trace. A resume that raced the child's
+            # own release of its last activation is tried again (TARGET_ELSEWHERE, then won):
+            # both tries are in the trace, each of the child.
+            resumes = [s for s in trace if s.name == "dsh.cold_resume"]
+            assert resumes and all(s.attributes["dsh.session.id"] == child for s in resumes)
+            assert any(s.resource["dsh.node.id"] == target_node for s in resumes)
             assert any(
                 s.name == "dsh.etcd.activate" and s.attributes.get("dsh.activation.won") is True
                 for s in trace
