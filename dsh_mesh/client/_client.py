@@ -122,7 +122,7 @@ class MeshClient:
     Use it as ``async with MeshClient(address) as client:`` or call :meth:`close` yourself. The
     channel opens on first use, inside the running event loop; one client belongs to one loop.
     Calls may run concurrently. :meth:`close` is idempotent; calls after it raise
-    :class:`ClientClosed`. Raises ``ValueError`` for a token shorter than 16 characters or a
+    :class:`ClientClosed`. Raises ``ValueError`` for a token weaker than 128 bits or a
     malformed name.
     """
 

@@ -203,7 +203,7 @@ _SETTINGS: tuple[tuple[str, str, str], ...] = (
     ("key_prefix", "--key-prefix", "etcd key prefix of this mesh"),
     ("log_store", "--log-store", "sqlite:PATH (one host) or postgresql://... (across hosts)"),
     ("lease_ttl", "--lease-ttl", "node lease TTL in seconds"),
-    ("cluster_token", "--cluster-token", "shared cluster credential (16+ characters)"),
+    ("cluster_token", "--cluster-token", "shared cluster credential (128+ bits: 32 hex digits)"),
     ("tls_cert", "--tls-cert", "this node's certificate (PEM file; CN = node id)"),
     ("tls_key", "--tls-key", "this node's private key (PEM file)"),
     ("tls_ca", "--tls-ca", "the cluster CA certificate (PEM file)"),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hmac
 import inspect
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +39,11 @@ HOPS_HEADER = "x-dsh-hops"
 _GUARDED_PREFIX = "/dsh.mesh."
 # Methods only a node may call: a client hosts no agent, so it can speak for no sender.
 _NODE_ONLY_PREFIXES = ("/dsh.mesh.v1.AgentMesh/", "/dsh.mesh.peer.v1.MeshPeer/")
-_MIN_TOKEN_CHARS = 16
+# A token must carry at least 128 bits, judged by the alphabet it is drawn from: 32 hex digits,
+# 22 base64url characters (``secrets.token_hex(16)``, ``secrets.token_urlsafe(16)``).
+MIN_TOKEN_BITS = 128
+# Sample values shipped in this repository's files: never a real cluster's secret.
+_PLACEHOLDER_MARK = "change-me"
 # Nodes send 0 or 1; a longer "count" is no hop count (and int() of a long one is costly).
 _MAX_HOPS_DIGITS = 9
 
@@ -50,8 +55,16 @@ class ClusterCredential:
     token: str
 
     def __post_init__(self) -> None:
-        if len(self.token) < _MIN_TOKEN_CHARS:
-            raise ValueError(f"the cluster token needs at least {_MIN_TOKEN_CHARS} characters")
+        if _PLACEHOLDER_MARK in self.token.lower():
+            raise ValueError(
+                "the cluster token is the sample placeholder; make one with"
+                " `python3 -c 'import secrets; print(secrets.token_hex(16))'`"
+            )
+        if token_bits(self.token) < MIN_TOKEN_BITS:
+            raise ValueError(
+                f"the cluster token is too weak ({token_bits(self.token):.0f} bits, at most);"
+                f" it needs {MIN_TOKEN_BITS}: 32 hex digits or 22 base64url characters"
+            )
 
     def __repr__(self) -> str:
         return "ClusterCredential(token=<hidden>)"
@@ -63,6 +76,32 @@ class ClusterCredential:
     def metadata(self, node: NodeId, *, hops: int = 0) -> tuple[tuple[str, str], ...]:
         """What a node sends with every call it makes."""
         return ((TOKEN_HEADER, self.token), (NODE_HEADER, node), (HOPS_HEADER, str(hops)))
+
+
+def token_bits(token: str) -> float:
+    """An upper bound of the bits in ``token``: its length times the bits of the smallest usual
+    alphabet (digits, hex, one-case letters and digits, base64url, printable) that holds it."""
+    if not token:
+        return 0.0
+    chars = set(token)
+    for alphabet in _ALPHABETS:
+        if chars <= alphabet:
+            return len(token) * math.log2(len(alphabet))
+    return len(token) * math.log2(max(95, len(chars)))
+
+
+_ALPHABETS: tuple[frozenset[str], ...] = tuple(
+    frozenset(letters)
+    for letters in (
+        "0123456789",
+        "0123456789abcdef",
+        "0123456789ABCDEF",
+        "0123456789abcdefghijklmnopqrstuvwxyz",
+        "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ",
+        "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ-_",
+        "".join(chr(c) for c in range(32, 127)),
+    )
+)
 
 
 def call_metadata(

@@ -67,7 +67,7 @@ def test_prune_with_a_nodes_access_deletes_old_settled_trees_and_archives_them(
         f'key_prefix = "{prefix}"\n'
         'log_store = "sqlite:state/log.db"\n'  # relative to the file, as a node reads it
         "plaintext = true\n"
-        'cluster_token = "a-token-of-sixteen-chars"\n'
+        'cluster_token = "a-token-of-thirty-two-characters-long"\n'
     )
     now = datetime.now(UTC)
     old = asyncio.run(_make(etcd.endpoint, prefix, log, created=now - timedelta(days=40)))

@@ -411,7 +411,7 @@ def test_a_node_refuses_to_start_on_a_presets_file_it_cannot_run(tmp_path: Path)
         check=False,
         env={
             **{k: v for k, v in os.environ.items() if not k.startswith("DSH_")},
-            "DSH_CLUSTER_TOKEN": "a-token-of-sixteen-chars",
+            "DSH_CLUSTER_TOKEN": "a-token-of-thirty-two-characters-long",
         },
     )
     assert started.returncode == 2

@@ -643,9 +643,9 @@ def test_client_options() -> None:
 
 
 def test_client_construction_checks_its_inputs() -> None:
-    with pytest.raises(ValueError, match="16 characters"):
+    with pytest.raises(ValueError, match="128"):
         MeshClient("127.0.0.1:1", token="short")
-    with pytest.raises(ValueError, match="16 characters"):
+    with pytest.raises(ValueError, match="128"):
         MeshClient("127.0.0.1:1", environ={"DSH_CLUSTER_TOKEN": "short"})
     with pytest.raises(ValueError, match="client name"):
         MeshClient("127.0.0.1:1", token=TOKEN, name="bad name")

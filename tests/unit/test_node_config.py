@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from datetime import timedelta
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from dsh_mesh.node import ClusterRouter, NodeConfig, Placement, load_config, par
 from dsh_mesh.node import _config as node_config
 from dsh_mesh.registry import NodeInfo
 from dsh_mesh.transport import ClusterCredential
+from dsh_mesh.transport._auth import token_bits
 
 STORE = ["--log-store", "sqlite:log.db"]
 TOKEN = "t" * 32
@@ -86,7 +88,7 @@ def test_the_memory_high_water_mark_is_set_off_or_taken_from_the_cgroup(
     ("flags", "problem"),
     [
         (["--plaintext"], "cluster token"),
-        (["--cluster-token", "short"], "16 characters"),
+        (["--cluster-token", "short"], "too weak"),
         (["--cluster-token", TOKEN, "--node-id", "bad/id"], "node id"),
         (["--cluster-token", TOKEN, "--listen", "no-port"], "HOST:PORT"),
         (["--cluster-token", TOKEN, "--placement", "anywhere"], "anywhere"),
@@ -179,9 +181,39 @@ def test_an_unknown_setting_in_the_file_is_refused(tmp_path: Path) -> None:
         )
 
 
-def test_the_sample_node_configs_load() -> None:
+def test_the_sample_node_configs_load_once_given_a_real_token() -> None:
     nodes = Path(__file__).resolve().parents[2] / "nodes"
     samples = sorted(nodes.glob("node-*.toml"))  # presets.example.toml is no node config
     assert samples
-    ids = {load_config(parse_args([*STORE, "--config", str(p)]), {}).node_id for p in samples}
+    secret = {"DSH_CLUSTER_TOKEN": secrets.token_hex(16)}
+    ids = {load_config(parse_args([*STORE, "--config", str(p)]), secret).node_id for p in samples}
     assert len(ids) == len(samples)
+    # As shipped, the sample's placeholder token is refused: it is public.
+    for sample in samples:
+        with pytest.raises(ValueError, match="placeholder"):
+            load_config(parse_args([*STORE, "--config", str(sample)]), {})
+
+
+@pytest.mark.parametrize(
+    "token",
+    [
+        "change-me-local-cluster-token",
+        "CHANGE-ME-but-long-enough-to-pass-any-length-rule-0123456789",
+        "0123456789abcdef0123456789abcde",  # 31 hex digits: 124 bits
+        "Ab" * 10 + "_",  # 21 base64url characters: 126 bits
+        "k" * 24,  # 24 lowercase letters: 124 bits
+        "",
+    ],
+)
+def test_a_weak_or_placeholder_token_is_refused(token: str) -> None:
+    with pytest.raises(ValueError, match=r"placeholder|too weak"):
+        ClusterCredential(token=token)
+
+
+@pytest.mark.parametrize(
+    "token",
+    [secrets.token_hex(16), secrets.token_urlsafe(16), "k" * 25, "0123456789" * 4],
+)
+def test_a_token_of_128_bits_or_more_is_accepted(token: str) -> None:
+    assert token_bits(token) >= 128
+    ClusterCredential(token=token)

@@ -40,7 +40,7 @@ from dsh_mesh.transport._control import (
 from dsh_mesh.transport._peers import PeerPool
 from tests.unit.conftest import presets
 
-TOKEN = "t" * 16
+TOKEN = "t" * 32
 GET = "/dsh.mesh.v1.MeshControl/GetSession"
 WATCH = "/dsh.mesh.v1.MeshControl/WatchSession"
 NODE = NodeId("node-a")
