@@ -17,7 +17,7 @@ from dsh_mesh.models._protocol import (
 )
 from dsh_mesh.models._recording import RecordingProvider
 from dsh_mesh.models._retry import RetryPolicy
-from dsh_mesh.models._router import ModelRouter, split_model_spec
+from dsh_mesh.models._router import ModelRouter, check_model_spec, split_model_spec
 from dsh_mesh.models._scripted import (
     PARENT,
     Action,
@@ -65,6 +65,7 @@ __all__ = [
     "TextDelta",
     "ToolCallEvent",
     "arrived",
+    "check_model_spec",
     "child",
     "complete",
     "send",

@@ -17,6 +17,19 @@ def split_model_spec(spec: str) -> tuple[str, str] | None:
     return (endpoint, model) if colon else None
 
 
+def check_model_spec(spec: str) -> None:
+    """Refuse (:class:`~dsh_mesh.core.InvalidArgument`) a spec that names no model: empty or
+    blank, or an ``<endpoint>:<model>`` spec with either side empty (``openai:``)."""
+    if not spec.strip():
+        raise InvalidArgument("the model spec is empty; name one, e.g. openai:gpt-4o-mini")
+    split = split_model_spec(spec)
+    if split is not None and not (split[0].strip() and split[1].strip()):
+        raise InvalidArgument(
+            f"model {spec!r} names no {'model' if split[0].strip() else 'endpoint'};"
+            " a spec is <endpoint>:<model>, e.g. openai:gpt-4o-mini"
+        )
+
+
 class ModelRouter:
     """Serves each call from the provider its model spec names.
 

@@ -47,8 +47,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from dsh_mesh.core import InvalidArgument
 from dsh_mesh.mcp import SELECTOR_PREFIX, McpServerConfig
-from dsh_mesh.models import OpenAIEndpoint, RetryPolicy, split_model_spec
+from dsh_mesh.models import OpenAIEndpoint, RetryPolicy, check_model_spec, split_model_spec
 from dsh_mesh.tools import (
     SEND_MESSAGE_DESCRIPTOR,
     SPAWN_DESCRIPTORS,
@@ -176,6 +177,11 @@ def load_presets(
         for name, table in _tables(path, document, "presets").items()
     )
     for preset in presets:
+        if preset.model is not None:
+            try:
+                check_model_spec(preset.model)
+            except InvalidArgument as error:
+                raise PresetFileError(f"{path}: presets.{preset.name}.model: {error}") from error
         split = split_model_spec(preset.model or "")
         if split is not None and split[0] not in endpoints:
             raise PresetFileError(

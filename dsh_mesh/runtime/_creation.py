@@ -37,7 +37,7 @@ from dsh_mesh.core import (
     pending_inbound,
     unended_turn,
 )
-from dsh_mesh.models import ModelProvider
+from dsh_mesh.models import ModelProvider, check_model_spec
 from dsh_mesh.runtime._children import ChildLedger
 from dsh_mesh.runtime._delivery import check_content
 from dsh_mesh.runtime._placement import Placement
@@ -106,6 +106,7 @@ class Creations:
         )
         if not spec.model:
             raise InvalidArgument("a root session needs a model")
+        check_model_spec(spec.model)
         check = getattr(self._provider, "check", None)
         if callable(check):
             check(spec.model)  # a spec no provider serves is refused now, not at every turn

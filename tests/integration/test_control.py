@@ -14,6 +14,7 @@ from dsh_mesh.core import (
     IdempotencyConflict,
     InvalidArgument,
     MeshError,
+    RejectionReason,
     SessionId,
     SessionUnknown,
     TurnEndedEntry,
@@ -95,6 +96,20 @@ async def test_creation_is_idempotent_across_nodes(cluster: LocalCluster, root: 
     assert (again.session_id, again.node_id) == (root, "node-c")
     with pytest.raises(IdempotencyConflict):
         await call(cluster, "node-a", "CreateRootSession", create("tree-1", preset="branch"))
+
+
+@pytest.mark.parametrize("model", ["openai:", ":gpt-4o-mini", "  "])
+async def test_a_model_spec_naming_no_model_is_refused_at_creation(
+    cluster: LocalCluster, model: str
+) -> None:
+    request = mesh_pb2.CreateRootSessionRequest(
+        preset="lead", initial_task="Grow a tree.", request_id=f"empty-{model!r}", model=model
+    )
+    with pytest.raises(InvalidArgument, match=r"names no|is empty") as refused:
+        await call(cluster, "node-a", "CreateRootSession", request)
+    assert refused.value.reason is RejectionReason.INVALID_ARGUMENT
+    async with MeshReader(cluster.settings) as reader:  # nothing was registered for it
+        assert not [h for h in await reader.sessions() if h.spec.model == model]
 
 
 def usage_of(entries: Iterable[mesh_pb2.TranscriptEntry]) -> mesh_pb2.SessionUsage:

@@ -128,6 +128,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "TextDelta",
         "ToolCallEvent",
         "arrived",
+        "check_model_spec",
         "child",
         "complete",
         "send",

@@ -131,6 +131,8 @@ def test_the_file_may_redefine_the_openai_endpoint(tmp_path: Path) -> None:
             "[presets.lead]\nsystem_prompt = 'x'\nmodel = 'olama:qwen2.5:7b'\n",
             "names the endpoint 'olama', which is not defined",
         ),
+        ("[presets.lead]\nsystem_prompt = 'x'\nmodel = 'openai:'\n", "names no model"),
+        ("[presets.lead]\nsystem_prompt = 'x'\nmodel = ' '\n", "model spec is empty"),
         ("not toml at all [", "presets.toml"),
     ],
 )
