@@ -58,9 +58,9 @@ def node_ids(count: int) -> tuple[str, ...]:
 
 
 class _Signals:
-    """While installed, SIGINT and SIGTERM raise :class:`_Stop` in the main thread (aborting a
-    start-up or the wait); once disarmed (the cluster is being stopped) they are only noted, so
-    a second Ctrl-C cannot leave processes half-stopped."""
+    """While installed, SIGINT, SIGTERM and SIGHUP raise :class:`_Stop` in the main thread
+    (aborting a start-up or the wait); once disarmed (the cluster is being stopped) they are
+    only noted, so a second Ctrl-C cannot leave processes half-stopped."""
 
     def __init__(self, console: Console) -> None:
         self._console = console
@@ -68,7 +68,9 @@ class _Signals:
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> _Signals:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        # SIGHUP too: the terminal closed. Etcd and the nodes run in process groups of their
+        # own (so that Ctrl-C reaches only this process), and so no longer hear it themselves.
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 

@@ -182,6 +182,9 @@ class NodeProcess:
                 stdin=subprocess.DEVNULL,
                 env=env,
                 cwd=Path.cwd(),
+                # A group of its own: Ctrl-C at the terminal of `dsh-mesh up` (or of a test run)
+                # reaches only the parent, which then drains the nodes in order.
+                process_group=0,
             )
         _live.add(self)
         self.address = self._await_ready()

@@ -475,6 +475,7 @@ class EtcdServer:
                 stderr=subprocess.STDOUT,
                 env=env,
                 cwd=self._tmpdir,
+                process_group=0,  # Ctrl-C at the parent's terminal must not stop it before nodes
             )
         self._process = process
         self._paused = False

@@ -353,9 +353,11 @@ class Cli:
         )
 
     @contextlib.contextmanager
-    def start(self, *args: str) -> Iterator[Child]:
+    def start(self, *args: str, own_group: bool = False) -> Iterator[Child]:
         """The command running in the background; always ended on exit: SIGTERM (so ``up``
-        stops what it started), SIGKILL if stuck; its pipes are drained and closed."""
+        stops what it started), SIGKILL if stuck; its pipes are drained and closed. With
+        ``own_group`` it leads a process group of its own, as a terminal's foreground job
+        does, so a test can signal that whole group the way Ctrl-C does."""
         process = subprocess.Popen(
             [*COMMAND, *args],
             env=self.env,
@@ -365,6 +367,7 @@ class Cli:
             stdin=subprocess.DEVNULL,
             text=True,
             preexec_fn=_interruptible,
+            process_group=0 if own_group else None,
         )
         assert process.stdout is not None and process.stderr is not None
         child = Child(process=process, out=Lines(process.stdout), err=Lines(process.stderr))
@@ -556,3 +559,35 @@ def test_the_command_runs_a_cluster_end_to_end(tmp_path: Path) -> None:
     gone = cli.run("status")
     assert gone.returncode == 2
     assert gone.stderr.startswith("error: no cluster found")
+
+
+def test_ctrl_c_at_the_terminal_stops_the_nodes_in_order_then_etcd(tmp_path: Path) -> None:
+    """Ctrl-C signals the terminal's whole foreground process group. ``up`` starts etcd and
+    the nodes in process groups of their own, so only ``up`` hears it: each node drains and
+    exits 0, then etcd stops."""
+    home = tmp_path / "home"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DSH_") and k != "NO_COLOR"}
+    env["DSH_MESH_HOME"] = str(home)
+    cli = Cli(env=env, cwd=tmp_path)
+    with cli.start("up", "--nodes", "3", own_group=True) as up_child:
+        up, up_out, up_err = up_child.process, up_child.out, up_child.err
+        status = up_out.until(lambda line: line.startswith("ready"), within=45)
+        pids = [
+            int(fields[fields.index("pid") + 1])
+            for fields in (line.split() for line in status)
+            if fields[0] in ("node", "etcd")
+        ]
+        assert len(pids) == 4
+        os.killpg(up.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+        assert up.wait(timeout=60) == 0
+        farewell = up_err.until(lambda line: line.startswith("stopped:"), within=5)
+    stops = [line for line in farewell if "stopped (exit status" in line or "stopping etcd" in line]
+    assert stops == [
+        "node-a stopped (exit status 0)",
+        "node-b stopped (exit status 0)",
+        "node-c stopped (exit status 0)",
+        "stopping etcd ...",
+    ], farewell
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
