@@ -77,6 +77,13 @@ class RejectionReason(enum.Enum):
     is not deployed there, or its descriptor differs (metadata ``tool``, ``problem``). A
     session's tools mean the same on every node; nothing was accepted."""
 
+    TREE_LIMIT = "TREE_LIMIT"
+    """A spawn would take its tree past a limit of the node's (metadata ``limit``: ``depth`` or
+    ``live_descendants``; ``max`` the limit, ``root`` the tree). Nothing was created."""
+    RATE_LIMITED = "RATE_LIMITED"
+    """Sessions are being created faster than allowed (metadata ``limit``:
+    ``spawns_per_minute`` of one tree; ``retry_after_ms`` when to try again). Retryable."""
+
 
 RETRYABLE_REASONS: frozenset[RejectionReason] = frozenset(
     {
@@ -86,6 +93,7 @@ RETRYABLE_REASONS: frozenset[RejectionReason] = frozenset(
         RejectionReason.NODE_FENCED,
         RejectionReason.INBOX_FULL,
         RejectionReason.NODE_OVERLOADED,
+        RejectionReason.RATE_LIMITED,
     }
 )
 """Reasons after which the same request (same idempotency key) may be sent again unchanged and
@@ -241,6 +249,22 @@ class ToolsUnavailable(_FixedRejected):
     fixed_reason = RejectionReason.TOOLS_UNAVAILABLE
 
 
+class TreeLimitReached(_FixedRejected):
+    """A spawn would take its tree past one of the node's tree limits (``metadata["limit"]``
+    says which: ``depth`` or ``live_descendants``; ``metadata["max"]`` is the limit). Nothing
+    was created. Not retryable as such: the tree must change first (live children settle)."""
+
+    fixed_reason = RejectionReason.TREE_LIMIT
+
+
+class RateLimited(_FixedRejected):
+    """Sessions are being created faster than allowed (``metadata["limit"]`` names the rate,
+    ``metadata["retry_after_ms"]`` when a retry may pass). Nothing was created. Retryable
+    after that delay."""
+
+    fixed_reason = RejectionReason.RATE_LIMITED
+
+
 class NodeFenced(_FixedRejected):
     """This node lost its etcd lease: it accepts nothing until it has registered again.
     Retryable: another node (or this one, re-registered) can take the request."""
@@ -349,6 +373,8 @@ _CLASS_OF_REASON: Mapping[RejectionReason, type[Rejected]] = MappingProxyType(
         RejectionReason.INBOX_FULL: InboxFull,
         RejectionReason.NODE_OVERLOADED: NodeOverloaded,
         RejectionReason.TOOLS_UNAVAILABLE: ToolsUnavailable,
+        RejectionReason.TREE_LIMIT: TreeLimitReached,
+        RejectionReason.RATE_LIMITED: RateLimited,
     }
 )
 

@@ -24,7 +24,7 @@ from typing import Any
 from dsh_mesh.core import NodeId
 from dsh_mesh.logstore import check_log_store
 from dsh_mesh.registry import EtcdConfig, EtcdTls, LeaseConfig
-from dsh_mesh.runtime import ManagerConfig
+from dsh_mesh.runtime import ManagerConfig, TreeLimits
 from dsh_mesh.transport import CallerRole, ClusterCredential, TlsCredentials
 
 _MIB = 1 << 20
@@ -83,6 +83,12 @@ class NodeConfig:
     """Sends and prompts this node handles at once; past it: NODE_OVERLOADED."""
     max_resident_sessions: int = ManagerConfig.max_resident_sessions
     """Agents this node hosts; a cold resume or new session past it: NODE_OVERLOADED."""
+    max_tree_depth: int = TreeLimits.max_depth
+    """How deep one tree may grow (a root's children are at depth 1); past it: TREE_LIMIT."""
+    max_live_descendants: int = TreeLimits.max_live_descendants
+    """Sessions of one tree, its root not counted, live at once; past it: TREE_LIMIT."""
+    max_tree_spawns_per_minute: int = TreeLimits.max_spawns_per_minute
+    """Sessions created in one tree in any 60 s, its root counted; past it: RATE_LIMITED."""
     memory_high_water_mb: int | None = None
     """Resident memory (RSS, MiB) past which the node passivates idle agents, oldest first,
     instead of growing until it is killed; they cold-resume on their next message. ``None``:
@@ -126,6 +132,11 @@ class NodeConfig:
             max_inbox_depth=self.max_inbox_depth,
             max_inflight_sends=self.max_inflight_sends,
             max_resident_sessions=self.max_resident_sessions,
+            tree_limits=TreeLimits(
+                max_depth=self.max_tree_depth,
+                max_live_descendants=self.max_live_descendants,
+                max_spawns_per_minute=self.max_tree_spawns_per_minute,
+            ),
         )
 
     def __post_init__(self) -> None:
@@ -214,6 +225,13 @@ _SETTINGS: tuple[tuple[str, str, str], ...] = (
     ("max_inbox_depth", "--max-inbox-depth", "unread messages one target may hold"),
     ("max_inflight_sends", "--max-inflight-sends", "sends this node handles at once"),
     ("max_resident_sessions", "--max-resident-sessions", "agents this node may host"),
+    ("max_tree_depth", "--max-tree-depth", "how deep one tree may grow"),
+    ("max_live_descendants", "--max-live-descendants", "live sessions below one root"),
+    (
+        "max_tree_spawns_per_minute",
+        "--max-tree-spawns-per-minute",
+        "sessions one tree may create in any minute",
+    ),
     (
         "memory_high_water_mb",
         "--memory-high-water-mb",
@@ -349,6 +367,9 @@ def _build(values: Mapping[str, Any]) -> NodeConfig:
         "max_inbox_depth",
         "max_inflight_sends",
         "max_resident_sessions",
+        "max_tree_depth",
+        "max_live_descendants",
+        "max_tree_spawns_per_minute",
         "memory_high_water_mb",
     ):
         if values.get(name) is not None:

@@ -49,6 +49,21 @@ class Keys:
         """The session's key in the tree index of ``root``."""
         return self.tree(root) + _stamp(created) + b"/" + session.encode()
 
+    def created_since(self, root: SessionId, since: datetime) -> bytes:
+        """Where the members of ``root``'s tree created at or after ``since`` start in its
+        index (they run to the index's end)."""
+        return self.tree(root) + _stamp(since)
+
+    def live(self, root: SessionId) -> bytes:
+        """Prefix of the live members of ``root``'s tree other than the root: one key per
+        child that holds an activation, bound to the same lease and written and deleted in
+        the same transaction as that activation."""
+        return self.prefix + b"live/" + root.encode() + b"/"
+
+    def live_member(self, root: SessionId, session: SessionId) -> bytes:
+        """``session``'s key among the live members of ``root``'s tree."""
+        return self.live(root) + session.encode()
+
     def root_of(self, session: SessionId) -> bytes:
         """A child's root id (absent for a root): where its own children go in the index."""
         return self.prefix + b"roots/" + session.encode()

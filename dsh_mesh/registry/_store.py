@@ -53,6 +53,7 @@ from dsh_mesh.runtime import (
     IdempotencyKey,
     LogStore,
     Resumption,
+    TreeCensus,
     Write,
 )
 
@@ -306,7 +307,11 @@ class EtcdSessionStore:
             compare(key, Target.CREATE, Result.EQUAL, 0),
             compare(header, Target.CREATE, Result.GREATER, 0),
         ]
-        success = [put(key, encode_activation(activation), lease=self._lease())]
+        lease = self._lease()
+        success = [put(key, encode_activation(activation), lease=lease)]
+        live = await self._live_key(session)
+        if live is not None:  # the tree's census of live members, kept with the activation
+            success.append(put(live, b"", lease=lease))
         failure = [get(key), get(header)]
         for _ in range(_ACTIVATE_ATTEMPTS):
             response = await self._etcd.txn(compares, success, failure)
@@ -378,7 +383,10 @@ class EtcdSessionStore:
         if fence is None:
             return
         key = self._keys.activation(activation.session_id)
-        await self._etcd.txn([compare(key, Target.CREATE, Result.EQUAL, fence)], [delete(key)])
+        await self._etcd.txn(
+            [compare(key, Target.CREATE, Result.EQUAL, fence)],
+            await self._ending(activation.session_id, key),
+        )
         if self._directory is not None:
             self._directory.forget(activation)
 
@@ -389,12 +397,47 @@ class EtcdSessionStore:
         key = self._keys.activation(activation.session_id)
         try:
             await asyncio.shield(
-                self._etcd.txn([compare(key, Target.CREATE, Result.EQUAL, fence)], [delete(key)])
+                self._etcd.txn(
+                    [compare(key, Target.CREATE, Result.EQUAL, fence)],
+                    await self._ending(activation.session_id, key),
+                )
             )
         except Exception as failure:  # the lease ends it, as it ends any key of a dead node
             _log.warning("%s: could not release a failed resume (%s)", activation, failure)
         if self._directory is not None:
             self._directory.forget(activation)
+
+    async def _live_key(self, session: SessionId) -> bytes | None:
+        """``session``'s key among its tree's live members; None for a root (not counted)."""
+        header = await self.get_header(session)
+        if header is None:
+            raise SessionUnknown(session)
+        if header.parent_session is None:
+            return None
+        return self._keys.live_member(await self._root_of(header), session)
+
+    async def _ending(self, session: SessionId, key: bytes) -> list[Any]:
+        """The deletes that end ``session``'s activation (its key at ``key``) and its place
+        among its tree's live members."""
+        live = await self._live_key(session)
+        return [delete(key)] if live is None else [delete(key), delete(live)]
+
+    # -- trees ------------------------------------------------------------------------------------
+
+    async def tree_census(self, session: SessionId, *, since: datetime) -> TreeCensus:
+        header = await self.get_header(session)
+        if header is None:
+            raise SessionUnknown(session)
+        root = await self._root_of(header)
+        live, recent = await asyncio.gather(
+            self._etcd.get_prefix(self._keys.live(root), count_only=True),
+            self._etcd.get_prefix(
+                self._keys.tree(root), start=self._keys.created_since(root, since), count_only=True
+            ),
+        )
+        return TreeCensus(
+            root=root, live_descendants=int(live.count), created_since=int(recent.count)
+        )
 
     # -- transcript -----------------------------------------------------------------------------
 

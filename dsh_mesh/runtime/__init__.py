@@ -2,6 +2,7 @@
 
 from dsh_mesh.runtime._config import ManagerConfig
 from dsh_mesh.runtime._departure import Departed, unless_departed
+from dsh_mesh.runtime._limits import SPAWN_WINDOW, TreeLimits
 from dsh_mesh.runtime._log import DEFAULT_PAGE, Logged, LogStore, Write, Written
 from dsh_mesh.runtime._manager import ContinuationManager
 from dsh_mesh.runtime._memory_store import InMemorySessionStore
@@ -12,12 +13,14 @@ from dsh_mesh.runtime._store import (
     IdempotencyKey,
     Resumption,
     SessionStore,
+    TreeCensus,
     check_same_request,
 )
 
 __all__ = [
     "DEFAULT_PAGE",
     "MAX_HOPS",
+    "SPAWN_WINDOW",
     "Acceptance",
     "ContinuationManager",
     "Departed",
@@ -31,6 +34,8 @@ __all__ = [
     "Resumption",
     "Router",
     "SessionStore",
+    "TreeCensus",
+    "TreeLimits",
     "Write",
     "Written",
     "check_same_request",

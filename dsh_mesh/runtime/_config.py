@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from dsh_mesh.core import NodeId
+from dsh_mesh.runtime._limits import TreeLimits
 from dsh_mesh.tools import MAX_MESSAGE_CHARS, DescriptorFilter
 
 _LOCAL_NODE = NodeId("local")
@@ -36,6 +37,8 @@ class ManagerConfig:
     """How often a notice is re-routed while its parent keeps changing residency."""
     notice_backoff: timedelta = timedelta(milliseconds=20)
     """The first pause between those attempts (doubling, at most 64 times this)."""
+    tree_limits: TreeLimits = field(default_factory=TreeLimits)
+    """How deep, how wide (live) and how fast one tree may grow (ADR 0030)."""
 
     def __post_init__(self) -> None:
         for name in (

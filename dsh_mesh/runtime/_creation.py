@@ -24,6 +24,7 @@ from dsh_mesh.core import (
     MeshError,
     NodeId,
     PeerUnavailable,
+    RateLimited,
     Record,
     SessionExists,
     SessionHeader,
@@ -34,12 +35,14 @@ from dsh_mesh.core import (
     StaleSender,
     TargetElsewhere,
     TaskEntry,
+    TreeLimitReached,
     pending_inbound,
     unended_turn,
 )
 from dsh_mesh.models import ModelProvider, check_model_spec
 from dsh_mesh.runtime._children import ChildLedger
 from dsh_mesh.runtime._delivery import check_content
+from dsh_mesh.runtime._limits import SpawnGuard
 from dsh_mesh.runtime._placement import Placement
 from dsh_mesh.runtime._residency import Residency
 from dsh_mesh.runtime._store import Acceptance, IdempotencyKey, SessionStore
@@ -74,8 +77,10 @@ class Creations:
         ids: IdFactory,
         work: DetachedWork,
         max_message_chars: int,
+        guard: SpawnGuard,
     ) -> None:
         self._store = store
+        self._guard = guard
         self._residency = residency
         self._placement = placement
         self._children = children
@@ -135,6 +140,18 @@ class Creations:
         if not task.strip():
             raise InvalidArgument("task must not be empty")
         check_content(task, self._max_message_chars)
+        session = (
+            self._ids.session_id()
+            if idempotency_key is None
+            else self._ids.child_session_id(parent.session_id, idempotency_key)
+        )
+        try:
+            await self._guard.check(parent_agent.header)
+        except (TreeLimitReached, RateLimited):
+            # A repeat of a call whose child exists is no new spawn: finish it, whatever the
+            # tree's census says now (that child is counted in it).
+            if idempotency_key is None or await self._store.get_header(session) is None:
+                raise
         first: tuple[Entry, ...] = ()
         fork_origin = None
         if kind is ChildKind.FORK:
@@ -152,11 +169,6 @@ class Creations:
                 model=chosen.model or parent_agent.header.spec.model,
                 tools=self._registry.resolve(chosen).descriptors,
             )
-        session = (
-            self._ids.session_id()
-            if idempotency_key is None
-            else self._ids.child_session_id(parent.session_id, idempotency_key)
-        )
         header = SessionHeader(
             session_id=session,
             kind=_CHILD_KIND[kind],

@@ -21,6 +21,7 @@ from dsh_mesh.runtime._store import (
     Acceptance,
     IdempotencyKey,
     Resumption,
+    TreeCensus,
     check_same_request,
 )
 
@@ -117,6 +118,27 @@ class InMemorySessionStore:
     async def seal(self, session: SessionId) -> bool:
         # Appends here check the current activation itself: an ended one never writes again.
         return session not in self._activations
+
+    async def tree_census(self, session: SessionId, *, since: datetime) -> TreeCensus:
+        root = self._root_of(session)
+        members = [h for h in self._headers.values() if self._root_of(h.session_id) == root]
+        return TreeCensus(
+            root=root,
+            live_descendants=sum(
+                1 for h in members if h.session_id != root and h.session_id in self._activations
+            ),
+            created_since=sum(
+                1 for h in members if h.created_at is not None and h.created_at >= since
+            ),
+        )
+
+    def _root_of(self, session: SessionId) -> SessionId:
+        header = self._headers.get(session)
+        if header is None:
+            raise SessionUnknown(session)
+        while header.parent_session is not None:
+            header = self._headers[header.parent_session]
+        return header.session_id
 
     async def last(self, session: SessionId) -> Record | None:
         transcript = self._transcripts.get(session)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Self
@@ -35,7 +36,13 @@ from dsh_mesh.core import (
     SessionHeader,
     SessionId,
 )
-from dsh_mesh.runtime._store import Acceptance, IdempotencyKey, Resumption, SessionStore
+from dsh_mesh.runtime._store import (
+    Acceptance,
+    IdempotencyKey,
+    Resumption,
+    SessionStore,
+    TreeCensus,
+)
 
 
 class HistoryLog:
@@ -145,6 +152,9 @@ class RecordingStore:
 
     async def seal(self, session: SessionId) -> bool:
         return await self._store.seal(session)
+
+    async def tree_census(self, session: SessionId, *, since: datetime) -> TreeCensus:
+        return await self._store.tree_census(session, since=since)
 
     async def last(self, session: SessionId) -> Record | None:
         return await self._store.last(session)

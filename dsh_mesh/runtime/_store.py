@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Protocol
 
 from dsh_mesh.core import (
@@ -55,6 +56,19 @@ class Resumption:
     current: Activation | None
     records: tuple[Record, ...] = ()
     known: Acceptance | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TreeCensus:
+    """What :meth:`SessionStore.tree_census` counted of one tree, cluster-wide: its ``root``,
+    its members other than the root that hold an activation now (``live_descendants``) and
+    its members created at or after the census's ``since`` (``created_since``, the root
+    included). A count may miss a write in flight: limits built on it are exact only up to
+    the spawns decided at the same moment."""
+
+    root: SessionId
+    live_descendants: int
+    created_since: int
 
 
 class SessionStore(Protocol):
@@ -130,6 +144,12 @@ class SessionStore(Protocol):
         ended can still append to it (a frozen or cut-off host's write in flight), and return
         True; False when it has an activation. After True, a key not recorded yet never will
         be by such a writer: a refusal that says "not live" is then exact."""
+        ...
+
+    async def tree_census(self, session: SessionId, *, since: datetime) -> TreeCensus:
+        """Count the tree ``session`` belongs to (:class:`TreeCensus`), counting members
+        created at or after ``since``. Raises ``SessionUnknown`` for a session that does not
+        exist."""
         ...
 
     async def last(self, session: SessionId) -> Record | None:

@@ -19,6 +19,7 @@ from dsh_mesh.telemetry._metrics import (
     passivated,
     send_duration,
     settled,
+    spawn_refused,
 )
 from dsh_mesh.telemetry._setup import Telemetry, configure
 from dsh_mesh.telemetry._tracing import (
@@ -51,4 +52,5 @@ __all__ = [
     "server_interceptors",
     "settled",
     "span",
+    "spawn_refused",
 ]

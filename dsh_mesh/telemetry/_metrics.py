@@ -38,6 +38,11 @@ _passivations = _METER.create_counter(
     unit="{activation}",
     description="Idle activations ended to free memory (they cold-resume on their next message).",
 )
+_spawns_refused = _METER.create_counter(
+    "dsh.tree.spawns_refused",
+    unit="{spawn}",
+    description="Spawns refused by a tree limit, by limit (depth, live_descendants, ...).",
+)
 _token_usage = _METER.create_histogram(
     "gen_ai.client.token.usage",
     unit="{token}",
@@ -77,6 +82,12 @@ def lease_lost() -> None:
 def passivated(count: int) -> None:
     """Count idle activations ended under memory pressure."""
     _passivations.add(count)
+
+
+def spawn_refused(limit: str) -> None:
+    """Count one spawn refused by a tree limit (``limit``: ``depth``, ``live_descendants``,
+    ``spawns_per_minute``)."""
+    _spawns_refused.add(1, {"dsh.limit": limit})
 
 
 def model_call(model: str, *, input_tokens: int, output_tokens: int, cached: int) -> None:

@@ -237,15 +237,18 @@ class SpawnTool:
                 idempotency_key=invocation.idempotency_key,
             )
         except Rejected as rejection:
-            return ToolOutput(
-                content=json.dumps(
-                    {"rejected": rejection.reason.value, "detail": rejection.detail}
-                ),
-                is_error=True,
+            refusal = {"rejected": rejection.reason.value, "detail": rejection.detail}
+            # A limit's name and value, and when to try again, are the model's to act on.
+            refusal.update(
+                {k: rejection.metadata[k] for k in _LIMIT_KEYS & rejection.metadata.keys()}
             )
+            return ToolOutput(content=json.dumps(refusal, sort_keys=True), is_error=True)
         return ToolOutput(
             content=json.dumps({"agent_id": child, "kind": self.kind.value}, sort_keys=True)
         )
+
+
+_LIMIT_KEYS = frozenset({"limit", "max", "retry_after_ms"})
 
 
 def standard_tools(runtime: SubagentRuntime) -> tuple[Tool, ...]:

@@ -48,6 +48,10 @@ ERROR_DOMAIN = "dsh.mesh.v1"
 RETRY_DELAY = timedelta(milliseconds=200)
 """``RetryInfo.retry_delay`` sent with every retryable reason: the least a client should wait."""
 
+RETRY_AFTER_KEY = "retry_after_ms"
+"""ErrorInfo metadata a rejection may carry to ask for a longer ``RetryInfo`` delay than
+:data:`RETRY_DELAY` (``RATE_LIMITED`` does: when its window has room again)."""
+
 MAX_DETAIL_BYTES = 512
 """The human-readable detail is cut to this many UTF-8 bytes on the wire. It appears in the
 ``grpc-message`` header and twice inside ``grpc-status-details-bin``; gRPC peers refuse trailers
@@ -84,6 +88,8 @@ STATUS_OF_REASON: Mapping[RejectionReason, grpc.StatusCode] = MappingProxyType(
         RejectionReason.INBOX_FULL: grpc.StatusCode.RESOURCE_EXHAUSTED,
         RejectionReason.NODE_OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
         RejectionReason.TOOLS_UNAVAILABLE: grpc.StatusCode.FAILED_PRECONDITION,
+        RejectionReason.TREE_LIMIT: grpc.StatusCode.FAILED_PRECONDITION,
+        RejectionReason.RATE_LIMITED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     }
 )
 """Each reason travels with exactly this status code; (code, reason) is the wire contract."""
@@ -236,9 +242,17 @@ def to_rpc_status(error: MeshError, *, target: str = "") -> status_pb2.Status:
     )
     if reason in RETRYABLE_REASONS:
         retry = error_details_pb2.RetryInfo()
-        retry.retry_delay.FromTimedelta(RETRY_DELAY)
+        retry.retry_delay.FromTimedelta(max(RETRY_DELAY, _retry_after(metadata)))
         status.details.add().Pack(retry)
     return status
+
+
+def _retry_after(metadata: Mapping[str, str]) -> timedelta:
+    """The delay a rejection's own ``retry_after_ms`` asks for (zero when it names none)."""
+    asked = metadata.get(RETRY_AFTER_KEY, "")
+    return (
+        timedelta(milliseconds=int(asked)) if asked.isdigit() and len(asked) < 10 else timedelta()
+    )
 
 
 async def abort_with(

@@ -264,3 +264,24 @@ MCP = Scenario(
         "mcp-time": (Call(calls=(("time__get_current_time", {"timezone": "UTC"}),)), Stall()),
     },
 )
+
+# Runaway trees (issue 20): every agent of "chain" spawns one more and waits; every agent of
+# "fan" spawns two more and waits. Only the node's tree limits stop them.
+RUNAWAY = Scenario(
+    presets=(
+        Preset(name="chain", system_prompt="Spawn one more of you.", model="chain"),
+        Preset(name="fan", system_prompt="Spawn two more of you.", model="fan"),
+    ),
+    programs={
+        "chain": (tool("spawn_agent", task="Go on.", preset="chain"), Stall()),
+        "fan": (
+            Call(
+                calls=(
+                    ("spawn_agent", {"task": "Go on.", "preset": "fan"}),
+                    ("spawn_agent", {"task": "Go on.", "preset": "fan"}),
+                )
+            ),
+            Stall(),
+        ),
+    },
+)

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequ
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TypeVar
 
@@ -1342,3 +1342,29 @@ async def test_directory_keeps_a_noted_activation_when_the_previous_ones_end_arr
         await until(lambda: log.started() == [won])
         assert directory.activation(session) == won
         await watching.revoke(lease_c)
+
+
+async def test_a_trees_census_counts_live_children_with_their_activations_and_recent_members(
+    node_a: Node, node_b: Node, keys: Keys
+) -> None:
+    root, kid, grandkid = SessionId("s-census"), SessionId("s-kid"), SessionId("s-grandkid")
+    await node_a.store.create_header(root_header(root))
+    await node_a.store.create_header(child_header(kid, root))
+    await node_a.store.create_header(child_header(grandkid, kid))
+    long_ago = datetime.now(UTC) - timedelta(days=1)
+
+    async def census(store: EtcdSessionStore) -> tuple[str, int, int]:
+        counted = await store.tree_census(grandkid, since=long_ago)
+        return counted.root, counted.live_descendants, counted.created_since
+
+    assert await census(node_b.store) == (root, 0, 3)  # any node, any member: the same tree
+    await node_a.store.try_activate(node_a.activation(root))  # a root is not its descendant
+    first = await node_a.store.try_activate(node_a.activation(kid))
+    await node_b.store.try_activate(node_b.activation(grandkid))
+    assert await census(node_b.store) == (root, 2, 3)
+    assert (await node_a.store.tree_census(root, since=datetime.now(UTC))).created_since == 0
+    await node_a.store.release(first)  # the live key goes with the activation
+    assert await census(node_a.store) == (root, 1, 3)
+    await node_b.keeper.revoke()  # node b dies: its lease takes both of its keys
+    assert await census(node_a.store) == (root, 0, 3)
+    assert await node_a.etcd.get(keys.live_member(root, grandkid)) is None

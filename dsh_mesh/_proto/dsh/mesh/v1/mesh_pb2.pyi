@@ -45,6 +45,8 @@ class RejectionReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REJECTION_REASON_INBOX_FULL: _ClassVar[RejectionReason]
     REJECTION_REASON_NODE_OVERLOADED: _ClassVar[RejectionReason]
     REJECTION_REASON_TOOLS_UNAVAILABLE: _ClassVar[RejectionReason]
+    REJECTION_REASON_TREE_LIMIT: _ClassVar[RejectionReason]
+    REJECTION_REASON_RATE_LIMITED: _ClassVar[RejectionReason]
 
 class AgentState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -108,6 +110,8 @@ REJECTION_REASON_TARGET_ELSEWHERE: RejectionReason
 REJECTION_REASON_INBOX_FULL: RejectionReason
 REJECTION_REASON_NODE_OVERLOADED: RejectionReason
 REJECTION_REASON_TOOLS_UNAVAILABLE: RejectionReason
+REJECTION_REASON_TREE_LIMIT: RejectionReason
+REJECTION_REASON_RATE_LIMITED: RejectionReason
 AGENT_STATE_UNSPECIFIED: AgentState
 AGENT_STATE_IDLE: AgentState
 AGENT_STATE_RUNNING: AgentState
