@@ -127,6 +127,11 @@ class AgentHost(Protocol):
         """The activation ended; ``None`` when it ended without running a turn."""
         ...
 
+    async def closed(self, agent: Agent) -> bool:
+        """Whether the agent's session is in a subtree stopped and closed: it must not start
+        a turn (asked before each one)."""
+        ...
+
 
 class Agent:
     """The in-memory object of one Activation.
@@ -184,12 +189,17 @@ class Agent:
         self._turn_task: asyncio.Task[TurnOutcome] | None = None
         self._turn_id: TurnId | None = None
         self._interrupting = False
+        self._cancellable = False
+        """From a turn's start until its steps end: an interrupt then cancels it."""
         self._turns_run = 0
         self._last_outcome = TurnOutcome.COMPLETED
         self._last_turn_trace = ""
         self._links: list[str] = []
         self._last_detail = ""
         self._passivating = False
+        self._halted = False
+        """Its subtree was stopped and closed: no turn starts; the activation ends."""
+        self._interrupt_detail = "interrupted"
 
     # -- identity and state -------------------------------------------------------------------
 
@@ -284,15 +294,34 @@ class Agent:
         self._passivating = True
         self._work.set()
 
-    def interrupt(self) -> TurnId | None:
-        """Cancel the current turn (recorded as cancelled). Returns its id, or None when idle.
-        Idempotent while the cancellation is in flight; never touches the inbox."""
-        if self._turn_task is None or self._turn_task.done():
+    def interrupt(self, detail: str = "interrupted") -> TurnId | None:
+        """Cancel the current turn (recorded as cancelled, with ``detail``). Returns its id, or
+        None when idle. Idempotent while the cancellation is in flight; never touches the
+        inbox."""
+        if not self._cancellable:
             return None
         if not self._interrupting:
             self._interrupting = True
-            self._turn_task.cancel()
+            self._interrupt_detail = detail
+            # Before its steps started (the turn's first writes), the turn is cancelled as
+            # soon as they start: an interrupt then is never lost.
+            if self._turn_task is not None:
+                self._turn_task.cancel()
         return self._turn_id
+
+    def halt(self, detail: str) -> TurnId | None:
+        """Its subtree was stopped and closed: cancel the running turn (recorded as cancelled
+        with ``detail``), start no other, and end this activation as soon as it may settle
+        (a root too). What waits in the inbox stays durable, for an activation after the
+        subtree is reopened. Returns the cancelled turn's id, or None when idle. Idempotent."""
+        self._halted = True
+        self._work.set()
+        return self.interrupt(detail)
+
+    @property
+    def halted(self) -> bool:
+        """Whether :meth:`halt` was called (or a turn found the subtree closed)."""
+        return self._halted
 
     # -- the driver -----------------------------------------------------------------------------
 
@@ -304,10 +333,17 @@ class Agent:
         as lost (:meth:`_finish_left_over_turn`)."""
         await self._finish_left_over_turn()
         while True:
-            if len(self._inbox):
+            if len(self._inbox) and not self._halted:
+                if await self._host.closed(self):  # closed before this turn (or activation)
+                    self._halted = True
+                    continue
                 await self._turn(self._inbox.take_turn_input())
                 continue
-            may_end = self.header.kind is not SessionKind.ROOT or self._passivating
+            if self._halted and len(self._inbox):
+                # Nothing here reads them: their holds end, and they stay durable, unread, for
+                # the first activation after the subtree is reopened.
+                self._host.admitted(self, self._inbox.take_all())
+            may_end = self.header.kind is not SessionKind.ROOT or self._passivating or self._halted
             if may_end and self._host.may_settle(self):
                 self._state = AgentState.SETTLED
                 self._host.changed()
@@ -482,6 +518,7 @@ class Agent:
 
     async def _run_turn(self, turn_id: TurnId, first: list[Record]) -> TurnOutcome:
         self._turn_id = turn_id
+        self._cancellable = True
         self._state = AgentState.RUNNING
         self._host.changed()
         await self._append(
@@ -495,6 +532,8 @@ class Agent:
         self._turn_tokens = 0
         signal = AbortSignal()
         self._turn_task = asyncio.create_task(self._steps(signal), name=f"turn {turn_id}")
+        if self._interrupting:
+            self._turn_task.cancel()  # interrupted while the turn was starting
         detail = ""
         try:
             outcome = await self._turn_task
@@ -503,7 +542,7 @@ class Agent:
             if not self._interrupting or (current is not None and current.cancelling()):
                 raise
             outcome = TurnOutcome.CANCELLED
-            detail = "interrupted"
+            detail = self._interrupt_detail
         except TokensExhausted as exhausted:
             outcome, detail = TurnOutcome.TOKEN_EXHAUSTION, str(exhausted)
         except Exception as failure:  # a failed model call ends the turn, never the driver
@@ -511,7 +550,9 @@ class Agent:
         finally:
             signal.abort("turn ended")
             self._turn_task = None
+            self._cancellable = False
             self._interrupting = False
+            self._interrupt_detail = "interrupted"
         await self._finish_writes()
         await self._close_open_calls(outcome)
         await self._append(TurnEndedEntry(turn_id=turn_id, outcome=outcome, detail=detail))

@@ -37,6 +37,11 @@ class Inbox:
         self._waiting = [record for record in self._waiting if _queued(record)]
         return steered
 
+    def take_all(self) -> list[Record]:
+        """Every waiting record, prompts too, in seq order; the inbox is empty after."""
+        waiting, self._waiting = sorted(self._waiting, key=lambda r: r.seq), []
+        return waiting
+
 
 def _queued(record: Record) -> bool:
     return is_queue_delivery(record.entry)  # type: ignore[arg-type]

@@ -154,6 +154,31 @@ async def _interrupt(client: MeshClient, args: argparse.Namespace, console: Cons
     return 0
 
 
+async def _stop(client: MeshClient, args: argparse.Namespace, console: Console) -> int:
+    result = await client.stop_tree(args.session, close=args.close, reason=args.reason)
+    if args.json:
+        console.say(dumps(result))
+    else:
+        closed = "; closed until `dsh-mesh reopen`" if result.closed else ""
+        console.say(
+            f"stopped the subtree of {result.session_id}{closed} (stop {result.stop_id};"
+            f" {result.turns_cancelled_here} running turn(s) cancelled on the serving node,"
+            " the other nodes stop theirs as the stop reaches them)"
+        )
+    return 0
+
+
+async def _reopen(client: MeshClient, args: argparse.Namespace, console: Console) -> int:
+    reopened = await client.reopen_tree(args.session)
+    if args.json:
+        console.say(json.dumps({"session_id": args.session, "reopened": reopened}))
+    elif reopened:
+        console.say(f"reopened the subtree of {args.session}")
+    else:
+        console.say(f"nothing to reopen: the subtree of {args.session} was not stopped")
+    return 0
+
+
 async def _watch(client: MeshClient, args: argparse.Namespace, console: Console) -> int:
     if args.count == 0:
         return 0
@@ -333,6 +358,8 @@ _HANDLERS = {
     "spawn": _spawn,
     "prompt": _prompt,
     "interrupt": _interrupt,
+    "stop": _stop,
+    "reopen": _reopen,
     "watch": _watch,
     "ls": _ls,
     "show": _show,

@@ -251,6 +251,28 @@ def build_parser() -> argparse.ArgumentParser:
     interrupt.add_argument("session")
     _json_flag(interrupt)
 
+    stop = commands.add_parser(
+        "stop",
+        help="stop a subtree on every node (--tree), and keep it closed (--close)",
+        description=(
+            "Stop the subtree under SESSION (that session and every descendant) on every node:"
+            " every running turn of it is cancelled. With --close it stays quiet until"
+            " `dsh-mesh reopen`: nothing in it resumes, spawns, or is prompted or messaged."
+            " Durable; safe to repeat."
+        ),
+    )
+    stop.add_argument("session")
+    stop.add_argument(
+        "--tree", action="store_true", required=True, help="the whole subtree (required)"
+    )
+    stop.add_argument("--close", action="store_true", help="keep it quiet until reopened")
+    stop.add_argument("--reason", default="", help="why, shown in the stopped turns")
+    _json_flag(stop)
+
+    reopen = commands.add_parser("reopen", help="reopen a subtree a stop --close closed")
+    reopen.add_argument("session")
+    _json_flag(reopen)
+
     watch = commands.add_parser(
         "watch",
         help="follow a session (or its tree) live, one line per event",

@@ -35,6 +35,7 @@ from dsh_mesh.client._types import (
     RootSession,
     SessionEvent,
     SessionPage,
+    StopResult,
 )
 from dsh_mesh.core import (
     ActivationId,
@@ -300,6 +301,37 @@ class MeshClient:
             interrupted=response.interrupted,
             turn_id=TurnId(response.turn_id) if response.turn_id else None,
         )
+
+    async def stop_tree(
+        self,
+        session: str,
+        *,
+        close: bool = False,
+        reason: str = "",
+        deadline: timedelta | None = None,
+    ) -> StopResult:
+        """Stop the subtree under ``session`` on every node: every running turn of it is
+        cancelled; with ``close`` it stays quiet (nothing resumes, spawns, or is prompted or
+        messaged in it: ``TREE_CLOSED``) until :meth:`reopen_tree`. Durable when it returns;
+        safe to repeat."""
+        response = await self._unary(
+            "StopTree",
+            mesh_pb2.StopTreeRequest(session_id=session, close=close, reason=reason),
+            deadline,
+        )
+        return StopResult(
+            session_id=SessionId(response.session_id),
+            stop_id=response.stop_id,
+            closed=response.closed,
+            turns_cancelled_here=response.turns_cancelled_here,
+        )
+
+    async def reopen_tree(self, session: str, *, deadline: timedelta | None = None) -> bool:
+        """Clear the stop of the subtree under ``session``; True when it had one. Idempotent."""
+        response = await self._unary(
+            "ReopenTree", mesh_pb2.ReopenTreeRequest(session_id=session), deadline
+        )
+        return bool(response.reopened)
 
     async def get_session(
         self,

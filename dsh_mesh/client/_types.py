@@ -94,6 +94,18 @@ class InterruptResult:
 
 
 @dataclass(frozen=True, kw_only=True)
+class StopResult:
+    """What ``StopTree`` recorded: the stop of the subtree under ``session_id``, whether it is
+    ``closed`` until reopened, and how many running turns the serving node cancelled itself
+    (the other nodes cancel theirs as the stop reaches them)."""
+
+    session_id: SessionId
+    stop_id: str
+    closed: bool
+    turns_cancelled_here: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class SessionInfo:
     """A session's durable, write-once header as read over the wire.
 

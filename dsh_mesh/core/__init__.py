@@ -39,6 +39,7 @@ from dsh_mesh.core._errors import (
     TargetUnknown,
     TokensExhausted,
     ToolsUnavailable,
+    TreeClosed,
     TreeLimitReached,
     TurnFailed,
     Unauthenticated,
@@ -71,6 +72,7 @@ from dsh_mesh.core._source import (
     frame_agent_message,
     frame_settlement_notice,
 )
+from dsh_mesh.core._stop import TreeStop
 from dsh_mesh.core._transcript import (
     INBOUND_TYPES,
     AgentMessageEntry,
@@ -162,7 +164,9 @@ __all__ = [
     "ToolDescriptor",
     "ToolResultEntry",
     "ToolsUnavailable",
+    "TreeClosed",
     "TreeLimitReached",
+    "TreeStop",
     "TurnEndedEntry",
     "TurnFailed",
     "TurnId",

@@ -83,6 +83,9 @@ class RejectionReason(enum.Enum):
     RATE_LIMITED = "RATE_LIMITED"
     """Sessions are being created faster than allowed (metadata ``limit``:
     ``spawns_per_minute`` of one tree; ``retry_after_ms`` when to try again). Retryable."""
+    TREE_CLOSED = "TREE_CLOSED"
+    """The session is in a subtree that was stopped and closed (metadata ``stopped``: the
+    session the stop named). Nothing was accepted; it takes work again once reopened."""
 
 
 RETRYABLE_REASONS: frozenset[RejectionReason] = frozenset(
@@ -257,6 +260,14 @@ class TreeLimitReached(_FixedRejected):
     fixed_reason = RejectionReason.TREE_LIMIT
 
 
+class TreeClosed(_FixedRejected):
+    """The session is in a subtree that was stopped and closed (``metadata["stopped"]`` names
+    the session the stop named): no turn, resume, spawn, prompt or message until it is
+    reopened. Nothing was accepted."""
+
+    fixed_reason = RejectionReason.TREE_CLOSED
+
+
 class RateLimited(_FixedRejected):
     """Sessions are being created faster than allowed (``metadata["limit"]`` names the rate,
     ``metadata["retry_after_ms"]`` when a retry may pass). Nothing was created. Retryable
@@ -374,6 +385,7 @@ _CLASS_OF_REASON: Mapping[RejectionReason, type[Rejected]] = MappingProxyType(
         RejectionReason.NODE_OVERLOADED: NodeOverloaded,
         RejectionReason.TOOLS_UNAVAILABLE: ToolsUnavailable,
         RejectionReason.TREE_LIMIT: TreeLimitReached,
+        RejectionReason.TREE_CLOSED: TreeClosed,
         RejectionReason.RATE_LIMITED: RateLimited,
     }
 )

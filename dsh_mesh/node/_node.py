@@ -47,6 +47,7 @@ from dsh_mesh.registry import (
     NodeInfo,
     RegistryReads,
     Retention,
+    TreeStopped,
 )
 from dsh_mesh.registry._etcd import put
 from dsh_mesh.runtime import ContinuationManager, HistoryLog, RecordingStore, SessionStore
@@ -361,6 +362,8 @@ class Node:
         await etcd.txn([], [put(keys.node(self.config.node_id), info.encode(), lease=lease_id)])
 
     def _on_directory_event(self, event: DirectoryEvent) -> None:
+        if isinstance(event, TreeStopped) and self._manager is not None:
+            self._manager.stop_seen(event.stop)  # whoever made it: this node's agents stop
         if isinstance(event, ActivationEnded) and self._group is not None and self._manager:
             self._group.create_task(self._activation_ended(self._manager, event.activation))
 

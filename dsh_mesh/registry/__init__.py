@@ -20,6 +20,7 @@ from dsh_mesh.registry._directory import (
     Directory,
     DirectoryEvent,
     NodeInfo,
+    TreeStopped,
 )
 from dsh_mesh.registry._etcd import Etcd, EtcdConfig, EtcdTls
 from dsh_mesh.registry._keys import Keys
@@ -47,6 +48,7 @@ __all__ = [
     "Pruned",
     "RegistryReads",
     "Retention",
+    "TreeStopped",
     "decode_acceptance",
     "decode_record",
     "encode_acceptance",

@@ -90,6 +90,7 @@ from dsh_mesh.core import (
     SettlementNoticeEntry,
     TaskEntry,
     ToolResultEntry,
+    TreeStop,
     TurnEndedEntry,
     TurnStartedEntry,
 )
@@ -175,6 +176,16 @@ def decode_activation(data: bytes) -> Activation:
     """The activation ``encode_activation`` stored as ``data``; raises :class:`CodecError`
     otherwise."""
     return _decode(Activation, *_open(data, "activation", tagged=False), "activation")
+
+
+def encode_stop(stop: TreeStop) -> bytes:
+    """The stored form of a subtree's stop. Pure and deterministic: equal values, equal bytes."""
+    return _encode(stop, tag=None)
+
+
+def decode_stop(data: bytes) -> TreeStop:
+    """The stop ``encode_stop`` stored as ``data``; raises :class:`CodecError` otherwise."""
+    return _decode(TreeStop, *_open(data, "stop", tagged=False), "stop")
 
 
 def encode_entry(entry: Entry, *, recorded_at: datetime | None = None) -> bytes:

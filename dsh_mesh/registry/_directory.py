@@ -1,10 +1,9 @@
 """The directory: who is live and where, as a local cache fed by etcd watches.
 
-It holds every current activation and every registered node. Warm sends read it instead of etcd,
-so the hot path costs no etcd read. It loads a snapshot, then follows a watch from the snapshot's
-revision + 1; when the stream breaks it marks itself unsynced (readers fall back to etcd) and
-resumes from the last revision it applied + 1, reloading from scratch only if etcd compacted that
-revision away.
+It holds every current activation, every registered node and every stop of a subtree. Warm
+sends read it instead of etcd, so the hot path costs no etcd read. It loads a snapshot, then
+follows a watch from the snapshot's revision + 1; when the stream breaks it marks itself
+unsynced (readers fall back to etcd) and reloads a snapshot on reconnect.
 """
 
 from __future__ import annotations
@@ -18,8 +17,8 @@ from typing import Any
 
 import aetcd.exceptions
 
-from dsh_mesh.core import Activation, MeshError, NodeId, SessionId
-from dsh_mesh.registry._codec import decode_activation
+from dsh_mesh.core import Activation, MeshError, NodeId, SessionId, TreeStop
+from dsh_mesh.registry._codec import CodecError, decode_activation, decode_stop
 from dsh_mesh.registry._etcd import Etcd
 from dsh_mesh.registry._keys import Keys
 
@@ -66,7 +65,14 @@ class ActivationStarted:
     activation: Activation
 
 
-DirectoryEvent = ActivationEnded | ActivationStarted
+@dataclass(frozen=True, kw_only=True)
+class TreeStopped:
+    """A subtree was stopped (a stop this directory had not seen: ``stop.stop_id`` is new)."""
+
+    stop: TreeStop
+
+
+DirectoryEvent = ActivationEnded | ActivationStarted | TreeStopped
 
 
 class Directory:
@@ -89,13 +95,14 @@ class Directory:
         self._on_event = on_event
         self._activations: dict[SessionId, Activation] = {}
         self._nodes: dict[NodeId, NodeInfo] = {}
+        self._stops: dict[SessionId, TreeStop] = {}
         self._synced = asyncio.Event()
-        self._revision = {keys.activations: 0, keys.nodes: 0}
+        self._revision = {keys.activations: 0, keys.nodes: 0, keys.stops: 0}
         self._healthy: set[bytes] = set()
 
     @property
     def synced(self) -> bool:
-        """True while both watches follow etcd."""
+        """True while every watch follows etcd."""
         return self._synced.is_set()
 
     async def ready(self) -> None:
@@ -114,6 +121,18 @@ class Directory:
         """Every registered node, as last seen."""
         return dict(self._nodes)
 
+    def stops(self) -> dict[SessionId, TreeStop]:
+        """The last stop of every subtree stopped and not reopened, by the session it names."""
+        return dict(self._stops)
+
+    def note_stop(self, stop: TreeStop) -> None:
+        """Record a stop this process wrote before its watch event arrives."""
+        self._stops[stop.session_id] = stop
+
+    def forget_stop(self, session: SessionId) -> None:
+        """Drop the stop of ``session``'s subtree this process cleared (reopened)."""
+        self._stops.pop(session, None)
+
     def note(self, activation: Activation) -> None:
         """Record an activation this process wrote before its watch event arrives."""
         self._activations[activation.session_id] = activation
@@ -124,7 +143,7 @@ class Directory:
             del self._activations[activation.session_id]
 
     async def follow(self) -> None:
-        """Load, then follow both prefixes until cancelled; never raises otherwise."""
+        """Load, then follow every prefix until cancelled; never raises otherwise."""
         async with asyncio.TaskGroup() as group:
             for prefix in self._revision:
                 group.create_task(self._follow(prefix))
@@ -167,6 +186,10 @@ class Directory:
             self._nodes = {
                 self._keys.node_of_key(kv.key): NodeInfo.decode(kv.value) for kv in response.kvs
             }
+        elif prefix == self._keys.stops:
+            seen, self._stops = self._stops, {}
+            for kv in response.kvs:
+                self._saw_stop(kv.value, seen.get(self._keys.session_of_stop(kv.key)))
         else:
             before = self._activations
             self._activations = {
@@ -189,6 +212,13 @@ class Directory:
             else:
                 self._nodes[node] = NodeInfo.decode(event.kv.value)
             return
+        if prefix == self._keys.stops:
+            if deleted:
+                self._stops.pop(self._keys.session_of_stop(event.kv.key), None)
+            else:
+                known = self._stops.get(self._keys.session_of_stop(event.kv.key))
+                self._saw_stop(event.kv.value, known)
+            return
         session = self._keys.session_of_activation(event.kv.key)
         if deleted:
             ended = None if event.prev_kv is None else decode_activation(event.prev_kv.value)
@@ -203,6 +233,18 @@ class Directory:
         activation = decode_activation(event.kv.value)
         self._activations[session] = activation
         self._emit(ActivationStarted(activation=activation))
+
+    def _saw_stop(self, value: bytes, known: TreeStop | None) -> None:
+        """Keep a stop read from etcd; tell of it when it is one this directory had not seen
+        (a stop made while a watch was broken is told on the reload that finds it)."""
+        try:
+            stop = decode_stop(value)
+        except CodecError as bad:
+            _log.error("directory: a stop that does not decode: %s", bad)
+            return
+        self._stops[stop.session_id] = stop
+        if known is None or known.stop_id != stop.stop_id:
+            self._emit(TreeStopped(stop=stop))
 
     def _emit(self, event: DirectoryEvent) -> None:
         if self._on_event is not None:

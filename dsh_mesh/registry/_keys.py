@@ -82,6 +82,19 @@ class Keys:
         return SessionId(key[len(self.activations) :].decode())
 
     @property
+    def stops(self) -> bytes:
+        """Prefix of the stops of subtrees (``TreeStop``, durable: no lease)."""
+        return self.prefix + b"stops/"
+
+    def stop(self, session: SessionId) -> bytes:
+        """The last stop of the subtree under ``session``; absent once reopened."""
+        return self.stops + session.encode()
+
+    def session_of_stop(self, key: bytes) -> SessionId:
+        """The session a stop key names."""
+        return SessionId(key[len(self.stops) :].decode())
+
+    @property
     def nodes(self) -> bytes:
         """Prefix of every registered node (each bound to its own lease)."""
         return self.prefix + b"nodes/"

@@ -37,6 +37,7 @@ from dsh_mesh.core import (
     SessionHeader,
     SessionId,
     SessionUnknown,
+    TreeStop,
 )
 from dsh_mesh.registry._codec import (
     decode_activation,
@@ -44,6 +45,7 @@ from dsh_mesh.registry._codec import (
     encode_activation,
     encode_entry,
     encode_header,
+    encode_stop,
 )
 from dsh_mesh.registry._etcd import Etcd, Result, Target, compare, delete, get, put
 from dsh_mesh.registry._keys import Keys
@@ -106,6 +108,18 @@ class ActivationView(Protocol):
         """Drop an activation this process released, ahead of its watch event."""
         ...
 
+    def stops(self) -> dict[SessionId, TreeStop]:
+        """Every subtree's stop not reopened, as last seen on the watch."""
+        ...
+
+    def note_stop(self, stop: TreeStop) -> None:
+        """Record a stop this process just wrote, ahead of its watch event."""
+        ...
+
+    def forget_stop(self, session: SessionId) -> None:
+        """Drop a stop this process just cleared, ahead of its watch event."""
+        ...
+
 
 class EtcdSessionStore:
     """Durable session state for one node: coordination in etcd, transcripts in ``log``.
@@ -138,6 +152,9 @@ class EtcdSessionStore:
         self._directory = directory
         self._headers: dict[SessionId, SessionHeader] = {}
         self._roots: dict[SessionId, SessionId] = {}
+        self._stops: dict[SessionId, TreeStop] = {}
+        """Stops this store wrote, for a store without a directory (one that does see every
+        node's: it follows them on its watch)."""
         self._fences: dict[ActivationId, int] = {}
         self._queues: dict[SessionId, list[_Pending]] = {}
         self._flushing: set[SessionId] = set()
@@ -423,6 +440,26 @@ class EtcdSessionStore:
         return [delete(key)] if live is None else [delete(key), delete(live)]
 
     # -- trees ------------------------------------------------------------------------------------
+
+    async def record_stop(self, stop: TreeStop) -> None:
+        if await self.get_header(stop.session_id) is None:
+            raise SessionUnknown(stop.session_id)
+        await self._etcd.txn([], [put(self._keys.stop(stop.session_id), encode_stop(stop))])
+        self._stops[stop.session_id] = stop
+        if self._directory is not None:
+            self._directory.note_stop(stop)
+
+    async def clear_stop(self, session: SessionId) -> bool:
+        response = await self._etcd.txn([], [delete(self._keys.stop(session))])
+        self._stops.pop(session, None)
+        if self._directory is not None:
+            self._directory.forget_stop(session)
+        return bool(response.responses[0].response_delete_range.deleted)
+
+    def stops(self) -> dict[SessionId, TreeStop]:
+        if self._directory is not None:
+            return self._directory.stops()
+        return dict(self._stops)
 
     async def tree_census(self, session: SessionId, *, since: datetime) -> TreeCensus:
         header = await self.get_header(session)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from dsh_mesh.agent import Agent, completed_turn_prefix
 from dsh_mesh.core import (
@@ -78,9 +78,11 @@ class Creations:
         work: DetachedWork,
         max_message_chars: int,
         guard: SpawnGuard,
+        admit: Callable[[SessionId], Awaitable[None]],
     ) -> None:
         self._store = store
         self._guard = guard
+        self._admit = admit
         self._residency = residency
         self._placement = placement
         self._children = children
@@ -145,6 +147,7 @@ class Creations:
             if idempotency_key is None
             else self._ids.child_session_id(parent.session_id, idempotency_key)
         )
+        await self._admit(parent.session_id)  # no spawn under a closed subtree
         try:
             await self._guard.check(parent_agent.header)
         except (TreeLimitReached, RateLimited):

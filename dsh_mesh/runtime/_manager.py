@@ -34,6 +34,7 @@ from dsh_mesh.core import (
     SessionId,
     SessionUnknown,
     SettlementNoticeEntry,
+    TreeStop,
     TurnId,
 )
 from dsh_mesh.models import ModelProvider
@@ -50,6 +51,7 @@ from dsh_mesh.runtime._placement import ClusterForwarder, LocalPlacement, Placem
 from dsh_mesh.runtime._residency import Residency
 from dsh_mesh.runtime._router import Router
 from dsh_mesh.runtime._settlement import Settlements
+from dsh_mesh.runtime._stops import Stops
 from dsh_mesh.runtime._store import SessionStore
 from dsh_mesh.runtime._writes import OutageTolerantWriter
 from dsh_mesh.tools import ChildKind, Preset, Tool, ToolRegistry, ToolSource, standard_tools
@@ -111,7 +113,9 @@ class ContinuationManager:
             max_resident=config.max_resident_sessions,
             resume_filter=config.resume_filter,
             tool_executor=tool_executor,
+            admit=self._check_open,
         )
+        self._stops = Stops(store=store, residency=self._residency, ids=ids)
         placement: Placement = (
             LocalPlacement(config.node_id)
             if router is None
@@ -162,6 +166,7 @@ class ContinuationManager:
             work=self._work,
             max_message_chars=config.max_message_chars,
             guard=SpawnGuard(store, config.tree_limits),
+            admit=self._check_open,
         )
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -328,6 +333,29 @@ class ContinuationManager:
 
         return await self._placement.follow(session, elsewhere, hand_off, keyed=False)
 
+    async def stop_tree(
+        self, session: SessionId, *, close: bool, reason: str = ""
+    ) -> tuple[TreeStop, int]:
+        """Stop the subtree under ``session`` on every node: its running turns are cancelled
+        (recorded as cancelled), and with ``close`` it stays quiet until :meth:`reopen_tree`
+        (ADR 0031). Durable when this returns; this node applied it (the count of turns it
+        cancelled comes back with the stop), every other node applies it when its watch
+        brings it. Raises :class:`SessionUnknown`."""
+        return await self._stops.stop(session, close=close, reason=reason)
+
+    async def reopen_tree(self, session: SessionId) -> bool:
+        """Clear the stop of the subtree under ``session``; True when there was one.
+        Idempotent. Raises :class:`SessionUnknown`."""
+        return await self._stops.reopen(session)
+
+    def stop_seen(self, stop: TreeStop) -> None:
+        """A stop this node learned from the registry (another node made it, or it was made
+        while this node's watch was away): apply it to the agents resident here."""
+        self._work.start(self._stops.apply(stop))
+
+    async def _check_open(self, session: SessionId) -> None:
+        await self._stops.check_open(session)
+
     # -- SubagentRuntime ------------------------------------------------------------------------
 
     async def send_message(
@@ -444,6 +472,10 @@ class ContinuationManager:
     async def settled(self, agent: Agent, settlement: Settlement | None) -> None:
         """``agent``'s activation ended: notice to its parent, then release."""
         await self._settlements.settled(agent, settlement)
+
+    async def closed(self, agent: Agent) -> bool:
+        """Whether ``agent``'s session is in a subtree stopped and closed."""
+        return await self._stops.is_closed(agent)
 
     # -- helpers --------------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from dsh_mesh.core import (
     SessionHeader,
     SessionId,
     SessionUnknown,
+    TreeStop,
 )
 from dsh_mesh.runtime._store import (
     Acceptance,
@@ -35,6 +36,7 @@ class InMemorySessionStore:
         self._activations: dict[SessionId, Activation] = {}
         self._transcripts: dict[SessionId, list[Record]] = {}
         self._idempotency: dict[IdempotencyKey, Acceptance] = {}
+        self._stops: dict[SessionId, TreeStop] = {}
         self.writes = 0
 
     async def create_header(self, header: SessionHeader, entries: Sequence[Entry] = ()) -> None:
@@ -131,6 +133,17 @@ class InMemorySessionStore:
                 1 for h in members if h.created_at is not None and h.created_at >= since
             ),
         )
+
+    async def record_stop(self, stop: TreeStop) -> None:
+        if stop.session_id not in self._headers:
+            raise SessionUnknown(stop.session_id)
+        self._stops[stop.session_id] = stop
+
+    async def clear_stop(self, session: SessionId) -> bool:
+        return self._stops.pop(session, None) is not None
+
+    def stops(self) -> dict[SessionId, TreeStop]:
+        return dict(self._stops)
 
     def _root_of(self, session: SessionId) -> SessionId:
         header = self._headers.get(session)

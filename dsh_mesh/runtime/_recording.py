@@ -35,6 +35,7 @@ from dsh_mesh.core import (
     Record,
     SessionHeader,
     SessionId,
+    TreeStop,
 )
 from dsh_mesh.runtime._store import (
     Acceptance,
@@ -155,6 +156,15 @@ class RecordingStore:
 
     async def tree_census(self, session: SessionId, *, since: datetime) -> TreeCensus:
         return await self._store.tree_census(session, since=since)
+
+    async def record_stop(self, stop: TreeStop) -> None:
+        await self._store.record_stop(stop)
+
+    async def clear_stop(self, session: SessionId) -> bool:
+        return await self._store.clear_stop(session)
+
+    def stops(self) -> dict[SessionId, TreeStop]:
+        return self._store.stops()
 
     async def last(self, session: SessionId) -> Record | None:
         return await self._store.last(session)

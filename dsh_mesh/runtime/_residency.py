@@ -7,7 +7,7 @@ import contextlib
 import contextvars
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from datetime import timedelta
 from types import TracebackType
@@ -78,8 +78,12 @@ class Residency:
         max_resident: int,
         resume_filter: DescriptorFilter | None,
         tool_executor: Executor | None = None,
+        admit: Callable[[SessionId], Awaitable[None]] | None = None,
     ) -> None:
         self.node_id = node_id
+        self._admit = admit
+        """Raises when a session may take no work now (its subtree is closed), before it is
+        found resident or resumed for a send, a prompt or an activation."""
         self._tool_executor = tool_executor
         self._store = store
         self._provider = provider
@@ -321,6 +325,8 @@ class Residency:
         Concurrent callers share one cold resume, made with the first caller's ``key``: if that
         key was already accepted, nothing is resumed, that caller gets :class:`AlreadyAccepted`
         and the others try again. Raises :class:`TargetElsewhere` when another node holds it."""
+        if self._admit is not None:
+            await self._admit(target)
         while True:
             agent = self._agents.get(target)
             if agent is not None and agent.state is not AgentState.SETTLED:

@@ -22,6 +22,7 @@ from dsh_mesh.core import (
     Record,
     SessionHeader,
     SessionId,
+    TreeStop,
 )
 
 
@@ -150,6 +151,22 @@ class SessionStore(Protocol):
         """Count the tree ``session`` belongs to (:class:`TreeCensus`), counting members
         created at or after ``since``. Raises ``SessionUnknown`` for a session that does not
         exist."""
+        ...
+
+    async def record_stop(self, stop: TreeStop) -> None:
+        """Make ``stop`` the durable stop of the subtree under its session (replacing an
+        earlier one); every node's :meth:`stops` shows it soon after. Raises
+        ``SessionUnknown`` for a session that does not exist."""
+        ...
+
+    async def clear_stop(self, session: SessionId) -> bool:
+        """Reopen the subtree under ``session``: its stop is gone (True when there was one).
+        Idempotent."""
+        ...
+
+    def stops(self) -> dict[SessionId, TreeStop]:
+        """Every subtree's stop not cleared, by the session it names, as this node last saw
+        them (a stop another node made may show a moment later)."""
         ...
 
     async def last(self, session: SessionId) -> Record | None:

@@ -63,6 +63,8 @@ USAGE_SESSIONS = 1024
 whole transcript: a transcript up to this long takes one registry read, a longer one one more
 read per chunk, and at most one chunk plus the page is held at once."""
 MAX_NAME_CHARS = 256
+MAX_STOP_REASON_CHARS = 1000
+"""The longest ``StopTreeRequest.reason``: it is kept in the registry and in transcripts."""
 """The most characters a ``CreateRootSession`` ``preset`` or ``model`` may have. Both are
 stored in the session header (one etcd value); a longer one is refused as malformed
 (``INVALID_ARGUMENT``) rather than failing at etcd's request limit."""
@@ -277,6 +279,34 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
             parse_session_id(request.session_id), hops=caller_hops(context)
         )
         return mesh_pb2.InterruptResponse(interrupted=turn is not None, turn_id=turn or "")
+
+    @mesh_rpc
+    async def StopTree(
+        self,
+        request: mesh_pb2.StopTreeRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> mesh_pb2.StopTreeResponse:
+        session = parse_session_id(request.session_id)
+        if len(request.reason) > MAX_STOP_REASON_CHARS:
+            raise InvalidArgument(f"reason is longer than {MAX_STOP_REASON_CHARS} characters")
+        stop, cancelled = await self._manager().stop_tree(
+            session, close=request.close, reason=request.reason
+        )
+        return mesh_pb2.StopTreeResponse(
+            session_id=stop.session_id,
+            stop_id=stop.stop_id,
+            closed=stop.closed,
+            turns_cancelled_here=cancelled,
+        )
+
+    @mesh_rpc
+    async def ReopenTree(
+        self,
+        request: mesh_pb2.ReopenTreeRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> mesh_pb2.ReopenTreeResponse:
+        reopened = await self._manager().reopen_tree(parse_session_id(request.session_id))
+        return mesh_pb2.ReopenTreeResponse(reopened=reopened)
 
     # -- reads ------------------------------------------------------------------------------------
 

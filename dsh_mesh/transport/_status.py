@@ -89,6 +89,7 @@ STATUS_OF_REASON: Mapping[RejectionReason, grpc.StatusCode] = MappingProxyType(
         RejectionReason.NODE_OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
         RejectionReason.TOOLS_UNAVAILABLE: grpc.StatusCode.FAILED_PRECONDITION,
         RejectionReason.TREE_LIMIT: grpc.StatusCode.FAILED_PRECONDITION,
+        RejectionReason.TREE_CLOSED: grpc.StatusCode.FAILED_PRECONDITION,
         RejectionReason.RATE_LIMITED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     }
 )

@@ -63,6 +63,7 @@ from dsh_mesh.registry import (
     LeaseKeeper,
     LeaseLost,
     NodeInfo,
+    TreeStopped,
 )
 from dsh_mesh.registry._codec import decode_activation, encode_activation
 from dsh_mesh.registry._etcd import put
@@ -350,6 +351,8 @@ class EventLog:
     snapshots: list[Activation | None] = field(default_factory=list)
 
     def __call__(self, event: DirectoryEvent) -> None:
+        if isinstance(event, TreeStopped):
+            return
         self.events.append(event)
         if self.directory is not None:
             self.snapshots.append(self.directory.activation(event.activation.session_id))

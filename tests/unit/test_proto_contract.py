@@ -27,6 +27,8 @@ CONTROL_RPCS = {
     "CreateRootSession",
     "SubmitPrompt",
     "Interrupt",
+    "StopTree",
+    "ReopenTree",
     "GetSession",
     "WatchSession",
     "ListAgents",
@@ -61,6 +63,7 @@ REJECTION_REASONS = [
     "REJECTION_REASON_TOOLS_UNAVAILABLE",
     "REJECTION_REASON_TREE_LIMIT",
     "REJECTION_REASON_RATE_LIMITED",
+    "REJECTION_REASON_TREE_CLOSED",
 ]
 
 
@@ -104,7 +107,7 @@ def test_agent_mesh_has_only_send_message() -> None:
 
 
 @pytest.mark.contract(11)
-def test_mesh_control_has_the_six_control_rpcs() -> None:
+def test_mesh_control_has_the_control_rpcs() -> None:
     service = mesh_pb2.DESCRIPTOR.services_by_name["MeshControl"]
     assert {m.name for m in service.methods} == CONTROL_RPCS
     assert len(service.methods) == len(CONTROL_RPCS)

@@ -47,6 +47,7 @@ class RejectionReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REJECTION_REASON_TOOLS_UNAVAILABLE: _ClassVar[RejectionReason]
     REJECTION_REASON_TREE_LIMIT: _ClassVar[RejectionReason]
     REJECTION_REASON_RATE_LIMITED: _ClassVar[RejectionReason]
+    REJECTION_REASON_TREE_CLOSED: _ClassVar[RejectionReason]
 
 class AgentState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -112,6 +113,7 @@ REJECTION_REASON_NODE_OVERLOADED: RejectionReason
 REJECTION_REASON_TOOLS_UNAVAILABLE: RejectionReason
 REJECTION_REASON_TREE_LIMIT: RejectionReason
 REJECTION_REASON_RATE_LIMITED: RejectionReason
+REJECTION_REASON_TREE_CLOSED: RejectionReason
 AGENT_STATE_UNSPECIFIED: AgentState
 AGENT_STATE_IDLE: AgentState
 AGENT_STATE_RUNNING: AgentState
@@ -231,6 +233,40 @@ class InterruptResponse(_message.Message):
     interrupted: bool
     turn_id: str
     def __init__(self, interrupted: _Optional[bool] = ..., turn_id: _Optional[str] = ...) -> None: ...
+
+class StopTreeRequest(_message.Message):
+    __slots__ = ("session_id", "close", "reason")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    close: bool
+    reason: str
+    def __init__(self, session_id: _Optional[str] = ..., close: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class StopTreeResponse(_message.Message):
+    __slots__ = ("session_id", "stop_id", "closed", "turns_cancelled_here")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STOP_ID_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    TURNS_CANCELLED_HERE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    stop_id: str
+    closed: bool
+    turns_cancelled_here: int
+    def __init__(self, session_id: _Optional[str] = ..., stop_id: _Optional[str] = ..., closed: _Optional[bool] = ..., turns_cancelled_here: _Optional[int] = ...) -> None: ...
+
+class ReopenTreeRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ReopenTreeResponse(_message.Message):
+    __slots__ = ("reopened",)
+    REOPENED_FIELD_NUMBER: _ClassVar[int]
+    reopened: bool
+    def __init__(self, reopened: _Optional[bool] = ...) -> None: ...
 
 class GetSessionRequest(_message.Message):
     __slots__ = ("session_id", "page_size", "page_token")

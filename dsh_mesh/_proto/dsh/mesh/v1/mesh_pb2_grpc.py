@@ -203,6 +203,16 @@ class MeshControlStub:
                 request_serializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.InterruptRequest.SerializeToString,
                 response_deserializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.InterruptResponse.FromString,
                 _registered_method=True)
+        self.StopTree = channel.unary_unary(
+                '/dsh.mesh.v1.MeshControl/StopTree',
+                request_serializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.StopTreeRequest.SerializeToString,
+                response_deserializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.StopTreeResponse.FromString,
+                _registered_method=True)
+        self.ReopenTree = channel.unary_unary(
+                '/dsh.mesh.v1.MeshControl/ReopenTree',
+                request_serializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.ReopenTreeRequest.SerializeToString,
+                response_deserializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.ReopenTreeResponse.FromString,
+                _registered_method=True)
         self.GetSession = channel.unary_unary(
                 '/dsh.mesh.v1.MeshControl/GetSession',
                 request_serializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.GetSessionRequest.SerializeToString,
@@ -264,6 +274,31 @@ class MeshControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StopTree(self, request, context):
+        """StopTree stops the subtree under a session (that session and every
+        descendant) on every node: every turn running in it is cancelled
+        (recorded as ended with TURN_OUTCOME_CANCELLED and a detail naming the
+        stop). With close, the subtree then stays quiet until ReopenTree: no turn
+        starts in it, its resident agents end their activations, and any resume,
+        spawn, prompt or message for it is refused with
+        REJECTION_REASON_TREE_CLOSED. Durable when it returns (a node that
+        restarts does not wake the subtree); the serving node has applied it, the
+        others apply it as their registry watch brings it, within milliseconds.
+        Idempotent in effect: stopping again cancels what runs now, again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReopenTree(self, request, context):
+        """ReopenTree clears the stop of a subtree: its sessions take work again (a
+        message or prompt resumes them; what waited in their transcripts is read
+        then). Idempotent: reopened = false when nothing was stopped.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetSession(self, request, context):
         """GetSession returns a session's header, its current activation (if
         resident), its live state, one page of its transcript (page_size,
@@ -318,6 +353,16 @@ def add_MeshControlServicer_to_server(servicer, server):
                     servicer.Interrupt,
                     request_deserializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.InterruptRequest.FromString,
                     response_serializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.InterruptResponse.SerializeToString,
+            ),
+            'StopTree': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopTree,
+                    request_deserializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.StopTreeRequest.FromString,
+                    response_serializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.StopTreeResponse.SerializeToString,
+            ),
+            'ReopenTree': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReopenTree,
+                    request_deserializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.ReopenTreeRequest.FromString,
+                    response_serializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.ReopenTreeResponse.SerializeToString,
             ),
             'GetSession': grpc.unary_unary_rpc_method_handler(
                     servicer.GetSession,
@@ -428,6 +473,60 @@ class MeshControl:
             '/dsh.mesh.v1.MeshControl/Interrupt',
             dsh_dot_mesh_dot_v1_dot_mesh__pb2.InterruptRequest.SerializeToString,
             dsh_dot_mesh_dot_v1_dot_mesh__pb2.InterruptResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopTree(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsh.mesh.v1.MeshControl/StopTree',
+            dsh_dot_mesh_dot_v1_dot_mesh__pb2.StopTreeRequest.SerializeToString,
+            dsh_dot_mesh_dot_v1_dot_mesh__pb2.StopTreeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReopenTree(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsh.mesh.v1.MeshControl/ReopenTree',
+            dsh_dot_mesh_dot_v1_dot_mesh__pb2.ReopenTreeRequest.SerializeToString,
+            dsh_dot_mesh_dot_v1_dot_mesh__pb2.ReopenTreeResponse.FromString,
             options,
             channel_credentials,
             insecure,
