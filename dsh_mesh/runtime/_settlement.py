@@ -15,6 +15,7 @@ from dsh_mesh.core import (
     ActivationFenced,
     ActivationId,
     AssistantStepEntry,
+    DeadlineExceeded,
     DeliveryKind,
     DetachedWork,
     NodeId,
@@ -217,10 +218,14 @@ class Settlements:
                 continue
             elsewhere = await self._placement.elsewhere(parent, place=False, fresh=attempt > 0)
             if elsewhere is not None:
+                hand_off = functools.partial(self._hand_notice, parent=parent, notice=notice)
+
                 try:
-                    node = NodeId(elsewhere.node_id)
-                    await self._placement.router.deliver_notice(node, parent, notice)
-                except (PeerUnavailable, ActivationFenced, TargetElsewhere):
+                    # Keyed (a second copy writes nothing), so it may be routed again: a
+                    # frozen or cut-off host is given up on once its lease, and with it the
+                    # parent's activation, is gone, not at the call's deadline.
+                    await self._placement.follow(parent, elsewhere, hand_off, keyed=True)
+                except (PeerUnavailable, ActivationFenced, TargetElsewhere, DeadlineExceeded):
                     continue  # that node no longer hosts the parent: look again
                 return
             try:
@@ -231,6 +236,11 @@ class Settlements:
                 continue  # the parent became resident meanwhile: deliver to that activation
             return
         raise ActivationFenced(f"{parent}: kept changing residency while a notice was delivered")
+
+    async def _hand_notice(
+        self, node: NodeId, *, parent: SessionId, notice: SettlementNoticeEntry
+    ) -> None:
+        await self._placement.router.deliver_notice(node, parent, notice)
 
     async def _accept(
         self,
