@@ -159,6 +159,9 @@ def _start_and_wait(
         # One host: the nodes share one SQLite file, kept with the cluster's home (not its
         # logs) so that it outlives a restart of `up` on the same etcd.
         log_store=f"sqlite:{home / 'log.db'}",
+        # Under TLS only the nodes reach etcd, each within its prefix (ADR 0032): the CLI's
+        # client certificate drives the control plane and can forge nothing in etcd.
+        least_privilege=pki is not None,
     )
     stack.enter_context(cluster)
     stack.callback(_stop_nodes, cluster, console)

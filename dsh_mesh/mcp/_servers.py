@@ -68,13 +68,6 @@ class McpServers:
         """Whether ``selector`` is one of this source's (``mcp:...``)."""
         return selector.startswith(SELECTOR_PREFIX)
 
-    def check(self, selector: str) -> str | None:
-        """What is wrong with ``selector`` (an undeclared server), or None."""
-        server = selector.removeprefix(SELECTOR_PREFIX).partition("/")[0]
-        if server not in self._configs:
-            return f"{selector}: no MCP server {server!r} is declared"
-        return None
-
     async def load(self, selector: str) -> None:
         """List the selected server's tools (opening its connection) unless listed within
         :data:`LISTING_TTL`. Raises :class:`ToolsUnavailable` when the server cannot be reached

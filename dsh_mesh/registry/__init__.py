@@ -7,6 +7,7 @@ watch-fed :class:`Directory` of who is live where, the control plane's reads
 docs/storage.md.
 """
 
+from dsh_mesh.registry._access import ROOT_USER, grant_mesh_access, mesh_role
 from dsh_mesh.registry._codec import (
     CodecError,
     decode_acceptance,
@@ -30,6 +31,7 @@ from dsh_mesh.registry._retention import Pruned, Retention
 from dsh_mesh.registry._store import EtcdSessionStore
 
 __all__ = [
+    "ROOT_USER",
     "ActivationEnded",
     "ActivationStarted",
     "CodecError",
@@ -53,4 +55,6 @@ __all__ = [
     "decode_record",
     "encode_acceptance",
     "encode_entry",
+    "grant_mesh_access",
+    "mesh_role",
 ]

@@ -193,6 +193,7 @@ class _TlsClient(aetcd.Client):  # type: ignore[misc]
             self.channel = rpc.secure_channel(
                 f"{self._host}:{self._port}", credentials, options=options
             )
+            self.auth_stub = rpc.AuthStub(self.channel)
             self.kvstub = rpc.KVStub(self.channel)
             self.clusterstub = rpc.ClusterStub(self.channel)
             self.leasestub = rpc.LeaseStub(self.channel)
@@ -247,6 +248,17 @@ class Etcd:
         outlives the close."""
         await self._dropping.aclose()
         await self._client.close()
+
+    # -- auth (an operator's setup, as etcd's root user) ----------------------------------------
+
+    async def auth(self, method: str, request: Any) -> Any:
+        """One call of etcd's ``Auth`` service (``UserAdd``, ``RoleGrantPermission``,
+        ``AuthEnable``...), for setting up who may reach etcd (ADR 0032). Raises
+        :class:`RegistryUnavailable` with etcd's own words on a refusal."""
+        async with self._errors():
+            await self._client.connect()
+            call = getattr(self._client.auth_stub, method)
+            return await call(request, timeout=self._timeout, metadata=self._client.metadata)
 
     # -- KV -------------------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
@@ -36,7 +37,7 @@ import grpc
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
 from dsh_mesh.core import Activation, Record, RegistryUnavailable, SessionHeader, SessionId
 from dsh_mesh.logstore import open_log_store
-from dsh_mesh.registry import Etcd, EtcdConfig, EtcdSessionStore, Keys
+from dsh_mesh.registry import ROOT_USER, Etcd, EtcdConfig, EtcdSessionStore, Keys, grant_mesh_access
 from dsh_mesh.registry._codec import decode_header
 from dsh_mesh.testing._pki import LocalPki, TlsFiles
 from dsh_mesh.transport import secure_channel
@@ -54,6 +55,11 @@ _SECURITY_ENV = frozenset(
 
 class NodeProcessError(RuntimeError):
     """A node process failed to start or stop as asked; the message carries its log tail."""
+
+
+READER = "mesh-reader"
+"""The identity a test process reads a cluster's etcd as (a node-like one under least
+privilege: etcd refuses client certificates there)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,15 +83,20 @@ class ClusterSettings:
     checker (:func:`dsh_mesh.testing.check`)."""
     presets_file: Path | None = None
     """The presets file every node reads (presets and model endpoints, docs/presets.md)."""
+    least_privilege: bool = False
+    """Under TLS: etcd's auth is on and only node identities reach it, each limited to the
+    key prefix (ADR 0032); a test process reads etcd as a node-like identity of its own."""
 
     def client_files(self, name: str = "tester") -> TlsFiles | None:
         """A client certificate of this cluster's CA (None for a plaintext cluster)."""
         return None if self.tls is None else self.tls.client(name)
 
-    def etcd_config(self, *, reader: str = "mesh-reader") -> EtcdConfig:
+    def etcd_config(self, *, reader: str = READER) -> EtcdConfig:
         """How a test process reaches this cluster's etcd (with a client certificate under
         TLS)."""
         files = self.client_files(reader)
+        if self.tls is not None and self.least_privilege:
+            files = self.tls.node(reader)  # a client certificate is refused by etcd here
         return EtcdConfig(
             endpoint=self.etcd_endpoint, tls=None if files is None else files.etcd_tls()
         )
@@ -280,7 +291,10 @@ class LocalCluster:
         history: bool = False,
         presets_file: Path | None = None,
         log_store: str | None = None,
+        least_privilege: bool = False,
     ) -> None:
+        if least_privilege and tls is None:
+            raise ValueError("least_privilege needs tls: etcd names its users by certificate")
         self._owned_dir = None if log_dir is not None else tempfile.TemporaryDirectory()
         self.log_dir = log_dir or Path(self._owned_dir.name if self._owned_dir else ".")
         self.settings = ClusterSettings(
@@ -295,6 +309,7 @@ class LocalCluster:
             history=history,
             presets_file=presets_file,
             log_store=log_store or f"sqlite:{self.log_dir / 'log.db'}",
+            least_privilege=least_privilege,
         )
         self._env = dict(env or {})
         self.nodes = {
@@ -304,6 +319,7 @@ class LocalCluster:
 
     def __enter__(self) -> LocalCluster:
         try:
+            self._grant(*self.nodes, READER)
             for node in self.nodes.values():
                 node.start()
         except BaseException:
@@ -328,7 +344,37 @@ class LocalCluster:
             raise NodeProcessError(f"the cluster already has a node {node_id}")
         node = NodeProcess(node_id, self.settings, log_dir=self.log_dir, env=self._env)
         self.nodes[node_id] = node
+        self._grant(node_id)
         return node.start()
+
+    def _grant(self, *users: str) -> None:
+        """Under least privilege: make ``users`` etcd users of this mesh's role (as etcd's
+        root, from a thread of its own: a test may hold this thread's event loop)."""
+        pki = self.settings.tls
+        if pki is None or not self.settings.least_privilege:
+            return
+        config = EtcdConfig(
+            endpoint=self.settings.etcd_endpoint, tls=pki.node(ROOT_USER).etcd_tls()
+        )
+        prefix = self.settings.key_prefix.encode()
+
+        async def grant() -> None:
+            async with Etcd(config) as etcd:
+                await grant_mesh_access(etcd, prefix=prefix, nodes=users)
+
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                asyncio.run(grant())
+            except Exception as error:  # raised again in the caller's thread
+                failure.append(error)
+
+        worker = threading.Thread(target=run, name="grant-mesh-access")
+        worker.start()
+        worker.join()
+        if failure:
+            raise failure[0]
 
     def channel(self, node_id: str, *, client: str = "tester") -> grpc.aio.Channel:
         """A new channel to node ``node_id`` as a client of this cluster: plaintext, or mutual

@@ -117,10 +117,10 @@ async def fault_run(
                 *workload.sends,
             ]
             verdict = check(sends, transcripts, history, read_probe_log(probe_log))
-            shutil.rmtree(probe_log.parent, ignore_errors=True)
             fenced = sorted(node.node_id for node in cluster if "lost its lease" in node.log())
         finally:
             await asyncio.to_thread(cluster.close)
+            shutil.rmtree(probe_log.parent, ignore_errors=True)  # a failed run leaves none
     return FaultRunReport(
         seed=seed,
         seconds=time.monotonic() - started,

@@ -309,6 +309,22 @@ class Lines:
         self._thread.join(timeout=10)
         self._stream.close()
 
+    def rest(self, *, within: float = 10.0) -> list[str]:
+        """Every line still to come, until EOF (or ``within`` seconds): what a child that
+        failed said."""
+        rest: list[str] = []
+        deadline = time.monotonic() + within
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                line = self._queue.get(timeout=left)
+            except queue.Empty:
+                break
+            if line is None:
+                self._queue.put(None)
+                break
+            rest.append(line)
+        return rest
+
     def _pump(self, stream: IO[str]) -> None:
         for line in stream:
             self._queue.put(line.rstrip("\n"))
@@ -571,7 +587,10 @@ def test_ctrl_c_at_the_terminal_stops_the_nodes_in_order_then_etcd(tmp_path: Pat
     cli = Cli(env=env, cwd=tmp_path)
     with cli.start("up", "--nodes", "3", own_group=True) as up_child:
         up, up_out, up_err = up_child.process, up_child.out, up_child.err
-        status = up_out.until(lambda line: line.startswith("ready"), within=45)
+        try:
+            status = up_out.until(lambda line: line.startswith("ready"), within=45)
+        except AssertionError as failed:
+            raise AssertionError(f"{failed}; up said: {up_err.seen + up_err.rest()}") from None
         pids = [
             int(fields[fields.index("pid") + 1])
             for fields in (line.split() for line in status)

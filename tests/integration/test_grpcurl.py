@@ -88,6 +88,8 @@ def test_list_shows_the_public_services_and_health(grpcurl: Grpcurl) -> None:
             "CreateRootSession",
             "SubmitPrompt",
             "Interrupt",
+            "StopTree",
+            "ReopenTree",
             "GetSession",
             "WatchSession",
             "ListAgents",

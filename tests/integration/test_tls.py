@@ -6,6 +6,7 @@ says so loudly."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
@@ -33,6 +34,7 @@ from dsh_mesh.core import (
     SettlementOutcome,
 )
 from dsh_mesh.registry import Etcd, EtcdConfig
+from dsh_mesh.registry._etcd import put
 from dsh_mesh.testing import (
     EtcdAddress,
     EtcdServer,
@@ -40,6 +42,7 @@ from dsh_mesh.testing import (
     LocalPki,
     MeshReader,
     TlsFiles,
+    create_root,
 )
 from dsh_mesh.transport import TlsCredentials, error_from_rpc, secure_channel, status_of
 from tests.integration.mesh_client import children_of, live_ref
@@ -413,3 +416,95 @@ def test_up_with_tls_serves_the_cli_over_mutual_tls(tmp_path: Path) -> None:
         refused = stranger.run("--node", address, "--deadline", "3", "ls")
         assert refused.returncode == 1
         assert "PEER_UNAVAILABLE" in refused.stderr
+
+
+async def test_under_least_privilege_only_nodes_reach_etcd_each_within_its_prefix(
+    pki: LocalPki,
+) -> None:
+    """ADR 0032: with etcd's auth on, a control-plane client certificate (the CLI's) is refused
+    every etcd request, so it cannot forge headers, activations or entries; a node's certificate
+    reads and writes its mesh's key prefix and nothing else; and the mesh works as before."""
+    with (
+        EtcdServer(tls=pki) as guarded,
+        LocalCluster(
+            etcd_endpoint=guarded.endpoint,
+            scenario="tests.integration.scenarios:EXCHANGE",
+            nodes=("node-a", "node-b"),
+            tls=pki,
+            least_privilege=True,
+        ) as cluster,
+    ):
+        await create_root(cluster, on="node-a", task="Survey etcd leases.")
+        async with MeshReader(cluster.settings) as reader:
+            await reader.wait_for(reader.sessions, lambda s: len(s) == 2, what="root and child")
+        prefix = cluster.settings.key_prefix.encode()
+        quick = timedelta(seconds=3)
+
+        def as_(files: TlsFiles) -> EtcdConfig:
+            return EtcdConfig(endpoint=guarded.endpoint, call_timeout=quick, tls=files.etcd_tls())
+
+        async with Etcd(as_(pki.client("tester"))) as client:
+            for refused in (
+                client.get(prefix + b"headers/s-any"),
+                client.txn([], [put(prefix + b"headers/s-forged", b"{}")]),
+            ):
+                with pytest.raises(Rejected) as caught:
+                    await refused
+                assert "user name not found" in str(caught.value) or "permission denied" in str(
+                    caught.value
+                )
+        async with Etcd(as_(pki.node("node-a"))) as node:
+            await node.txn([], [put(prefix + b"probe", b"x")])
+            assert (await node.get(prefix + b"probe")) is not None
+            for outside in (
+                node.txn([], [put(b"/elsewhere/x", b"x")]),
+                node.get(b"/"),
+                node.get_prefix(b"/"),
+            ):
+                with pytest.raises(Rejected) as caught:
+                    await outside
+                assert "permission denied" in str(caught.value)
+
+
+GRANT_SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "etcd" / "grant-mesh-access.sh"
+
+
+async def test_the_deploy_script_grants_the_same_least_privilege_with_etcdctl(
+    pki: LocalPki,
+) -> None:
+    """deploy/etcd/grant-mesh-access.sh, run as etcd's root user against a real etcd: the
+    nodes named reach the prefix and nothing else, a client certificate nothing; a second run
+    (a new node) keeps the first ones."""
+    root = pki.node("root")
+    quick = timedelta(seconds=3)
+    with EtcdServer(tls=pki) as guarded:
+        env = {
+            **os.environ,
+            "ETCDCTL_ENDPOINTS": f"https://{guarded.endpoint}",
+            "ETCDCTL_CACERT": str(root.ca),
+            "ETCDCTL_CERT": str(root.cert),
+            "ETCDCTL_KEY": str(root.key),
+        }
+        for nodes in (["node-a", "node-b"], ["node-c"]):
+            ran = await asyncio.to_thread(
+                subprocess.run,
+                ["bash", str(GRANT_SCRIPT), "/mesh/", *nodes],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+            assert ran.returncode == 0, ran.stdout + ran.stderr
+
+        def as_(files: TlsFiles) -> EtcdConfig:
+            return EtcdConfig(endpoint=guarded.endpoint, call_timeout=quick, tls=files.etcd_tls())
+
+        for node in ("node-a", "node-c"):
+            async with Etcd(as_(pki.node(node))) as etcd:
+                await etcd.txn([], [put(b"/mesh/" + node.encode(), b"x")])
+                with pytest.raises(Rejected, match="permission denied"):
+                    await etcd.txn([], [put(b"/other/x", b"x")])
+        async with Etcd(as_(pki.client("admin"))) as admin:
+            with pytest.raises(Rejected, match=r"user name not found|permission denied"):
+                await admin.get(b"/mesh/node-a")

@@ -99,6 +99,11 @@ INTERRUPT = CONTROL + "Interrupt"
 GET = CONTROL + "GetSession"
 WATCH = CONTROL + "WatchSession"
 LIST = CONTROL + "ListAgents"
+STOP = CONTROL + "StopTree"
+REOPEN = CONTROL + "ReopenTree"
+NOBODY = "s-" + "0" * 24
+"""A well-formed session id no session has: what a raw StopTree names, so that no mutation of
+it stops (and closes) a tree the other tests use."""
 
 CALL_TIMEOUT = 10.0
 """Every call's deadline: a hang fails the test instead of stalling it."""
@@ -956,6 +961,8 @@ METHODS = (
     Method(GET, mesh_pb2.GetSessionRequest),
     Method(WATCH, mesh_pb2.WatchSessionRequest, streams=True),
     Method(LIST, mesh_pb2.ListAgentsRequest),
+    Method(STOP, mesh_pb2.StopTreeRequest),
+    Method(REOPEN, mesh_pb2.ReopenTreeRequest),
 )
 METHOD_IDS = [m.path.rsplit("/", 1)[1] for m in METHODS]
 
@@ -1086,6 +1093,10 @@ def templates(world: World) -> dict[str, bytes]:
         LIST: mesh_pb2.ListAgentsRequest(
             root_session_id=world.sessions["root"]
         ).SerializeToString(),
+        STOP: mesh_pb2.StopTreeRequest(
+            session_id=NOBODY, close=True, reason="raw stop"
+        ).SerializeToString(),
+        REOPEN: mesh_pb2.ReopenTreeRequest(session_id=world.quick).SerializeToString(),
     }
 
 

@@ -437,6 +437,34 @@ def test_services_and_budgets_select_the_pods_of_their_statefulset() -> None:
         assert obj["metadata"].get("namespace", "dsh-mesh") == "dsh-mesh"
 
 
+def test_only_node_pods_and_etcd_members_reach_etcds_client_port() -> None:
+    """ADR 0032: the NetworkPolicy on etcd admits the node pods (and the members themselves)
+    to the client port, the members alone to the peer port; PostgreSQL's pods reach neither."""
+    pods = {
+        o["metadata"]["name"]: o["spec"]["template"]["metadata"]["labels"]
+        for o in k8s_objects()
+        if o["kind"] == "StatefulSet"
+    }
+
+    def selected(selector: Mapping[str, Any]) -> set[str]:
+        labels = selector["matchLabels"]
+        return {name for name, own in pods.items() if labels.items() <= own.items()}
+
+    policy = k8s_object("NetworkPolicy", "etcd-from-nodes-only")
+    assert selected(policy["spec"]["podSelector"]) == {"etcd"}
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    admitted: dict[int, set[str] | None] = {}
+    for rule in policy["spec"]["ingress"]:
+        sources = rule.get("from")
+        for port in rule["ports"]:
+            admitted[port["port"]] = (
+                None
+                if sources is None
+                else set().union(*(selected(s["podSelector"]) for s in sources))
+            )
+    assert admitted == {2379: {"etcd", "node"}, 2380: {"etcd"}, 2381: None}
+
+
 def _mount_of(pod: Mapping[str, Any], path: str) -> dict[str, Any]:
     """The volume mount a file of the pod's one container lies under."""
     (container,) = pod["containers"]
@@ -784,7 +812,12 @@ def test_the_shell_scripts_pass_shellcheck(tmp_path: Path) -> None:
     # compose's postgres entry point too: sh -c SCRIPT, with the command as "$@".
     inline = tmp_path / "postgres-entrypoint.sh"
     inline.write_text("#!/bin/sh\n" + _compose_entrypoint_script() + "\n")
-    scripts = [DEPLOY / "secrets" / "generate.sh", CONTAINER / "entrypoint.sh", inline]
+    scripts = [
+        DEPLOY / "secrets" / "generate.sh",
+        DEPLOY / "etcd" / "grant-mesh-access.sh",
+        CONTAINER / "entrypoint.sh",
+        inline,
+    ]
     checked = run(shellcheck, "--severity=style", *map(str, scripts))
     assert checked.returncode == 0, checked.stdout + checked.stderr
     broken = tmp_path / "broken.sh"

@@ -296,6 +296,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "LeaseLost",
         "NodeInfo",
         "Pruned",
+        "ROOT_USER",
         "RegistryReads",
         "Retention",
         "TreeStopped",
@@ -303,6 +304,8 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "decode_record",
         "encode_acceptance",
         "encode_entry",
+        "grant_mesh_access",
+        "mesh_role",
     ],
     "dsh_mesh.runtime": [
         "Acceptance",
