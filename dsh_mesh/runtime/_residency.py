@@ -329,9 +329,11 @@ class Residency:
             await self._admit(target)
         while True:
             agent = self._agents.get(target)
-            if agent is not None and agent.state is not AgentState.SETTLED:
+            if agent is not None and agent.state is not AgentState.SETTLED and not agent.halted:
                 return agent, False
             if agent is not None:
+                # Settling, or halted by a closed subtree that was reopened since: what it would
+                # take now it would leave unread. The next activation reads it.
                 await agent.wait_released()
                 continue
             task = self._resuming.get(target)

@@ -78,6 +78,10 @@ class Settlements:
         """Whether ``agent``'s activation may end now: no send holds it and (docs/adr/0004) no
         child of it is live, so that child's messages and notice can always reach it."""
         session = agent.session_id
+        if agent.halted:
+            # Its subtree was closed: it takes nothing more, so a send waiting for it holds it
+            # no longer. That send goes to the session's next activation (or is refused).
+            return not self._children.has_live(session)
         return self._admission.may_settle(session) and not self._children.has_live(session)
 
     async def settled(self, agent: Agent, settlement: Settlement | None) -> None:

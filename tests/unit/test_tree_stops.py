@@ -122,3 +122,15 @@ async def test_an_interrupt_while_a_turn_starts_is_not_lost() -> None:
         assert mesh.manager.interrupt(ROOT) is not None
         await mesh.manager.wait_until(lambda: mesh.manager.running(ROOT) is False)
         assert await ended(mesh, ROOT) == [(TurnOutcome.CANCELLED, "interrupted")]
+
+
+async def test_work_for_a_halted_agent_after_a_reopen_waits_for_its_next_activation() -> None:
+    """Reopened while its agents still end their activations: a prompt then is not handed to
+    a halted agent (which reads nothing more), but to the session's next activation."""
+    async with in_process_mesh(presets()) as mesh:
+        await running_tree(mesh)
+        await mesh.manager.stop_tree(ROOT, close=True)
+        await mesh.manager.reopen_tree(ROOT)
+        mesh.scripted.program("lead", Reply(text="Back."))
+        await mesh.manager.submit_prompt(ROOT, "Carry on.", idempotency_key="p1")
+        await mesh.scripted.wait_for_call(ROOT, 3)  # spawn, the stopped stall, the prompt
