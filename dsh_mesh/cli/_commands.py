@@ -118,6 +118,7 @@ async def _spawn(client: MeshClient, args: argparse.Namespace, console: Console)
         model=args.model,
         node=args.host_node,
         request_id=args.request_id,
+        namespace=args.namespace,
     )
     if args.json:
         console.say(dumps(root))
@@ -254,6 +255,7 @@ async def _show(client: MeshClient, args: argparse.Namespace, console: Console) 
         ("session", info.session_id),
         ("kind", info.kind.value if info.kind is not None else "unknown"),
         ("parent", info.parent_session or "-"),
+        ("namespace", info.namespace),
         ("preset", f"{info.preset} (model {info.model or '-'})"),
         ("created", info.created_at.isoformat(timespec="seconds") if info.created_at else "-"),
         ("state", first.state.value if first.state is not None else "unknown"),

@@ -234,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
         "`dsh-mesh --node ADDRESS spawn ...`)",
     )
     spawn.add_argument("--request-id", help="idempotency key: a retry returns the same session")
+    spawn.add_argument(
+        "--namespace", default="", help="the new tree's namespace (default: default)"
+    )
     spawn.add_argument("task", nargs="+", help="the first task")
     _json_flag(spawn)
 

@@ -230,11 +230,13 @@ class MeshClient:
         model: str | None = None,
         node: str | None = None,
         request_id: str | None = None,
+        namespace: str = "",
         deadline: timedelta | None = None,
     ) -> RootSession:
         """Create a root session running ``preset`` (and ``model``, default the preset's) and,
         when ``task`` is not empty, start its first turn with it. ``node`` asks for the node id
-        that should host it (default: the called node). Durable when it returns.
+        that should host it (default: the called node). ``namespace`` is the new tree's (every
+        child of it is in the same one; empty: ``default``). Durable when it returns.
 
         Idempotent on ``request_id`` (a fresh random one when ``None``): a retry with the same
         id and fields returns the same session; with other fields it raises
@@ -250,6 +252,7 @@ class MeshClient:
                 initial_task=task,
                 request_id=request_id,
                 node_id=node or "",
+                namespace=namespace,
             ),
             deadline,
         )

@@ -126,6 +126,7 @@ def info_from_wire(header: mesh_pb2.SessionHeader) -> SessionInfo:
         ),
         fork_origin=fork,
         created_at=_time(header, "created_at"),
+        namespace=header.namespace or "default",
     )
 
 

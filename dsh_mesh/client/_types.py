@@ -121,6 +121,8 @@ class SessionInfo:
     tools: tuple[ToolDescriptor, ...] = ()
     fork_origin: ForkOrigin | None = None
     created_at: datetime | None = None
+    namespace: str = "default"
+    """The namespace of the session's tree."""
 
 
 # -- transcript entry bodies (the ``TranscriptEntry.body`` oneof) --------------------------------

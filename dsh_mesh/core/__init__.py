@@ -46,12 +46,14 @@ from dsh_mesh.core._errors import (
     rejection_class,
 )
 from dsh_mesh.core._header import (
+    DEFAULT_NAMESPACE,
     ForkOrigin,
     SessionHeader,
     SessionKind,
     SessionSpec,
     ToolDescriptor,
     canonical_json,
+    check_namespace,
 )
 from dsh_mesh.core._ids import (
     ActivationId,
@@ -99,6 +101,7 @@ from dsh_mesh.core._work import DetachedWork
 
 __all__ = [
     "AGENT_MESSAGE_FRAME",
+    "DEFAULT_NAMESPACE",
     "INBOUND_TYPES",
     "RETRYABLE_REASONS",
     "SETTLEMENT_NOTICE_KIND",
@@ -177,6 +180,7 @@ __all__ = [
     "ancestors",
     "authorize",
     "canonical_json",
+    "check_namespace",
     "frame_agent_message",
     "frame_settlement_notice",
     "is_queue_delivery",

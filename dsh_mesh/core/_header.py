@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -59,6 +60,24 @@ class ForkOrigin:
     prefix_seq: int
 
 
+DEFAULT_NAMESPACE = "default"
+"""The namespace of a root created without one, and of every session stored before sessions
+had namespaces."""
+
+_NAMESPACE = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
+
+
+def check_namespace(name: str) -> str:
+    """``name`` if it is a namespace name (a DNS label: 1 to 63 lowercase letters, digits and
+    inner hyphens); :class:`InvalidArgument` otherwise."""
+    if not _NAMESPACE.fullmatch(name):
+        raise InvalidArgument(
+            f"namespace {name[:80]!r} is not a name: 1 to 63 lowercase letters, digits and"
+            " inner hyphens (a DNS label)"
+        )
+    return name
+
+
 @dataclass(frozen=True, kw_only=True)
 class SessionHeader:
     """The durable, create-only record of a session.
@@ -77,6 +96,9 @@ class SessionHeader:
     parent_session: SessionId | None
     spec: SessionSpec
     fork_origin: ForkOrigin | None = field(default=None)
+    namespace: str = DEFAULT_NAMESPACE
+    """The namespace the session's whole tree belongs to: a root's is chosen at its creation,
+    and every child has its parent's (a tree never crosses a namespace)."""
     created_at: datetime | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -86,6 +108,7 @@ class SessionHeader:
             raise InvalidArgument("a session cannot be its own parent")
         if self.fork_origin is not None and self.fork_origin.parent_session != self.parent_session:
             raise InvalidArgument("a fork inherits from its own parent only")
+        check_namespace(self.namespace)
 
 
 def canonical_json(value: object) -> str:

@@ -75,10 +75,22 @@ class ClusterRouter:
         return await self._pool.interrupt(node, session)
 
     async def create_root(
-        self, node: NodeId, *, request_id: str, task: str, preset: str, model: str
+        self,
+        node: NodeId,
+        *,
+        request_id: str,
+        task: str,
+        preset: str,
+        model: str,
+        namespace: str = "",
     ) -> Activation:
         return await self._pool.create_root(
-            node, request_id=request_id, task=task, preset=preset, model=model
+            node,
+            request_id=request_id,
+            task=task,
+            preset=preset,
+            model=model,
+            namespace=namespace,
         )
 
     async def activate(

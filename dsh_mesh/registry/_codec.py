@@ -1,18 +1,18 @@
 """The one place where domain values become the bytes stored in etcd, and back.
 
-Format (version 5). Every stored value is one JSON object: UTF-8, compact (no insignificant
+Format (version 6). Every stored value is one JSON object: UTF-8, compact (no insignificant
 whitespace), keys sorted, non-ASCII written as itself, so equal values are equal bytes. Wrapped
 here; ``tests/unit/test_codec.py`` pins the exact bytes of every kind::
 
     header      {"created_at":"2025-01-02T03:04:05.000006+00:00","fork_origin":null,
-                 "kind":"root","parent_session":null,"session_id":"s-1",
-                 "spec":{"model":"m","preset":"lead","tools":[]},"v":5}
+                 "kind":"root","namespace":"default","parent_session":null,"session_id":"s-1",
+                 "spec":{"model":"m","preset":"lead","tools":[]},"v":6}
     activation  {"activation_id":"a-1","node_id":"n-1","parent_activation":null,
-                 "session_id":"s-1","v":5}
+                 "session_id":"s-1","v":6}
     entry       {"at":"2025-01-02T03:04:05.000006+00:00","content":"hello",
-                 "idempotency_key":"k-1","type":"human_prompt","v":5}
+                 "idempotency_key":"k-1","type":"human_prompt","v":6}
     acceptance  {"fingerprint":"f","kind":"steered","seq":3,"target":"s-2",
-                 "target_activation":"a-2","v":5}
+                 "target_activation":"a-2","v":6}
 
 - ``"v"`` is the format version; only the outermost object carries it.
 - ``"type"`` tags a transcript entry with a stable name (see ``ENTRY_TAGS``), never a Python
@@ -61,6 +61,10 @@ Version history (encoders write only the newest; decoders read every one in
    it did not run there). An older value lacks it and decodes as 0. Everything else is stored
    exactly as in version 4 apart from ``"v"``.
 
+6. A header gains ``"namespace"`` (the session's tree's namespace). An older header lacks it and
+   decodes as ``"default"``. Everything else is stored exactly as in version 5 apart from
+   ``"v"``.
+
 ``_ADDED_IN`` is the table of fields added after version 1.
 """
 
@@ -101,7 +105,7 @@ if TYPE_CHECKING:
 
 _D = TypeVar("_D", bound="DataclassInstance")
 
-FORMAT_VERSION: Final = 5
+FORMAT_VERSION: Final = 6
 """The version every encoder writes (see the module docstring for the history)."""
 
 READABLE_VERSIONS: Final = frozenset(range(1, FORMAT_VERSION + 1))
@@ -131,7 +135,7 @@ _ADDED_IN: Final[Mapping[type, Mapping[str, int]]] = types.MappingProxyType(
         SettlementNoticeEntry: {"trace": 2},
         HumanPromptEntry: {"idempotency_key": 4},
         TurnStartedEntry: {"node_id": 4, "activation_id": 4},
-        SessionHeader: {"created_at": 4},
+        SessionHeader: {"created_at": 4, "namespace": 6},
         ToolResultEntry: {"duration_ms": 5},
     }
 )

@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from dsh_mesh.agent import Agent, completed_turn_prefix
 from dsh_mesh.core import (
+    DEFAULT_NAMESPACE,
     Activation,
     ActivationFenced,
     ActivationId,
@@ -36,6 +37,7 @@ from dsh_mesh.core import (
     TargetElsewhere,
     TaskEntry,
     TreeLimitReached,
+    check_namespace,
     pending_inbound,
     unended_turn,
 )
@@ -96,12 +98,19 @@ class Creations:
         """Root creations under way here, by session: a retry waits for the first one's end."""
 
     async def create_root(
-        self, task: str, *, preset: str, model: str | None, session_id: SessionId | None
+        self,
+        task: str,
+        *,
+        preset: str,
+        model: str | None,
+        session_id: SessionId | None,
+        namespace: str = DEFAULT_NAMESPACE,
     ) -> AgentRef:
         """See :meth:`ContinuationManager.create_root`."""
         earlier = None if session_id is None else self._creating.get(session_id)
         if earlier is not None:
             await asyncio.wait([earlier])  # its outcome is the retry's own to find
+        check_namespace(namespace)
         if task:
             check_content(task, self._max_message_chars)
         chosen = self._residency.preset(preset)
@@ -122,6 +131,7 @@ class Creations:
             kind=SessionKind.ROOT,
             parent_session=None,
             spec=spec,
+            namespace=namespace,
         )
         agent = await self._activate_new(header, parent_activation=None, first=(), task=task)
         return agent.ref
@@ -178,6 +188,7 @@ class Creations:
             parent_session=parent.session_id,
             spec=spec,
             fork_origin=fork_origin,
+            namespace=parent_agent.header.namespace,  # a tree never crosses a namespace
         )
         # A repeat of the call finds its child when the creation meets the header it wrote.
         home = self._placement.place(header.session_id)

@@ -18,6 +18,7 @@ from typing import Self
 
 from dsh_mesh.agent import Agent, AgentState, Settlement
 from dsh_mesh.core import (
+    DEFAULT_NAMESPACE,
     AbortSignal,
     Activation,
     ActivationId,
@@ -269,11 +270,13 @@ class ContinuationManager:
         preset: str,
         model: str | None = None,
         session_id: SessionId | None = None,
+        namespace: str = DEFAULT_NAMESPACE,
     ) -> AgentRef:
-        """Create a root session, make it resident here and start its first turn with ``task``
-        (an empty task leaves it idle, waiting for a prompt). ``session_id`` names it (for
-        idempotent creation); raises ``SessionExists`` when that id is taken. A repeat with the
-        same ``session_id`` while the first creation runs here waits for it first.
+        """Create a root session in ``namespace`` (its whole tree's), make it resident here and
+        start its first turn with ``task`` (an empty task leaves it idle, waiting for a
+        prompt). ``session_id`` names it (for idempotent creation); raises ``SessionExists``
+        when that id is taken. A repeat with the same ``session_id`` while the first creation
+        runs here waits for it first.
 
         The header and the task are one durable write: a root exists with its task, or not at
         all. If this node fails after that write, the root waits, without an activation, for
@@ -281,16 +284,28 @@ class ContinuationManager:
         ``TargetElsewhere``, naming the node, when a replay made the root resident on another
         node before this one could activate it."""
         return await self._creations.create_root(
-            task, preset=preset, model=model, session_id=session_id
+            task, preset=preset, model=model, session_id=session_id, namespace=namespace
         )
 
     async def create_root_at(
-        self, node: NodeId, *, request_id: str, task: str, preset: str, model: str
+        self,
+        node: NodeId,
+        *,
+        request_id: str,
+        task: str,
+        preset: str,
+        model: str,
+        namespace: str = "",
     ) -> Activation:
         """Hand a root creation to ``node`` (the creation a client asked of that node); its
         answer names the root and where it runs."""
         return await self._placement.router.create_root(
-            node, request_id=request_id, task=task, preset=preset, model=model
+            node,
+            request_id=request_id,
+            task=task,
+            preset=preset,
+            model=model,
+            namespace=namespace,
         )
 
     async def submit_prompt(

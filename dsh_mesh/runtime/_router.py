@@ -62,7 +62,14 @@ class Router(Protocol):
         ...
 
     async def create_root(
-        self, node: NodeId, *, request_id: str, task: str, preset: str, model: str
+        self,
+        node: NodeId,
+        *,
+        request_id: str,
+        task: str,
+        preset: str,
+        model: str,
+        namespace: str = "",
     ) -> Activation:
         """Ask ``node`` to create (or find, for a replay) the root ``request_id`` names."""
         ...

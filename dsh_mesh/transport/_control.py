@@ -20,6 +20,7 @@ import grpc
 
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
 from dsh_mesh.core import (
+    DEFAULT_NAMESPACE,
     Activation,
     AgentRef,
     ConsumedEntry,
@@ -34,6 +35,7 @@ from dsh_mesh.core import (
     SessionUsage,
     TargetElsewhere,
     TaskEntry,
+    check_namespace,
     parse_session_id,
     session_usage,
 )
@@ -157,12 +159,14 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
                 task=request.initial_task,
                 preset=request.preset,
                 model=request.model,
+                namespace=request.namespace,
             )
             return mesh_pb2.CreateRootSessionResponse(
                 session_id=made.session_id, activation_id=made.activation_id, node_id=made.node_id
             )
         _check_name("preset", request.preset)
         _check_name("model", request.model)
+        check_namespace(request.namespace or DEFAULT_NAMESPACE)
         session = root_session_id(request.request_id)
         try:
             ref = await self._create_root(session, request)
@@ -188,6 +192,7 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
             preset=request.preset,
             model=request.model or None,
             session_id=session,
+            namespace=request.namespace or DEFAULT_NAMESPACE,
         )
 
     async def _existing_root(
@@ -211,10 +216,11 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
             header.spec.preset != request.preset
             or (asked and header.spec.model != asked)
             or task != request.initial_task
+            or header.namespace != (request.namespace or DEFAULT_NAMESPACE)
         ):
             raise IdempotencyConflict(
-                f"request_id {request.request_id!r} created another root (other preset, model"
-                " or initial_task)"
+                f"request_id {request.request_id!r} created another root (other preset, model,"
+                " initial_task or namespace)"
             )
         current = await self._current_activation(session, fresh=True)
         if current is None and task and await self._task_unread(session):

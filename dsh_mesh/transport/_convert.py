@@ -144,6 +144,7 @@ def header_to_wire(header: SessionHeader) -> mesh_pb2.SessionHeader:
         session_id=header.session_id,
         kind=_KIND_TO_WIRE[header.kind],
         parent_session_id=header.parent_session or "",
+        namespace=header.namespace,
         spec=mesh_pb2.SessionSpec(
             preset=header.spec.preset,
             model=header.spec.model,

@@ -175,12 +175,24 @@ class PeerPool:
         return TurnId(response.turn_id) if response.interrupted else None
 
     async def create_root(
-        self, node: NodeId, *, request_id: str, task: str, preset: str, model: str
+        self,
+        node: NodeId,
+        *,
+        request_id: str,
+        task: str,
+        preset: str,
+        model: str,
+        namespace: str = "",
     ) -> Activation:
         """``MeshControl.CreateRootSession`` on ``node``: the root it made (or found) and where
         it runs (empty activation and node while nothing runs it)."""
         request = mesh_pb2.CreateRootSessionRequest(
-            request_id=request_id, initial_task=task, preset=preset, model=model, node_id=node
+            request_id=request_id,
+            initial_task=task,
+            preset=preset,
+            model=model,
+            node_id=node,
+            namespace=namespace,
         )
         response = await self._call(
             self._control(node).CreateRootSession, request, deadline=self._timeouts.send, hops=1

@@ -309,3 +309,45 @@ async def test_prompt_and_interrupt_reach_the_hosting_node(
             "SubmitPrompt",
             mesh_pb2.SubmitPromptRequest(session_id=root, text="", idempotency_key="p2"),
         )
+
+
+async def test_a_root_created_in_a_namespace_keeps_its_tree_there(cluster: LocalCluster) -> None:
+    made = await call(
+        cluster,
+        "node-b",
+        "CreateRootSession",
+        mesh_pb2.CreateRootSessionRequest(
+            preset="lead", initial_task="Grow a tree.", request_id="ns-1", namespace="team-a"
+        ),
+    )
+    assert isinstance(made, mesh_pb2.CreateRootSessionResponse)
+    async with MeshReader(cluster.settings) as reader:
+        tree = await reader.wait_for(
+            reader.sessions,
+            lambda headers: sum(h.namespace == "team-a" for h in headers) == 6,
+            what="the whole tree in team-a",
+        )
+    assert {h.session_id for h in tree if h.namespace == "team-a"} >= {made.session_id}
+    read = await call(
+        cluster, "node-a", "GetSession", mesh_pb2.GetSessionRequest(session_id=made.session_id)
+    )
+    assert isinstance(read, mesh_pb2.Session) and read.header.namespace == "team-a"
+    with pytest.raises(IdempotencyConflict):  # the same request in another namespace
+        await call(
+            cluster,
+            "node-a",
+            "CreateRootSession",
+            mesh_pb2.CreateRootSessionRequest(
+                preset="lead", initial_task="Grow a tree.", request_id="ns-1", namespace="team-b"
+            ),
+        )
+    for bad in ("Team-A", "-a", "a" * 64):
+        with pytest.raises(InvalidArgument, match="namespace"):
+            await call(
+                cluster,
+                "node-c",
+                "CreateRootSession",
+                mesh_pb2.CreateRootSessionRequest(
+                    preset="lead", initial_task="x", request_id=f"ns-bad-{bad}", namespace=bad
+                ),
+            )

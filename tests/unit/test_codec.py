@@ -74,12 +74,12 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
     (
         TaskEntry(content="Summarise the design.\nThen send_message your parent."),
         '{"at":null,"content":"Summarise the design.\\nThen send_message your parent.",'
-        '"type":"task","v":5}',
+        '"type":"task","v":6}',
     ),
     (
         HumanPromptEntry(content="Wie geht's? 你好 🙂", idempotency_key="prompt-7"),
         '{"at":null,"content":"Wie geht\'s? 你好 🙂","idempotency_key":"prompt-7",'
-        '"type":"human_prompt","v":5}',
+        '"type":"human_prompt","v":6}',
     ),
     (
         AgentMessageEntry(
@@ -92,7 +92,7 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
         '{"at":null,"content":"result: 42","delivery":"steered","idempotency_key":"call-9",'
         '"source":{"form":"relay","kind":"agent-message","sender_session_id":"s-2"},'
         '"trace":"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",'
-        '"type":"agent_message","v":5}',
+        '"type":"agent_message","v":6}',
     ),
     (
         SettlementNoticeEntry(
@@ -108,7 +108,7 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
         '"child_session":"s-3","detail":"budget spent","outcome":"token-exhaustion",'
         '"terminal_output":"partial answer",'
         '"trace":"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00",'
-        '"type":"settlement_notice","v":5}',
+        '"type":"settlement_notice","v":6}',
     ),
     (
         ForkPrefixEntry(
@@ -122,18 +122,18 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
         '"tool_calls":[]},'
         '{"content":"","role":"assistant","tool_call_id":null,"tool_calls":[{"arguments_json":'
         '"{\\"path\\":\\"a.md\\"}","call_id":"c-1","name":"read_file"}]},{"content":"# A",'
-        '"role":"tool","tool_call_id":"c-1","tool_calls":[]}],"type":"fork_prefix","v":5}',
+        '"role":"tool","tool_call_id":"c-1","tool_calls":[]}],"type":"fork_prefix","v":6}',
     ),
     (
         TurnStartedEntry(
             turn_id=TurnId("t-1"), node_id=NodeId("n-2"), activation_id=ActivationId("a-2")
         ),
         '{"activation_id":"a-2","at":null,"node_id":"n-2","turn_id":"t-1","type":"turn_started",'
-        '"v":5}',
+        '"v":6}',
     ),
     (
         ConsumedEntry(seqs=(3, 4)),
-        '{"at":null,"seqs":[3,4],"type":"consumed","v":5}',
+        '{"at":null,"seqs":[3,4],"type":"consumed","v":6}',
     ),
     (
         AssistantStepEntry(
@@ -143,18 +143,18 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
         ),
         '{"at":null,"text":"Reading it.","tool_calls":[{"arguments_json":"{\\"path\\":\\"a.md\\"}",'
         '"call_id":"c-1","name":"read_file"}],"type":"assistant_step","usage":'
-        '{"cached_input_tokens":1024,"input_tokens":1200,"output_tokens":35},"v":5}',
+        '{"cached_input_tokens":1024,"input_tokens":1200,"output_tokens":35},"v":6}',
     ),
     (
         ToolResultEntry(
             call_id="c-1", name="read_file", content="no such file", is_error=True, duration_ms=120
         ),
         '{"at":null,"call_id":"c-1","content":"no such file","duration_ms":120,"is_error":true,'
-        '"name":"read_file","type":"tool_result","v":5}',
+        '"name":"read_file","type":"tool_result","v":6}',
     ),
     (
         TurnEndedEntry(turn_id=TurnId("t-1"), outcome=TurnOutcome.COMPLETED),
-        '{"at":null,"detail":"","outcome":"completed","turn_id":"t-1","type":"turn_ended","v":5}',
+        '{"at":null,"detail":"","outcome":"completed","turn_id":"t-1","type":"turn_ended","v":6}',
     ),
 ]
 
@@ -205,35 +205,35 @@ OTHER_EXAMPLES: list[tuple[object, Callable[[Any], bytes], str]] = [
         ROOT_HEADER,
         encode_header,
         '{"created_at":"2025-01-02T03:04:05.000006+00:00","fork_origin":null,"kind":"root",'
-        '"parent_session":null,"session_id":"s-1",'
-        '"spec":{"model":"lead-model","preset":"lead","tools":[]},"v":5}',
+        '"namespace":"default","parent_session":null,"session_id":"s-1",'
+        '"spec":{"model":"lead-model","preset":"lead","tools":[]},"v":6}',
     ),
     (
         FORK_HEADER,
         encode_header,
         '{"created_at":null,"fork_origin":{"parent_session":"s-1","prefix_seq":7},'
-        '"kind":"continuable-child",'
+        '"kind":"continuable-child","namespace":"default",'
         '"parent_session":"s-1","session_id":"s-2","spec":{"model":"worker-model",'
         '"preset":"worker","tools":[{"description":"Read a file.","input_schema_json":'
         '"{\\"properties\\":{\\"path\\":{\\"type\\":\\"string\\"}},\\"type\\":\\"object\\"}",'
-        '"name":"read_file"}]},"v":5}',
+        '"name":"read_file"}]},"v":6}',
     ),
     (
         ROOT_ACTIVATION,
         encode_activation,
-        '{"activation_id":"a-1","node_id":"n-1","parent_activation":null,"session_id":"s-1","v":5}',
+        '{"activation_id":"a-1","node_id":"n-1","parent_activation":null,"session_id":"s-1","v":6}',
     ),
     (
         CHILD_ACTIVATION,
         encode_activation,
         '{"activation_id":"a-2","node_id":"n-2","parent_activation":"a-1","session_id":"s-2",'
-        '"v":5}',
+        '"v":6}',
     ),
     (
         ACCEPTANCE,
         encode_acceptance,
         '{"fingerprint":"sha256:9f86d0","kind":"cold-resumed","seq":3,"target":"s-2",'
-        '"target_activation":"a-2","v":5}',
+        '"target_activation":"a-2","v":6}',
     ),
 ]
 
@@ -307,9 +307,9 @@ def test_an_acceptance_round_trips_for_every_delivery_kind(kind: DeliveryKind) -
     assert decode_acceptance(encode_acceptance(acceptance)) == acceptance
 
 
-def test_the_format_version_is_five_and_every_older_one_is_readable() -> None:
-    assert FORMAT_VERSION == 5
-    assert sorted(READABLE_VERSIONS) == [1, 2, 3, 4, 5]
+def test_the_format_version_is_six_and_every_older_one_is_readable() -> None:
+    assert FORMAT_VERSION == 6
+    assert sorted(READABLE_VERSIONS) == [1, 2, 3, 4, 5, 6]
 
 
 def test_an_untraced_message_and_notice_store_an_empty_trace() -> None:
@@ -521,7 +521,7 @@ ADDED_IN: dict[str, dict[str, tuple[int, object]]] = {
     "settlement_notice": {"trace": (2, "")},
     "human_prompt": {"idempotency_key": (4, "")},
     "turn_started": {"node_id": (4, ""), "activation_id": (4, "")},
-    "decode_header": {"created_at": (4, None)},
+    "decode_header": {"created_at": (4, None), "namespace": (6, "default")},
     "tool_result": {"duration_ms": (5, 0)},
 }
 # The envelope key every entry gained (version 4): when the record was written.
@@ -631,6 +631,9 @@ ENTRIES: st.SearchStrategy[Entry] = st.one_of(
 )
 
 
+NAMESPACES = st.from_regex(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?", fullmatch=True)
+
+
 @st.composite
 def headers(draw: st.DrawFn) -> SessionHeader:
     session = draw(SESSIONS)
@@ -647,9 +650,15 @@ def headers(draw: st.DrawFn) -> SessionHeader:
     )
     kind = draw(st.sampled_from(SessionKind))
     created = draw(st.none() | TIMES)
+    namespace = draw(NAMESPACES)
     if kind is SessionKind.ROOT:
         return SessionHeader(
-            session_id=session, kind=kind, parent_session=None, spec=spec, created_at=created
+            session_id=session,
+            kind=kind,
+            parent_session=None,
+            spec=spec,
+            created_at=created,
+            namespace=namespace,
         )
     parent = draw(SESSIONS.filter(lambda p: p != session))
     fork = draw(
@@ -661,6 +670,7 @@ def headers(draw: st.DrawFn) -> SessionHeader:
         parent_session=parent,
         spec=spec,
         fork_origin=fork,
+        namespace=namespace,
         created_at=created,
     )
 

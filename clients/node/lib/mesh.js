@@ -221,12 +221,16 @@ function connect(address, options = {}) {
     address,
 
     /** CreateRootSession. Resolves {session_id, activation_id, node_id}. A retry with the same
-     * requestId returns the same session; without one a fresh key is used. */
-    createRoot({ preset, initialTask = '', model = '', requestId = crypto.randomUUID(), nodeId = '' } = {}, opts) {
+     * requestId returns the same session; without one a fresh key is used. `namespace` is the
+     * new tree's (every child of it is in the same one; empty: "default"). */
+    createRoot(
+      { preset, initialTask = '', model = '', requestId = crypto.randomUUID(), nodeId = '', namespace = '' } = {},
+      opts,
+    ) {
       return call(
         control,
         'CreateRootSession',
-        { preset, model, initial_task: initialTask, request_id: requestId, node_id: nodeId },
+        { preset, model, initial_task: initialTask, request_id: requestId, node_id: nodeId, namespace },
         opts,
       );
     },

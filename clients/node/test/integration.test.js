@@ -131,7 +131,7 @@ test('a lead on node-a and its worker on another node exchange messages; a forge
   const a = clients['node-a'];
   try {
     // A root on node-a that waits idle for its first prompt.
-    const root = await a.createRoot({ preset: 'lead', nodeId: 'node-a' });
+    const root = await a.createRoot({ preset: 'lead', nodeId: 'node-a', namespace: 'js-team' });
     assert.equal(root.node_id, 'node-a');
     assert.match(root.session_id, /^[A-Za-z0-9][A-Za-z0-9._:-]*$/);
     const prompted = await a.prompt(root.session_id, 'Survey etcd leases, with help.', {
@@ -210,6 +210,7 @@ test('a lead on node-a and its worker on another node exchange messages; a forge
     );
     const childSummary = listed.agents[1];
     assert.equal(childSummary.header.parent_session_id, root.session_id);
+    assert.equal(childSummary.header.namespace, 'js-team'); // a tree never crosses a namespace
     assert.equal(childSummary.header.kind, 'SESSION_KIND_CONTINUABLE_CHILD');
     assert.equal(childSummary.header.spec.preset, 'worker');
 

@@ -179,18 +179,20 @@ class Rejection(_message.Message):
     def __init__(self, reason: _Optional[_Union[RejectionReason, str]] = ..., detail: _Optional[str] = ..., target_session_id: _Optional[str] = ...) -> None: ...
 
 class CreateRootSessionRequest(_message.Message):
-    __slots__ = ("preset", "model", "initial_task", "request_id", "node_id")
+    __slots__ = ("preset", "model", "initial_task", "request_id", "node_id", "namespace")
     PRESET_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INITIAL_TASK_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     preset: str
     model: str
     initial_task: str
     request_id: str
     node_id: str
-    def __init__(self, preset: _Optional[str] = ..., model: _Optional[str] = ..., initial_task: _Optional[str] = ..., request_id: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
+    namespace: str
+    def __init__(self, preset: _Optional[str] = ..., model: _Optional[str] = ..., initial_task: _Optional[str] = ..., request_id: _Optional[str] = ..., node_id: _Optional[str] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class CreateRootSessionResponse(_message.Message):
     __slots__ = ("session_id", "activation_id", "node_id")
@@ -393,20 +395,22 @@ class ForkOrigin(_message.Message):
     def __init__(self, parent_session_id: _Optional[str] = ..., prefix_seq: _Optional[int] = ...) -> None: ...
 
 class SessionHeader(_message.Message):
-    __slots__ = ("session_id", "kind", "parent_session_id", "spec", "fork_origin", "created_at")
+    __slots__ = ("session_id", "kind", "parent_session_id", "spec", "fork_origin", "created_at", "namespace")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     PARENT_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     FORK_ORIGIN_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     kind: SessionKind
     parent_session_id: str
     spec: SessionSpec
     fork_origin: ForkOrigin
     created_at: _timestamp_pb2.Timestamp
-    def __init__(self, session_id: _Optional[str] = ..., kind: _Optional[_Union[SessionKind, str]] = ..., parent_session_id: _Optional[str] = ..., spec: _Optional[_Union[SessionSpec, _Mapping]] = ..., fork_origin: _Optional[_Union[ForkOrigin, _Mapping]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    namespace: str
+    def __init__(self, session_id: _Optional[str] = ..., kind: _Optional[_Union[SessionKind, str]] = ..., parent_session_id: _Optional[str] = ..., spec: _Optional[_Union[SessionSpec, _Mapping]] = ..., fork_origin: _Optional[_Union[ForkOrigin, _Mapping]] = ..., created_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class ActivationInfo(_message.Message):
     __slots__ = ("session_id", "activation_id", "node_id", "parent_activation_id")
