@@ -37,6 +37,7 @@ from dsh_mesh.mcp import McpServerConfig, McpServers
 from dsh_mesh.models import Call, Reply, ScriptedProvider
 from dsh_mesh.node._threads import ToolThreads
 from dsh_mesh.runtime import ContinuationManager, InMemorySessionStore, ManagerConfig
+from dsh_mesh.testing import process_tree
 from dsh_mesh.tools import Preset, Tool, ToolInvocation, run_limited, tool
 
 _BLOCK = os.urandom(1 << 20)
@@ -229,23 +230,12 @@ async def _resident_agents(bed: Bed, count: int) -> None:
 def _server_processes() -> int:
     """Running ``mcp_server_time`` servers started (through the reaper) by this process."""
     me = os.getpid()
-    reapers, servers = set(), 0
-    processes: dict[int, tuple[int, str]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
-                command = cmdline.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        processes[int(entry)] = (parent, command)
-    for pid, (parent, command) in processes.items():
-        if parent == me and "dsh_mesh.mcp._reaper" in command:
-            reapers.add(pid)
-    for parent, command in processes.values():
-        if parent in reapers and "mcp_server_time" in command:
-            servers += 1
-    return servers
+    tree = process_tree(me)
+    reapers = {
+        pid
+        for pid, (parent, command) in tree.items()
+        if parent == me and "dsh_mesh.mcp._reaper" in command
+    }
+    return sum(
+        parent in reapers and "mcp_server_time" in command for parent, command in tree.values()
+    )

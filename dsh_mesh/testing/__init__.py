@@ -78,6 +78,7 @@ from dsh_mesh.testing._postgres import (
     PostgresServerError,
     find_postgres_bin_dir,
 )
+from dsh_mesh.testing._processes import process_tree
 from dsh_mesh.testing._proxy import ProxyStats, TcpProxy
 from dsh_mesh.testing._soak import FaultRunReport, fault_run
 from dsh_mesh.testing._testbed import (
@@ -166,6 +167,7 @@ __all__ = [
     "load_node_history",
     "otel_env",
     "patiently",
+    "process_tree",
     "render_trace_tree",
     "sweep_stale_beds",
     "write_tiny_model",

@@ -1,9 +1,11 @@
 """What the test servers (etcd, PostgreSQL) share about their child processes: fresh loopback
-ports, reaping a child, and the tail of its log for an error message."""
+ports, reaping a child, and the tail of its log for an error message; and what runs below a
+process (read from ``/proc``), for tests and benches that check a process tree."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 from pathlib import Path
@@ -41,3 +43,30 @@ def log_tail(path: Path) -> str:
         return ""
     tail = "\n".join(lines[-LOG_TAIL_LINES:])
     return f"\n--- last lines of {path}:\n{tail}"
+
+
+def process_tree(pid: int) -> dict[int, tuple[int, str]]:
+    """Every process below ``pid`` (children, theirs, ...), as pid -> (parent pid, command
+    line with spaces for its NULs). One reading of ``/proc``; a process that ends meanwhile
+    is left out."""
+    processes: dict[int, tuple[int, str]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                command = cmdline.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        processes[int(entry)] = (parent, command)
+    below: dict[int, tuple[int, str]] = {}
+    frontier = [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, (ppid, command) in processes.items():
+            if ppid == parent and child not in below:
+                below[child] = (ppid, command)
+                frontier.append(child)
+    return below

@@ -31,6 +31,7 @@ from dsh_mesh.testing import (
     MeshReader,
     calls_without_one_answer,
     create_root,
+    process_tree,
 )
 from dsh_mesh.tools import CallLimits, Tool, ToolInvocation, ToolOutput, run_limited
 from tests.integration.mcp_test_server import Observed, build, serving
@@ -111,34 +112,9 @@ async def test_a_streamable_http_servers_tools_carry_the_key_and_honour_the_limi
         assert servers.connection("docs").opened == 1  # one connection for all of it
 
 
-def _processes() -> dict[int, tuple[int, str]]:
-    """pid -> (parent pid, command line) of every process."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as stat:
-                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
-                command = cmdline.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        found[int(entry)] = (parent, command)
-    return found
-
-
 def descendants(pid: int) -> dict[int, str]:
-    processes = _processes()
-    found: dict[int, str] = {}
-    frontier = [pid]
-    while frontier:
-        parent = frontier.pop()
-        for child, (ppid, command) in processes.items():
-            if ppid == parent and child not in found:
-                found[child] = command
-                frontier.append(child)
-    return found
+    """pid -> command line of every process below ``pid``."""
+    return {child: command for child, (_, command) in process_tree(pid).items()}
 
 
 async def test_a_stdio_server_is_one_process_shared_closed_when_idle_and_on_exit() -> None:

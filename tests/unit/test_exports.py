@@ -426,6 +426,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "load_node_history",
         "otel_env",
         "patiently",
+        "process_tree",
         "render_trace_tree",
         "sweep_stale_beds",
         "write_tiny_model",
