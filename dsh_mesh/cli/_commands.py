@@ -201,7 +201,7 @@ async def _ls(client: MeshClient, args: argparse.Namespace, console: Console) ->
     depth: dict[str, int] = {}
     rows: list[tuple[str, ...]] = []
     found: list[Any] = []
-    agents = client.list_agents(args.root, args.resident)
+    agents = client.list_agents(args.root, args.resident, namespace=args.namespace)
     async with contextlib.aclosing(agents):
         async for agent in agents:
             parent = agent.info.parent_session

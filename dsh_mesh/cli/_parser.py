@@ -306,6 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     ls = commands.add_parser("ls", help="list agents, parents before children")
     ls.add_argument("--root", metavar="SESSION", help="only the tree rooted at SESSION")
     ls.add_argument("--resident", action="store_true", help="only agents with a live activation")
+    ls.add_argument(
+        "--namespace", default="", help="only agents of this namespace (default: all you may see)"
+    )
     _json_flag(ls)
 
     show = commands.add_parser("show", help="a session's header, state, residency and transcript")

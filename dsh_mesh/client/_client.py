@@ -381,12 +381,15 @@ class MeshClient:
         root: str | None = None,
         resident_only: bool = False,
         *,
+        namespace: str = "",
         page_size: int = 0,
         deadline: timedelta | None = None,
     ) -> AsyncGenerator[AgentSummary, None]:
-        """Every agent (of the tree rooted at ``root``, when given; only resident ones with
-        ``resident_only``), parents before their children, fetched page by page, each page with
-        its own deadline. Read-only; each page is a snapshot of its own moment."""
+        """Every agent the credential may see (of the tree rooted at ``root``, when given; of
+        ``namespace``, when given; only resident ones with ``resident_only``), parents before
+        their children, fetched page by page, each page with its own deadline. Read-only; each
+        page is a snapshot of its own moment. A namespace the credential holds no grant of
+        raises ``NAMESPACE_DENIED``."""
         token = ""
         seen: set[str] = set()
         while True:
@@ -395,6 +398,7 @@ class MeshClient:
                 mesh_pb2.ListAgentsRequest(
                     root_session_id=root or "",
                     resident_only=resident_only,
+                    namespace=namespace,
                     page_size=page_size,
                     page_token=token,
                 ),

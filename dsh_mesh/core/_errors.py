@@ -86,6 +86,13 @@ class RejectionReason(enum.Enum):
     TREE_CLOSED = "TREE_CLOSED"
     """The session is in a subtree that was stopped and closed (metadata ``stopped``: the
     session the stop named). Nothing was accepted; it takes work again once reopened."""
+    NAMESPACE_DENIED = "NAMESPACE_DENIED"
+    """The caller holds no grant of the namespace it named (metadata ``namespace``): a root's
+    creation or a listing of that namespace. A session the caller may not see is
+    ``UNKNOWN_SESSION`` instead, so its id does not leak."""
+    QUOTA_EXCEEDED = "QUOTA_EXCEEDED"
+    """A namespace is at a quota (metadata ``limit``: ``live_sessions``; ``max`` the quota,
+    ``namespace``). Nothing was created. Retryable once some of its sessions end."""
 
 
 RETRYABLE_REASONS: frozenset[RejectionReason] = frozenset(
@@ -97,6 +104,7 @@ RETRYABLE_REASONS: frozenset[RejectionReason] = frozenset(
         RejectionReason.INBOX_FULL,
         RejectionReason.NODE_OVERLOADED,
         RejectionReason.RATE_LIMITED,
+        RejectionReason.QUOTA_EXCEEDED,
     }
 )
 """Reasons after which the same request (same idempotency key) may be sent again unchanged and
@@ -276,6 +284,21 @@ class RateLimited(_FixedRejected):
     fixed_reason = RejectionReason.RATE_LIMITED
 
 
+class NamespaceDenied(_FixedRejected):
+    """The caller holds no grant of the namespace it named (``metadata["namespace"]``).
+    Nothing was created or read."""
+
+    fixed_reason = RejectionReason.NAMESPACE_DENIED
+
+
+class QuotaExceeded(_FixedRejected):
+    """A namespace is at one of its quotas (``metadata["limit"]``: ``live_sessions``;
+    ``metadata["max"]`` the quota). Nothing was created. Retryable once some of the
+    namespace's sessions end their activations."""
+
+    fixed_reason = RejectionReason.QUOTA_EXCEEDED
+
+
 class NodeFenced(_FixedRejected):
     """This node lost its etcd lease: it accepts nothing until it has registered again.
     Retryable: another node (or this one, re-registered) can take the request."""
@@ -387,6 +410,8 @@ _CLASS_OF_REASON: Mapping[RejectionReason, type[Rejected]] = MappingProxyType(
         RejectionReason.TREE_LIMIT: TreeLimitReached,
         RejectionReason.TREE_CLOSED: TreeClosed,
         RejectionReason.RATE_LIMITED: RateLimited,
+        RejectionReason.NAMESPACE_DENIED: NamespaceDenied,
+        RejectionReason.QUOTA_EXCEEDED: QuotaExceeded,
     }
 )
 

@@ -23,8 +23,9 @@ from typing import Any
 
 from dsh_mesh.core import NodeId
 from dsh_mesh.logstore import check_log_store
+from dsh_mesh.node._namespaces import Namespaces, load_namespaces
 from dsh_mesh.registry import EtcdConfig, EtcdTls, LeaseConfig
-from dsh_mesh.runtime import ManagerConfig, TreeLimits
+from dsh_mesh.runtime import ManagerConfig, NamespaceLimits, TreeLimits
 from dsh_mesh.transport import CallerRole, ClusterCredential, TlsCredentials
 
 _MIB = 1 << 20
@@ -89,6 +90,16 @@ class NodeConfig:
     """Sessions of one tree, its root not counted, live at once; past it: TREE_LIMIT."""
     max_tree_spawns_per_minute: int = TreeLimits.max_spawns_per_minute
     """Sessions created in one tree in any 60 s, its root counted; past it: RATE_LIMITED."""
+    namespace_max_live_sessions: int = NamespaceLimits.max_live_sessions
+    """Sessions of one namespace live at once, in a namespace without its own quota; past it:
+    QUOTA_EXCEEDED."""
+    namespace_max_roots_per_minute: int = NamespaceLimits.max_roots_per_minute
+    """Roots created in one namespace in any 60 s, in a namespace without its own quota; past
+    it: RATE_LIMITED."""
+    namespaces_file: Path | None = None
+    """A TOML file of grants (which client credential may see and steer which namespaces)
+    and of namespaces' own quotas (ADR 0033); every node of a cluster reads the same one.
+    ``None``: every credential has every namespace, each with the node's quotas."""
     memory_high_water_mb: int | None = None
     """Resident memory (RSS, MiB) past which the node passivates idle agents, oldest first,
     instead of growing until it is killed; they cold-resume on their next message. ``None``:
@@ -125,19 +136,39 @@ class NodeConfig:
             return self.etcd
         return dataclasses.replace(self.etcd, call_timeout=bound)
 
-    def manager_config(self) -> ManagerConfig:
-        """The continuation manager's settings for this node."""
+    def manager_config(self, namespaces: Namespaces | None = None) -> ManagerConfig:
+        """The continuation manager's settings for this node (``namespaces``: what its
+        namespaces file says, read by :meth:`namespaces`)."""
+        tree, namespace = self._limits()
         return ManagerConfig(
             node_id=self.node_id,
             max_inbox_depth=self.max_inbox_depth,
             max_inflight_sends=self.max_inflight_sends,
             max_resident_sessions=self.max_resident_sessions,
-            tree_limits=TreeLimits(
-                max_depth=self.max_tree_depth,
-                max_live_descendants=self.max_live_descendants,
-                max_spawns_per_minute=self.max_tree_spawns_per_minute,
-            ),
+            tree_limits=tree,
+            namespace_limits=namespace,
+            namespaces=(namespaces or Namespaces()).limits,
         )
+
+    def namespaces(self) -> Namespaces:
+        """The grants and namespace quotas of :attr:`namespaces_file` (none without one).
+        Raises ``ValueError`` for a file it cannot use."""
+        if self.namespaces_file is None:
+            return Namespaces()
+        tree, namespace = self._limits()
+        return load_namespaces(self.namespaces_file, tree=tree, namespace=namespace)
+
+    def _limits(self) -> tuple[TreeLimits, NamespaceLimits]:
+        tree = TreeLimits(
+            max_depth=self.max_tree_depth,
+            max_live_descendants=self.max_live_descendants,
+            max_spawns_per_minute=self.max_tree_spawns_per_minute,
+        )
+        namespace = NamespaceLimits(
+            max_live_sessions=self.namespace_max_live_sessions,
+            max_roots_per_minute=self.namespace_max_roots_per_minute,
+        )
+        return tree, namespace
 
     def __post_init__(self) -> None:
         if not _NODE_ID.fullmatch(self.node_id):
@@ -157,7 +188,7 @@ class NodeConfig:
             raise ValueError("scenario must be 'module:attribute'")
         if self.shutdown_grace < timedelta(0):
             raise ValueError("shutdown_grace must not be negative")
-        self.manager_config()  # the limits must be positive
+        self.manager_config(self.namespaces())  # the limits must be positive, the file sound
         if self.retention_days < 0 or self.idempotency_days < 0:
             raise ValueError("retention_days and idempotency_days must not be negative (0: never)")
         if self.retention_interval <= timedelta(0):
@@ -233,6 +264,17 @@ _SETTINGS: tuple[tuple[str, str, str], ...] = (
         "sessions one tree may create in any minute",
     ),
     (
+        "namespace_max_live_sessions",
+        "--namespace-max-live-sessions",
+        "live sessions of one namespace",
+    ),
+    (
+        "namespace_max_roots_per_minute",
+        "--namespace-max-roots-per-minute",
+        "roots one namespace may create in any minute",
+    ),
+    ("namespaces_file", "--namespaces-file", "TOML file of grants and namespace quotas"),
+    (
         "memory_high_water_mb",
         "--memory-high-water-mb",
         "RSS (MiB) past which idle agents are passivated",
@@ -280,7 +322,13 @@ def load_config(args: argparse.Namespace, environ: Mapping[str, str] | None = No
         unknown = sorted(set(from_file) - {setting for setting, _, _ in _SETTINGS})
         if unknown:
             raise ValueError(f"{args.config}: unknown [node] settings {unknown}")
-        for name in (*_PATHS, "presets_file", "history_file", "retention_archive_dir"):
+        for name in (
+            *_PATHS,
+            "presets_file",
+            "namespaces_file",
+            "history_file",
+            "retention_archive_dir",
+        ):
             # A relative path in a file means relative to that file, wherever the node starts.
             if isinstance(from_file.get(name), str):
                 from_file[name] = str(args.config.parent / Path(from_file[name]).expanduser())
@@ -370,12 +418,16 @@ def _build(values: Mapping[str, Any]) -> NodeConfig:
         "max_tree_depth",
         "max_live_descendants",
         "max_tree_spawns_per_minute",
+        "namespace_max_live_sessions",
+        "namespace_max_roots_per_minute",
         "memory_high_water_mb",
     ):
         if values.get(name) is not None:
             kwargs[name] = int(values[name])
     if values.get("presets_file"):
         kwargs["presets_file"] = Path(str(values["presets_file"])).expanduser()
+    if values.get("namespaces_file"):
+        kwargs["namespaces_file"] = Path(str(values["namespaces_file"])).expanduser()
     for name in ("retention_days", "idempotency_days"):
         if values.get(name) is not None:
             kwargs[name] = float(values[name])

@@ -80,6 +80,7 @@ class Node:
         self.config = config
         self._scenario = scenario
         self._provider = scenario.provider()
+        self._namespaces = config.namespaces()  # read once: every node reads the same file
         # Blocking Python tools run here, never on the loop: a tool that blocks for a minute
         # must not delay the lease's renewal. Its threads cannot be stopped; at exit the node
         # does not wait for them (a call still running was answered when its turn ended).
@@ -145,7 +146,9 @@ class Node:
             server = grpc.aio.server(
                 interceptors=[
                     *telemetry.server_interceptors(),
-                    ClusterAuthInterceptor(config.credential),
+                    ClusterAuthInterceptor(
+                        config.credential, client_tokens=self._namespaces.grants
+                    ),
                 ]
             )
             mesh_pb2_grpc.add_AgentMeshServicer_to_server(
@@ -158,6 +161,8 @@ class Node:
                     reads=RegistryReads(etcd, keys, log),
                     current_activation=cached.current_activation,
                     peers=pool,
+                    grants=self._namespaces.grants,
+                    credential=config.credential,
                 ),
                 server,
             )
@@ -232,7 +237,7 @@ class Node:
                 store=store,
                 provider=self._provider,
                 presets=self._scenario.presets,
-                config=self.config.manager_config(),
+                config=self.config.manager_config(self._namespaces),
                 ids=RandomIds(),
                 router=router,
                 tools=self._scenario.tools,

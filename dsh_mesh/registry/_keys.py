@@ -40,6 +40,38 @@ class Keys:
         created after its parent, so it comes after it)."""
         return self.listing + _stamp(created) + b"/" + session.encode()
 
+    def namespace_listing(self, namespace: str) -> bytes:
+        """Prefix of the listing of ``namespace``'s sessions in creation order: the same
+        ``<stamp>/<session>`` tails as :attr:`listing`, so one page token serves both."""
+        return self.prefix + b"ns/" + namespace.encode() + b"/"
+
+    def namespace_listed(self, namespace: str, created: datetime, session: SessionId) -> bytes:
+        """The session's place in its namespace's listing (written with its header)."""
+        return self.namespace_listing(namespace) + _stamp(created) + b"/" + session.encode()
+
+    def namespace_roots(self, namespace: str) -> bytes:
+        """Prefix of ``namespace``'s roots in creation order (its creation rate is counted
+        from it, as a tree's spawn rate is from the tree index)."""
+        return self.prefix + b"ns-roots/" + namespace.encode() + b"/"
+
+    def namespace_root(self, namespace: str, created: datetime, root: SessionId) -> bytes:
+        """The root's key among its namespace's roots (written with its header)."""
+        return self.namespace_roots(namespace) + _stamp(created) + b"/" + root.encode()
+
+    def roots_since(self, namespace: str, since: datetime) -> bytes:
+        """Where ``namespace``'s roots created at or after ``since`` start in its roots
+        index (they run to its end)."""
+        return self.namespace_roots(namespace) + _stamp(since)
+
+    def namespace_live(self, namespace: str) -> bytes:
+        """Prefix of ``namespace``'s sessions that hold an activation: one key per session,
+        bound to the same lease and written and deleted with that activation."""
+        return self.prefix + b"live-ns/" + namespace.encode() + b"/"
+
+    def namespace_live_member(self, namespace: str, session: SessionId) -> bytes:
+        """``session``'s key among its namespace's live sessions."""
+        return self.namespace_live(namespace) + session.encode()
+
     def tree(self, root: SessionId) -> bytes:
         """Prefix of the tree index of ``root``: one key per member (root included), in
         creation order, valued with the member's parent id (empty for the root)."""

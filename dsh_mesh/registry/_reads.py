@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass
@@ -80,19 +81,34 @@ class RegistryReads:
     # -- listings -------------------------------------------------------------------------------
 
     async def listing(
-        self, *, root: SessionId | None, after: str, limit: int, resident_only: bool = False
+        self,
+        *,
+        root: SessionId | None,
+        after: str,
+        limit: int,
+        resident_only: bool = False,
+        namespaces: frozenset[str] | None = None,
     ) -> Listing:
         """Up to ``limit`` headers after the page token ``after`` ('' for the first page): of
-        every session, or (``root`` given) of ``root`` and its descendants. With
-        ``resident_only``, only sessions that hold an activation. Raises
+        every session, or (``root`` given) of ``root`` and its descendants, or (``namespaces``
+        given, no ``root``) of the sessions of those namespaces, merged from their indexes in
+        creation order. With ``resident_only``, only sessions that hold an activation. Raises
         :class:`SessionUnknown` for an unknown ``root`` and :class:`InvalidArgument` for a
         token this server did not issue."""
         members = None if root is None else await self.members(root)  # an unknown root first
         if after and not _TOKEN.fullmatch(after.encode()):
             shown = after if len(after) <= 40 else f"{after[:40]}... ({len(after)} characters)"
             raise InvalidArgument(f"page_token {shown!r} is not one this server issued")
-        if members is None:
+        if members is None and namespaces is None:
             candidates = self._index(self._keys.listing, after=after.encode())
+        elif members is None:
+            assert namespaces is not None
+            candidates = _merged(
+                [
+                    self._index(self._keys.namespace_listing(n), after=after.encode())
+                    for n in sorted(namespaces)
+                ]
+            )
         else:
             candidates = _aiter(
                 (token, session)
@@ -407,6 +423,24 @@ class _Residency:
             if before.get(session) != activation:
                 self._changes.append((session, activation, None))
         self._wake.set()
+
+
+async def _merged(
+    indexes: list[AsyncIterator[tuple[bytes, SessionId]]],
+) -> AsyncIterator[tuple[bytes, SessionId]]:
+    """The entries of several indexes in one token order (each is in that order already, and a
+    session is in one index only)."""
+    heads: list[tuple[bytes, int, SessionId]] = []
+    for n, index in enumerate(indexes):
+        first = await anext(index, None)
+        if first is not None:
+            heapq.heappush(heads, (first[0], n, first[1]))
+    while heads:
+        token, n, session = heapq.heappop(heads)
+        yield token, session
+        following = await anext(indexes[n], None)
+        if following is not None:
+            heapq.heappush(heads, (following[0], n, following[1]))
 
 
 async def _aiter(items: Iterable[Any]) -> AsyncIterator[Any]:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dsh_mesh.core import SessionId
-from dsh_mesh.registry._codec import encode_entry
+from dsh_mesh.registry._codec import decode_header, encode_entry
 from dsh_mesh.registry._etcd import Etcd, Result, Target, compare, delete
 from dsh_mesh.registry._keys import Keys, stamp_time
 from dsh_mesh.runtime import LogStore
@@ -186,6 +186,7 @@ class Retention:
         old, or was archived), and, in the transaction, no activation. What is left between
         the two is a turn that both begins and settles within that one round trip."""
         deleted = 0
+        namespace = await self._namespace_of(root)
         ordered = list(reversed(members))
         for at in range(0, len(ordered), _SESSIONS_PER_TXN):
             chunk = ordered[at : at + _SESSIONS_PER_TXN]
@@ -203,6 +204,12 @@ class Retention:
                     delete(self._keys.tree(root) + member.token),
                     delete(self._keys.root_of(member.session)),
                 ]
+                if namespace is not None:
+                    removals.append(delete(self._keys.namespace_listing(namespace) + member.token))
+                    if member.session == root:
+                        removals.append(
+                            delete(self._keys.namespace_roots(namespace) + member.token)
+                        )
             response = await self._etcd.txn(compares, removals)
             if not response.succeeded:
                 return deleted
@@ -211,6 +218,12 @@ class Retention:
                 await self._log.delete(member.session, fence)
             deleted += len(chunk)
         return deleted
+
+    async def _namespace_of(self, root: SessionId) -> str | None:
+        """The namespace of ``root``'s tree (every member's), from the root's header, which is
+        deleted last; None if it is already gone."""
+        kv = await self._etcd.get(self._keys.header(root))
+        return None if kv is None else decode_header(kv.value).namespace
 
     async def _range(self, prefix: bytes) -> AsyncIterator[Any]:
         start: bytes | None = None

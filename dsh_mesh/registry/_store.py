@@ -54,6 +54,7 @@ from dsh_mesh.runtime import (
     Acceptance,
     IdempotencyKey,
     LogStore,
+    NamespaceCensus,
     Resumption,
     TreeCensus,
     Write,
@@ -224,11 +225,18 @@ class EtcdSessionStore:
         key = self._keys.header(session)
         created = header.created_at
         assert created is not None
-        writes = [put(key, encode_header(header)), put(self._keys.listed(created, session), b"")]
+        namespace = header.namespace
+        writes = [
+            put(key, encode_header(header)),
+            put(self._keys.listed(created, session), b""),
+            put(self._keys.namespace_listed(namespace, created, session), b""),
+        ]
         root = session
         if parent is not None:
             root = await self._root_of(parent)
             writes.append(put(self._keys.root_of(session), root.encode()))
+        else:
+            writes.append(put(self._keys.namespace_root(namespace, created, session), b""))
         parent_id = (header.parent_session or "").encode()
         writes.append(put(self._keys.member(root, created, session), parent_id))
         compares = [compare(key, Target.CREATE, Result.EQUAL, 0)]
@@ -326,9 +334,8 @@ class EtcdSessionStore:
         ]
         lease = self._lease()
         success = [put(key, encode_activation(activation), lease=lease)]
-        live = await self._live_key(session)
-        if live is not None:  # the tree's census of live members, kept with the activation
-            success.append(put(live, b"", lease=lease))
+        # The tree's and the namespace's census of live members, kept with the activation.
+        success += [put(live, b"", lease=lease) for live in await self._live_keys(session)]
         failure = [get(key), get(header)]
         for _ in range(_ACTIVATE_ATTEMPTS):
             response = await self._etcd.txn(compares, success, failure)
@@ -424,20 +431,21 @@ class EtcdSessionStore:
         if self._directory is not None:
             self._directory.forget(activation)
 
-    async def _live_key(self, session: SessionId) -> bytes | None:
-        """``session``'s key among its tree's live members; None for a root (not counted)."""
+    async def _live_keys(self, session: SessionId) -> list[bytes]:
+        """``session``'s keys among its namespace's live sessions and, for a child, among its
+        tree's live members (a root is not its own descendant)."""
         header = await self.get_header(session)
         if header is None:
             raise SessionUnknown(session)
-        if header.parent_session is None:
-            return None
-        return self._keys.live_member(await self._root_of(header), session)
+        keys = [self._keys.namespace_live_member(header.namespace, session)]
+        if header.parent_session is not None:
+            keys.append(self._keys.live_member(await self._root_of(header), session))
+        return keys
 
     async def _ending(self, session: SessionId, key: bytes) -> list[Any]:
-        """The deletes that end ``session``'s activation (its key at ``key``) and its place
-        among its tree's live members."""
-        live = await self._live_key(session)
-        return [delete(key)] if live is None else [delete(key), delete(live)]
+        """The deletes that end ``session``'s activation (its key at ``key``) and its places
+        among its namespace's and its tree's live sessions."""
+        return [delete(key)] + [delete(live) for live in await self._live_keys(session)]
 
     # -- trees ------------------------------------------------------------------------------------
 
@@ -474,6 +482,19 @@ class EtcdSessionStore:
         )
         return TreeCensus(
             root=root, live_descendants=int(live.count), created_since=int(recent.count)
+        )
+
+    async def namespace_census(self, namespace: str, *, since: datetime) -> NamespaceCensus:
+        live, recent = await asyncio.gather(
+            self._etcd.get_prefix(self._keys.namespace_live(namespace), count_only=True),
+            self._etcd.get_prefix(
+                self._keys.namespace_roots(namespace),
+                start=self._keys.roots_since(namespace, since),
+                count_only=True,
+            ),
+        )
+        return NamespaceCensus(
+            namespace=namespace, live_sessions=int(live.count), roots_since=int(recent.count)
         )
 
     # -- transcript -----------------------------------------------------------------------------

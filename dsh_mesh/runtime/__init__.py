@@ -2,7 +2,7 @@
 
 from dsh_mesh.runtime._config import ManagerConfig
 from dsh_mesh.runtime._departure import Departed, unless_departed
-from dsh_mesh.runtime._limits import SPAWN_WINDOW, TreeLimits
+from dsh_mesh.runtime._limits import SPAWN_WINDOW, Limits, NamespaceLimits, TreeLimits
 from dsh_mesh.runtime._log import DEFAULT_PAGE, Logged, LogStore, Write, Written
 from dsh_mesh.runtime._manager import ContinuationManager
 from dsh_mesh.runtime._memory_store import InMemorySessionStore
@@ -11,6 +11,7 @@ from dsh_mesh.runtime._router import MAX_HOPS, Router
 from dsh_mesh.runtime._store import (
     Acceptance,
     IdempotencyKey,
+    NamespaceCensus,
     Resumption,
     SessionStore,
     TreeCensus,
@@ -27,9 +28,12 @@ __all__ = [
     "HistoryLog",
     "IdempotencyKey",
     "InMemorySessionStore",
+    "Limits",
     "LogStore",
     "Logged",
     "ManagerConfig",
+    "NamespaceCensus",
+    "NamespaceLimits",
     "RecordingStore",
     "Resumption",
     "Router",

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 from dsh_mesh.core import NodeId
-from dsh_mesh.runtime._limits import TreeLimits
+from dsh_mesh.runtime._limits import Limits, NamespaceLimits, TreeLimits
 from dsh_mesh.tools import MAX_MESSAGE_CHARS, DescriptorFilter
 
 _LOCAL_NODE = NodeId("local")
@@ -38,7 +39,19 @@ class ManagerConfig:
     notice_backoff: timedelta = timedelta(milliseconds=20)
     """The first pause between those attempts (doubling, at most 64 times this)."""
     tree_limits: TreeLimits = field(default_factory=TreeLimits)
-    """How deep, how wide (live) and how fast one tree may grow (ADR 0030)."""
+    """How deep, how wide (live) and how fast one tree may grow (ADR 0030), in a namespace
+    without tree limits of its own."""
+    namespace_limits: NamespaceLimits = field(default_factory=NamespaceLimits)
+    """The quotas of a namespace without quotas of its own (ADR 0033)."""
+    namespaces: Mapping[str, NamespaceLimits] = field(default_factory=dict)
+    """Namespaces with quotas (and tree limits) of their own."""
+
+    @property
+    def limits(self) -> Limits:
+        """Every limit creations are judged by."""
+        return Limits(
+            tree=self.tree_limits, namespace=self.namespace_limits, namespaces=self.namespaces
+        )
 
     def __post_init__(self) -> None:
         for name in (

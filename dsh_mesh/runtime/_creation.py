@@ -25,6 +25,7 @@ from dsh_mesh.core import (
     MeshError,
     NodeId,
     PeerUnavailable,
+    QuotaExceeded,
     RateLimited,
     Record,
     SessionExists,
@@ -44,7 +45,7 @@ from dsh_mesh.core import (
 from dsh_mesh.models import ModelProvider, check_model_spec
 from dsh_mesh.runtime._children import ChildLedger
 from dsh_mesh.runtime._delivery import check_content
-from dsh_mesh.runtime._limits import SpawnGuard
+from dsh_mesh.runtime._limits import CreationGuard
 from dsh_mesh.runtime._placement import Placement
 from dsh_mesh.runtime._residency import Residency
 from dsh_mesh.runtime._store import Acceptance, IdempotencyKey, SessionStore
@@ -79,7 +80,7 @@ class Creations:
         ids: IdFactory,
         work: DetachedWork,
         max_message_chars: int,
-        guard: SpawnGuard,
+        guard: CreationGuard,
         admit: Callable[[SessionId], Awaitable[None]],
     ) -> None:
         self._store = store
@@ -133,6 +134,13 @@ class Creations:
             spec=spec,
             namespace=namespace,
         )
+        try:
+            await self._guard.check_root(namespace)
+        except (RateLimited, QuotaExceeded):
+            # A retry of a creation that made its root finds that root, whatever the
+            # namespace's census says now (the root is counted in it).
+            if session_id is None or await self._store.get_header(session_id) is None:
+                raise
         agent = await self._activate_new(header, parent_activation=None, first=(), task=task)
         return agent.ref
 
@@ -159,8 +167,8 @@ class Creations:
         )
         await self._admit(parent.session_id)  # no spawn under a closed subtree
         try:
-            await self._guard.check(parent_agent.header)
-        except (TreeLimitReached, RateLimited):
+            await self._guard.check_spawn(parent_agent.header)
+        except (TreeLimitReached, RateLimited, QuotaExceeded):
             # A repeat of a call whose child exists is no new spawn: finish it, whatever the
             # tree's census says now (that child is counted in it).
             if idempotency_key is None or await self._store.get_header(session) is None:

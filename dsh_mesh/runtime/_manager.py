@@ -47,7 +47,7 @@ from dsh_mesh.runtime._children import ChildLedger
 from dsh_mesh.runtime._config import ManagerConfig
 from dsh_mesh.runtime._creation import Creations
 from dsh_mesh.runtime._delivery import Deliveries
-from dsh_mesh.runtime._limits import SpawnGuard
+from dsh_mesh.runtime._limits import CreationGuard
 from dsh_mesh.runtime._placement import ClusterForwarder, LocalPlacement, Placement
 from dsh_mesh.runtime._residency import Residency
 from dsh_mesh.runtime._router import Router
@@ -166,7 +166,7 @@ class ContinuationManager:
             ids=ids,
             work=self._work,
             max_message_chars=config.max_message_chars,
-            guard=SpawnGuard(store, config.tree_limits),
+            guard=CreationGuard(store, config.limits),
             admit=self._check_open,
         )
 

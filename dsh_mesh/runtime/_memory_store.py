@@ -21,6 +21,7 @@ from dsh_mesh.core import (
 from dsh_mesh.runtime._store import (
     Acceptance,
     IdempotencyKey,
+    NamespaceCensus,
     Resumption,
     TreeCensus,
     check_same_request,
@@ -131,6 +132,18 @@ class InMemorySessionStore:
             ),
             created_since=sum(
                 1 for h in members if h.created_at is not None and h.created_at >= since
+            ),
+        )
+
+    async def namespace_census(self, namespace: str, *, since: datetime) -> NamespaceCensus:
+        members = [h for h in self._headers.values() if h.namespace == namespace]
+        return NamespaceCensus(
+            namespace=namespace,
+            live_sessions=sum(1 for h in members if h.session_id in self._activations),
+            roots_since=sum(
+                1
+                for h in members
+                if h.parent_session is None and h.created_at is not None and h.created_at >= since
             ),
         )
 

@@ -40,6 +40,7 @@ from dsh_mesh.core import (
 from dsh_mesh.runtime._store import (
     Acceptance,
     IdempotencyKey,
+    NamespaceCensus,
     Resumption,
     SessionStore,
     TreeCensus,
@@ -156,6 +157,9 @@ class RecordingStore:
 
     async def tree_census(self, session: SessionId, *, since: datetime) -> TreeCensus:
         return await self._store.tree_census(session, since=since)
+
+    async def namespace_census(self, namespace: str, *, since: datetime) -> NamespaceCensus:
+        return await self._store.namespace_census(namespace, since=since)
 
     async def record_stop(self, stop: TreeStop) -> None:
         await self._store.record_stop(stop)

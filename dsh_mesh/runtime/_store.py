@@ -72,6 +72,18 @@ class TreeCensus:
     created_since: int
 
 
+@dataclass(frozen=True, kw_only=True)
+class NamespaceCensus:
+    """What :meth:`SessionStore.namespace_census` counted of one namespace, cluster-wide: its
+    sessions that hold an activation now (``live_sessions``) and its roots created at or after
+    the census's ``since`` (``roots_since``). Exact up to the creations decided at the same
+    moment, as a :class:`TreeCensus` is."""
+
+    namespace: str
+    live_sessions: int
+    roots_since: int
+
+
 class SessionStore(Protocol):
     """Durable state of sessions. Every method is safe to call concurrently from one loop."""
 
@@ -151,6 +163,11 @@ class SessionStore(Protocol):
         """Count the tree ``session`` belongs to (:class:`TreeCensus`), counting members
         created at or after ``since``. Raises ``SessionUnknown`` for a session that does not
         exist."""
+        ...
+
+    async def namespace_census(self, namespace: str, *, since: datetime) -> NamespaceCensus:
+        """Count ``namespace`` (:class:`NamespaceCensus`), counting roots created at or after
+        ``since``. A namespace nothing was created in counts zero."""
         ...
 
     async def record_stop(self, stop: TreeStop) -> None:

@@ -11,6 +11,7 @@ from dsh_mesh.telemetry._grpc import client_interceptors, server_interceptors
 from dsh_mesh.telemetry._logs import TraceContextFilter
 from dsh_mesh.telemetry._metrics import (
     cold_resumed,
+    creation_refused,
     lease_lost,
     message_accepted,
     message_rejected,
@@ -40,6 +41,7 @@ __all__ = [
     "client_interceptors",
     "cold_resumed",
     "configure",
+    "creation_refused",
     "current_traceparent",
     "lease_lost",
     "message_accepted",

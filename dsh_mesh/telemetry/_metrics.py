@@ -43,6 +43,11 @@ _spawns_refused = _METER.create_counter(
     unit="{spawn}",
     description="Spawns refused by a tree limit, by limit (depth, live_descendants, ...).",
 )
+_creations_refused = _METER.create_counter(
+    "dsh.namespace.creations_refused",
+    unit="{session}",
+    description="Roots and spawns refused by a namespace quota, by limit and namespace.",
+)
 _token_usage = _METER.create_histogram(
     "gen_ai.client.token.usage",
     unit="{token}",
@@ -88,6 +93,12 @@ def spawn_refused(limit: str) -> None:
     """Count one spawn refused by a tree limit (``limit``: ``depth``, ``live_descendants``,
     ``spawns_per_minute``)."""
     _spawns_refused.add(1, {"dsh.limit": limit})
+
+
+def creation_refused(limit: str, namespace: str) -> None:
+    """Count one creation (a root or a spawn) refused by a quota of ``namespace``
+    (``limit``: ``live_sessions``, ``roots_per_minute``)."""
+    _creations_refused.add(1, {"dsh.limit": limit, "dsh.namespace": namespace})
 
 
 def model_call(model: str, *, input_tokens: int, output_tokens: int, cached: int) -> None:

@@ -17,6 +17,15 @@ from dsh_mesh.transport._certs import (
     IssuedCertificate,
 )
 from dsh_mesh.transport._control import MeshControlService
+from dsh_mesh.transport._grants import (
+    EVERY,
+    EVERY_NAMESPACE,
+    NO_NAMESPACE,
+    Grants,
+    Scope,
+    scope_of_names,
+    token_digest,
+)
 from dsh_mesh.transport._peers import PeerPool, PeerTimeouts
 from dsh_mesh.transport._reflection import MethodAwarePool
 from dsh_mesh.transport._servicer import AgentMeshService, ManagerRef, MeshPeerService
@@ -49,7 +58,10 @@ __all__ = [
     "CA_KEY_FILE",
     "DETAILS_METADATA_KEY",
     "ERROR_DOMAIN",
+    "EVERY",
+    "EVERY_NAMESPACE",
     "MAX_DETAIL_BYTES",
+    "NO_NAMESPACE",
     "RETRY_DELAY",
     "STATUS_OF_REASON",
     "AgentMeshService",
@@ -59,6 +71,7 @@ __all__ = [
     "CertificateKind",
     "ClusterAuthInterceptor",
     "ClusterCredential",
+    "Grants",
     "IssuedCertificate",
     "ManagerRef",
     "MeshControlService",
@@ -67,6 +80,7 @@ __all__ = [
     "PeerPool",
     "PeerTimeouts",
     "RemoteError",
+    "Scope",
     "TlsCredentials",
     "abort_with",
     "caller_identity",
@@ -76,8 +90,10 @@ __all__ = [
     "identity_of_auth_context",
     "identity_of_certificate",
     "mesh_rpc",
+    "scope_of_names",
     "secure_channel",
     "status_of",
     "to_rpc_status",
+    "token_digest",
     "wire_reason",
 ]

@@ -18,7 +18,7 @@ import inspect
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -171,15 +171,19 @@ class ClusterAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
       any handler runs, and would otherwise answer ``UNKNOWN``.
 
     - With a ``credential``, a call without the right ``x-dsh-cluster-token`` fails with
-      ``UNAUTHENTICATED`` (reason ``UNAUTHENTICATED``). ``credential=None`` (allowed only with
-      TLS) checks no token.
+      ``UNAUTHENTICATED`` (reason ``UNAUTHENTICATED``); a ``MeshControl`` call may carry a
+      client token of ``client_tokens`` instead (ADR 0033: its grant decides what it sees).
+      ``credential=None`` (allowed only with TLS) checks no token.
     - Over TLS, a peer certificate that names neither a node nor a client fails with
       ``UNAUTHENTICATED``, and a client calling ``AgentMesh`` or ``MeshPeer`` fails with
       ``PERMISSION_DENIED`` (reason ``FORGED_SENDER``).
     """
 
-    def __init__(self, credential: ClusterCredential | None) -> None:
+    def __init__(
+        self, credential: ClusterCredential | None, *, client_tokens: TokenGrants | None = None
+    ) -> None:
         self._credential = credential
+        self._client_tokens = client_tokens
 
     async def intercept_service(
         self,
@@ -189,12 +193,22 @@ class ClusterAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         handler = await continuation(details)
         if handler is None or not details.method.startswith(_GUARDED_PREFIX):
             return handler
-        if self._credential is not None:
-            metadata = dict(details.invocation_metadata or ())
-            if not self._credential.matches(metadata.get(TOKEN_HEADER)):
-                return _refusing(handler, Unauthenticated("missing or wrong cluster credential"))
         node_only = details.method.startswith(_NODE_ONLY_PREFIXES)
+        if self._credential is not None:
+            token = dict(details.invocation_metadata or ()).get(TOKEN_HEADER)
+            if not self._credential.matches(token) and (node_only or not self._grants_token(token)):
+                return _refusing(handler, Unauthenticated("missing or wrong cluster credential"))
         return _checked(handler, node_only=node_only)
+
+    def _grants_token(self, token: str | None) -> bool:
+        return self._client_tokens is not None and self._client_tokens.grants_token(token)
+
+
+class TokenGrants(Protocol):
+    """Client tokens granted namespaces (``Grants``): each authenticates ``MeshControl``
+    calls in place of the cluster token, never a node's methods."""
+
+    def grants_token(self, token: str | None) -> bool: ...
 
 
 def _check_caller(context: grpc.aio.ServicerContext[Any, Any], *, node_only: bool) -> None:

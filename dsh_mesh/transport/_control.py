@@ -27,11 +27,13 @@ from dsh_mesh.core import (
     IdempotencyConflict,
     InvalidArgument,
     MeshError,
+    NamespaceDenied,
     NodeId,
     Record,
     SessionExists,
     SessionHeader,
     SessionId,
+    SessionUnknown,
     SessionUsage,
     TargetElsewhere,
     TaskEntry,
@@ -39,13 +41,14 @@ from dsh_mesh.core import (
     parse_session_id,
     session_usage,
 )
-from dsh_mesh.transport._auth import caller_hops
+from dsh_mesh.transport._auth import ClusterCredential, caller_hops
 from dsh_mesh.transport._convert import (
     activation_to_wire,
     header_to_wire,
     record_to_wire,
     session_usage_to_wire,
 )
+from dsh_mesh.transport._grants import Grants, Scope
 from dsh_mesh.transport._peers import PeerPool
 from dsh_mesh.transport._servicer import ActivationLookup, ManagerRef
 from dsh_mesh.transport._status import abort_with, mesh_rpc, target_of
@@ -103,7 +106,13 @@ class ControlReads(Protocol):
     """The registry reads the control plane needs (implemented by ``RegistryReads``)."""
 
     async def listing(
-        self, *, root: SessionId | None, after: str, limit: int, resident_only: bool = False
+        self,
+        *,
+        root: SessionId | None,
+        after: str,
+        limit: int,
+        resident_only: bool = False,
+        namespaces: frozenset[str] | None = None,
     ) -> AgentListing: ...
     async def activations(self) -> dict[SessionId, Activation]: ...
     async def page(
@@ -132,8 +141,12 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         reads: ControlReads,
         current_activation: ActivationLookup,
         peers: PeerPool,
+        grants: Grants | None = None,
+        credential: ClusterCredential | None = None,
     ) -> None:
         self._manager = manager
+        self._grants = grants or Grants.open()
+        self._credential = credential
         self._node_id = node_id
         self._reads = reads
         self._usage: OrderedDict[SessionId, tuple[int, SessionUsage]] = OrderedDict()
@@ -151,6 +164,12 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
     ) -> mesh_pb2.CreateRootSessionResponse:
         if not request.request_id:
             raise InvalidArgument("request_id is required")
+        namespace = check_namespace(request.namespace or DEFAULT_NAMESPACE)
+        if not self._scope(context).admits(namespace):
+            raise NamespaceDenied(
+                f"this credential holds no grant of namespace {namespace!r}",
+                metadata={"namespace": namespace},
+            )
         home = NodeId(request.node_id or self._node_id)
         if home != self._node_id and caller_hops(context) == 0:
             made = await self._manager().create_root_at(
@@ -166,7 +185,6 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
             )
         _check_name("preset", request.preset)
         _check_name("model", request.model)
-        check_namespace(request.namespace or DEFAULT_NAMESPACE)
         session = root_session_id(request.request_id)
         try:
             ref = await self._create_root(session, request)
@@ -265,8 +283,9 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
     ) -> mesh_pb2.SubmitPromptResponse:
         if not request.idempotency_key:
             raise InvalidArgument("idempotency_key is required")
+        session = await self._visible(context, request.session_id)
         delivery = await self._manager().submit_prompt(
-            parse_session_id(request.session_id),
+            session,
             request.text,
             idempotency_key=request.idempotency_key,
             hops=caller_hops(context),
@@ -281,9 +300,8 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         request: mesh_pb2.InterruptRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> mesh_pb2.InterruptResponse:
-        turn = await self._manager().interrupt_session(
-            parse_session_id(request.session_id), hops=caller_hops(context)
-        )
+        session = await self._visible(context, request.session_id)
+        turn = await self._manager().interrupt_session(session, hops=caller_hops(context))
         return mesh_pb2.InterruptResponse(interrupted=turn is not None, turn_id=turn or "")
 
     @mesh_rpc
@@ -292,7 +310,7 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         request: mesh_pb2.StopTreeRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> mesh_pb2.StopTreeResponse:
-        session = parse_session_id(request.session_id)
+        session = await self._visible(context, request.session_id)
         if len(request.reason) > MAX_STOP_REASON_CHARS:
             raise InvalidArgument(f"reason is longer than {MAX_STOP_REASON_CHARS} characters")
         stop, cancelled = await self._manager().stop_tree(
@@ -311,7 +329,8 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         request: mesh_pb2.ReopenTreeRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> mesh_pb2.ReopenTreeResponse:
-        reopened = await self._manager().reopen_tree(parse_session_id(request.session_id))
+        session = await self._visible(context, request.session_id)
+        reopened = await self._manager().reopen_tree(session)
         return mesh_pb2.ReopenTreeResponse(reopened=reopened)
 
     # -- reads ------------------------------------------------------------------------------------
@@ -322,7 +341,7 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         request: mesh_pb2.GetSessionRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> mesh_pb2.Session:
-        session = parse_session_id(request.session_id)
+        session = await self._visible(context, request.session_id)
         header = await self._manager().header(session)
         current = await self._current_activation(session, fresh=True)
         if current is not None and current.node_id != self._node_id and caller_hops(context) == 0:
@@ -387,7 +406,7 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[mesh_pb2.SessionEvent]:
         try:
-            session = parse_session_id(request.session_id)
+            session = await self._visible(context, request.session_id)
             events = self._reads.follow(
                 session,
                 tree=request.tree,
@@ -405,12 +424,25 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         request: mesh_pb2.ListAgentsRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> mesh_pb2.ListAgentsResponse:
-        root = parse_session_id(request.root_session_id) if request.root_session_id else None
+        scope = self._scope(context)
+        root = None
+        if request.root_session_id:
+            root = await self._visible(context, request.root_session_id, scope=scope)
+        namespaces = scope.namespaces
+        if request.namespace:
+            namespace = check_namespace(request.namespace)
+            if not scope.admits(namespace):
+                raise NamespaceDenied(
+                    f"this credential holds no grant of namespace {namespace!r}",
+                    metadata={"namespace": namespace},
+                )
+            namespaces = frozenset({namespace})
         listing = await self._reads.listing(
             root=root,
             after=request.page_token,
             limit=min(request.page_size or DEFAULT_PAGE, MAX_PAGE),
             resident_only=request.resident_only,
+            namespaces=namespaces,
         )
         activations = await self._reads.activations()
         reply = mesh_pb2.ListAgentsResponse(next_page_token=listing.next_token)
@@ -424,6 +456,29 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         return reply
 
     # -- helpers ----------------------------------------------------------------------------------
+
+    def _scope(self, context: grpc.aio.ServicerContext[Any, Any]) -> Scope:
+        """The namespaces the caller may see and steer (ADR 0033)."""
+        return self._grants.scope_of(context, self._credential)
+
+    async def _visible(
+        self,
+        context: grpc.aio.ServicerContext[Any, Any],
+        session_id: str,
+        *,
+        scope: Scope | None = None,
+    ) -> SessionId:
+        """``session_id`` parsed, if the caller may see that session: else it is unknown to
+        the caller (``UNKNOWN_SESSION``, word for word what a session that does not exist
+        gets), so that no namespace's session ids leak to another's callers."""
+        session = parse_session_id(session_id)
+        scope = scope or self._scope(context)
+        if scope.everything:
+            return session
+        header = await self._manager().header(session)  # raises SessionUnknown when none
+        if not scope.admits(header.namespace):
+            raise SessionUnknown(session)
+        return session
 
     def _state(self, session: SessionId, current: Activation | None) -> mesh_pb2.AgentState:
         if current is None:

@@ -91,6 +91,8 @@ STATUS_OF_REASON: Mapping[RejectionReason, grpc.StatusCode] = MappingProxyType(
         RejectionReason.TREE_LIMIT: grpc.StatusCode.FAILED_PRECONDITION,
         RejectionReason.TREE_CLOSED: grpc.StatusCode.FAILED_PRECONDITION,
         RejectionReason.RATE_LIMITED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+        RejectionReason.NAMESPACE_DENIED: grpc.StatusCode.PERMISSION_DENIED,
+        RejectionReason.QUOTA_EXCEEDED: grpc.StatusCode.RESOURCE_EXHAUSTED,
     }
 )
 """Each reason travels with exactly this status code; (code, reason) is the wire contract."""

@@ -8,13 +8,17 @@ import pytest
 from dsh_mesh.core import (
     DEFAULT_NAMESPACE,
     InvalidArgument,
+    QuotaExceeded,
+    RateLimited,
+    SessionExists,
     SessionHeader,
     SessionId,
     SessionKind,
     SessionSpec,
     check_namespace,
 )
-from dsh_mesh.models import Stall
+from dsh_mesh.models import Reply, Stall, tool
+from dsh_mesh.runtime import ManagerConfig, NamespaceLimits, TreeLimits
 from dsh_mesh.testing import in_process_mesh
 from dsh_mesh.tools import ChildKind
 from tests.unit.test_tree_limits import RUNAWAY
@@ -55,3 +59,82 @@ async def test_every_child_is_in_its_roots_namespace() -> None:
         assert header is not None and header.namespace == DEFAULT_NAMESPACE
         with pytest.raises(InvalidArgument, match="namespace"):
             await mesh.manager.create_root("Lead.", preset="lead", namespace="Team A")
+
+
+def quotas(**namespaces: NamespaceLimits) -> ManagerConfig:
+    return ManagerConfig(namespaces=namespaces)
+
+
+async def test_a_namespace_creates_roots_at_its_rate_and_no_faster() -> None:
+    config = quotas(**{"team-a": NamespaceLimits(max_roots_per_minute=3)})
+    async with in_process_mesh(RUNAWAY, config=config) as mesh:
+        mesh.scripted.program("sitter", Stall())
+        for n in range(3):
+            await mesh.manager.create_root(f"Lead {n}.", preset="sitter", namespace="team-a")
+        with pytest.raises(RateLimited) as refused:
+            await mesh.manager.create_root("One more.", preset="sitter", namespace="team-a")
+        assert refused.value.metadata == {
+            "limit": "roots_per_minute",
+            "max": "3",
+            "namespace": "team-a",
+            "retry_after_ms": "20000",
+        }
+        # Another namespace has its own quota; nothing of team-a's fourth root was written.
+        await mesh.manager.create_root("Elsewhere.", preset="sitter", namespace="team-b")
+        assert sum(h.namespace == "team-a" for h in mesh.store._headers.values()) == 3
+
+
+async def test_a_retried_creation_finds_its_root_past_the_rate() -> None:
+    config = quotas(**{"team-a": NamespaceLimits(max_roots_per_minute=1)})
+    async with in_process_mesh(RUNAWAY, config=config) as mesh:
+        mesh.scripted.program("sitter", Stall())
+        first = SessionId("s-first")
+        made = await mesh.manager.create_root(
+            "Lead.", preset="sitter", namespace="team-a", session_id=first
+        )
+        with pytest.raises(SessionExists):  # the retry reaches its own root, not RATE_LIMITED
+            await mesh.manager.create_root(
+                "Lead.", preset="sitter", namespace="team-a", session_id=first
+            )
+        assert made.session_id == first
+
+
+async def test_a_namespace_holds_at_most_its_live_sessions_roots_and_children() -> None:
+    config = quotas(**{"team-a": NamespaceLimits(max_live_sessions=2)})
+    async with in_process_mesh(RUNAWAY, config=config) as mesh:
+        mesh.scripted.program("sitter", Stall())
+        ref = await mesh.manager.create_root("Lead.", preset="sitter", namespace="team-a")
+        await mesh.manager.spawn(
+            ref, ChildKind.CONTINUABLE, "a", preset="sitter", idempotency_key="k1"
+        )
+        with pytest.raises(QuotaExceeded) as refused:
+            await mesh.manager.spawn(
+                ref, ChildKind.CONTINUABLE, "b", preset="sitter", idempotency_key="k2"
+            )
+        assert refused.value.metadata == {
+            "limit": "live_sessions",
+            "max": "2",
+            "namespace": "team-a",
+        }
+        with pytest.raises(QuotaExceeded):
+            await mesh.manager.create_root("Two.", preset="sitter", namespace="team-a")
+        # A keyed repeat of the spawn that made a child still finds it.
+        again = await mesh.manager.spawn(
+            ref, ChildKind.CONTINUABLE, "a", preset="sitter", idempotency_key="k1"
+        )
+        assert (await mesh.store.get_header(again)) is not None
+        await mesh.manager.create_root("Other.", preset="sitter", namespace="team-b")
+
+
+async def test_a_namespace_can_have_its_own_tree_limits() -> None:
+    config = ManagerConfig(
+        tree_limits=TreeLimits(max_depth=30),
+        namespaces={"small": NamespaceLimits(tree=TreeLimits(max_depth=2))},
+    )
+    async with in_process_mesh(RUNAWAY, config=config) as mesh:
+        mesh.scripted.program(
+            "runaway", tool("spawn_agent", task="Go on.", preset="runaway"), Reply()
+        )
+        await mesh.manager.create_root("Start.", preset="lead", namespace="small")
+        await mesh.manager.quiescent()
+        assert sum(h.namespace == "small" for h in mesh.store._headers.values()) == 3

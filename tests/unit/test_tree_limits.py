@@ -28,7 +28,7 @@ from dsh_mesh.runtime import (
     ManagerConfig,
     TreeLimits,
 )
-from dsh_mesh.runtime._limits import SpawnGuard
+from dsh_mesh.runtime._limits import CreationGuard, Limits
 from dsh_mesh.testing import InProcessMesh, in_process_mesh
 from dsh_mesh.tools import ChildKind, Preset
 from dsh_mesh.transport import status_of, to_rpc_status
@@ -160,8 +160,8 @@ async def test_a_spawn_window_counts_only_the_last_minute() -> None:
                 created_at=long_ago,
             )
         )
-    guard = SpawnGuard(store, TreeLimits(max_spawns_per_minute=1))
-    await guard.check(root)  # three children two minutes ago: none counts now
+    guard = CreationGuard(store, Limits(tree=TreeLimits(max_spawns_per_minute=1)))
+    await guard.check_spawn(root)  # three children two minutes ago: none counts now
     census = await store.tree_census(SessionId("s-old1"), since=long_ago)
     assert (census.root, census.created_since, census.live_descendants) == (root.session_id, 4, 0)
 
@@ -181,10 +181,10 @@ async def test_depths_are_walked_once_and_remembered() -> None:
         await store.create_header(header)
         headers.append(header)
         parent = header.session_id
-    guard = SpawnGuard(store, TreeLimits(max_depth=10))
-    assert [await guard.depth(h) for h in headers] == [0, 1, 2, 3, 4]
-    shallow = SpawnGuard(store, TreeLimits(max_depth=2))
-    assert await shallow.depth(headers[4]) == 3  # past the limit: counted no further
+    guard = CreationGuard(store, Limits(tree=TreeLimits(max_depth=10)))
+    assert [await guard.depth(h, limit=10) for h in headers] == [0, 1, 2, 3, 4]
+    shallow = CreationGuard(store, Limits(tree=TreeLimits(max_depth=2)))
+    assert await shallow.depth(headers[4], limit=2) == 3  # past the limit: counted no further
     with pytest.raises(TreeLimitReached):
-        await shallow.check(headers[2])
-    await shallow.check(headers[1])
+        await shallow.check_spawn(headers[2])
+    await shallow.check_spawn(headers[1])

@@ -164,7 +164,13 @@ class _StoreReads:
         self._store = store
 
     async def listing(
-        self, *, root: SessionId | None, after: str, limit: int, resident_only: bool = False
+        self,
+        *,
+        root: SessionId | None,
+        after: str,
+        limit: int,
+        resident_only: bool = False,
+        namespaces: frozenset[str] | None = None,
     ) -> AgentListing:
         raise NotImplementedError
 

@@ -48,6 +48,8 @@ class RejectionReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REJECTION_REASON_TREE_LIMIT: _ClassVar[RejectionReason]
     REJECTION_REASON_RATE_LIMITED: _ClassVar[RejectionReason]
     REJECTION_REASON_TREE_CLOSED: _ClassVar[RejectionReason]
+    REJECTION_REASON_NAMESPACE_DENIED: _ClassVar[RejectionReason]
+    REJECTION_REASON_QUOTA_EXCEEDED: _ClassVar[RejectionReason]
 
 class AgentState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -114,6 +116,8 @@ REJECTION_REASON_TOOLS_UNAVAILABLE: RejectionReason
 REJECTION_REASON_TREE_LIMIT: RejectionReason
 REJECTION_REASON_RATE_LIMITED: RejectionReason
 REJECTION_REASON_TREE_CLOSED: RejectionReason
+REJECTION_REASON_NAMESPACE_DENIED: RejectionReason
+REJECTION_REASON_QUOTA_EXCEEDED: RejectionReason
 AGENT_STATE_UNSPECIFIED: AgentState
 AGENT_STATE_IDLE: AgentState
 AGENT_STATE_RUNNING: AgentState
@@ -337,16 +341,18 @@ class SessionEvent(_message.Message):
     def __init__(self, entry: _Optional[_Union[TranscriptEntry, _Mapping]] = ..., session_id: _Optional[str] = ..., event_seq: _Optional[int] = ..., activated: _Optional[_Union[ActivationInfo, _Mapping]] = ..., deactivated: _Optional[_Union[ActivationInfo, _Mapping]] = ...) -> None: ...
 
 class ListAgentsRequest(_message.Message):
-    __slots__ = ("root_session_id", "resident_only", "page_size", "page_token")
+    __slots__ = ("root_session_id", "resident_only", "page_size", "page_token", "namespace")
     ROOT_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_ONLY_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     root_session_id: str
     resident_only: bool
     page_size: int
     page_token: str
-    def __init__(self, root_session_id: _Optional[str] = ..., resident_only: _Optional[bool] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+    namespace: str
+    def __init__(self, root_session_id: _Optional[str] = ..., resident_only: _Optional[bool] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., namespace: _Optional[str] = ...) -> None: ...
 
 class ListAgentsResponse(_message.Message):
     __slots__ = ("agents", "next_page_token")
