@@ -3,6 +3,8 @@ when none is named) and every child has its parent's, so a tree never crosses a 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from dsh_mesh.core import (
@@ -18,9 +20,18 @@ from dsh_mesh.core import (
     check_namespace,
 )
 from dsh_mesh.models import Reply, Stall, tool
+from dsh_mesh.node import NodeConfig, load_config, parse_args
 from dsh_mesh.runtime import ManagerConfig, NamespaceLimits, TreeLimits
 from dsh_mesh.testing import in_process_mesh
 from dsh_mesh.tools import ChildKind
+from dsh_mesh.transport import (
+    EVERY_NAMESPACE,
+    NO_NAMESPACE,
+    ClusterCredential,
+    Grants,
+    Scope,
+    token_digest,
+)
 from tests.unit.test_tree_limits import RUNAWAY
 
 
@@ -138,3 +149,91 @@ async def test_a_namespace_can_have_its_own_tree_limits() -> None:
         await mesh.manager.create_root("Start.", preset="lead", namespace="small")
         await mesh.manager.quiescent()
         assert sum(h.namespace == "small" for h in mesh.store._headers.values()) == 3
+
+
+# -- the namespaces file -------------------------------------------------------------------------
+
+NODE = ["--log-store", "sqlite:log.db", "--cluster-token", "t" * 32, "--plaintext"]
+
+
+def node_with(tmp_path: Path, text: str) -> NodeConfig:
+    path = tmp_path / "namespaces.toml"
+    path.write_text(text)
+    return load_config(parse_args([*NODE, "--namespaces-file", str(path)]), {})
+
+
+def test_a_namespace_keeps_the_nodes_limits_it_leaves_out(tmp_path: Path) -> None:
+    config = node_with(
+        tmp_path, "[namespace.team-a]\nmax_roots_per_minute = 5\nmax_tree_depth = 4\n"
+    )
+    manager = config.manager_config(config.namespaces())
+    own, tree = manager.limits.of("team-a")
+    assert (own.max_roots_per_minute, own.max_live_sessions) == (5, 10_000)
+    assert (tree.max_depth, tree.max_spawns_per_minute) == (4, 300)
+    other, other_tree = manager.limits.of("team-b")
+    assert other == manager.namespace_limits and other_tree == manager.tree_limits
+    assert not config.namespaces().grants.enforced  # quotas only: no grants
+
+
+def test_grants_of_one_credential_add_up_and_a_star_is_every_namespace(tmp_path: Path) -> None:
+    digest = token_digest("x" * 32)
+    config = node_with(
+        tmp_path,
+        '[[grant]]\nclient = "alice"\nnamespaces = ["team-a"]\n'
+        '[[grant]]\nclient = "alice"\nnamespaces = ["team-b"]\n'
+        f'[[grant]]\ntoken_sha256 = "{digest.upper()}"\nnamespaces = ["*"]\n',
+    )
+    grants = config.namespaces().grants
+    assert grants.enforced
+    assert grants.grants_token("x" * 32) and not grants.grants_token("y" * 32)
+    assert grants._clients["alice"] == Scope(frozenset({"team-a", "team-b"}))
+    assert grants._tokens[digest] == EVERY_NAMESPACE
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("[namespace.Team]\nmax_live_sessions = 1\n", "namespace"),
+        ("[namespace.a]\nmax_live_sessions = 0\n", "positive integer"),
+        ("[namespace.a]\nmax_sessions = 3\n", "unknown settings"),
+        ("[namespaces.a]\n", "unknown sections"),
+        ('[[grant]]\nnamespaces = ["a"]\n', "exactly one of client or token_sha256"),
+        ('[[grant]]\nclient = "a"\ntoken_sha256 = "ab"\nnamespaces = ["a"]\n', "exactly one"),
+        ('[[grant]]\ntoken_sha256 = "abc"\nnamespaces = ["a"]\n', "64 hex digits"),
+        ('[[grant]]\nclient = "client:a"\nnamespaces = ["a"]\n', "no prefix"),
+        ('[[grant]]\nclient = "a"\nnamespaces = "a"\n', "list of names"),
+        ('[[grant]]\nclient = "a"\nnamespaces = ["A B"]\n', "namespace"),
+        ("[[grant]\n", "cannot read"),
+    ],
+)
+def test_a_namespaces_file_it_cannot_use_stops_the_node(
+    tmp_path: Path, text: str, problem: str
+) -> None:
+    with pytest.raises(ValueError, match=problem) as refused:
+        node_with(tmp_path, text)
+    assert "namespaces.toml" in str(refused.value)
+
+
+class _Context:
+    """What a servicer context tells the grants: plaintext metadata, no certificate."""
+
+    def __init__(self, token: str | None) -> None:
+        self._metadata = () if token is None else (("x-dsh-cluster-token", token),)
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return {}
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+
+def test_in_plaintext_the_token_decides_the_scope() -> None:
+    cluster = ClusterCredential(token="c" * 32)
+    team = "d" * 32
+    grants = Grants(tokens={token_digest(team): Scope(frozenset({"team-a"}))})
+    scope = grants.scope_of(_Context(team), cluster)  # type: ignore[arg-type]
+    assert scope.admits("team-a") and not scope.admits("default")
+    assert grants.scope_of(_Context("c" * 32), cluster) == EVERY_NAMESPACE  # type: ignore[arg-type]
+    assert grants.scope_of(_Context("e" * 32), cluster) == NO_NAMESPACE  # type: ignore[arg-type]
+    assert grants.scope_of(_Context(None), cluster) == NO_NAMESPACE  # type: ignore[arg-type]
+    assert Grants.open().scope_of(_Context(None), cluster) == EVERY_NAMESPACE  # type: ignore[arg-type]
