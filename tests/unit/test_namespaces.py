@@ -231,9 +231,9 @@ def test_in_plaintext_the_token_decides_the_scope() -> None:
     cluster = ClusterCredential(token="c" * 32)
     team = "d" * 32
     grants = Grants(tokens={token_digest(team): Scope(frozenset({"team-a"}))})
-    scope = grants.scope_of(_Context(team), cluster)  # type: ignore[arg-type]
+    scope = grants.scope_of(_Context(team), cluster)
     assert scope.admits("team-a") and not scope.admits("default")
-    assert grants.scope_of(_Context("c" * 32), cluster) == EVERY_NAMESPACE  # type: ignore[arg-type]
-    assert grants.scope_of(_Context("e" * 32), cluster) == NO_NAMESPACE  # type: ignore[arg-type]
-    assert grants.scope_of(_Context(None), cluster) == NO_NAMESPACE  # type: ignore[arg-type]
-    assert Grants.open().scope_of(_Context(None), cluster) == EVERY_NAMESPACE  # type: ignore[arg-type]
+    assert grants.scope_of(_Context("c" * 32), cluster) == EVERY_NAMESPACE
+    assert grants.scope_of(_Context("e" * 32), cluster) == NO_NAMESPACE
+    assert grants.scope_of(_Context(None), cluster) == NO_NAMESPACE
+    assert Grants.open().scope_of(_Context(None), cluster) == EVERY_NAMESPACE
