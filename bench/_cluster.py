@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from datetime import timedelta
 
@@ -45,10 +45,12 @@ def node_processes(
     lease_ttl: float = 2.0,
     placement: str = "others-first",
     log_store: str | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> LocalCluster:
     """A :class:`LocalCluster` of ``nodes`` (possibly none) on the run's etcd, running
     ``scenario`` of :mod:`bench.scenarios`, that drains at once on close. Its log store is
-    ``log_store``, by default (None) a SQLite file in its log directory."""
+    ``log_store``, by default (None) a SQLite file in its log directory; ``env`` is added to
+    every node's environment."""
     return LocalCluster(
         etcd_endpoint=bed.etcd_endpoint,
         log_dir=bed.log_dir(scenario),
@@ -57,7 +59,7 @@ def node_processes(
         lease_ttl=lease_ttl,
         placement=placement,
         shutdown_grace=0.0,
-        env={"DSH_MAX_INBOX_DEPTH": str(INBOX_DEPTH)},
+        env={"DSH_MAX_INBOX_DEPTH": str(INBOX_DEPTH), **(env or {})},
         log_store=log_store,
     )
 

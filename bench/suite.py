@@ -31,6 +31,7 @@ from bench.control import measure_control
 from bench.floors import measure_floors
 from bench.long_resume import measure_long_resume
 from bench.memory import measure_memory
+from bench.namespaces import measure_namespace_check
 from bench.provider import measure_provider
 from bench.resume import measure_clean_resume, measure_crash_resume
 from bench.storage import measure_storage
@@ -61,6 +62,7 @@ SECTIONS: dict[str, Callable[[Bed], Awaitable[None]]] = {
     "storage": measure_storage,
     "provider": measure_provider,
     "tools": measure_tools,
+    "namespaces": measure_namespace_check,
     # The ones that fill etcd run last, so they cannot slow the others down.
     "sessions": measure_registered_sessions,
     "control": measure_control,
