@@ -26,7 +26,7 @@ from dsh_mesh.testing._faults import FAULT_KINDS, FaultDriver
 from dsh_mesh.testing._history import Verdict, agent_sends, check, load_node_history, writers_of
 from dsh_mesh.testing._proxy import TcpProxy
 from dsh_mesh.testing._testbed import BedCluster, MultiHostBed
-from dsh_mesh.testing._workload import FAULT_REASONS, Workload
+from dsh_mesh.testing._workload import DRIVER, FAULT_REASONS, WORKLOAD_NAMESPACE, Workload
 from dsh_mesh.testing.probe_tools import LOG_ENV, read_probe_log
 
 SCENARIO = "dsh_mesh.testing:WORKLOAD"
@@ -62,6 +62,19 @@ class FaultRunReport:
         )
         body = self.verdict.summary(faults=self.faults, failovers=self.failovers, ttl=self.ttl)
         return f"{head}\n{body}"
+
+
+NAMESPACES_FILE = f"""\
+# A fault run runs with namespaces and limits on (issue 20): its driver's client certificate
+# is granted its own namespace only, whose quotas bound it; the tree limits are the node's.
+[namespace.{WORKLOAD_NAMESPACE}]
+max_live_sessions = 2000
+max_roots_per_minute = 600
+
+[[grant]]
+client = "{DRIVER}"
+namespaces = ["{WORKLOAD_NAMESPACE}"]
+"""
 
 
 async def fault_run(
@@ -139,12 +152,14 @@ async def fault_run(
 
 
 def _start(bed: MultiHostBed, proxy: TcpProxy, ttl: float, probe_log: Path) -> BedCluster:
+    namespaces = probe_log.parent / "namespaces.toml"
+    namespaces.write_text(NAMESPACES_FILE)
     cluster = bed.cluster(
         SCENARIO,
         lease_ttl=ttl,
         fronted={"node-c": (proxy.host, proxy.port)},
         history=True,
-        env={LOG_ENV: str(probe_log)},
+        env={LOG_ENV: str(probe_log), "DSH_NAMESPACES_FILE": str(namespaces)},
     )
     cluster.__enter__()
     return cluster

@@ -236,6 +236,12 @@ WORKLOAD = Scenario(
 """The scenario of fault runs (``dsh_mesh.testing:WORKLOAD``)."""
 
 
+DRIVER = "soak-driver"
+"""The client certificate (under TLS) the driver calls the control plane with."""
+WORKLOAD_NAMESPACE = "soak"
+"""The namespace of every tree of a run."""
+
+
 class Workload:
     """The driver's side of a run on ``cluster``: roots, rounds, probes, and their record."""
 
@@ -261,7 +267,7 @@ class Workload:
     def _stub(self, node: str) -> mesh_pb2_grpc.MeshControlStub:
         channel = self._channels.get(node)
         if channel is None or self.cluster[node].address is None:
-            channel = self.cluster.channel(node, client="soak-driver")
+            channel = self.cluster.channel(node, client=DRIVER)
             self._channels[node] = channel
         return mesh_pb2_grpc.MeshControlStub(channel)
 
@@ -287,9 +293,12 @@ class Workload:
                 try:
                     response = await self._stub(node).CreateRootSession(
                         mesh_pb2.CreateRootSessionRequest(
-                            preset="soak-root", initial_task="Lead rounds.", request_id=request_id
+                            preset="soak-root",
+                            initial_task="Lead rounds.",
+                            request_id=request_id,
+                            namespace=WORKLOAD_NAMESPACE,
                         ),
-                        metadata=self.cluster.metadata("soak-driver"),
+                        metadata=self.cluster.metadata(DRIVER),
                         timeout=10,
                     )
                 except grpc.aio.AioRpcError as failure:
@@ -322,7 +331,7 @@ class Workload:
                         mesh_pb2.SubmitPromptRequest(
                             session_id=session, text=text, idempotency_key=key
                         ),
-                        metadata=self.cluster.metadata("soak-driver"),
+                        metadata=self.cluster.metadata(DRIVER),
                         timeout=5,
                     )
                 except grpc.aio.AioRpcError as failure:
@@ -360,7 +369,7 @@ class Workload:
                     mesh_pb2.SubmitPromptRequest(
                         session_id=session, text=text, idempotency_key=secrets.token_hex(6)
                     ),
-                    metadata=self.cluster.metadata("soak-driver"),
+                    metadata=self.cluster.metadata(DRIVER),
                     timeout=5,
                 )
             except grpc.aio.AioRpcError as failure:

@@ -49,7 +49,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2
+from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
 from dsh_mesh.core import (
     RETRYABLE_REASONS,
     AgentMessageEntry,
@@ -87,6 +87,7 @@ from dsh_mesh.transport import (
     STATUS_OF_REASON,
     error_from_rpc,
     status_of,
+    token_digest,
 )
 from tests.integration.mesh_client import children_of, live_ref
 
@@ -112,6 +113,8 @@ WATCH_WINDOW = 0.3
 GRPC_MAX_REQUEST = 4 * 1024 * 1024
 """gRPC's default receive limit: a bigger request is refused by gRPC itself."""
 NODES = ("node-a", "node-b", "node-c")
+NAMESPACE = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
+"""A namespace name: a DNS label (ADR 0033)."""
 CLIENT = "tester"
 MAX_UINT64 = 2**64 - 1
 
@@ -156,10 +159,26 @@ def bad_content(content: str) -> bool:
 # -- the cluster ------------------------------------------------------------------------------
 
 
+TEAM_TOKEN = secrets.token_hex(16)
+"""A client token granted GRANTED only (credentials ``team_token``): its calls are judged
+against the namespace of the session they name (ADR 0033)."""
+GRANTED = ("default", "fuzz-a")
+HIDDEN = "fuzz-hidden"
+"""The namespace of ``World.hidden``: the team token may not see it."""
+
+
 @pytest.fixture(scope="module")
-def cluster(etcd: EtcdAddress) -> Iterator[LocalCluster]:
+def cluster(etcd: EtcdAddress, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    grants = tmp_path_factory.mktemp("grants") / "namespaces.toml"
+    names = ", ".join(f'"{n}"' for n in GRANTED)
+    grants.write_text(
+        f'[[grant]]\ntoken_sha256 = "{token_digest(TEAM_TOKEN)}"\nnamespaces = [{names}]\n'
+    )
     with LocalCluster(
-        etcd_endpoint=etcd.endpoint, scenario="tests.integration.scenarios:TREE", history=True
+        etcd_endpoint=etcd.endpoint,
+        scenario="tests.integration.scenarios:TREE",
+        history=True,
+        env={"DSH_NAMESPACES_FILE": str(grants)},
     ) as running:
         yield running
 
@@ -199,10 +218,13 @@ class World:
         sessions: dict[str, SessionId],
         refs: dict[str, tuple[AgentRef, str]],
         quick: SessionId,
+        hidden: SessionId,
     ) -> None:
         self.sessions = sessions
         self.refs = refs
         self.quick = quick
+        self.hidden = hidden
+        """A quick root of namespace HIDDEN: every credential but the team token sees it."""
 
     def __repr__(self) -> str:
         return f"World(root={self.sessions['root']}, quick={self.quick})"
@@ -257,7 +279,19 @@ async def world(cluster: LocalCluster, reader: MeshReader) -> World:
             )
         refs = {role: await live_ref(reader, sessions[role]) for role in ROLES}
         quick = await create_root(cluster, on="node-b", task="Answer once.", preset="quick")
-        _WORLDS[key] = World(sessions=sessions, refs=refs, quick=quick)
+        async with cluster.channel("node-c") as channel:
+            made = await mesh_pb2_grpc.MeshControlStub(channel).CreateRootSession(
+                mesh_pb2.CreateRootSessionRequest(
+                    preset="quick",
+                    initial_task="Answer once, elsewhere.",
+                    request_id=secrets.token_hex(8),
+                    namespace=HIDDEN,
+                ),
+                metadata=cluster.metadata(CLIENT),
+                timeout=30,
+            )
+        hidden = SessionId(made.session_id)
+        _WORLDS[key] = World(sessions=sessions, refs=refs, quick=quick, hidden=hidden)
     return _WORLDS[key]
 
 
@@ -284,6 +318,7 @@ class RootMade:
     preset: str
     model: str
     task: str
+    namespace: str = "default"
 
 
 class Journal:
@@ -636,8 +671,14 @@ W3C = st.sampled_from(
 """W3C trace context a caller may send: observability data only, never changes an outcome."""
 
 CREDENTIALS = st.sampled_from(
-    ["ok"] * 6 + ["other_node", "unregistered_node", "no_token", "wrong_token", "anon"]
+    ["ok"] * 6
+    + ["other_node", "unregistered_node", "no_token", "wrong_token", "anon", "team_token"]
 )
+CONTROL_CREDENTIALS = st.sampled_from(
+    ["ok"] * 5 + ["team_token"] * 2 + ["no_token", "wrong_token", "anon"]
+)
+"""Credentials of a MeshControl call: the cluster token, the team's client token, none, a
+wrong one, no x-dsh-node (which only a node's methods need)."""
 
 
 def metadata(
@@ -659,6 +700,8 @@ def metadata(
     sent: list[tuple[str, str]] = []
     if credentials == "wrong_token":
         sent.append(("x-dsh-cluster-token", secrets.token_hex(16)))
+    elif credentials == "team_token":
+        sent.append(("x-dsh-cluster-token", TEAM_TOKEN))
     elif credentials != "no_token":
         sent.append(("x-dsh-cluster-token", token))
     if credentials != "anon":
@@ -866,7 +909,7 @@ def send_expectation(
     refused = credentials_refusal(credentials)
     if refused is not None:
         return refused
-    if credentials == "anon":
+    if credentials in ("anon", "team_token"):  # a client token speaks for no node
         return refuse(R.UNAUTHENTICATED)
     if not is_session_id(sender) or not activation or not key:
         return refuse(R.INVALID_ARGUMENT)
@@ -1199,6 +1242,7 @@ def journal_root(journal: Journal, request: Any, session: str, what: str) -> Non
         preset=request.preset,
         model=request.model or "quick",
         task=request.initial_task,
+        namespace=request.namespace or "default",
     )
     first = journal.roots.get(request.request_id)
     if first is None:
@@ -1229,7 +1273,7 @@ class PromptCase:
 
 @st.composite
 def prompt_cases(draw: st.DrawFn) -> PromptCase:
-    session_mode = draw(st.sampled_from(["quick"] * 6 + ["unknown", "malformed"]))
+    session_mode = draw(st.sampled_from(["quick"] * 6 + ["hidden"] * 2 + ["unknown", "malformed"]))
     text_mode = draw(st.sampled_from(["text"] * 6 + ["blank", "over_limit"]))
     return PromptCase(
         session_mode=session_mode,
@@ -1239,7 +1283,7 @@ def prompt_cases(draw: st.DrawFn) -> PromptCase:
         key_mode=draw(st.sampled_from(["fresh"] * 4 + ["replay_same", "replay_other", "empty"])),
         key=draw(st.one_of(UNICODE, HUGE)),
         node=draw(st.sampled_from(NODES)),
-        credentials=draw(st.sampled_from(["ok"] * 6 + ["no_token", "wrong_token", "anon"])),
+        credentials=draw(CONTROL_CREDENTIALS),
         hops=draw(HOPS),
         timeout=draw(DEADLINES),
     )
@@ -1250,7 +1294,9 @@ def prompt_cases(draw: st.DrawFn) -> PromptCase:
 async def test_fuzzed_prompts_get_exactly_the_answer_their_fields_call_for(
     cluster: LocalCluster, world: World, wire: Wire, journal: Journal, case: PromptCase
 ) -> None:
-    session = world.quick if case.session_mode == "quick" else text(case.session_text)
+    session = {"quick": world.quick, "hidden": world.hidden}.get(
+        case.session_mode, text(case.session_text)
+    )
     prompt = text(case.prompt)
     if case.text_mode == "text":
         prompt = f"prompt-{next(journal.counter)} {prompt}"
@@ -1265,9 +1311,16 @@ async def test_fuzzed_prompts_get_exactly_the_answer_their_fields_call_for(
     expect = credentials_refusal(case.credentials)
     if expect is None:
         first_of_key = journal.accepted.get((principal, key))
-        if not key or not is_session_id(session) or bad_content(prompt):
+        visible = {world.quick} if case.credentials == "team_token" else {world.quick, world.hidden}
+        if not key or not is_session_id(session):
             expect = refuse(R.INVALID_ARGUMENT)
-        elif session != world.quick:
+        elif case.credentials == "team_token" and session not in visible:
+            # Judged against the session's namespace before its content: a session the
+            # caller may not see is unknown to it, whatever else the request holds.
+            expect = refuse(R.UNKNOWN_SESSION)
+        elif bad_content(prompt):
+            expect = refuse(R.INVALID_ARGUMENT)
+        elif session not in visible:
             expect = refuse(R.UNKNOWN_SESSION)
         elif first_of_key is not None and first_of_key.content != prompt:
             expect = refuse(R.IDEMPOTENCY_CONFLICT)
@@ -1315,6 +1368,8 @@ class CreateCase:
     task: Text
     node_mode: str
     node_text: Text
+    namespace_mode: str
+    namespace_text: Text
     via: str
     credentials: str
     hops: Text | None
@@ -1336,8 +1391,10 @@ def create_cases(draw: st.DrawFn) -> CreateCase:
         task=draw(CONTENTS[task_mode]),
         node_mode=draw(st.sampled_from(["none", "none", "registered", "unregistered"])),
         node_text=draw(st.one_of(st.sampled_from(NODES), UNKNOWN_IDS, ODD_TEXT)),
+        namespace_mode=draw(st.sampled_from(["none"] * 4 + ["granted", "hidden", "odd"])),
+        namespace_text=draw(ODD_TEXT),
         via=draw(st.sampled_from(NODES)),
-        credentials=draw(st.sampled_from(["ok"] * 6 + ["no_token", "wrong_token", "anon"])),
+        credentials=draw(CONTROL_CREDENTIALS),
         hops=draw(HOPS),
         timeout=draw(DEADLINES),
     )
@@ -1359,6 +1416,12 @@ async def test_fuzzed_root_creation_gets_exactly_the_answer_its_fields_call_for(
         ],
         initial_task=text(case.task),
         request_id=f"r-{text(case.request_id)}" if case.request_mode else "",
+        namespace={
+            "none": "",
+            "granted": GRANTED[1],
+            "hidden": HIDDEN,
+            "odd": text(case.namespace_text),
+        }[case.namespace_mode],
     )
     if case.task_mode == "text":
         request.initial_task = f"task-{next(journal.counter)} {request.initial_task}"
@@ -1372,12 +1435,14 @@ async def test_fuzzed_root_creation_gets_exactly_the_answer_its_fields_call_for(
                 "" if first.model == "quick" else first.model,
                 first.task,
             )
+            request.namespace = "" if first.namespace == "default" else first.namespace
     node = {"none": "", "registered": "", "unregistered": f"node-{text(case.node_text)}"}[
         case.node_mode
     ]
     if case.node_mode == "registered":
         node = text(case.node_text) if text(case.node_text) in NODES else "node-c"
     request.node_id = node
+    namespace = request.namespace or "default"
     expect = credentials_refusal(case.credentials)
     huge = request.model == text(HUGE_MODEL)
     # A named model with a colon names an endpoint ("m-x:y" names "m-x"), which no node of the
@@ -1387,8 +1452,10 @@ async def test_fuzzed_root_creation_gets_exactly_the_answer_its_fields_call_for(
     if expect is None:
         first_root = journal.roots.get(request.request_id)
         task = request.initial_task
-        if not request.request_id:
+        if not request.request_id or not NAMESPACE.fullmatch(namespace):
             expect = refuse(R.INVALID_ARGUMENT)
+        elif case.credentials == "team_token" and namespace not in GRANTED:
+            expect = refuse(R.NAMESPACE_DENIED)
         elif node and node not in NODES:
             expect = refuse(R.PEER_UNAVAILABLE)
         elif (task and bad_content(task)) or request.preset != "quick":
@@ -1398,6 +1465,7 @@ async def test_fuzzed_root_creation_gets_exactly_the_answer_its_fields_call_for(
             preset=request.preset,
             model=request.model or "quick",
             task=task,
+            namespace=namespace,
         ):
             expect = refuse(R.IDEMPOTENCY_CONFLICT)
             if huge:
@@ -1468,7 +1536,7 @@ def read_cases(draw: st.DrawFn) -> ReadCase:
         after_event_seq=draw(SEQS),
         flag=draw(st.booleans()),
         via=draw(st.sampled_from(NODES)),
-        credentials=draw(st.sampled_from(["ok"] * 6 + ["no_token", "wrong_token", "anon"])),
+        credentials=draw(CONTROL_CREDENTIALS),
         hops=draw(HOPS),
         timeout=draw(DEADLINES),
     )
