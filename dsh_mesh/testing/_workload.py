@@ -240,6 +240,8 @@ DRIVER = "soak-driver"
 """The client certificate (under TLS) the driver calls the control plane with."""
 WORKLOAD_NAMESPACE = "soak"
 """The namespace of every tree of a run."""
+_ELSEWHERE = SessionId("no-such-root-elsewhere")
+"""Where the checker files the probes of a namespace the driver holds no grant of."""
 
 
 class Workload:
@@ -379,6 +381,31 @@ class Workload:
                 self._record(session, text, 0.0, Outcome.REJECTED, got, FAULT_REASONS | {expected})
             else:
                 self._record(session, text, 0.0, Outcome.ACKED)  # never lands: the checker flags it
+        if self.cluster.settings.tls is not None:
+            await self._probe_grant(node)
+
+    async def _probe_grant(self, node: str) -> None:
+        """A root in a namespace the driver holds no grant of: NAMESPACE_DENIED, nothing made
+        (a root made would be a phantom session the checker flags)."""
+        task = _token("Squat")
+        try:
+            await self._stub(node).CreateRootSession(
+                mesh_pb2.CreateRootSessionRequest(
+                    preset="soak-root",
+                    initial_task=task,
+                    request_id=secrets.token_hex(8),
+                    namespace=f"{WORKLOAD_NAMESPACE}-elsewhere",
+                ),
+                metadata=self.cluster.metadata(DRIVER),
+                timeout=5,
+            )
+        except grpc.aio.AioRpcError as failure:
+            got = _classify(failure)
+            if got is not None:
+                allowed = FAULT_REASONS | {RejectionReason.NAMESPACE_DENIED}
+                self._record(_ELSEWHERE, task, 0.0, Outcome.REJECTED, got, allowed)
+        else:
+            self._record(_ELSEWHERE, task, 0.0, Outcome.ACKED)  # never lands: flagged
 
     async def round(self, number: int) -> None:
         """Prompt every root with round ``number`` (every fifth also spawns a one-shot)."""

@@ -260,8 +260,14 @@ function connect(address, options = {}) {
       );
     },
 
-    /** ListAgents: {agents: [{header, activation, state}], next_page_token}. */
-    listAgents({ rootSessionId = '', residentOnly = false, pageSize = 0, pageToken = '' } = {}, opts) {
+    /**
+     * ListAgents: {agents: [{header, activation, state}], next_page_token}: the agents the
+     * credential may see; `namespace` keeps only that one's (NAMESPACE_DENIED without a grant).
+     */
+    listAgents(
+      { rootSessionId = '', residentOnly = false, pageSize = 0, pageToken = '', namespace = '' } = {},
+      opts,
+    ) {
       return call(
         control,
         'ListAgents',
@@ -270,6 +276,7 @@ function connect(address, options = {}) {
           resident_only: residentOnly,
           page_size: pageSize,
           page_token: pageToken,
+          namespace,
         },
         opts,
       );

@@ -178,6 +178,12 @@ test('a lead on node-a and its worker on another node exchange messages; a forge
       [root.session_id, child],
       'ListAgents: the lead, then its child',
     );
+    const inNamespace = await a.listAgents({ namespace: 'js-team' });
+    assert.deepEqual(
+      inNamespace.agents.map((s) => s.header.session_id),
+      [root.session_id, child],
+      'ListAgents of the namespace js-team: its one tree',
+    );
     for (const summary of listed.agents) {
       const created = summary.header.created_at;
       assert.ok(created && BigInt(created.seconds) > 0n, `created_at of ${summary.header.session_id}`);
