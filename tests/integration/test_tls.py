@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -33,7 +34,7 @@ from dsh_mesh.core import (
     SettlementNoticeEntry,
     SettlementOutcome,
 )
-from dsh_mesh.registry import Etcd, EtcdConfig
+from dsh_mesh.registry import Etcd, EtcdConfig, EtcdTls
 from dsh_mesh.registry._etcd import put
 from dsh_mesh.testing import (
     EtcdAddress,
@@ -351,6 +352,17 @@ def test_a_node_without_tls_or_an_explicit_plaintext_does_not_start() -> None:
     assert "Traceback" not in started.stderr
 
 
+def test_a_node_started_with_the_samples_placeholder_token_does_not_start() -> None:
+    sample = Path(__file__).resolve().parents[2] / "nodes" / "node-a.toml"
+    started = _node("--config", str(sample))
+    assert started.returncode == 2
+    assert "placeholder" in started.stderr and "secrets.token_hex(16)" in started.stderr
+    assert "Traceback" not in started.stderr
+    weak = _node("--node-id", "node-z", "--plaintext", "--cluster-token", "0123456789abcdef")
+    assert weak.returncode == 2
+    assert "too weak" in weak.stderr and "Traceback" not in weak.stderr
+
+
 async def test_etcd_wants_a_client_certificate_of_the_cluster_ca(
     cluster: LocalCluster, tls_etcd: EtcdServer
 ) -> None:
@@ -416,6 +428,23 @@ def test_up_with_tls_serves_the_cli_over_mutual_tls(tmp_path: Path) -> None:
         refused = stranger.run("--node", address, "--deadline", "3", "ls")
         assert refused.returncode == 1
         assert "PEER_UNAVAILABLE" in refused.stderr
+        # The CLI's certificate is the control plane's: etcd refuses it every request, so it
+        # cannot forge what the nodes trust (ADR 0032), while the cluster runs on.
+        pem = {name: Path(path).read_bytes() for name, path in state["tls"].items()}
+        etcd_refusal = asyncio.run(_as_cli_in_etcd(state, pem))
+        assert "user name not found" in etcd_refusal or "permission denied" in etcd_refusal
+        assert cli.run("ls", "--json").returncode == 0
+
+
+async def _as_cli_in_etcd(state: dict[str, Any], pem: dict[str, bytes]) -> str:
+    """What etcd answers a write of a forged header made with the CLI's certificate."""
+    tls = EtcdTls(ca_pem=pem["ca"], cert_pem=pem["cert"], key_pem=pem["key"])
+    config = EtcdConfig(endpoint=state["etcd"], call_timeout=timedelta(seconds=3), tls=tls)
+    forged = (state["key_prefix"] + "headers/s-forged").encode()
+    async with Etcd(config) as etcd:
+        with pytest.raises(Rejected) as refused:
+            await etcd.txn([], [put(forged, b"{}")])
+    return str(refused.value)
 
 
 async def test_under_least_privilege_only_nodes_reach_etcd_each_within_its_prefix(
