@@ -205,6 +205,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TOML",
         help="presets and model endpoints every node reads (docs/presets.md)",
     )
+    up.add_argument(
+        "--namespaces-file",
+        type=Path,
+        metavar="TOML",
+        help="grants of namespaces to client credentials, and namespace quotas, every node "
+        "reads (docs/security.md); under --tls the CLI is client:dsh-mesh-cli",
+    )
     up.add_argument("--lease-ttl", type=_positive_float, default=2.0, metavar="SECONDS")
     up.add_argument("--shutdown-grace", type=_positive_float, default=1.0, metavar="SECONDS")
     up.add_argument(

@@ -156,6 +156,7 @@ def _start_and_wait(
         log_dir=log_dir,
         tls=pki,
         presets_file=args.presets_file,
+        env=_namespaces_env(args.namespaces_file),
         # One host: the nodes share one SQLite file, kept with the cluster's home (not its
         # logs) so that it outlives a restart of `up` on the same etcd.
         log_store=f"sqlite:{home / 'log.db'}",
@@ -252,3 +253,9 @@ def _stop_nodes(cluster: LocalCluster, console: Console) -> None:
             console.note(f"{node.node_id} did not stop in {_NODE_STOP_TIMEOUT:g} s: killed")
             continue
         console.note(f"{node.node_id} stopped (exit status {code})")
+
+
+def _namespaces_env(path: Path | None) -> dict[str, str]:
+    """The nodes' environment naming the namespaces file (an absolute path: the nodes run
+    elsewhere); none without one."""
+    return {} if path is None else {"DSH_NAMESPACES_FILE": str(path.expanduser().resolve())}

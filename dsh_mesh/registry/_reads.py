@@ -105,7 +105,11 @@ class RegistryReads:
             assert namespaces is not None
             candidates = _merged(
                 [
-                    self._index(self._keys.namespace_listing(n), after=after.encode())
+                    self._index(
+                        self._keys.namespace_listing(n),
+                        after=after.encode(),
+                        page=min(_INDEX_PAGE, limit + 1),  # one page each fills a listing
+                    )
                     for n in sorted(namespaces)
                 ]
             )
@@ -247,20 +251,25 @@ class RegistryReads:
     # -- helpers --------------------------------------------------------------------------------
 
     async def _index(
-        self, prefix: bytes, *, after: bytes
+        self, prefix: bytes, *, after: bytes, page: int = _INDEX_PAGE
     ) -> AsyncIterator[tuple[bytes, SessionId]]:
-        """The keys of an index after the token ``after``, in key order, page by page."""
+        """The keys of an index after the token ``after``, in key order, ``page`` at a time."""
         start = prefix + after + b"\0" if after else None
-        async for kv in self._range(prefix, start=start, keys_only=True):
+        async for kv in self._range(prefix, start=start, keys_only=True, page=page):
             yield kv.key[len(prefix) :], session_of_index_key(kv.key)
 
     async def _range(
-        self, prefix: bytes, *, start: bytes | None = None, keys_only: bool = False
+        self,
+        prefix: bytes,
+        *,
+        start: bytes | None = None,
+        keys_only: bool = False,
+        page: int = _INDEX_PAGE,
     ) -> AsyncIterator[Any]:
-        """Every key under ``prefix`` (from ``start``), read ``_INDEX_PAGE`` at a time."""
+        """Every key under ``prefix`` (from ``start``), read ``page`` at a time."""
         while True:
             response = await self._etcd.get_prefix(
-                prefix, start=start, limit=_INDEX_PAGE, keys_only=keys_only
+                prefix, start=start, limit=page, keys_only=keys_only
             )
             for kv in response.kvs:
                 yield kv

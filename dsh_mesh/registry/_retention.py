@@ -28,8 +28,9 @@ from dsh_mesh.runtime import LogStore
 
 _PAGE = 1000
 """Index keys per etcd range."""
-_SESSIONS_PER_TXN = 25
-"""Sessions deleted per etcd transaction: a compare and four deletes each, under etcd's 128."""
+_SESSIONS_PER_TXN = 20
+"""Sessions deleted per etcd transaction: a compare and up to six deletes each (header,
+listing, tree index, root, namespace listing, namespace roots), under etcd's 128 operations."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -139,7 +139,8 @@ class Creations:
         except (RateLimited, QuotaExceeded):
             # A retry of a creation that made its root finds that root, whatever the
             # namespace's census says now (the root is counted in it).
-            if session_id is None or await self._store.get_header(session_id) is None:
+            existing = None if session_id is None else await self._store.get_header(session_id)
+            if existing is None or existing.namespace != namespace:
                 raise
         agent = await self._activate_new(header, parent_activation=None, first=(), task=task)
         return agent.ref

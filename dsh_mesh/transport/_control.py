@@ -123,10 +123,14 @@ class ControlReads(Protocol):
     ) -> AsyncIterator[WatchEvent]: ...
 
 
-def root_session_id(request_id: str) -> SessionId:
-    """The id of the root a ``CreateRootSession`` with ``request_id`` creates: derived from the
-    request id, so a retry (to any node, after any restart) finds the first one."""
-    digest = hashlib.sha256(b"root\0" + request_id.encode()).hexdigest()
+def root_session_id(request_id: str, namespace: str = DEFAULT_NAMESPACE) -> SessionId:
+    """The id of the root a ``CreateRootSession`` with ``request_id`` creates in ``namespace``:
+    derived from both, so a retry (to any node, after any restart) finds the first one, and a
+    request id is one namespace's own (ADR 0033): the same one in another namespace makes
+    another root, and tells nothing of the first. (``default``'s ids are derived as before
+    namespaces existed, so its roots keep theirs.)"""
+    scope = b"" if namespace == DEFAULT_NAMESPACE else namespace.encode() + b"\0"
+    digest = hashlib.sha256(b"root\0" + scope + request_id.encode()).hexdigest()
     return SessionId(f"s-{digest[:24]}")
 
 
@@ -164,12 +168,7 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
     ) -> mesh_pb2.CreateRootSessionResponse:
         if not request.request_id:
             raise InvalidArgument("request_id is required")
-        namespace = check_namespace(request.namespace or DEFAULT_NAMESPACE)
-        if not self._scope(context).admits(namespace):
-            raise NamespaceDenied(
-                f"this credential holds no grant of namespace {namespace!r}",
-                metadata={"namespace": namespace},
-            )
+        namespace = _granted(self._scope(context), request.namespace or DEFAULT_NAMESPACE)
         home = NodeId(request.node_id or self._node_id)
         if home != self._node_id and caller_hops(context) == 0:
             made = await self._manager().create_root_at(
@@ -185,7 +184,7 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
             )
         _check_name("preset", request.preset)
         _check_name("model", request.model)
-        session = root_session_id(request.request_id)
+        session = root_session_id(request.request_id, namespace)
         try:
             ref = await self._create_root(session, request)
         except SessionExists:
@@ -430,12 +429,9 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
             root = await self._visible(context, request.root_session_id, scope=scope)
         namespaces = scope.namespaces
         if request.namespace:
-            namespace = check_namespace(request.namespace)
-            if not scope.admits(namespace):
-                raise NamespaceDenied(
-                    f"this credential holds no grant of namespace {namespace!r}",
-                    metadata={"namespace": namespace},
-                )
+            namespace = _granted(scope, request.namespace)
+            if root is not None and (await self._manager().header(root)).namespace != namespace:
+                return mesh_pb2.ListAgentsResponse()  # a tree is in one namespace: not this one
             namespaces = frozenset({namespace})
         listing = await self._reads.listing(
             root=root,
@@ -510,6 +506,17 @@ def _fitting(transcript: Sequence[mesh_pb2.TranscriptEntry]) -> int:
         if size > MAX_PAGE_BYTES and count > 0:
             return count
     return len(transcript)
+
+
+def _granted(scope: Scope, namespace: str) -> str:
+    """``namespace``, checked as a name and as one ``scope`` holds (``NAMESPACE_DENIED``)."""
+    check_namespace(namespace)
+    if not scope.admits(namespace):
+        raise NamespaceDenied(
+            f"this credential holds no grant of namespace {namespace!r}",
+            metadata={"namespace": namespace},
+        )
+    return namespace
 
 
 def _check_name(field: str, value: str) -> None:

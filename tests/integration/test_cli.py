@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import io
 import json
 import os
 import queue
+import secrets
 import signal
 import subprocess
 import sys
@@ -610,3 +612,42 @@ def test_ctrl_c_at_the_terminal_stops_the_nodes_in_order_then_etcd(tmp_path: Pat
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_up_with_a_namespaces_file_holds_a_teams_token_to_its_namespace(tmp_path: Path) -> None:
+    """``up --namespaces-file``: a team's client token (DSH_CLUSTER_TOKEN of its CLI) creates
+    and lists in its namespace only, at its namespace's rate; the state file's cluster token
+    (the operator's) sees everything."""
+    team = secrets.token_hex(16)
+    grants = tmp_path / "namespaces.toml"
+    grants.write_text(
+        "[namespace.team-a]\nmax_roots_per_minute = 2\n\n"
+        f'[[grant]]\ntoken_sha256 = "{hashlib.sha256(team.encode()).hexdigest()}"\n'
+        'namespaces = ["team-a"]\n'
+    )
+    home = tmp_path / "home"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DSH_") and k != "NO_COLOR"}
+    env["DSH_MESH_HOME"] = str(home)
+    operator = Cli(env=env, cwd=tmp_path)
+    member = Cli(env={**env, "DSH_CLUSTER_TOKEN": team}, cwd=tmp_path)
+    with operator.start("up", "--nodes", "2", "--namespaces-file", str(grants)) as up:
+        up.out.until(lambda line: line.startswith("ready"), within=45)
+        elsewhere = operator.run("spawn", "--preset", "lead", "Operator work.")
+        assert elsewhere.returncode == 0, elsewhere.stderr
+        made = [
+            member.run("spawn", "--preset", "lead", "--namespace", "team-a", f"Team work {n}.")
+            for n in range(3)
+        ]
+        assert [m.returncode for m in made[:2]] == [0, 0], [m.stderr for m in made]
+        assert made[2].returncode != 0 and "RATE_LIMITED" in made[2].stderr
+        denied = member.run("spawn", "--preset", "lead", "Squat in default.")
+        assert denied.returncode != 0 and "NAMESPACE_DENIED" in denied.stderr
+        hidden = member.run("show", elsewhere.stdout.strip())
+        assert hidden.returncode != 0 and "UNKNOWN_SESSION" in hidden.stderr
+        listed = member.run("ls", "--json")
+        assert listed.returncode == 0, listed.stderr
+        agents = json.loads(listed.stdout)
+        assert {agent["info"]["namespace"] for agent in agents} == {"team-a"}
+        assert len([a for a in agents if a["info"]["parent_session"] is None]) == 2
+        everything = operator.run("ls", "--json")
+        assert elsewhere.stdout.strip() in everything.stdout

@@ -332,13 +332,25 @@ async def test_a_root_created_in_a_namespace_keeps_its_tree_there(cluster: Local
         cluster, "node-a", "GetSession", mesh_pb2.GetSessionRequest(session_id=made.session_id)
     )
     assert isinstance(read, mesh_pb2.Session) and read.header.namespace == "team-a"
-    with pytest.raises(IdempotencyConflict):  # the same request in another namespace
+    # A request id is one namespace's own: the same one in another namespace is another root
+    # (it tells nothing of the first, ADR 0033).
+    other = await call(
+        cluster,
+        "node-a",
+        "CreateRootSession",
+        mesh_pb2.CreateRootSessionRequest(
+            preset="lead", initial_task="Grow a tree.", request_id="ns-1", namespace="team-b"
+        ),
+    )
+    assert isinstance(other, mesh_pb2.CreateRootSessionResponse)
+    assert other.session_id != made.session_id
+    with pytest.raises(IdempotencyConflict):  # the same request id in team-a, another task
         await call(
             cluster,
             "node-a",
             "CreateRootSession",
             mesh_pb2.CreateRootSessionRequest(
-                preset="lead", initial_task="Grow a tree.", request_id="ns-1", namespace="team-b"
+                preset="lead", initial_task="Another tree.", request_id="ns-1", namespace="team-a"
             ),
         )
     for bad in ("Team-A", "-a", "a" * 64):

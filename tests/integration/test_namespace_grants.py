@@ -51,7 +51,8 @@ def tls_cluster(pki: LocalPki, tmp_path_factory: pytest.TempPathFactory) -> Iter
     grants.write_text(
         '[[grant]]\nclient = "alice"\nnamespaces = ["team-a"]\n\n'
         '[[grant]]\nclient = "bob"\nnamespaces = ["team-b"]\n\n'
-        '[[grant]]\nclient = "ops"\nnamespaces = ["*"]\n'
+        '[[grant]]\nclient = "ops"\nnamespaces = ["*"]\n\n'
+        '[[grant]]\nclient = "carol"\nnamespaces = ["list-a", "list-b"]\n'
     )
     with (
         EtcdServer(tls=pki) as etcd,
@@ -143,6 +144,26 @@ async def test_a_client_certificate_without_a_grant_sees_nothing_and_creates_not
             await mallory.get_session(root)
         with pytest.raises(NamespaceDenied):
             await mallory.create_root("long", "Mine now.")
+
+
+async def test_a_listing_of_several_namespaces_pages_through_each_session_once(
+    tls_cluster: LocalCluster,
+) -> None:
+    made: list[str] = []
+    async with as_client(tls_cluster, "ops") as ops:
+        for n in range(7):  # interleaved, so the merge of the two indexes is exercised
+            namespace = ("list-a", "list-b", "list-c")[n % 3]
+            root = (await ops.create_root("long", f"Root {n}.", namespace=namespace)).session_id
+            if namespace != "list-c":
+                made.append(root)
+    async with as_client(tls_cluster, "carol", node="node-b") as carol:
+        for size in (1, 2, 100):
+            listed = [a.info.session_id async for a in carol.list_agents(page_size=size)]
+            assert listed == made, size  # creation order, each once, none of list-c
+        only_b = [a.info.session_id async for a in carol.list_agents(namespace="list-b")]
+        assert only_b == made[1::2]
+        # A tree is in one namespace: listing it within another lists nothing.
+        assert [a async for a in carol.list_agents(made[0], namespace="list-b")] == []
 
 
 # -- plaintext: client tokens granted namespaces, and the namespace quotas -----------------------

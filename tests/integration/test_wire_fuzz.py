@@ -329,7 +329,8 @@ class Journal:
     def __init__(self) -> None:
         self.sends: list[Send] = []
         self.accepted: dict[tuple[str, str], Accepted] = {}
-        self.roots: dict[str, RootMade] = {}
+        self.roots: dict[tuple[str, str], RootMade] = {}
+        """By request id and namespace: a request id is one namespace's own."""
         self.counter: Iterator[int] = itertools.count()
 
     def __repr__(self) -> str:
@@ -1244,9 +1245,10 @@ def journal_root(journal: Journal, request: Any, session: str, what: str) -> Non
         task=request.initial_task,
         namespace=request.namespace or "default",
     )
-    first = journal.roots.get(request.request_id)
+    key = (request.request_id, request.namespace or "default")
+    first = journal.roots.get(key)
     if first is None:
-        journal.roots[request.request_id] = made
+        journal.roots[key] = made
         return
     assert first.session == session, f"{what}: request id {request.request_id!r} moved roots"
     assert first == made, (
@@ -1427,7 +1429,7 @@ async def test_fuzzed_root_creation_gets_exactly_the_answer_its_fields_call_for(
         request.initial_task = f"task-{next(journal.counter)} {request.initial_task}"
     replays = list(journal.roots.items())
     if case.request_mode.startswith("replay") and replays:
-        request_id, first = replays[len(request.initial_task) % len(replays)]
+        (request_id, _), first = replays[len(request.initial_task) % len(replays)]
         request.request_id = request_id
         if case.request_mode == "replay_same":
             request.preset, request.model, request.initial_task = (
@@ -1450,7 +1452,7 @@ async def test_fuzzed_root_creation_gets_exactly_the_answer_its_fields_call_for(
     unserved = case.model_mode == "named" and ":" in request.model
     huge = huge or unserved
     if expect is None:
-        first_root = journal.roots.get(request.request_id)
+        first_root = journal.roots.get((request.request_id, namespace))
         task = request.initial_task
         if not request.request_id or not NAMESPACE.fullmatch(namespace):
             expect = refuse(R.INVALID_ARGUMENT)
@@ -2182,6 +2184,7 @@ async def test_afterwards_every_node_serves_and_the_history_checks_clean(
         header = await reader.header(SessionId(made.session))
         assert header is not None and header.kind is SessionKind.ROOT
         assert (header.spec.preset, header.spec.model) == (made.preset, made.model)
+        assert header.namespace == made.namespace
         tasks = [r.entry.content for r in records if isinstance(r.entry, TaskEntry)]
         assert tasks == ([made.task] if made.task else []), (made, tasks)
 

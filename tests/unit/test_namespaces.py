@@ -3,6 +3,7 @@ when none is named) and every child has its parent's, so a tree never crosses a 
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,7 @@ from dsh_mesh.transport import (
     Scope,
     token_digest,
 )
+from dsh_mesh.transport._control import root_session_id
 from tests.unit.test_tree_limits import RUNAWAY
 
 
@@ -237,3 +239,13 @@ def test_in_plaintext_the_token_decides_the_scope() -> None:
     assert grants.scope_of(_Context("e" * 32), cluster) == NO_NAMESPACE
     assert grants.scope_of(_Context(None), cluster) == NO_NAMESPACE
     assert Grants.open().scope_of(_Context(None), cluster) == EVERY_NAMESPACE
+
+
+def test_a_request_id_is_one_namespaces_own() -> None:
+    """A root's id comes from its request id and its namespace: the same request id in another
+    namespace is another root (so it tells nothing of the first), and default's ids are what
+    they were before namespaces."""
+    before = "s-" + hashlib.sha256(b"root\0r-1").hexdigest()[:24]
+    assert root_session_id("r-1") == root_session_id("r-1", "default") == before
+    assert len({root_session_id("r-1", n) for n in ("default", "team-a", "team-b")}) == 3
+    assert root_session_id("r-1", "team-a") == root_session_id("r-1", "team-a")
