@@ -101,6 +101,12 @@ class ClusterSettings:
             endpoint=self.etcd_endpoint, tls=None if files is None else files.etcd_tls()
         )
 
+    def etcd_root_config(self) -> EtcdConfig:
+        """How etcd's root user reaches this cluster's etcd (under TLS: its certificate), to
+        set up least privilege."""
+        tls = None if self.tls is None else self.tls.node(ROOT_USER).etcd_tls()
+        return EtcdConfig(endpoint=self.etcd_endpoint, tls=tls)
+
 
 class NodeProcess:
     """One node as a child process. ``start()`` returns once the node serves."""
@@ -350,12 +356,9 @@ class LocalCluster:
     def _grant(self, *users: str) -> None:
         """Under least privilege: make ``users`` etcd users of this mesh's role (as etcd's
         root, from a thread of its own: a test may hold this thread's event loop)."""
-        pki = self.settings.tls
-        if pki is None or not self.settings.least_privilege:
+        if self.settings.tls is None or not self.settings.least_privilege:
             return
-        config = EtcdConfig(
-            endpoint=self.settings.etcd_endpoint, tls=pki.node(ROOT_USER).etcd_tls()
-        )
+        config = self.settings.etcd_root_config()
         prefix = self.settings.key_prefix.encode()
 
         async def grant() -> None:
@@ -518,14 +521,25 @@ async def create_root(
 ) -> SessionId:
     """``MeshControl.CreateRootSession`` on node ``on`` (with the cluster credential, named
     ``client``: its client certificate under TLS); returns the new root's id once it is
-    durable and its first turn started."""
+    durable and its first turn started. A refusal that says etcd or a peer is away for now
+    (``UNAVAILABLE``: an etcd leader election, say) is retried with the same request id, as a
+    client should, until ``_READY_TIMEOUT`` has passed."""
+    request = mesh_pb2.CreateRootSessionRequest(
+        preset=preset, initial_task=task, request_id=secrets.token_hex(8)
+    )
+    deadline = time.monotonic() + _READY_TIMEOUT
     async with cluster.channel(on, client=client) as channel:
         stub = mesh_pb2_grpc.MeshControlStub(channel)
-        response = await stub.CreateRootSession(
-            mesh_pb2.CreateRootSessionRequest(
-                preset=preset, initial_task=task, request_id=secrets.token_hex(8)
-            ),
-            metadata=cluster.metadata(client),
-            timeout=_READY_TIMEOUT,
-        )
-    return SessionId(response.session_id)
+        while True:
+            try:
+                response = await stub.CreateRootSession(
+                    request, metadata=cluster.metadata(client), timeout=_READY_TIMEOUT
+                )
+            except grpc.aio.AioRpcError as failure:
+                if failure.code() is not grpc.StatusCode.UNAVAILABLE:
+                    raise
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
+                continue
+            return SessionId(response.session_id)

@@ -44,20 +44,21 @@ import os
 import secrets
 import shutil
 import signal
-import ssl
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from dsh_mesh.registry import EtcdConfig
+import grpc
+from aetcd.rpc import rpc_pb2, rpc_pb2_grpc
+
+from dsh_mesh.registry import ROOT_USER, EtcdConfig
 from dsh_mesh.testing._cluster import ClusterSettings, LocalCluster, NodeProcess, NodeProcessError
 from dsh_mesh.testing._etcd import EtcdAddress, find_etcd_binary
 from dsh_mesh.testing._pki import LocalPki, TlsFiles
@@ -345,28 +346,30 @@ class EtcdMember:
             process.wait()
 
     def status(self, timeout: float = 0.5) -> dict[str, str] | None:
-        """The member's ``/v3/maintenance/status`` (``member_id``, ``leader``, ``raft_term``, as
-        strings), or ``None`` if it does not answer."""
-        request = urllib.request.Request(
-            f"{self.client_url}/v3/maintenance/status",
-            data=b"{}",
-            method="POST",
-            headers={"Content-Type": "application/json"},
-        )
-        context: ssl.SSLContext | None = None
-        if self._probe is not None:
-            context = ssl.create_default_context(cafile=str(self._probe.ca))
-            context.load_cert_chain(str(self._probe.cert), str(self._probe.key))
+        """The member's ``Maintenance.Status`` (``member_id``, ``leader``, ``raft_term``, as
+        strings), or ``None`` if it does not answer. Over gRPC, with the probe's certificate:
+        under auth etcd names the caller by it (its JSON gateway would want a password)."""
+        target = f"{self.host.address}:{_ETCD_CLIENT_PORT}"
+        if self._probe is None:
+            channel = grpc.insecure_channel(target)
+        else:
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=self._probe.ca.read_bytes(),
+                private_key=self._probe.key.read_bytes(),
+                certificate_chain=self._probe.cert.read_bytes(),
+            )
+            channel = grpc.secure_channel(target, credentials)
         try:
-            with urllib.request.urlopen(request, timeout=timeout, context=context) as response:
-                body = json.loads(response.read())
-        except (OSError, ValueError):
+            with channel:
+                status = rpc_pb2_grpc.MaintenanceStub(channel).Status(
+                    rpc_pb2.StatusRequest(), timeout=timeout
+                )
+        except grpc.RpcError:
             return None
-        header = body.get("header", {})
         return {
-            "member_id": str(header.get("member_id", "")),
-            "leader": str(body.get("leader", "")),
-            "raft_term": str(header.get("raft_term", body.get("raftTerm", ""))),
+            "member_id": str(status.header.member_id),
+            "leader": str(status.leader),
+            "raft_term": str(status.header.raft_term),
         }
 
     def log_tail(self, lines: int = 30) -> str:
@@ -449,11 +452,19 @@ class BedSettings(ClusterSettings):
     member's certificate names :data:`ETCD_CLIENT_NAME`, the name the nodes dial."""
 
     def etcd_config(self, *, reader: str = "mesh-reader") -> EtcdConfig:
-        """How the test process reaches the bed's etcd (with a client certificate under TLS)."""
-        config = super().etcd_config(reader=reader)
-        if config.tls is None:
-            return config
-        return replace(config, tls=replace(config.tls, server_name=ETCD_CLIENT_NAME))
+        """How the test process reaches the bed's etcd (with a certificate under TLS)."""
+        return _named(super().etcd_config(reader=reader))
+
+    def etcd_root_config(self) -> EtcdConfig:
+        """How etcd's root user reaches the bed's etcd (under TLS)."""
+        return _named(super().etcd_root_config())
+
+
+def _named(config: EtcdConfig) -> EtcdConfig:
+    """``config`` checking that the member's certificate names :data:`ETCD_CLIENT_NAME`."""
+    if config.tls is None:
+        return config
+    return replace(config, tls=replace(config.tls, server_name=ETCD_CLIENT_NAME))
 
 
 class BedCluster(LocalCluster):
@@ -489,6 +500,9 @@ class BedCluster(LocalCluster):
             tls=bed.pki,
             history=history,
             log_store=log_store,
+            # Under TLS only the nodes reach etcd, each within its prefix (ADR 0032), as in a
+            # deployment: the fault runs and soaks exercise it.
+            least_privilege=bed.pki is not None,
         )
         plain = self.settings
         self.settings = BedSettings(**{f.name: getattr(plain, f.name) for f in fields(plain)})
@@ -618,7 +632,10 @@ class MultiHostBed:
                     member_tls = self.pki.etcd(
                         f"etcd-{host.name}", hosts=[host.address, ETCD_CLIENT_NAME]
                     )
-                    probe = self.pki.client(f"probe-{host.name}")
+                    # The bed's own look at its members (health, status, leader) is the
+                    # operator's: etcd's root user, whom auth (on under least privilege, ADR
+                    # 0032) lets ask a member's status.
+                    probe = self.pki.node(ROOT_USER)
                 self.etcd[host.name] = EtcdMember(
                     host,
                     binary=binary,

@@ -118,8 +118,8 @@ async def test_a_tree_that_wakes_mid_prune_keeps_its_parents(mesh: Mesh) -> None
     mesh.log.delete = wake_the_root_after_the_first_batch  # type: ignore[method-assign]
     pruned = await retention(mesh).prune(older_than=MONTH, now=LATER)
     assert pruned.woke == [root] and pruned.trees == []
-    assert pruned.sessions == 25  # the newest 25 children: one transaction
-    assert await listed(mesh.reads, root=None, limit=100) == [root, *children[:5]]
+    assert pruned.sessions == 20  # the newest 20 children: one transaction
+    assert await listed(mesh.reads, root=None, limit=100) == [root, *children[:10]]
     await mesh.store.release(woken[0])
 
 

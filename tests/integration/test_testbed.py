@@ -19,6 +19,8 @@ import secrets
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import replace
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import asyncpg
@@ -324,6 +326,19 @@ async def test_only_the_certificate_names_the_caller_on_the_bed(
     async with reader_of(cluster) as reader:
         accepted = [m.content for m in messages(await reader.transcript(child))]
     assert accepted == [m.content for m in messages(before)]  # nothing was accepted
+    # Only the nodes reach the bed's etcd, each within its prefix (ADR 0032): a client
+    # certificate of the same CA is refused every request there.
+    reader_config = cluster.settings.etcd_config()
+    assert reader_config.tls is not None
+    as_client = replace(
+        reader_config,
+        call_timeout=timedelta(seconds=3),
+        tls=replace(pki.client("tester").etcd_tls(), server_name=reader_config.tls.server_name),
+    )
+    async with Etcd(as_client) as etcd:
+        with pytest.raises(Rejected) as refused:
+            await etcd.get(cluster.settings.key_prefix.encode() + b"headers/" + root.encode())
+    assert "user name not found" in str(refused.value) or "permission denied" in str(refused.value)
 
 
 async def test_a_cut_off_host_loses_its_lease_and_its_child_resumes_on_another_host(
