@@ -13,6 +13,7 @@ at one call in flight and at the most calls in flight of the run.
 from __future__ import annotations
 
 import secrets
+import statistics
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -95,7 +96,8 @@ async def measure_namespace_check(bed: Bed) -> None:
                                 hung_after=sizes.call_timeout,
                             )
                         )
-                on, off = _median(with_check), _median(without)
+                on = statistics.median(load.p50 for load in with_check)
+                off = statistics.median(load.p50 for load in without)
                 report.add(
                     Figure(
                         f"SubmitPrompt to a warm root at {in_flight} in flight: with the"
@@ -105,10 +107,3 @@ async def measure_namespace_check(bed: Bed) -> None:
                         off,
                     )
                 )
-
-
-def _median(loads: list[Load]) -> float:
-    """The median of the blocks' p50s."""
-    values = sorted(load.p50 for load in loads)
-    middle = len(values) // 2
-    return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2

@@ -20,8 +20,8 @@ from typing import Any
 
 import grpc
 
-from dsh_mesh.transport._auth import TOKEN_HEADER, ClusterCredential, is_tls
-from dsh_mesh.transport._tls import CallerRole, identity_of_auth_context
+from dsh_mesh.transport._auth import TOKEN_HEADER, ClusterCredential, caller_identity, is_tls
+from dsh_mesh.transport._tls import CallerRole
 
 EVERY = "*"
 """A grant of every namespace, as written in a grants file."""
@@ -96,9 +96,7 @@ class Grants:
         if not self._enforced:
             return EVERY_NAMESPACE
         if is_tls(context):
-            caller = identity_of_auth_context(context.auth_context())
-            if caller is None:
-                return NO_NAMESPACE
+            caller = caller_identity(context)  # the interceptor refused a caller without one
             if caller.role is CallerRole.NODE:
                 return EVERY_NAMESPACE
             return self._clients.get(caller.name, NO_NAMESPACE)
