@@ -19,6 +19,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from dsh_mesh import telemetry
+from dsh_mesh.agent._context import (
+    clearing,
+    context_size,
+    head_length,
+    summary_messages,
+)
 from dsh_mesh.agent._gate import BoundaryGate
 from dsh_mesh.agent._inbox import Inbox
 from dsh_mesh.agent._render import render
@@ -28,7 +34,9 @@ from dsh_mesh.core import (
     Activation,
     AgentRef,
     AssistantStepEntry,
+    CompactionEntry,
     ConsumedEntry,
+    ContextOverflow,
     DeliveryKind,
     DetachedWork,
     Entry,
@@ -38,17 +46,32 @@ from dsh_mesh.core import (
     SessionId,
     SessionKind,
     SettlementOutcome,
+    TaskEntry,
     TokensExhausted,
     ToolCall,
+    ToolOutputsClearedEntry,
     ToolResultEntry,
     TurnEndedEntry,
     TurnId,
     TurnOutcome,
     TurnStartedEntry,
+    Usage,
+    context_of,
+    latest_compaction,
+    pending_inbound,
     unended_turn,
 )
-from dsh_mesh.models import FinishReason, ModelProvider, ModelRequest, complete
+from dsh_mesh.models import (
+    CallPurpose,
+    FinishReason,
+    ModelProvider,
+    ModelRequest,
+    ModelResponse,
+    ProviderError,
+    complete,
+)
 from dsh_mesh.tools import (
+    ContextPolicy,
     ToolInvocation,
     ToolOutput,
     ToolSet,
@@ -152,6 +175,7 @@ class Agent:
         host: AgentHost,
         ids: IdFactory,
         limits: TurnLimits | None = None,
+        context: ContextPolicy | None = None,
         tool_executor: Executor | None = None,
     ) -> None:
         self.header = header
@@ -161,12 +185,17 @@ class Agent:
         self.tools = tools
         self.system_prompt = system_prompt
         self.limits = limits or TurnLimits()
+        self.context = context or ContextPolicy()
         self._turn_tokens = 0
-        self._records = sorted(records, key=lambda r: r.seq)
+        self._records = context_of(sorted(records, key=lambda r: r.seq))
+        """The session's context: with no compaction its whole transcript, else what its latest
+        compaction kept and everything after that compaction's range (docs/context.md)."""
         self._seqs = {r.seq for r in self._records}
+        self._floor = 0
+        """Every seq up to this one was compacted (or kept): nothing of it is missing here."""
         self._held_through = 0
-        """Every seq up to this one is in the local copy."""
-        self._advance_held()
+        """Every seq up to this one is in the local copy (or was compacted)."""
+        self._forget_compacted()
         self._in_doubt = False
         self._writes = DetachedWork()
         """Writes started by a turn: each runs to its end even if the turn is interrupted
@@ -243,8 +272,14 @@ class Agent:
     # -- delivery -------------------------------------------------------------------------------
 
     def holds(self, seq: int) -> bool:
-        """Whether the record ``seq`` of the transcript is in this object's local copy."""
-        return seq in self._seqs
+        """Whether the record ``seq`` of the transcript is in this object's local copy, or
+        within a compaction's range (compacted, or kept in the copy)."""
+        return seq <= self._floor or seq in self._seqs
+
+    @property
+    def whole_transcript(self) -> bool:
+        """Whether the local copy is the session's whole transcript: nothing was compacted."""
+        return self._floor == 0
 
     def record(self, record: Record) -> None:
         """Keep a durably written record in the local transcript (in seq order)."""
@@ -407,6 +442,8 @@ class Agent:
         it) that have no result after it yet."""
         for position in range(len(self._records) - 1, -1, -1):
             step = self._records[position]
+            if isinstance(step.entry, CompactionEntry):
+                return 0, []  # written at a step boundary: every call before it was answered
             if isinstance(step.entry, AssistantStepEntry):
                 answered = {
                     r.entry.call_id
@@ -429,7 +466,7 @@ class Agent:
 
     def _terminal_output(self) -> str:
         for record in reversed(self._records):
-            if isinstance(record.entry, TurnStartedEntry):
+            if isinstance(record.entry, TurnStartedEntry | CompactionEntry):
                 return ""
             if isinstance(record.entry, AssistantStepEntry) and record.entry.text:
                 return record.entry.text
@@ -578,35 +615,10 @@ class Agent:
 
     async def _step(self, signal: AbortSignal) -> TurnOutcome | None:
         """One model call and the tool calls it asked for, then the step boundary. Returns the
-        turn's outcome when the turn is over, None when another step follows."""
-        request = ModelRequest(
-            session_id=self.session_id,
-            model=self.header.spec.model,
-            system_prompt=self.system_prompt,
-            tools=self.tools.descriptors,
-            messages=render(self._records),
-            max_output_tokens=self.limits.max_output_tokens,
-        )
-        with telemetry.span(
-            f"chat {request.model}",
-            kind="client",
-            attributes={"gen_ai.operation.name": "chat", "gen_ai.request.model": request.model},
-        ) as model_span:
-            response = await complete(self._provider, request)
-            model_span.set_many(
-                {
-                    "gen_ai.usage.input_tokens": response.usage.input_tokens,
-                    "gen_ai.usage.output_tokens": response.usage.output_tokens,
-                    "gen_ai.usage.cache_read.input_tokens": response.usage.cached_input_tokens,
-                    "gen_ai.response.finish_reasons": [response.finish_reason.value],
-                }
-            )
-        telemetry.model_call(
-            request.model,
-            input_tokens=response.usage.input_tokens,
-            output_tokens=response.usage.output_tokens,
-            cached=response.usage.cached_input_tokens,
-        )
+        turn's outcome when the turn is over, None when another step follows. First, if the
+        context has reached its policy's mark, room is made (docs/context.md)."""
+        await self._make_room()
+        response = await self._call_model()
         step = await self._append(
             AssistantStepEntry(
                 text=response.text, tool_calls=response.tool_calls, usage=response.usage
@@ -643,6 +655,210 @@ class Agent:
         if not await self._read_waiting() and not response.tool_calls:
             return TurnOutcome.COMPLETED
         return None
+
+    # -- the context window (docs/context.md) ---------------------------------------------------
+
+    def _request(self, *, clear_all: bool = False) -> ModelRequest:
+        """The next step's request: the session's head, then its context as the model sees it."""
+        return ModelRequest(
+            session_id=self.session_id,
+            model=self.header.spec.model,
+            system_prompt=self.system_prompt,
+            tools=self.tools.descriptors,
+            messages=render(self._records, clear_all=clear_all),
+            max_output_tokens=self.limits.max_output_tokens,
+        )
+
+    async def _call_model(self) -> ModelResponse:
+        """The step's model call. A provider that refuses it as longer than the model's window
+        gets a compaction, then the same step again; a second refusal ends the turn (token
+        exhaustion)."""
+        try:
+            return await self._model_call(self._request())
+        except ContextOverflow as overflow:
+            await self._compact(f"the provider refused the request: {overflow}", forced=True)
+        return await self._model_call(self._request())
+
+    async def _model_call(self, request: ModelRequest) -> ModelResponse:
+        with telemetry.span(
+            f"chat {request.model}",
+            kind="client",
+            attributes={
+                "gen_ai.operation.name": "chat",
+                "gen_ai.request.model": request.model,
+                "dsh.model_call.purpose": request.purpose.value,
+            },
+        ) as model_span:
+            response = await complete(self._provider, request)
+            model_span.set_many(
+                {
+                    "gen_ai.usage.input_tokens": response.usage.input_tokens,
+                    "gen_ai.usage.output_tokens": response.usage.output_tokens,
+                    "gen_ai.usage.cache_read.input_tokens": response.usage.cached_input_tokens,
+                    "gen_ai.response.finish_reasons": [response.finish_reason.value],
+                }
+            )
+        telemetry.model_call(
+            request.model,
+            input_tokens=response.usage.input_tokens,
+            output_tokens=response.usage.output_tokens,
+            cached=response.usage.cached_input_tokens,
+        )
+        return response
+
+    async def _make_room(self) -> None:
+        """Before a model call: if the context has reached the policy's mark, clear old tool
+        outputs when that alone brings it under the mark and frees enough, else compact. A
+        context with nothing new since its latest compaction is left as it is: the provider
+        says whether it fits."""
+        policy = self.context
+        mark, window = policy.mark, policy.window_tokens
+        if mark is None or window is None or not self._compactable():
+            return
+        request = self._request()
+        size = context_size(
+            self._records, request.messages, head_length(self.system_prompt, request.tools)
+        )
+        if size.tokens < mark:
+            return
+        if policy.clear_tool_outputs:
+            plan = clearing(self._records, policy)
+            enough = plan.frees >= policy.clear_min_share * window
+            if plan.seqs and enough and size.tokens - plan.frees < mark:
+                with telemetry.span(
+                    "dsh.context.clear",
+                    attributes={
+                        "dsh.session.id": self.session_id,
+                        "dsh.context.tokens": size.tokens,
+                        "dsh.context.cleared": len(plan.seqs),
+                    },
+                ):
+                    await self._append(ToolOutputsClearedEntry(seqs=plan.seqs))
+                return
+        await self._compact(f"the context reached {size.tokens:,} of {window:,} tokens")
+
+    def _compactable(self) -> bool:
+        """Whether a model step was recorded since the latest compaction: else a compaction
+        would only summarise a summary."""
+        for record in reversed(self._records):
+            if isinstance(record.entry, CompactionEntry):
+                return False
+            if isinstance(record.entry, AssistantStepEntry):
+                return True
+        return True
+
+    async def _compact(self, reason: str, *, forced: bool = False) -> None:
+        """Replace the context up to now by a summary the model writes: one model call over the
+        context as it is (same head and messages, so the provider's cache serves it), then the
+        :class:`CompactionEntry`. Raises :class:`TokensExhausted` when there is nothing to
+        compact (``forced``: the provider refused the request) or the summary cannot fit."""
+        if not self._compactable():
+            if forced:
+                raise TokensExhausted(f"{reason}; nothing is left to compact")
+            return
+        through = self._records[-1].seq
+        model = self.context.summary_model or self.header.spec.model
+        with telemetry.span(
+            "dsh.context.compact",
+            attributes={
+                "dsh.session.id": self.session_id,
+                "dsh.context.through_seq": through,
+                "dsh.context.reason": reason,
+            },
+        ) as span:
+            response = await self._summarise(model)
+            if response.finish_reason is FinishReason.LENGTH:
+                raise TokensExhausted("the summary of the context did not fit its output limit")
+            summary = response.text.strip()
+            if not summary:
+                raise ProviderError(f"{model} answered the summary request with no text")
+            self._turn_tokens += response.usage.input_tokens + response.usage.output_tokens
+            record = await self._write_compaction(summary, through, model, response.usage)
+            span.set("dsh.context.compaction_seq", record.seq)
+
+    async def _summarise(self, model: str) -> ModelResponse:
+        """The summary call: the context as the model sees it, then the instruction. If that is
+        too long for the model, again with every tool output cleared; if that is too long as
+        well, :class:`TokensExhausted`."""
+        base = self._request()
+        for clear_all in (False, True):
+            request = ModelRequest(
+                session_id=self.session_id,
+                model=model,
+                system_prompt=base.system_prompt,
+                tools=base.tools,
+                messages=summary_messages(self._request(clear_all=clear_all).messages),
+                max_output_tokens=base.max_output_tokens,
+                purpose=CallPurpose.COMPACTION,
+            )
+            try:
+                return await self._model_call(request)
+            except ContextOverflow as overflow:
+                if clear_all:
+                    raise TokensExhausted(
+                        f"the summary request itself cannot fit: {overflow}"
+                    ) from overflow
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _write_compaction(
+        self, summary: str, through: int, model: str, usage: Usage
+    ) -> Record:
+        """Append the compaction of everything up to ``through``. It holds the gate against
+        accepts (as a step boundary's read does), so every inbound record durable at or below
+        ``through`` is here, and the ones no step read yet are kept, not summarised away."""
+        await self._gate.hold()
+
+        async def write() -> Record:
+            try:
+                if self._in_doubt:
+                    await self._take_landed()
+                previous = latest_compaction(self._records)
+                start = 1
+                if previous is not None:
+                    assert isinstance(previous.entry, CompactionEntry)
+                    start = previous.entry.through_seq + 1
+                entry = CompactionEntry(
+                    summary=summary,
+                    from_seq=start,
+                    through_seq=through,
+                    task=self._task(),
+                    pending=tuple(
+                        r.seq for r in pending_inbound(self._records) if r.seq <= through
+                    ),
+                    open_turn=unended_turn(self._records),
+                    model=model,
+                    usage=usage,
+                )
+                record = await self._host.append(self, entry)
+                self.record(record)
+                self._forget_compacted()
+                return record
+            finally:
+                self._gate.release()
+
+        return await self._writes.run(write())
+
+    def _task(self) -> str:
+        """A child's initial task, kept verbatim by every compaction: it holds the direct
+        parent's id and the return instruction (contract rules 6, 7)."""
+        for record in self._records:
+            if isinstance(record.entry, TaskEntry):
+                return record.entry.content
+            if isinstance(record.entry, CompactionEntry):
+                return record.entry.task
+        return ""
+
+    def _forget_compacted(self) -> None:
+        """Keep only the context: what the latest compaction kept and what follows its range
+        (memory does not grow with the transcript)."""
+        latest = latest_compaction(self._records)
+        if latest is not None:
+            assert isinstance(latest.entry, CompactionEntry)
+            self._records = context_of(self._records)
+            self._seqs = {r.seq for r in self._records}
+            self._floor = latest.entry.through_seq
+            self._held_through = max(self._held_through, self._floor)
+        self._advance_held()
 
     async def _invoke(
         self, call: ToolCall, signal: AbortSignal, *, step_seq: int, index: int

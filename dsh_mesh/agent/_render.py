@@ -9,6 +9,7 @@ from dsh_mesh.core import (
     AgentMessageEntry,
     AssistantStepEntry,
     ChatMessage,
+    CompactionEntry,
     ConsumedEntry,
     ForkPrefixEntry,
     HumanPromptEntry,
@@ -17,6 +18,7 @@ from dsh_mesh.core import (
     Role,
     SettlementNoticeEntry,
     TaskEntry,
+    ToolOutputsClearedEntry,
     ToolResultEntry,
     TurnEndedEntry,
     frame_agent_message,
@@ -40,16 +42,50 @@ def render_inbound(entry: InboundEntry) -> ChatMessage:
     raise TypeError(f"not an inbound entry: {entry!r}")
 
 
-def render(records: Sequence[Record]) -> tuple[ChatMessage, ...]:
-    """The conversation of a transcript. Inbound entries appear where they were consumed, so a
-    message accepted mid-step follows that step's tool results; unconsumed ones do not appear.
+SUMMARY_FRAME = "This conversation was compacted to save context. A summary of it so far:"
+"""The first line of the message that shows a compaction's summary to the model."""
 
-    Rendering a prefix of a transcript yields a prefix of the full rendering, which is what makes
-    a fork child's inherited history byte-identical to its parent's.
+
+def frame_summary(summary: str) -> str:
+    """The model-visible text of a compaction's summary."""
+    return f"{SUMMARY_FRAME}\n\n{summary}"
+
+
+def cleared_stub(entry: ToolResultEntry) -> str:
+    """What the model sees in place of a cleared tool output: what it was, and how to get it
+    again."""
+    return (
+        f"[The output of this {entry.name} call ({len(entry.content):,} characters) was cleared"
+        " from your context to save space; the session's transcript keeps it. If you need it,"
+        " make the call again (only if the tool is safe to repeat).]"
+    )
+
+
+def render(
+    records: Sequence[Record], *, upto: int | None = None, clear_all: bool = False
+) -> tuple[ChatMessage, ...]:
+    """The conversation of a transcript, or of its context (:func:`~dsh_mesh.core.context_of`),
+    which renders the same. Inbound entries appear where they were consumed, so a message
+    accepted mid-step follows that step's tool results; unconsumed ones do not appear.
+
+    A :class:`CompactionEntry` replaces everything before it with the kept task (a child's)
+    and the summary. A tool output cleared by a :class:`ToolOutputsClearedEntry` anywhere in
+    ``records`` shows as a stub (every one, with ``clear_all``). With ``upto`` only the
+    messages of records up to that seq are rendered, exactly as they start the rendering of
+    all ``records``: that is what makes a fork child's inherited history byte-identical to
+    what its parent sends.
     """
+    cleared = {
+        seq
+        for record in records
+        if isinstance(record.entry, ToolOutputsClearedEntry)
+        for seq in record.entry.seqs
+    }
     inbound: dict[int, InboundEntry] = {}
     messages: list[ChatMessage] = []
     for record in records:
+        if upto is not None and record.seq > upto:
+            break
         entry = record.entry
         if isinstance(entry, INBOUND_TYPES):
             inbound[record.seq] = entry
@@ -62,15 +98,24 @@ def render(records: Sequence[Record]) -> tuple[ChatMessage, ...]:
                 ChatMessage(role=Role.ASSISTANT, content=entry.text, tool_calls=entry.tool_calls)
             )
         elif isinstance(entry, ToolResultEntry):
+            content = cleared_stub(entry) if clear_all or record.seq in cleared else entry.content
             messages.append(
-                ChatMessage(role=Role.TOOL, content=entry.content, tool_call_id=entry.call_id)
+                ChatMessage(role=Role.TOOL, content=content, tool_call_id=entry.call_id)
             )
+        elif isinstance(entry, CompactionEntry):
+            messages.clear()
+            if entry.task:
+                messages.append(ChatMessage(role=Role.USER, content=entry.task))
+            messages.append(ChatMessage(role=Role.USER, content=frame_summary(entry.summary)))
     return tuple(messages)
 
 
 def completed_turn_prefix(records: Sequence[Record]) -> tuple[int, tuple[ChatMessage, ...]]:
-    """The records up to the last ended turn: its last seq (0 if none) and their rendering."""
+    """What a fork child inherits of ``records`` (a session's transcript or context): the
+    rendering up to its last ended turn, or up to its latest compaction when that came later
+    (mid-turn: the summary stands for everything it covers), as it starts the rendering the
+    parent sends; with the seq it ends at (0 if there is none)."""
     for index in range(len(records) - 1, -1, -1):
-        if isinstance(records[index].entry, TurnEndedEntry):
-            return records[index].seq, render(records[: index + 1])
+        if isinstance(records[index].entry, TurnEndedEntry | CompactionEntry):
+            return records[index].seq, render(records, upto=records[index].seq)
     return 0, render([r for r in records if isinstance(r.entry, ForkPrefixEntry)])

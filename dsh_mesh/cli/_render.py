@@ -15,12 +15,14 @@ from dsh_mesh.client import (
     AgentMessage,
     AgentSummary,
     AssistantStep,
+    Compaction,
     Consumed,
     EntryBody,
     HumanPrompt,
     SessionEvent,
     SettlementNotice,
     Task,
+    ToolOutputsCleared,
     ToolResult,
     TranscriptEntry,
     TurnEnded,
@@ -53,6 +55,8 @@ _LABEL_STYLE: Mapping[str, str] = {
     "tool": "dim",
     "turn": "blue",
     "consumed": "dim",
+    "compacted": "yellow",
+    "cleared": "dim",
     "resident": "green",
     "absent": "dim",
     "entry": "dim",
@@ -132,6 +136,14 @@ def describe_body(body: EntryBody, *, width: int | None = DEFAULT_WIDTH) -> tupl
         return "turn", text, body.outcome in _BAD_TURNS
     if isinstance(body, Consumed):
         return "consumed", "seq " + ", ".join(str(seq) for seq in body.seqs), False
+    if isinstance(body, Compaction):
+        tokens = step_usage(body.usage)
+        text = f"seq {body.from_seq}-{body.through_seq} summarised: {one_line(body.summary, width)}"
+        if body.pending:
+            text += " (kept unread: seq " + ", ".join(str(s) for s in body.pending) + ")"
+        return "compacted", f"{text} {tokens}" if tokens else text, False
+    if isinstance(body, ToolOutputsCleared):
+        return "cleared", "tool outputs of seq " + ", ".join(map(str, body.seqs)), False
     assert isinstance(body, UnknownEntry)
     return "entry", "(an entry kind this client does not know)", False
 
@@ -218,6 +230,8 @@ _BODY_TYPE: Mapping[type, str] = {
     TurnStarted: "turn_started",
     TurnEnded: "turn_ended",
     Consumed: "consumed",
+    Compaction: "compaction",
+    ToolOutputsCleared: "tool_outputs_cleared",
     UnknownEntry: "unknown",
 }
 

@@ -16,6 +16,7 @@ from dsh_mesh.client._types import (
     AgentState,
     AgentSummary,
     AssistantStep,
+    Compaction,
     Consumed,
     EntryBody,
     HumanPrompt,
@@ -24,6 +25,7 @@ from dsh_mesh.client._types import (
     SessionPage,
     SettlementNotice,
     Task,
+    ToolOutputsCleared,
     ToolResult,
     TranscriptEntry,
     TurnEnded,
@@ -188,6 +190,19 @@ def _body_from_wire(entry: mesh_pb2.TranscriptEntry) -> EntryBody:
         )
     if which == "consumed":
         return Consumed(seqs=tuple(entry.consumed.seqs))
+    if which == "compaction":
+        compaction = entry.compaction
+        return Compaction(
+            summary=compaction.summary,
+            from_seq=compaction.from_seq,
+            through_seq=compaction.through_seq,
+            task=compaction.task,
+            pending=tuple(compaction.pending),
+            model=compaction.model,
+            usage=usage_from_wire(compaction.usage),
+        )
+    if which == "tool_outputs_cleared":
+        return ToolOutputsCleared(seqs=tuple(entry.tool_outputs_cleared.seqs))
     return UnknownEntry()
 
 

@@ -11,7 +11,7 @@ that this client does not know yet is never guessed.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 
 from dsh_mesh.core import (
@@ -217,6 +217,30 @@ class Consumed:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Compaction:
+    """The agent's context was compacted: from here its model sees ``summary`` (after the
+    kept ``task``, if any) in place of every entry up to ``through_seq``; those entries stay in
+    the transcript. ``pending`` are inbound entries of that range not yet read, shown to the
+    model where they are consumed. ``usage`` is the summary call's, made with ``model``."""
+
+    summary: str
+    from_seq: int
+    through_seq: int
+    task: str = ""
+    pending: tuple[int, ...] = ()
+    model: str = ""
+    usage: Usage = field(default_factory=Usage)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToolOutputsCleared:
+    """The outputs of the tool results at ``seqs`` were replaced in the model's context by a
+    short stub; the results stay whole in the transcript."""
+
+    seqs: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
 class UnknownEntry:
     """An entry body this client does not know (a newer server added one): nothing to show but
     its position."""
@@ -232,6 +256,8 @@ EntryBody = (
     | TurnStarted
     | TurnEnded
     | Consumed
+    | Compaction
+    | ToolOutputsCleared
     | UnknownEntry
 )
 

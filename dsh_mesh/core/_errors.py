@@ -380,6 +380,12 @@ class TokensExhausted(MeshError):
     """The model ran out of its token budget; the turn ends with outcome ``token_exhaustion``."""
 
 
+class ContextOverflow(TokensExhausted):
+    """A provider refused a request longer than its model's context window. The agent compacts
+    its context and retries the step (docs/context.md); only when even the summary cannot fit
+    does the turn end with ``token_exhaustion``."""
+
+
 _CLASS_OF_REASON: Mapping[RejectionReason, type[Rejected]] = MappingProxyType(
     {
         RejectionReason.SELF_TARGET: AdjacencyRejected,

@@ -177,6 +177,53 @@ class ToolResultEntry:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CompactionEntry:
+    """The agent's context was compacted: from here on the model sees ``summary`` in place of
+    every entry up to ``through_seq`` (docs/context.md).
+
+    ``from_seq`` is the first seq the summary covers directly: 1, or the first after the range
+    of the compaction it replaces (whose summary it covers in turn). What the contract keeps
+    verbatim is never summarised away:
+
+    - ``task``: the child's initial task, including its parent's id and the return
+      instruction (``""`` for a root, which has none); the model sees it before the summary;
+    - ``pending``: the seqs in the range of inbound entries no step had read yet; each is still
+      shown where a later :class:`ConsumedEntry` names it, exactly as without compaction;
+    - ``open_turn``: the start of the turn in progress when it was written (``None`` between
+      turns), so a resume knows that turn without reading the range.
+
+    ``usage`` is that of the model call that wrote the summary, with ``model``'s name. Written
+    only by the agent, at a step boundary, where every call of the range has its result."""
+
+    summary: str
+    from_seq: int
+    through_seq: int
+    task: str = ""
+    pending: tuple[int, ...] = ()
+    open_turn: TurnStartedEntry | None = None
+    model: str = ""
+    usage: Usage = field(default_factory=Usage)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.from_seq <= self.through_seq:
+            raise InvalidArgument(
+                f"a compaction covers seqs {self.from_seq}..{self.through_seq}: not a range"
+            )
+        if any(not 1 <= seq <= self.through_seq for seq in self.pending):
+            raise InvalidArgument("a compaction's pending seqs lie outside what it covers")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ToolOutputsClearedEntry:
+    """The outputs of the tool results at ``seqs`` were cleared from the model's context: each
+    is shown from here on as a short stub naming the call, its size and how to get it again.
+    The results themselves stay in the transcript, whole. Cheaper than a compaction, and tried
+    first (docs/context.md)."""
+
+    seqs: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
 class TurnEndedEntry:
     """A turn ended, with its outcome (completed, error, cancelled, token exhaustion) and detail."""
 
@@ -195,6 +242,8 @@ Entry = (
     | AssistantStepEntry
     | ToolResultEntry
     | TurnEndedEntry
+    | CompactionEntry
+    | ToolOutputsClearedEntry
 )
 
 INBOUND_TYPES = (TaskEntry, HumanPromptEntry, AgentMessageEntry, SettlementNoticeEntry)
@@ -219,7 +268,9 @@ def is_queue_delivery(entry: InboundEntry) -> bool:
 
 
 def pending_inbound(records: Sequence[Record]) -> list[Record]:
-    """Inbound records no ``ConsumedEntry`` has delivered yet, in acceptance order."""
+    """Inbound records no ``ConsumedEntry`` has delivered yet, in acceptance order. ``records``
+    may be a session's context (:func:`context_of`): the inbound entries a compaction kept
+    pending are among them."""
     consumed: set[int] = set()
     for record in records:
         if isinstance(record.entry, ConsumedEntry):
@@ -235,4 +286,28 @@ def unended_turn(records: Sequence[Record]) -> TurnStartedEntry | None:
             return None
         if isinstance(record.entry, TurnStartedEntry):
             return record.entry
+        if isinstance(record.entry, CompactionEntry):
+            return record.entry.open_turn
     return None
+
+
+def latest_compaction(records: Sequence[Record]) -> Record | None:
+    """The record of the last :class:`CompactionEntry` among ``records``, if any."""
+    for record in reversed(records):
+        if isinstance(record.entry, CompactionEntry):
+            return record
+    return None
+
+
+def context_of(records: Sequence[Record]) -> list[Record]:
+    """What an agent needs of a transcript (``records`` in seq order, whole or from any point
+    at or before its latest compaction's range): with no compaction, all of it; else the
+    records that compaction kept pending, then every record after its range. Rendering it
+    gives the same conversation as rendering the whole transcript."""
+    latest = latest_compaction(records)
+    if latest is None:
+        return list(records)
+    assert isinstance(latest.entry, CompactionEntry)
+    kept = set(latest.entry.pending)
+    through = latest.entry.through_seq
+    return [r for r in records if r.seq > through or r.seq in kept]

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from dsh_mesh.core._chat import Usage
-from dsh_mesh.core._transcript import AssistantStepEntry, Entry
+from dsh_mesh.core._transcript import AssistantStepEntry, CompactionEntry, Entry
 
 
 def _share(cached: int, total: int) -> float:
@@ -17,8 +17,9 @@ def _share(cached: int, total: int) -> float:
 class SessionUsage:
     """The usage of one session's model calls, as the provider reported it per call.
 
-    Every :class:`AssistantStepEntry` is one model call; nothing else counts (a fork child's
-    inherited prefix is not a call of its own). ``cached_input_tokens`` is the part of
+    Every :class:`AssistantStepEntry` is one model call, and so is every
+    :class:`CompactionEntry` (the call that wrote its summary); nothing else counts (a fork
+    child's inherited prefix is not a call of its own). ``cached_input_tokens`` is the part of
     ``input_tokens`` served from the provider's prompt cache, as OpenAI-compatible providers
     report it. ``first_call`` is the usage of the first call in transcript order, ``None`` when
     there was none: for a fork child it says how much of the inherited prefix the cache served.
@@ -72,12 +73,12 @@ class SessionUsage:
 
 
 def session_usage(entries: Iterable[Entry]) -> SessionUsage:
-    """The usage of every model call among ``entries`` (in transcript order), in one pass.
-    Entries other than :class:`AssistantStepEntry` are ignored. Pure."""
+    """The usage of every model call among ``entries`` (in transcript order), in one pass:
+    steps and compactions; other entries are ignored. Pure."""
     calls = input_tokens = output_tokens = cached = 0
     first: Usage | None = None
     for entry in entries:
-        if not isinstance(entry, AssistantStepEntry):
+        if not isinstance(entry, AssistantStepEntry | CompactionEntry):
             continue
         usage = entry.usage
         if first is None:

@@ -7,12 +7,14 @@ import json
 from dsh_mesh.core import (
     AgentMessageEntry,
     AssistantStepEntry,
+    CompactionEntry,
     ConsumedEntry,
     ForkPrefixEntry,
     HumanPromptEntry,
     Record,
     SettlementNoticeEntry,
     TaskEntry,
+    ToolOutputsClearedEntry,
     ToolResultEntry,
     TurnEndedEntry,
     TurnStartedEntry,
@@ -48,6 +50,14 @@ def describe(record: Record) -> str:
         return f"{prefix} -- turn {entry.turn_id} started"
     if isinstance(entry, TurnEndedEntry):
         return f"{prefix} -- turn {entry.turn_id} ended: {entry.outcome.value} {entry.detail}"
+    if isinstance(entry, CompactionEntry):
+        kept = f", kept unread #{', #'.join(map(str, entry.pending))}" if entry.pending else ""
+        return (
+            f"{prefix} compaction     #{entry.from_seq}-#{entry.through_seq} summarised{kept}\n"
+            f"        summary: {_short(entry.summary)}"
+        )
+    if isinstance(entry, ToolOutputsClearedEntry):
+        return f"{prefix} cleared        tool outputs of #{', #'.join(map(str, entry.seqs))}"
     if isinstance(entry, ConsumedEntry):
         return f"{prefix} step boundary  model now reads #{', #'.join(map(str, entry.seqs))}"
     if isinstance(entry, AssistantStepEntry):

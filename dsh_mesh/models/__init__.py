@@ -3,6 +3,7 @@ and recording ones, and the router that picks one by model spec."""
 
 from dsh_mesh.models._openai import OpenAIEndpoint, OpenAIProvider
 from dsh_mesh.models._protocol import (
+    CallPurpose,
     Finished,
     FinishReason,
     ModelEvent,
@@ -42,6 +43,7 @@ __all__ = [
     "Action",
     "Branch",
     "Call",
+    "CallPurpose",
     "ExhaustTokens",
     "Fail",
     "FinishReason",

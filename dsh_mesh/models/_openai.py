@@ -7,7 +7,7 @@ arrives. A call the endpoint refuses as overloaded (429) or fails (5xx, a droppe
 before anything streamed is retried under the endpoint's :class:`RetryPolicy`; one that failed
 on a reused keep-alive connection before its response began (the server had closed it) is
 sent again at once, without spending an attempt; a prompt past the
-model's context raises :class:`~dsh_mesh.core.TokensExhausted`; anything else raises
+model's context raises :class:`~dsh_mesh.core.ContextOverflow`; anything else raises
 :class:`ProviderError` with the endpoint's own message. Cancelling the consuming task closes
 the HTTP request.
 """
@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from dsh_mesh.core import TokensExhausted
+from dsh_mesh.core import ContextOverflow
 from dsh_mesh.models._openai_wire import (
     RESERVED_FIELDS,
     ErrorReport,
@@ -281,7 +281,7 @@ class OpenAIProvider:
 
     def _failure(self, report: ErrorReport, *, status: int | None) -> Exception:
         if report.context_length:
-            return TokensExhausted(f"{self.name}: the context is full: {report.message}")
+            return ContextOverflow(f"{self.name}: the context is full: {report.message}")
         shown = f"HTTP {status}: " if status is not None else ""
         return ProviderError(f"{self.name}: {shown}{report.message}", status=status)
 

@@ -7,7 +7,9 @@ key on is stated (and tested) in one place:
   ``stream_options``, ``max_tokens`` (or ``max_completion_tokens``), any extra endpoint
   fields, ``tools``, ``messages`` (system prompt first). Two requests of one spec (a parent
   and its fork child) are therefore byte-identical from the first byte through the last
-  message they share.
+  message they share. A compaction's summary request (``CallPurpose.COMPACTION``) is a step's
+  request with one more message, then ``"tool_choice":"none"`` after the messages, so it shares
+  the step's bytes through the conversation.
 - JSON is compact (``,`` and ``:``), UTF-8, with non-ASCII text kept as is; tool schemas are
   the descriptors' canonical JSON, inserted verbatim.
 
@@ -25,6 +27,7 @@ from typing import Any
 
 from dsh_mesh.core import ChatMessage, Role, ToolCall, ToolDescriptor, Usage
 from dsh_mesh.models._protocol import (
+    CallPurpose,
     Finished,
     FinishReason,
     ModelEvent,
@@ -75,7 +78,10 @@ def request_body(
         head += [',"tools":[', ",".join(_tool(t) for t in request.tools), "]"]
     messages = [_dumps({"role": "system", "content": request.system_prompt})]
     messages += [_message(m) for m in request.messages]
-    head += [',"messages":[', ",".join(messages), "]}"]
+    head += [',"messages":[', ",".join(messages), "]"]
+    if request.purpose is CallPurpose.COMPACTION and request.tools:
+        head.append(',"tool_choice":"none"')
+    head.append("}")
     return "".join(head).encode()
 
 
@@ -87,6 +93,7 @@ RESERVED_FIELDS = frozenset(
         "max_tokens",
         "max_completion_tokens",
         "tools",
+        "tool_choice",
         "messages",
     }
 )

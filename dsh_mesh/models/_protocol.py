@@ -14,6 +14,15 @@ from typing import Protocol
 from dsh_mesh.core import ChatMessage, SessionId, ToolCall, ToolDescriptor, Usage
 
 
+class CallPurpose(enum.Enum):
+    """What a model call is for: a step of a turn, or writing the summary of a compaction
+    (docs/context.md). A compaction's request has the same head and conversation as a step's,
+    then asks for the summary; a provider must not let it call tools."""
+
+    STEP = "step"
+    COMPACTION = "compaction"
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelRequest:
     """Everything one model call sees. ``system_prompt`` and ``tools`` form the request head
@@ -26,6 +35,7 @@ class ModelRequest:
     messages: tuple[ChatMessage, ...]
     max_output_tokens: int | None = None
     """The most tokens one call may generate (the preset's limit); ``None``: the provider's."""
+    purpose: CallPurpose = CallPurpose.STEP
 
 
 class FinishReason(enum.Enum):

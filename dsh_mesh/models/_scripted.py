@@ -9,6 +9,12 @@ program instead of restarting or replaying it. (A
 fork child's inherited prefix would count too: scripted forks run in one process only.) Tool call
 ids are ``call-<session>-<cursor>-<index>``: stable across processes for the same step. An
 exhausted program answers with an empty final reply, so a scripted agent always ends its turn.
+
+A compaction's summary request (``CallPurpose.COMPACTION``) is no step of the program: it is
+answered with :func:`scripted_summary`, which names how many steps it covers, so a session's
+cursor still counts the steps a compaction took out of its requests. With
+``max_context_tokens`` a request longer than that (by the same rough count the usage reports)
+is refused as OpenAI refuses one: :class:`~dsh_mesh.core.ContextOverflow`.
 """
 
 from __future__ import annotations
@@ -20,8 +26,9 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-from dsh_mesh.core import ChatMessage, Role, SessionId, ToolCall, Usage
+from dsh_mesh.core import ChatMessage, ContextOverflow, Role, SessionId, ToolCall, Usage
 from dsh_mesh.models._protocol import (
+    CallPurpose,
     Finished,
     FinishReason,
     ModelEvent,
@@ -201,6 +208,8 @@ class ScriptedProvider:
     strict: bool = True
     """Refuse, as OpenAI's API does (a ``ProviderError`` with its 400 text), a request whose
     conversation has a tool call without its one result, or a result without its call."""
+    max_context_tokens: int | None = None
+    """Refuse a request whose rough token count is above this (``None``: any length)."""
     _cursors: dict[SessionId, int] = field(default_factory=dict)
     _started: dict[SessionId, int] = field(default_factory=dict)
     _progress: asyncio.Condition | None = None
@@ -235,6 +244,18 @@ class ScriptedProvider:
             refusal = tool_call_order_error(turns_of(request.messages))
             if refusal is not None:
                 raise ProviderError(refusal, status=400)
+        tokens = _rough_tokens(request.messages)
+        if self.max_context_tokens is not None and tokens > self.max_context_tokens:
+            raise ContextOverflow(
+                f"scripted: this model's maximum context length is {self.max_context_tokens}"
+                f" tokens; the request has {tokens}"
+            )
+        if request.purpose is CallPurpose.COMPACTION:
+            yield TextDelta(text=scripted_summary(request.messages))
+            yield Finished(
+                finish_reason=FinishReason.STOP, usage=Usage(input_tokens=tokens, output_tokens=16)
+            )
+            return
         program = self.programs.get(request.model)
         if program is None:
             raise ScriptError(
@@ -245,7 +266,7 @@ class ScriptedProvider:
         if self.resume_from_transcript:
             # The transcript may be ahead of what this process remembers: the session may have
             # run elsewhere since it was last here.
-            cursor = max(cursor, sum(m.role is Role.ASSISTANT for m in request.messages))
+            cursor = max(cursor, steps_shown(request.messages))
         self._cursors[request.session_id] = cursor + 1
         step: Action = program[cursor] if cursor < len(program) else Reply()
         if step.gate is not None:
@@ -255,7 +276,7 @@ class ScriptedProvider:
             await action.gate.wait()
         if isinstance(action, Reply | Call) and action.delay > 0:
             await asyncio.sleep(action.delay)
-        usage = Usage(input_tokens=_rough_tokens(request.messages), output_tokens=8)
+        usage = Usage(input_tokens=tokens, output_tokens=8)
         context = ScriptContext(request=request)
         if isinstance(action, Fail):
             raise ScriptError(action.message)
@@ -283,6 +304,30 @@ class ScriptedProvider:
             yield Finished(finish_reason=FinishReason.TOOL_CALLS, usage=usage)
             return
         yield Finished(finish_reason=FinishReason.STOP, usage=usage)
+
+
+_SUMMARY = re.compile(r"\[scripted summary of (\d+) steps\]")
+
+
+def steps_shown(messages: Sequence[ChatMessage]) -> int:
+    """The model steps a request stands for: its assistant messages, plus those a scripted
+    summary among its messages covers."""
+    steps = sum(m.role is Role.ASSISTANT for m in messages)
+    for message in messages:
+        if message.role is Role.USER and (found := _SUMMARY.search(message.content)):
+            steps += int(found.group(1))
+    return steps
+
+
+def scripted_summary(messages: Sequence[ChatMessage]) -> str:
+    """The scripted provider's summary of a conversation: how many steps it covers, then the
+    last tool result it saw (enough for tests to tell what a summary carried forward)."""
+    last = ""
+    for message in reversed(messages):
+        if message.role is Role.TOOL:
+            last = message.content
+            break
+    return f"[scripted summary of {steps_shown(messages)} steps] last tool result: {last[:200]}"
 
 
 def _rough_tokens(messages: Sequence[ChatMessage]) -> int:

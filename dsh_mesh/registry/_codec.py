@@ -1,6 +1,6 @@
 """The one place where domain values become the bytes stored in etcd, and back.
 
-Format (version 6). Every stored value is one JSON object: UTF-8, compact (no insignificant
+Format (version 7). Every stored value is one JSON object: UTF-8, compact (no insignificant
 whitespace), keys sorted, non-ASCII written as itself, so equal values are equal bytes. Wrapped
 here; ``tests/unit/test_codec.py`` pins the exact bytes of every kind::
 
@@ -65,6 +65,11 @@ Version history (encoders write only the newest; decoders read every one in
    decodes as ``"default"``. Everything else is stored exactly as in version 5 apart from
    ``"v"``.
 
+7. Two entry kinds are new: ``compaction`` (a :class:`CompactionEntry`: the summary, its range,
+   the task and pending seqs it keeps, the turn open when it was written, the summary call's
+   model and usage) and ``tool_outputs_cleared`` (a :class:`ToolOutputsClearedEntry`). No
+   older value has them. Everything else is stored exactly as in version 6 apart from ``"v"``.
+
 ``_ADDED_IN`` is the table of fields added after version 1.
 """
 
@@ -84,6 +89,7 @@ from dsh_mesh.core import (
     Activation,
     AgentMessageEntry,
     AssistantStepEntry,
+    CompactionEntry,
     ConsumedEntry,
     Entry,
     ForkPrefixEntry,
@@ -93,6 +99,7 @@ from dsh_mesh.core import (
     SessionHeader,
     SettlementNoticeEntry,
     TaskEntry,
+    ToolOutputsClearedEntry,
     ToolResultEntry,
     TreeStop,
     TurnEndedEntry,
@@ -105,7 +112,7 @@ if TYPE_CHECKING:
 
 _D = TypeVar("_D", bound="DataclassInstance")
 
-FORMAT_VERSION: Final = 6
+FORMAT_VERSION: Final = 7
 """The version every encoder writes (see the module docstring for the history)."""
 
 READABLE_VERSIONS: Final = frozenset(range(1, FORMAT_VERSION + 1))
@@ -123,9 +130,16 @@ ENTRY_TAGS: Final[Mapping[str, type[Entry]]] = types.MappingProxyType(
         "assistant_step": AssistantStepEntry,
         "tool_result": ToolResultEntry,
         "turn_ended": TurnEndedEntry,
+        "compaction": CompactionEntry,
+        "tool_outputs_cleared": ToolOutputsClearedEntry,
     }
 )
 """The stored ``"type"`` tag of each transcript entry class. Tags are part of the format."""
+
+_TAG_ADDED_IN: Final[Mapping[str, int]] = types.MappingProxyType(
+    {"compaction": 7, "tool_outputs_cleared": 7}
+)
+"""The version that added each entry kind after version 1: an older value cannot have it."""
 
 _TAG_OF: Final[Mapping[type[Entry], str]] = {cls: tag for tag, cls in ENTRY_TAGS.items()}
 
@@ -217,6 +231,8 @@ def decode_record(seq: int, data: bytes) -> Record:
     cls = ENTRY_TAGS.get(tag) if isinstance(tag, str) else None
     if cls is None:
         raise CodecError(f"entry: unknown type tag {tag!r}")
+    if version < _TAG_ADDED_IN.get(str(tag), 1):
+        raise CodecError(f"entry: no {tag!r} entry exists in format version {version}")
     at: datetime | None = None
     if version >= _AT_ADDED_IN:
         if _AT_KEY not in fields:

@@ -274,6 +274,7 @@ class Residency:
             tools=self.resolve_tools(header, resume_filter),
             system_prompt=preset.system_prompt,
             limits=preset.limits,
+            context=preset.context,
             provider=self._provider,
             host=self._host,
             ids=self._ids,

@@ -5,6 +5,7 @@ from dsh_mesh.tools._function import FunctionTool, ToolContext, tool
 from dsh_mesh.tools._guard import CallLimits, cut, limits_of, run_limited
 from dsh_mesh.tools._instructions import RETURN_INSTRUCTION, child_task
 from dsh_mesh.tools._registry import (
+    ContextPolicy,
     DescriptorFilter,
     Preset,
     ToolRegistry,
@@ -45,6 +46,7 @@ __all__ = [
     "SPAWN_DESCRIPTORS",
     "CallLimits",
     "ChildKind",
+    "ContextPolicy",
     "DescriptorFilter",
     "FunctionTool",
     "Heartbeat",

@@ -37,6 +37,52 @@ class TurnLimits:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ContextPolicy:
+    """How an agent keeps its model's requests within the model's context window
+    (docs/context.md).
+
+    ``window_tokens`` is the window; ``None`` (the default) means unknown: the agent never
+    compacts on its own, only when a provider refuses a request as too long. Before a model
+    call whose context (the provider's reported prompt tokens of the last call, plus an
+    estimate of what came since; an estimate of it all where a provider reports none) reaches
+    ``compact_at`` of the window, the agent makes room:
+
+    - when ``clear_tool_outputs``, by clearing old tool outputs (all but the newest
+      ``keep_tool_outputs``) if that alone brings the context under the mark and frees at
+      least ``clear_min_share`` of the window;
+    - else by a compaction: a model call (``summary_model``, a model spec; ``None``: the
+      agent's own model) writes a summary of up to ``summary_max_tokens``.
+    """
+
+    window_tokens: int | None = None
+    compact_at: float = 0.8
+    clear_tool_outputs: bool = True
+    keep_tool_outputs: int = 3
+    clear_min_share: float = 0.1
+    summary_model: str | None = None
+    summary_max_tokens: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.window_tokens is not None and self.window_tokens < 256:
+            raise ValueError("context_window must be at least 256 tokens (or unset)")
+        if not 0.1 <= self.compact_at <= 0.95:
+            raise ValueError("compact_at must be a share of the window from 0.1 to 0.95")
+        if not 0.0 <= self.clear_min_share < 1.0:
+            raise ValueError("clear_min_share must be a share of the window below 1")
+        if self.keep_tool_outputs < 0:
+            raise ValueError("keep_tool_outputs must be 0 or more")
+        if self.summary_max_tokens < 16:
+            raise ValueError("summary_max_tokens must be at least 16")
+        if self.summary_model is not None and not self.summary_model.strip():
+            raise ValueError("summary_model must name a model (or be unset)")
+
+    @property
+    def mark(self) -> int | None:
+        """The context size, in tokens, at which the agent makes room; ``None``: never."""
+        return None if self.window_tokens is None else int(self.window_tokens * self.compact_at)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Preset:
     """A named way to build an agent: its system prompt and which tools it sees.
 
@@ -45,7 +91,8 @@ class Preset:
     name's position but keeps its own identity, so it is never the standard tool. ``model``, when
     set, is the model of children spawned with this preset (else they use their parent's) and
     of roots created without one; it is a model spec (``openai:gpt-4o-mini``, see
-    :class:`~dsh_mesh.models.ModelRouter`). ``limits`` bound its token use.
+    :class:`~dsh_mesh.models.ModelRouter`). ``limits`` bound its token use; ``context`` says
+    how its agents keep within their model's context window.
     """
 
     name: str
@@ -54,6 +101,7 @@ class Preset:
     tools: tuple[str, ...] | None = None
     scoped_tools: tuple[Tool, ...] = field(default=())
     limits: TurnLimits = field(default_factory=TurnLimits)
+    context: ContextPolicy = field(default_factory=ContextPolicy)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from dsh_mesh.core import (
     AgentMessageEntry,
     AgentRef,
     AssistantStepEntry,
+    CompactionEntry,
     ConsumedEntry,
     Delivery,
     DeliveryKind,
@@ -24,6 +25,7 @@ from dsh_mesh.core import (
     SettlementNoticeEntry,
     SettlementOutcome,
     TaskEntry,
+    ToolOutputsClearedEntry,
     ToolResultEntry,
     TurnEndedEntry,
     TurnOutcome,
@@ -233,6 +235,17 @@ def record_to_wire(record: Record) -> mesh_pb2.TranscriptEntry:
         wire.turn_ended.detail = entry.detail
     elif isinstance(entry, ConsumedEntry):
         wire.consumed.seqs.extend(entry.seqs)
+    elif isinstance(entry, CompactionEntry):
+        compaction = wire.compaction
+        compaction.summary = entry.summary
+        compaction.from_seq = entry.from_seq
+        compaction.through_seq = entry.through_seq
+        compaction.task = entry.task
+        compaction.pending.extend(entry.pending)
+        compaction.model = entry.model
+        compaction.usage.CopyFrom(usage_to_wire(entry.usage))
+    elif isinstance(entry, ToolOutputsClearedEntry):
+        wire.tool_outputs_cleared.seqs.extend(entry.seqs)
     return wire
 
 

@@ -20,6 +20,7 @@ from dsh_mesh.core import (
     AgentMessageSource,
     AssistantStepEntry,
     ChatMessage,
+    CompactionEntry,
     ConsumedEntry,
     DeliveryKind,
     Entry,
@@ -40,6 +41,7 @@ from dsh_mesh.core import (
     TaskEntry,
     ToolCall,
     ToolDescriptor,
+    ToolOutputsClearedEntry,
     ToolResultEntry,
     TurnEndedEntry,
     TurnId,
@@ -74,12 +76,12 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
     (
         TaskEntry(content="Summarise the design.\nThen send_message your parent."),
         '{"at":null,"content":"Summarise the design.\\nThen send_message your parent.",'
-        '"type":"task","v":6}',
+        '"type":"task","v":7}',
     ),
     (
         HumanPromptEntry(content="Wie geht's? 你好 🙂", idempotency_key="prompt-7"),
         '{"at":null,"content":"Wie geht\'s? 你好 🙂","idempotency_key":"prompt-7",'
-        '"type":"human_prompt","v":6}',
+        '"type":"human_prompt","v":7}',
     ),
     (
         AgentMessageEntry(
@@ -92,7 +94,7 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
         '{"at":null,"content":"result: 42","delivery":"steered","idempotency_key":"call-9",'
         '"source":{"form":"relay","kind":"agent-message","sender_session_id":"s-2"},'
         '"trace":"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",'
-        '"type":"agent_message","v":6}',
+        '"type":"agent_message","v":7}',
     ),
     (
         SettlementNoticeEntry(
@@ -108,7 +110,7 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
         '"child_session":"s-3","detail":"budget spent","outcome":"token-exhaustion",'
         '"terminal_output":"partial answer",'
         '"trace":"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00",'
-        '"type":"settlement_notice","v":6}',
+        '"type":"settlement_notice","v":7}',
     ),
     (
         ForkPrefixEntry(
@@ -122,18 +124,18 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
         '"tool_calls":[]},'
         '{"content":"","role":"assistant","tool_call_id":null,"tool_calls":[{"arguments_json":'
         '"{\\"path\\":\\"a.md\\"}","call_id":"c-1","name":"read_file"}]},{"content":"# A",'
-        '"role":"tool","tool_call_id":"c-1","tool_calls":[]}],"type":"fork_prefix","v":6}',
+        '"role":"tool","tool_call_id":"c-1","tool_calls":[]}],"type":"fork_prefix","v":7}',
     ),
     (
         TurnStartedEntry(
             turn_id=TurnId("t-1"), node_id=NodeId("n-2"), activation_id=ActivationId("a-2")
         ),
         '{"activation_id":"a-2","at":null,"node_id":"n-2","turn_id":"t-1","type":"turn_started",'
-        '"v":6}',
+        '"v":7}',
     ),
     (
         ConsumedEntry(seqs=(3, 4)),
-        '{"at":null,"seqs":[3,4],"type":"consumed","v":6}',
+        '{"at":null,"seqs":[3,4],"type":"consumed","v":7}',
     ),
     (
         AssistantStepEntry(
@@ -143,20 +145,46 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
         ),
         '{"at":null,"text":"Reading it.","tool_calls":[{"arguments_json":"{\\"path\\":\\"a.md\\"}",'
         '"call_id":"c-1","name":"read_file"}],"type":"assistant_step","usage":'
-        '{"cached_input_tokens":1024,"input_tokens":1200,"output_tokens":35},"v":6}',
+        '{"cached_input_tokens":1024,"input_tokens":1200,"output_tokens":35},"v":7}',
     ),
     (
         ToolResultEntry(
             call_id="c-1", name="read_file", content="no such file", is_error=True, duration_ms=120
         ),
         '{"at":null,"call_id":"c-1","content":"no such file","duration_ms":120,"is_error":true,'
-        '"name":"read_file","type":"tool_result","v":6}',
+        '"name":"read_file","type":"tool_result","v":7}',
     ),
     (
         TurnEndedEntry(turn_id=TurnId("t-1"), outcome=TurnOutcome.COMPLETED),
-        '{"at":null,"detail":"","outcome":"completed","turn_id":"t-1","type":"turn_ended","v":6}',
+        '{"at":null,"detail":"","outcome":"completed","turn_id":"t-1","type":"turn_ended","v":7}',
+    ),
+    (
+        CompactionEntry(
+            summary="Read a.md; b.md is next.",
+            from_seq=1,
+            through_seq=40,
+            task='Review.\nparent agent_id: "s-0"',
+            pending=(38,),
+            open_turn=TurnStartedEntry(
+                turn_id=TurnId("t-2"), node_id=NodeId("n-1"), activation_id=ActivationId("a-1")
+            ),
+            model="lead-model",
+            usage=Usage(input_tokens=9000, output_tokens=300, cached_input_tokens=8192),
+        ),
+        '{"at":null,"from_seq":1,"model":"lead-model",'
+        '"open_turn":{"activation_id":"a-1","node_id":"n-1","turn_id":"t-2"},"pending":[38],'
+        '"summary":"Read a.md; b.md is next.","task":"Review.\\nparent agent_id: \\"s-0\\"",'
+        '"through_seq":40,"type":"compaction",'
+        '"usage":{"cached_input_tokens":8192,"input_tokens":9000,"output_tokens":300},"v":7}',
+    ),
+    (
+        ToolOutputsClearedEntry(seqs=(5, 9)),
+        '{"at":null,"seqs":[5,9],"type":"tool_outputs_cleared","v":7}',
     ),
 ]
+
+# The entry kinds added after version 1, and the version that added them.
+TAGS_ADDED_IN: dict[str, int] = {"compaction": 7, "tool_outputs_cleared": 7}
 
 WRITTEN_AT = datetime(2025, 1, 2, 3, 4, 5, 6, tzinfo=UTC)
 ROOT_HEADER = SessionHeader(
@@ -206,7 +234,7 @@ OTHER_EXAMPLES: list[tuple[object, Callable[[Any], bytes], str]] = [
         encode_header,
         '{"created_at":"2025-01-02T03:04:05.000006+00:00","fork_origin":null,"kind":"root",'
         '"namespace":"default","parent_session":null,"session_id":"s-1",'
-        '"spec":{"model":"lead-model","preset":"lead","tools":[]},"v":6}',
+        '"spec":{"model":"lead-model","preset":"lead","tools":[]},"v":7}',
     ),
     (
         FORK_HEADER,
@@ -216,24 +244,24 @@ OTHER_EXAMPLES: list[tuple[object, Callable[[Any], bytes], str]] = [
         '"parent_session":"s-1","session_id":"s-2","spec":{"model":"worker-model",'
         '"preset":"worker","tools":[{"description":"Read a file.","input_schema_json":'
         '"{\\"properties\\":{\\"path\\":{\\"type\\":\\"string\\"}},\\"type\\":\\"object\\"}",'
-        '"name":"read_file"}]},"v":6}',
+        '"name":"read_file"}]},"v":7}',
     ),
     (
         ROOT_ACTIVATION,
         encode_activation,
-        '{"activation_id":"a-1","node_id":"n-1","parent_activation":null,"session_id":"s-1","v":6}',
+        '{"activation_id":"a-1","node_id":"n-1","parent_activation":null,"session_id":"s-1","v":7}',
     ),
     (
         CHILD_ACTIVATION,
         encode_activation,
         '{"activation_id":"a-2","node_id":"n-2","parent_activation":"a-1","session_id":"s-2",'
-        '"v":6}',
+        '"v":7}',
     ),
     (
         ACCEPTANCE,
         encode_acceptance,
         '{"fingerprint":"sha256:9f86d0","kind":"cold-resumed","seq":3,"target":"s-2",'
-        '"target_activation":"a-2","v":6}',
+        '"target_activation":"a-2","v":7}',
     ),
 ]
 
@@ -307,9 +335,18 @@ def test_an_acceptance_round_trips_for_every_delivery_kind(kind: DeliveryKind) -
     assert decode_acceptance(encode_acceptance(acceptance)) == acceptance
 
 
-def test_the_format_version_is_six_and_every_older_one_is_readable() -> None:
-    assert FORMAT_VERSION == 6
-    assert sorted(READABLE_VERSIONS) == [1, 2, 3, 4, 5, 6]
+def test_the_format_version_is_seven_and_every_older_one_is_readable() -> None:
+    assert FORMAT_VERSION == 7
+    assert sorted(READABLE_VERSIONS) == [1, 2, 3, 4, 5, 6, 7]
+
+
+@pytest.mark.parametrize("tag", sorted(TAGS_ADDED_IN))
+def test_an_entry_kind_is_refused_in_a_version_older_than_it(tag: str) -> None:
+    data = next(data for entry, data in ENTRY_EXAMPLES if json.loads(data)["type"] == tag)
+    older = rewrite(data.encode(), lambda d: d.update(v=TAGS_ADDED_IN[tag] - 1))
+    with pytest.raises(CodecError, match=r"no .* entry exists in format version"):
+        decode_entry(older)
+    assert decode_entry(data.encode()) is not None
 
 
 def test_an_untraced_message_and_notice_store_an_empty_trace() -> None:
@@ -531,6 +568,7 @@ OLDER_VERSIONS = sorted(READABLE_VERSIONS - {FORMAT_VERSION})
 
 def test_every_field_added_later_is_from_a_readable_version() -> None:
     added = {v for fields in ADDED_IN.values() for v, _ in fields.values()}
+    added |= set(TAGS_ADDED_IN.values())
     assert added <= READABLE_VERSIONS - {min(READABLE_VERSIONS)}
     assert FORMAT_VERSION in added  # the newest version added something
 
@@ -540,8 +578,11 @@ def test_every_field_added_later_is_from_a_readable_version() -> None:
 def test_every_older_version_reads_like_the_current_one_without_later_fields(
     version: int, data: bytes, decode: Decoder
 ) -> None:
-    # Each version only added fields: without them, every kind reads the same in all versions.
+    # Each version only added fields and kinds: without them, every kind that existed then
+    # reads the same in all versions.
     tag = json.loads(data).get("type")
+    if version < TAGS_ADDED_IN.get(tag, 1):
+        return  # refused: test_an_entry_kind_is_refused_in_a_version_older_than_it
     added_in = ADDED_IN.get(tag or decode.__name__, {})
     if tag is not None:
         added_in = {**added_in, **ENTRY_ADDED_IN}
@@ -628,6 +669,30 @@ ENTRIES: st.SearchStrategy[Entry] = st.one_of(
     ),
     st.builds(ToolResultEntry, call_id=TEXT, name=TEXT, content=TEXT, is_error=st.booleans()),
     st.builds(TurnEndedEntry, turn_id=TURNS, outcome=st.sampled_from(TurnOutcome), detail=TEXT),
+    st.integers(min_value=1, max_value=10**6).flatmap(
+        lambda through: st.builds(
+            CompactionEntry,
+            summary=TEXT,
+            from_seq=st.integers(min_value=1, max_value=through),
+            through_seq=st.just(through),
+            task=TEXT,
+            pending=st.lists(st.integers(min_value=1, max_value=through), max_size=3).map(
+                lambda seqs: tuple(sorted(seqs))
+            ),
+            open_turn=st.none()
+            | st.builds(
+                TurnStartedEntry,
+                turn_id=TURNS,
+                node_id=TEXT.map(NodeId),
+                activation_id=ACTIVATIONS,
+            ),
+            model=TEXT,
+            usage=st.builds(
+                Usage, input_tokens=COUNTS, output_tokens=COUNTS, cached_input_tokens=COUNTS
+            ),
+        )
+    ),
+    st.builds(ToolOutputsClearedEntry, seqs=st.lists(COUNTS, max_size=5).map(tuple)),
 )
 
 

@@ -171,6 +171,8 @@ def test_transcript_entry_body_is_one_oneof() -> None:
         "turn_started",
         "turn_ended",
         "consumed",
+        "compaction",
+        "tool_outputs_cleared",
     ]
 
 

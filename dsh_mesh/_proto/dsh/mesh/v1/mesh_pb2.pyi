@@ -441,7 +441,7 @@ class AgentMessageSource(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., form: _Optional[str] = ..., sender_session_id: _Optional[str] = ...) -> None: ...
 
 class TranscriptEntry(_message.Message):
-    __slots__ = ("seq", "recorded_at", "task", "human_prompt", "agent_message", "settlement_notice", "assistant_step", "tool_result", "turn_started", "turn_ended", "consumed")
+    __slots__ = ("seq", "recorded_at", "task", "human_prompt", "agent_message", "settlement_notice", "assistant_step", "tool_result", "turn_started", "turn_ended", "consumed", "compaction", "tool_outputs_cleared")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     RECORDED_AT_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
@@ -453,6 +453,8 @@ class TranscriptEntry(_message.Message):
     TURN_STARTED_FIELD_NUMBER: _ClassVar[int]
     TURN_ENDED_FIELD_NUMBER: _ClassVar[int]
     CONSUMED_FIELD_NUMBER: _ClassVar[int]
+    COMPACTION_FIELD_NUMBER: _ClassVar[int]
+    TOOL_OUTPUTS_CLEARED_FIELD_NUMBER: _ClassVar[int]
     seq: int
     recorded_at: _timestamp_pb2.Timestamp
     task: TaskEntry
@@ -464,7 +466,9 @@ class TranscriptEntry(_message.Message):
     turn_started: TurnStartedEntry
     turn_ended: TurnEndedEntry
     consumed: ConsumedEntry
-    def __init__(self, seq: _Optional[int] = ..., recorded_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., task: _Optional[_Union[TaskEntry, _Mapping]] = ..., human_prompt: _Optional[_Union[HumanPromptEntry, _Mapping]] = ..., agent_message: _Optional[_Union[AgentMessageEntry, _Mapping]] = ..., settlement_notice: _Optional[_Union[SettlementNoticeEntry, _Mapping]] = ..., assistant_step: _Optional[_Union[AssistantStepEntry, _Mapping]] = ..., tool_result: _Optional[_Union[ToolResultEntry, _Mapping]] = ..., turn_started: _Optional[_Union[TurnStartedEntry, _Mapping]] = ..., turn_ended: _Optional[_Union[TurnEndedEntry, _Mapping]] = ..., consumed: _Optional[_Union[ConsumedEntry, _Mapping]] = ...) -> None: ...
+    compaction: CompactionEntry
+    tool_outputs_cleared: ToolOutputsClearedEntry
+    def __init__(self, seq: _Optional[int] = ..., recorded_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., task: _Optional[_Union[TaskEntry, _Mapping]] = ..., human_prompt: _Optional[_Union[HumanPromptEntry, _Mapping]] = ..., agent_message: _Optional[_Union[AgentMessageEntry, _Mapping]] = ..., settlement_notice: _Optional[_Union[SettlementNoticeEntry, _Mapping]] = ..., assistant_step: _Optional[_Union[AssistantStepEntry, _Mapping]] = ..., tool_result: _Optional[_Union[ToolResultEntry, _Mapping]] = ..., turn_started: _Optional[_Union[TurnStartedEntry, _Mapping]] = ..., turn_ended: _Optional[_Union[TurnEndedEntry, _Mapping]] = ..., consumed: _Optional[_Union[ConsumedEntry, _Mapping]] = ..., compaction: _Optional[_Union[CompactionEntry, _Mapping]] = ..., tool_outputs_cleared: _Optional[_Union[ToolOutputsClearedEntry, _Mapping]] = ...) -> None: ...
 
 class TaskEntry(_message.Message):
     __slots__ = ("content",)
@@ -575,6 +579,30 @@ class TurnEndedEntry(_message.Message):
     def __init__(self, turn_id: _Optional[str] = ..., outcome: _Optional[_Union[TurnOutcome, str]] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class ConsumedEntry(_message.Message):
+    __slots__ = ("seqs",)
+    SEQS_FIELD_NUMBER: _ClassVar[int]
+    seqs: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seqs: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CompactionEntry(_message.Message):
+    __slots__ = ("summary", "from_seq", "through_seq", "task", "pending", "model", "usage")
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    FROM_SEQ_FIELD_NUMBER: _ClassVar[int]
+    THROUGH_SEQ_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    summary: str
+    from_seq: int
+    through_seq: int
+    task: str
+    pending: _containers.RepeatedScalarFieldContainer[int]
+    model: str
+    usage: Usage
+    def __init__(self, summary: _Optional[str] = ..., from_seq: _Optional[int] = ..., through_seq: _Optional[int] = ..., task: _Optional[str] = ..., pending: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
+class ToolOutputsClearedEntry(_message.Message):
     __slots__ = ("seqs",)
     SEQS_FIELD_NUMBER: _ClassVar[int]
     seqs: _containers.RepeatedScalarFieldContainer[int]
