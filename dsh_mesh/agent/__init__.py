@@ -1,16 +1,28 @@
 """The agent loop: inbox, turns, steps, Steer and Queue delivery, interrupt, settlement."""
 
 from dsh_mesh.agent._agent import Agent, AgentHost, AgentState, Settlement
+from dsh_mesh.agent._context import SUMMARY_INSTRUCTION
 from dsh_mesh.agent._inbox import Inbox
-from dsh_mesh.agent._render import completed_turn_prefix, render, render_inbound
+from dsh_mesh.agent._render import (
+    SUMMARY_FRAME,
+    cleared_stub,
+    completed_turn_prefix,
+    frame_summary,
+    render,
+    render_inbound,
+)
 
 __all__ = [
+    "SUMMARY_FRAME",
+    "SUMMARY_INSTRUCTION",
     "Agent",
     "AgentHost",
     "AgentState",
     "Inbox",
     "Settlement",
+    "cleared_stub",
     "completed_turn_prefix",
+    "frame_summary",
     "render",
     "render_inbound",
 ]

@@ -37,6 +37,7 @@ endpoint always exists: from ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` unless the
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import sys
@@ -54,6 +55,7 @@ from dsh_mesh.tools import (
     SEND_MESSAGE_DESCRIPTOR,
     SPAWN_DESCRIPTORS,
     CallLimits,
+    ContextPolicy,
     FunctionTool,
     Preset,
     Tool,
@@ -112,6 +114,11 @@ _PRESET_KEYS = frozenset(
         "tools",
         "max_output_tokens",
         "turn_token_budget",
+        "context_window",
+        "compact_at",
+        "clear_tool_outputs",
+        "keep_tool_outputs",
+        "summary_preset",
     }
 )
 
@@ -172,9 +179,11 @@ def load_presets(
     endpoints = endpoints_from_environment(env)
     for name, table in _tables(path, document, "endpoints").items():
         endpoints[name] = _endpoint(path, name, table, env)
-    presets = tuple(
-        _preset(path, name, table, known_tools)
-        for name, table in _tables(path, document, "presets").items()
+    tables = _tables(path, document, "presets")
+    presets = _with_summary_models(
+        path,
+        tables,
+        tuple(_preset(path, name, table, known_tools) for name, table in tables.items()),
     )
     for preset in presets:
         if preset.model is not None:
@@ -412,9 +421,53 @@ def _preset(
                 max_output_tokens=_optional_int(table.get("max_output_tokens")),
                 turn_token_budget=_optional_int(table.get("turn_token_budget")),
             ),
+            context=_context(table),
         )
     except ValueError as error:
         raise PresetFileError(f"{path}: {where}: {error}") from error
+
+
+def _context(table: Mapping[str, Any]) -> ContextPolicy:
+    """A preset's context policy; its summary model is filled in by
+    :func:`_with_summary_models` once every preset is known."""
+    settings: dict[str, Any] = {"window_tokens": _optional_int(table.get("context_window"))}
+    compact_at = table.get("compact_at")
+    if compact_at is not None:
+        if isinstance(compact_at, bool) or not isinstance(compact_at, int | float):
+            raise ValueError(f"compact_at {compact_at!r} is not a share of the window")
+        settings["compact_at"] = float(compact_at)
+    clear = table.get("clear_tool_outputs")
+    if clear is not None:
+        if not isinstance(clear, bool):
+            raise ValueError(f"clear_tool_outputs {clear!r} is not true or false")
+        settings["clear_tool_outputs"] = clear
+    keep = _optional_int(table.get("keep_tool_outputs"))
+    if keep is not None:
+        settings["keep_tool_outputs"] = keep
+    return ContextPolicy(**settings)
+
+
+def _with_summary_models(
+    path: Path, tables: Mapping[str, Mapping[str, Any]], presets: tuple[Preset, ...]
+) -> tuple[Preset, ...]:
+    """Each preset with ``summary_preset`` set gets that preset's model as the model of its
+    compactions' summaries; the named preset must exist and name a model."""
+    models = {preset.name: preset.model for preset in presets}
+    resolved: list[Preset] = []
+    for preset in presets:
+        named = tables[preset.name].get("summary_preset")
+        if named is None:
+            resolved.append(preset)
+            continue
+        where = f"{path}: presets.{preset.name}.summary_preset"
+        if not isinstance(named, str) or named not in models:
+            raise PresetFileError(f"{where}: {named!r} is not a preset of this file")
+        model = models[named]
+        if model is None:
+            raise PresetFileError(f"{where}: preset {named!r} names no model")
+        context = dataclasses.replace(preset.context, summary_model=model)
+        resolved.append(dataclasses.replace(preset, context=context))
+    return tuple(resolved)
 
 
 def _optional_int(value: Any) -> int | None:

@@ -26,6 +26,7 @@ from dsh_mesh.core import (
     Activation,
     ActivationFenced,
     ActivationId,
+    CompactionEntry,
     DeliveryKind,
     DetachedWork,
     Entry,
@@ -38,6 +39,8 @@ from dsh_mesh.core import (
     SessionId,
     SessionUnknown,
     TreeStop,
+    context_of,
+    latest_compaction,
 )
 from dsh_mesh.registry._codec import (
     decode_activation,
@@ -374,7 +377,7 @@ class EtcdSessionStore:
                 return None
             self._fences[activation.activation_id] = fence
             self._note(activation)
-            records = await self.read(session) if read else []
+            records = await self.read_context(session) if read else []
             resumed = True
             return Resumption(current=activation, records=tuple(records))
         finally:
@@ -637,6 +640,31 @@ class EtcdSessionStore:
             # A transcript no header names is a creation cut short (ADR 0026): invisible.
             raise SessionUnknown(session)
         return records
+
+    async def read_context(self, session: SessionId) -> list[Record]:
+        """``session``'s context (:func:`~dsh_mesh.core.context_of`): read from the end back a
+        page at a time down to its latest compaction's range, then each record that compaction
+        kept pending. What it reads grows with the context, not with the transcript."""
+        last = await self._log.last(session)
+        tail: list[Record] = []
+        pending: tuple[int, ...] = ()
+        end, floor = (0 if last is None else last.seq), 0
+        found = False
+        while end > floor:
+            start = max(floor, end - DEFAULT_PAGE)
+            page = await self._log.read(session, after_seq=start, limit=end - start)
+            tail[:0] = page
+            if not found and (compaction := latest_compaction(page)) is not None:
+                assert isinstance(compaction.entry, CompactionEntry)
+                found, floor = True, compaction.entry.through_seq
+                pending = compaction.entry.pending
+            end = start
+        kept: list[Record] = []
+        for seq in pending:
+            kept.extend(await self._log.read(session, after_seq=seq - 1, limit=1))
+        if await self.get_header(session) is None:
+            raise SessionUnknown(session)  # a creation cut short (ADR 0026): invisible
+        return context_of([*kept, *(r for r in tail if r.seq > floor)])
 
     # -- helpers --------------------------------------------------------------------------------
 

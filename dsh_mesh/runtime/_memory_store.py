@@ -17,6 +17,7 @@ from dsh_mesh.core import (
     SessionId,
     SessionUnknown,
     TreeStop,
+    context_of,
 )
 from dsh_mesh.runtime._store import (
     Acceptance,
@@ -71,7 +72,8 @@ class InMemorySessionStore:
         current = await self.try_activate(activation)
         if current != activation:
             return Resumption(current=current)
-        return Resumption(current=current, records=tuple(self._transcripts[current.session_id]))
+        records = context_of(self._transcripts[current.session_id])
+        return Resumption(current=current, records=tuple(records))
 
     async def current_activation(
         self, session: SessionId, *, fresh: bool = False

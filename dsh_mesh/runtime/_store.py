@@ -50,9 +50,11 @@ class Acceptance:
 @dataclass(frozen=True, kw_only=True)
 class Resumption:
     """What :meth:`SessionStore.try_resume` found: the session's current activation (the one
-    asked for when the call won it) and, when it won, the transcript as of that moment (read
-    after every earlier activation was fenced off); or,
-    instead of either, the first acceptance of an idempotency key already used."""
+    asked for when the call won it) and, when it won, the session's context as of that moment
+    (read after every earlier activation was fenced off): the whole transcript, or, once it was
+    compacted, what its latest compaction kept and everything after that compaction's range
+    (:func:`~dsh_mesh.core.context_of`); or, instead of either, the first acceptance of an
+    idempotency key already used."""
 
     current: Activation | None
     records: tuple[Record, ...] = ()
@@ -110,8 +112,9 @@ class SessionStore(Protocol):
         self, activation: Activation, *, unless_known: IdempotencyKey | None = None
     ) -> Resumption:
         """:meth:`try_activate` for an existing session, in one atomic step with reading its
-        transcript. With ``unless_known``, a key already recorded wins over everything else:
-        nothing is activated and the result carries only the first acceptance under it."""
+        context (:class:`Resumption`): O(context), not O(transcript). With
+        ``unless_known``, a key already recorded wins over everything else: nothing is
+        activated and the result carries only the first acceptance under it."""
         ...
 
     async def current_activation(

@@ -352,9 +352,10 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
             resident is not None
             and current is not None
             and (resident.activation.activation_id == current.activation_id)
+            and resident.whole_transcript
         ):
             # Every model call of a session is written by the agent that made it, which keeps
-            # its whole transcript: the usage needs no pass over the registry.
+            # its whole transcript until it compacts: the usage needs no pass over the log.
             records, more = await self._reads.page(session, after_seq=after, limit=limit)
             usage = session_usage(r.entry for r in resident.records)
         else:

@@ -16,7 +16,7 @@ from dsh_mesh.node import (
     Scenario,
     load_presets,
 )
-from dsh_mesh.tools import Preset, TurnLimits
+from dsh_mesh.tools import ContextPolicy, Preset, TurnLimits
 
 EXAMPLE = """
 [endpoints.ollama]
@@ -134,6 +134,20 @@ def test_the_file_may_redefine_the_openai_endpoint(tmp_path: Path) -> None:
         ("[presets.lead]\nsystem_prompt = 'x'\nmodel = 'openai:'\n", "names no model"),
         ("[presets.lead]\nsystem_prompt = 'x'\nmodel = ' '\n", "model spec is empty"),
         ("not toml at all [", "presets.toml"),
+        ("[presets.lead]\nsystem_prompt = 'x'\ncontext_window = 100\n", "at least 256"),
+        ("[presets.lead]\nsystem_prompt = 'x'\ncompact_at = 1.5\n", "compact_at"),
+        ("[presets.lead]\nsystem_prompt = 'x'\ncompact_at = 'half'\n", "share of the window"),
+        ("[presets.lead]\nsystem_prompt = 'x'\nclear_tool_outputs = 1\n", "true or false"),
+        ("[presets.lead]\nsystem_prompt = 'x'\nkeep_tool_outputs = -1\n", "keep_tool_outputs"),
+        (
+            "[presets.lead]\nsystem_prompt = 'x'\nsummary_preset = 'brief'\n",
+            "summary_preset: 'brief' is not a preset",
+        ),
+        (
+            "[presets.lead]\nsystem_prompt = 'x'\nsummary_preset = 'brief'\n"
+            "[presets.brief]\nsystem_prompt = 'y'\n",
+            "preset 'brief' names no model",
+        ),
     ],
 )
 def test_a_file_the_node_cannot_run_is_refused_naming_the_key(
@@ -141,6 +155,26 @@ def test_a_file_the_node_cannot_run_is_refused_naming_the_key(
 ) -> None:
     with pytest.raises(PresetFileError, match=complaint):
         load_presets(write(tmp_path, text), environ={})
+
+
+def test_a_presets_context_policy_and_summary_preset_are_read(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "[presets.lead]\nsystem_prompt = 'x'\nmodel = 'openai:big'\ncontext_window = 128000\n"
+        "compact_at = 0.75\nclear_tool_outputs = false\nkeep_tool_outputs = 5\n"
+        "summary_preset = 'brief'\n"
+        "[presets.brief]\nsystem_prompt = 'Summarise.'\nmodel = 'openai:small'\n",
+    )
+    lead, brief = load_presets(path, environ={}).presets
+    assert lead.context == ContextPolicy(
+        window_tokens=128000,
+        compact_at=0.75,
+        clear_tool_outputs=False,
+        keep_tool_outputs=5,
+        summary_model="openai:small",
+    )
+    assert lead.context.mark == 96000
+    assert brief.context == ContextPolicy()  # unknown window: compacts only when refused
 
 
 def test_presets_may_name_only_the_standard_tools() -> None:
