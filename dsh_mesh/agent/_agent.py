@@ -738,14 +738,14 @@ class Agent:
         await self._compact(f"the context reached {size.tokens:,} of {window:,} tokens")
 
     def _compactable(self) -> bool:
-        """Whether a model step was recorded since the latest compaction: else a compaction
-        would only summarise a summary."""
+        """Whether a model step was recorded since the latest compaction (or at all): else a
+        compaction would only summarise a summary, or a task no step has worked on yet."""
         for record in reversed(self._records):
             if isinstance(record.entry, CompactionEntry):
                 return False
             if isinstance(record.entry, AssistantStepEntry):
                 return True
-        return True
+        return False
 
     async def _compact(self, reason: str, *, forced: bool = False) -> None:
         """Replace the context up to now by a summary the model writes: one model call over the
