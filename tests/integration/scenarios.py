@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from dsh_mesh.core import ToolDescriptor
 from dsh_mesh.models import PARENT, Branch, Call, Reply, Stall, arrived, child, send, tool
 from dsh_mesh.node import Scenario
-from dsh_mesh.tools import Preset, ToolIdentity, ToolInvocation, ToolOutput
+from dsh_mesh.tools import ContextPolicy, Preset, ToolIdentity, ToolInvocation, ToolOutput
+from dsh_mesh.tools import tool as tool_decorator
 
 LEAD = Preset(name="lead", system_prompt="You lead.", model="lead")
 
@@ -284,4 +285,36 @@ RUNAWAY = Scenario(
             Stall(),
         ),
     },
+)
+
+
+# A root reads ten pages with a small context window, so it compacts along the way, then stalls
+# mid-turn: its host is killed, and a prompt cold-resumes it on another node from its latest
+# compaction. Resumed past its program's reads (a scripted summary names the steps it covers,
+# so the program's cursor counts them), it answers the prompt.
+@tool_decorator(replay="safe")
+def read_page(number: str) -> str:
+    """Read one page of the manual."""
+    return f"page {number}: " + "the lease outlives the node by its TTL; " * 25
+
+
+COMPACTING = Scenario(
+    presets=(
+        Preset(
+            name="reader",
+            system_prompt="You read manuals.",
+            model="reader",
+            context=ContextPolicy(window_tokens=2000, compact_at=0.5, clear_tool_outputs=False),
+        ),
+    ),
+    programs={
+        "reader": (
+            *(tool("read_page", number=str(n)) for n in range(1, 11)),
+            Branch(
+                cases=((arrived("Still there?"), Reply(text="Resumed from my summary.")),),
+                otherwise=Stall(),
+            ),
+        )
+    },
+    tools=(read_page,),
 )
