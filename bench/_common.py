@@ -47,6 +47,12 @@ class Sizes:
     storage_steps: tuple[int, int]
     """Steps of the two agents whose stored bytes ``storage`` compares (each a preset of
     ``bench.scenarios.STORAGE``)."""
+    context_steps: int
+    """Steps (each with a 4 KB tool result) of the long agent ``context`` resumes."""
+    context_every: int
+    """Steps between its compactions, and the steps of the short agent it is compared with."""
+    context_reps: int
+    """Resumes of each agent (the median is reported)."""
 
 
 FULL = Sizes(
@@ -66,6 +72,9 @@ FULL = Sizes(
     control_calls=300,
     control_settle=5.0,
     storage_steps=(10, 1_000),
+    context_steps=10_000,
+    context_every=200,
+    context_reps=5,
 )
 
 QUICK = Sizes(
@@ -85,6 +94,9 @@ QUICK = Sizes(
     control_calls=20,
     control_settle=0.5,
     storage_steps=(10, 50),
+    context_steps=400,
+    context_every=100,
+    context_reps=1,
 )
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from bench._common import FULL, QUICK, Bed, Sizes
 from bench._report import Report, format_table
+from bench.context import measure_context
 from bench.control import measure_control
 from bench.floors import measure_floors
 from bench.long_resume import measure_long_resume
@@ -63,6 +64,7 @@ SECTIONS: dict[str, Callable[[Bed], Awaitable[None]]] = {
     "provider": measure_provider,
     "tools": measure_tools,
     "namespaces": measure_namespace_check,
+    "context": measure_context,
     # The ones that fill etcd run last, so they cannot slow the others down.
     "sessions": measure_registered_sessions,
     "control": measure_control,

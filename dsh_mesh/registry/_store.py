@@ -642,16 +642,20 @@ class EtcdSessionStore:
         return records
 
     async def read_context(self, session: SessionId) -> list[Record]:
-        """``session``'s context (:func:`~dsh_mesh.core.context_of`): read from the end back a
-        page at a time down to its latest compaction's range, then each record that compaction
-        kept pending. What it reads grows with the context, not with the transcript."""
+        """``session``'s context (:func:`~dsh_mesh.core.context_of`): read from the end back,
+        in pages that double from :data:`_FIRST_BACK_PAGE` records up to the log store's page,
+        down to its latest compaction's range, then each record that compaction kept pending.
+        What it reads grows with the context (at most about twice it), not with the
+        transcript."""
         last = await self._log.last(session)
         tail: list[Record] = []
         pending: tuple[int, ...] = ()
         end, floor = (0 if last is None else last.seq), 0
         found = False
+        size = _FIRST_BACK_PAGE
         while end > floor:
-            start = max(floor, end - DEFAULT_PAGE)
+            start = max(floor, end - size)
+            size = min(size * 2, DEFAULT_PAGE)
             page = await self._log.read(session, after_seq=start, limit=end - start)
             tail[:0] = page
             if not found and (compaction := latest_compaction(page)) is not None:
@@ -709,6 +713,10 @@ class EtcdSessionStore:
     def _note(self, activation: Activation) -> None:
         if self._directory is not None:
             self._directory.note(activation)
+
+
+_FIRST_BACK_PAGE = 32
+"""Records of the first page a context read reads back from the end."""
 
 
 def _created_after(parent: SessionHeader | None, given: datetime | None) -> datetime:

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from collections.abc import Sequence
 
+from bench._reader import BODY, PAGES, manual_reader, read_page
 from dsh_mesh.agent import SUMMARY_FRAME
 from dsh_mesh.core import (
     AssistantStepEntry,
@@ -29,54 +29,12 @@ from dsh_mesh.models import (
 )
 from dsh_mesh.testing import (
     ChatCompletionsServer,
-    Completion,
-    RecordedRequest,
-    ScriptedToolCall,
     in_process_mesh,
 )
 from dsh_mesh.tools import ContextPolicy, Preset
-from dsh_mesh.tools import tool as tool_decorator
 
 WAIT = 60
 ROOT = SessionId("s-1")
-PAGES = 12
-BODY = "the lease outlives the node by its TTL; " * 25  # 1,000 characters
-
-
-@tool_decorator(replay="safe")
-def read_page(number: int) -> str:
-    """Read one page of the operations manual."""
-    return f"page {number}: {BODY}"
-
-
-_SUMMARISED = re.compile(r"Summary: pages 1 to (\d+) read")
-
-
-def pages_read(request: RecordedRequest) -> int:
-    """Pages the conversation shows read: those its summary names, then the pages its
-    assistant messages asked for (their results may have been cleared)."""
-    read = 0
-    for message in request.messages:
-        content = str(message.get("content") or "")
-        if message.get("role") == "user" and (found := _SUMMARISED.search(content)):
-            read = int(found.group(1))
-        elif message.get("role") == "assistant":
-            read += len(message.get("tool_calls") or [])
-    return read
-
-
-def manual_reader(request: RecordedRequest) -> Completion:
-    """Reads the manual a page a step, then says so; answers a summary request (no tools
-    allowed) with what it read."""
-    read = pages_read(request)
-    if isinstance(request.json, dict) and request.json.get("tool_choice") == "none":
-        return Completion(text=f"Summary: pages 1 to {read} read; all say the lease outlives.")
-    if read < PAGES:
-        call = ScriptedToolCall(
-            call_id=f"call_{read + 1}", name="read_page", arguments=json.dumps({"number": read + 1})
-        )
-        return Completion(tool_calls=(call,))
-    return Completion(text=f"read all {read} pages")
 
 
 def reader_presets(context: ContextPolicy) -> tuple[Preset, ...]:
