@@ -23,6 +23,7 @@ import pytest
 from dsh_mesh.core import (
     ActivationFenced,
     ActivationId,
+    CompactionEntry,
     DeliveryKind,
     IdempotencyConflict,
     Record,
@@ -42,6 +43,10 @@ INT64_MAX = 2**63 - 1
 
 def task(text: str) -> Write:
     return Write(entry=TaskEntry(content=text))
+
+
+def compaction(summary: str, *, through: int) -> Write:
+    return Write(entry=CompactionEntry(summary=summary, from_seq=1, through_seq=through))
 
 
 def keyed(text: str, key: str, *, target: SessionId = S, principal: str = "s-9") -> Write:
@@ -254,6 +259,28 @@ class LogStoreConformance:
         await store.append(OTHER, [task("other")], fence=1, unfenced=True)
         last = await store.last(S)
         assert last is not None and last.seq == 2 and contents([last]) == ["b"]
+
+    async def test_the_last_compaction_is_found_in_one_read_and_forgotten_with_its_session(
+        self, store: LogStore
+    ) -> None:
+        assert await store.last_compaction(S) is None
+        await store.raise_fence(S, 10)
+        await store.append(S, [task("a"), task("b")], fence=10)
+        assert await store.last_compaction(S) is None
+        [first] = await store.append(S, [compaction("first", through=2)], fence=10)
+        await store.append(S, [task("c"), compaction("second", through=4), task("d")], fence=10)
+        await store.append(OTHER, [compaction("other", through=1)], fence=1, unfenced=True)
+        latest = await store.last_compaction(S)
+        assert latest is not None and latest.seq == 5
+        assert isinstance(latest.entry, CompactionEntry) and latest.entry.summary == "second"
+        assert first.record.seq == 3
+        with pytest.raises(ActivationFenced):  # a refused append indexes nothing
+            await store.append(S, [compaction("stale", through=5)], fence=9)
+        assert (await store.last_compaction(S)) == latest
+        await store.delete(S, 30)
+        assert await store.last_compaction(S) is None
+        other = await store.last_compaction(OTHER)
+        assert other is not None and other.seq == 1
 
     async def test_a_deleted_session_is_gone_and_its_old_writers_stay_refused(
         self, store: LogStore

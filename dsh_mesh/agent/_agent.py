@@ -756,7 +756,7 @@ class Agent:
             if forced:
                 raise TokensExhausted(f"{reason}; nothing is left to compact")
             return
-        through = self._records[-1].seq
+        through = self._unseen_from() - 1
         model = self.context.summary_model or self.header.spec.model
         with telemetry.span(
             "dsh.context.compact",
@@ -766,7 +766,7 @@ class Agent:
                 "dsh.context.reason": reason,
             },
         ) as span:
-            response = await self._summarise(model)
+            response = await self._summarise(model, through)
             if response.finish_reason is FinishReason.LENGTH:
                 raise TokensExhausted("the summary of the context did not fit its output limit")
             summary = response.text.strip()
@@ -776,18 +776,30 @@ class Agent:
             record = await self._write_compaction(summary, through, model, response.usage)
             span.set("dsh.context.compaction_seq", record.seq)
 
-    async def _summarise(self, model: str) -> ModelResponse:
-        """The summary call: the context as the model sees it, then the instruction. If that is
-        too long for the model, again with every tool output cleared; if that is too long as
-        well, :class:`TokensExhausted`."""
+    def _unseen_from(self) -> int:
+        """Where what no model step has seen yet begins: the latest boundary's read when no
+        step followed it (the messages it delivered are not read until a step shows them),
+        else past the last record. A compaction covers only what comes before."""
+        for record in reversed(self._records):
+            if isinstance(record.entry, AssistantStepEntry | CompactionEntry):
+                break
+            if isinstance(record.entry, ConsumedEntry):
+                return record.seq
+        return self._records[-1].seq + 1
+
+    async def _summarise(self, model: str, through: int) -> ModelResponse:
+        """The summary call: the context up to ``through`` as the model sees it, then the
+        instruction. If that is too long for the model, again with every tool output cleared;
+        if that is too long as well, :class:`TokensExhausted`."""
         base = self._request()
         for clear_all in (False, True):
+            conversation = render(self._records, upto=through, clear_all=clear_all)
             request = ModelRequest(
                 session_id=self.session_id,
                 model=model,
                 system_prompt=base.system_prompt,
                 tools=base.tools,
-                messages=summary_messages(self._request(clear_all=clear_all).messages),
+                messages=summary_messages(conversation),
                 max_output_tokens=base.max_output_tokens,
                 purpose=CallPurpose.COMPACTION,
             )
@@ -822,9 +834,7 @@ class Agent:
                     from_seq=start,
                     through_seq=through,
                     task=self._task(),
-                    pending=tuple(
-                        r.seq for r in pending_inbound(self._records) if r.seq <= through
-                    ),
+                    pending=tuple(r.seq for r in pending_inbound(self._records, through=through)),
                     open_turn=unended_turn(self._records),
                     model=model,
                     usage=usage,

@@ -68,7 +68,7 @@ def render(
     which renders the same. Inbound entries appear where they were consumed, so a message
     accepted mid-step follows that step's tool results; unconsumed ones do not appear.
 
-    A :class:`CompactionEntry` replaces everything before it with the kept task (a child's)
+    A :class:`CompactionEntry` replaces what the records of its range show with the kept task
     and the summary. A tool output cleared by a :class:`ToolOutputsClearedEntry` anywhere in
     ``records`` shows as a stub (every one, with ``clear_all``). With ``upto`` only the
     messages of records up to that seq are rendered, exactly as they start the rendering of
@@ -82,32 +82,34 @@ def render(
         for seq in record.entry.seqs
     }
     inbound: dict[int, InboundEntry] = {}
-    messages: list[ChatMessage] = []
+    messages: list[tuple[int, ChatMessage]] = []
+    """Each message with the seq of the record that shows it."""
     for record in records:
         if upto is not None and record.seq > upto:
             break
-        entry = record.entry
+        entry, seq = record.entry, record.seq
         if isinstance(entry, INBOUND_TYPES):
-            inbound[record.seq] = entry
+            inbound[seq] = entry
         elif isinstance(entry, ConsumedEntry):
-            messages.extend(render_inbound(inbound[seq]) for seq in entry.seqs)
+            messages.extend((seq, render_inbound(inbound[s])) for s in entry.seqs)
         elif isinstance(entry, ForkPrefixEntry):
-            messages.extend(entry.messages)
+            messages.extend((seq, m) for m in entry.messages)
         elif isinstance(entry, AssistantStepEntry):
-            messages.append(
-                ChatMessage(role=Role.ASSISTANT, content=entry.text, tool_calls=entry.tool_calls)
-            )
+            step = ChatMessage(role=Role.ASSISTANT, content=entry.text, tool_calls=entry.tool_calls)
+            messages.append((seq, step))
         elif isinstance(entry, ToolResultEntry):
-            content = cleared_stub(entry) if clear_all or record.seq in cleared else entry.content
+            content = cleared_stub(entry) if clear_all or seq in cleared else entry.content
             messages.append(
-                ChatMessage(role=Role.TOOL, content=content, tool_call_id=entry.call_id)
+                (seq, ChatMessage(role=Role.TOOL, content=content, tool_call_id=entry.call_id))
             )
         elif isinstance(entry, CompactionEntry):
-            messages.clear()
-            if entry.task:
-                messages.append(ChatMessage(role=Role.USER, content=entry.task))
-            messages.append(ChatMessage(role=Role.USER, content=frame_summary(entry.summary)))
-    return tuple(messages)
+            # What records after its range show (a read the compaction left for the next step)
+            # stays, after the kept task and the summary.
+            head = [ChatMessage(role=Role.USER, content=entry.task)] if entry.task else []
+            head.append(ChatMessage(role=Role.USER, content=frame_summary(entry.summary)))
+            after = [(s, m) for s, m in messages if s > entry.through_seq]
+            messages = [(0, m) for m in head] + after
+    return tuple(m for _, m in messages)
 
 
 def completed_turn_prefix(records: Sequence[Record]) -> tuple[int, tuple[ChatMessage, ...]]:

@@ -267,15 +267,17 @@ def is_queue_delivery(entry: InboundEntry) -> bool:
     return isinstance(entry, HumanPromptEntry)
 
 
-def pending_inbound(records: Sequence[Record]) -> list[Record]:
-    """Inbound records no ``ConsumedEntry`` has delivered yet, in acceptance order. ``records``
-    may be a session's context (:func:`context_of`): the inbound entries a compaction kept
-    pending are among them."""
+def pending_inbound(records: Sequence[Record], *, through: int | None = None) -> list[Record]:
+    """Inbound records no ``ConsumedEntry`` has delivered yet, in acceptance order; with
+    ``through``, those up to that seq that none up to it delivered. ``records`` may be a
+    session's context (:func:`context_of`): the inbound entries a compaction kept pending are
+    among them."""
+    upto = [r for r in records if through is None or r.seq <= through]
     consumed: set[int] = set()
-    for record in records:
+    for record in upto:
         if isinstance(record.entry, ConsumedEntry):
             consumed.update(record.entry.seqs)
-    return [r for r in records if isinstance(r.entry, INBOUND_TYPES) and r.seq not in consumed]
+    return [r for r in upto if isinstance(r.entry, INBOUND_TYPES) and r.seq not in consumed]
 
 
 def unended_turn(records: Sequence[Record]) -> TurnStartedEntry | None:

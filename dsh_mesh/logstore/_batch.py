@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from dsh_mesh.core import ActivationFenced, Record, SessionId
+from dsh_mesh.core import ActivationFenced, CompactionEntry, Record, SessionId
 from dsh_mesh.runtime import Acceptance, IdempotencyKey, Write, Written, check_same_request
 
 
@@ -19,6 +19,12 @@ class Plan:
     records: list[tuple[Record, tuple[IdempotencyKey, Acceptance] | None]]
     new_fence: int | None
     written: list[Written]
+
+    @property
+    def compactions(self) -> list[int]:
+        """The seqs of the compactions among ``records``: each is indexed in the same
+        transaction (:meth:`~dsh_mesh.runtime.LogStore.last_compaction`)."""
+        return [r.seq for r, _ in self.records if isinstance(r.entry, CompactionEntry)]
 
 
 def plan_append(

@@ -20,6 +20,7 @@ class MemoryLogStore:
         self._idempotency: dict[IdempotencyKey, tuple[Acceptance, datetime]] = {}
         self._log: list[Logged] = []  # every record, in position order
         self._forgotten: dict[SessionId, int] = {}  # deleted sessions: up to which position
+        self._compacted: dict[SessionId, int] = {}  # the seq of each session's last compaction
 
     async def raise_fence(self, session: SessionId, fence: int) -> int:
         current = max(self._fences.get(session, 0), fence)
@@ -45,6 +46,8 @@ class MemoryLogStore:
             self._log.append(Logged(session=session, position=len(self._log) + 1, record=record))
             if guard is not None:
                 self._idempotency[guard[0]] = (guard[1], record.recorded_at or datetime.now(UTC))
+        if plan.compactions:
+            self._compacted[session] = plan.compactions[-1]
         if plan.new_fence is not None:
             self._fences[session] = plan.new_fence
         return plan.written
@@ -77,9 +80,14 @@ class MemoryLogStore:
         transcript = self._transcripts.get(session)
         return transcript[-1] if transcript else None
 
+    async def last_compaction(self, session: SessionId) -> Record | None:
+        seq = self._compacted.get(session)
+        return None if seq is None else self._transcripts[session][seq - 1]
+
     async def delete(self, session: SessionId, fence: int) -> None:
         self._fences[session] = max(self._fences.get(session, 0), fence)
         self._transcripts.pop(session, None)
+        self._compacted.pop(session, None)
         self._forgotten[session] = len(self._log)
         for key in [k for k, (a, _) in self._idempotency.items() if a.target == session]:
             del self._idempotency[key]

@@ -45,6 +45,9 @@ _SCHEMA = (
     " at TIMESTAMPTZ NOT NULL, data BYTEA NOT NULL, PRIMARY KEY (principal, key))",
     "CREATE INDEX IF NOT EXISTS idempotency_by_target ON idempotency (target)",
     "CREATE INDEX IF NOT EXISTS idempotency_by_age ON idempotency (at)",
+    # The seqs of a session's compactions: a cold resume starts at its last one.
+    "CREATE TABLE IF NOT EXISTS compactions ("
+    " session TEXT NOT NULL, seq BIGINT NOT NULL, PRIMARY KEY (session, seq))",
 )
 _ENSURE_FENCE = "INSERT INTO fences (session, fence) VALUES ($1, 0) ON CONFLICT DO NOTHING"
 _LOCK_FENCE = "SELECT fence FROM fences WHERE session = $1 FOR UPDATE"
@@ -73,6 +76,13 @@ _INSERT_KEYS = (
     " AS k (principal, key, at, data)"
 )
 _LAST = "SELECT seq, data FROM entries WHERE session = $1 ORDER BY seq DESC LIMIT 1"
+_INSERT_COMPACTIONS = "INSERT INTO compactions (session, seq) SELECT $1, unnest($2::bigint[])"
+_LAST_COMPACTION = (
+    "SELECT e.seq, e.data FROM entries e"
+    " JOIN (SELECT max(seq) AS seq FROM compactions WHERE session = $1) c"
+    " ON e.session = $1 AND e.seq = c.seq"
+)
+_FORGET_COMPACTIONS = "DELETE FROM compactions WHERE session = $1"
 _FORGET_ENTRIES = "DELETE FROM entries WHERE session = $1"
 _FORGET_KEYS = "DELETE FROM idempotency WHERE target = $1"
 _EXPIRE_KEYS = "DELETE FROM idempotency WHERE at < $1"
@@ -209,10 +219,16 @@ class PostgresLogStore:
             row = await db.fetchrow(_LAST, session)
         return None if row is None else decode_record(row[0], row[1])
 
+    async def last_compaction(self, session: SessionId) -> Record | None:
+        async with self._connection() as db:
+            row = await db.fetchrow(_LAST_COMPACTION, session)
+        return None if row is None else decode_record(row[0], row[1])
+
     async def delete(self, session: SessionId, fence: int) -> None:
         async with self._connection() as db, db.transaction():
             await db.fetchval(_RAISE_FENCE, session, fence)  # holds the row: appends wait
             await db.execute(_FORGET_ENTRIES, session)
+            await db.execute(_FORGET_COMPACTIONS, session)
             await db.execute(_FORGET_KEYS, session)
 
     async def expire_keys(self, before: datetime) -> int:
@@ -276,6 +292,8 @@ class PostgresLogStore:
                     [r.recorded_at for r, _ in guarded],
                     [encode_acceptance(acceptance) for _, (_, acceptance) in guarded],
                 )
+            if plan.compactions:
+                await db.execute(_INSERT_COMPACTIONS, session, plan.compactions)
             if plan.new_fence is not None:
                 await db.execute(_SET_FENCE, session, plan.new_fence)
             return plan.written

@@ -46,6 +46,9 @@ _SCHEMA = (
     " data BLOB NOT NULL, PRIMARY KEY (principal, key)) WITHOUT ROWID",
     "CREATE INDEX IF NOT EXISTS idempotency_by_target ON idempotency (target)",
     "CREATE INDEX IF NOT EXISTS idempotency_by_age ON idempotency (at)",
+    # The seqs of a session's compactions: a cold resume starts at its last one.
+    "CREATE TABLE IF NOT EXISTS compactions ("
+    " session TEXT NOT NULL, seq INTEGER NOT NULL, PRIMARY KEY (session, seq)) WITHOUT ROWID",
 )
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _BUSY_TIMEOUT_MS = 10_000
@@ -127,6 +130,10 @@ class SqliteLogStore:
                         if guard is not None
                     ],
                 )
+                db.executemany(
+                    "INSERT INTO compactions (session, seq) VALUES (?, ?)",
+                    [(session, seq) for seq in plan.compactions],
+                )
                 if plan.new_fence is not None:
                     db.execute(
                         "INSERT INTO fences (session, fence) VALUES (?, ?)"
@@ -186,6 +193,18 @@ class SqliteLogStore:
 
         return await self._run(work)
 
+    async def last_compaction(self, session: SessionId) -> Record | None:
+        def work(db: sqlite3.Connection) -> Record | None:
+            row = db.execute(
+                "SELECT e.seq, e.data FROM entries e JOIN"
+                " (SELECT max(seq) AS seq FROM compactions WHERE session = ?) c"
+                " ON e.session = ? AND e.seq = c.seq",
+                (session, session),
+            ).fetchone()
+            return None if row is None else decode_record(row[0], row[1])
+
+        return await self._run(work)
+
     async def delete(self, session: SessionId, fence: int) -> None:
         def work(db: sqlite3.Connection) -> None:
             with _immediate(db):
@@ -195,6 +214,7 @@ class SqliteLogStore:
                     (session, fence),
                 )
                 db.execute("DELETE FROM entries WHERE session = ?", (session,))
+                db.execute("DELETE FROM compactions WHERE session = ?", (session,))
                 db.execute("DELETE FROM idempotency WHERE target = ?", (session,))
 
         await self._run(work)

@@ -40,7 +40,6 @@ from dsh_mesh.core import (
     SessionUnknown,
     TreeStop,
     context_of,
-    latest_compaction,
 )
 from dsh_mesh.registry._codec import (
     decode_activation,
@@ -642,33 +641,19 @@ class EtcdSessionStore:
         return records
 
     async def read_context(self, session: SessionId) -> list[Record]:
-        """``session``'s context (:func:`~dsh_mesh.core.context_of`): read from the end back,
-        in pages that double from :data:`_FIRST_BACK_PAGE` records up to the log store's page,
-        down to its latest compaction's range, then each record that compaction kept pending.
-        What it reads grows with the context (at most about twice it), not with the
-        transcript."""
-        last = await self._log.last(session)
-        tail: list[Record] = []
-        pending: tuple[int, ...] = ()
-        end, floor = (0 if last is None else last.seq), 0
-        found = False
-        size = _FIRST_BACK_PAGE
-        while end > floor:
-            start = max(floor, end - size)
-            size = min(size * 2, DEFAULT_PAGE)
-            page = await self._log.read(session, after_seq=start, limit=end - start)
-            tail[:0] = page
-            if not found and (compaction := latest_compaction(page)) is not None:
-                assert isinstance(compaction.entry, CompactionEntry)
-                found, floor = True, compaction.entry.through_seq
-                pending = compaction.entry.pending
-            end = start
+        """``session``'s context (:func:`~dsh_mesh.core.context_of`): its latest compaction
+        (one indexed read), every record after that compaction's range, and each record it
+        kept pending; the whole transcript when it has none. What it reads grows with the
+        context, not with the transcript."""
+        latest = await self._log.last_compaction(session)
+        if latest is None:
+            return await self.read(session)
+        assert isinstance(latest.entry, CompactionEntry)
         kept: list[Record] = []
-        for seq in pending:
+        for seq in latest.entry.pending:
             kept.extend(await self._log.read(session, after_seq=seq - 1, limit=1))
-        if await self.get_header(session) is None:
-            raise SessionUnknown(session)  # a creation cut short (ADR 0026): invisible
-        return context_of([*kept, *(r for r in tail if r.seq > floor)])
+        after = await self.read(session, after_seq=latest.entry.through_seq)
+        return context_of([*kept, *after])
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -713,10 +698,6 @@ class EtcdSessionStore:
     def _note(self, activation: Activation) -> None:
         if self._directory is not None:
             self._directory.note(activation)
-
-
-_FIRST_BACK_PAGE = 32
-"""Records of the first page a context read reads back from the end."""
 
 
 def _created_after(parent: SessionHeader | None, given: datetime | None) -> datetime:

@@ -103,6 +103,12 @@ class LogStore(Protocol):
         transcript."""
         ...
 
+    async def last_compaction(self, session: SessionId) -> Record | None:
+        """``session``'s last record holding a ``CompactionEntry`` (None when it has none):
+        one indexed read, however long the transcript. The store indexes every compaction it
+        appends, in the append's transaction."""
+        ...
+
     async def delete(self, session: SessionId, fence: int) -> None:
         """Forget ``session``: its records and the idempotency records that point at them go,
         in one transaction that first raises its fence to ``fence`` (the etcd revision that

@@ -122,6 +122,9 @@ class HeldLog:
     async def last(self, session: SessionId) -> Record | None:
         return await self.inner.last(session)
 
+    async def last_compaction(self, session: SessionId) -> Record | None:
+        return await self.inner.last_compaction(session)
+
     async def delete(self, session: SessionId, fence: int) -> None:
         await self.inner.delete(session, fence)
 

@@ -208,6 +208,9 @@ class ProbedLog:
     async def last(self, session: SessionId) -> Record | None:
         return await self._probed("last", lambda: self.inner.last(session))
 
+    async def last_compaction(self, session: SessionId) -> Record | None:
+        return await self._probed("last_compaction", lambda: self.inner.last_compaction(session))
+
     async def delete(self, session: SessionId, fence: int) -> None:
         await self._probed("delete", lambda: self.inner.delete(session, fence))
 

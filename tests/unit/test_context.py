@@ -15,6 +15,7 @@ from dsh_mesh.core import (
     AssistantStepEntry,
     CompactionEntry,
     ConsumedEntry,
+    ContextOverflow,
     ForkPrefixEntry,
     HumanPromptEntry,
     Record,
@@ -444,3 +445,66 @@ async def test_a_resumed_agent_sees_what_it_saw_before_it_was_passivated(
     assert request.messages == render(context_of(before_reply))
     assert is_summary(request.messages[1].content)
     assert request.messages[-1].content == "And now?"
+
+
+class OverflowOnce:
+    """A provider that refuses, once, as too long, the first step request showing
+    ``marker``."""
+
+    def __init__(self, inner: ScriptedProvider, marker: str) -> None:
+        self.inner = inner
+        self.marker = marker
+        self.refused = False
+
+    async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
+        shown = any(self.marker in m.content for m in request.messages)
+        if request.purpose is CallPurpose.STEP and shown and not self.refused:
+            self.refused = True
+            raise ContextOverflow("this model's maximum context length is 100 tokens")
+        async for event in self.inner.stream(request):
+            yield event
+
+
+async def test_a_message_delivered_at_the_boundary_before_a_compaction_is_read_verbatim() -> None:
+    scripted = ScriptedProvider()
+    provider = OverflowOnce(scripted, "found it on page 7")
+    async with in_process_mesh(
+        context_presets(ContextPolicy()), scripted=scripted, provider=provider, tools=(read_page,)
+    ) as team:
+        lead_go = asyncio.Event()
+        scripted.program(
+            "lead",
+            tool("spawn_agent", task="Find the page.", preset="helper"),
+            tool("read_page", number="1"),
+            tool("read_page", number="2", gate=lead_go),
+            tool("read_page", number="3"),
+            Reply(text="lead done"),
+        )
+        scripted.program("helper", send(PARENT, "found it on page 7"), Reply(text="child done"))
+        await team.manager.create_root("Lead.", preset="lead")
+        await team.manager.wait_until(lambda: team.manager.agent(CHILD) is None)
+        lead_go.set()
+        await team.manager.quiescent()
+
+        assert provider.refused
+        records = await team.transcript(ROOT)
+        [compaction] = [r for r in records if isinstance(r.entry, CompactionEntry)]
+        assert isinstance(compaction.entry, CompactionEntry)
+        message = next(
+            r for r in records if getattr(r.entry, "content", "") == "found it on page 7"
+        )
+        [read_at] = [
+            r for r in records if isinstance(r.entry, ConsumedEntry) and message.seq in r.entry.seqs
+        ]
+        # The boundary that delivered it is after the range: no step had shown it yet.
+        assert compaction.entry.through_seq < read_at.seq < compaction.seq
+        assert message.seq > compaction.entry.through_seq or (
+            message.seq in compaction.entry.pending
+        )
+        requests = team.recorder.requests_of(ROOT)
+        summary_call = next(r for r in requests if r.purpose is CallPurpose.COMPACTION)
+        assert not any("found it on page 7" in m.content for m in summary_call.messages)
+        retried = requests[requests.index(summary_call) + 1]
+        contents = [m.content for m in retried.messages]
+        assert contents[0] == "Lead." and is_summary(contents[1])
+        assert contents[2].endswith("sent a message:\nfound it on page 7")
