@@ -89,10 +89,9 @@ class ScriptContext:
         return "\n".join(reversed(fresh))
 
     def last_tool_result(self) -> str:
-        for message in reversed(self.request.messages):
-            if message.role is Role.TOOL:
-                return message.content
-        return ""
+        """The last tool result the request shows; after a compaction with none since, the one
+        its scripted summary remembers."""
+        return _last_tool_result(self.request.messages)
 
 
 _SPAWN_TOOLS: Final = frozenset({"spawn_agent", "spawn_one_shot", "fork_agent"})
@@ -307,6 +306,7 @@ class ScriptedProvider:
 
 
 _SUMMARY = re.compile(r"\[scripted summary of (\d+) steps\]")
+_LAST_RESULT = " last tool result: "
 
 
 def steps_shown(messages: Sequence[ChatMessage]) -> int:
@@ -322,12 +322,19 @@ def steps_shown(messages: Sequence[ChatMessage]) -> int:
 def scripted_summary(messages: Sequence[ChatMessage]) -> str:
     """The scripted provider's summary of a conversation: how many steps it covers, then the
     last tool result it saw (enough for tests to tell what a summary carried forward)."""
-    last = ""
+    last = _last_tool_result(messages)
+    return f"[scripted summary of {steps_shown(messages)} steps]{_LAST_RESULT}{last[:200]}"
+
+
+def _last_tool_result(messages: Sequence[ChatMessage]) -> str:
+    """The last tool result among ``messages``; after a scripted summary with none since, the
+    one the summary remembers."""
     for message in reversed(messages):
         if message.role is Role.TOOL:
-            last = message.content
-            break
-    return f"[scripted summary of {steps_shown(messages)} steps] last tool result: {last[:200]}"
+            return message.content
+        if message.role is Role.USER and _SUMMARY.search(message.content):
+            return message.content.partition(_LAST_RESULT)[2]
+    return ""
 
 
 def _rough_tokens(messages: Sequence[ChatMessage]) -> int:

@@ -58,6 +58,7 @@ from dsh_mesh.testing._history import (
     boundary_violations,
     calls_without_one_answer,
     check,
+    compaction_violations,
     load_node_history,
     writers_of,
 )
@@ -159,6 +160,7 @@ __all__ = [
     "boundary_violations",
     "calls_without_one_answer",
     "check",
+    "compaction_violations",
     "create_root",
     "fault_run",
     "find_etcd_binary",

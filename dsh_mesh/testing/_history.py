@@ -31,6 +31,10 @@ can fake for another:
   :func:`calls_without_one_answer`);
 - *untrue boundaries*: a ``ConsumedEntry`` that reads out of seq order, or leaves unread a Steer
   record durable before it (:func:`boundary_violations`);
+- *untrue compactions*: a ``CompactionEntry`` that summarised away what the contract keeps: a
+  call in its range whose result is not, an inbound entry in its range no step had read that it
+  does not keep pending, a task it does not keep verbatim, or a range that does not follow the
+  previous compaction's (:func:`compaction_violations`);
 - *blind resends*: a message stored twice at its target, once for each of two ``send_message``
   calls of one sender, the second made before the sender was shown the first one's result (the
   double send a model makes when it never learns whether its first send landed,
@@ -59,12 +63,14 @@ from dsh_mesh.core import (
     INBOUND_TYPES,
     AgentMessageEntry,
     AssistantStepEntry,
+    CompactionEntry,
     ConsumedEntry,
     HumanPromptEntry,
     Record,
     RejectionReason,
     SessionId,
     SettlementNoticeEntry,
+    TaskEntry,
     ToolResultEntry,
 )
 from dsh_mesh.testing.probe_tools import ProbeRun
@@ -147,6 +153,9 @@ class Verdict:
     phantoms: int = 0
     unanswered_calls: int = 0
     untrue_boundaries: int = 0
+    untrue_compactions: int = 0
+    compactions: int = 0
+    """Compactions in the run's transcripts."""
     blind_resends: int = 0
     tool_runs: int = 0
     """Executions of the probe tools (their log's lines)."""
@@ -194,6 +203,9 @@ class Verdict:
         lines.append(
             f"  tool calls without exactly one answer {self.unanswered_calls},"
             f" untrue step boundaries {self.untrue_boundaries}, blind resends {self.blind_resends}"
+        )
+        lines.append(
+            f"  compactions {self.compactions}: untrue compactions {self.untrue_compactions}"
         )
         lines.append(
             f"  tool executions {self.tool_runs}: unsafe executions duplicated"
@@ -378,6 +390,9 @@ def check(
             verdict._violate("unanswered_calls", f"{session}: {violation}")
         for violation in boundary_violations(records):
             verdict._violate("untrue_boundaries", f"{session}: {violation}")
+        verdict.compactions += sum(isinstance(r.entry, CompactionEntry) for r in records)
+        for violation in compaction_violations(records):
+            verdict._violate("untrue_compactions", f"{session}: {violation}")
     for violation in blind_resends(transcripts):
         verdict._violate("blind_resends", violation)
     check_tool_runs(transcripts, tool_runs, verdict)
@@ -450,6 +465,45 @@ def calls_without_one_answer(records: Sequence[Record]) -> list[str]:
                     f"call {call.call_id} ({call.name}) of the step at seq {step.seq} has"
                     f" {count} results"
                 )
+    return violations
+
+
+def compaction_violations(records: Sequence[Record]) -> list[str]:
+    """The compactions of ``records`` (one whole transcript) that summarised away what the
+    contract keeps (docs/context.md), one line each: a call in the range whose result is not
+    in it, an inbound entry of the range that no boundary in it read and that is not kept
+    pending, a task not kept verbatim, a range that does not start after the previous one's."""
+    violations: list[str] = []
+    task = next((r.entry.content for r in records if isinstance(r.entry, TaskEntry)), "")
+    start = 1
+    for record in records:
+        compaction = record.entry
+        if not isinstance(compaction, CompactionEntry):
+            continue
+        where = f"the compaction at seq {record.seq}"
+        through = compaction.through_seq
+        covered = [r for r in records if r.seq <= through]
+        answered = {r.entry.call_id for r in covered if isinstance(r.entry, ToolResultEntry)}
+        for step in covered:
+            if isinstance(step.entry, AssistantStepEntry):
+                for call in step.entry.tool_calls:
+                    if call.call_id not in answered:
+                        violations.append(f"{where} covers call {call.call_id} without its result")
+        read = {s for r in covered if isinstance(r.entry, ConsumedEntry) for s in r.entry.seqs}
+        unread = {r.seq for r in covered if isinstance(r.entry, INBOUND_TYPES)} - read
+        if unread != set(compaction.pending):
+            violations.append(
+                f"{where} keeps {sorted(compaction.pending)} pending; unread in its range:"
+                f" {sorted(unread)}"
+            )
+        if compaction.task != task:
+            violations.append(f"{where} keeps the task {compaction.task[:60]!r}, not {task[:60]!r}")
+        if compaction.from_seq != start or through >= record.seq:
+            violations.append(
+                f"{where} covers {compaction.from_seq}..{through}; expected from {start},"
+                " before itself"
+            )
+        start = through + 1
     return violations
 
 

@@ -1,9 +1,13 @@
 """The mixed workload the fault runs drive: trees of scripted agents talking both ways.
 
 Every node runs :data:`WORKLOAD` (``dsh_mesh.testing:WORKLOAD``). A root spawns two continuable
-workers; each round, a human prompt makes the root message both workers (every fifth round
-also spawns a one-shot helper); a worker reports progress, spawns a leaf (or messages the one
-it has), reports a result and settles; a leaf answers its worker and settles. So messages cross
+workers and a reader; each round, a human prompt makes the root message all three (every fifth
+round also spawns a one-shot helper); a worker reports progress, spawns a leaf (or messages the
+one it has), reports a result and settles; a leaf answers its worker and settles. The reader is
+a long-lived agent with a small context window: it reads :data:`READER_PAGES` pages (a safe
+tool with a long output) a round, so it clears tool outputs and compacts its context several
+times a round and is cold-resumed from its latest compaction by the next round's message
+(docs/context.md); then it sends its result and settles. So messages cross
 every edge in both directions, children spawn, settle and are cold-resumed by the next round's
 message, and every message carries a fresh random token, so the checker can tell each one
 apart. A leaf's answer step first calls the two probe tools
@@ -22,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import re
 import secrets
 import time
 from collections.abc import Callable, Sequence
@@ -53,7 +58,7 @@ from dsh_mesh.node import Scenario
 from dsh_mesh.testing._cluster import LocalCluster, MeshReader
 from dsh_mesh.testing._history import HUMAN, Outcome, Send
 from dsh_mesh.testing.probe_tools import probe_safe, probe_unsafe
-from dsh_mesh.tools import Preset
+from dsh_mesh.tools import ContextPolicy, Preset, tool
 from dsh_mesh.transport import error_from_rpc
 
 ROUNDS_PER_TREE = 400
@@ -110,6 +115,7 @@ _ROUND = Branch(
                 calls=(
                     ("send_message", {"agent_id": child(0), "message": _fresh("ping")}),
                     ("send_message", {"agent_id": child(1), "message": _fresh("ping")}),
+                    ("send_message", {"agent_id": child(2), "message": _fresh("ping")}),
                     ("spawn_one_shot", {"task": "Answer once.", "preset": "soak-helper"}),
                 )
             ),
@@ -120,6 +126,7 @@ _ROUND = Branch(
                 calls=(
                     ("send_message", {"agent_id": child(0), "message": _fresh("ping")}),
                     ("send_message", {"agent_id": child(1), "message": _fresh("ping")}),
+                    ("send_message", {"agent_id": child(2), "message": _fresh("ping")}),
                 )
             ),
         ),
@@ -210,20 +217,70 @@ _LEAF_STEP = Branch(
     otherwise=Reply(text="Leaf done."),
 )
 
+READER_PAGES = 6
+"""Pages the reader reads a round."""
+_PAGE_TEXT = "The lease outlives the node by its TTL, and the fence outlives the lease. " * 6
+
+
+@tool(replay="safe")
+def soak_page(number: str) -> str:
+    """Read one page of the manual (the same text every time: safe to read again)."""
+    return f"page {number} of {READER_PAGES}: {_PAGE_TEXT}"
+
+
+_PAGE = re.compile(r"page (\d+) of ")
+
+
+def _page_read(context: ScriptContext) -> int:
+    """The page the reader's last tool result (or its summary of it) shows; 0 for none."""
+    found = _PAGE.match(context.last_tool_result())
+    return int(found.group(1)) if found else 0
+
+
+def _reader_pinged(context: ScriptContext) -> bool:
+    return "\nping " in context.arrived()
+
+
+def _next_page(context: ScriptContext) -> str:
+    return str(_page_read(context) + 1)
+
+
+_READER_STEP = Branch(
+    cases=(
+        (_reader_pinged, Call(calls=(("soak_page", {"number": "1"}),))),
+        (
+            lambda c: 0 < _page_read(c) < READER_PAGES,
+            Call(calls=(("soak_page", {"number": _next_page}),)),
+        ),
+        (lambda c: _page_read(c) == READER_PAGES, _to(PARENT, "reader-result")),
+    ),
+    otherwise=Reply(text="Read."),
+)
+
+READER_CONTEXT = ContextPolicy(window_tokens=1200, compact_at=0.5, keep_tool_outputs=2)
+"""The reader's window: a round's pages fill it twice over."""
+
 WORKLOAD = Scenario(
     presets=(
         Preset(name="soak-root", system_prompt="You lead rounds.", model="soak-root"),
         Preset(name="soak-worker", system_prompt="You work rounds.", model="soak-worker"),
         Preset(name="soak-leaf", system_prompt="You answer.", model="soak-leaf"),
         Preset(name="soak-helper", system_prompt="You answer once.", model="soak-helper"),
+        Preset(
+            name="soak-reader",
+            system_prompt="You read the manual.",
+            model="soak-reader",
+            context=READER_CONTEXT,
+        ),
     ),
-    tools=(probe_unsafe, probe_safe),
+    tools=(probe_unsafe, probe_safe, soak_page),
     programs={
         "soak-root": (
             Call(
                 calls=(
                     ("spawn_agent", {"task": "Work rounds.", "preset": "soak-worker"}),
                     ("spawn_agent", {"task": "Work rounds.", "preset": "soak-worker"}),
+                    ("spawn_agent", {"task": "Read rounds.", "preset": "soak-reader"}),
                 )
             ),
             *([_ROUND] * (ROUNDS_PER_TREE * 8)),
@@ -231,6 +288,7 @@ WORKLOAD = Scenario(
         "soak-worker": (_WORKER_STEP,) * (ROUNDS_PER_TREE * 8),
         "soak-leaf": (_LEAF_STEP,) * (ROUNDS_PER_TREE * 4),
         "soak-helper": (Reply(text="Answered."),),
+        "soak-reader": (_READER_STEP,) * (ROUNDS_PER_TREE * (READER_PAGES + 2)),
     },
 )
 """The scenario of fault runs (``dsh_mesh.testing:WORKLOAD``)."""

@@ -437,6 +437,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "boundary_violations",
         "calls_without_one_answer",
         "check",
+        "compaction_violations",
         "create_root",
         "fault_run",
         "find_etcd_binary",

@@ -14,6 +14,7 @@ from dsh_mesh.core import (
     AgentMessageEntry,
     AgentMessageSource,
     AssistantStepEntry,
+    CompactionEntry,
     ConsumedEntry,
     Entry,
     HumanPromptEntry,
@@ -40,6 +41,7 @@ from dsh_mesh.testing import (
     blind_resends,
     calls_without_one_answer,
     check,
+    compaction_violations,
     load_node_history,
     writers_of,
 )
@@ -165,6 +167,7 @@ def only(verdict: Verdict, kind: str) -> None:
             "phantoms",
             "unanswered_calls",
             "untrue_boundaries",
+            "untrue_compactions",
             "blind_resends",
         )
     }
@@ -528,3 +531,49 @@ def test_a_run_without_a_recorded_call_and_a_result_without_a_run_are_violations
     assert verdict.unrecorded_runs == 1
     assert verdict.untrue_results == 1  # the safe probe answered done, never ran
     assert "executions without a recorded call 1" in verdict.summary()
+
+
+def compacted_child(compaction: CompactionEntry) -> list[Record]:
+    """The clean child, compacted after its step's results (seq 5), then going on."""
+    return child_transcript(
+        delivered("c1", ROOT), delivered("c2", ROOT), compaction, TaskEntry(content="later")
+    )
+
+
+def test_a_compaction_that_keeps_what_the_contract_keeps_is_clean() -> None:
+    kept = CompactionEntry(summary="sent m1, m2", from_seq=1, through_seq=5, task="work")
+    verdict = judge(CLEAN_ROOT, compacted_child(kept))
+    assert verdict.clean and verdict.compactions == 1, verdict.summary()
+
+
+def test_a_compaction_that_summarised_away_a_call_without_its_result_is_untrue() -> None:
+    # Its range ends after the step but before c2's result.
+    early = CompactionEntry(summary="sent m1", from_seq=1, through_seq=4, task="work")
+    child = child_transcript(delivered("c1", ROOT), early, delivered("c2", ROOT))
+    assert compaction_violations(child) != []
+    only(judge(CLEAN_ROOT, child), "untrue_compactions")
+
+
+def test_a_compaction_that_summarised_away_an_unread_message_is_untrue() -> None:
+    # A second task arrives (seq 6) and is unread when seq 6 is compacted without keeping it.
+    child = child_transcript(
+        delivered("c1", ROOT),
+        delivered("c2", ROOT),
+        TaskEntry(content="more"),
+        CompactionEntry(summary="s", from_seq=1, through_seq=6, task="work"),
+    )
+    assert any("pending" in v for v in compaction_violations(child))
+    kept = child_transcript(
+        delivered("c1", ROOT),
+        delivered("c2", ROOT),
+        TaskEntry(content="more"),
+        CompactionEntry(summary="s", from_seq=1, through_seq=6, task="work", pending=(6,)),
+    )
+    assert compaction_violations(kept) == []
+
+
+def test_a_compaction_that_lost_the_task_or_skipped_a_range_is_untrue() -> None:
+    lost_task = CompactionEntry(summary="s", from_seq=1, through_seq=5)
+    assert any("task" in v for v in compaction_violations(compacted_child(lost_task)))
+    skipped = CompactionEntry(summary="s", from_seq=3, through_seq=5, task="work")
+    assert any("expected from 1" in v for v in compaction_violations(compacted_child(skipped)))

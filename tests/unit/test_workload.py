@@ -3,9 +3,16 @@ bounded amount of work and then the tree goes quiet, so a run can be drained and
 
 from __future__ import annotations
 
-from dsh_mesh.core import AgentMessageEntry, SessionKind, SettlementNoticeEntry, ToolResultEntry
+from dsh_mesh.core import (
+    AgentMessageEntry,
+    CompactionEntry,
+    SessionKind,
+    SettlementNoticeEntry,
+    ToolResultEntry,
+)
 from dsh_mesh.models import ScriptedProvider
 from dsh_mesh.testing import WORKLOAD, in_process_mesh
+from dsh_mesh.testing._workload import READER_PAGES
 
 
 async def test_each_round_crosses_every_edge_both_ways_and_then_the_tree_is_quiet() -> None:
@@ -24,12 +31,13 @@ async def test_each_round_crosses_every_edge_both_ways_and_then_the_tree_is_quie
         labels = [
             r.entry.content.split()[0] for r in at_root if isinstance(r.entry, AgentMessageEntry)
         ]
-        # Two workers, each: progress and result, every round.
-        assert sorted(labels) == ["progress"] * 6 + ["result"] * 6
+        # Two workers, each: progress and result, every round; the reader: its result.
+        assert sorted(labels) == ["progress"] * 6 + ["reader-result"] * 3 + ["result"] * 6
         notices = [r.entry for r in at_root if isinstance(r.entry, SettlementNoticeEntry)]
         kinds = sorted(n.child_kind.value for n in notices)
-        # Each worker settles after spawning (1) and after each round (3); one one-shot.
-        assert kinds.count(SessionKind.CONTINUABLE_CHILD.value) == 8
+        # Each worker and the reader settles after spawning (1) and after each round (3); one
+        # one-shot.
+        assert kinds.count(SessionKind.CONTINUABLE_CHILD.value) == 12
         assert kinds.count(SessionKind.ONE_SHOT_CHILD.value) == 1
         leaves = [h for h in sessions.values() if h.spec.preset == "soak-leaf"]
         assert len(leaves) == 2
@@ -48,3 +56,14 @@ async def test_each_round_crosses_every_edge_both_ways_and_then_the_tree_is_quie
                 if isinstance(r.entry, ToolResultEntry) and r.entry.name.startswith("probe_")
             ]
             assert len(probes) == 4 and not any(p.is_error for p in probes)
+        # The reader read every page of every round, and compacted its context as it went:
+        # each round resumed it from its latest compaction.
+        [reader] = [h for h in sessions.values() if h.spec.preset == "soak-reader"]
+        at_reader = await mesh.transcript(reader.session_id)
+        pages = [
+            r.entry.content.split(":")[0]
+            for r in at_reader
+            if isinstance(r.entry, ToolResultEntry) and r.entry.name == "soak_page"
+        ]
+        assert pages == [f"page {n} of {READER_PAGES}" for n in range(1, READER_PAGES + 1)] * 3
+        assert len([r for r in at_reader if isinstance(r.entry, CompactionEntry)]) >= 3
