@@ -7,7 +7,7 @@ import asyncio
 import re
 from pathlib import Path
 
-from dsh_mesh.core import SessionId, SettlementNoticeEntry
+from dsh_mesh.core import CompactionEntry, SessionId, SettlementNoticeEntry
 from dsh_mesh.testing import (
     CollectedSpan,
     EtcdAddress,
@@ -168,3 +168,50 @@ async def test_one_trace_follows_a_message_across_nodes_and_into_a_cold_resumed_
             assert receiver.latest("dsh.cold_resumes") == 2
             assert receiver.latest("dsh.settlements", **{"dsh.outcome": "completed"}) == 2
             assert (receiver.latest("dsh.send_message.duration") or 0) >= 1
+
+
+async def test_a_compaction_is_traced_within_its_step_with_its_summary_call(
+    etcd: EtcdAddress,
+) -> None:
+    async with OtlpReceiver() as receiver:
+        with LocalCluster(
+            etcd_endpoint=etcd.endpoint,
+            scenario="tests.integration.scenarios:COMPACTING",
+            nodes=("node-a",),
+            env=otel_env(receiver.endpoint),
+        ) as cluster:
+            root = SessionId(
+                await create_root(cluster, on="node-a", task="Read the manual.", preset="reader")
+            )
+            async with MeshReader(cluster.settings) as reader:
+                records = await reader.wait_for(
+                    lambda: reader.transcript(root),
+                    lambda rs: sum(isinstance(r.entry, CompactionEntry) for r in rs) >= 2,
+                    what="two compactions",
+                )
+            await asyncio.to_thread(cluster.close)  # nodes flush their telemetry on the way out
+            spans = receiver.spans()
+
+    compactions = [r for r in records if isinstance(r.entry, CompactionEntry)]
+    traced = [s for s in spans if s.name == "dsh.context.compact"]
+    assert len(traced) >= len(compactions)
+    first = next(
+        s for s in traced if s.attributes["dsh.context.compaction_seq"] == compactions[0].seq
+    )
+    assert first.attributes["dsh.session.id"] == root
+    assert isinstance(compactions[0].entry, CompactionEntry)
+    assert first.attributes["dsh.context.through_seq"] == compactions[0].entry.through_seq
+    assert "reached" in str(first.attributes["dsh.context.reason"])
+    # The summary call is its child (as is the compaction's append); it is the step's child.
+    [summary_call] = [
+        s for s in spans if s.parent_span_id == first.span_id and s.name.startswith("chat ")
+    ]
+    assert summary_call.name == "chat reader"
+    assert summary_call.attributes["dsh.model_call.purpose"] == "compaction"
+    step = next(s for s in spans if s.span_id == first.parent_span_id)
+    assert step.name == "dsh.step"
+    for span in (first, summary_call):
+        row = documented_row(span.name)
+        assert row is not None, f"undocumented span {span.name}"
+        ours = {k for k in span.attributes if k.startswith(("dsh.", "gen_ai."))}
+        assert ours <= row[1], (span.name, ours - row[1])

@@ -44,12 +44,14 @@ from dsh_mesh.client import (
     AgentState,
     AssistantStep,
     ClientOptions,
+    Compaction,
     Consumed,
     HumanPrompt,
     MeshClient,
     SessionEvent,
     SettlementNotice,
     Task,
+    ToolOutputsCleared,
     ToolResult,
     TranscriptEntry,
     TurnEnded,
@@ -563,6 +565,28 @@ def test_format_entry_for_show_with_usage() -> None:
     )
     entry = TranscriptEntry(seq=3, recorded_at=None, body=step)
     assert format_entry(entry) == "    3  step      Hi [in 90 / cached 0 / out 8]"
+
+
+def test_a_compaction_and_a_clearing_are_shown_in_show_and_watch() -> None:
+    compaction = Compaction(
+        summary="Read pages 1 to 8.\nAll say the lease outlives.",
+        from_seq=1,
+        through_seq=40,
+        task="Read the manual.",
+        pending=(38,),
+        model="m",
+        usage=Usage(input_tokens=9000, output_tokens=300, cached_input_tokens=8192),
+    )
+    entry = TranscriptEntry(seq=41, recorded_at=None, body=compaction)
+    assert format_entry(entry) == (
+        "   41  compacted seq 1-40 summarised: Read pages 1 to 8.\\nAll say the lease outlives."
+        " (kept unread: seq 38) [in 9,000 / cached 8,192 / out 300]"
+    )
+    assert "compacted" in format_event(_event(compaction))
+    cleared = TranscriptEntry(seq=9, recorded_at=None, body=ToolOutputsCleared(seqs=(3, 5)))
+    assert format_entry(cleared) == "    9  cleared   tool outputs of seq 3, 5"
+    data = json.loads(json.dumps(to_jsonable(compaction)))
+    assert data["type"] == "compaction" and data["pending"] == [38]
 
 
 def test_step_usage_is_shown_only_when_reported() -> None:

@@ -15,6 +15,7 @@ from dsh_mesh.core import (
     AgentMessageSource,
     AssistantStepEntry,
     ChatMessage,
+    CompactionEntry,
     ConsumedEntry,
     DeliveryKind,
     Entry,
@@ -362,3 +363,14 @@ def test_a_delivery_kind_changes_neither_rendering_nor_pending_inbound(kind: Del
     assert [r.seq for r in pending_inbound(recorded)] == [
         r.seq for r in pending_inbound(unrecorded)
     ]
+
+
+@pytest.mark.parametrize(
+    ("from_seq", "through_seq", "pending"),
+    [(0, 3, ()), (4, 3, ()), (1, 3, (4,)), (1, 3, (0,))],
+)
+def test_a_compaction_covers_a_range_and_keeps_only_seqs_within_it(
+    from_seq: int, through_seq: int, pending: tuple[int, ...]
+) -> None:
+    with pytest.raises(InvalidArgument):
+        CompactionEntry(summary="s", from_seq=from_seq, through_seq=through_seq, pending=pending)

@@ -9,6 +9,7 @@ from dsh_mesh.core import (
     AgentMessageSource,
     AssistantStepEntry,
     ChatMessage,
+    CompactionEntry,
     ConsumedEntry,
     Entry,
     ForkPrefixEntry,
@@ -69,6 +70,15 @@ def test_entries_other_than_steps_are_ignored() -> None:
     # The first call is the first step, not the inherited prefix before it.
     assert usage.first_call == Usage(input_tokens=500, output_tokens=8, cached_input_tokens=480)
     assert usage.first_call_cache_share == pytest.approx(0.96)
+
+
+def test_a_compactions_summary_call_is_a_model_call() -> None:
+    compaction = CompactionEntry(
+        summary="s", from_seq=1, through_seq=4, usage=Usage(input_tokens=3000, output_tokens=200)
+    )
+    usage = session_usage([step(500, 8, 480), compaction, step(600, 8, 500)])
+    assert (usage.model_calls, usage.input_tokens, usage.output_tokens) == (3, 4100, 216)
+    assert usage.cached_input_tokens == 980
 
 
 def test_no_calls() -> None:

@@ -7,12 +7,13 @@ from __future__ import annotations
 import dataclasses
 from datetime import UTC, datetime
 
-from dsh_mesh.client import AgentMessage, HumanPrompt, TurnStarted
+from dsh_mesh.client import AgentMessage, Compaction, HumanPrompt, ToolOutputsCleared, TurnStarted
 from dsh_mesh.client._convert import entry_from_wire, info_from_wire
 from dsh_mesh.core import (
     ActivationId,
     AgentMessageEntry,
     AgentMessageSource,
+    CompactionEntry,
     HumanPromptEntry,
     NodeId,
     Record,
@@ -20,8 +21,10 @@ from dsh_mesh.core import (
     SessionId,
     SessionKind,
     SessionSpec,
+    ToolOutputsClearedEntry,
     TurnId,
     TurnStartedEntry,
+    Usage,
 )
 from dsh_mesh.transport._convert import header_to_wire, record_to_wire
 
@@ -79,3 +82,29 @@ def test_a_turn_start_says_where_the_turn_ran() -> None:
         record_to_wire(Record(seq=4, entry=TurnStartedEntry(turn_id=TurnId("t-1"))))
     )
     assert old.body == TurnStarted(turn_id=TurnId("t-1"), node_id=None, activation_id=None)
+
+
+def test_a_compaction_and_a_clearing_reach_a_client_whole() -> None:
+    compaction = CompactionEntry(
+        summary="Read pages 1 to 8.",
+        from_seq=12,
+        through_seq=40,
+        task='Review.\nparent agent_id: "s-0"',
+        pending=(38, 39),
+        open_turn=TurnStartedEntry(turn_id=TurnId("t-2")),
+        model="openai:small",
+        usage=Usage(input_tokens=9000, output_tokens=300, cached_input_tokens=8192),
+    )
+    body = entry_from_wire(record_to_wire(Record(seq=41, entry=compaction))).body
+    assert body == Compaction(
+        summary="Read pages 1 to 8.",
+        from_seq=12,
+        through_seq=40,
+        task='Review.\nparent agent_id: "s-0"',
+        pending=(38, 39),
+        model="openai:small",
+        usage=Usage(input_tokens=9000, output_tokens=300, cached_input_tokens=8192),
+    )
+    cleared = ToolOutputsClearedEntry(seqs=(3, 5))
+    body = entry_from_wire(record_to_wire(Record(seq=9, entry=cleared))).body
+    assert body == ToolOutputsCleared(seqs=(3, 5))
