@@ -34,6 +34,10 @@ function describe(event) {
       return `${where} ${entry.seq} turn ${body.turn_id} ended ${body.outcome}`;
     case 'consumed':
       return `${where} ${entry.seq} consumed ${body.seqs.join(',')}`;
+    case 'compaction':
+      return `${where} ${entry.seq} compacted ${body.from_seq}-${body.through_seq}: ${JSON.stringify(body.summary)}`;
+    case 'tool_outputs_cleared':
+      return `${where} ${entry.seq} cleared tool outputs ${body.seqs.join(',')}`;
     default:
       return `${where} ${entry.seq} ${entry.body}`;
   }
