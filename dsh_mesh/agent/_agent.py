@@ -533,11 +533,16 @@ class Agent:
 
     async def _take_landed(self) -> None:
         """Deliver to this agent every inbound record that landed without its accept knowing
-        (the answer was lost); no accept is appending meanwhile (the gate is held)."""
-        self._in_doubt = False
+        (the answer was lost); no accept is appending meanwhile (the gate is held). The doubt
+        ends only once the read succeeded: a failed read leaves it for the next holder."""
         for record in await self._host.read_after(self, self._held_through):
-            if not self.holds(record.seq) and isinstance(record.entry, INBOUND_TYPES):
+            if self.holds(record.seq):
+                continue
+            if isinstance(record.entry, INBOUND_TYPES):
                 self.deliver(record)
+            else:
+                self.record(record)
+        self._in_doubt = False
 
     async def _turn(self, first: list[Record]) -> None:
         turn_id = self._ids.turn_id()
@@ -767,25 +772,27 @@ class Agent:
             },
         ) as span:
             response = await self._summarise(model, through)
+            self._turn_tokens += response.usage.input_tokens + response.usage.output_tokens
             if response.finish_reason is FinishReason.LENGTH:
                 raise TokensExhausted("the summary of the context did not fit its output limit")
             summary = response.text.strip()
             if not summary:
                 raise ProviderError(f"{model} answered the summary request with no text")
-            self._turn_tokens += response.usage.input_tokens + response.usage.output_tokens
             record = await self._write_compaction(summary, through, model, response.usage)
             span.set("dsh.context.compaction_seq", record.seq)
 
     def _unseen_from(self) -> int:
-        """Where what no model step has seen yet begins: the latest boundary's read when no
-        step followed it (the messages it delivered are not read until a step shows them),
-        else past the last record. A compaction covers only what comes before."""
+        """Where what no model step has seen yet begins: the first boundary's read since the
+        last step (or compaction), if any (the messages a read delivered are not read until a
+        step shows them: a turn may have ended between a read and its step), else past the
+        last record. A compaction covers only what comes before."""
+        unseen = self._records[-1].seq + 1
         for record in reversed(self._records):
             if isinstance(record.entry, AssistantStepEntry | CompactionEntry):
                 break
             if isinstance(record.entry, ConsumedEntry):
-                return record.seq
-        return self._records[-1].seq + 1
+                unseen = record.seq
+        return unseen
 
     async def _summarise(self, model: str, through: int) -> ModelResponse:
         """The summary call: the context up to ``through`` as the model sees it, then the
@@ -799,7 +806,7 @@ class Agent:
                 model=model,
                 system_prompt=base.system_prompt,
                 tools=base.tools,
-                messages=summary_messages(conversation),
+                messages=summary_messages(conversation, self.context.summary_max_tokens),
                 max_output_tokens=base.max_output_tokens,
                 purpose=CallPurpose.COMPACTION,
             )
@@ -822,8 +829,12 @@ class Agent:
 
         async def write() -> Record:
             try:
-                if self._in_doubt:
+                # A record below ``through`` that this copy lacks landed unseen (an accept
+                # whose answer was lost): take it now, or the compaction would pass it by.
+                if self._in_doubt or self._held_through < through:
                     await self._take_landed()
+                if self._held_through < through:
+                    raise RuntimeError(f"{self.session_id}: seqs below {through} are missing")
                 previous = latest_compaction(self._records)
                 start = 1
                 if previous is not None:

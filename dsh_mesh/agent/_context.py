@@ -34,9 +34,11 @@ SUMMARY_INSTRUCTION = (
     " finding so far, the facts, names, files and agent ids you still need (ids exactly as"
     " written), what you were doing when this summary was asked for and what you planned next,"
     " and any questions still open. Messages you have not read yet are kept as they are: do"
-    " not guess at them. Call no tools; answer with the summary only."
+    " not guess at them. Call no tools; answer with the summary only, in at most {words}"
+    " words."
 )
-"""The last message of a summary request, after the conversation it summarises."""
+"""The last message of a summary request, after the conversation it summarises (``{words}``:
+the summary's length, from the policy's ``summary_max_tokens``)."""
 
 
 def estimate_tokens(text_length: int) -> int:
@@ -130,7 +132,13 @@ def clearing(records: Sequence[Record], policy: ContextPolicy) -> Clearing:
     return Clearing(seqs=tuple(seqs), frees=freed // CHARS_PER_TOKEN)
 
 
-def summary_messages(conversation: Sequence[ChatMessage]) -> tuple[ChatMessage, ...]:
+def summary_messages(
+    conversation: Sequence[ChatMessage], max_tokens: int
+) -> tuple[ChatMessage, ...]:
     """The messages of a summary request: the conversation as the model sees it now (so the
-    provider's cache of it serves), then :data:`SUMMARY_INSTRUCTION`."""
-    return (*conversation, ChatMessage(role=Role.USER, content=SUMMARY_INSTRUCTION))
+    provider's cache of it serves), then :data:`SUMMARY_INSTRUCTION`, asking for at most about
+    ``max_tokens`` (three words to four tokens). The limit is asked for, not sent as the call's
+    ``max_tokens``: that field comes before the conversation in the body, and the summary
+    request must share the step's bytes through the conversation."""
+    instruction = SUMMARY_INSTRUCTION.format(words=max(12, max_tokens * 3 // 4))
+    return (*conversation, ChatMessage(role=Role.USER, content=instruction))

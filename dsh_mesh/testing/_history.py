@@ -32,9 +32,9 @@ can fake for another:
 - *untrue boundaries*: a ``ConsumedEntry`` that reads out of seq order, or leaves unread a Steer
   record durable before it (:func:`boundary_violations`);
 - *untrue compactions*: a ``CompactionEntry`` that summarised away what the contract keeps: a
-  call in its range whose result is not, an inbound entry in its range no step had read that it
-  does not keep pending, a task it does not keep verbatim, or a range that does not follow the
-  previous compaction's (:func:`compaction_violations`);
+  call in its range whose result is not, a boundary's read in its range that no step showed,
+  an unread inbound entry in its range that it does not keep pending, a task it does not keep
+  verbatim, or a range that does not follow the previous one's (:func:`compaction_violations`);
 - *blind resends*: a message stored twice at its target, once for each of two ``send_message``
   calls of one sender, the second made before the sender was shown the first one's result (the
   double send a model makes when it never learns whether its first send landed,
@@ -471,8 +471,9 @@ def calls_without_one_answer(records: Sequence[Record]) -> list[str]:
 def compaction_violations(records: Sequence[Record]) -> list[str]:
     """The compactions of ``records`` (one whole transcript) that summarised away what the
     contract keeps (docs/context.md), one line each: a call in the range whose result is not
-    in it, an inbound entry of the range that no boundary in it read and that is not kept
-    pending, a task not kept verbatim, a range that does not start after the previous one's."""
+    in it, a boundary's read in the range that no step in it showed to the model, an inbound
+    entry of the range that no boundary in it read and that is not kept pending, a task not
+    kept verbatim, a range that does not start after the previous one's."""
     violations: list[str] = []
     task = next((r.entry.content for r in records if isinstance(r.entry, TaskEntry)), "")
     start = 1
@@ -489,6 +490,15 @@ def compaction_violations(records: Sequence[Record]) -> list[str]:
                 for call in step.entry.tool_calls:
                     if call.call_id not in answered:
                         violations.append(f"{where} covers call {call.call_id} without its result")
+        # A boundary's read is seen once a step shows it: the range may not end between them.
+        last_step = max(
+            (r.seq for r in covered if isinstance(r.entry, AssistantStepEntry)), default=0
+        )
+        unseen = [
+            r.seq for r in covered if isinstance(r.entry, ConsumedEntry) and r.seq > last_step
+        ]
+        if unseen:
+            violations.append(f"{where} covers the reads at {unseen}, which no step showed")
         read = {s for r in covered if isinstance(r.entry, ConsumedEntry) for s in r.entry.seqs}
         unread = {r.seq for r in covered if isinstance(r.entry, INBOUND_TYPES)} - read
         if unread != set(compaction.pending):

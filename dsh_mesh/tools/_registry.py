@@ -51,7 +51,8 @@ class ContextPolicy:
       ``keep_tool_outputs``) if that alone brings the context under the mark and frees at
       least ``clear_min_share`` of the window;
     - else by a compaction: a model call (``summary_model``, a model spec; ``None``: the
-      agent's own model) writes a summary of up to ``summary_max_tokens``.
+      agent's own model) writes a summary, asked to keep within about ``summary_max_tokens``
+      (the call's own output limit is the preset's ``max_output_tokens``).
     """
 
     window_tokens: int | None = None

@@ -1,21 +1,24 @@
 """Context compaction against the local chat-completions server over real HTTP (docs/context.md):
 the provider's reported prompt tokens trigger it, a refusal as too long triggers it, the summary
 request repeats the conversation's bytes so its prefix is cached, and the first request after a
-compaction still hits the cache of its head."""
+compaction still hits the cache of its head; a compacted child keeps its task (its parent's id)
+and reads its parent's message whole."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Sequence
 
-from bench._reader import BODY, PAGES, manual_reader, read_page
+from bench._reader import BODY, PAGES, manual_reader, pages_read, read_page
 from dsh_mesh.agent import SUMMARY_FRAME
 from dsh_mesh.core import (
     AssistantStepEntry,
     CompactionEntry,
     Record,
     SessionId,
+    TaskEntry,
     ToolResultEntry,
     TurnEndedEntry,
     TurnOutcome,
@@ -24,11 +27,18 @@ from dsh_mesh.models import (
     ModelRouter,
     OpenAIEndpoint,
     OpenAIProvider,
+    Reply,
     RetryPolicy,
     ScriptedProvider,
+    child,
+    send,
+    tool,
 )
 from dsh_mesh.testing import (
     ChatCompletionsServer,
+    Completion,
+    RecordedRequest,
+    ScriptedToolCall,
     in_process_mesh,
 )
 from dsh_mesh.tools import ContextPolicy, Preset
@@ -125,3 +135,82 @@ async def test_a_refusal_as_too_long_compacts_and_the_step_is_sent_again() -> No
     assert_read_every_page_once(records)
     assert of(records, CompactionEntry)
     assert refused  # the server did refuse, and the agent went on
+
+
+_PARENT_ID = re.compile(r'parent agent_id: "([^"]+)"')
+
+
+def child_reader(request: RecordedRequest) -> Completion:
+    """A child reading the manual: after the last page it sends its parent (whose id it reads
+    from its task, wherever the conversation stands) one result, then finishes."""
+    read = pages_read(request)
+    if isinstance(request.json, dict) and request.json.get("tool_choice") == "none":
+        return Completion(text=f"Summary: pages 1 to {read} read; all say the lease outlives.")
+    if read < PAGES:
+        return manual_reader(request)
+    if read == PAGES:
+        task = next(str(m["content"]) for m in request.messages if m.get("role") == "user")
+        found = _PARENT_ID.search(task)
+        assert found is not None, "the task lost its parent's id"
+        result = json.dumps({"agent_id": found.group(1), "message": "the lease outlives"})
+        return Completion(
+            tool_calls=(
+                ScriptedToolCall(call_id="call_send", name="send_message", arguments=result),
+            )
+        )
+    return Completion(text="sent my result")
+
+
+async def test_over_http_a_compacted_child_keeps_its_task_and_reads_its_parents_message_whole() -> (
+    None
+):
+    scripted = ScriptedProvider()
+    scripted.program(
+        "lead",
+        tool("spawn_agent", task="Read the whole manual.", preset="http-reader"),
+        send(child(0), "also check the appendix"),
+        Reply(text="waiting"),
+        Reply(text="got it"),
+    )
+    window = ContextPolicy(window_tokens=4000, compact_at=0.6, clear_tool_outputs=False)
+    presets = (
+        Preset(name="lead", system_prompt="You lead.", model="lead"),
+        Preset(
+            name="http-reader",
+            system_prompt="You read manuals for your parent. " * 10,
+            model="openai:test-model",
+            context=window,
+        ),
+    )
+    async with ChatCompletionsServer(child_reader) as server:
+        endpoint = OpenAIEndpoint(base_url=server.base_url, retry=RetryPolicy(max_attempts=2))
+        models = ModelRouter({"openai": OpenAIProvider(endpoint)}, default=scripted)
+        try:
+            async with in_process_mesh(
+                presets, scripted=scripted, provider=models, tools=(read_page,)
+            ) as mesh:
+                await mesh.manager.create_root("Lead.", preset="lead")
+                await asyncio.wait_for(mesh.manager.quiescent(), WAIT)
+                child_records = await mesh.transcript(SessionId("s-2"))
+                root_records = await mesh.transcript(ROOT)
+        finally:
+            await models.aclose()
+        bodies = [json.loads(r.body) for r in server.requests]
+
+    assert of(child_records, CompactionEntry)
+    [task] = [r.entry.content for r in child_records if isinstance(r.entry, TaskEntry)]
+    assert _PARENT_ID.search(task) is not None
+    steps = [b for b in bodies if b.get("tool_choice") != "none"]
+    compacted = [
+        b for b in steps if any(SUMMARY_FRAME in str(m.get("content")) for m in b["messages"])
+    ]
+    assert compacted
+    # Every request after a compaction starts with the task, whole, then the summary.
+    for body in compacted:
+        assert body["messages"][1] == {"role": "user", "content": task}
+        assert str(body["messages"][2]["content"]).startswith(SUMMARY_FRAME)
+    # The parent's message reached a step's request verbatim, never only a summary.
+    framed = f"Agent {ROOT} sent a message:\nalso check the appendix"
+    assert any(m.get("content") == framed for b in steps for m in b["messages"])
+    # The result reached the parent: the child still knew whom to send it to.
+    assert any(getattr(r.entry, "content", None) == "the lease outlives" for r in root_records)

@@ -19,6 +19,7 @@ from dsh_mesh.core import (
     ForkPrefixEntry,
     HumanPromptEntry,
     Record,
+    RegistryUnavailable,
     Role,
     SessionId,
     SettlementNoticeEntry,
@@ -33,6 +34,7 @@ from dsh_mesh.models import (
     PARENT,
     Call,
     CallPurpose,
+    Fail,
     ModelEvent,
     ModelRequest,
     Reply,
@@ -40,7 +42,8 @@ from dsh_mesh.models import (
     send,
     tool,
 )
-from dsh_mesh.testing import InProcessMesh, in_process_mesh
+from dsh_mesh.runtime import InMemorySessionStore
+from dsh_mesh.testing import InProcessMesh, compaction_violations, in_process_mesh
 from dsh_mesh.tools import RETURN_INSTRUCTION, ContextPolicy, Preset
 from dsh_mesh.tools import tool as tool_decorator
 from tests.unit.conftest import of_type
@@ -508,3 +511,101 @@ async def test_a_message_delivered_at_the_boundary_before_a_compaction_is_read_v
         contents = [m.content for m in retried.messages]
         assert contents[0] == "Lead." and is_summary(contents[1])
         assert contents[2].endswith("sent a message:\nfound it on page 7")
+
+
+async def test_a_read_whose_step_never_came_is_still_shown_after_a_later_compaction() -> None:
+    scripted = ScriptedProvider()
+    provider = OverflowOnce(scripted, "Go on.")
+    async with in_process_mesh(
+        context_presets(ContextPolicy()), scripted=scripted, provider=provider, tools=(read_page,)
+    ) as team:
+        lead_go = asyncio.Event()
+        scripted.program(
+            "lead",
+            tool("spawn_agent", task="Find the page.", preset="helper"),
+            tool("read_page", number="1", gate=lead_go),
+            Fail(message="provider down"),  # the step after the read of the child's message
+            Reply(text="resumed"),
+        )
+        child_go = asyncio.Event()
+        scripted.program(
+            "helper", send(PARENT, "found it on page 7", gate=child_go), Reply(text="child done")
+        )
+        ref = await team.manager.create_root("Lead.", preset="lead")
+        await scripted.wait_for_call(ROOT, 2)  # its second step's request is made: it waits
+        child_go.set()  # the message arrives during that step, read at its boundary
+        await team.manager.wait_until(lambda: team.manager.agent(CHILD) is None)
+        lead_go.set()
+        await team.manager.quiescent()
+        await team.manager.submit_prompt(ref.session_id, "Go on.")
+        await team.manager.quiescent()
+
+        records = await team.transcript(ROOT)
+        [compaction] = [r.entry for r in records if isinstance(r.entry, CompactionEntry)]
+        assert isinstance(compaction, CompactionEntry)
+        message = next(
+            r for r in records if getattr(r.entry, "content", "") == "found it on page 7"
+        )
+        assert message.seq in compaction.pending  # read by a boundary, but never by a step
+        retried = steps(team.recorder.requests_of(ROOT))[-1]
+        contents = [m.content for m in retried.messages]
+        assert is_summary(contents[1])
+        at = next(i for i, c in enumerate(contents) if c.endswith("found it on page 7"))
+        assert at > 1 and contents[-1] == "Go on."
+
+
+class LostPromptStore(InMemorySessionStore):
+    """Writes the first human prompt durably and loses the answer (an outage cut the call
+    after the write), then fails the next read of a transcript: the boundary that would take
+    the prompt in fails too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lost = False
+        self.fail_next_read = False
+
+    async def append(self, session, entry, *, writer, idempotency=None):  # type: ignore[no-untyped-def]
+        result = await super().append(session, entry, writer=writer, idempotency=idempotency)
+        if isinstance(entry, HumanPromptEntry) and not self.lost:
+            self.lost = self.fail_next_read = True
+            raise RegistryUnavailable("etcd went away before it answered")
+        return result
+
+    async def read(self, session, *, after_seq=0, limit=None):  # type: ignore[no-untyped-def]
+        if self.fail_next_read and after_seq > 0:
+            self.fail_next_read = False
+            raise RegistryUnavailable("etcd is still away")
+        return await super().read(session, after_seq=after_seq, limit=limit)
+
+
+async def test_a_prompt_that_landed_unheard_is_never_passed_by_a_compaction() -> None:
+    store = LostPromptStore()
+    async with in_process_mesh(context_presets(policy()), store=store, tools=(read_page,)) as team:
+        first = asyncio.Event()
+        team.scripted.program(
+            "lead",
+            tool("read_page", number="1", gate=first),
+            *reading(8)[1:],
+            Reply(text="second turn done"),
+            Reply(text="heard it"),
+        )
+        ref = await team.manager.create_root("Read the manual.", preset="lead")
+        await team.scripted.wait_for_call(ROOT, 1)
+        with pytest.raises(RegistryUnavailable):
+            await team.manager.submit_prompt(ref.session_id, "landed unheard")
+        first.set()  # the boundary after this step fails to read what landed: the turn fails
+        await team.manager.quiescent()
+        await team.manager.submit_prompt(ref.session_id, "Read on.")
+        await team.manager.quiescent()
+
+        records = await team.transcript(ROOT)
+        assert compactions(records), "the second turn never compacted"
+        assert compaction_violations(records) == []
+        [unheard] = [
+            r
+            for r in records
+            if isinstance(r.entry, HumanPromptEntry) and r.entry.content == "landed unheard"
+        ]
+        read = {s for r in records if isinstance(r.entry, ConsumedEntry) for s in r.entry.seqs}
+        assert unheard.seq in read  # it got its turn
+        assert steps(team.recorder.requests_of(ROOT))[-1].messages[-1].content == "landed unheard"

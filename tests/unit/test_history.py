@@ -577,3 +577,24 @@ def test_a_compaction_that_lost_the_task_or_skipped_a_range_is_untrue() -> None:
     assert any("task" in v for v in compaction_violations(compacted_child(lost_task)))
     skipped = CompactionEntry(summary="s", from_seq=3, through_seq=5, task="work")
     assert any("expected from 1" in v for v in compaction_violations(compacted_child(skipped)))
+
+
+def test_a_compaction_that_summarised_a_read_no_step_showed_is_untrue() -> None:
+    # The boundary at seq 7 read the second task, but the turn ended before a step showed it.
+    child = child_transcript(
+        delivered("c1", ROOT),
+        delivered("c2", ROOT),
+        TaskEntry(content="more"),
+        ConsumedEntry(seqs=(6,)),
+        CompactionEntry(summary="s", from_seq=1, through_seq=7, task="work", pending=(6,)),
+    )
+    assert any("no step showed" in v for v in compaction_violations(child))
+    # Ending the range before that read, and keeping the task it read, is the true one.
+    kept = child_transcript(
+        delivered("c1", ROOT),
+        delivered("c2", ROOT),
+        TaskEntry(content="more"),
+        ConsumedEntry(seqs=(6,)),
+        CompactionEntry(summary="s", from_seq=1, through_seq=6, task="work", pending=(6,)),
+    )
+    assert compaction_violations(kept) == []
