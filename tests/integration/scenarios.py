@@ -288,7 +288,8 @@ RUNAWAY = Scenario(
 )
 
 
-# A root reads ten pages with a small context window, so it compacts along the way, then stalls
+# A root reads ten pages with a small context window, so it clears old pages and compacts along
+# the way, then stalls
 # mid-turn: its host is killed, and a prompt cold-resumes it on another node from its latest
 # compaction. Resumed past its program's reads (a scripted summary names the steps it covers,
 # so the program's cursor counts them), it answers the prompt.
@@ -304,7 +305,7 @@ COMPACTING = Scenario(
             name="reader",
             system_prompt="You read manuals.",
             model="reader",
-            context=ContextPolicy(window_tokens=2000, compact_at=0.5, clear_tool_outputs=False),
+            context=ContextPolicy(window_tokens=1200, compact_at=0.5, keep_tool_outputs=1),
         ),
     ),
     programs={

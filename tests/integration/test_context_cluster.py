@@ -4,6 +4,7 @@ host died in as lost, and goes on from its summary without repeating a step."""
 
 from __future__ import annotations
 
+from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
 from dsh_mesh.core import (
     AssistantStepEntry,
     CompactionEntry,
@@ -46,14 +47,36 @@ async def test_a_compacted_agent_resumes_elsewhere_from_its_summary(etcd: EtcdAd
             records = await reader.wait_for(
                 lambda: reader.transcript(root), answered, what="the prompt answered"
             )
+        # The whole transcript, compactions and clearings included, over the wire.
+        async with cluster.channel("node-b") as channel:
+            page = await mesh_pb2_grpc.MeshControlStub(channel).GetSession(
+                mesh_pb2.GetSessionRequest(session_id=root, page_size=1000),
+                metadata=cluster.metadata("tester"),
+                timeout=30,
+            )
+    wire = [e for e in page.transcript]
+    assert [e.seq for e in wire] == [r.seq for r in records]
+    compacted = [e.compaction for e in wire if e.WhichOneof("body") == "compaction"]
+    assert compacted and all(
+        c.summary and c.through_seq >= c.from_seq >= 1 and c.task == "Read the manual."
+        for c in compacted
+    )
+    assert all(c.model == "reader" and c.usage.input_tokens > 0 for c in compacted)
+    cleared = [
+        e.tool_outputs_cleared for e in wire if e.WhichOneof("body") == "tool_outputs_cleared"
+    ]
+    assert cleared and all(list(c.seqs) for c in cleared)
 
-    compactions = [r.entry for r in of(records, CompactionEntry)]
-    assert compactions, "the reader never compacted"
-    last = compactions[-1]
+    ended = of(records, TurnEndedEntry)
+    lost, answered_turn = (r.entry for r in ended)
+    assert isinstance(lost, TurnEndedEntry) and lost.outcome is TurnOutcome.LOST
+    # The resume started from the last compaction node-a wrote (the resumed turn may compact
+    # again on node-b).
+    before_the_kill = [r.entry for r in of(records, CompactionEntry) if r.seq < ended[0].seq]
+    assert before_the_kill, "the reader never compacted before its host was killed"
+    last = before_the_kill[-1]
     assert isinstance(last, CompactionEntry)
     assert last.open_turn is not None  # it compacted mid-turn: the resume knows that turn
-    lost, answered_turn = (r.entry for r in of(records, TurnEndedEntry))
-    assert isinstance(lost, TurnEndedEntry) and lost.outcome is TurnOutcome.LOST
     assert lost.turn_id == last.open_turn.turn_id
     assert isinstance(answered_turn, TurnEndedEntry)
     assert answered_turn.outcome is TurnOutcome.COMPLETED, answered_turn.detail

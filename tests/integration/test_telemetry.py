@@ -186,8 +186,8 @@ async def test_a_compaction_is_traced_within_its_step_with_its_summary_call(
             async with MeshReader(cluster.settings) as reader:
                 records = await reader.wait_for(
                     lambda: reader.transcript(root),
-                    lambda rs: sum(isinstance(r.entry, CompactionEntry) for r in rs) >= 2,
-                    what="two compactions",
+                    lambda rs: any(isinstance(r.entry, CompactionEntry) for r in rs),
+                    what="a compaction",
                 )
             await asyncio.to_thread(cluster.close)  # nodes flush their telemetry on the way out
             spans = receiver.spans()
