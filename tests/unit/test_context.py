@@ -4,6 +4,7 @@ provider in one process. Each test states one rule and fails when it is broken."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 from collections.abc import AsyncIterator, Sequence
@@ -468,12 +469,25 @@ class OverflowOnce:
             yield event
 
 
-async def test_a_message_delivered_at_the_boundary_before_a_compaction_is_read_verbatim() -> None:
+@contextlib.asynccontextmanager
+async def refused_once(marker: str) -> AsyncIterator[tuple[InProcessMesh, OverflowOnce]]:
+    """A team with no window in its policy whose provider refuses, once, the first step
+    request showing ``marker`` as too long."""
     scripted = ScriptedProvider()
-    provider = OverflowOnce(scripted, "found it on page 7")
+    provider = OverflowOnce(scripted, marker)
     async with in_process_mesh(
         context_presets(ContextPolicy()), scripted=scripted, provider=provider, tools=(read_page,)
     ) as team:
+        yield team, provider
+
+
+def with_content(records: Sequence[Record], content: str) -> Record:
+    return next(r for r in records if getattr(r.entry, "content", "") == content)
+
+
+async def test_a_message_delivered_at_the_boundary_before_a_compaction_is_read_verbatim() -> None:
+    async with refused_once("found it on page 7") as (team, provider):
+        scripted = team.scripted
         lead_go = asyncio.Event()
         scripted.program(
             "lead",
@@ -493,9 +507,7 @@ async def test_a_message_delivered_at_the_boundary_before_a_compaction_is_read_v
         records = await team.transcript(ROOT)
         [compaction] = [r for r in records if isinstance(r.entry, CompactionEntry)]
         assert isinstance(compaction.entry, CompactionEntry)
-        message = next(
-            r for r in records if getattr(r.entry, "content", "") == "found it on page 7"
-        )
+        message = with_content(records, "found it on page 7")
         [read_at] = [
             r for r in records if isinstance(r.entry, ConsumedEntry) and message.seq in r.entry.seqs
         ]
@@ -514,11 +526,8 @@ async def test_a_message_delivered_at_the_boundary_before_a_compaction_is_read_v
 
 
 async def test_a_read_whose_step_never_came_is_still_shown_after_a_later_compaction() -> None:
-    scripted = ScriptedProvider()
-    provider = OverflowOnce(scripted, "Go on.")
-    async with in_process_mesh(
-        context_presets(ContextPolicy()), scripted=scripted, provider=provider, tools=(read_page,)
-    ) as team:
+    async with refused_once("Go on.") as (team, _):
+        scripted = team.scripted
         lead_go = asyncio.Event()
         scripted.program(
             "lead",
@@ -543,9 +552,7 @@ async def test_a_read_whose_step_never_came_is_still_shown_after_a_later_compact
         records = await team.transcript(ROOT)
         [compaction] = [r.entry for r in records if isinstance(r.entry, CompactionEntry)]
         assert isinstance(compaction, CompactionEntry)
-        message = next(
-            r for r in records if getattr(r.entry, "content", "") == "found it on page 7"
-        )
+        message = with_content(records, "found it on page 7")
         assert message.seq in compaction.pending  # read by a boundary, but never by a step
         retried = steps(team.recorder.requests_of(ROOT))[-1]
         contents = [m.content for m in retried.messages]
