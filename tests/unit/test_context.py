@@ -99,14 +99,18 @@ def is_summary(content: str) -> bool:
     return content.startswith(SUMMARY_FRAME)
 
 
+async def read_pages(team: InProcessMesh, pages: int, reply: str = "done") -> list[Record]:
+    """The lead reads ``pages`` pages in one turn, then replies; its transcript once quiet."""
+    team.scripted.program("lead", *reading(pages), Reply(text=reply))
+    await team.manager.create_root("Read the manual.", preset="lead")
+    await team.manager.quiescent()
+    return await team.transcript(ROOT)
+
+
 async def test_a_long_turn_compacts_before_the_window_fills_and_goes_on(
     team: InProcessMesh,
 ) -> None:
-    team.scripted.program("lead", *reading(12), Reply(text="read them all"))
-    await team.manager.create_root("Read the manual.", preset="lead")
-    await team.manager.quiescent()
-
-    records = await team.transcript(ROOT)
+    records = await read_pages(team, 12, reply="read them all")
     [ended] = [r.entry for r in records if isinstance(r.entry, TurnEndedEntry)]
     assert ended.outcome is TurnOutcome.COMPLETED
     done = compactions(records)
@@ -123,11 +127,7 @@ async def test_a_long_turn_compacts_before_the_window_fills_and_goes_on(
 async def test_after_a_compaction_a_request_is_the_same_head_the_summary_then_what_followed(
     team: InProcessMesh,
 ) -> None:
-    team.scripted.program("lead", *reading(8), Reply(text="done"))
-    await team.manager.create_root("Read the manual.", preset="lead")
-    await team.manager.quiescent()
-
-    records = await team.transcript(ROOT)
+    records = await read_pages(team, 8)
     requests = team.recorder.requests_of(ROOT)
     first_summary = next(i for i, r in enumerate(requests) if r.purpose is CallPurpose.COMPACTION)
     before, summary_call, after = (
@@ -158,11 +158,7 @@ async def test_after_a_compaction_a_request_is_the_same_head_the_summary_then_wh
 async def test_a_compaction_is_a_durable_entry_and_the_full_transcript_stays_readable(
     team: InProcessMesh,
 ) -> None:
-    team.scripted.program("lead", *reading(8), Reply(text="done"))
-    await team.manager.create_root("Read the manual.", preset="lead")
-    await team.manager.quiescent()
-
-    records = await team.transcript(ROOT)
+    records = await read_pages(team, 8)
     assert [r.seq for r in records] == list(range(1, len(records) + 1))
     results = of_type(records, ToolResultEntry)
     assert len(results) == 8  # every page, whole, even those summarised away
@@ -298,11 +294,7 @@ async def test_a_childs_message_then_its_notice_arriving_mid_compaction_follow_i
 async def test_every_call_a_compaction_covers_has_its_result_within_it(
     team: InProcessMesh,
 ) -> None:
-    team.scripted.program("lead", *reading(12), Reply(text="done"))
-    await team.manager.create_root("Read the manual.", preset="lead")
-    await team.manager.quiescent()
-
-    records = await team.transcript(ROOT)
+    records = await read_pages(team, 12)
     answered = {r.entry.call_id: r.seq for r in records if isinstance(r.entry, ToolResultEntry)}
     for compaction in compactions(records):
         for record in records:
@@ -321,11 +313,7 @@ async def test_old_tool_outputs_are_cleared_before_a_compaction_is_needed() -> N
         window_tokens=4000, compact_at=0.5, clear_tool_outputs=True, keep_tool_outputs=2
     )
     async with in_process_mesh(context_presets(clearing), tools=(read_page,)) as team:
-        team.scripted.program("lead", *reading(9), Reply(text="done"))
-        await team.manager.create_root("Read the manual.", preset="lead")
-        await team.manager.quiescent()
-
-        records = await team.transcript(ROOT)
+        records = await read_pages(team, 9)
         cleared = [r for r in records if isinstance(r.entry, ToolOutputsClearedEntry)]
         assert cleared
         first = cleared[0]
