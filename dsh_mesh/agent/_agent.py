@@ -187,9 +187,10 @@ class Agent:
         self.limits = limits or TurnLimits()
         self.context = context or ContextPolicy()
         self._turn_tokens = 0
-        self._records = context_of(sorted(records, key=lambda r: r.seq))
-        """The session's context: with no compaction its whole transcript, else what its latest
-        compaction kept and everything after that compaction's range (docs/context.md)."""
+        self._records = sorted(records, key=lambda r: r.seq)
+        """The session's context, once ``_forget_compacted`` below has run: with no compaction
+        its whole transcript, else what its latest compaction kept and everything after that
+        compaction's range (docs/context.md)."""
         self._seqs = {r.seq for r in self._records}
         self._floor = 0
         """Every seq up to this one was compacted (or kept): nothing of it is missing here."""
@@ -622,8 +623,7 @@ class Agent:
         """One model call and the tool calls it asked for, then the step boundary. Returns the
         turn's outcome when the turn is over, None when another step follows. First, if the
         context has reached its policy's mark, room is made (docs/context.md)."""
-        await self._make_room()
-        response = await self._call_model()
+        response = await self._call_model(await self._make_room())
         step = await self._append(
             AssistantStepEntry(
                 text=response.text, tool_calls=response.tool_calls, usage=response.usage
@@ -674,12 +674,12 @@ class Agent:
             max_output_tokens=self.limits.max_output_tokens,
         )
 
-    async def _call_model(self) -> ModelResponse:
-        """The step's model call. A provider that refuses it as longer than the model's window
-        gets a compaction, then the same step again; a second refusal ends the turn (token
-        exhaustion)."""
+    async def _call_model(self, request: ModelRequest) -> ModelResponse:
+        """The step's model call, of ``request``. A provider that refuses it as longer than the
+        model's window gets a compaction, then the step again; a second refusal ends the turn
+        (token exhaustion)."""
         try:
-            return await self._model_call(self._request())
+            return await self._model_call(request)
         except ContextOverflow as overflow:
             await self._compact(f"the provider refused the request: {overflow}", forced=True)
         return await self._model_call(self._request())
@@ -711,21 +711,22 @@ class Agent:
         )
         return response
 
-    async def _make_room(self) -> None:
+    async def _make_room(self) -> ModelRequest:
         """Before a model call: if the context has reached the policy's mark, clear old tool
         outputs when that alone brings it under the mark and frees enough, else compact. A
         context with nothing new since its latest compaction is left as it is: the provider
-        says whether it fits."""
+        says whether it fits. Returns the step's request (rendered once when nothing
+        changed)."""
         policy = self.context
         mark, window = policy.mark, policy.window_tokens
-        if mark is None or window is None or not self._compactable():
-            return
         request = self._request()
+        if mark is None or window is None or not self._compactable():
+            return request
         size = context_size(
             self._records, request.messages, head_length(self.system_prompt, request.tools)
         )
         if size.tokens < mark:
-            return
+            return request
         if policy.clear_tool_outputs:
             plan = clearing(self._records, policy)
             enough = plan.frees >= policy.clear_min_share * window
@@ -739,8 +740,9 @@ class Agent:
                     },
                 ):
                     await self._append(ToolOutputsClearedEntry(seqs=plan.seqs))
-                return
+                return self._request()
         await self._compact(f"the context reached {size.tokens:,} of {window:,} tokens")
+        return self._request()
 
     def _compactable(self) -> bool:
         """Whether a model step was recorded since the latest compaction (or at all): else a
@@ -798,16 +800,15 @@ class Agent:
         """The summary call: the context up to ``through`` as the model sees it, then the
         instruction. If that is too long for the model, again with every tool output cleared;
         if that is too long as well, :class:`TokensExhausted`."""
-        base = self._request()
         for clear_all in (False, True):
             conversation = render(self._records, upto=through, clear_all=clear_all)
             request = ModelRequest(
                 session_id=self.session_id,
                 model=model,
-                system_prompt=base.system_prompt,
-                tools=base.tools,
+                system_prompt=self.system_prompt,
+                tools=self.tools.descriptors,
                 messages=summary_messages(conversation, self.context.summary_max_tokens),
-                max_output_tokens=base.max_output_tokens,
+                max_output_tokens=self.limits.max_output_tokens,
                 purpose=CallPurpose.COMPACTION,
             )
             try:

@@ -185,8 +185,9 @@ class CompactionEntry:
     of the compaction it replaces (whose summary it covers in turn). What the contract keeps
     verbatim is never summarised away:
 
-    - ``task``: the child's initial task, including its parent's id and the return
-      instruction (``""`` for a root, which has none); the model sees it before the summary;
+    - ``task``: the session's initial task (a child's includes its parent's id and the return
+      instruction; a root's is its first prompt; ``""`` for a session with none); the model
+      sees it before the summary;
     - ``pending``: the seqs in the range of inbound entries no step had read yet; each is still
       shown where a later :class:`ConsumedEntry` names it, exactly as without compaction;
     - ``open_turn``: the start of the turn in progress when it was written (``None`` between
