@@ -38,6 +38,10 @@ function describe(event) {
       return `${where} ${entry.seq} compacted ${body.from_seq}-${body.through_seq}: ${JSON.stringify(body.summary)}`;
     case 'tool_outputs_cleared':
       return `${where} ${entry.seq} cleared tool outputs ${body.seqs.join(',')}`;
+    case 'approval_request':
+      return `${where} ${entry.seq} ${body.tool}(${body.arguments_json}) waits for approval (call ${body.call_id}, digest ${body.request_digest})`;
+    case 'approval_decision':
+      return `${where} ${entry.seq} call ${body.call_id} ${body.decision} by ${body.by}${body.reason ? `: ${body.reason}` : ''}`;
     default:
       return `${where} ${entry.seq} ${entry.body}`;
   }

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import dataclasses
 import enum
 import itertools
 import json
@@ -16,9 +17,20 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Protocol
 
 from dsh_mesh import telemetry
+from dsh_mesh.agent._approvals import (
+    EXPIRED_BY,
+    check_decision,
+    consumed,
+    decision_of,
+    denied,
+    edited,
+    expired,
+    request_of,
+)
 from dsh_mesh.agent._context import (
     clearing,
     context_size,
@@ -33,6 +45,9 @@ from dsh_mesh.core import (
     AbortSignal,
     Activation,
     AgentRef,
+    ApprovalDecision,
+    ApprovalDecisionEntry,
+    ApprovalRequestEntry,
     AssistantStepEntry,
     CompactionEntry,
     ConsumedEntry,
@@ -57,6 +72,7 @@ from dsh_mesh.core import (
     TurnStartedEntry,
     Usage,
     context_of,
+    descriptor_digest,
     latest_compaction,
     pending_inbound,
     unended_turn,
@@ -71,6 +87,7 @@ from dsh_mesh.models import (
     complete,
 )
 from dsh_mesh.tools import (
+    ApprovalPolicy,
     ContextPolicy,
     ToolInvocation,
     ToolOutput,
@@ -110,7 +127,17 @@ _SETTLEMENT_OF_TURN = {
     TurnOutcome.CANCELLED: SettlementOutcome.CANCELLED,
     TurnOutcome.TOKEN_EXHAUSTION: SettlementOutcome.TOKEN_EXHAUSTION,
     TurnOutcome.LOST: SettlementOutcome.LOST,
+    # Only a root's run may end while a call waits for approval (passivated): it sends no
+    # notice. A child's run goes on until the call is decided.
+    TurnOutcome.AWAITING_APPROVAL: SettlementOutcome.COMPLETED,
 }
+
+
+class _AwaitingApproval(Exception):
+    """The turn stops at a call that waits for a person's decision."""
+
+    def __init__(self, call: ToolCall) -> None:
+        super().__init__(f"waiting for approval of {call.name} (call {call.call_id})")
 
 
 class AgentHost(Protocol):
@@ -176,6 +203,7 @@ class Agent:
         ids: IdFactory,
         limits: TurnLimits | None = None,
         context: ContextPolicy | None = None,
+        approvals: ApprovalPolicy | None = None,
         tool_executor: Executor | None = None,
     ) -> None:
         self.header = header
@@ -186,6 +214,13 @@ class Agent:
         self.system_prompt = system_prompt
         self.limits = limits or TurnLimits()
         self.context = context or ContextPolicy()
+        self.approvals = approvals or ApprovalPolicy()
+        self._deciding = asyncio.Lock()
+        """Held while one decision on an approval request is checked and written."""
+        self._cancel_wait: str | None = None
+        """An interrupt or a stop came while a call waits for approval: why."""
+        self._waiting_turn: TurnId | None = None
+        """The turn that stopped at a call waiting for approval, while it waits."""
         self._turn_tokens = 0
         self._records = sorted(records, key=lambda r: r.seq)
         """The session's context, once ``_forget_compacted`` below has run: with no compaction
@@ -256,7 +291,11 @@ class Agent:
         """Whether a Steer record delivered now is read inside a running turn (at its next
         step boundary) rather than starting one. False while the agent only answers what an
         earlier activation left open: that is no turn, and what arrives starts the next."""
-        return self._state is AgentState.RUNNING and not self._recovering
+        if self._state is AgentState.RUNNING:
+            return not self._recovering
+        # A call waiting for approval: the turn goes on from it, and reads what came at the
+        # boundary after that call's step.
+        return self._state is AgentState.IDLE and self._waiting_call() is not None
 
     @property
     def inbox_depth(self) -> int:
@@ -265,6 +304,14 @@ class Agent:
     @property
     def turns_run(self) -> int:
         return self._turns_run
+
+    @property
+    def at_rest(self) -> bool:
+        """Idle with nothing to do: an empty inbox, or a call waiting for a person's decision
+        (what waits in the inbox waits for that) and no interrupt of it to carry out."""
+        if self._state is not AgentState.IDLE or self._cancel_wait is not None:
+            return False
+        return self.inbox_depth == 0 or self.waiting_request() is not None
 
     async def wait_released(self) -> None:
         """Return once this activation has ended and its host has finished settling it."""
@@ -335,6 +382,12 @@ class Agent:
         None when idle. Idempotent while the cancellation is in flight; never touches the
         inbox."""
         if not self._cancellable:
+            if self._state is AgentState.IDLE and self._waiting_call() is not None:
+                # The turn waits at a call for approval: it is cancelled from there, and the
+                # request is answered as denied (the driver writes both).
+                self._cancel_wait = detail
+                self._work.set()
+                return self._waiting_turn
             return None
         if not self._interrupting:
             self._interrupting = True
@@ -369,17 +422,29 @@ class Agent:
         as lost (:meth:`_finish_left_over_turn`)."""
         await self._finish_left_over_turn()
         while True:
-            if len(self._inbox) and not self._halted:
+            waiting = self._waiting_call()
+            if waiting is not None:
+                if self._cancel_wait is not None or self._halted:
+                    await self._cancel_waiting(waiting, self._cancel_wait or "stopped")
+                    continue
+                if await self._decision_due(waiting):
+                    continue
+            if len(self._inbox) and not self._halted and waiting is None:
                 if await self._host.closed(self):  # closed before this turn (or activation)
                     self._halted = True
                     continue
                 await self._turn(self._inbox.take_turn_input())
+                continue
+            if waiting is not None and self._inbox.has_decision(waiting.call_id):
+                await self._turn(self._inbox.take_decisions(), going_on=True)
                 continue
             if self._halted and len(self._inbox):
                 # Nothing here reads them: their holds end, and they stay durable, unread, for
                 # the first activation after the subtree is reopened.
                 self._host.admitted(self, self._inbox.take_all())
             may_end = self.header.kind is not SessionKind.ROOT or self._passivating or self._halted
+            if waiting is not None and self.header.kind is not SessionKind.ROOT:
+                may_end = False  # a child's run goes on once the call is decided
             if may_end and self._host.may_settle(self):
                 self._state = AgentState.SETTLED
                 self._host.changed()
@@ -389,7 +454,110 @@ class Agent:
                     self._released.set()
                 return
             self._work.clear()
-            await self._work.wait()
+            timeout = None if waiting is None else self._until_expiry(waiting)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._work.wait()
+
+    # -- approvals (docs/approvals.md) ----------------------------------------------------------
+
+    def needs_approval(self, call: ToolCall) -> bool:
+        """Whether ``call`` runs only once a person allowed it: its tool is one the preset
+        marks (a standard tool never is), or it was asked for already."""
+        tool = self.tools.get(call.name)
+        if tool is not None and self.approvals.marks(call.name) and not answers_for_itself(tool):
+            return True
+        return request_of(self._records, call.call_id) is not None
+
+    def _waiting_call(self) -> ToolCall | None:
+        """The call the last turn stopped at, waiting for a decision, when no turn runs: the
+        first call of the last step without a result (every other turn answers them all)."""
+        if self._state is not AgentState.IDLE:
+            return None
+        open_calls = self._calls_left_open()[1]
+        return open_calls[0][1] if open_calls else None
+
+    def waiting_request(self) -> ApprovalRequestEntry | None:
+        """The request a call of this idle agent waits on, undecided; None when none does."""
+        call = self._waiting_call()
+        request = None if call is None else request_of(self._records, call.call_id)
+        if request is None or decision_of(self._records, request) is not None:
+            return None
+        assert isinstance(request.entry, ApprovalRequestEntry)
+        return request.entry
+
+    def _until_expiry(self, call: ToolCall) -> float | None:
+        request = request_of(self._records, call.call_id)
+        if request is None or decision_of(self._records, request) is not None:
+            return None
+        assert isinstance(request.entry, ApprovalRequestEntry)
+        if request.entry.expires_at is None:
+            return None
+        return max(0.0, (request.entry.expires_at - datetime.now(UTC)).total_seconds())
+
+    @contextlib.asynccontextmanager
+    async def deciding(self) -> AsyncIterator[None]:
+        """Hold off every other decision on this agent's requests, and its step boundary, while
+        one decision is checked (:meth:`check_decision`), appended and delivered."""
+        async with self._deciding, self._gate.accepting():
+            yield
+
+    def check_decision(self, decision: ApprovalDecisionEntry) -> bool:
+        """Refuse a decision that answers no request waiting now (``ApprovalStale``) or edits
+        the arguments into something the tool's schema refuses (``InvalidArgument``); call it
+        within :meth:`deciding`. True when it repeats the decision taken, word for word."""
+        request = request_of(self._records, decision.call_id)
+        tool = None
+        if request is not None:
+            assert isinstance(request.entry, ApprovalRequestEntry)
+            tool = self.tools.get(request.entry.tool)
+        return check_decision(
+            self._records,
+            decision,
+            None if tool is None else tool.descriptor,
+            datetime.now(UTC),
+        )
+
+    async def _decide(self, call: ToolCall, reason: str) -> None:
+        """Deny the request ``call`` waits on, as this agent's own decision (it expired, or
+        the turn was cancelled), unless a decision came first: it is then the one that
+        stands. Appended and delivered like an accepted one."""
+        async with self.deciding():
+            request = request_of(self._records, call.call_id)
+            if request is None or decision_of(self._records, request) is not None:
+                return
+            assert isinstance(request.entry, ApprovalRequestEntry)
+            entry = ApprovalDecisionEntry(
+                call_id=call.call_id,
+                decision=ApprovalDecision.DENY,
+                request_digest=request.entry.digest,
+                reason=reason,
+                by=EXPIRED_BY,
+            )
+            # Should a decision have landed unseen (its accept's answer was lost), two stand in
+            # the transcript: the first one counts (decision_of), whichever it is.
+            record = await self._writes.run(self._host.append(self, entry))
+            self.deliver(record)
+
+    async def _decision_due(self, call: ToolCall) -> bool:
+        """Deny the request ``call`` waits on if it expired undecided; True when it did."""
+        request = request_of(self._records, call.call_id)
+        if request is None or decision_of(self._records, request) is not None:
+            return False
+        assert isinstance(request.entry, ApprovalRequestEntry)
+        if not expired(request.entry, datetime.now(UTC)):
+            return False
+        await self._decide(call, "the request expired with no decision")
+        return True
+
+    async def _cancel_waiting(self, call: ToolCall, detail: str) -> None:
+        """An interrupt (or a stop) of a turn that waits at ``call``: its request is denied,
+        then the turn goes on from that call only to end cancelled, answering each open call
+        "not run"."""
+        self._cancel_wait = None
+        await self._decide(call, f"the turn was cancelled ({detail})")
+        self._interrupting, self._interrupt_detail = True, detail
+        await self._turn(self._inbox.take_decisions(), going_on=True)
 
     async def _finish_left_over_turn(self) -> None:
         """Answer, durably, every call of the last step that an earlier activation left without
@@ -397,11 +565,15 @@ class Agent:
         unended turn as ``lost``. A call of a tool that is idempotent by key (the standard
         tools) is carried out again under the call's own key: the repeat finds what the first
         try did (the acceptance, the child) or does it now, so the answer is exact and the
-        effect happens once. Any other call is answered "outcome unknown", never run again."""
+        effect happens once. Any other call is answered "outcome unknown", never run again.
+
+        A call that waits for approval stays open, and so do the calls after it: the turn
+        goes on from there once it is decided. A call that needed approval and never had a
+        decision read never ran: it is answered "not run" if no request was written for it."""
         open_turn = unended_turn(self._records)
         step_seq, open_calls = self._calls_left_open()
-        if not open_calls and open_turn is None:
-            return
+        if open_turn is None:
+            return  # nothing, or a call waiting for approval: the driver goes on from it
         # Running, for whoever waits on this agent: what it writes now belongs to that turn.
         self._state = AgentState.RUNNING
         self._recovering = True
@@ -410,7 +582,14 @@ class Agent:
         for index, call in open_calls:
             tool = self.tools.get(call.name)
             started: float | None = None
-            if tool is not None and is_idempotent_by_key(tool):
+            if self.needs_approval(call) and not self._decision_read(call):
+                if request_of(self._records, call.call_id) is not None:
+                    break  # it waits for (or has) a decision: the turn goes on from it
+                output = ToolOutput(
+                    content="not run: its host stopped before this call was approved",
+                    is_error=True,
+                )
+            elif tool is not None and is_idempotent_by_key(tool):
                 started = time.monotonic()
                 output = await self._invoke(call, signal, step_seq=step_seq, index=index)
             else:
@@ -437,6 +616,12 @@ class Agent:
         self._state = AgentState.IDLE
         self._recovering = False
         self._host.changed()
+
+    def _decision_read(self, call: ToolCall) -> bool:
+        """Whether a turn read a decision on ``call``: only then may the call have run."""
+        request = request_of(self._records, call.call_id)
+        decision = None if request is None else decision_of(self._records, request)
+        return decision is not None and consumed(self._records, decision.seq)
 
     def _calls_left_open(self) -> tuple[int, list[tuple[int, ToolCall]]]:
         """The seq of the transcript's last step and those of its calls (with their places in
@@ -504,7 +689,7 @@ class Agent:
             )
         )
 
-    async def _read_waiting(self, first: Sequence[Record] = ()) -> bool:
+    async def _read_waiting(self, first: Sequence[Record] = (), *, steered: bool = True) -> bool:
         """The read of a step boundary (or of a turn's start, with the turn's ``first``
         records): every Steer record waiting, in seq order, made durable as one
         ``ConsumedEntry``. It holds the gate against accepts, so no Steer record durable before
@@ -516,7 +701,8 @@ class Agent:
             try:
                 if self._in_doubt:
                     await self._take_landed()
-                records = sorted([*first, *self._inbox.take_steered()], key=lambda r: r.seq)
+                waiting = self._inbox.take_steered() if steered else []
+                records = sorted([*first, *waiting], key=lambda r: r.seq)
                 if records:
                     record = await self._host.append(
                         self, ConsumedEntry(seqs=tuple(r.seq for r in records))
@@ -545,7 +731,7 @@ class Agent:
                 self.record(record)
         self._in_doubt = False
 
-    async def _turn(self, first: list[Record]) -> None:
+    async def _turn(self, first: list[Record], *, going_on: bool = False) -> None:
         turn_id = self._ids.turn_id()
         with telemetry.span(
             "dsh.turn",
@@ -556,10 +742,15 @@ class Agent:
             },
         ) as turn_span:
             self._last_turn_trace = turn_span.traceparent
-            outcome = await self._run_turn(turn_id, first)
+            outcome = await self._run_turn(turn_id, first, going_on=going_on)
             turn_span.set("dsh.turn.outcome", outcome.value)
 
-    async def _run_turn(self, turn_id: TurnId, first: list[Record]) -> TurnOutcome:
+    async def _run_turn(
+        self, turn_id: TurnId, first: list[Record], *, going_on: bool = False
+    ) -> TurnOutcome:
+        """One turn, from ``first`` (its inbound records). ``going_on``: the turn goes on from
+        the call the last one stopped at, waiting for approval; ``first`` are the decisions,
+        read now, and what else waits is read at the step's boundary, after its results."""
         self._turn_id = turn_id
         self._cancellable = True
         self._state = AgentState.RUNNING
@@ -571,10 +762,13 @@ class Agent:
                 activation_id=self.activation.activation_id,
             )
         )
-        await self._read_waiting(first)
+        await self._read_waiting(first, steered=not going_on)
+        self._waiting_turn = None
         self._turn_tokens = 0
         signal = AbortSignal()
-        self._turn_task = asyncio.create_task(self._steps(signal), name=f"turn {turn_id}")
+        self._turn_task = asyncio.create_task(
+            self._steps(signal, going_on=going_on), name=f"turn {turn_id}"
+        )
         if self._interrupting:
             self._turn_task.cancel()  # interrupted while the turn was starting
         detail = ""
@@ -586,6 +780,9 @@ class Agent:
                 raise
             outcome = TurnOutcome.CANCELLED
             detail = self._interrupt_detail
+        except _AwaitingApproval as waiting:
+            outcome, detail = TurnOutcome.AWAITING_APPROVAL, str(waiting)
+            self._waiting_turn = turn_id
         except TokensExhausted as exhausted:
             outcome, detail = TurnOutcome.TOKEN_EXHAUSTION, str(exhausted)
         except Exception as failure:  # a failed model call ends the turn, never the driver
@@ -597,7 +794,8 @@ class Agent:
             self._interrupting = False
             self._interrupt_detail = "interrupted"
         await self._finish_writes()
-        await self._close_open_calls(outcome)
+        if outcome is not TurnOutcome.AWAITING_APPROVAL:
+            await self._close_open_calls(outcome)
         await self._append(TurnEndedEntry(turn_id=turn_id, outcome=outcome, detail=detail))
         self._turns_run += 1
         self._last_outcome, self._last_detail = outcome, detail
@@ -606,7 +804,13 @@ class Agent:
         self._host.changed()
         return outcome
 
-    async def _steps(self, signal: AbortSignal) -> TurnOutcome:
+    async def _steps(self, signal: AbortSignal, *, going_on: bool = False) -> TurnOutcome:
+        if going_on:
+            step_seq, open_calls = self._calls_left_open()
+            with telemetry.span("dsh.step", attributes={"dsh.session.id": self.session_id}):
+                outcome = await self._calls_and_boundary(step_seq, open_calls, signal, asked=True)
+            if outcome is not None:
+                return outcome
         for index in itertools.count():
             links, self._links = self._links, []
             with telemetry.span(
@@ -637,7 +841,29 @@ class Agent:
             raise TokensExhausted(
                 f"the turn used {self._turn_tokens} tokens; its budget is {budget}"
             )
-        for index, call in enumerate(response.tool_calls):
+        calls = list(enumerate(response.tool_calls))
+        return await self._calls_and_boundary(
+            step.seq, calls, signal, asked=bool(response.tool_calls)
+        )
+
+    async def _calls_and_boundary(
+        self,
+        step_seq: int,
+        calls: Sequence[tuple[int, ToolCall]],
+        signal: AbortSignal,
+        *,
+        asked: bool,
+    ) -> TurnOutcome | None:
+        """Run ``calls`` of the step ``step_seq`` in order, each answered once, then the step
+        boundary. Raises :class:`_AwaitingApproval` at a call that waits for a decision."""
+        for index, call in calls:
+            decision = await self._approval(call)
+            if decision is not None and decision.decision is ApprovalDecision.DENY:
+                await self._answer(call, denied(decision))
+                continue
+            ran = call
+            if decision is not None and decision.decision is ApprovalDecision.EDIT:
+                ran = dataclasses.replace(call, arguments_json=decision.arguments_json)
             with telemetry.span(
                 f"execute_tool {call.name}",
                 attributes={
@@ -648,18 +874,51 @@ class Agent:
             ) as tool_span:
                 self._running_call = call.call_id
                 started = time.monotonic()
-                output = await self._invoke(call, signal, step_seq=step.seq, index=index)
+                output = await self._invoke(ran, signal, step_seq=step_seq, index=index)
                 self._running_call = None
                 tool_span.set("dsh.tool.error", output.is_error)
+            if ran is not call:
+                assert decision is not None
+                output = edited(decision, output)
             await self._answer(call, output, started=started)
         # Step boundary: every tool result of this step is recorded.
-        if not response.tool_calls:
+        if not asked:
             # Before the turn ends, let sends admitted while it ran land: they were told
             # "steered", so they extend this turn rather than start another.
             await self._host.inflight_settled(self)
-        if not await self._read_waiting() and not response.tool_calls:
+        if not await self._read_waiting() and not asked:
             return TurnOutcome.COMPLETED
         return None
+
+    async def _approval(self, call: ToolCall) -> ApprovalDecisionEntry | None:
+        """The decision ``call`` runs under: None when it needs none. Raises
+        :class:`_AwaitingApproval` (after writing the request, the first time) when it waits
+        for one."""
+        if not self.needs_approval(call):
+            return None
+        request = request_of(self._records, call.call_id)
+        tool = self.tools.get(call.name)
+        shown = "" if tool is None else descriptor_digest(tool.descriptor)
+        if request is not None:
+            assert isinstance(request.entry, ApprovalRequestEntry)
+            decision = decision_of(self._records, request)
+            if decision is not None and request.entry.descriptor_digest == shown:
+                assert isinstance(decision.entry, ApprovalDecisionEntry)
+                return decision.entry
+            if decision is None:
+                raise _AwaitingApproval(call)
+            # Decided for a tool that changed since: asked again, as it is now.
+        timeout = self.approvals.timeout
+        await self._append(
+            ApprovalRequestEntry(
+                call_id=call.call_id,
+                tool=call.name,
+                arguments_json=call.arguments_json,
+                descriptor_digest=shown,
+                expires_at=None if timeout is None else datetime.now(UTC) + timeout,
+            )
+        )
+        raise _AwaitingApproval(call)
 
     # -- the context window (docs/context.md) ---------------------------------------------------
 
@@ -789,10 +1048,15 @@ class Agent:
         step shows them: a turn may have ended between a read and its step), else past the
         last record. A compaction covers only what comes before."""
         unseen = self._records[-1].seq + 1
+        decisions = {r.seq for r in self._records if isinstance(r.entry, ApprovalDecisionEntry)}
         for record in reversed(self._records):
             if isinstance(record.entry, AssistantStepEntry | CompactionEntry):
                 break
-            if isinstance(record.entry, ConsumedEntry):
+            # A turn that went on from a call waiting for approval read only decisions: no
+            # message is among them, and the step's results come after that read.
+            if isinstance(record.entry, ConsumedEntry) and not decisions.issuperset(
+                record.entry.seqs
+            ):
                 unseen = record.seq
         return unseen
 

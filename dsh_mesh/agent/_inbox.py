@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bisect
 
-from dsh_mesh.core import INBOUND_TYPES, Record, is_queue_delivery
+from dsh_mesh.core import INBOUND_TYPES, ApprovalDecisionEntry, Record, is_queue_delivery
 
 
 class Inbox:
@@ -36,6 +36,20 @@ class Inbox:
         steered = [record for record in self._waiting if not _queued(record)]
         self._waiting = [record for record in self._waiting if _queued(record)]
         return steered
+
+    def has_decision(self, call_id: str) -> bool:
+        """Whether a decision on the approval request of call ``call_id`` waits here."""
+        return any(
+            isinstance(r.entry, ApprovalDecisionEntry) and r.entry.call_id == call_id
+            for r in self._waiting
+        )
+
+    def take_decisions(self) -> list[Record]:
+        """Every waiting decision on an approval request, in seq order: they start the turn
+        that goes on from the call waiting for one, before anything else is read."""
+        taken = [r for r in self._waiting if isinstance(r.entry, ApprovalDecisionEntry)]
+        self._waiting = [r for r in self._waiting if not isinstance(r.entry, ApprovalDecisionEntry)]
+        return taken
 
     def take_all(self) -> list[Record]:
         """Every waiting record, prompts too, in seq order; the inbox is empty after."""

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dsh_mesh.core import (
     INBOUND_TYPES,
     AgentMessageEntry,
+    ApprovalDecisionEntry,
     AssistantStepEntry,
     ChatMessage,
     CompactionEntry,
@@ -21,6 +22,7 @@ from dsh_mesh.core import (
     ToolOutputsClearedEntry,
     ToolResultEntry,
     TurnEndedEntry,
+    TurnOutcome,
     frame_agent_message,
     frame_settlement_notice,
 )
@@ -91,7 +93,11 @@ def render(
         if isinstance(entry, INBOUND_TYPES):
             inbound[seq] = entry
         elif isinstance(entry, ConsumedEntry):
-            messages.extend((seq, render_inbound(inbound[s])) for s in entry.seqs)
+            # A decision on an approval request shows only through its call's result.
+            shown = [
+                inbound[s] for s in entry.seqs if not isinstance(inbound[s], ApprovalDecisionEntry)
+            ]
+            messages.extend((seq, render_inbound(e)) for e in shown)
         elif isinstance(entry, ForkPrefixEntry):
             messages.extend((seq, m) for m in entry.messages)
         elif isinstance(entry, AssistantStepEntry):
@@ -116,8 +122,12 @@ def completed_turn_prefix(records: Sequence[Record]) -> tuple[int, tuple[ChatMes
     """What a fork child inherits of ``records`` (a session's transcript or context): the
     rendering up to its last ended turn, or up to its latest compaction when that came later
     (mid-turn: the summary stands for everything it covers), as it starts the rendering the
-    parent sends; with the seq it ends at (0 if there is none)."""
+    parent sends; with the seq it ends at (0 if there is none). A turn that stopped at a call
+    waiting for approval did not complete: its end is no such point."""
     for index in range(len(records) - 1, -1, -1):
-        if isinstance(records[index].entry, TurnEndedEntry | CompactionEntry):
+        entry = records[index].entry
+        if isinstance(entry, TurnEndedEntry) and entry.outcome is TurnOutcome.AWAITING_APPROVAL:
+            continue  # its step's calls are not all answered: the turn goes on after it
+        if isinstance(entry, TurnEndedEntry | CompactionEntry):
             return records[index].seq, render(records, upto=records[index].seq)
     return 0, render([r for r in records if isinstance(r.entry, ForkPrefixEntry)])

@@ -24,7 +24,9 @@ from dsh_mesh.cli._render import (
     to_jsonable,
 )
 from dsh_mesh.client import (
+    ApprovalRequest,
     ClientOptions,
+    DecisionResult,
     HealthStatus,
     MeshClient,
     SessionPage,
@@ -153,6 +155,59 @@ async def _interrupt(client: MeshClient, args: argparse.Namespace, console: Cons
     else:
         console.say(f"nothing to interrupt: {result.session_id} has no running turn")
     return 0
+
+
+async def _approve(client: MeshClient, args: argparse.Namespace, console: Console) -> int:
+    digest = args.digest or await _request_digest(client, args.session, args.call_id, console)
+    if digest is None:
+        return 1
+    result = await client.approve(
+        args.session, args.call_id, digest, arguments_json=args.args, reason=args.reason
+    )
+    return _decided(
+        result, "approved" + (" with edited arguments" if args.args else ""), args, console
+    )
+
+
+async def _deny(client: MeshClient, args: argparse.Namespace, console: Console) -> int:
+    digest = args.digest or await _request_digest(client, args.session, args.call_id, console)
+    if digest is None:
+        return 1
+    result = await client.deny(args.session, args.call_id, digest, reason=args.reason)
+    return _decided(result, "denied", args, console)
+
+
+def _decided(
+    result: DecisionResult, verdict: str, args: argparse.Namespace, console: Console
+) -> int:
+    if args.json:
+        console.say(dumps(result))
+    else:
+        again = " (already decided so: nothing changed)" if result.duplicate else ""
+        console.say(
+            f"{verdict} call {args.call_id} of {result.session_id} as {result.decided_by},"
+            f" seq {result.accepted_seq}{again}"
+        )
+    return 0
+
+
+async def _request_digest(
+    client: MeshClient, session: str, call_id: str, console: Console
+) -> str | None:
+    """The digest of the latest request on ``call_id`` in ``session``'s transcript, shown to
+    the person deciding; None (said why) when there is none."""
+    found: ApprovalRequest | None = None
+    pages = client.session_pages(session)
+    async with contextlib.aclosing(pages):
+        async for page in pages:
+            for entry in page.transcript:
+                if isinstance(entry.body, ApprovalRequest) and entry.body.call_id == call_id:
+                    found = entry.body
+    if found is None:
+        console.note(f"{session} has no approval request for call {call_id!r}")
+        return None
+    console.note(f"deciding on {found.tool}({found.arguments_json}), digest {found.request_digest}")
+    return found.request_digest
 
 
 async def _stop(client: MeshClient, args: argparse.Namespace, console: Console) -> int:
@@ -360,6 +415,8 @@ _HANDLERS = {
     "spawn": _spawn,
     "prompt": _prompt,
     "interrupt": _interrupt,
+    "approve": _approve,
+    "deny": _deny,
     "stop": _stop,
     "reopen": _reopen,
     "watch": _watch,

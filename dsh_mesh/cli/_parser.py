@@ -261,6 +261,39 @@ def build_parser() -> argparse.ArgumentParser:
     interrupt.add_argument("session")
     _json_flag(interrupt)
 
+    approve = commands.add_parser(
+        "approve",
+        help="allow a tool call that waits for approval (optionally with edited arguments)",
+        description=(
+            "Allow the call CALL_ID of SESSION, which waits for a person's decision: it runs"
+            " once, and the agent goes on. With --args it runs with those arguments instead"
+            " (a JSON object the tool's schema must accept). The decision binds the request as"
+            " shown: --digest names it (`dsh-mesh show` prints it); without it, the request"
+            " waiting now is read and decided on. Durable; the same decision again is a"
+            " duplicate, any other one is refused (APPROVAL_STALE)."
+        ),
+    )
+    approve.add_argument("session")
+    approve.add_argument("call_id")
+    approve.add_argument("--args", default="", help="edited arguments, a JSON object")
+    approve.add_argument("--digest", default="", help="the request's digest, as shown")
+    approve.add_argument("--reason", default="", help="why (kept in the transcript)")
+    _json_flag(approve)
+
+    deny = commands.add_parser(
+        "deny",
+        help="refuse a tool call that waits for approval; the model reads the reason",
+        description=(
+            "Deny the call CALL_ID of SESSION, which waits for a person's decision: it never"
+            " runs, and the model reads REASON as its result. Otherwise as `approve`."
+        ),
+    )
+    deny.add_argument("session")
+    deny.add_argument("call_id")
+    deny.add_argument("--reason", default="", help="what the model reads")
+    deny.add_argument("--digest", default="", help="the request's digest, as shown")
+    _json_flag(deny)
+
     stop = commands.add_parser(
         "stop",
         help="stop a subtree on every node (--tree), and keep it closed (--close)",

@@ -14,6 +14,8 @@ from typing import Any
 from dsh_mesh.client import (
     AgentMessage,
     AgentSummary,
+    ApprovalDecided,
+    ApprovalRequest,
     AssistantStep,
     Compaction,
     Consumed,
@@ -144,6 +146,21 @@ def describe_body(body: EntryBody, *, width: int | None = DEFAULT_WIDTH) -> tupl
         return "compacted", f"{text} {tokens}" if tokens else text, False
     if isinstance(body, ToolOutputsCleared):
         return "cleared", "tool outputs of seq " + ", ".join(map(str, body.seqs)), False
+    if isinstance(body, ApprovalRequest):
+        text = f"{body.tool}({one_line(body.arguments_json, width)}) call {body.call_id}"
+        text += f" digest {body.request_digest}"
+        if body.expires_at is not None:
+            text += f", expires {body.expires_at.isoformat(timespec='seconds')}"
+        return "approval?", text, False
+    if isinstance(body, ApprovalDecided):
+        verdict = "unknown" if body.decision is None else body.decision.value
+        text = f"call {body.call_id} {verdict} by {body.by or 'unknown'}"
+        if body.arguments_json:
+            text += f" with {one_line(body.arguments_json, width)}"
+        if body.reason:
+            text += f": {one_line(body.reason, width)}"
+        denied = body.decision is not None and body.decision.value == "deny"
+        return "decided", text, denied
     assert isinstance(body, UnknownEntry)
     return "entry", "(an entry kind this client does not know)", False
 
@@ -232,6 +249,8 @@ _BODY_TYPE: Mapping[type, str] = {
     Consumed: "consumed",
     Compaction: "compaction",
     ToolOutputsCleared: "tool_outputs_cleared",
+    ApprovalRequest: "approval_request",
+    ApprovalDecided: "approval_decision",
     UnknownEntry: "unknown",
 }
 

@@ -23,12 +23,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
 from dsh_mesh.client._convert import (
+    DECISION_TO_WIRE,
     event_from_wire,
     session_from_wire,
     summary_from_wire,
 )
 from dsh_mesh.client._types import (
     AgentSummary,
+    DecisionResult,
     HealthStatus,
     InterruptResult,
     PromptAccepted,
@@ -39,6 +41,7 @@ from dsh_mesh.client._types import (
 )
 from dsh_mesh.core import (
     ActivationId,
+    ApprovalDecision,
     MeshError,
     NodeId,
     PeerUnavailable,
@@ -303,6 +306,68 @@ class MeshClient:
             session_id=SessionId(session),
             interrupted=response.interrupted,
             turn_id=TurnId(response.turn_id) if response.turn_id else None,
+        )
+
+    async def approve(
+        self,
+        session: str,
+        call_id: str,
+        request_digest: str,
+        *,
+        arguments_json: str = "",
+        reason: str = "",
+        deadline: timedelta | None = None,
+    ) -> DecisionResult:
+        """Allow the call ``call_id`` of ``session`` that waits for approval, as the request
+        ``request_digest`` names it (:class:`ApprovalRequest`); with ``arguments_json`` it runs
+        with those arguments instead (checked against the tool's schema: ``InvalidArgument``).
+        Durable when it returns; the agent goes on from the call. A call that no longer waits,
+        or waits on another request, raises ``ApprovalStale``. Idempotent: the same decision
+        again returns ``duplicate == True``."""
+        decision = ApprovalDecision.EDIT if arguments_json else ApprovalDecision.ALLOW
+        return await self._resolve(
+            session, call_id, decision, request_digest, arguments_json, reason, deadline
+        )
+
+    async def deny(
+        self,
+        session: str,
+        call_id: str,
+        request_digest: str,
+        *,
+        reason: str = "",
+        deadline: timedelta | None = None,
+    ) -> DecisionResult:
+        """Deny the call ``call_id`` of ``session`` that waits for approval: it never runs, and
+        the model reads ``reason`` as its result. Otherwise as :meth:`approve`."""
+        return await self._resolve(
+            session, call_id, ApprovalDecision.DENY, request_digest, "", reason, deadline
+        )
+
+    async def _resolve(
+        self,
+        session: str,
+        call_id: str,
+        decision: ApprovalDecision,
+        request_digest: str,
+        arguments_json: str,
+        reason: str,
+        deadline: timedelta | None,
+    ) -> DecisionResult:
+        request = mesh_pb2.ResolveApprovalRequest(
+            session_id=session,
+            call_id=call_id,
+            decision=DECISION_TO_WIRE[decision],
+            request_digest=request_digest,
+            arguments_json=arguments_json,
+            reason=reason,
+        )
+        response = await self._unary("ResolveApproval", request, deadline)
+        return DecisionResult(
+            session_id=SessionId(session),
+            accepted_seq=response.accepted_seq,
+            duplicate=response.duplicate,
+            decided_by=response.decided_by,
         )
 
     async def stop_tree(

@@ -15,6 +15,8 @@ from dsh_mesh.client._types import (
     AgentMessage,
     AgentState,
     AgentSummary,
+    ApprovalDecided,
+    ApprovalRequest,
     AssistantStep,
     Compaction,
     Consumed,
@@ -35,6 +37,7 @@ from dsh_mesh.client._types import (
 from dsh_mesh.core import (
     Activation,
     ActivationId,
+    ApprovalDecision,
     DeliveryKind,
     ForkOrigin,
     NodeId,
@@ -78,7 +81,14 @@ _TURN = {
     mesh_pb2.TURN_OUTCOME_CANCELLED: TurnOutcome.CANCELLED,
     mesh_pb2.TURN_OUTCOME_TOKEN_EXHAUSTION: TurnOutcome.TOKEN_EXHAUSTION,
     mesh_pb2.TURN_OUTCOME_LOST: TurnOutcome.LOST,
+    mesh_pb2.TURN_OUTCOME_AWAITING_APPROVAL: TurnOutcome.AWAITING_APPROVAL,
 }
+_DECISION = {
+    mesh_pb2.APPROVAL_DECISION_ALLOW: ApprovalDecision.ALLOW,
+    mesh_pb2.APPROVAL_DECISION_DENY: ApprovalDecision.DENY,
+    mesh_pb2.APPROVAL_DECISION_EDIT: ApprovalDecision.EDIT,
+}
+DECISION_TO_WIRE = {decision: wire for wire, decision in _DECISION.items()}
 
 
 def _time(message: Any, field: str) -> datetime | None:
@@ -203,6 +213,26 @@ def _body_from_wire(entry: mesh_pb2.TranscriptEntry) -> EntryBody:
         )
     if which == "tool_outputs_cleared":
         return ToolOutputsCleared(seqs=tuple(entry.tool_outputs_cleared.seqs))
+    if which == "approval_request":
+        request = entry.approval_request
+        return ApprovalRequest(
+            call_id=request.call_id,
+            tool=request.tool,
+            arguments_json=request.arguments_json,
+            descriptor_digest=request.descriptor_digest,
+            request_digest=request.request_digest,
+            expires_at=_time(request, "expires_at"),
+        )
+    if which == "approval_decision":
+        decided = entry.approval_decision
+        return ApprovalDecided(
+            call_id=decided.call_id,
+            decision=_DECISION.get(decided.decision),
+            request_digest=decided.request_digest,
+            arguments_json=decided.arguments_json,
+            reason=decided.reason,
+            by=decided.by,
+        )
     return UnknownEntry()
 
 

@@ -17,6 +17,7 @@ from datetime import datetime
 from dsh_mesh.core import (
     Activation,
     ActivationId,
+    ApprovalDecision,
     DeliveryKind,
     ForkOrigin,
     NodeId,
@@ -91,6 +92,17 @@ class InterruptResult:
     session_id: SessionId
     interrupted: bool
     turn_id: TurnId | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecisionResult:
+    """A durable decision on an approval request: its seq in the session's transcript, whether
+    it repeated one already accepted, and who it is recorded as made by."""
+
+    session_id: SessionId
+    accepted_seq: int
+    duplicate: bool
+    decided_by: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -241,6 +253,32 @@ class ToolOutputsCleared:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ApprovalRequest:
+    """A tool call waits for a person's decision before it runs (docs/approvals.md). Decide
+    with :meth:`MeshClient.approve` / :meth:`MeshClient.deny`, naming ``request_digest``."""
+
+    call_id: str
+    tool: str
+    arguments_json: str
+    descriptor_digest: str
+    request_digest: str
+    expires_at: datetime | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ApprovalDecided:
+    """A decision on the request of call ``call_id``; ``decision`` is ``None`` when unknown to
+    this client. ``by`` is who decided, as the node authenticated them."""
+
+    call_id: str
+    decision: ApprovalDecision | None
+    request_digest: str
+    arguments_json: str = ""
+    reason: str = ""
+    by: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
 class UnknownEntry:
     """An entry body this client does not know (a newer server added one): nothing to show but
     its position."""
@@ -258,6 +296,8 @@ EntryBody = (
     | Consumed
     | Compaction
     | ToolOutputsCleared
+    | ApprovalRequest
+    | ApprovalDecided
     | UnknownEntry
 )
 

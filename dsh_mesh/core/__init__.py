@@ -12,12 +12,20 @@ from dsh_mesh.core._adjacency import (
     authorize,
     rejection_error,
 )
+from dsh_mesh.core._approval import (
+    MAX_APPROVAL_REASON_CHARS,
+    ApprovalDecision,
+    ApprovalDecisionEntry,
+    ApprovalRequestEntry,
+    descriptor_digest,
+)
 from dsh_mesh.core._chat import ChatMessage, Role, ToolCall, Usage
 from dsh_mesh.core._delivery import Delivery, DeliveryKind
 from dsh_mesh.core._errors import (
     RETRYABLE_REASONS,
     ActivationFenced,
     AdjacencyRejected,
+    ApprovalStale,
     ContextOverflow,
     DeadlineExceeded,
     IdempotencyConflict,
@@ -110,6 +118,7 @@ __all__ = [
     "AGENT_MESSAGE_FRAME",
     "DEFAULT_NAMESPACE",
     "INBOUND_TYPES",
+    "MAX_APPROVAL_REASON_CHARS",
     "RETRYABLE_REASONS",
     "SETTLEMENT_NOTICE_KIND",
     "AbortSignal",
@@ -121,6 +130,10 @@ __all__ = [
     "AgentMessageEntry",
     "AgentMessageSource",
     "AgentRef",
+    "ApprovalDecision",
+    "ApprovalDecisionEntry",
+    "ApprovalRequestEntry",
+    "ApprovalStale",
     "AssistantStepEntry",
     "Authorized",
     "ChatMessage",
@@ -194,6 +207,7 @@ __all__ = [
     "canonical_json",
     "check_namespace",
     "context_of",
+    "descriptor_digest",
     "frame_agent_message",
     "frame_settlement_notice",
     "is_queue_delivery",

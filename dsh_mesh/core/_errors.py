@@ -93,6 +93,10 @@ class RejectionReason(enum.Enum):
     QUOTA_EXCEEDED = "QUOTA_EXCEEDED"
     """A namespace is at a quota (metadata ``limit``: ``live_sessions``; ``max`` the quota,
     ``namespace``). Nothing was created. Retryable once some of its sessions end."""
+    APPROVAL_STALE = "APPROVAL_STALE"
+    """A decision names no request now waiting: the call was decided already (by someone
+    else, by expiry, by an interrupt or a stop), or the request it was shown is not the one
+    waiting (metadata ``call_id``). Nothing was accepted."""
 
 
 RETRYABLE_REASONS: frozenset[RejectionReason] = frozenset(
@@ -276,6 +280,14 @@ class TreeClosed(_FixedRejected):
     fixed_reason = RejectionReason.TREE_CLOSED
 
 
+class ApprovalStale(_FixedRejected):
+    """A decision on a call that no longer waits for one, or on another request than the one
+    waiting (``metadata["call_id"]``): nothing was accepted. Read the session's pending
+    requests again before deciding."""
+
+    fixed_reason = RejectionReason.APPROVAL_STALE
+
+
 class RateLimited(_FixedRejected):
     """Sessions are being created faster than allowed (``metadata["limit"]`` names the rate,
     ``metadata["retry_after_ms"]`` when a retry may pass). Nothing was created. Retryable
@@ -418,6 +430,7 @@ _CLASS_OF_REASON: Mapping[RejectionReason, type[Rejected]] = MappingProxyType(
         RejectionReason.RATE_LIMITED: RateLimited,
         RejectionReason.NAMESPACE_DENIED: NamespaceDenied,
         RejectionReason.QUOTA_EXCEEDED: QuotaExceeded,
+        RejectionReason.APPROVAL_STALE: ApprovalStale,
     }
 )
 

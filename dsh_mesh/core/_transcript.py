@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Final
 
+from dsh_mesh.core._approval import ApprovalDecisionEntry, ApprovalRequestEntry
 from dsh_mesh.core._chat import ChatMessage, ToolCall, Usage
 from dsh_mesh.core._delivery import DeliveryKind
 from dsh_mesh.core._errors import InvalidArgument
@@ -48,6 +49,10 @@ class TurnOutcome(enum.Enum):
     LOST = "lost"
     """The turn's host stopped before the turn ended; written by the session's next activation
     after it answered every call of the turn's last step (docs/adr/0007)."""
+    AWAITING_APPROVAL = "awaiting-approval"
+    """The turn stopped at a call that waits for a person's decision (docs/approvals.md): that
+    call and the ones after it in its step have no result yet. The decision starts the turn
+    that goes on from there. Not an end of the agent's run: it settles nothing."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -233,8 +238,10 @@ class TurnEndedEntry:
     detail: str = ""
 
 
-InboundEntry = TaskEntry | HumanPromptEntry | AgentMessageEntry | SettlementNoticeEntry
-SteerEntry = TaskEntry | AgentMessageEntry | SettlementNoticeEntry
+InboundEntry = (
+    TaskEntry | HumanPromptEntry | AgentMessageEntry | SettlementNoticeEntry | ApprovalDecisionEntry
+)
+SteerEntry = TaskEntry | AgentMessageEntry | SettlementNoticeEntry | ApprovalDecisionEntry
 Entry = (
     InboundEntry
     | ForkPrefixEntry
@@ -245,9 +252,16 @@ Entry = (
     | TurnEndedEntry
     | CompactionEntry
     | ToolOutputsClearedEntry
+    | ApprovalRequestEntry
 )
 
-INBOUND_TYPES = (TaskEntry, HumanPromptEntry, AgentMessageEntry, SettlementNoticeEntry)
+INBOUND_TYPES = (
+    TaskEntry,
+    HumanPromptEntry,
+    AgentMessageEntry,
+    SettlementNoticeEntry,
+    ApprovalDecisionEntry,
+)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,6 +6,8 @@ import json
 
 from dsh_mesh.core import (
     AgentMessageEntry,
+    ApprovalDecisionEntry,
+    ApprovalRequestEntry,
     AssistantStepEntry,
     CompactionEntry,
     ConsumedEntry,
@@ -56,6 +58,14 @@ def describe(record: Record) -> str:
             f"{prefix} compaction     #{entry.from_seq}-#{entry.through_seq} summarised{kept}\n"
             f"        summary: {_short(entry.summary)}"
         )
+    if isinstance(entry, ApprovalRequestEntry):
+        return (
+            f"{prefix} needs approval {entry.tool}({_short(entry.arguments_json)})"
+            f" call {entry.call_id}"
+        )
+    if isinstance(entry, ApprovalDecisionEntry):
+        why = f": {_short(entry.reason)}" if entry.reason else ""
+        return f"{prefix} decision       {entry.decision.value} by {entry.by}{why}"
     if isinstance(entry, ToolOutputsClearedEntry):
         return f"{prefix} cleared        tool outputs of #{', #'.join(map(str, entry.seqs))}"
     if isinstance(entry, ConsumedEntry):

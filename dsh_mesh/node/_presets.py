@@ -54,6 +54,7 @@ from dsh_mesh.models import OpenAIEndpoint, RetryPolicy, check_model_spec, split
 from dsh_mesh.tools import (
     SEND_MESSAGE_DESCRIPTOR,
     SPAWN_DESCRIPTORS,
+    ApprovalPolicy,
     CallLimits,
     ContextPolicy,
     FunctionTool,
@@ -119,6 +120,8 @@ _PRESET_KEYS = frozenset(
         "clear_tool_outputs",
         "keep_tool_outputs",
         "summary_preset",
+        "approve_tools",
+        "approval_timeout_s",
     }
 )
 
@@ -422,9 +425,26 @@ def _preset(
                 turn_token_budget=_optional_int(table.get("turn_token_budget")),
             ),
             context=_context(table),
+            approvals=_approvals(table),
         )
     except ValueError as error:
         raise PresetFileError(f"{path}: {where}: {error}") from error
+
+
+def _approvals(table: Mapping[str, Any]) -> ApprovalPolicy:
+    """A preset's approval policy: ``approve_tools`` patterns, ``approval_timeout_s`` (0: a
+    request waits for ever)."""
+    patterns = table.get("approve_tools", [])
+    if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+        raise ValueError("approve_tools must be a list of tool names or patterns")
+    timeout = table.get("approval_timeout_s")
+    if timeout is None:
+        return ApprovalPolicy(tools=tuple(patterns))
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout < 0:
+        raise ValueError(f"approval_timeout_s {timeout!r} is not a number of seconds")
+    return ApprovalPolicy(
+        tools=tuple(patterns), timeout=None if timeout == 0 else timedelta(seconds=timeout)
+    )
 
 
 def _context(table: Mapping[str, Any]) -> ContextPolicy:

@@ -9,6 +9,7 @@ from dsh_mesh.core import (
     Activation,
     ActivationId,
     AgentRef,
+    ApprovalDecisionEntry,
     Delivery,
     NodeId,
     SessionId,
@@ -73,6 +74,11 @@ class ClusterRouter:
 
     async def interrupt(self, node: NodeId, session: SessionId) -> TurnId | None:
         return await self._pool.interrupt(node, session)
+
+    async def resolve_approval(
+        self, node: NodeId, session: SessionId, decision: ApprovalDecisionEntry
+    ) -> Delivery:
+        return await self._pool.resolve_approval(node, session, decision)
 
     async def create_root(
         self,

@@ -1,6 +1,6 @@
 """The one place where domain values become the bytes stored in etcd, and back.
 
-Format (version 7). Every stored value is one JSON object: UTF-8, compact (no insignificant
+Format (version 8). Every stored value is one JSON object: UTF-8, compact (no insignificant
 whitespace), keys sorted, non-ASCII written as itself, so equal values are equal bytes. Wrapped
 here; ``tests/unit/test_codec.py`` pins the exact bytes of every kind::
 
@@ -69,6 +69,10 @@ Version history (encoders write only the newest; decoders read every one in
    the task and pending seqs it keeps, the turn open when it was written, the summary call's
    model and usage) and ``tool_outputs_cleared`` (a :class:`ToolOutputsClearedEntry`). No
    older value has them. Everything else is stored exactly as in version 6 apart from ``"v"``.
+8. Two entry kinds are new: ``approval_request`` (an :class:`ApprovalRequestEntry`: the call,
+   its tool and arguments, the tool's descriptor digest, when it expires) and
+   ``approval_decision`` (an :class:`ApprovalDecisionEntry`). No older value has them.
+   Everything else is stored exactly as in version 7 apart from ``"v"``.
 
 ``_ADDED_IN`` is the table of fields added after version 1.
 """
@@ -88,6 +92,8 @@ from typing import TYPE_CHECKING, Final, Literal, NewType, TypeVar, Union
 from dsh_mesh.core import (
     Activation,
     AgentMessageEntry,
+    ApprovalDecisionEntry,
+    ApprovalRequestEntry,
     AssistantStepEntry,
     CompactionEntry,
     ConsumedEntry,
@@ -112,7 +118,7 @@ if TYPE_CHECKING:
 
 _D = TypeVar("_D", bound="DataclassInstance")
 
-FORMAT_VERSION: Final = 7
+FORMAT_VERSION: Final = 8
 """The version every encoder writes (see the module docstring for the history)."""
 
 READABLE_VERSIONS: Final = frozenset(range(1, FORMAT_VERSION + 1))
@@ -132,12 +138,19 @@ ENTRY_TAGS: Final[Mapping[str, type[Entry]]] = types.MappingProxyType(
         "turn_ended": TurnEndedEntry,
         "compaction": CompactionEntry,
         "tool_outputs_cleared": ToolOutputsClearedEntry,
+        "approval_request": ApprovalRequestEntry,
+        "approval_decision": ApprovalDecisionEntry,
     }
 )
 """The stored ``"type"`` tag of each transcript entry class. Tags are part of the format."""
 
 _TAG_ADDED_IN: Final[Mapping[str, int]] = types.MappingProxyType(
-    {"compaction": 7, "tool_outputs_cleared": 7}
+    {
+        "compaction": 7,
+        "tool_outputs_cleared": 7,
+        "approval_request": 8,
+        "approval_decision": 8,
+    }
 )
 """The version that added each entry kind after version 1: an older value cannot have it."""
 

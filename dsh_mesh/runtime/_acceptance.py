@@ -9,6 +9,7 @@ from dsh_mesh import telemetry
 from dsh_mesh.agent import Agent, AgentState
 from dsh_mesh.core import (
     AgentMessageEntry,
+    ApprovalDecisionEntry,
     Delivery,
     DeliveryKind,
     IdempotencyConflict,
@@ -46,8 +47,13 @@ class Acceptor:
             entry = dataclasses.replace(entry, delivery=kind)
         with reservation:
             # The append and the delivery hold off the target's step boundary: it cannot write
-            # a ConsumedEntry past this record without reading it (docs/adr/0007).
-            async with agent.accepting():
+            # a ConsumedEntry past this record without reading it (docs/adr/0007). A decision
+            # on an approval request also holds off every other decision on that agent's
+            # requests: it is checked against the transcript, then appended, as one step.
+            deciding = isinstance(entry, ApprovalDecisionEntry)
+            async with agent.deciding() if deciding else agent.accepting():
+                if isinstance(entry, ApprovalDecisionEntry):
+                    agent.check_decision(entry)
                 try:
                     record, known = await self._store.append(
                         session,

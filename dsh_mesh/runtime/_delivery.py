@@ -12,6 +12,7 @@ from dsh_mesh.core import (
     AgentMessageEntry,
     AgentMessageSource,
     AgentRef,
+    ApprovalDecisionEntry,
     Delivery,
     DeliveryKind,
     DetachedWork,
@@ -200,6 +201,29 @@ class Deliveries:
                 key=None
                 if idempotency_key is None
                 else IdempotencyKey(principal=f"human:{session}", key=idempotency_key),
+                hand_off=hand_off,
+            )
+        )
+
+    async def decision(
+        self, session: SessionId, decision: ApprovalDecisionEntry, *, hops: int
+    ) -> Delivery:
+        """A decision on an approval request of ``session`` (see
+        :meth:`ContinuationManager.resolve_approval`): delivered like a Steer record, to the
+        node that hosts the session, which checks it against the transcript there."""
+        hand_off = None
+        if hops == 0:
+            router = self._placement.router
+
+            async def hand_off(node: NodeId) -> Delivery:
+                return await router.resolve_approval(node, session, decision)
+
+        return await self.deliver(
+            Send(
+                target=session,
+                entry=decision,
+                signal=AbortSignal(),
+                key=IdempotencyKey(principal=f"approval:{session}", key=decision.call_id),
                 hand_off=hand_off,
             )
         )

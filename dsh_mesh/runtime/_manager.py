@@ -23,6 +23,7 @@ from dsh_mesh.core import (
     Activation,
     ActivationId,
     AgentRef,
+    ApprovalDecisionEntry,
     Delivery,
     DetachedWork,
     Entry,
@@ -322,6 +323,17 @@ class ContinuationManager:
         return await self._deliveries.submit_prompt(
             session, text, idempotency_key=idempotency_key, hops=hops
         )
+
+    async def resolve_approval(
+        self, session: SessionId, decision: ApprovalDecisionEntry, *, hops: int = 0
+    ) -> Delivery:
+        """Decide on the approval request of ``session``'s call ``decision.call_id``
+        (docs/approvals.md): durable in its transcript when this returns, and the agent goes
+        on from the call (cold-resumed first when absent, here or on the node placement
+        picks). Raises :class:`ApprovalStale` when no request waits on that call, or not the
+        one the decision was shown; ``InvalidArgument`` for edited arguments the tool's schema
+        refuses. The same decision again returns the first acceptance (``duplicate``)."""
+        return await self._deliveries.decision(session, decision, hops=hops)
 
     def interrupt(self, session: SessionId) -> TurnId | None:
         """Cancel ``session``'s current turn here (recorded as cancelled); None when it is idle.

@@ -107,6 +107,9 @@ class _NoPeers:
     async def interrupt(self, node: NodeId, session: SessionId) -> TurnId | None:
         raise PeerUnavailable(f"node {node} is not reachable from a manager alone")
 
+    async def resolve_approval(self, node: NodeId, *_: object) -> Delivery:
+        raise PeerUnavailable(f"node {node} is not reachable from a manager alone")
+
     async def create_root(self, node: NodeId, **_: str) -> Activation:
         raise PeerUnavailable(f"node {node} is not reachable from a manager alone")
 

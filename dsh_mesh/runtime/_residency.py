@@ -198,10 +198,9 @@ class Residency:
         return session in self._agents
 
     def at_rest(self) -> bool:
-        """Whether no resume is under way and every agent is idle with an empty inbox."""
-        return not self._resuming and all(
-            a.state is AgentState.IDLE and a.inbox_depth == 0 for a in self._agents.values()
-        )
+        """Whether no resume is under way and every agent is idle with an empty inbox (or with
+        a call waiting for a person's decision: what waits in its inbox waits for that)."""
+        return not self._resuming and all(a.at_rest for a in self._agents.values())
 
     def preset(self, name: str) -> Preset:
         """The preset ``name``; an unknown one is refused as malformed."""
@@ -275,6 +274,7 @@ class Residency:
             system_prompt=preset.system_prompt,
             limits=preset.limits,
             context=preset.context,
+            approvals=preset.approvals,
             provider=self._provider,
             host=self._host,
             ids=self._ids,

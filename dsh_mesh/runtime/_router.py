@@ -13,6 +13,7 @@ from dsh_mesh.core import (
     Activation,
     ActivationId,
     AgentRef,
+    ApprovalDecisionEntry,
     Delivery,
     NodeId,
     SessionId,
@@ -59,6 +60,13 @@ class Router(Protocol):
 
     async def interrupt(self, node: NodeId, session: SessionId) -> TurnId | None:
         """Ask ``node``, which hosts ``session``, to cancel its current turn."""
+        ...
+
+    async def resolve_approval(
+        self, node: NodeId, session: SessionId, decision: ApprovalDecisionEntry
+    ) -> Delivery:
+        """Hand a decision on an approval request to ``node``, which hosts ``session``; the
+        decision keeps who made it."""
         ...
 
     async def create_root(

@@ -5,6 +5,7 @@ from dsh_mesh.tools._function import FunctionTool, ToolContext, tool
 from dsh_mesh.tools._guard import CallLimits, cut, limits_of, run_limited
 from dsh_mesh.tools._instructions import RETURN_INSTRUCTION, child_task
 from dsh_mesh.tools._registry import (
+    ApprovalPolicy,
     ContextPolicy,
     DescriptorFilter,
     Preset,
@@ -44,6 +45,7 @@ __all__ = [
     "SEND_MESSAGE_DESCRIPTOR",
     "SEND_MESSAGE_IDENTITY",
     "SPAWN_DESCRIPTORS",
+    "ApprovalPolicy",
     "CallLimits",
     "ChildKind",
     "ContextPolicy",

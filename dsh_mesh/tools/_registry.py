@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Protocol
 
 from dsh_mesh.core import InvalidArgument, ToolDescriptor
@@ -84,6 +86,31 @@ class ContextPolicy:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ApprovalPolicy:
+    """Which of an agent's tools a person must allow before a call runs (docs/approvals.md).
+
+    ``tools`` are shell-style patterns (``fnmatch``: ``deploy``, ``mcp:prod/*``, ``*``) over
+    the names of the tools the agent sees; a standard tool (``send_message``, the spawn
+    tools) never waits, whatever matches it: it answers for itself. ``timeout`` is how long a
+    request waits for a decision before it is answered as denied (``None``: for ever).
+    """
+
+    tools: tuple[str, ...] = ()
+    timeout: timedelta | None = timedelta(hours=24)
+
+    def __post_init__(self) -> None:
+        if any(not pattern.strip() for pattern in self.tools):
+            raise ValueError("approve_tools patterns must not be empty")
+        if self.timeout is not None and self.timeout <= timedelta(0):
+            raise ValueError("approval_timeout must be positive (or unset)")
+
+    def marks(self, name: str) -> bool:
+        """Whether a call of the tool ``name`` waits for approval (before the standard-tool
+        exception, which the agent applies)."""
+        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.tools)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Preset:
     """A named way to build an agent: its system prompt and which tools it sees.
 
@@ -93,7 +120,8 @@ class Preset:
     set, is the model of children spawned with this preset (else they use their parent's) and
     of roots created without one; it is a model spec (``openai:gpt-4o-mini``, see
     :class:`~dsh_mesh.models.ModelRouter`). ``limits`` bound its token use; ``context`` says
-    how its agents keep within their model's context window.
+    how its agents keep within their model's context window; ``approvals`` which calls wait for
+    a person's decision.
     """
 
     name: str
@@ -103,6 +131,7 @@ class Preset:
     scoped_tools: tuple[Tool, ...] = field(default=())
     limits: TurnLimits = field(default_factory=TurnLimits)
     context: ContextPolicy = field(default_factory=ContextPolicy)
+    approvals: ApprovalPolicy = field(default_factory=ApprovalPolicy)
 
 
 @dataclass(frozen=True)

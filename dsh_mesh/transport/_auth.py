@@ -13,6 +13,7 @@ one, is checked on every call in both modes, in constant time, and never logged.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import inspect
 import math
@@ -36,6 +37,9 @@ from dsh_mesh.transport._tls import Caller, CallerRole, identity_of_auth_context
 TOKEN_HEADER = "x-dsh-cluster-token"
 NODE_HEADER = "x-dsh-node"
 HOPS_HEADER = "x-dsh-hops"
+DECIDED_BY_HEADER = "x-dsh-decided-by"
+"""Who decided on an approval request, as the node that handed the decision on authenticated
+them: taken from a node only (docs/approvals.md)."""
 _GUARDED_PREFIX = "/dsh.mesh."
 # Methods only a node may call: a client hosts no agent, so it can speak for no sender.
 _NODE_ONLY_PREFIXES = ("/dsh.mesh.v1.AgentMesh/", "/dsh.mesh.peer.v1.MeshPeer/")
@@ -145,6 +149,30 @@ def caller_node(context: grpc.aio.ServicerContext[Any, Any]) -> NodeId:
             f"{caller} is a client, not a node: it hosts no agent it could speak for",
         )
     return NodeId(caller.name)
+
+
+def decider(
+    context: grpc.aio.ServicerContext[Any, Any], credential: ClusterCredential | None
+) -> str:
+    """Who a decision on an approval request is recorded as made by: a client certificate's
+    ``client:<name>``; a client token's ``token:<first 12 hex digits of its SHA-256>``; for
+    the cluster token, or a cluster without one, ``operator``. A node handing on a decision
+    names the decider it authenticated (:data:`DECIDED_BY_HEADER`), and is believed: it holds
+    the cluster's credential."""
+    metadata = dict(context.invocation_metadata() or ())
+    named = metadata.get(DECIDED_BY_HEADER)
+    token = metadata.get(TOKEN_HEADER)
+    if is_tls(context):
+        caller = caller_identity(context)
+        if caller.role is CallerRole.NODE:
+            return named if isinstance(named, str) and named else f"node:{caller.name}"
+        return str(caller)
+    from_node = caller_hops(context) > 0 and isinstance(named, str) and bool(named)
+    if credential is None or (isinstance(token, str) and credential.matches(token)):
+        return str(named) if from_node else "operator"
+    if isinstance(token, str):
+        return "token:" + hashlib.sha256(token.encode()).hexdigest()[:12]
+    return "operator"
 
 
 def caller_hops(context: grpc.aio.ServicerContext[Any, Any]) -> int:

@@ -23,6 +23,7 @@ from dsh_mesh.core import (
     DEFAULT_NAMESPACE,
     Activation,
     AgentRef,
+    ApprovalDecisionEntry,
     ConsumedEntry,
     IdempotencyConflict,
     InvalidArgument,
@@ -41,8 +42,9 @@ from dsh_mesh.core import (
     parse_session_id,
     session_usage,
 )
-from dsh_mesh.transport._auth import ClusterCredential, caller_hops
+from dsh_mesh.transport._auth import ClusterCredential, caller_hops, decider
 from dsh_mesh.transport._convert import (
+    DECISION_FROM_WIRE,
     activation_to_wire,
     header_to_wire,
     record_to_wire,
@@ -291,6 +293,30 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         )
         return mesh_pb2.SubmitPromptResponse(
             accepted_seq=delivery.accepted_seq, duplicate=delivery.duplicate
+        )
+
+    @mesh_rpc
+    async def ResolveApproval(
+        self,
+        request: mesh_pb2.ResolveApprovalRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> mesh_pb2.ResolveApprovalResponse:
+        decision = DECISION_FROM_WIRE.get(request.decision)
+        if decision is None:
+            raise InvalidArgument("decision is required: allow, deny or edit")
+        session = await self._visible(context, request.session_id)
+        by = decider(context, self._credential)
+        entry = ApprovalDecisionEntry(
+            call_id=request.call_id,
+            decision=decision,
+            request_digest=request.request_digest,
+            arguments_json=request.arguments_json,
+            reason=request.reason,
+            by=by,
+        )
+        delivery = await self._manager().resolve_approval(session, entry, hops=caller_hops(context))
+        return mesh_pb2.ResolveApprovalResponse(
+            accepted_seq=delivery.accepted_seq, duplicate=delivery.duplicate, decided_by=by
         )
 
     @mesh_rpc

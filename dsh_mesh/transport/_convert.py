@@ -10,6 +10,9 @@ from dsh_mesh.core import (
     ActivationId,
     AgentMessageEntry,
     AgentRef,
+    ApprovalDecision,
+    ApprovalDecisionEntry,
+    ApprovalRequestEntry,
     AssistantStepEntry,
     CompactionEntry,
     ConsumedEntry,
@@ -137,7 +140,14 @@ _TURN_TO_WIRE = {
     TurnOutcome.CANCELLED: mesh_pb2.TURN_OUTCOME_CANCELLED,
     TurnOutcome.TOKEN_EXHAUSTION: mesh_pb2.TURN_OUTCOME_TOKEN_EXHAUSTION,
     TurnOutcome.LOST: mesh_pb2.TURN_OUTCOME_LOST,
+    TurnOutcome.AWAITING_APPROVAL: mesh_pb2.TURN_OUTCOME_AWAITING_APPROVAL,
 }
+DECISION_TO_WIRE = {
+    ApprovalDecision.ALLOW: mesh_pb2.APPROVAL_DECISION_ALLOW,
+    ApprovalDecision.DENY: mesh_pb2.APPROVAL_DECISION_DENY,
+    ApprovalDecision.EDIT: mesh_pb2.APPROVAL_DECISION_EDIT,
+}
+DECISION_FROM_WIRE = {wire: decision for decision, wire in DECISION_TO_WIRE.items()}
 
 
 def header_to_wire(header: SessionHeader) -> mesh_pb2.SessionHeader:
@@ -246,6 +256,23 @@ def record_to_wire(record: Record) -> mesh_pb2.TranscriptEntry:
         compaction.usage.CopyFrom(usage_to_wire(entry.usage))
     elif isinstance(entry, ToolOutputsClearedEntry):
         wire.tool_outputs_cleared.seqs.extend(entry.seqs)
+    elif isinstance(entry, ApprovalRequestEntry):
+        request = wire.approval_request
+        request.call_id = entry.call_id
+        request.tool = entry.tool
+        request.arguments_json = entry.arguments_json
+        request.descriptor_digest = entry.descriptor_digest
+        request.request_digest = entry.digest
+        if entry.expires_at is not None:
+            request.expires_at.FromDatetime(entry.expires_at)
+    elif isinstance(entry, ApprovalDecisionEntry):
+        decided = wire.approval_decision
+        decided.call_id = entry.call_id
+        decided.decision = DECISION_TO_WIRE[entry.decision]
+        decided.request_digest = entry.request_digest
+        decided.arguments_json = entry.arguments_json
+        decided.reason = entry.reason
+        decided.by = entry.by
     return wire
 
 

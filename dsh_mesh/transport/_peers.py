@@ -17,6 +17,7 @@ from dsh_mesh.core import (
     Activation,
     ActivationId,
     AgentRef,
+    ApprovalDecisionEntry,
     Delivery,
     DeliveryKind,
     NodeId,
@@ -25,8 +26,13 @@ from dsh_mesh.core import (
     SettlementNoticeEntry,
     TurnId,
 )
-from dsh_mesh.transport._auth import ClusterCredential, call_metadata
-from dsh_mesh.transport._convert import agent_ref_to_wire, delivery_from_wire, notice_to_wire
+from dsh_mesh.transport._auth import DECIDED_BY_HEADER, ClusterCredential, call_metadata
+from dsh_mesh.transport._convert import (
+    DECISION_TO_WIRE,
+    agent_ref_to_wire,
+    delivery_from_wire,
+    notice_to_wire,
+)
 from dsh_mesh.transport._status import error_from_rpc
 from dsh_mesh.transport._tls import TlsCredentials, secure_channel
 
@@ -108,12 +114,21 @@ class PeerPool:
         return channel
 
     async def _call(
-        self, rpc: Callable[..., Awaitable[R]], request: Any, *, deadline: timedelta, hops: int
+        self,
+        rpc: Callable[..., Awaitable[R]],
+        request: Any,
+        *,
+        deadline: timedelta,
+        hops: int,
+        extra: tuple[tuple[str, str], ...] = (),
     ) -> R:
-        """One unary call with this node's metadata; a failure becomes its ``MeshError``."""
+        """One unary call with this node's metadata (and ``extra``); a failure becomes its
+        ``MeshError``."""
         try:
             return await rpc(
-                request, timeout=deadline.total_seconds(), metadata=self.metadata(hops=hops)
+                request,
+                timeout=deadline.total_seconds(),
+                metadata=self.metadata(hops=hops) + extra,
             )
         except grpc.aio.AioRpcError as error:
             raise error_from_rpc(error) from error
@@ -162,6 +177,34 @@ class PeerPool:
             target=session,
             target_activation=ActivationId(""),
             kind=DeliveryKind.STARTED_TURN,
+            accepted_seq=response.accepted_seq,
+            duplicate=response.duplicate,
+        )
+
+    async def resolve_approval(
+        self, node: NodeId, session: SessionId, decision: ApprovalDecisionEntry
+    ) -> Delivery:
+        """``MeshControl.ResolveApproval`` on ``node``, handed on once, naming who decided (a
+        node's word for it is taken: it authenticated the decider)."""
+        request = mesh_pb2.ResolveApprovalRequest(
+            session_id=session,
+            call_id=decision.call_id,
+            decision=DECISION_TO_WIRE[decision.decision],
+            request_digest=decision.request_digest,
+            arguments_json=decision.arguments_json,
+            reason=decision.reason,
+        )
+        response = await self._call(
+            self._control(node).ResolveApproval,
+            request,
+            deadline=self._timeouts.send,
+            hops=1,
+            extra=((DECIDED_BY_HEADER, decision.by),),
+        )
+        return Delivery(
+            target=session,
+            target_activation=ActivationId(""),
+            kind=DeliveryKind.STEERED,
             accepted_seq=response.accepted_seq,
             duplicate=response.duplicate,
         )

@@ -93,6 +93,7 @@ STATUS_OF_REASON: Mapping[RejectionReason, grpc.StatusCode] = MappingProxyType(
         RejectionReason.RATE_LIMITED: grpc.StatusCode.RESOURCE_EXHAUSTED,
         RejectionReason.NAMESPACE_DENIED: grpc.StatusCode.PERMISSION_DENIED,
         RejectionReason.QUOTA_EXCEEDED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+        RejectionReason.APPROVAL_STALE: grpc.StatusCode.FAILED_PRECONDITION,
     }
 )
 """Each reason travels with exactly this status code; (code, reason) is the wire contract."""
@@ -183,6 +184,7 @@ _TARGET_FIELD: Mapping[str, str] = MappingProxyType(
         mesh_pb2.SendMessageRequest.DESCRIPTOR.full_name: "agent_id",
         mesh_pb2.SubmitPromptRequest.DESCRIPTOR.full_name: "session_id",
         mesh_pb2.InterruptRequest.DESCRIPTOR.full_name: "session_id",
+        mesh_pb2.ResolveApprovalRequest.DESCRIPTOR.full_name: "session_id",
         mesh_pb2.GetSessionRequest.DESCRIPTOR.full_name: "session_id",
         mesh_pb2.WatchSessionRequest.DESCRIPTOR.full_name: "session_id",
         mesh_pb2.ListAgentsRequest.DESCRIPTOR.full_name: "root_session_id",

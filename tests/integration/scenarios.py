@@ -205,6 +205,8 @@ PROBE = Scenario(
         "pauser": (Call(calls=(("pause", {"seconds": "10"}),)), Reply(text="Paused.")),
         # A root whose tool blocks for 60 s: to be interrupted.
         "stuck": (Call(calls=(("pause", {"seconds": "60"}),)), Reply(text="Unstuck.")),
+        # A root whose probe call waits for a person's approval (approve_tools).
+        "gated": (Call(calls=(("probe_unsafe", {}),)), Reply(text="Approved and done.")),
     },
 )
 
@@ -246,6 +248,12 @@ tools = ["send_message", "pause"]
 system_prompt = "You get stuck."
 model = "stuck"
 tools = ["pause"]
+
+[presets.gated]
+system_prompt = "You ask first."
+model = "gated"
+tools = ["probe_unsafe"]
+approve_tools = ["probe_*"]
 """
 
 

@@ -35,6 +35,10 @@ NOT_IN_SCENARIO: dict[str, str] = {
     "dsh.mesh.v1.Usage.cached_input_tokens": "the scripted provider has no prompt cache",
     "dsh.mesh.v1.SessionUsage.cached_input_tokens": "the scripted provider has no prompt cache",
     "dsh.mesh.v1.TranscriptEntry.compaction": "no context fills up here: test_context_cluster.py",
+    "dsh.mesh.v1.TranscriptEntry.approval_request": "no preset marks a tool here:"
+    " test_approvals_cluster.py",
+    "dsh.mesh.v1.TranscriptEntry.approval_decision": "no preset marks a tool here:"
+    " test_approvals_cluster.py",
     "dsh.mesh.v1.TranscriptEntry.tool_outputs_cleared": "no context fills up here:"
     " test_context_cluster.py",
 }

@@ -18,6 +18,9 @@ from dsh_mesh.core import (
     ActivationId,
     AgentMessageEntry,
     AgentMessageSource,
+    ApprovalDecision,
+    ApprovalDecisionEntry,
+    ApprovalRequestEntry,
     AssistantStepEntry,
     ChatMessage,
     CompactionEntry,
@@ -76,12 +79,12 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
     (
         TaskEntry(content="Summarise the design.\nThen send_message your parent."),
         '{"at":null,"content":"Summarise the design.\\nThen send_message your parent.",'
-        '"type":"task","v":7}',
+        '"type":"task","v":8}',
     ),
     (
         HumanPromptEntry(content="Wie geht's? 你好 🙂", idempotency_key="prompt-7"),
         '{"at":null,"content":"Wie geht\'s? 你好 🙂","idempotency_key":"prompt-7",'
-        '"type":"human_prompt","v":7}',
+        '"type":"human_prompt","v":8}',
     ),
     (
         AgentMessageEntry(
@@ -94,7 +97,7 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
         '{"at":null,"content":"result: 42","delivery":"steered","idempotency_key":"call-9",'
         '"source":{"form":"relay","kind":"agent-message","sender_session_id":"s-2"},'
         '"trace":"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",'
-        '"type":"agent_message","v":7}',
+        '"type":"agent_message","v":8}',
     ),
     (
         SettlementNoticeEntry(
@@ -110,7 +113,7 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
         '"child_session":"s-3","detail":"budget spent","outcome":"token-exhaustion",'
         '"terminal_output":"partial answer",'
         '"trace":"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00",'
-        '"type":"settlement_notice","v":7}',
+        '"type":"settlement_notice","v":8}',
     ),
     (
         ForkPrefixEntry(
@@ -124,18 +127,18 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
         '"tool_calls":[]},'
         '{"content":"","role":"assistant","tool_call_id":null,"tool_calls":[{"arguments_json":'
         '"{\\"path\\":\\"a.md\\"}","call_id":"c-1","name":"read_file"}]},{"content":"# A",'
-        '"role":"tool","tool_call_id":"c-1","tool_calls":[]}],"type":"fork_prefix","v":7}',
+        '"role":"tool","tool_call_id":"c-1","tool_calls":[]}],"type":"fork_prefix","v":8}',
     ),
     (
         TurnStartedEntry(
             turn_id=TurnId("t-1"), node_id=NodeId("n-2"), activation_id=ActivationId("a-2")
         ),
         '{"activation_id":"a-2","at":null,"node_id":"n-2","turn_id":"t-1","type":"turn_started",'
-        '"v":7}',
+        '"v":8}',
     ),
     (
         ConsumedEntry(seqs=(3, 4)),
-        '{"at":null,"seqs":[3,4],"type":"consumed","v":7}',
+        '{"at":null,"seqs":[3,4],"type":"consumed","v":8}',
     ),
     (
         AssistantStepEntry(
@@ -145,18 +148,18 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
         ),
         '{"at":null,"text":"Reading it.","tool_calls":[{"arguments_json":"{\\"path\\":\\"a.md\\"}",'
         '"call_id":"c-1","name":"read_file"}],"type":"assistant_step","usage":'
-        '{"cached_input_tokens":1024,"input_tokens":1200,"output_tokens":35},"v":7}',
+        '{"cached_input_tokens":1024,"input_tokens":1200,"output_tokens":35},"v":8}',
     ),
     (
         ToolResultEntry(
             call_id="c-1", name="read_file", content="no such file", is_error=True, duration_ms=120
         ),
         '{"at":null,"call_id":"c-1","content":"no such file","duration_ms":120,"is_error":true,'
-        '"name":"read_file","type":"tool_result","v":7}',
+        '"name":"read_file","type":"tool_result","v":8}',
     ),
     (
         TurnEndedEntry(turn_id=TurnId("t-1"), outcome=TurnOutcome.COMPLETED),
-        '{"at":null,"detail":"","outcome":"completed","turn_id":"t-1","type":"turn_ended","v":7}',
+        '{"at":null,"detail":"","outcome":"completed","turn_id":"t-1","type":"turn_ended","v":8}',
     ),
     (
         CompactionEntry(
@@ -175,16 +178,46 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
         '"open_turn":{"activation_id":"a-1","node_id":"n-1","turn_id":"t-2"},"pending":[38],'
         '"summary":"Read a.md; b.md is next.","task":"Review.\\nparent agent_id: \\"s-0\\"",'
         '"through_seq":40,"type":"compaction",'
-        '"usage":{"cached_input_tokens":8192,"input_tokens":9000,"output_tokens":300},"v":7}',
+        '"usage":{"cached_input_tokens":8192,"input_tokens":9000,"output_tokens":300},"v":8}',
     ),
     (
         ToolOutputsClearedEntry(seqs=(5, 9)),
-        '{"at":null,"seqs":[5,9],"type":"tool_outputs_cleared","v":7}',
+        '{"at":null,"seqs":[5,9],"type":"tool_outputs_cleared","v":8}',
+    ),
+    (
+        ApprovalRequestEntry(
+            call_id="c-1",
+            tool="deploy",
+            arguments_json='{"env":"prod"}',
+            descriptor_digest="d1",
+            expires_at=datetime(2025, 1, 2, 3, 4, 5, 6, tzinfo=UTC),
+        ),
+        '{"arguments_json":"{\\"env\\":\\"prod\\"}","at":null,"call_id":"c-1",'
+        '"descriptor_digest":"d1","expires_at":"2025-01-02T03:04:05.000006+00:00",'
+        '"tool":"deploy","type":"approval_request","v":8}',
+    ),
+    (
+        ApprovalDecisionEntry(
+            call_id="c-1",
+            decision=ApprovalDecision.EDIT,
+            request_digest="r1",
+            arguments_json='{"env":"staging"}',
+            reason="not prod today",
+            by="client:alice",
+        ),
+        '{"arguments_json":"{\\"env\\":\\"staging\\"}","at":null,"by":"client:alice",'
+        '"call_id":"c-1","decision":"edit","reason":"not prod today","request_digest":"r1",'
+        '"type":"approval_decision","v":8}',
     ),
 ]
 
 # The entry kinds added after version 1, and the version that added them.
-TAGS_ADDED_IN: dict[str, int] = {"compaction": 7, "tool_outputs_cleared": 7}
+TAGS_ADDED_IN: dict[str, int] = {
+    "compaction": 7,
+    "tool_outputs_cleared": 7,
+    "approval_request": 8,
+    "approval_decision": 8,
+}
 
 WRITTEN_AT = datetime(2025, 1, 2, 3, 4, 5, 6, tzinfo=UTC)
 ROOT_HEADER = SessionHeader(
@@ -234,7 +267,7 @@ OTHER_EXAMPLES: list[tuple[object, Callable[[Any], bytes], str]] = [
         encode_header,
         '{"created_at":"2025-01-02T03:04:05.000006+00:00","fork_origin":null,"kind":"root",'
         '"namespace":"default","parent_session":null,"session_id":"s-1",'
-        '"spec":{"model":"lead-model","preset":"lead","tools":[]},"v":7}',
+        '"spec":{"model":"lead-model","preset":"lead","tools":[]},"v":8}',
     ),
     (
         FORK_HEADER,
@@ -244,24 +277,24 @@ OTHER_EXAMPLES: list[tuple[object, Callable[[Any], bytes], str]] = [
         '"parent_session":"s-1","session_id":"s-2","spec":{"model":"worker-model",'
         '"preset":"worker","tools":[{"description":"Read a file.","input_schema_json":'
         '"{\\"properties\\":{\\"path\\":{\\"type\\":\\"string\\"}},\\"type\\":\\"object\\"}",'
-        '"name":"read_file"}]},"v":7}',
+        '"name":"read_file"}]},"v":8}',
     ),
     (
         ROOT_ACTIVATION,
         encode_activation,
-        '{"activation_id":"a-1","node_id":"n-1","parent_activation":null,"session_id":"s-1","v":7}',
+        '{"activation_id":"a-1","node_id":"n-1","parent_activation":null,"session_id":"s-1","v":8}',
     ),
     (
         CHILD_ACTIVATION,
         encode_activation,
         '{"activation_id":"a-2","node_id":"n-2","parent_activation":"a-1","session_id":"s-2",'
-        '"v":7}',
+        '"v":8}',
     ),
     (
         ACCEPTANCE,
         encode_acceptance,
         '{"fingerprint":"sha256:9f86d0","kind":"cold-resumed","seq":3,"target":"s-2",'
-        '"target_activation":"a-2","v":7}',
+        '"target_activation":"a-2","v":8}',
     ),
 ]
 
@@ -335,9 +368,9 @@ def test_an_acceptance_round_trips_for_every_delivery_kind(kind: DeliveryKind) -
     assert decode_acceptance(encode_acceptance(acceptance)) == acceptance
 
 
-def test_the_format_version_is_seven_and_every_older_one_is_readable() -> None:
-    assert FORMAT_VERSION == 7
-    assert sorted(READABLE_VERSIONS) == [1, 2, 3, 4, 5, 6, 7]
+def test_the_format_version_is_eight_and_every_older_one_is_readable() -> None:
+    assert FORMAT_VERSION == 8
+    assert sorted(READABLE_VERSIONS) == [1, 2, 3, 4, 5, 6, 7, 8]
 
 
 @pytest.mark.parametrize("tag", sorted(TAGS_ADDED_IN))
@@ -693,6 +726,22 @@ ENTRIES: st.SearchStrategy[Entry] = st.one_of(
         )
     ),
     st.builds(ToolOutputsClearedEntry, seqs=st.lists(COUNTS, max_size=5).map(tuple)),
+    st.builds(
+        ApprovalRequestEntry,
+        call_id=TEXT,
+        tool=TEXT,
+        arguments_json=TEXT,
+        descriptor_digest=TEXT,
+        expires_at=st.none() | TIMES,
+    ),
+    st.builds(
+        ApprovalDecisionEntry,
+        call_id=TEXT.filter(bool),
+        decision=st.sampled_from([ApprovalDecision.ALLOW, ApprovalDecision.DENY]),
+        request_digest=TEXT.filter(bool),
+        reason=TEXT,
+        by=TEXT,
+    ),
 )
 
 

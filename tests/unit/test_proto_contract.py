@@ -32,6 +32,7 @@ CONTROL_RPCS = {
     "GetSession",
     "WatchSession",
     "ListAgents",
+    "ResolveApproval",
 }
 
 REJECTION_REASONS = [
@@ -66,6 +67,7 @@ REJECTION_REASONS = [
     "REJECTION_REASON_TREE_CLOSED",
     "REJECTION_REASON_NAMESPACE_DENIED",
     "REJECTION_REASON_QUOTA_EXCEEDED",
+    "REJECTION_REASON_APPROVAL_STALE",
 ]
 
 
@@ -173,6 +175,8 @@ def test_transcript_entry_body_is_one_oneof() -> None:
         "consumed",
         "compaction",
         "tool_outputs_cleared",
+        "approval_request",
+        "approval_decision",
     ]
 
 

@@ -50,6 +50,14 @@ class RejectionReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REJECTION_REASON_TREE_CLOSED: _ClassVar[RejectionReason]
     REJECTION_REASON_NAMESPACE_DENIED: _ClassVar[RejectionReason]
     REJECTION_REASON_QUOTA_EXCEEDED: _ClassVar[RejectionReason]
+    REJECTION_REASON_APPROVAL_STALE: _ClassVar[RejectionReason]
+
+class ApprovalDecision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    APPROVAL_DECISION_UNSPECIFIED: _ClassVar[ApprovalDecision]
+    APPROVAL_DECISION_ALLOW: _ClassVar[ApprovalDecision]
+    APPROVAL_DECISION_DENY: _ClassVar[ApprovalDecision]
+    APPROVAL_DECISION_EDIT: _ClassVar[ApprovalDecision]
 
 class AgentState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -83,6 +91,7 @@ class TurnOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TURN_OUTCOME_CANCELLED: _ClassVar[TurnOutcome]
     TURN_OUTCOME_TOKEN_EXHAUSTION: _ClassVar[TurnOutcome]
     TURN_OUTCOME_LOST: _ClassVar[TurnOutcome]
+    TURN_OUTCOME_AWAITING_APPROVAL: _ClassVar[TurnOutcome]
 DELIVERY_UNSPECIFIED: Delivery
 DELIVERY_STEERED: Delivery
 DELIVERY_STARTED_TURN: Delivery
@@ -118,6 +127,11 @@ REJECTION_REASON_RATE_LIMITED: RejectionReason
 REJECTION_REASON_TREE_CLOSED: RejectionReason
 REJECTION_REASON_NAMESPACE_DENIED: RejectionReason
 REJECTION_REASON_QUOTA_EXCEEDED: RejectionReason
+REJECTION_REASON_APPROVAL_STALE: RejectionReason
+APPROVAL_DECISION_UNSPECIFIED: ApprovalDecision
+APPROVAL_DECISION_ALLOW: ApprovalDecision
+APPROVAL_DECISION_DENY: ApprovalDecision
+APPROVAL_DECISION_EDIT: ApprovalDecision
 AGENT_STATE_UNSPECIFIED: AgentState
 AGENT_STATE_IDLE: AgentState
 AGENT_STATE_RUNNING: AgentState
@@ -139,6 +153,7 @@ TURN_OUTCOME_ERROR: TurnOutcome
 TURN_OUTCOME_CANCELLED: TurnOutcome
 TURN_OUTCOME_TOKEN_EXHAUSTION: TurnOutcome
 TURN_OUTCOME_LOST: TurnOutcome
+TURN_OUTCOME_AWAITING_APPROVAL: TurnOutcome
 
 class AgentRef(_message.Message):
     __slots__ = ("session_id", "activation_id")
@@ -181,6 +196,32 @@ class Rejection(_message.Message):
     detail: str
     target_session_id: str
     def __init__(self, reason: _Optional[_Union[RejectionReason, str]] = ..., detail: _Optional[str] = ..., target_session_id: _Optional[str] = ...) -> None: ...
+
+class ResolveApprovalRequest(_message.Message):
+    __slots__ = ("session_id", "call_id", "decision", "request_digest", "arguments_json", "reason")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    call_id: str
+    decision: ApprovalDecision
+    request_digest: str
+    arguments_json: str
+    reason: str
+    def __init__(self, session_id: _Optional[str] = ..., call_id: _Optional[str] = ..., decision: _Optional[_Union[ApprovalDecision, str]] = ..., request_digest: _Optional[str] = ..., arguments_json: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ResolveApprovalResponse(_message.Message):
+    __slots__ = ("accepted_seq", "duplicate", "decided_by")
+    ACCEPTED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    DECIDED_BY_FIELD_NUMBER: _ClassVar[int]
+    accepted_seq: int
+    duplicate: bool
+    decided_by: str
+    def __init__(self, accepted_seq: _Optional[int] = ..., duplicate: _Optional[bool] = ..., decided_by: _Optional[str] = ...) -> None: ...
 
 class CreateRootSessionRequest(_message.Message):
     __slots__ = ("preset", "model", "initial_task", "request_id", "node_id", "namespace")
@@ -441,7 +482,7 @@ class AgentMessageSource(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., form: _Optional[str] = ..., sender_session_id: _Optional[str] = ...) -> None: ...
 
 class TranscriptEntry(_message.Message):
-    __slots__ = ("seq", "recorded_at", "task", "human_prompt", "agent_message", "settlement_notice", "assistant_step", "tool_result", "turn_started", "turn_ended", "consumed", "compaction", "tool_outputs_cleared")
+    __slots__ = ("seq", "recorded_at", "task", "human_prompt", "agent_message", "settlement_notice", "assistant_step", "tool_result", "turn_started", "turn_ended", "consumed", "compaction", "tool_outputs_cleared", "approval_request", "approval_decision")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     RECORDED_AT_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
@@ -455,6 +496,8 @@ class TranscriptEntry(_message.Message):
     CONSUMED_FIELD_NUMBER: _ClassVar[int]
     COMPACTION_FIELD_NUMBER: _ClassVar[int]
     TOOL_OUTPUTS_CLEARED_FIELD_NUMBER: _ClassVar[int]
+    APPROVAL_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    APPROVAL_DECISION_FIELD_NUMBER: _ClassVar[int]
     seq: int
     recorded_at: _timestamp_pb2.Timestamp
     task: TaskEntry
@@ -468,7 +511,9 @@ class TranscriptEntry(_message.Message):
     consumed: ConsumedEntry
     compaction: CompactionEntry
     tool_outputs_cleared: ToolOutputsClearedEntry
-    def __init__(self, seq: _Optional[int] = ..., recorded_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., task: _Optional[_Union[TaskEntry, _Mapping]] = ..., human_prompt: _Optional[_Union[HumanPromptEntry, _Mapping]] = ..., agent_message: _Optional[_Union[AgentMessageEntry, _Mapping]] = ..., settlement_notice: _Optional[_Union[SettlementNoticeEntry, _Mapping]] = ..., assistant_step: _Optional[_Union[AssistantStepEntry, _Mapping]] = ..., tool_result: _Optional[_Union[ToolResultEntry, _Mapping]] = ..., turn_started: _Optional[_Union[TurnStartedEntry, _Mapping]] = ..., turn_ended: _Optional[_Union[TurnEndedEntry, _Mapping]] = ..., consumed: _Optional[_Union[ConsumedEntry, _Mapping]] = ..., compaction: _Optional[_Union[CompactionEntry, _Mapping]] = ..., tool_outputs_cleared: _Optional[_Union[ToolOutputsClearedEntry, _Mapping]] = ...) -> None: ...
+    approval_request: ApprovalRequestEntry
+    approval_decision: ApprovalDecisionEntry
+    def __init__(self, seq: _Optional[int] = ..., recorded_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., task: _Optional[_Union[TaskEntry, _Mapping]] = ..., human_prompt: _Optional[_Union[HumanPromptEntry, _Mapping]] = ..., agent_message: _Optional[_Union[AgentMessageEntry, _Mapping]] = ..., settlement_notice: _Optional[_Union[SettlementNoticeEntry, _Mapping]] = ..., assistant_step: _Optional[_Union[AssistantStepEntry, _Mapping]] = ..., tool_result: _Optional[_Union[ToolResultEntry, _Mapping]] = ..., turn_started: _Optional[_Union[TurnStartedEntry, _Mapping]] = ..., turn_ended: _Optional[_Union[TurnEndedEntry, _Mapping]] = ..., consumed: _Optional[_Union[ConsumedEntry, _Mapping]] = ..., compaction: _Optional[_Union[CompactionEntry, _Mapping]] = ..., tool_outputs_cleared: _Optional[_Union[ToolOutputsClearedEntry, _Mapping]] = ..., approval_request: _Optional[_Union[ApprovalRequestEntry, _Mapping]] = ..., approval_decision: _Optional[_Union[ApprovalDecisionEntry, _Mapping]] = ...) -> None: ...
 
 class TaskEntry(_message.Message):
     __slots__ = ("content",)
@@ -601,6 +646,38 @@ class CompactionEntry(_message.Message):
     model: str
     usage: Usage
     def __init__(self, summary: _Optional[str] = ..., from_seq: _Optional[int] = ..., through_seq: _Optional[int] = ..., task: _Optional[str] = ..., pending: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
+class ApprovalRequestEntry(_message.Message):
+    __slots__ = ("call_id", "tool", "arguments_json", "descriptor_digest", "expires_at", "request_digest")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOOL_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTOR_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    call_id: str
+    tool: str
+    arguments_json: str
+    descriptor_digest: str
+    expires_at: _timestamp_pb2.Timestamp
+    request_digest: str
+    def __init__(self, call_id: _Optional[str] = ..., tool: _Optional[str] = ..., arguments_json: _Optional[str] = ..., descriptor_digest: _Optional[str] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., request_digest: _Optional[str] = ...) -> None: ...
+
+class ApprovalDecisionEntry(_message.Message):
+    __slots__ = ("call_id", "decision", "request_digest", "arguments_json", "reason", "by")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    BY_FIELD_NUMBER: _ClassVar[int]
+    call_id: str
+    decision: ApprovalDecision
+    request_digest: str
+    arguments_json: str
+    reason: str
+    by: str
+    def __init__(self, call_id: _Optional[str] = ..., decision: _Optional[_Union[ApprovalDecision, str]] = ..., request_digest: _Optional[str] = ..., arguments_json: _Optional[str] = ..., reason: _Optional[str] = ..., by: _Optional[str] = ...) -> None: ...
 
 class ToolOutputsClearedEntry(_message.Message):
     __slots__ = ("seqs",)

@@ -228,6 +228,11 @@ class MeshControlStub:
                 request_serializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.ListAgentsRequest.SerializeToString,
                 response_deserializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.ListAgentsResponse.FromString,
                 _registered_method=True)
+        self.ResolveApproval = channel.unary_unary(
+                '/dsh.mesh.v1.MeshControl/ResolveApproval',
+                request_serializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.ResolveApprovalRequest.SerializeToString,
+                response_deserializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.ResolveApprovalResponse.FromString,
+                _registered_method=True)
 
 
 class MeshControlServicer:
@@ -336,6 +341,23 @@ class MeshControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResolveApproval(self, request, context):
+        """ResolveApproval decides on a tool call that waits for a person's approval
+        (an ApprovalRequestEntry of the session's transcript, docs/approvals.md):
+        allow it, deny it with a reason the model reads, or allow it with edited
+        arguments, checked against the tool's input schema (INVALID_ARGUMENT).
+        The decision is stored as an ApprovalDecisionEntry with who made it (the
+        caller's identity as the node authenticated it) and when; the agent goes
+        on from the call (an absent session is resumed first, on any node). A
+        decision binds the request it was shown (request_digest): one on a call
+        that no longer waits, on another request, or on an expired one, is
+        refused with REJECTION_REASON_APPROVAL_STALE. Idempotent: the same
+        decision again returns the first acceptance with duplicate = true.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MeshControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -378,6 +400,11 @@ def add_MeshControlServicer_to_server(servicer, server):
                     servicer.ListAgents,
                     request_deserializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.ListAgentsRequest.FromString,
                     response_serializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.ListAgentsResponse.SerializeToString,
+            ),
+            'ResolveApproval': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResolveApproval,
+                    request_deserializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.ResolveApprovalRequest.FromString,
+                    response_serializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.ResolveApprovalResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -608,6 +635,33 @@ class MeshControl:
             '/dsh.mesh.v1.MeshControl/ListAgents',
             dsh_dot_mesh_dot_v1_dot_mesh__pb2.ListAgentsRequest.SerializeToString,
             dsh_dot_mesh_dot_v1_dot_mesh__pb2.ListAgentsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResolveApproval(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsh.mesh.v1.MeshControl/ResolveApproval',
+            dsh_dot_mesh_dot_v1_dot_mesh__pb2.ResolveApprovalRequest.SerializeToString,
+            dsh_dot_mesh_dot_v1_dot_mesh__pb2.ResolveApprovalResponse.FromString,
             options,
             channel_credentials,
             insecure,

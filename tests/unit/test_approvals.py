@@ -1,0 +1,383 @@
+"""Durable approvals (docs/approvals.md), against the scripted provider in one process: a call of
+a marked tool waits for a person's decision, runs once when allowed, never when denied, and
+every decision is in the transcript. Each test states one rule and fails when it is broken."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from datetime import timedelta
+from typing import TypeVar
+
+import pytest
+
+from dsh_mesh.agent import completed_turn_prefix, render
+from dsh_mesh.core import (
+    ApprovalDecision,
+    ApprovalDecisionEntry,
+    ApprovalRequestEntry,
+    ApprovalStale,
+    AssistantStepEntry,
+    InvalidArgument,
+    Record,
+    Role,
+    SessionId,
+    SettlementNoticeEntry,
+    ToolResultEntry,
+    TurnEndedEntry,
+    TurnOutcome,
+)
+from dsh_mesh.models import PARENT, Call, Reply, send, tool
+from dsh_mesh.testing import InProcessMesh, in_process_mesh
+from dsh_mesh.tools import ApprovalPolicy, Preset
+from dsh_mesh.tools import tool as tool_decorator
+
+ROOT = SessionId("s-1")
+CHILD = SessionId("s-2")
+RAN: list[str] = []
+
+
+@tool_decorator(replay="unsafe")
+def deploy(env: str, version: int = 1) -> str:
+    """Deploy a version to an environment."""
+    RAN.append(f"{env}@{version}")
+    return f"deployed {version} to {env}"
+
+
+@tool_decorator(replay="safe")
+def status(env: str) -> str:
+    """Read an environment's status."""
+    return f"{env} is up"
+
+
+def approving(*patterns: str, timeout: timedelta | None = timedelta(hours=1)) -> tuple[Preset, ...]:
+    approvals = ApprovalPolicy(tools=patterns, timeout=timeout)
+    return (
+        Preset(name="lead", system_prompt="You lead.", model="lead", approvals=approvals),
+        Preset(name="helper", system_prompt="You help.", model="helper", approvals=approvals),
+    )
+
+
+@pytest.fixture
+async def team() -> AsyncIterator[InProcessMesh]:
+    RAN.clear()
+    async with in_process_mesh(approving("deploy"), tools=(deploy, status)) as running:
+        yield running
+
+
+T = TypeVar("T")
+
+
+def entries(records: list[Record], kind: type[T]) -> list[T]:
+    return [r.entry for r in records if isinstance(r.entry, kind)]
+
+
+async def waiting_request(team: InProcessMesh, session: SessionId) -> ApprovalRequestEntry:
+    await team.manager.quiescent()
+    records = await team.transcript(session)
+    request = entries(records, ApprovalRequestEntry)[-1]
+    answered = {e.call_id for e in entries(records, ToolResultEntry)}
+    assert request.call_id not in answered
+    return request
+
+
+def decision(
+    request: ApprovalRequestEntry,
+    kind: ApprovalDecision = ApprovalDecision.ALLOW,
+    **fields: str,
+) -> ApprovalDecisionEntry:
+    return ApprovalDecisionEntry(
+        call_id=request.call_id,
+        decision=kind,
+        request_digest=request.digest,
+        by=fields.pop("by", "client:alice"),
+        **fields,
+    )
+
+
+async def test_a_marked_call_waits_with_no_model_call_open_and_runs_once_when_allowed(
+    team: InProcessMesh,
+) -> None:
+    team.scripted.program("lead", tool("deploy", env="prod"), Reply(text="shipped"))
+    await team.manager.create_root("Ship it.", preset="lead")
+    request = await waiting_request(team, ROOT)
+    assert (request.tool, request.arguments_json) == ("deploy", '{"env": "prod"}')
+    assert RAN == []
+    calls_while_waiting = len(team.recorder.requests_of(ROOT))
+    records = await team.transcript(ROOT)
+    [ended] = entries(records, TurnEndedEntry)
+    assert ended.outcome is TurnOutcome.AWAITING_APPROVAL
+
+    accepted = await team.manager.resolve_approval(ROOT, decision(request))
+    await team.manager.quiescent()
+
+    assert RAN == ["prod@1"]
+    assert len(team.recorder.requests_of(ROOT)) == calls_while_waiting + 1
+    records = await team.transcript(ROOT)
+    [decided] = [r for r in records if isinstance(r.entry, ApprovalDecisionEntry)]
+    assert decided.seq == accepted.accepted_seq and decided.recorded_at is not None
+    assert isinstance(decided.entry, ApprovalDecisionEntry)
+    assert decided.entry.by == "client:alice"
+    [result] = entries(records, ToolResultEntry)
+    assert result.content == "deployed 1 to prod" and not result.is_error
+    assert entries(records, TurnEndedEntry)[-1].outcome is TurnOutcome.COMPLETED
+    assert entries(records, AssistantStepEntry)[-1].text == "shipped"
+
+
+async def test_a_denied_call_never_runs_and_the_model_reads_the_reason(
+    team: InProcessMesh,
+) -> None:
+    team.scripted.program("lead", tool("deploy", env="prod"), Reply(text="ok, not today"))
+    await team.manager.create_root("Ship it.", preset="lead")
+    request = await waiting_request(team, ROOT)
+
+    await team.manager.resolve_approval(
+        ROOT, decision(request, ApprovalDecision.DENY, reason="freeze until Monday")
+    )
+    await team.manager.quiescent()
+
+    assert RAN == []
+    [result] = entries(await team.transcript(ROOT), ToolResultEntry)
+    assert result.is_error
+    assert result.content == "not run: this call was denied by client:alice: freeze until Monday"
+    last = team.recorder.requests_of(ROOT)[-1].messages[-1]
+    assert (last.role, last.content) == (Role.TOOL, result.content)
+
+
+async def test_an_edited_call_runs_with_the_new_arguments_and_says_so(team: InProcessMesh) -> None:
+    team.scripted.program("lead", tool("deploy", env="prod"), Reply())
+    await team.manager.create_root("Ship it.", preset="lead")
+    request = await waiting_request(team, ROOT)
+
+    edit = decision(request, ApprovalDecision.EDIT, arguments_json='{"env": "staging"}')
+    await team.manager.resolve_approval(ROOT, edit)
+    await team.manager.quiescent()
+
+    assert RAN == ["staging@1"]
+    [result] = entries(await team.transcript(ROOT), ToolResultEntry)
+    assert result.content.endswith("deployed 1 to staging")
+    assert '{"env": "staging"}' in result.content.splitlines()[0]
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    ['{"env": 3}', '{"version": 2}', '["prod"]', "not json"],
+    ids=["wrong-type", "missing-required", "not-an-object", "not-json"],
+)
+async def test_edited_arguments_the_tools_schema_refuses_are_refused_and_nothing_is_accepted(
+    team: InProcessMesh, arguments: str
+) -> None:
+    team.scripted.program("lead", tool("deploy", env="prod"), Reply())
+    await team.manager.create_root("Ship it.", preset="lead")
+    request = await waiting_request(team, ROOT)
+    before = await team.transcript(ROOT)
+
+    with pytest.raises(InvalidArgument):
+        await team.manager.resolve_approval(
+            ROOT, decision(request, ApprovalDecision.EDIT, arguments_json=arguments)
+        )
+    assert await team.transcript(ROOT) == before
+    # The request still waits, and a valid decision still goes through.
+    await team.manager.resolve_approval(ROOT, decision(request))
+    await team.manager.quiescent()
+    assert RAN == ["prod@1"]
+
+
+async def test_a_decision_on_another_request_than_the_one_waiting_is_stale(
+    team: InProcessMesh,
+) -> None:
+    team.scripted.program("lead", tool("deploy", env="prod"), Reply())
+    await team.manager.create_root("Ship it.", preset="lead")
+    request = await waiting_request(team, ROOT)
+    shown_other = dataclasses.replace(request, arguments_json='{"env": "staging"}')
+    before = await team.transcript(ROOT)
+
+    with pytest.raises(ApprovalStale) as refused:
+        await team.manager.resolve_approval(ROOT, decision(shown_other))
+    assert refused.value.metadata["call_id"] == request.call_id
+    with pytest.raises(ApprovalStale):
+        await team.manager.resolve_approval(
+            ROOT, dataclasses.replace(decision(request), call_id="no-such-call")
+        )
+    assert await team.transcript(ROOT) == before and RAN == []
+
+
+async def test_a_second_decision_is_stale_and_the_same_one_again_is_a_duplicate(
+    team: InProcessMesh,
+) -> None:
+    team.scripted.program("lead", tool("deploy", env="prod"), Reply())
+    await team.manager.create_root("Ship it.", preset="lead")
+    request = await waiting_request(team, ROOT)
+    allow = decision(request)
+
+    first = await team.manager.resolve_approval(ROOT, allow)
+    again = await team.manager.resolve_approval(ROOT, allow)
+    assert again.duplicate and again.accepted_seq == first.accepted_seq
+    with pytest.raises(ApprovalStale):
+        await team.manager.resolve_approval(
+            ROOT, decision(request, ApprovalDecision.DENY, by="client:bob")
+        )
+    await team.manager.quiescent()
+    assert RAN == ["prod@1"]
+    with pytest.raises(ApprovalStale):  # the call has its result: nothing waits any more
+        await team.manager.resolve_approval(ROOT, decision(request, ApprovalDecision.DENY))
+
+
+async def test_parallel_calls_of_one_step_are_approved_one_by_one(team: InProcessMesh) -> None:
+    both = Call(
+        calls=(("deploy", {"env": "a"}), ("status", {"env": "a"}), ("deploy", {"env": "b"}))
+    )
+    team.scripted.program("lead", both, Reply())
+    await team.manager.create_root("Ship both.", preset="lead")
+    first = await waiting_request(team, ROOT)
+    assert first.arguments_json == '{"env": "a"}'
+
+    await team.manager.resolve_approval(ROOT, decision(first))
+    second = await waiting_request(team, ROOT)
+    assert second.arguments_json == '{"env": "b"}' and RAN == ["a@1"]
+    results = entries(await team.transcript(ROOT), ToolResultEntry)
+    assert [r.name for r in results] == ["deploy", "status"]  # the unmarked one ran meanwhile
+
+    await team.manager.resolve_approval(ROOT, decision(second, ApprovalDecision.DENY))
+    await team.manager.quiescent()
+    records = await team.transcript(ROOT)
+    assert RAN == ["a@1"]
+    assert [r.name for r in entries(records, ToolResultEntry)] == ["deploy", "status", "deploy"]
+    assert entries(records, TurnEndedEntry)[-1].outcome is TurnOutcome.COMPLETED
+
+
+@pytest.mark.contract(9)
+async def test_a_message_to_an_agent_waiting_for_approval_is_read_after_the_calls_result(
+    team: InProcessMesh,
+) -> None:
+    team.scripted.program(
+        "lead", tool("spawn_agent", task="Deploy.", preset="helper"), Reply(), Reply()
+    )
+    team.scripted.program("helper", tool("deploy", env="prod"), Reply(), Reply())
+    await team.manager.create_root("Lead.", preset="lead")
+    request = await waiting_request(team, CHILD)
+
+    # The parent's message reaches the waiting child: it is steered (read at the boundary
+    # after the call it waits at), not a turn of its own.
+    sent = await team.manager.send_message(
+        team.manager.agent(ROOT).ref,  # type: ignore[union-attr]
+        CHILD,
+        "use version 2 next time",
+    )
+    assert sent.kind.value == "steered"
+    await team.manager.resolve_approval(CHILD, decision(request))
+    await team.manager.quiescent()
+
+    conversation = render(await team.transcript(CHILD))
+    result_at = next(i for i, m in enumerate(conversation) if m.role is Role.TOOL)
+    message_at = next(i for i, m in enumerate(conversation) if "version 2" in m.content)
+    assert result_at < message_at
+
+
+async def test_a_waiting_child_does_not_settle_until_its_call_is_decided(
+    team: InProcessMesh,
+) -> None:
+    team.scripted.program("lead", tool("spawn_agent", task="Deploy.", preset="helper"), Reply())
+    team.scripted.program("helper", tool("deploy", env="prod"), send(PARENT, "deployed"), Reply())
+    await team.manager.create_root("Lead.", preset="lead")
+    request = await waiting_request(team, CHILD)
+    assert team.manager.agent(CHILD) is not None  # still resident, its run not over
+    assert not entries(await team.transcript(ROOT), SettlementNoticeEntry)
+
+    await team.manager.resolve_approval(CHILD, decision(request))
+    await team.manager.quiescent()
+    notices = entries(await team.transcript(ROOT), SettlementNoticeEntry)
+    assert [n.outcome.value for n in notices] == ["completed"]
+
+
+async def test_an_interrupt_of_a_waiting_turn_denies_the_request_and_cancels_the_turn(
+    team: InProcessMesh,
+) -> None:
+    both = Call(calls=(("deploy", {"env": "a"}), ("status", {"env": "a"})))
+    team.scripted.program("lead", both, Reply())
+    await team.manager.create_root("Ship.", preset="lead")
+    request = await waiting_request(team, ROOT)
+    waiting_turn = entries(await team.transcript(ROOT), TurnEndedEntry)[-1].turn_id
+
+    assert team.manager.interrupt(ROOT) == waiting_turn
+    await team.manager.quiescent()
+
+    records = await team.transcript(ROOT)
+    [decided] = entries(records, ApprovalDecisionEntry)
+    assert decided.decision is ApprovalDecision.DENY and decided.by == "dsh-mesh"
+    assert "cancelled" in decided.reason
+    results = entries(records, ToolResultEntry)
+    assert results[0].call_id == request.call_id
+    assert all(r.is_error and r.content.startswith("not run") for r in results)
+    assert entries(records, TurnEndedEntry)[-1].outcome is TurnOutcome.CANCELLED
+    assert RAN == []
+    with pytest.raises(ApprovalStale):
+        await team.manager.resolve_approval(ROOT, decision(request))
+
+
+async def test_a_request_that_expires_is_answered_as_denied_and_the_turn_goes_on() -> None:
+    RAN.clear()
+    presets = approving("deploy", timeout=timedelta(milliseconds=50))
+    async with in_process_mesh(presets, tools=(deploy,)) as team:
+        team.scripted.program("lead", tool("deploy", env="prod"), Reply(text="gave up"))
+        await team.manager.create_root("Ship it.", preset="lead")
+        await team.manager.wait_until(lambda: RAN == [] and _ended(team))
+        records = await team.transcript(ROOT)
+
+    [decided] = entries(records, ApprovalDecisionEntry)
+    assert decided.decision is ApprovalDecision.DENY and decided.by == "dsh-mesh"
+    assert "expired" in decided.reason
+    [result] = entries(records, ToolResultEntry)
+    assert result.is_error and "expired" in result.content
+    assert entries(records, AssistantStepEntry)[-1].text == "gave up"
+    assert RAN == []
+
+
+def _ended(team: InProcessMesh) -> bool:
+    agent = team.manager.agent(ROOT)
+    return agent is not None and agent.turns_run >= 2
+
+
+async def test_a_passivated_agent_waiting_for_approval_is_resumed_by_the_decision() -> None:
+    RAN.clear()
+    async with in_process_mesh(approving("deploy"), tools=(deploy,)) as team:
+        team.scripted.program("lead", tool("deploy", env="prod"), Reply(text="shipped"))
+        await team.manager.create_root("Ship it.", preset="lead")
+        request = await waiting_request(team, ROOT)
+        assert team.manager.passivate_idle(10) == 1
+        await team.manager.wait_until(lambda: team.manager.agent(ROOT) is None)
+
+        delivered = await team.manager.resolve_approval(ROOT, decision(request))
+        await team.manager.quiescent()
+        records = await team.transcript(ROOT)
+
+    assert delivered.kind.value == "cold-resumed"
+    assert RAN == ["prod@1"]
+    assert entries(records, AssistantStepEntry)[-1].text == "shipped"
+
+
+async def test_a_standard_tool_never_waits_whatever_the_patterns_say() -> None:
+    async with in_process_mesh(approving("*"), tools=(deploy,)) as team:
+        team.scripted.program("lead", tool("spawn_agent", task="Help.", preset="helper"), Reply())
+        team.scripted.program("helper", send(PARENT, "hi"), Reply())
+        await team.manager.create_root("Lead.", preset="lead")
+        await team.manager.quiescent()
+        records = await team.transcript(ROOT)
+    assert not entries(records, ApprovalRequestEntry)
+    assert entries(records, TurnEndedEntry)[-1].outcome is TurnOutcome.COMPLETED
+
+
+async def test_a_turn_waiting_for_approval_is_no_completed_prefix_for_a_fork(
+    team: InProcessMesh,
+) -> None:
+    team.scripted.program("lead", Reply(text="hello"), tool("deploy", env="prod"), Reply())
+    await team.manager.create_root("Hi.", preset="lead")
+    await team.manager.quiescent()
+    await team.manager.submit_prompt(ROOT, "Ship it.", idempotency_key="k")
+    await waiting_request(team, ROOT)
+
+    records = await team.transcript(ROOT)
+    seq, prefix = completed_turn_prefix(records)
+    first_end = next(r for r in records if isinstance(r.entry, TurnEndedEntry))
+    assert seq == first_end.seq
+    assert not any(m.tool_calls for m in prefix)
