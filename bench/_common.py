@@ -53,6 +53,12 @@ class Sizes:
     """Steps between its compactions, and the steps of the short agent it is compared with."""
     context_reps: int
     """Resumes of each agent (the median is reported)."""
+    view_loads: int
+    """Page loads of the 100-agent tree in the web view (``view``)."""
+    view_events: int
+    """Prompts sent at 50 a second while the web view's event latency is measured."""
+    view_roots: int
+    """Roots of each kind (idle, waiting for approval) whose memory ``view`` compares."""
 
 
 FULL = Sizes(
@@ -75,6 +81,9 @@ FULL = Sizes(
     context_steps=10_000,
     context_every=200,
     context_reps=5,
+    view_loads=5,
+    view_events=1000,
+    view_roots=300,
 )
 
 QUICK = Sizes(
@@ -97,6 +106,9 @@ QUICK = Sizes(
     context_steps=400,
     context_every=100,
     context_reps=1,
+    view_loads=1,
+    view_events=100,
+    view_roots=50,
 )
 
 

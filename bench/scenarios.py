@@ -10,7 +10,8 @@ from bench._log import TOOL, tool_output
 from dsh_mesh.core import ToolDescriptor
 from dsh_mesh.models import PARENT, Call, Reply, Stall, tool
 from dsh_mesh.node import Scenario
-from dsh_mesh.tools import Preset, ToolIdentity, ToolInvocation, ToolOutput
+from dsh_mesh.tools import ApprovalPolicy, Preset, ToolIdentity, ToolInvocation, ToolOutput
+from dsh_mesh.tools import tool as _tool_decorator
 
 LEAD = Preset(name="lead", system_prompt="You lead.", model="lead")
 SINK = Preset(name="sink", system_prompt="You listen.", model="sink")
@@ -107,4 +108,62 @@ STORAGE = Scenario(
         for n in STORAGE_STEPS
     ),
     programs={f"steps-{n}": (*(tool(TOOL) for _ in range(n)), Stall()) for n in STORAGE_STEPS},
+)
+
+
+# The web view (``view``): a lead that spawns 9 branches, each spawning 10 leaves (100 agents
+# on 3 nodes), every one of them then stalled in its model call, resident and running.
+VIEW_BRANCHES = 9
+VIEW_LEAVES = 10
+VIEW = Scenario(
+    presets=(
+        LEAD,
+        Preset(name="branch", system_prompt="You branch.", model="branch"),
+        Preset(name="leaf", system_prompt="You are a leaf.", model="leaf"),
+    ),
+    programs={
+        "lead": (
+            Call(
+                calls=tuple(
+                    ("spawn_agent", {"task": f"Branch {n}.", "preset": "branch"})
+                    for n in range(VIEW_BRANCHES)
+                )
+            ),
+            Stall(),
+        ),
+        "branch": (
+            Call(
+                calls=tuple(
+                    ("spawn_agent", {"task": f"Leaf {n}.", "preset": "leaf"})
+                    for n in range(VIEW_LEAVES)
+                )
+            ),
+            Stall(),
+        ),
+        "leaf": (Stall(),),
+    },
+)
+
+
+@_tool_decorator(replay="unsafe")
+def deploy(env: str) -> str:
+    """Deploy to an environment."""
+    return f"deployed to {env}"
+
+
+# Memory of a call waiting for approval (``view``): roots that each make one deploy call and
+# reply; "gated" waits at the call for approval, "ungated" runs it and goes idle.
+APPROVALS = Scenario(
+    presets=(
+        Preset(name="ungated", system_prompt="You deploy.", model="deployer", tools=("deploy",)),
+        Preset(
+            name="gated",
+            system_prompt="You deploy.",
+            model="deployer",
+            tools=("deploy",),
+            approvals=ApprovalPolicy(tools=("deploy",)),
+        ),
+    ),
+    programs={"deployer": (tool("deploy", env="prod"), Reply(text="Deployed."))},
+    tools=(deploy,),
 )

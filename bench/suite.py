@@ -37,6 +37,7 @@ from bench.provider import measure_provider
 from bench.resume import measure_clean_resume, measure_crash_resume
 from bench.storage import measure_storage
 from bench.tools import measure_tools
+from bench.view import measure_view
 from bench.warm import (
     measure_cross_node,
     measure_node_scaling,
@@ -47,10 +48,11 @@ from bench.warm import (
 from dsh_mesh.testing import EtcdServer
 
 HERE = Path(__file__).resolve().parent
-TARGETS = 15
+TARGETS = 17
 """Figures with a target in a complete report (one per target of the issue): six for the warm
-sends, the resumes and idle memory, one for long transcripts' resume (``long-resume``) and three
-for the control plane's reads (``control``)."""
+sends, the resumes and idle memory, one for long transcripts' resume (``long-resume``), three
+for the control plane's reads (``control``), five for the tools (``tools``) and two for the web
+view's render time and event latency (``view``)."""
 
 SECTIONS: dict[str, Callable[[Bed], Awaitable[None]]] = {
     "same-node": measure_same_node,
@@ -65,6 +67,7 @@ SECTIONS: dict[str, Callable[[Bed], Awaitable[None]]] = {
     "tools": measure_tools,
     "namespaces": measure_namespace_check,
     "context": measure_context,
+    "view": measure_view,
     # The ones that fill etcd run last, so they cannot slow the others down.
     "sessions": measure_registered_sessions,
     "control": measure_control,

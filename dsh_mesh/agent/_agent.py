@@ -219,8 +219,6 @@ class Agent:
         """Held while one decision on an approval request is checked and written."""
         self._cancel_wait: str | None = None
         """An interrupt or a stop came while a call waits for approval: why."""
-        self._waiting_turn: TurnId | None = None
-        """The turn that stopped at a call waiting for approval, while it waits."""
         self._turn_tokens = 0
         self._records = sorted(records, key=lambda r: r.seq)
         """The session's context, once ``_forget_compacted`` below has run: with no compaction
@@ -387,7 +385,7 @@ class Agent:
                 # request is answered as denied (the driver writes both).
                 self._cancel_wait = detail
                 self._work.set()
-                return self._waiting_turn
+                return self._stopped_turn()
             return None
         if not self._interrupting:
             self._interrupting = True
@@ -474,8 +472,23 @@ class Agent:
         first call of the last step without a result (every other turn answers them all)."""
         if self._state is not AgentState.IDLE:
             return None
+        return self._asked_call()
+
+    def _stopped_turn(self) -> TurnId | None:
+        """The turn that stopped at the call waiting for approval (the last one that ended)."""
+        for record in reversed(self._records):
+            if isinstance(record.entry, TurnEndedEntry):
+                return record.entry.turn_id
+        return None
+
+    def _asked_call(self) -> ToolCall | None:
+        """The first call of the last step without a result, if a request for approval was
+        written for it (decided or not)."""
         open_calls = self._calls_left_open()[1]
-        return open_calls[0][1] if open_calls else None
+        if not open_calls:
+            return None
+        call = open_calls[0][1]
+        return call if request_of(self._records, call.call_id) is not None else None
 
     def waiting_request(self) -> ApprovalRequestEntry | None:
         """The request a call of this idle agent waits on, undecided; None when none does."""
@@ -572,8 +585,10 @@ class Agent:
         decision read never ran: it is answered "not run" if no request was written for it."""
         open_turn = unended_turn(self._records)
         step_seq, open_calls = self._calls_left_open()
-        if open_turn is None:
-            return  # nothing, or a call waiting for approval: the driver goes on from it
+        if not open_calls and open_turn is None:
+            return
+        if open_turn is None and self._asked_call() is not None:
+            return  # a call waiting for approval: the driver goes on from it
         # Running, for whoever waits on this agent: what it writes now belongs to that turn.
         self._state = AgentState.RUNNING
         self._recovering = True
@@ -763,7 +778,6 @@ class Agent:
             )
         )
         await self._read_waiting(first, steered=not going_on)
-        self._waiting_turn = None
         self._turn_tokens = 0
         signal = AbortSignal()
         self._turn_task = asyncio.create_task(
@@ -782,7 +796,6 @@ class Agent:
             detail = self._interrupt_detail
         except _AwaitingApproval as waiting:
             outcome, detail = TurnOutcome.AWAITING_APPROVAL, str(waiting)
-            self._waiting_turn = turn_id
         except TokensExhausted as exhausted:
             outcome, detail = TurnOutcome.TOKEN_EXHAUSTION, str(exhausted)
         except Exception as failure:  # a failed model call ends the turn, never the driver

@@ -23,8 +23,9 @@ from dsh_mesh.cli._config import (
 )
 from dsh_mesh.cli._main import main, use_color
 from dsh_mesh.cli._parser import build_parser, parse_args
-from dsh_mesh.cli._render import error_line, format_entry, format_event, to_jsonable
+from dsh_mesh.cli._render import error_line, format_entry, format_event
 from dsh_mesh.cli._up import node_ids
+from dsh_mesh.client import to_jsonable
 
 __all__ = [
     "ClusterState",

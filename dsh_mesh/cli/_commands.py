@@ -21,7 +21,6 @@ from dsh_mesh.cli._render import (
     format_event,
     summary_row,
     table,
-    to_jsonable,
 )
 from dsh_mesh.client import (
     ApprovalRequest,
@@ -31,10 +30,12 @@ from dsh_mesh.client import (
     MeshClient,
     SessionPage,
     TranscriptEntry,
+    to_jsonable,
 )
 from dsh_mesh.core import MeshError
 from dsh_mesh.testing import EtcdAddress, TlsFiles
 from dsh_mesh.transport import TlsCredentials
+from dsh_mesh.ui import serving
 
 CLIENT_NAME = "dsh-mesh-cli"
 """The name the CLI presents to nodes."""
@@ -154,6 +155,13 @@ async def _interrupt(client: MeshClient, args: argparse.Namespace, console: Cons
         console.say(f"interrupted turn {result.turn_id or '?'} of {result.session_id}")
     else:
         console.say(f"nothing to interrupt: {result.session_id} has no running turn")
+    return 0
+
+
+async def _ui(client: MeshClient, args: argparse.Namespace, console: Console) -> int:
+    async with serving(client, host=args.host, port=args.port, trace_url=args.trace_url) as address:
+        console.say(f"dsh-mesh ui: {address.url} (over {client.address}; Ctrl-C stops it)")
+        await asyncio.Event().wait()  # until interrupted
     return 0
 
 
@@ -415,6 +423,7 @@ _HANDLERS = {
     "spawn": _spawn,
     "prompt": _prompt,
     "interrupt": _interrupt,
+    "ui": _ui,
     "approve": _approve,
     "deny": _deny,
     "stop": _stop,

@@ -261,6 +261,23 @@ def build_parser() -> argparse.ArgumentParser:
     interrupt.add_argument("session")
     _json_flag(interrupt)
 
+    ui = commands.add_parser(
+        "ui",
+        help="serve the live web view of the cluster (tree, transcripts, timeline, actions)",
+        description=(
+            "Serve the web view on HOST:PORT until interrupted: a thin gateway over the node this"
+            " command connects to (the same connection and credentials as every command). It"
+            " prints the address once it listens. Open it in a browser; it needs no internet."
+        ),
+    )
+    ui.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    ui.add_argument("--port", type=int, default=8765, help="port (8765; 0 picks a free one)")
+    ui.add_argument(
+        "--trace-url",
+        default="",
+        help="a tracing UI's link template with {trace_id}, e.g. http://localhost:16686/trace/{trace_id}",
+    )
+
     approve = commands.add_parser(
         "approve",
         help="allow a tool call that waits for approval (optionally with edited arguments)",

@@ -3,13 +3,10 @@ only when asked), plain-JSON forms for ``--json``, and the one-line error messag
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import json
 import re
 from collections.abc import Mapping, Sequence
-from datetime import datetime
-from typing import Any
 
 from dsh_mesh.client import (
     AgentMessage,
@@ -30,6 +27,7 @@ from dsh_mesh.client import (
     TurnEnded,
     TurnStarted,
     UnknownEntry,
+    to_jsonable,
 )
 from dsh_mesh.core import MeshError, Rejected, SettlementOutcome, TurnOutcome, Usage
 from dsh_mesh.transport import RemoteError
@@ -235,45 +233,6 @@ def table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> list[str]
         "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip()
         for row in [header, *rows]
     ]
-
-
-_BODY_TYPE: Mapping[type, str] = {
-    Task: "task",
-    HumanPrompt: "human_prompt",
-    AgentMessage: "agent_message",
-    SettlementNotice: "settlement_notice",
-    AssistantStep: "assistant_step",
-    ToolResult: "tool_result",
-    TurnStarted: "turn_started",
-    TurnEnded: "turn_ended",
-    Consumed: "consumed",
-    Compaction: "compaction",
-    ToolOutputsCleared: "tool_outputs_cleared",
-    ApprovalRequest: "approval_request",
-    ApprovalDecided: "approval_decision",
-    UnknownEntry: "unknown",
-}
-
-
-def to_jsonable(value: object) -> Any:
-    """Plain JSON data for a client dataclass (recursively): enums as their values, datetimes
-    as ISO 8601, tuples as lists; an entry body gains ``"type"`` (``"agent_message"``...)."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        data: dict[str, Any] = {}
-        if type(value) in _BODY_TYPE:
-            data["type"] = _BODY_TYPE[type(value)]
-        for field in dataclasses.fields(value):
-            data[field.name] = to_jsonable(getattr(value, field.name))
-        return data
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, datetime):
-        return value.isoformat()
-    if isinstance(value, tuple | list):
-        return [to_jsonable(item) for item in value]
-    if isinstance(value, dict):
-        return {str(key): to_jsonable(item) for key, item in value.items()}
-    return value
 
 
 def dumps(value: object) -> str:

@@ -15,6 +15,7 @@ from dsh_mesh.client._client import (
     ClientOptions,
     MeshClient,
 )
+from dsh_mesh.client._json import BODY_TYPE, to_jsonable
 from dsh_mesh.client._types import (
     AgentMessage,
     AgentState,
@@ -47,6 +48,7 @@ from dsh_mesh.client._types import (
 from dsh_mesh.transport import TlsCredentials
 
 __all__ = [
+    "BODY_TYPE",
     "DEFAULT_CLIENT_NAME",
     "TOKEN_ENV",
     "AgentMessage",
@@ -80,4 +82,5 @@ __all__ = [
     "TurnEnded",
     "TurnStarted",
     "UnknownEntry",
+    "to_jsonable",
 ]

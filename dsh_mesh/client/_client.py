@@ -516,9 +516,11 @@ class MeshClient:
             try:
                 async for message in call:
                     event = event_from_wire(message)
-                    if last and event.event_seq <= last:
+                    if event.entry is not None and last and event.event_seq <= last:
                         continue  # already delivered before a reconnect
-                    last = event.event_seq
+                    # A residency event repeats the position of the entry before it: it is
+                    # state, told again after a reconnect, never a repeat to drop.
+                    last = max(last, event.event_seq)
                     failures = 0
                     yield event
                 failure: MeshError = PeerUnavailable("the watch stream ended without a status")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 
 from dsh_mesh.demo._cluster import print_run, run_cluster_demo
 from dsh_mesh.demo._in_process import main as in_process_main
@@ -14,6 +15,7 @@ from dsh_mesh.demo._real import (
     print_real_run,
     run_real_demo,
 )
+from dsh_mesh.demo._view import keeping
 
 
 def main() -> None:
@@ -25,6 +27,11 @@ def main() -> None:
         "--model",
         default=demo_model(),
         help=f"a model spec such as openai:<model> (default: ${MODEL_ENV}; none: scripted)",
+    )
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="after the run, keep the cluster up and serve its web view until Ctrl-C",
     )
     args = parser.parse_args()
     if args.in_process:
@@ -39,7 +46,15 @@ def main() -> None:
         f"model      scripted (no real endpoint configured; set {MODEL_ENV}=openai:<model> and "
         "OPENAI_BASE_URL, e.g. http://127.0.0.1:11434/v1 for Ollama, to run on a real one)"
     )
+    if args.keep:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(run_cluster_demo(linger=keeping()))
+        return
     print_run(asyncio.run(run_cluster_demo()))
+    print(
+        "\nTo look at a run in the browser: `make demo DEMO_ARGS=--keep` keeps the cluster up"
+        " and prints the web view's address (`dsh-mesh ui`, docs/ui.md)."
+    )
 
 
 main()

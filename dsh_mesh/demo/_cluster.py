@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from dsh_mesh.client import MeshClient
@@ -65,9 +65,14 @@ class DemoRun:
             seen.append(node)
 
 
-async def run_cluster_demo(say: Callable[[str], None] = print) -> DemoRun:
+async def run_cluster_demo(
+    say: Callable[[str], None] = print,
+    *,
+    linger: Callable[[LocalCluster, DemoRun], Awaitable[None]] | None = None,
+) -> DemoRun:
     """Start etcd and three nodes, run the scenario, kill a node, wait for the cold resume and
-    every settlement; returns what happened. Stops and reaps everything it started."""
+    every settlement; returns what happened. With ``linger``, awaits it with the cluster still
+    up (the web view, until Ctrl-C) before stopping. Stops and reaps everything it started."""
     started = time.monotonic()
     async with OtlpReceiver() as receiver:
         with EtcdServer() as etcd:
@@ -82,6 +87,8 @@ async def run_cluster_demo(say: Callable[[str], None] = print) -> DemoRun:
                 for node in cluster:
                     say(f"{node.node_id:<10} up at {node.address} (pid {node.pid})")
                 run = await _drive(cluster, say)
+                if linger is not None:
+                    await linger(cluster, run)
                 # Stopping blocks; off the loop, so this process can take the nodes' last
                 # telemetry while they flush it on their way out.
                 await asyncio.to_thread(cluster.close)

@@ -17,6 +17,7 @@ with scripted ``Completion``, ``Failure`` and ``Stall`` replies and records ever
 wheel) on the tiny model ``write_tiny_model`` writes, whose prefix cache is real.
 """
 
+from dsh_mesh.testing._browser import headless_chromium, web_view
 from dsh_mesh.testing._chat_replies import (
     Completion,
     Failure,
@@ -165,6 +166,7 @@ __all__ = [
     "fault_run",
     "find_etcd_binary",
     "find_postgres_bin_dir",
+    "headless_chromium",
     "in_process_mesh",
     "load_node_history",
     "otel_env",
@@ -172,6 +174,7 @@ __all__ = [
     "process_tree",
     "render_trace_tree",
     "sweep_stale_beds",
+    "web_view",
     "write_tiny_model",
     "writers_of",
 ]

@@ -13,15 +13,42 @@ from collections.abc import Mapping
 from dsh_mesh.core import ToolDescriptor
 from dsh_mesh.models import PARENT, Branch, Call, Reply, Stall, arrived, child, send, tool
 from dsh_mesh.node import Scenario
-from dsh_mesh.tools import ContextPolicy, Preset, ToolIdentity, ToolInvocation, ToolOutput
+from dsh_mesh.tools import (
+    ApprovalPolicy,
+    ContextPolicy,
+    Preset,
+    ToolIdentity,
+    ToolInvocation,
+    ToolOutput,
+)
 from dsh_mesh.tools import tool as tool_decorator
 
 LEAD = Preset(name="lead", system_prompt="You lead.", model="lead")
 
+
 # A child reports progress, gets its parent's follow-up, reports its result, settles.
+@tool_decorator(replay="unsafe")
+def deploy(env: str) -> str:
+    """Deploy to an environment (it waits for a person's approval: the gated preset)."""
+    return f"deployed to {env}"
+
+
+# With "gated": a root whose deploy call waits for approval (the Node client approves it).
 EXCHANGE = Scenario(
-    presets=(LEAD, Preset(name="worker", system_prompt="You work.", model="worker")),
+    presets=(
+        LEAD,
+        Preset(name="worker", system_prompt="You work.", model="worker"),
+        Preset(
+            name="gated",
+            system_prompt="You deploy once allowed.",
+            model="gated",
+            tools=("deploy",),
+            approvals=ApprovalPolicy(tools=("deploy",)),
+        ),
+    ),
+    tools=(deploy,),
     programs={
+        "gated": (tool("deploy", env="prod"), Reply(text="Deployed.")),
         "lead": (
             tool("spawn_agent", task="Survey etcd leases.", preset="worker"),
             Reply(text="Delegated."),
@@ -327,3 +354,62 @@ COMPACTING = Scenario(
     },
     tools=(read_page,),
 )
+
+
+# The web view's browser tests (tests/integration/test_ui_browser.py): a lead whose two workers
+# land on the other nodes and block in a tool (so a SIGKILL of a worker's host catches it
+# mid-turn), a root whose probe call waits for approval, and a runaway tree that never stops
+# calling a tool until its subtree is stopped. With UI_PRESETS.
+_RUNAWAY = tuple(Call(calls=(("pause", {"seconds": "0.2"}),)) for _ in range(3000))
+UI = Scenario(
+    presets=(),
+    programs={
+        "ui-lead": (
+            Call(
+                calls=(
+                    ("spawn_agent", {"task": "Work.", "preset": "ui-worker"}),
+                    ("spawn_agent", {"task": "Work.", "preset": "ui-worker"}),
+                )
+            ),
+            Stall(),
+        ),
+        "ui-worker": (Call(calls=(("pause", {"seconds": "120"}),)), Reply(text="Resumed.")),
+        "gated": (Call(calls=(("probe_unsafe", {}),)), Reply(text="Approved and done.")),
+        "runaway-lead": (
+            tool("spawn_agent", task="Run away.", preset="runaway-worker"),
+            *_RUNAWAY,
+        ),
+        "runaway-worker": _RUNAWAY,
+    },
+)
+
+UI_PRESETS = """
+[tools]
+modules = ["dsh_mesh.testing.probe_tools"]
+
+[presets.ui-lead]
+system_prompt = "You lead."
+model = "ui-lead"
+tools = ["send_message", "spawn_agent"]
+
+[presets.ui-worker]
+system_prompt = "You work."
+model = "ui-worker"
+tools = ["send_message", "pause"]
+
+[presets.gated]
+system_prompt = "You ask first."
+model = "gated"
+tools = ["probe_unsafe"]
+approve_tools = ["probe_*"]
+
+[presets.runaway-lead]
+system_prompt = "You never stop."
+model = "runaway-lead"
+tools = ["send_message", "spawn_agent", "pause"]
+
+[presets.runaway-worker]
+system_prompt = "You never stop."
+model = "runaway-worker"
+tools = ["send_message", "pause"]
+"""

@@ -93,6 +93,7 @@ def test_list_shows_the_public_services_and_health(grpcurl: Grpcurl) -> None:
             "GetSession",
             "WatchSession",
             "ListAgents",
+            "ResolveApproval",
         )
     }
 

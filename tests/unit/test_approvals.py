@@ -5,6 +5,7 @@ every decision is in the transcript. Each test states one rule and fails when it
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import TypeVar
@@ -24,6 +25,7 @@ from dsh_mesh.core import (
     SessionId,
     SettlementNoticeEntry,
     ToolResultEntry,
+    TreeClosed,
     TurnEndedEntry,
     TurnOutcome,
 )
@@ -31,6 +33,7 @@ from dsh_mesh.models import PARENT, Call, Reply, send, tool
 from dsh_mesh.testing import InProcessMesh, in_process_mesh
 from dsh_mesh.tools import ApprovalPolicy, Preset
 from dsh_mesh.tools import tool as tool_decorator
+from tests.unit.test_tool_answers import DyingStore, Programs, _node
 
 ROOT = SessionId("s-1")
 CHILD = SessionId("s-2")
@@ -381,3 +384,93 @@ async def test_a_turn_waiting_for_approval_is_no_completed_prefix_for_a_fork(
     first_end = next(r for r in records if isinstance(r.entry, TurnEndedEntry))
     assert seq == first_end.seq
     assert not any(m.tool_calls for m in prefix)
+
+
+def _gated_presets() -> tuple[Preset, ...]:
+    approvals = ApprovalPolicy(tools=("deploy",))
+    return (Preset(name="lead", system_prompt="You lead.", model="lead", approvals=approvals),)
+
+
+async def test_a_request_written_just_before_its_host_died_still_waits_and_runs_once() -> None:
+    RAN.clear()
+
+    def die_at(session: SessionId, entry: object) -> bool:
+        return isinstance(entry, TurnEndedEntry)  # after the request, before the turn's end
+
+    store = DyingStore(die_at)
+    programs: Programs = {"lead": (tool("deploy", env="prod"), Reply(text="shipped"))}
+    async with _node(store, "node-1", programs, _gated_presets(), tools=(deploy,)) as one:
+        await one.create_root("Ship it.", preset="lead", session_id=ROOT)
+        await store.reached.wait()
+        store.die()
+    await store.lapse()
+    async with _node(
+        store.for_node_two(), "node-2", programs, _gated_presets(), tools=(deploy,)
+    ) as two:
+        await two.resume(ROOT)
+        await two.quiescent()
+        records = await store.read(ROOT)
+        [request] = entries(records, ApprovalRequestEntry)
+        assert [e.outcome for e in entries(records, TurnEndedEntry)] == [TurnOutcome.LOST]
+        assert not entries(records, ToolResultEntry)  # still waiting: never "outcome unknown"
+        await two.resolve_approval(ROOT, decision(request))
+        await two.quiescent()
+        records = await store.read(ROOT)
+    assert RAN == ["prod@1"]
+    [result] = entries(records, ToolResultEntry)
+    assert not result.is_error
+    assert entries(records, TurnEndedEntry)[-1].outcome is TurnOutcome.COMPLETED
+
+
+async def test_an_approved_call_its_host_died_running_is_never_run_twice() -> None:
+    RAN.clear()
+
+    def die_at(session: SessionId, entry: object) -> bool:
+        return isinstance(entry, ToolResultEntry)  # the approved call ran; its result is lost
+
+    store = DyingStore(die_at)
+    programs: Programs = {"lead": (tool("deploy", env="prod"), Reply(text="shipped"))}
+    async with _node(store, "node-1", programs, _gated_presets(), tools=(deploy,)) as one:
+        await one.create_root("Ship it.", preset="lead", session_id=ROOT)
+        await one.wait_until(lambda: bool(one.agent(ROOT) and one.agent(ROOT).waiting_request()))  # type: ignore[union-attr]
+        request = one.agent(ROOT).waiting_request()  # type: ignore[union-attr]
+        assert request is not None
+        await one.resolve_approval(ROOT, decision(request))
+        await store.reached.wait()
+        store.die()
+    await store.lapse()
+    async with _node(
+        store.for_node_two(), "node-2", programs, _gated_presets(), tools=(deploy,)
+    ) as two:
+        await two.resume(ROOT)
+        await two.quiescent()
+        records = await store.read(ROOT)
+    assert RAN == ["prod@1"]  # once, on the host that died
+    [result] = entries(records, ToolResultEntry)
+    assert result.is_error and json.loads(result.content)["outcome"] == "unknown"
+
+
+async def test_stopping_the_subtree_of_a_waiting_child_denies_its_request(
+    team: InProcessMesh,
+) -> None:
+    team.scripted.program("lead", tool("spawn_agent", task="Deploy.", preset="helper"), Reply())
+    team.scripted.program("helper", tool("deploy", env="prod"), Reply())
+    await team.manager.create_root("Lead.", preset="lead")
+    request = await waiting_request(team, CHILD)
+
+    await team.manager.stop_tree(ROOT, close=True, reason="freeze")
+    await team.manager.wait_until(lambda: team.manager.agent(CHILD) is None)
+
+    records = await team.transcript(CHILD)
+    [decided] = entries(records, ApprovalDecisionEntry)
+    assert decided.decision is ApprovalDecision.DENY and decided.by == "dsh-mesh"
+    assert "freeze" in decided.reason
+    assert entries(records, TurnEndedEntry)[-1].outcome is TurnOutcome.CANCELLED
+    assert RAN == []
+    notices = entries(await team.transcript(ROOT), SettlementNoticeEntry)
+    assert [n.outcome.value for n in notices] == ["cancelled"]
+    with pytest.raises(TreeClosed):  # nothing reaches a closed subtree, decisions included
+        await team.manager.resolve_approval(CHILD, decision(request))
+    await team.manager.reopen_tree(ROOT)
+    with pytest.raises(ApprovalStale):  # and the stop decided it
+        await team.manager.resolve_approval(CHILD, decision(request))

@@ -36,6 +36,8 @@ def a_report() -> Report:
         Figure("MCP tool p50 / bare", 1.5, "ms", 1.4, 1.2, "lower"),
         Figure("MCP tool throughput / bare", 945.0, "calls/s", 993.0, 0.833, "higher"),
         Figure("server processes for 1000 agents", 1.0, "processes", None, 1.0, "lower"),
+        Figure("web view: a 100-agent tree rendered", 700.0, "ms", None, 2000.0, "lower"),
+        Figure("web view: an event reaches the page, p99", 80.0, "ms", None, 1000.0, "lower"),
         Figure("bare echo p50", 0.6, "ms"),
         Figure("warm same-node send throughput", 5000.0, "calls/s", 4000.0, better="higher"),
     )
@@ -50,7 +52,8 @@ def a_document() -> dict[str, Any]:
 
 def test_a_complete_report_conforms_and_lists_only_targets_as_figures() -> None:
     document = a_document()
-    assert TARGETS == 15  # six of the first suite, long-resume's one, control's three, tools' five
+    # Six of the first suite, long-resume's one, control's three, tools' five, the view's two.
+    assert TARGETS == 17
     assert check_report(document, expected_targets=TARGETS) == []
     assert len(document["figures"]) == TARGETS
     assert all(sorted(f) == sorted(FIGURE_KEYS) for f in document["figures"])

@@ -51,7 +51,7 @@ from dsh_mesh.runtime import (
     ManagerConfig,
 )
 from dsh_mesh.testing import calls_without_one_answer, in_process_mesh
-from dsh_mesh.tools import Preset, ToolContext, ToolIdentity, ToolInvocation, ToolOutput
+from dsh_mesh.tools import Preset, Tool, ToolContext, ToolIdentity, ToolInvocation, ToolOutput
 from dsh_mesh.tools import tool as python_tool
 from tests.unit.conftest import GateTool, drain_loop
 from tests.unit.conftest import presets as conftest_presets
@@ -151,7 +151,12 @@ Programs = dict[str, Sequence[Action]]
 
 
 def _node(
-    store: InMemorySessionStore, name: str, programs: Programs, presets: tuple[Preset, ...]
+    store: InMemorySessionStore,
+    name: str,
+    programs: Programs,
+    presets: tuple[Preset, ...],
+    *,
+    tools: Sequence[Tool] = (),
 ) -> ContinuationManager:
     return ContinuationManager(
         store=store,
@@ -159,6 +164,7 @@ def _node(
         presets=presets,
         config=ManagerConfig(node_id=NodeId(name)),
         ids=RandomIds(),
+        tools=tools,
     )
 
 

@@ -245,6 +245,44 @@ function connect(address, options = {}) {
       );
     },
 
+    /**
+     * ResolveApproval: allow the call `callId` that waits for approval (an approval_request
+     * entry), naming the request it was shown (`requestDigest`); with `argumentsJson` it runs
+     * with those arguments instead. Resolves {accepted_seq, duplicate, decided_by}. A call that
+     * no longer waits is refused (decodeError(err).reason === 'APPROVAL_STALE').
+     */
+    approve(sessionId, callId, requestDigest, { argumentsJson = '', reason = '' } = {}, opts) {
+      return call(
+        control,
+        'ResolveApproval',
+        {
+          session_id: sessionId,
+          call_id: callId,
+          decision: argumentsJson ? 'APPROVAL_DECISION_EDIT' : 'APPROVAL_DECISION_ALLOW',
+          request_digest: requestDigest,
+          arguments_json: argumentsJson,
+          reason,
+        },
+        opts,
+      );
+    },
+
+    /** ResolveApproval, denying: the call never runs; the model reads `reason`. */
+    deny(sessionId, callId, requestDigest, { reason = '' } = {}, opts) {
+      return call(
+        control,
+        'ResolveApproval',
+        {
+          session_id: sessionId,
+          call_id: callId,
+          decision: 'APPROVAL_DECISION_DENY',
+          request_digest: requestDigest,
+          reason,
+        },
+        opts,
+      );
+    },
+
     /** Interrupt the current turn. Resolves {interrupted, turn_id}. */
     interrupt(sessionId, opts) {
       return call(control, 'Interrupt', { session_id: sessionId }, opts);

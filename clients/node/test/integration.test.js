@@ -300,3 +300,41 @@ test('a call without the cluster token is refused UNAUTHENTICATED', async () => 
     anonymous.close();
   }
 });
+
+test('a call waiting for approval is approved through the client; a second decision is stale', async () => {
+  const { nodes, token } = cluster();
+  const a = connect(nodes['node-a'], { token, node: 'js-test' });
+  const b = connect(nodes['node-b'], { token, node: 'js-test' });
+  try {
+    const root = await a.createRoot({ preset: 'gated', initialTask: 'Deploy, once allowed.' });
+    let request;
+    let ended = [];
+    const budget = AbortSignal.timeout(WATCH_BUDGET_MS);
+    for await (const event of b.watch(root.session_id, { signal: budget })) {
+      const entry = event.entry;
+      if (entry && entry.body === 'approval_request') {
+        request = entry.approval_request;
+        // Decided through another node than the one it is watched through.
+        const decided = await a.approve(root.session_id, request.call_id, request.request_digest, {
+          reason: 'from Node.js',
+        });
+        assert.equal(decided.duplicate, false);
+        assert.equal(decided.decided_by, 'operator');
+      }
+      if (entry && entry.body === 'approval_decision') {
+        assert.equal(entry.approval_decision.decision, 'APPROVAL_DECISION_ALLOW');
+        assert.equal(entry.approval_decision.reason, 'from Node.js');
+      }
+      if (entry && entry.body === 'turn_ended') ended.push(entry.turn_ended.outcome);
+      if (ended.length === 2) break;
+    }
+    assert.ok(request, 'an approval_request was streamed');
+    assert.deepEqual(ended, ['TURN_OUTCOME_AWAITING_APPROVAL', 'TURN_OUTCOME_COMPLETED']);
+    const refused = await refusal(a.deny(root.session_id, request.call_id, request.request_digest));
+    assert.equal(refused.code, status.FAILED_PRECONDITION);
+    assert.equal(refused.reason, 'APPROVAL_STALE');
+  } finally {
+    a.close();
+    b.close();
+  }
+});

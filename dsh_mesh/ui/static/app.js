@@ -1,0 +1,454 @@
+// The dsh-mesh web view: a live tree of agents spread over nodes, the selected agent's
+// transcript, a timeline of turns, steps and tool calls, and the actions a person takes.
+// Everything shown is derived from the tree's event stream (/api/events, server-sent events
+// of WatchSession) and ListAgents (/api/agents); the server keeps no state.
+'use strict';
+
+const view = {
+  config: { trace_url: '', node: '' },
+  root: null,
+  agents: new Map(),   // session id -> agent (see newAgent)
+  order: [],           // session ids, parents before children
+  selected: null,
+  source: null,
+  lastEvent: 0,
+  refetching: null,
+  drawing: false,
+};
+
+const $ = (selector) => document.querySelector(selector);
+
+function newAgent(id) {
+  return {
+    id, info: null, node: '', nodes: [], resident: false, running: false,
+    settled: null, lastOutcome: null, usage: { input: 0, output: 0, cached: 0 },
+    firstCall: null, entries: [], turns: [], pending: new Map(),
+  };
+}
+
+function agent(id, { listed = false } = {}) {
+  let found = view.agents.get(id);
+  if (!found) {
+    found = newAgent(id);
+    view.agents.set(id, found);
+    if (!listed) scheduleRefetch();  // a descendant that appeared: its header is listed
+  }
+  return found;
+}
+
+async function api(path, body) {
+  const init = body === undefined ? {} : {
+    method: 'POST', headers: { 'Content-Type': 'application/json' }, body: JSON.stringify(body),
+  };
+  const response = await fetch(path, init);
+  const data = await response.json();
+  if (!response.ok) {
+    throw new Error(`${data.error}: ${data.detail}`);
+  }
+  return data;
+}
+
+// -- the tree ------------------------------------------------------------------------------
+
+async function loadAgents() {
+  const { agents } = await api(`/api/agents?root=${encodeURIComponent(view.root)}`);
+  for (const summary of agents) {
+    const found = agent(summary.info.session_id, { listed: true });
+    found.info = summary.info;
+    if (summary.activation && !found.node) {
+      moved(found, summary.activation.node_id);
+      found.resident = true;
+    }
+  }
+  view.order = agents.map((s) => s.info.session_id);
+  draw();
+}
+
+function scheduleRefetch() {
+  if (view.refetching || !view.root) return;
+  view.refetching = setTimeout(async () => {
+    view.refetching = null;
+    try { await loadAgents(); } catch (error) { say(error.message, true); }
+  }, 150);
+}
+
+function moved(found, node) {
+  found.node = node;
+  if (found.nodes[found.nodes.length - 1] !== node) found.nodes.push(node);
+}
+
+function stateOf(found) {
+  if (found.pending.size) return 'awaiting-approval';
+  if (found.resident) return found.running ? 'running' : 'idle';
+  if (found.settled === 'lost') return 'lost';
+  if (found.settled) return 'settled';
+  return 'absent';
+}
+
+function children(id) {
+  return view.order.filter((other) => view.agents.get(other)?.info?.parent_session === id);
+}
+
+function subtreeTokens(id) {
+  const found = view.agents.get(id);
+  let total = found ? found.usage.input + found.usage.output : 0;
+  for (const child of children(id)) total += subtreeTokens(child);
+  return total;
+}
+
+function depth(id) {
+  let level = 0;
+  let current = view.agents.get(id);
+  while (current?.info?.parent_session) {
+    level += 1;
+    current = view.agents.get(current.info.parent_session);
+  }
+  return level;
+}
+
+function short(id) { return id.length > 14 ? `${id.slice(0, 6)}…${id.slice(-6)}` : id; }
+function number(n) { return n.toLocaleString('en'); }
+
+function role(info) {
+  if (!info) return '?';
+  const kind = { 'root': 'root', 'continuable-child': 'child', 'one-shot-child': 'one-shot' }[info.kind] || info.kind;
+  return info.fork_origin ? `${kind} (fork)` : kind;
+}
+
+function drawTree() {
+  const body = $('#tree tbody');
+  const rows = [];
+  let tokens = 0;
+  for (const id of view.order) {
+    const found = view.agents.get(id);
+    if (!found) continue;
+    tokens += found.usage.input + found.usage.output;
+    const state = stateOf(found);
+    const share = found.firstCall && found.firstCall.input_tokens
+      ? `${Math.round((100 * found.firstCall.cached_input_tokens) / found.firstCall.input_tokens)}%` : '';
+    const moves = found.nodes.length > 1 ? ` <span class="moves">(${found.nodes.slice(0, -1).join(' → ')} →)</span>` : '';
+    const detail = state === 'settled' ? ` ${found.settled}` : '';
+    rows.push(`<tr data-session="${id}" data-state="${state}" data-node="${found.node}"`
+      + `${id === view.selected ? ' class="selected"' : ''}>`
+      + `<td class="id"><span class="indent" style="width:${depth(id) * 1.2}em"></span>${short(id)}</td>`
+      + `<td>${role(found.info)}</td><td>${escape(found.info?.preset || '')}</td>`
+      + `<td><span class="state" data-state="${state}">${state}${detail}</span></td>`
+      + `<td>${moves}${found.node || ''}</td>`
+      + `<td>${number(found.usage.input)} / ${number(found.usage.output)}</td>`
+      + `<td>${share}</td><td>${number(subtreeTokens(id))}</td></tr>`);
+  }
+  body.innerHTML = rows.join('');
+  $('#totals').textContent = `${view.order.length} agents, ${number(tokens)} tokens`;
+}
+
+// -- approvals -----------------------------------------------------------------------------
+
+function drawApprovals() {
+  const box = $('#approvals');
+  const cards = [];
+  for (const id of view.order) {
+    const found = view.agents.get(id);
+    for (const request of found?.pending.values() || []) {
+      const expires = request.expires_at ? ` · expires ${new Date(request.expires_at).toLocaleString()}` : '';
+      cards.push(`<div class="approval" data-session="${id}" data-call="${escape(request.call_id)}">`
+        + `<div><b>${escape(request.tool)}</b> by <span class="id">${short(id)}</span>${expires}</div>`
+        + `<textarea rows="3" class="arguments">${escape(pretty(request.arguments_json))}</textarea>`
+        + `<input class="reason" placeholder="reason (the model reads it if denied)">`
+        + '<div class="buttons"><button class="approve">Approve</button>'
+        + '<button class="deny danger">Deny</button></div></div>');
+    }
+  }
+  // Redrawn only when what waits changed: a person may be typing in an editor.
+  const key = cards.join('');
+  if (box.dataset.key === key) return;
+  box.dataset.key = key;
+  box.innerHTML = cards.length ? key : '<p class="empty">No call waits.</p>';
+}
+
+function pretty(json) {
+  try { return JSON.stringify(JSON.parse(json), null, 1); } catch { return json; }
+}
+
+function compact(json) {
+  try { return JSON.stringify(JSON.parse(json)); } catch { return json; }
+}
+
+async function decide(card, allow) {
+  const found = view.agents.get(card.dataset.session);
+  const request = found?.pending.get(card.dataset.call);
+  if (!request) return;
+  const reason = card.querySelector('.reason').value;
+  const edited = compact(card.querySelector('.arguments').value);
+  const body = { call_id: request.call_id, request_digest: request.request_digest, reason };
+  if (allow && edited !== compact(request.arguments_json)) body.arguments_json = edited;
+  try {
+    const decided = await api(`/api/sessions/${found.id}/${allow ? 'approve' : 'deny'}`, body);
+    say(`${allow ? 'approved' : 'denied'} ${request.tool} as ${decided.decided_by}`);
+  } catch (error) {
+    say(error.message, true);
+  }
+}
+
+// -- the transcript ------------------------------------------------------------------------
+
+function escape(text) {
+  return String(text).replace(/[&<>"']/g, (c) => ({ '&': '&amp;', '<': '&lt;', '>': '&gt;', '"': '&quot;', "'": '&#39;' }[c]));
+}
+
+function traceLink(traceparent) {
+  const id = traceparent.split('-')[1];
+  if (!id) return '';
+  if (!view.config.trace_url) return ` <span class="trace">trace ${id}</span>`;
+  return ` <a class="trace" target="_blank" href="${escape(view.config.trace_url.replace('{trace_id}', id))}">trace ${id}</a>`;
+}
+
+function describe(entry) {
+  const body = entry.body;
+  switch (body.type) {
+    case 'task': return ['task', escape(body.content)];
+    case 'human_prompt': return ['prompt', escape(body.content)];
+    case 'agent_message':
+      return ['message', `from ${short(body.sender)} (${body.delivery || '?'}): ${escape(body.content)}${body.trace ? traceLink(body.trace) : ''}`];
+    case 'settlement_notice':
+      return ['settled', `${short(body.child_session)} ${body.outcome}${body.detail ? `: ${escape(body.detail)}` : ''} ${escape(body.terminal_output)}`, body.outcome !== 'completed'];
+    case 'assistant_step': {
+      const calls = body.tool_calls.map((c) => `${escape(c.name)}(${escape(c.arguments_json)})`).join('; ');
+      return ['step', `${escape(body.text)}${calls ? ` → ${calls}` : ''} [in ${body.usage.input_tokens} / cached ${body.usage.cached_input_tokens} / out ${body.usage.output_tokens}]`];
+    }
+    case 'tool_result':
+      return ['tool', `${escape(body.name)} (${body.duration_ms} ms): ${escape(body.content)}`, body.is_error];
+    case 'turn_started': return ['turn', `${body.turn_id} started on ${body.node_id || '?'}`];
+    case 'turn_ended':
+      return ['turn', `${body.turn_id} ended ${body.outcome}${body.detail ? `: ${escape(body.detail)}` : ''}`, !['completed', 'awaiting-approval'].includes(body.outcome)];
+    case 'consumed': return ['read', `seq ${body.seqs.join(', ')}`];
+    case 'compaction': return ['compacted', `seq ${body.from_seq}-${body.through_seq}: ${escape(body.summary)}`];
+    case 'tool_outputs_cleared': return ['cleared', `tool outputs of seq ${body.seqs.join(', ')}`];
+    case 'approval_request': return ['approval?', `${escape(body.tool)}(${escape(body.arguments_json)}) call ${escape(body.call_id)}`];
+    case 'approval_decision':
+      return ['decided', `call ${escape(body.call_id)} ${body.decision} by ${escape(body.by)}${body.reason ? `: ${escape(body.reason)}` : ''}`, body.decision === 'deny'];
+    default: return ['entry', '(unknown)'];
+  }
+}
+
+function drawTranscript() {
+  const list = $('#transcript');
+  const found = view.agents.get(view.selected);
+  $('#selected-id').textContent = view.selected || '';
+  if (!found) { list.innerHTML = ''; return; }
+  if (Number(list.dataset.count) === found.entries.length && list.dataset.session === found.id) return;
+  list.dataset.count = found.entries.length;
+  list.dataset.session = found.id;
+  list.innerHTML = found.entries.map((entry) => {
+    const [kind, text, bad] = describe(entry);
+    const when = entry.recorded_at ? new Date(entry.recorded_at).toLocaleTimeString() : '';
+    return `<li value="${entry.seq}" data-kind="${entry.body.type}"${bad ? ' class="bad"' : ''}>`
+      + `<span class="when">${when}</span> <span class="kind">${kind}</span> ${text}</li>`;
+  }).join('');
+  list.scrollTop = list.scrollHeight;
+}
+
+// -- the timeline --------------------------------------------------------------------------
+
+function drawTimeline() {
+  let start = Infinity;
+  let end = -Infinity;
+  for (const found of view.agents.values()) {
+    for (const turn of found.turns) {
+      start = Math.min(start, turn.start);
+      end = Math.max(end, turn.end ?? Date.now());
+    }
+  }
+  const box = $('#timeline');
+  if (start === Infinity) { box.innerHTML = ''; return; }
+  const span = Math.max(end - start, 1);
+  const at = (t) => `${(100 * (t - start)) / span}%`;
+  const width = (a, b) => `${Math.max((100 * (b - a)) / span, 0.15)}%`;
+  const lanes = [];
+  for (const id of view.order) {
+    const found = view.agents.get(id);
+    if (!found || !found.turns.length) continue;
+    const bars = [];
+    for (const turn of found.turns) {
+      const stop = turn.end ?? Date.now();
+      bars.push(`<div class="bar turn" data-outcome="${turn.outcome || 'running'}" style="left:${at(turn.start)};width:${width(turn.start, stop)}" title="turn ${turn.id} on ${turn.node}: ${turn.outcome || 'running'}"></div>`);
+      for (const step of turn.steps) bars.push(`<div class="bar step" style="left:${at(step)}" title="step"></div>`);
+      for (const call of turn.tools) {
+        bars.push(`<div class="bar tool" data-error="${call.error}" style="left:${at(call.start)};width:${width(call.start, call.end)}" title="${escape(call.name)} ${call.end - call.start} ms"></div>`);
+      }
+    }
+    lanes.push(`<div class="lane" data-session="${id}"><div class="label">${short(id)}</div><div class="track">${bars.join('')}</div></div>`);
+  }
+  box.innerHTML = lanes.join('');
+}
+
+// -- events --------------------------------------------------------------------------------
+
+function apply(event) {
+  view.lastEvent = Math.max(view.lastEvent, event.event_seq);
+  if (window.dshProbe) window.dshProbe(event);  // a benchmark's hook (bench/view.py)
+  const found = agent(event.session_id);
+  if (event.activated) {
+    moved(found, event.activated.node_id);
+    found.resident = true;
+    found.settled = null;
+  }
+  if (event.deactivated && found.node === event.deactivated.node_id) {
+    found.resident = false;
+    found.running = false;
+  }
+  const entry = event.entry;
+  if (!entry) return;
+  found.entries.push(entry);
+  const body = entry.body;
+  const when = entry.recorded_at ? Date.parse(entry.recorded_at) : Date.now();
+  const turn = found.turns[found.turns.length - 1];
+  switch (body.type) {
+    case 'turn_started':
+      found.running = true;
+      found.turns.push({ id: body.turn_id, node: body.node_id, start: when, end: null, outcome: null, steps: [], tools: [] });
+      break;
+    case 'turn_ended':
+      found.running = false;
+      found.lastOutcome = body.outcome;
+      if (turn && turn.id === body.turn_id) { turn.end = when; turn.outcome = body.outcome; }
+      break;
+    case 'assistant_step':
+      found.usage.input += body.usage.input_tokens;
+      found.usage.output += body.usage.output_tokens;
+      found.usage.cached += body.usage.cached_input_tokens;
+      if (!found.firstCall) found.firstCall = body.usage;
+      if (turn) turn.steps.push(when);
+      break;
+    case 'compaction':
+      found.usage.input += body.usage.input_tokens;
+      found.usage.output += body.usage.output_tokens;
+      break;
+    case 'tool_result':
+      if (turn) turn.tools.push({ name: body.name, start: when - body.duration_ms, end: when, error: body.is_error });
+      found.pending.delete(body.call_id);
+      break;
+    case 'approval_request':
+      found.pending.set(body.call_id, body);
+      break;
+    case 'approval_decision':
+      found.pending.delete(body.call_id);
+      break;
+    case 'settlement_notice': {
+      // The child's activation ended (how: the outcome); a later activation shows again.
+      const child = agent(body.child_session);
+      child.settled = body.outcome;
+      child.resident = false;
+      child.running = false;
+      break;
+    }
+    default:
+      break;
+  }
+}
+
+function draw() {
+  if (view.drawing) return;
+  view.drawing = true;
+  requestAnimationFrame(() => {
+    view.drawing = false;
+    drawTree();
+    drawApprovals();
+    drawTranscript();
+    drawTimeline();
+  });
+}
+
+function listen() {
+  if (view.source) view.source.close();
+  const source = new EventSource(`/api/events?root=${encodeURIComponent(view.root)}&after=${view.lastEvent}`);
+  view.source = source;
+  source.onopen = () => connection('live');
+  source.onmessage = (message) => {
+    apply(JSON.parse(message.data));
+    draw();
+  };
+  source.addEventListener('error', (message) => {
+    if (message.data) say(JSON.parse(message.data).detail, true);
+    connection('lost');
+  });
+}
+
+function connection(state) {
+  const badge = $('#connection');
+  badge.dataset.state = state;
+  badge.textContent = state;
+}
+
+function say(text, bad = false) {
+  const box = $('#message');
+  box.textContent = text;
+  box.className = bad ? 'error' : '';
+}
+
+// -- actions -------------------------------------------------------------------------------
+
+async function act(path, body, done) {
+  if (!view.selected) { say('select an agent first', true); return; }
+  try {
+    const result = await api(`/api/sessions/${view.selected}/${path}`, body);
+    say(done(result));
+  } catch (error) {
+    say(error.message, true);
+  }
+}
+
+function wire() {
+  $('#tree tbody').addEventListener('click', (click) => {
+    const row = click.target.closest('tr');
+    if (!row) return;
+    view.selected = row.dataset.session;
+    draw();
+  });
+  $('#approvals').addEventListener('click', (click) => {
+    const card = click.target.closest('.approval');
+    if (!card) return;
+    if (click.target.classList.contains('approve')) decide(card, true);
+    if (click.target.classList.contains('deny')) decide(card, false);
+  });
+  $('#prompt-send').addEventListener('click', () => {
+    const text = $('#prompt-text').value;
+    act('prompt', { text }, (r) => `prompt accepted at seq ${r.accepted_seq}`);
+    $('#prompt-text').value = '';
+  });
+  $('#interrupt').addEventListener('click', () => act('interrupt', {}, (r) => (r.interrupted ? `interrupted turn ${r.turn_id}` : 'nothing to interrupt')));
+  $('#stop-tree').addEventListener('click', () => act('stop', { close: $('#stop-close').checked, reason: $('#stop-reason').value }, (r) => `stopped the subtree of ${short(r.session_id)}${r.closed ? ' (closed)' : ''}`));
+  $('#reopen-tree').addEventListener('click', () => act('reopen', {}, (r) => (r.reopened ? 'reopened' : 'nothing was stopped')));
+  $('#roots').addEventListener('change', () => choose($('#roots').value));
+}
+
+async function choose(root) {
+  view.root = root;
+  view.agents = new Map();
+  view.order = [];
+  view.lastEvent = 0;
+  view.selected = root;
+  const url = new URL(window.location);
+  url.searchParams.set('root', root);
+  window.history.replaceState(null, '', url);
+  await loadAgents();
+  listen();
+}
+
+async function start() {
+  wire();
+  view.config = await api('/api/config');
+  $('#node').textContent = `node ${view.config.node}`;
+  const { roots } = await api('/api/roots');
+  const select = $('#roots');
+  select.innerHTML = roots.map((r) => `<option value="${r.info.session_id}">${r.info.session_id} (${escape(r.info.preset)})</option>`).join('');
+  const asked = new URL(window.location).searchParams.get('root');
+  const root = asked || roots[0]?.info.session_id;
+  if (root) {
+    select.value = root;
+    await choose(root);
+  } else {
+    say('no tree yet: create a root (dsh-mesh spawn), then reload');
+  }
+}
+
+start().catch((error) => say(error.message, true));

@@ -1,0 +1,296 @@
+"""The web view (`dsh-mesh ui`, docs/ui.md) in a real headless Chromium against a real 3-node
+cluster: the tree renders live across nodes; a SIGKILL of a worker's node shows it lost, then
+resumed on another node; a call waiting for approval is approved from the page and runs once; a
+stop from the page quiets a runaway tree. Each test writes screenshots of the states it saw
+(``screens/`` in its temporary directory, printed) for a person to look at."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from dsh_mesh.client import MeshClient, SettlementNotice
+from dsh_mesh.core import (
+    ApprovalDecisionEntry,
+    SessionId,
+    ToolResultEntry,
+    TurnEndedEntry,
+    TurnOutcome,
+)
+from dsh_mesh.testing import (
+    EtcdAddress,
+    LocalCluster,
+    MeshReader,
+    create_root,
+    headless_chromium,
+    web_view,
+)
+from dsh_mesh.testing.probe_tools import GATE_ENV, LOG_ENV, read_probe_log
+from tests.integration.scenarios import UI_PRESETS
+
+WAIT_S = 60.0
+pytestmark = pytest.mark.timeout(180)  # a browser, three nodes, a failover: more than the default
+
+
+@pytest.fixture
+def cluster(etcd: EtcdAddress, tmp_path: Path) -> Iterator[LocalCluster]:
+    presets = tmp_path / "presets.toml"
+    presets.write_text(UI_PRESETS)
+    gate = tmp_path / "probe.gate"
+    gate.touch()  # probes return at once
+    with LocalCluster(
+        etcd_endpoint=etcd.endpoint,
+        scenario="tests.integration.scenarios:UI",
+        presets_file=presets,
+        nodes=("node-a", "node-b", "node-c"),
+        env={LOG_ENV: str(tmp_path / "probe.log"), GATE_ENV: str(gate)},
+    ) as running:
+        yield running
+
+
+@pytest.fixture
+def view(cluster: LocalCluster) -> Iterator[str]:
+    """``dsh-mesh ui --port 0`` over node-a, as a person starts it; its URL."""
+    address = cluster["node-a"].address
+    assert address is not None
+    with web_view(address, cluster.settings.cluster_token) as url:
+        yield url
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    with headless_chromium() as driver:
+        yield driver
+
+
+@pytest.fixture
+def shots(tmp_path: Path) -> Callable[[Any, str], None]:
+    folder = tmp_path / "screens"
+    folder.mkdir()
+    print(f"screenshots: {folder}")
+
+    def shoot(driver: Any, name: str) -> None:
+        driver.save_screenshot(str(folder / f"{name}.png"))
+
+    return shoot
+
+
+def until(driver: Any, condition: Callable[[Any], Any], what: str) -> Any:
+    """Wait for ``condition`` on the page; on a timeout the page's state goes into the error
+    (and a screenshot beside the others, when the test takes them)."""
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    try:
+        return WebDriverWait(driver, WAIT_S, poll_frequency=0.1).until(condition, message=what)
+    except TimeoutException as timeout:
+        shown = driver.execute_script(
+            "return [document.querySelector('#message').textContent,"
+            " document.querySelector('#connection').textContent]"
+        )
+        raise AssertionError(f"{what}: never seen; tree {rows(driver)}; page says {shown}") from (
+            timeout
+        )
+
+
+def rows(driver: Any) -> dict[str, dict[str, str]]:
+    """The tree as the page shows it: session -> its row's state and node."""
+    found = driver.execute_script(
+        "return [...document.querySelectorAll('#tree tbody tr')].map(r =>"
+        " [r.dataset.session, r.dataset.state, r.dataset.node])"
+    )
+    return {session: {"state": state, "node": node} for session, state, node in found}
+
+
+def click(driver: Any, selector: str) -> None:
+    """Click what ``selector`` finds; the live page redraws the tree as events arrive, so an
+    element found may be replaced before the click lands: then find it again."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    until(driver, lambda d: d.find_elements("css selector", selector), f"{selector} shown")
+    for _ in range(20):
+        try:
+            driver.find_element("css selector", selector).click()
+            return
+        except StaleElementReferenceException:
+            continue
+    raise AssertionError(f"{selector} kept being redrawn under the click")
+
+
+async def transcript(cluster: LocalCluster, session: SessionId) -> list[Any]:
+    async with MeshReader(cluster.settings) as reader:
+        return await reader.transcript(session)
+
+
+async def test_the_tree_renders_and_a_killed_workers_loss_and_resume_show(
+    cluster: LocalCluster, view: str, browser: Any, shots: Callable[[Any, str], None]
+) -> None:
+    root = await create_root(cluster, on="node-a", task="Lead.", preset="ui-lead")
+    browser.get(f"{view}?root={root}")
+
+    def workers_running(driver: Any) -> dict[str, dict[str, str]] | None:
+        tree = rows(driver)
+        workers = {s: r for s, r in tree.items() if s != root}
+        running = len(workers) == 2 and all(r["state"] == "running" for r in workers.values())
+        return workers if running else None
+
+    workers = until(browser, workers_running, "two workers running")
+    assert rows(browser)[root]["node"] == "node-a"
+    assert {r["node"] for r in workers.values()} == {"node-b", "node-c"}
+    shots(browser, "1-tree")
+
+    victim, placed = next((s, r["node"]) for s, r in workers.items() if r["node"] == "node-b")
+    cluster[placed].kill()
+    until(browser, lambda d: rows(d)[victim]["state"] == "lost", "the killed worker shown lost")
+    shots(browser, "2-lost")
+
+    click(browser, f'#tree tr[data-session="{victim}"]')
+    browser.find_element("id", "prompt-text").send_keys("Carry on.")
+    click(browser, "#prompt-send")
+
+    def resumed(driver: Any) -> bool:
+        row = rows(driver)[victim]
+        return row["node"] not in ("", placed) and row["state"] in ("idle", "settled")
+
+    until(browser, resumed, "the worker resumed on another node")
+    until(
+        browser,
+        lambda d: "Resumed." in d.find_element("id", "transcript").text,
+        "its reply in the transcript pane",
+    )
+    row = browser.execute_script(
+        "return document.querySelector(arguments[0]).textContent",
+        f'#tree tr[data-session="{victim}"]',
+    )
+    assert f"({placed} →)" in row  # where it ran before
+    shots(browser, "3-resumed")
+
+
+async def test_a_call_waiting_for_approval_is_approved_from_the_page_and_runs_once(
+    cluster: LocalCluster,
+    view: str,
+    browser: Any,
+    shots: Callable[[Any, str], None],
+    tmp_path: Path,
+) -> None:
+    root = await create_root(cluster, on="node-a", task="Probe, once allowed.", preset="gated")
+    browser.get(f"{view}?root={root}")
+    until(
+        browser,
+        lambda d: rows(d).get(root, {}).get("state") == "awaiting-approval",
+        "the root shown waiting for approval",
+    )
+    card = until(
+        browser,
+        lambda d: d.find_elements("css selector", "#approvals .approval"),
+        "the request's card",
+    )[0]
+    assert "probe_unsafe" in card.text
+    assert read_probe_log(tmp_path / "probe.log") == []
+    shots(browser, "1-waiting")
+
+    card.find_element("css selector", ".reason").send_keys("looks right")
+    card.find_element("css selector", ".approve").click()
+    until(
+        browser,
+        lambda d: not d.find_elements("css selector", "#approvals .approval"),
+        "the card gone once decided",
+    )
+    until(
+        browser,
+        lambda d: "Approved and done." in d.find_element("id", "transcript").text,
+        "the turn gone on",
+    )
+    shots(browser, "2-approved")
+
+    records = await transcript(cluster, root)
+    [decided] = [r.entry for r in records if isinstance(r.entry, ApprovalDecisionEntry)]
+    assert decided.by == "operator" and decided.reason == "looks right"
+    [result] = [r.entry for r in records if isinstance(r.entry, ToolResultEntry)]
+    assert not result.is_error
+    assert len(read_probe_log(tmp_path / "probe.log")) == 1
+
+
+async def test_stopping_a_runaway_tree_from_the_page_quiets_it(
+    cluster: LocalCluster, view: str, browser: Any, shots: Callable[[Any, str], None]
+) -> None:
+    root = await create_root(cluster, on="node-a", task="Run.", preset="runaway-lead")
+    browser.get(f"{view}?root={root}")
+    until(
+        browser,
+        lambda d: len(rows(d)) == 2 and all(r["state"] == "running" for r in rows(d).values()),
+        "the runaway lead and its worker running",
+    )
+    shots(browser, "1-running")
+
+    click(browser, f'#tree tr[data-session="{root}"]')
+    browser.find_element("id", "stop-reason").send_keys("runaway")
+    click(browser, "#stop-tree")
+    until(
+        browser,
+        lambda d: all(r["state"] not in ("running", "idle") for r in rows(d).values()),
+        "the whole tree quiet: no turn running, no agent resident",
+    )
+    shots(browser, "2-stopped")
+
+    for session in rows(browser):
+        records = await transcript(cluster, SessionId(session))
+        ended = [r.entry for r in records if isinstance(r.entry, TurnEndedEntry)]
+        assert ended[-1].outcome is TurnOutcome.CANCELLED
+        assert "runaway" in ended[-1].detail
+
+
+async def test_the_gateway_answers_bad_requests_with_typed_errors(
+    cluster: LocalCluster, view: str
+) -> None:
+    async with httpx.AsyncClient(base_url=view, timeout=30) as http:
+        unknown = await http.get("/api/agents", params={"root": "s-000000000000000000000000"})
+        assert unknown.status_code == 404 and unknown.json()["error"] == "UNKNOWN_SESSION"
+        malformed = await http.get("/api/events", params={"root": "not an id"})
+        assert malformed.status_code == 400 and malformed.json()["error"] == "INVALID_ARGUMENT"
+        root = await create_root(cluster, on="node-a", task="Probe.", preset="gated")
+        not_json = await http.post(f"/api/sessions/{root}/approve", content=b"{")
+        assert not_json.status_code == 400 and not_json.json()["error"] == "INVALID_ARGUMENT"
+        stale = await http.post(
+            f"/api/sessions/{root}/approve",
+            json={"call_id": "no-such-call", "request_digest": "0" * 64},
+        )
+        assert stale.status_code == 409 and stale.json()["error"] == "APPROVAL_STALE"
+        assert (await http.get("/")).text.startswith("<!doctype html>")
+
+
+async def test_the_clients_tree_watch_tells_residency_changes_that_follow_an_entry(
+    cluster: LocalCluster,
+) -> None:
+    """A residency event carries the position of the entry before it; the client once took it
+    for a repeat of that entry and dropped it, so the page never saw a worker resumed on
+    another node."""
+    root = await create_root(cluster, on="node-a", task="Lead.", preset="ui-lead")
+    address = cluster["node-a"].address
+    assert address is not None
+    hosts: dict[str, list[str]] = {}
+    async with (
+        MeshClient(address, token=cluster.settings.cluster_token) as client,
+        asyncio.timeout(WAIT_S),
+    ):
+        events = client.watch(root, tree=True)
+        async with contextlib.aclosing(events) as stream:
+            victim = ""
+            async for event in stream:
+                if event.activated is not None:
+                    hosts.setdefault(event.session_id, []).append(event.activated.node_id)
+                if not victim and len(hosts) == 3 and event.entry is not None:
+                    victim = next(s for s, nodes in hosts.items() if nodes[-1] == "node-b")
+                    cluster["node-b"].kill()
+                body = event.entry.body if event.entry is not None else None
+                if isinstance(body, SettlementNotice) and body.child_session == victim:
+                    await client.prompt(victim, "Carry on.")  # resumed elsewhere
+                if victim and len(hosts[victim]) == 2:
+                    break
+    assert hosts[victim][0] == "node-b" and hosts[victim][1] in ("node-a", "node-c")
