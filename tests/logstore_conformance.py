@@ -23,6 +23,9 @@ import pytest
 from dsh_mesh.core import (
     ActivationFenced,
     ActivationId,
+    ApprovalDecision,
+    ApprovalDecisionEntry,
+    ApprovalRequestEntry,
     CompactionEntry,
     DeliveryKind,
     IdempotencyConflict,
@@ -47,6 +50,27 @@ def task(text: str) -> Write:
 
 def compaction(summary: str, *, through: int) -> Write:
     return Write(entry=CompactionEntry(summary=summary, from_seq=1, through_seq=through))
+
+
+def request(call: str, arguments: str = "{}", *, expires: datetime | None = None) -> Write:
+    return Write(
+        entry=ApprovalRequestEntry(
+            call_id=call,
+            step_seq=1,
+            tool="deploy",
+            arguments_json=arguments,
+            descriptor_digest="d",
+            expires_at=expires,
+        )
+    )
+
+
+def decided(call: str) -> Write:
+    return Write(
+        entry=ApprovalDecisionEntry(
+            call_id=call, decision=ApprovalDecision.DENY, request_digest="r", by="tester"
+        )
+    )
 
 
 def keyed(text: str, key: str, *, target: SessionId = S, principal: str = "s-9") -> Write:
@@ -281,6 +305,52 @@ class LogStoreConformance:
         assert await store.last_compaction(S) is None
         other = await store.last_compaction(OTHER)
         assert other is not None and other.seq == 1
+
+    async def test_pending_approvals_are_indexed_and_a_decision_or_a_deletion_ends_them(
+        self, store: LogStore
+    ) -> None:
+        assert await store.pending_approvals([S, OTHER]) == []
+        await store.raise_fence(S, 10)
+        await store.append(S, [task("a"), request("c-1"), request("c-2")], fence=10)
+        await store.append(OTHER, [request("c-1")], fence=1, unfenced=True)
+        await store.append(THIRD, [request("c-9")], fence=1, unfenced=True)
+        pending = await store.pending_approvals([OTHER, S])
+        assert [(s, r.seq) for s, r in pending] == [(S, 2), (S, 3), (OTHER, 1)]
+        assert isinstance(pending[0][1].entry, ApprovalRequestEntry)
+        assert pending[0][1].entry.call_id == "c-1"
+        # A decision ends its call's request (only that session's); a request asked again
+        # replaces the first one.
+        await store.append(S, [decided("c-1"), request("c-2", '{"again": true}')], fence=10)
+        pending = await store.pending_approvals([S, OTHER])
+        assert [(s, r.seq) for s, r in pending] == [(S, 5), (OTHER, 1)]
+        with pytest.raises(ActivationFenced):  # a refused append indexes nothing
+            await store.append(S, [decided("c-2")], fence=9)
+        assert [r.seq for _, r in await store.pending_approvals([S])] == [5]
+        await store.delete(S, 30)
+        assert [s for s, _ in await store.pending_approvals([S, OTHER, THIRD])] == [OTHER, THIRD]
+
+    async def test_due_approvals_are_the_pending_ones_past_their_expiry_soonest_first(
+        self, store: LogStore
+    ) -> None:
+        at = datetime(2026, 1, 1, tzinfo=UTC)
+        later = datetime(2026, 1, 2, tzinfo=UTC)
+        await store.raise_fence(S, 10)
+        await store.append(
+            S,
+            [request("late", expires=later), request("early", expires=at), request("never")],
+            fence=10,
+        )
+        await store.append(
+            OTHER, [request("mid", expires=at.replace(hour=5))], fence=1, unfenced=True
+        )
+        assert await store.due_approvals(at.replace(hour=0, minute=0), limit=10) != []
+        due = await store.due_approvals(later, limit=10)
+        assert [(s, r.seq) for s, r in due] == [(S, 2), (OTHER, 1), (S, 1)]
+        assert [(s, r.seq) for s, r in await store.due_approvals(later, limit=1)] == [(S, 2)]
+        assert await store.due_approvals(datetime(2025, 12, 31, tzinfo=UTC), limit=10) == []
+        await store.append(S, [decided("early")], fence=10)  # decided: due no more
+        due = await store.due_approvals(later, limit=10)
+        assert [(s, r.seq) for s, r in due] == [(OTHER, 1), (S, 1)]
 
     async def test_a_deleted_session_is_gone_and_its_old_writers_stay_refused(
         self, store: LogStore

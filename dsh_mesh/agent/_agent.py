@@ -339,6 +339,7 @@ class Agent:
         answer was lost): the next step boundary reads the transcript past what it holds and
         takes any inbound record it finds, so it leaves none behind (docs/adr/0007)."""
         self._in_doubt = True
+        self._work.set()  # a call waiting for approval may have its decision among what landed
 
     def _advance_held(self) -> None:
         while self._held_through + 1 in self._seqs:
@@ -382,9 +383,10 @@ class Agent:
         if not self._cancellable:
             if self._state is AgentState.IDLE and self._waiting_call() is not None:
                 # The turn waits at a call for approval: it is cancelled from there, and the
-                # request is answered as denied (the driver writes both).
-                self._cancel_wait = detail
-                self._work.set()
+                # request is answered as denied (the driver writes both, once).
+                if self._cancel_wait is None:
+                    self._cancel_wait = detail
+                    self._work.set()
                 return self._stopped_turn()
             return None
         if not self._interrupting:
@@ -422,6 +424,9 @@ class Agent:
         while True:
             waiting = self._waiting_call()
             if waiting is not None:
+                if self._in_doubt:
+                    await self._settle_doubt()
+                    continue
                 if self._cancel_wait is not None or self._halted:
                     await self._cancel_waiting(waiting, self._cancel_wait or "stopped")
                     continue
@@ -460,12 +465,21 @@ class Agent:
     # -- approvals (docs/approvals.md) ----------------------------------------------------------
 
     def needs_approval(self, call: ToolCall) -> bool:
-        """Whether ``call`` runs only once a person allowed it: its tool is one the preset
-        marks (a standard tool never is), or it was asked for already."""
+        """Whether ``call`` (of the last step) runs only once a person allowed it: its tool is
+        one the preset marks (a standard tool never is), or it was asked for already."""
         tool = self.tools.get(call.name)
         if tool is not None and self.approvals.marks(call.name) and not answers_for_itself(tool):
             return True
-        return request_of(self._records, call.call_id) is not None
+        return self._asked(call.call_id) is not None
+
+    def _asked(self, call_id: str) -> Record | None:
+        """The latest approval request for the call ``call_id`` of the last step."""
+        return request_of(self._records, call_id, step=self._calls_left_open()[0])
+
+    def _decision(self, call_id: str) -> Record | None:
+        """The decision on the latest request for the call ``call_id`` of the last step."""
+        request = self._asked(call_id)
+        return None if request is None else decision_of(self._records, request)
 
     def _waiting_call(self) -> ToolCall | None:
         """The call the last turn stopped at, waiting for a decision, when no turn runs: the
@@ -488,19 +502,19 @@ class Agent:
         if not open_calls:
             return None
         call = open_calls[0][1]
-        return call if request_of(self._records, call.call_id) is not None else None
+        return call if self._asked(call.call_id) is not None else None
 
     def waiting_request(self) -> ApprovalRequestEntry | None:
         """The request a call of this idle agent waits on, undecided; None when none does."""
         call = self._waiting_call()
-        request = None if call is None else request_of(self._records, call.call_id)
+        request = None if call is None else self._asked(call.call_id)
         if request is None or decision_of(self._records, request) is not None:
             return None
         assert isinstance(request.entry, ApprovalRequestEntry)
         return request.entry
 
     def _until_expiry(self, call: ToolCall) -> float | None:
-        request = request_of(self._records, call.call_id)
+        request = self._asked(call.call_id)
         if request is None or decision_of(self._records, request) is not None:
             return None
         assert isinstance(request.entry, ApprovalRequestEntry)
@@ -515,11 +529,15 @@ class Agent:
         async with self._deciding, self._gate.accepting():
             yield
 
-    def check_decision(self, decision: ApprovalDecisionEntry) -> bool:
+    async def check_decision(self, decision: ApprovalDecisionEntry) -> bool:
         """Refuse a decision that answers no request waiting now (``ApprovalStale``) or edits
         the arguments into something the tool's schema refuses (``InvalidArgument``); call it
-        within :meth:`deciding`. True when it repeats the decision taken, word for word."""
-        request = request_of(self._records, decision.call_id)
+        within :meth:`deciding`. True when it repeats the decision taken, word for word. In
+        doubt (an accept's answer was lost), it first takes what landed: a decision may be
+        among it."""
+        if self._in_doubt:
+            await self._take_landed()
+        request = self._asked(decision.call_id)
         tool = None
         if request is not None:
             assert isinstance(request.entry, ApprovalRequestEntry)
@@ -529,14 +547,18 @@ class Agent:
             decision,
             None if tool is None else tool.descriptor,
             datetime.now(UTC),
+            step=self._calls_left_open()[0],
         )
 
     async def _decide(self, call: ToolCall, reason: str) -> None:
         """Deny the request ``call`` waits on, as this agent's own decision (it expired, or
-        the turn was cancelled), unless a decision came first: it is then the one that
-        stands. Appended and delivered like an accepted one."""
+        the turn was cancelled), unless a decision came first (one that landed unseen
+        included): it is then the one that stands. Appended and delivered like an accepted
+        one."""
         async with self.deciding():
-            request = request_of(self._records, call.call_id)
+            if self._in_doubt:
+                await self._take_landed()
+            request = self._asked(call.call_id)
             if request is None or decision_of(self._records, request) is not None:
                 return
             assert isinstance(request.entry, ApprovalRequestEntry)
@@ -547,14 +569,12 @@ class Agent:
                 reason=reason,
                 by=EXPIRED_BY,
             )
-            # Should a decision have landed unseen (its accept's answer was lost), two stand in
-            # the transcript: the first one counts (decision_of), whichever it is.
             record = await self._writes.run(self._host.append(self, entry))
             self.deliver(record)
 
     async def _decision_due(self, call: ToolCall) -> bool:
         """Deny the request ``call`` waits on if it expired undecided; True when it did."""
-        request = request_of(self._records, call.call_id)
+        request = self._asked(call.call_id)
         if request is None or decision_of(self._records, request) is not None:
             return False
         assert isinstance(request.entry, ApprovalRequestEntry)
@@ -566,11 +586,21 @@ class Agent:
     async def _cancel_waiting(self, call: ToolCall, detail: str) -> None:
         """An interrupt (or a stop) of a turn that waits at ``call``: its request is denied,
         then the turn goes on from that call only to end cancelled, answering each open call
-        "not run"."""
-        self._cancel_wait = None
+        "not run". Another interrupt meanwhile changes nothing (see :meth:`interrupt`)."""
         await self._decide(call, f"the turn was cancelled ({detail})")
         self._interrupting, self._interrupt_detail = True, detail
-        await self._turn(self._inbox.take_decisions(), going_on=True)
+        try:
+            await self._turn(self._inbox.take_decisions(), going_on=True)
+        finally:
+            self._cancel_wait = None
+
+    async def _settle_doubt(self) -> None:
+        """While a call waits: take what landed unseen (a decision may be among it)."""
+        await self._gate.hold()
+        try:
+            await self._take_landed()
+        finally:
+            self._gate.release()
 
     async def _finish_left_over_turn(self) -> None:
         """Answer, durably, every call of the last step that an earlier activation left without
@@ -594,12 +624,20 @@ class Agent:
         self._recovering = True
         self._host.changed()
         signal = AbortSignal()
+        never_ran = False
         for index, call in open_calls:
             tool = self.tools.get(call.name)
             started: float | None = None
-            if self.needs_approval(call) and not self._decision_read(call):
-                if request_of(self._records, call.call_id) is not None:
+            if never_ran:
+                output = ToolOutput(
+                    content="not run: its host stopped before this call started", is_error=True
+                )
+            elif self.needs_approval(call) and not self._decision_read(call):
+                if self._asked(call.call_id) is not None:
                     break  # it waits for (or has) a decision: the turn goes on from it
+                # Asked for by no request: its host stopped before it; the calls after it in
+                # the step run only after it, so none of them ran either.
+                never_ran = True
                 output = ToolOutput(
                     content="not run: its host stopped before this call was approved",
                     is_error=True,
@@ -634,8 +672,7 @@ class Agent:
 
     def _decision_read(self, call: ToolCall) -> bool:
         """Whether a turn read a decision on ``call``: only then may the call have run."""
-        request = request_of(self._records, call.call_id)
-        decision = None if request is None else decision_of(self._records, request)
+        decision = self._decision(call.call_id)
         return decision is not None and consumed(self._records, decision.seq)
 
     def _calls_left_open(self) -> tuple[int, list[tuple[int, ToolCall]]]:
@@ -716,7 +753,9 @@ class Agent:
             try:
                 if self._in_doubt:
                     await self._take_landed()
-                waiting = self._inbox.take_steered() if steered else []
+                # Going on from a call waiting for approval reads only decisions (a decision
+                # that landed unseen, just taken, among them); the rest waits for the boundary.
+                waiting = self._inbox.take_steered() if steered else self._inbox.take_decisions()
                 records = sorted([*first, *waiting], key=lambda r: r.seq)
                 if records:
                     record = await self._host.append(
@@ -870,7 +909,7 @@ class Agent:
         """Run ``calls`` of the step ``step_seq`` in order, each answered once, then the step
         boundary. Raises :class:`_AwaitingApproval` at a call that waits for a decision."""
         for index, call in calls:
-            decision = await self._approval(call)
+            decision = await self._approval(call, step_seq)
             if decision is not None and decision.decision is ApprovalDecision.DENY:
                 await self._answer(call, denied(decision))
                 continue
@@ -903,28 +942,30 @@ class Agent:
             return TurnOutcome.COMPLETED
         return None
 
-    async def _approval(self, call: ToolCall) -> ApprovalDecisionEntry | None:
-        """The decision ``call`` runs under: None when it needs none. Raises
-        :class:`_AwaitingApproval` (after writing the request, the first time) when it waits
-        for one."""
+    async def _approval(self, call: ToolCall, step_seq: int) -> ApprovalDecisionEntry | None:
+        """The decision ``call`` (of the step at ``step_seq``) runs under: None when it needs
+        none. Raises :class:`_AwaitingApproval` (after writing the request, the first time)
+        when it waits for one, or has one no turn read yet (it landed unseen: the next turn
+        reads it first)."""
         if not self.needs_approval(call):
             return None
-        request = request_of(self._records, call.call_id)
+        request = self._asked(call.call_id)
         tool = self.tools.get(call.name)
         shown = "" if tool is None else descriptor_digest(tool.descriptor)
         if request is not None:
             assert isinstance(request.entry, ApprovalRequestEntry)
             decision = decision_of(self._records, request)
-            if decision is not None and request.entry.descriptor_digest == shown:
+            if decision is None or not consumed(self._records, decision.seq):
+                raise _AwaitingApproval(call)
+            if request.entry.descriptor_digest == shown or tool is None:
                 assert isinstance(decision.entry, ApprovalDecisionEntry)
                 return decision.entry
-            if decision is None:
-                raise _AwaitingApproval(call)
             # Decided for a tool that changed since: asked again, as it is now.
         timeout = self.approvals.timeout
         await self._append(
             ApprovalRequestEntry(
                 call_id=call.call_id,
+                step_seq=step_seq,
                 tool=call.name,
                 arguments_json=call.arguments_json,
                 descriptor_digest=shown,

@@ -28,10 +28,13 @@ EXPIRED_BY = "dsh-mesh"
 """Who an expiry's decision names: no person decided."""
 
 
-def request_of(records: Sequence[Record], call_id: str) -> Record | None:
-    """The latest approval request for the call ``call_id``, if any (a call is asked again
-    when its tool changed since the first request was shown)."""
+def request_of(records: Sequence[Record], call_id: str, *, step: int) -> Record | None:
+    """The latest approval request for the call ``call_id`` of the step at seq ``step``, if
+    any (a call is asked again when its tool changed since the first request was shown; a
+    provider may reuse a call id in another step)."""
     for record in reversed(records):
+        if record.seq <= step:
+            return None
         entry = record.entry
         if isinstance(entry, ApprovalRequestEntry) and entry.call_id == call_id:
             return record
@@ -53,9 +56,12 @@ def decision_of(records: Sequence[Record], request: Record) -> Record | None:
     return None
 
 
-def answered(records: Sequence[Record], call_id: str) -> bool:
-    """Whether the call ``call_id`` has its result."""
-    return any(isinstance(r.entry, ToolResultEntry) and r.entry.call_id == call_id for r in records)
+def answered(records: Sequence[Record], call_id: str, *, after: int) -> bool:
+    """Whether the call ``call_id`` has its result after seq ``after``."""
+    return any(
+        r.seq > after and isinstance(r.entry, ToolResultEntry) and r.entry.call_id == call_id
+        for r in records
+    )
 
 
 def consumed(records: Sequence[Record], seq: int) -> bool:
@@ -74,15 +80,18 @@ def check_decision(
     decision: ApprovalDecisionEntry,
     descriptor: ToolDescriptor | None,
     now: datetime,
+    *,
+    step: int,
 ) -> bool:
     """Refuse ``decision`` unless it answers the request now waiting on its call: raises
     :class:`ApprovalStale` (no such request, decided already, another request than the one
     shown, expired) or :class:`InvalidArgument` (edited arguments the tool's schema refuses).
     Returns True when it repeats the decision already taken, word for word (a retry: its
-    idempotency key answers it), else False."""
+    idempotency key answers it), else False. Only a request of the step at seq ``step`` (the
+    last one) can wait."""
     call = decision.call_id
     stale = {"call_id": call}
-    request = request_of(records, call)
+    request = request_of(records, call, step=step)
     if request is None:
         raise ApprovalStale(f"no request waits on call {call!r}", metadata=stale)
     assert isinstance(request.entry, ApprovalRequestEntry)
@@ -92,7 +101,7 @@ def check_decision(
         if taken.entry == decision:
             return True
         raise ApprovalStale(f"call {call!r} was decided already: {describe(taken)}", metadata=stale)
-    if answered(records, call):
+    if answered(records, call, after=request.seq):
         raise ApprovalStale(f"call {call!r} has its result: nothing waits", metadata=stale)
     if decision.request_digest != request.entry.digest:
         raise ApprovalStale(

@@ -22,7 +22,6 @@ from dsh_mesh.core import (
     ToolOutputsClearedEntry,
     ToolResultEntry,
     TurnEndedEntry,
-    TurnOutcome,
     frame_agent_message,
     frame_settlement_notice,
 )
@@ -124,10 +123,18 @@ def completed_turn_prefix(records: Sequence[Record]) -> tuple[int, tuple[ChatMes
     (mid-turn: the summary stands for everything it covers), as it starts the rendering the
     parent sends; with the seq it ends at (0 if there is none). A turn that stopped at a call
     waiting for approval did not complete: its end is no such point."""
-    for index in range(len(records) - 1, -1, -1):
-        entry = records[index].entry
-        if isinstance(entry, TurnEndedEntry) and entry.outcome is TurnOutcome.AWAITING_APPROVAL:
-            continue  # its step's calls are not all answered: the turn goes on after it
-        if isinstance(entry, TurnEndedEntry | CompactionEntry):
-            return records[index].seq, render(records, upto=records[index].seq)
+    # An end after which the last step still has calls without a result is no such point: a
+    # turn that stopped at a call waiting for approval (or was lost there) goes on after it.
+    open_calls: set[str] = set()
+    last = None
+    for index, record in enumerate(records):
+        entry = record.entry
+        if isinstance(entry, AssistantStepEntry):
+            open_calls = {call.call_id for call in entry.tool_calls}
+        elif isinstance(entry, ToolResultEntry):
+            open_calls.discard(entry.call_id)
+        elif isinstance(entry, TurnEndedEntry | CompactionEntry) and not open_calls:
+            last = index
+    if last is not None:
+        return records[last].seq, render(records, upto=records[last].seq)
     return 0, render([r for r in records if isinstance(r.entry, ForkPrefixEntry)])

@@ -23,7 +23,6 @@ from dsh_mesh.cli._render import (
     table,
 )
 from dsh_mesh.client import (
-    ApprovalRequest,
     ClientOptions,
     DecisionResult,
     HealthStatus,
@@ -199,20 +198,40 @@ def _decided(
     return 0
 
 
+async def _approvals(client: MeshClient, args: argparse.Namespace, console: Console) -> int:
+    waiting = await client.list_approvals(args.root)
+    if args.json:
+        console.say(json.dumps(to_jsonable(waiting), ensure_ascii=False))
+        return 0
+    if not waiting:
+        console.say(f"no call of the tree of {args.root} waits for approval")
+    for pending in waiting:
+        request = pending.request
+        expires = (
+            "" if request.expires_at is None else f", expires {request.expires_at.isoformat()}"
+        )
+        console.say(
+            f"{pending.session_id} {request.tool}({request.arguments_json})"
+            f" call {request.call_id} digest {request.request_digest}{expires}"
+        )
+    return 0
+
+
 async def _request_digest(
     client: MeshClient, session: str, call_id: str, console: Console
 ) -> str | None:
-    """The digest of the latest request on ``call_id`` in ``session``'s transcript, shown to
-    the person deciding; None (said why) when there is none."""
-    found: ApprovalRequest | None = None
-    pages = client.session_pages(session)
-    async with contextlib.aclosing(pages):
-        async for page in pages:
-            for entry in page.transcript:
-                if isinstance(entry.body, ApprovalRequest) and entry.body.call_id == call_id:
-                    found = entry.body
+    """The digest of the request waiting on ``call_id`` in ``session``, shown to the person
+    deciding; None (said why) when none waits."""
+    found = next(
+        (
+            p.request
+            for p in await client.list_approvals(session)
+            if p.session_id == session and p.request.call_id == call_id
+        ),
+        None,
+    )
     if found is None:
-        console.note(f"{session} has no approval request for call {call_id!r}")
+        console.note(f"no call {call_id!r} of {session} waits for approval")
         return None
     console.note(f"deciding on {found.tool}({found.arguments_json}), digest {found.request_digest}")
     return found.request_digest
@@ -425,6 +444,7 @@ _HANDLERS = {
     "interrupt": _interrupt,
     "ui": _ui,
     "approve": _approve,
+    "approvals": _approvals,
     "deny": _deny,
     "stop": _stop,
     "reopen": _reopen,

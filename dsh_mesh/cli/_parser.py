@@ -297,6 +297,17 @@ def build_parser() -> argparse.ArgumentParser:
     approve.add_argument("--reason", default="", help="why (kept in the transcript)")
     _json_flag(approve)
 
+    approvals = commands.add_parser(
+        "approvals",
+        help="list the tool calls of a tree that wait for approval",
+        description=(
+            "List every call of the tree under ROOT that waits for a person's decision: its"
+            " session, tool, arguments, digest and expiry. Decide with `approve` or `deny`."
+        ),
+    )
+    approvals.add_argument("root")
+    _json_flag(approvals)
+
     deny = commands.add_parser(
         "deny",
         help="refuse a tool call that waits for approval; the model reads the reason",

@@ -25,6 +25,7 @@ from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
 from dsh_mesh.client._convert import (
     DECISION_TO_WIRE,
     event_from_wire,
+    pending_from_wire,
     session_from_wire,
     summary_from_wire,
 )
@@ -33,6 +34,7 @@ from dsh_mesh.client._types import (
     DecisionResult,
     HealthStatus,
     InterruptResult,
+    PendingApproval,
     PromptAccepted,
     RootSession,
     SessionEvent,
@@ -343,6 +345,16 @@ class MeshClient:
         return await self._resolve(
             session, call_id, ApprovalDecision.DENY, request_digest, "", reason, deadline
         )
+
+    async def list_approvals(
+        self, root: str, *, deadline: timedelta | None = None
+    ) -> list[PendingApproval]:
+        """Every call of the tree rooted at ``root`` that waits for a person's decision now,
+        by session then seq. Read-only snapshot (one indexed read on the node)."""
+        response = await self._unary(
+            "ListApprovals", mesh_pb2.ListApprovalsRequest(root_session_id=root), deadline
+        )
+        return [pending_from_wire(p) for p in response.approvals]
 
     async def _resolve(
         self,

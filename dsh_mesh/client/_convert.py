@@ -22,6 +22,7 @@ from dsh_mesh.client._types import (
     Consumed,
     EntryBody,
     HumanPrompt,
+    PendingApproval,
     SessionEvent,
     SessionInfo,
     SessionPage,
@@ -214,15 +215,7 @@ def _body_from_wire(entry: mesh_pb2.TranscriptEntry) -> EntryBody:
     if which == "tool_outputs_cleared":
         return ToolOutputsCleared(seqs=tuple(entry.tool_outputs_cleared.seqs))
     if which == "approval_request":
-        request = entry.approval_request
-        return ApprovalRequest(
-            call_id=request.call_id,
-            tool=request.tool,
-            arguments_json=request.arguments_json,
-            descriptor_digest=request.descriptor_digest,
-            request_digest=request.request_digest,
-            expires_at=_time(request, "expires_at"),
-        )
+        return request_from_wire(entry.approval_request)
     if which == "approval_decision":
         decided = entry.approval_decision
         return ApprovalDecided(
@@ -234,6 +227,29 @@ def _body_from_wire(entry: mesh_pb2.TranscriptEntry) -> EntryBody:
             by=decided.by,
         )
     return UnknownEntry()
+
+
+def request_from_wire(request: mesh_pb2.ApprovalRequestEntry) -> ApprovalRequest:
+    """A wire ``ApprovalRequestEntry`` as the client's :class:`ApprovalRequest`."""
+    return ApprovalRequest(
+        call_id=request.call_id,
+        tool=request.tool,
+        arguments_json=request.arguments_json,
+        descriptor_digest=request.descriptor_digest,
+        request_digest=request.request_digest,
+        expires_at=_time(request, "expires_at"),
+        step_seq=request.step_seq,
+    )
+
+
+def pending_from_wire(pending: mesh_pb2.PendingApproval) -> PendingApproval:
+    """One ``ListApprovals`` line."""
+    return PendingApproval(
+        session_id=SessionId(pending.session_id),
+        seq=pending.seq,
+        requested_at=_time(pending, "requested_at"),
+        request=request_from_wire(pending.request),
+    )
 
 
 def usage_from_wire(usage: mesh_pb2.Usage) -> Usage:

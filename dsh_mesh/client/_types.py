@@ -95,6 +95,17 @@ class InterruptResult:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PendingApproval:
+    """A call of ``session_id`` that waits for a person's decision: its request (at ``seq``,
+    written at ``requested_at``)."""
+
+    session_id: SessionId
+    seq: int
+    requested_at: datetime | None
+    request: ApprovalRequest
+
+
+@dataclass(frozen=True, kw_only=True)
 class DecisionResult:
     """A durable decision on an approval request: its seq in the session's transcript, whether
     it repeated one already accepted, and who it is recorded as made by."""
@@ -263,6 +274,8 @@ class ApprovalRequest:
     descriptor_digest: str
     request_digest: str
     expires_at: datetime | None = None
+    step_seq: int = 0
+    """Seq of the step that made the call."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -41,12 +41,15 @@ class ApprovalRequestEntry:
     """The agent asks for a person's decision before it runs the call ``call_id`` of its last
     step (written by the agent, through its fenced append, in place of running the call).
 
-    ``arguments_json`` are the call's arguments as the model gave them; ``descriptor_digest``
-    the :func:`descriptor_digest` of the tool the call names; ``expires_at`` (UTC) when the
-    request is answered as denied if nobody decided by then (``None``: never). A decision
-    binds :attr:`digest`: the exact call, arguments and tool it was shown."""
+    ``step_seq`` is the seq of the step that made the call (a provider may reuse call ids from
+    step to step); ``arguments_json`` are the call's arguments as the model gave them;
+    ``descriptor_digest`` the :func:`descriptor_digest` of the tool the call names;
+    ``expires_at`` (UTC) when the request is answered as denied if nobody decided by then
+    (``None``: never). A decision binds :attr:`digest`: the exact step, call, arguments and
+    tool it was shown."""
 
     call_id: str
+    step_seq: int
     tool: str
     arguments_json: str
     descriptor_digest: str
@@ -54,10 +57,10 @@ class ApprovalRequestEntry:
 
     @property
     def digest(self) -> str:
-        """What a decision must name: the SHA-256 (hex) of the call id, the tool, the
-        arguments and the tool's descriptor digest."""
+        """What a decision must name: the SHA-256 (hex) of the step's seq, the call id, the
+        tool, the arguments and the tool's descriptor digest."""
         body = canonical_json(
-            [self.call_id, self.tool, self.arguments_json, self.descriptor_digest]
+            [self.step_seq, self.call_id, self.tool, self.arguments_json, self.descriptor_digest]
         ).encode()
         return hashlib.sha256(body).hexdigest()
 

@@ -7,7 +7,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from dsh_mesh.core import ActivationFenced, CompactionEntry, Record, SessionId
+from dsh_mesh.core import (
+    ActivationFenced,
+    ApprovalDecisionEntry,
+    ApprovalRequestEntry,
+    CompactionEntry,
+    Record,
+    SessionId,
+)
 from dsh_mesh.runtime import Acceptance, IdempotencyKey, Write, Written, check_same_request
 
 
@@ -25,6 +32,24 @@ class Plan:
         """The seqs of the compactions among ``records``: each is indexed in the same
         transaction (:meth:`~dsh_mesh.runtime.LogStore.last_compaction`)."""
         return [r.seq for r, _ in self.records if isinstance(r.entry, CompactionEntry)]
+
+    @property
+    def requests(self) -> list[tuple[str, int, datetime | None]]:
+        """The approval requests among ``records``, as (call id, seq, expiry): each becomes its
+        call's pending request in the same transaction
+        (:meth:`~dsh_mesh.runtime.LogStore.pending_approvals`)."""
+        return [
+            (r.entry.call_id, r.seq, r.entry.expires_at)
+            for r, _ in self.records
+            if isinstance(r.entry, ApprovalRequestEntry)
+        ]
+
+    @property
+    def decided(self) -> list[str]:
+        """The call ids decided among ``records``: their requests are pending no more."""
+        return [
+            r.entry.call_id for r, _ in self.records if isinstance(r.entry, ApprovalDecisionEntry)
+        ]
 
 
 def plan_append(

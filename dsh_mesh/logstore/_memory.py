@@ -21,6 +21,8 @@ class MemoryLogStore:
         self._log: list[Logged] = []  # every record, in position order
         self._forgotten: dict[SessionId, int] = {}  # deleted sessions: up to which position
         self._compacted: dict[SessionId, int] = {}  # the seq of each session's last compaction
+        # Pending approval requests: call id -> (seq, expiry).
+        self._asked: dict[SessionId, dict[str, tuple[int, datetime | None]]] = {}
 
     async def raise_fence(self, session: SessionId, fence: int) -> int:
         current = max(self._fences.get(session, 0), fence)
@@ -48,6 +50,10 @@ class MemoryLogStore:
                 self._idempotency[guard[0]] = (guard[1], record.recorded_at or datetime.now(UTC))
         if plan.compactions:
             self._compacted[session] = plan.compactions[-1]
+        asked = self._asked.setdefault(session, {})
+        asked.update({call: (seq, expires) for call, seq, expires in plan.requests})
+        for call in plan.decided:
+            asked.pop(call, None)
         if plan.new_fence is not None:
             self._fences[session] = plan.new_fence
         return plan.written
@@ -84,10 +90,29 @@ class MemoryLogStore:
         seq = self._compacted.get(session)
         return None if seq is None else self._transcripts[session][seq - 1]
 
+    async def pending_approvals(
+        self, sessions: Collection[SessionId]
+    ) -> list[tuple[SessionId, Record]]:
+        return [
+            (session, self._transcripts[session][seq - 1])
+            for session in sorted(set(sessions))
+            for seq, _ in sorted(self._asked.get(session, {}).values())
+        ]
+
+    async def due_approvals(self, now: datetime, *, limit: int) -> list[tuple[SessionId, Record]]:
+        due = sorted(
+            (expires, session, seq)
+            for session, asked in self._asked.items()
+            for seq, expires in asked.values()
+            if expires is not None and expires <= now
+        )
+        return [(s, self._transcripts[s][seq - 1]) for _, s, seq in due[:limit]]
+
     async def delete(self, session: SessionId, fence: int) -> None:
         self._fences[session] = max(self._fences.get(session, 0), fence)
         self._transcripts.pop(session, None)
         self._compacted.pop(session, None)
+        self._asked.pop(session, None)
         self._forgotten[session] = len(self._log)
         for key in [k for k, (a, _) in self._idempotency.items() if a.target == session]:
             del self._idempotency[key]

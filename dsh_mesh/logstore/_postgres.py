@@ -48,6 +48,11 @@ _SCHEMA = (
     # The seqs of a session's compactions: a cold resume starts at its last one.
     "CREATE TABLE IF NOT EXISTS compactions ("
     " session TEXT NOT NULL, seq BIGINT NOT NULL, PRIMARY KEY (session, seq))",
+    # Each call's pending approval request (docs/approvals.md): a decision removes it.
+    "CREATE TABLE IF NOT EXISTS approvals ("
+    " session TEXT NOT NULL, call_id TEXT NOT NULL, seq BIGINT NOT NULL, expires TIMESTAMPTZ,"
+    " PRIMARY KEY (session, call_id))",
+    "CREATE INDEX IF NOT EXISTS approvals_by_expiry ON approvals (expires)",
 )
 _ENSURE_FENCE = "INSERT INTO fences (session, fence) VALUES ($1, 0) ON CONFLICT DO NOTHING"
 _LOCK_FENCE = "SELECT fence FROM fences WHERE session = $1 FOR UPDATE"
@@ -83,6 +88,24 @@ _LAST_COMPACTION = (
     " ON e.session = $1 AND e.seq = c.seq"
 )
 _FORGET_COMPACTIONS = "DELETE FROM compactions WHERE session = $1"
+_INSERT_REQUESTS = (
+    "INSERT INTO approvals (session, call_id, seq, expires)"
+    " SELECT $1, call_id, seq, expires"
+    " FROM unnest($2::text[], $3::bigint[], $4::timestamptz[]) AS r (call_id, seq, expires)"
+    " ON CONFLICT (session, call_id) DO UPDATE SET seq = excluded.seq, expires = excluded.expires"
+)
+_DUE_APPROVALS = (
+    "SELECT e.session, e.seq, e.data FROM approvals a"
+    " JOIN entries e ON e.session = a.session AND e.seq = a.seq"
+    " WHERE a.expires <= $1 ORDER BY a.expires LIMIT $2"
+)
+_FORGET_REQUESTS = "DELETE FROM approvals WHERE session = $1 AND call_id = ANY($2::text[])"
+_PENDING_APPROVALS = (
+    "SELECT e.session, e.seq, e.data FROM approvals a"
+    " JOIN entries e ON e.session = a.session AND e.seq = a.seq"
+    " WHERE a.session = ANY($1::text[]) ORDER BY e.session, e.seq"
+)
+_FORGET_APPROVALS = "DELETE FROM approvals WHERE session = $1"
 _FORGET_ENTRIES = "DELETE FROM entries WHERE session = $1"
 _FORGET_KEYS = "DELETE FROM idempotency WHERE target = $1"
 _EXPIRE_KEYS = "DELETE FROM idempotency WHERE at < $1"
@@ -224,11 +247,24 @@ class PostgresLogStore:
             row = await db.fetchrow(_LAST_COMPACTION, session)
         return None if row is None else decode_record(row[0], row[1])
 
+    async def pending_approvals(
+        self, sessions: Collection[SessionId]
+    ) -> list[tuple[SessionId, Record]]:
+        async with self._connection() as db:
+            rows = await db.fetch(_PENDING_APPROVALS, sorted(set(sessions)))
+        return [(SessionId(row[0]), decode_record(row[1], row[2])) for row in rows]
+
+    async def due_approvals(self, now: datetime, *, limit: int) -> list[tuple[SessionId, Record]]:
+        async with self._connection() as db:
+            rows = await db.fetch(_DUE_APPROVALS, now, limit)
+        return [(SessionId(row[0]), decode_record(row[1], row[2])) for row in rows]
+
     async def delete(self, session: SessionId, fence: int) -> None:
         async with self._connection() as db, db.transaction():
             await db.fetchval(_RAISE_FENCE, session, fence)  # holds the row: appends wait
             await db.execute(_FORGET_ENTRIES, session)
             await db.execute(_FORGET_COMPACTIONS, session)
+            await db.execute(_FORGET_APPROVALS, session)
             await db.execute(_FORGET_KEYS, session)
 
     async def expire_keys(self, before: datetime) -> int:
@@ -294,6 +330,11 @@ class PostgresLogStore:
                 )
             if plan.compactions:
                 await db.execute(_INSERT_COMPACTIONS, session, plan.compactions)
+            if plan.requests:
+                calls, seqs, expiries = zip(*plan.requests, strict=True)
+                await db.execute(_INSERT_REQUESTS, session, list(calls), list(seqs), list(expiries))
+            if plan.decided:
+                await db.execute(_FORGET_REQUESTS, session, plan.decided)
             if plan.new_fence is not None:
                 await db.execute(_SET_FENCE, session, plan.new_fence)
             return plan.written

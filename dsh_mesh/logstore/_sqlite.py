@@ -49,6 +49,11 @@ _SCHEMA = (
     # The seqs of a session's compactions: a cold resume starts at its last one.
     "CREATE TABLE IF NOT EXISTS compactions ("
     " session TEXT NOT NULL, seq INTEGER NOT NULL, PRIMARY KEY (session, seq)) WITHOUT ROWID",
+    # Each call's pending approval request (docs/approvals.md): a decision removes it.
+    "CREATE TABLE IF NOT EXISTS approvals ("
+    " session TEXT NOT NULL, call_id TEXT NOT NULL, seq INTEGER NOT NULL, expires INTEGER,"
+    " PRIMARY KEY (session, call_id)) WITHOUT ROWID",
+    "CREATE INDEX IF NOT EXISTS approvals_by_expiry ON approvals (expires)",
 )
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _BUSY_TIMEOUT_MS = 10_000
@@ -134,6 +139,19 @@ class SqliteLogStore:
                     "INSERT INTO compactions (session, seq) VALUES (?, ?)",
                     [(session, seq) for seq in plan.compactions],
                 )
+                db.executemany(
+                    "INSERT INTO approvals (session, call_id, seq, expires) VALUES (?, ?, ?, ?)"
+                    " ON CONFLICT (session, call_id)"
+                    " DO UPDATE SET seq = excluded.seq, expires = excluded.expires",
+                    [
+                        (session, call, seq, None if expires is None else _micros(expires))
+                        for call, seq, expires in plan.requests
+                    ],
+                )
+                db.executemany(
+                    "DELETE FROM approvals WHERE session = ? AND call_id = ?",
+                    [(session, call) for call in plan.decided],
+                )
                 if plan.new_fence is not None:
                     db.execute(
                         "INSERT INTO fences (session, fence) VALUES (?, ?)"
@@ -205,6 +223,33 @@ class SqliteLogStore:
 
         return await self._run(work)
 
+    async def pending_approvals(
+        self, sessions: Collection[SessionId]
+    ) -> list[tuple[SessionId, Record]]:
+        def work(db: sqlite3.Connection) -> list[tuple[SessionId, Record]]:
+            rows = db.execute(
+                "SELECT e.session, e.seq, e.data FROM approvals a"
+                " JOIN entries e ON e.session = a.session AND e.seq = a.seq"
+                " WHERE a.session IN (SELECT value FROM json_each(?))"
+                " ORDER BY e.session, e.seq",
+                (json.dumps(sorted(set(sessions))),),
+            ).fetchall()
+            return [(SessionId(s), decode_record(seq, data)) for s, seq, data in rows]
+
+        return await self._run(work)
+
+    async def due_approvals(self, now: datetime, *, limit: int) -> list[tuple[SessionId, Record]]:
+        def work(db: sqlite3.Connection) -> list[tuple[SessionId, Record]]:
+            rows = db.execute(
+                "SELECT e.session, e.seq, e.data FROM approvals a"
+                " JOIN entries e ON e.session = a.session AND e.seq = a.seq"
+                " WHERE a.expires <= ? ORDER BY a.expires LIMIT ?",
+                (_micros(now), limit),
+            ).fetchall()
+            return [(SessionId(s), decode_record(seq, data)) for s, seq, data in rows]
+
+        return await self._run(work)
+
     async def delete(self, session: SessionId, fence: int) -> None:
         def work(db: sqlite3.Connection) -> None:
             with _immediate(db):
@@ -215,6 +260,7 @@ class SqliteLogStore:
                 )
                 db.execute("DELETE FROM entries WHERE session = ?", (session,))
                 db.execute("DELETE FROM compactions WHERE session = ?", (session,))
+                db.execute("DELETE FROM approvals WHERE session = ?", (session,))
                 db.execute("DELETE FROM idempotency WHERE target = ?", (session,))
 
         await self._run(work)

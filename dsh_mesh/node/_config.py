@@ -119,6 +119,9 @@ class NodeConfig:
     """Idempotency records older than this many days are forgotten (a retry after that is a
     new request and may land twice); ``0``: never."""
     retention_interval: timedelta = timedelta(hours=1)
+    approval_sweep_interval: timedelta = timedelta(seconds=5)
+    """How often the node looks for expired approval requests of absent agents and resumes
+    them, so that they answer them as denied (docs/approvals.md)."""
     history_file: Path | None = None
     """Where to append the node's store history (one JSON line per activation and durable
     write) for the history checker of ``dsh_mesh.testing``; ``None``: no history. For test
@@ -193,6 +196,8 @@ class NodeConfig:
             raise ValueError("retention_days and idempotency_days must not be negative (0: never)")
         if self.retention_interval <= timedelta(0):
             raise ValueError("retention_interval must be positive")
+        if self.approval_sweep_interval <= timedelta(0):
+            raise ValueError("approval_sweep_interval must be positive")
         if self.memory_high_water_mb is not None and self.memory_high_water_mb < 0:
             raise ValueError("memory_high_water_mb must not be negative (0: never passivate)")
         if self.plaintext:
@@ -288,6 +293,11 @@ _SETTINGS: tuple[tuple[str, str, str], ...] = (
         "forget idempotency records after N days (0: never)",
     ),
     ("retention_interval", "--retention-interval", "seconds between two retention runs"),
+    (
+        "approval_sweep_interval",
+        "--approval-sweep-interval",
+        "seconds between two looks for expired approval requests",
+    ),
     ("history_file", "--history-file", "append the store's history here (test runs)"),
 )
 
@@ -431,8 +441,9 @@ def _build(values: Mapping[str, Any]) -> NodeConfig:
     for name in ("retention_days", "idempotency_days"):
         if values.get(name) is not None:
             kwargs[name] = float(values[name])
-    if values.get("retention_interval") is not None:
-        kwargs["retention_interval"] = timedelta(seconds=float(values["retention_interval"]))
+    for name in ("retention_interval", "approval_sweep_interval"):
+        if values.get(name) is not None:
+            kwargs[name] = timedelta(seconds=float(values[name]))
     if values.get("retention_archive_dir"):
         kwargs["retention_archive_dir"] = Path(str(values["retention_archive_dir"])).expanduser()
     if values.get("history_file"):

@@ -32,6 +32,7 @@ from dsh_mesh.core import Activation, MeshError, NodeFenced, RandomIds
 from dsh_mesh.logstore import open_log_store
 from dsh_mesh.mcp import McpServers
 from dsh_mesh.node._config import NodeConfig
+from dsh_mesh.node._expiry import ApprovalExpiry
 from dsh_mesh.node._router import ClusterRouter
 from dsh_mesh.node._scenario import Scenario
 from dsh_mesh.node._threads import ToolThreads
@@ -194,8 +195,18 @@ class Node:
                     following = group.create_task(directory.follow(), name="directory")
                     await asyncio.wait_for(directory.ready(), _READY_TIMEOUT.total_seconds())
                     retention = Retention(etcd, keys, log)
+                    expiry = ApprovalExpiry(log=log, store=store)
                     await self._serve(
-                        etcd, keys, lease, store, router, health, ready, retention, directory
+                        etcd,
+                        keys,
+                        lease,
+                        store,
+                        router,
+                        health,
+                        ready,
+                        retention,
+                        directory,
+                        expiry,
                     )
                     following.cancel()
             finally:
@@ -221,6 +232,7 @@ class Node:
         ready: Callable[[str], None] | None,
         retention: Retention,
         directory: Directory,
+        expiry: ApprovalExpiry,
     ) -> None:
         assert self.address is not None
         while not self._stopping.is_set():
@@ -250,7 +262,9 @@ class Node:
                 if ready is not None:
                     ready(self.address)
                     ready = None
-                lost = await self._hold(etcd, keys, lease, manager, router, retention, directory)
+                lost = await self._hold(
+                    etcd, keys, lease, manager, router, retention, directory, expiry
+                )
                 await health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
                 self._manager = None
                 if lost:
@@ -271,9 +285,10 @@ class Node:
         router: ClusterRouter,
         retention: Retention,
         directory: Directory,
+        expiry: ApprovalExpiry,
     ) -> bool:
-        """Keep the lease, publish load and run retention until stopped (False) or the lease
-        is lost (True)."""
+        """Keep the lease, publish load, run retention and expire approval requests until
+        stopped (False) or the lease is lost (True)."""
         keeping = asyncio.create_task(lease.keep(), name="lease keepalive")
         stopping = asyncio.create_task(self._stopping.wait(), name="stop request")
         publishing = asyncio.create_task(
@@ -281,14 +296,14 @@ class Node:
         )
         guarding = asyncio.create_task(self._guard_memory(manager), name="memory")
         retaining = asyncio.create_task(self._retain(retention, directory), name="retention")
+        expiring = asyncio.create_task(self._expire(expiry, manager), name="approval expiry")
+        tasks = (keeping, stopping, publishing, guarding, retaining, expiring)
         try:
             await asyncio.wait((keeping, stopping), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (keeping, stopping, publishing, guarding, retaining):
+            for task in tasks:
                 task.cancel()
-            results = await asyncio.gather(
-                keeping, stopping, publishing, guarding, retaining, return_exceptions=True
-            )
+            results = await asyncio.gather(*tasks, return_exceptions=True)
         return isinstance(results[0], LeaseLost)
 
     async def _retain(self, retention: Retention, directory: Directory) -> None:
@@ -320,6 +335,19 @@ class Node:
                     await retention.expire_keys(older_than=timedelta(days=config.idempotency_days))
             except (MeshError, OSError) as failure:
                 _log.warning("retention: not run this time (%s)", failure)
+
+    async def _expire(self, expiry: ApprovalExpiry, manager: ContinuationManager) -> None:
+        """Every ``approval_sweep_interval``: wake the absent agents whose approval requests
+        expired, so that they answer them as denied and go on (docs/approvals.md)."""
+        while True:
+            await asyncio.sleep(self.config.approval_sweep_interval.total_seconds())
+            try:
+                woken = await expiry.sweep(manager)
+            except MeshError as failure:
+                _log.warning("approval expiry: not run this time (%s)", failure)
+                continue
+            if woken:
+                _log.info("approval expiry: resumed %d absent agent(s)", len(woken))
 
     async def _guard_memory(self, manager: ContinuationManager) -> None:
         """Past the memory high-water mark, passivate a tenth of the idle agents (at least

@@ -173,6 +173,13 @@ class RegistryReads:
 
     # -- transcripts ----------------------------------------------------------------------------
 
+    async def pending_approvals(
+        self, sessions: Collection[SessionId]
+    ) -> list[tuple[SessionId, Record]]:
+        """The approval requests of ``sessions`` that wait for a decision (the log store's
+        index: one read)."""
+        return await self._log.pending_approvals(sessions)
+
     async def page(
         self, session: SessionId, *, after_seq: int, limit: int
     ) -> tuple[list[Record], bool]:

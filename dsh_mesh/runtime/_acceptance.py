@@ -53,7 +53,12 @@ class Acceptor:
             deciding = isinstance(entry, ApprovalDecisionEntry)
             async with agent.deciding() if deciding else agent.accepting():
                 if isinstance(entry, ApprovalDecisionEntry):
-                    agent.check_decision(entry)
+                    # A repeat is answered by its key, whatever the agent did since (the call
+                    # ran, the turn went on); anything else is checked against the transcript.
+                    known = None if key is None else await self._store.lookup(key)
+                    if known is not None and key is not None:
+                        return duplicate_of(key, known, session, fingerprint(session, entry))
+                    await agent.check_decision(entry)
                 try:
                     record, known = await self._store.append(
                         session,

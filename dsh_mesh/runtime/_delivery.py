@@ -13,11 +13,13 @@ from dsh_mesh.core import (
     AgentMessageSource,
     AgentRef,
     ApprovalDecisionEntry,
+    ApprovalStale,
     Delivery,
     DeliveryKind,
     DetachedWork,
     Direction,
     HumanPromptEntry,
+    IdempotencyConflict,
     InboundEntry,
     InvalidArgument,
     NodeId,
@@ -218,12 +220,30 @@ class Deliveries:
             async def hand_off(node: NodeId) -> Delivery:
                 return await router.resolve_approval(node, session, decision)
 
+        try:
+            return await self._decide(session, decision, hand_off)
+        except IdempotencyConflict as other:
+            raise ApprovalStale(
+                f"call {decision.call_id!r} was decided already, otherwise",
+                metadata={"call_id": decision.call_id},
+            ) from other
+
+    async def _decide(
+        self,
+        session: SessionId,
+        decision: ApprovalDecisionEntry,
+        hand_off: HandOff[Delivery] | None,
+    ) -> Delivery:
         return await self.deliver(
             Send(
                 target=session,
                 entry=decision,
                 signal=AbortSignal(),
-                key=IdempotencyKey(principal=f"approval:{session}", key=decision.call_id),
+                # One key per request: a call asked again (its tool changed) is decided anew.
+                key=IdempotencyKey(
+                    principal=f"approval:{session}",
+                    key=f"{decision.call_id}:{decision.request_digest}",
+                ),
                 hand_off=hand_off,
             )
         )

@@ -109,6 +109,21 @@ class LogStore(Protocol):
         appends, in the append's transaction."""
         ...
 
+    async def pending_approvals(
+        self, sessions: Collection[SessionId]
+    ) -> list[tuple[SessionId, Record]]:
+        """The approval requests of ``sessions`` that no decision has answered yet, each with
+        its session, by session then seq: one indexed read, however long the transcripts. The
+        store indexes every request and decision it appends, in the append's transaction (a
+        later request on the same call replaces the earlier one)."""
+        ...
+
+    async def due_approvals(self, now: datetime, *, limit: int) -> list[tuple[SessionId, Record]]:
+        """Up to ``limit`` pending approval requests (of any session) whose ``expires_at`` is
+        at or before ``now``, soonest first: the sessions a node wakes so that their agents
+        answer them as denied (one indexed read)."""
+        ...
+
     async def delete(self, session: SessionId, fence: int) -> None:
         """Forget ``session``: its records and the idempotency records that point at them go,
         in one transaction that first raises its fence to ``fence`` (the etcd revision that

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Collection, Sequence
 from typing import Any, Protocol
 
 import grpc
@@ -117,6 +117,9 @@ class ControlReads(Protocol):
         namespaces: frozenset[str] | None = None,
     ) -> AgentListing: ...
     async def activations(self) -> dict[SessionId, Activation]: ...
+    async def pending_approvals(
+        self, sessions: Collection[SessionId]
+    ) -> list[tuple[SessionId, Record]]: ...
     async def page(
         self, session: SessionId, *, after_seq: int, limit: int
     ) -> tuple[list[Record], bool]: ...
@@ -476,6 +479,31 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
             )
             if current is not None:
                 summary.activation.CopyFrom(activation_to_wire(current))
+        return reply
+
+    @mesh_rpc
+    async def ListApprovals(
+        self,
+        request: mesh_pb2.ListApprovalsRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> mesh_pb2.ListApprovalsResponse:
+        root = await self._visible(context, request.root_session_id)
+        tree: list[SessionId] = []
+        token = ""
+        while True:
+            listing = await self._reads.listing(root=root, after=token, limit=MAX_PAGE)
+            tree.extend(header.session_id for header in listing.headers)
+            token = listing.next_token
+            if not token:
+                break
+        reply = mesh_pb2.ListApprovalsResponse()
+        for session, record in await self._reads.pending_approvals(tree):
+            wire = record_to_wire(record)
+            pending = reply.approvals.add(
+                session_id=session, seq=record.seq, request=wire.approval_request
+            )
+            if wire.HasField("recorded_at"):
+                pending.requested_at.CopyFrom(wire.recorded_at)
         return reply
 
     # -- helpers ----------------------------------------------------------------------------------

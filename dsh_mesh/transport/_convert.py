@@ -259,6 +259,7 @@ def record_to_wire(record: Record) -> mesh_pb2.TranscriptEntry:
     elif isinstance(entry, ApprovalRequestEntry):
         request = wire.approval_request
         request.call_id = entry.call_id
+        request.step_seq = entry.step_seq
         request.tool = entry.tool
         request.arguments_json = entry.arguments_json
         request.descriptor_digest = entry.descriptor_digest

@@ -185,6 +185,7 @@ _TARGET_FIELD: Mapping[str, str] = MappingProxyType(
         mesh_pb2.SubmitPromptRequest.DESCRIPTOR.full_name: "session_id",
         mesh_pb2.InterruptRequest.DESCRIPTOR.full_name: "session_id",
         mesh_pb2.ResolveApprovalRequest.DESCRIPTOR.full_name: "session_id",
+        mesh_pb2.ListApprovalsRequest.DESCRIPTOR.full_name: "root_session_id",
         mesh_pb2.GetSessionRequest.DESCRIPTOR.full_name: "session_id",
         mesh_pb2.WatchSessionRequest.DESCRIPTOR.full_name: "session_id",
         mesh_pb2.ListAgentsRequest.DESCRIPTOR.full_name: "root_session_id",

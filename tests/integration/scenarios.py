@@ -234,6 +234,8 @@ PROBE = Scenario(
         "stuck": (Call(calls=(("pause", {"seconds": "60"}),)), Reply(text="Unstuck.")),
         # A root whose probe call waits for a person's approval (approve_tools).
         "gated": (Call(calls=(("probe_unsafe", {}),)), Reply(text="Approved and done.")),
+        # The same, whose request expires after 2 s.
+        "gated-brief": (Call(calls=(("probe_unsafe", {}),)), Reply(text="Gave up.")),
     },
 )
 
@@ -281,6 +283,13 @@ system_prompt = "You ask first."
 model = "gated"
 tools = ["probe_unsafe"]
 approve_tools = ["probe_*"]
+
+[presets.gated-brief]
+system_prompt = "You ask first, briefly."
+model = "gated-brief"
+tools = ["probe_unsafe"]
+approve_tools = ["probe_*"]
+approval_timeout_s = 2
 """
 
 

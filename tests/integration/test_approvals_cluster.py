@@ -5,6 +5,10 @@ that resumes the agent. Every decision is in the transcript, over the wire."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +18,7 @@ import pytest
 
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
 from dsh_mesh.core import (
+    ApprovalDecisionEntry,
     ApprovalRequestEntry,
     ApprovalStale,
     Rejected,
@@ -21,6 +26,7 @@ from dsh_mesh.core import (
     ToolResultEntry,
     TurnEndedEntry,
     TurnOutcome,
+    TurnStartedEntry,
 )
 from dsh_mesh.testing import EtcdAddress, LocalCluster, MeshReader, create_root
 from dsh_mesh.testing.probe_tools import GATE_ENV, LOG_ENV, read_probe_log
@@ -40,7 +46,7 @@ def gated(etcd: EtcdAddress, tmp_path: Path) -> Iterator[tuple[LocalCluster, Pat
         presets_file=presets,
         nodes=("node-a", "node-b"),
         placement="local",
-        env={LOG_ENV: str(log), GATE_ENV: str(gate)},
+        env={LOG_ENV: str(log), GATE_ENV: str(gate), "DSH_APPROVAL_SWEEP_INTERVAL": "0.3"},
     ) as cluster:
         yield cluster, log
 
@@ -66,6 +72,20 @@ async def resolve_until_accepted(
                 await asyncio.sleep(0.2)
 
 
+async def list_approvals(
+    cluster: LocalCluster, node: str, root: SessionId
+) -> mesh_pb2.ListApprovalsResponse:
+    async with cluster.channel(node) as channel:
+        response: mesh_pb2.ListApprovalsResponse = await mesh_pb2_grpc.MeshControlStub(
+            channel
+        ).ListApprovals(
+            mesh_pb2.ListApprovalsRequest(root_session_id=root),
+            metadata=cluster.metadata("tester"),
+            timeout=30,
+        )
+        return response
+
+
 async def test_a_pending_approval_survives_the_sigkill_of_its_host_and_runs_once(
     gated: tuple[LocalCluster, Path],
 ) -> None:
@@ -80,6 +100,9 @@ async def test_a_pending_approval_survives_the_sigkill_of_its_host_and_runs_once
         [request] = [r.entry for r in records if isinstance(r.entry, ApprovalRequestEntry)]
         assert isinstance(request, ApprovalRequestEntry) and request.tool == "probe_unsafe"
         assert read_probe_log(log) == []
+        [listed] = (await list_approvals(cluster, "node-a", root)).approvals
+        assert (listed.session_id, listed.request.call_id) == (root, request.call_id)
+        assert listed.request.request_digest == request.digest and listed.seq > 0
 
         cluster["node-a"].kill()
         decision = mesh_pb2.ResolveApprovalRequest(
@@ -103,6 +126,7 @@ async def test_a_pending_approval_survives_the_sigkill_of_its_host_and_runs_once
             await deny(cluster, "node-b", root, request)
         assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
         assert isinstance(error_from_rpc(refused.value), ApprovalStale)
+        assert not (await list_approvals(cluster, "node-b", root)).approvals
         async with cluster.channel("node-b") as channel:
             page = await mesh_pb2_grpc.MeshControlStub(channel).GetSession(
                 mesh_pb2.GetSessionRequest(session_id=root, page_size=1000),
@@ -142,3 +166,82 @@ async def deny(
             metadata=cluster.metadata("tester"),
             timeout=30,
         )
+
+
+def cli(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
+    """The real ``dsh-mesh`` command against node-a, as a person runs it."""
+    address = cluster["node-a"].address
+    assert address is not None
+    env = {**os.environ, "DSH_NODE": address, "DSH_CLUSTER_TOKEN": cluster.settings.cluster_token}
+    return subprocess.run(
+        [sys.executable, "-m", "dsh_mesh.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+async def test_the_command_lists_a_trees_waiting_calls_and_denies_one(
+    gated: tuple[LocalCluster, Path],
+) -> None:
+    cluster, log = gated
+    root = await create_root(cluster, on="node-a", task="Probe, once allowed.", preset="gated")
+    async with MeshReader(cluster.settings) as reader:
+        await reader.wait_for(
+            lambda: reader.transcript(root),
+            lambda rs: any(isinstance(r.entry, TurnEndedEntry) for r in rs),
+            what="the turn stopped at the call",
+        )
+        listed = cli(cluster, "approvals", root, "--json")
+        assert listed.returncode == 0, listed.stderr
+        [waiting] = json.loads(listed.stdout)
+        assert waiting["session_id"] == root and waiting["request"]["tool"] == "probe_unsafe"
+        call = waiting["request"]["call_id"]
+
+        denied = cli(cluster, "deny", root, call, "--reason", "not today")
+        assert denied.returncode == 0, denied.stderr
+        assert f"denied call {call} of {root} as operator" in denied.stdout
+        assert waiting["request"]["request_digest"] in denied.stderr  # what it decided on
+        records = await reader.wait_for(
+            lambda: reader.transcript(root),
+            lambda rs: sum(isinstance(r.entry, TurnEndedEntry) for r in rs) == 2,
+            what="the turn gone on from the denied call",
+        )
+        again = cli(cluster, "deny", root, call, "--reason", "not today")
+        assert again.returncode != 0 and "no call" in again.stderr  # nothing waits any more
+        assert cli(cluster, "approvals", root, "--json").stdout.strip() == "[]"
+    [result] = [r.entry for r in records if isinstance(r.entry, ToolResultEntry)]
+    assert result.is_error and result.content.endswith("by operator: not today")
+    assert read_probe_log(log) == []
+
+
+async def test_a_request_of_an_agent_whose_host_died_expires_on_another_node(
+    gated: tuple[LocalCluster, Path],
+) -> None:
+    """No message comes: another node finds the expired request in the log store's index,
+    resumes the agent, and the agent answers it as denied and goes on."""
+    cluster, log = gated
+    root = await create_root(cluster, on="node-a", task="Probe, briefly.", preset="gated-brief")
+    async with MeshReader(cluster.settings) as reader:
+        await reader.wait_for(
+            lambda: reader.transcript(root),
+            lambda rs: any(isinstance(r.entry, TurnEndedEntry) for r in rs),
+            what="the turn stopped at the call",
+        )
+        cluster["node-a"].kill()
+        records = await reader.wait_for(
+            lambda: reader.transcript(root),
+            lambda rs: sum(isinstance(r.entry, TurnEndedEntry) for r in rs) == 2,
+            what="the expired request answered and the turn gone on",
+        )
+    [decided] = [r.entry for r in records if isinstance(r.entry, ApprovalDecisionEntry)]
+    assert decided.by == "dsh-mesh" and "expired" in decided.reason
+    [result] = [r.entry for r in records if isinstance(r.entry, ToolResultEntry)]
+    assert result.is_error and "expired" in result.content
+    started = [r.entry for r in records if isinstance(r.entry, TurnStartedEntry)]
+    assert started[-1].node_id == "node-b"  # the one node left
+    ended = [r.entry.outcome for r in records if isinstance(r.entry, TurnEndedEntry)]
+    assert ended == [TurnOutcome.AWAITING_APPROVAL, TurnOutcome.COMPLETED]
+    assert read_probe_log(log) == []

@@ -94,6 +94,7 @@ def test_list_shows_the_public_services_and_health(grpcurl: Grpcurl) -> None:
             "WatchSession",
             "ListAgents",
             "ResolveApproval",
+            "ListApprovals",
         )
     }
 

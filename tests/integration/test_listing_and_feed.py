@@ -125,6 +125,14 @@ class HeldLog:
     async def last_compaction(self, session: SessionId) -> Record | None:
         return await self.inner.last_compaction(session)
 
+    async def pending_approvals(
+        self, sessions: Collection[SessionId]
+    ) -> list[tuple[SessionId, Record]]:
+        return await self.inner.pending_approvals(sessions)
+
+    async def due_approvals(self, now: datetime, *, limit: int) -> list[tuple[SessionId, Record]]:
+        return await self.inner.due_approvals(now, limit=limit)
+
     async def delete(self, session: SessionId, fence: int) -> None:
         await self.inner.delete(session, fence)
 

@@ -211,6 +211,18 @@ class ProbedLog:
     async def last_compaction(self, session: SessionId) -> Record | None:
         return await self._probed("last_compaction", lambda: self.inner.last_compaction(session))
 
+    async def pending_approvals(
+        self, sessions: Collection[SessionId]
+    ) -> list[tuple[SessionId, Record]]:
+        return await self._probed(
+            "pending_approvals", lambda: self.inner.pending_approvals(sessions)
+        )
+
+    async def due_approvals(self, now: datetime, *, limit: int) -> list[tuple[SessionId, Record]]:
+        return await self._probed(
+            "due_approvals", lambda: self.inner.due_approvals(now, limit=limit)
+        )
+
     async def delete(self, session: SessionId, fence: int) -> None:
         await self._probed("delete", lambda: self.inner.delete(session, fence))
 

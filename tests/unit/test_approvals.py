@@ -7,29 +7,36 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import AsyncIterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import TypeVar
 
 import pytest
 
 from dsh_mesh.agent import completed_turn_prefix, render
+from dsh_mesh.agent._approvals import check_decision, request_of
 from dsh_mesh.core import (
     ApprovalDecision,
     ApprovalDecisionEntry,
     ApprovalRequestEntry,
     ApprovalStale,
     AssistantStepEntry,
+    ConsumedEntry,
     InvalidArgument,
     Record,
+    RegistryUnavailable,
     Role,
     SessionId,
     SettlementNoticeEntry,
+    ToolCall,
     ToolResultEntry,
     TreeClosed,
     TurnEndedEntry,
+    TurnId,
     TurnOutcome,
+    Usage,
 )
 from dsh_mesh.models import PARENT, Call, Reply, send, tool
+from dsh_mesh.runtime import InMemorySessionStore
 from dsh_mesh.testing import InProcessMesh, in_process_mesh
 from dsh_mesh.tools import ApprovalPolicy, Preset
 from dsh_mesh.tools import tool as tool_decorator
@@ -474,3 +481,105 @@ async def test_stopping_the_subtree_of_a_waiting_child_denies_its_request(
     await team.manager.reopen_tree(ROOT)
     with pytest.raises(ApprovalStale):  # and the stop decided it
         await team.manager.resolve_approval(CHILD, decision(request))
+
+
+class LostDecisionStore(InMemorySessionStore):
+    """Writes the first decision durably, then loses the answer (an etcd outage cut the call
+    after the transaction applied)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lost = False
+
+    async def append(self, session, entry, *, writer, idempotency=None):  # type: ignore[no-untyped-def]
+        result = await super().append(session, entry, writer=writer, idempotency=idempotency)
+        if isinstance(entry, ApprovalDecisionEntry) and not self.lost:
+            self.lost = True
+            raise RegistryUnavailable("etcd went away before it answered")
+        return result
+
+
+async def test_a_decision_whose_answer_was_lost_is_found_runs_once_and_stands() -> None:
+    """The allow landed, its answer was lost: the agent finds it (it is in doubt), reads it
+    before the call runs, and a later deny is stale, not a second decision."""
+    RAN.clear()
+    store = LostDecisionStore()
+    async with in_process_mesh(approving("deploy"), store=store, tools=(deploy,)) as team:
+        team.scripted.program("lead", tool("deploy", env="prod"), Reply(text="shipped"))
+        await team.manager.create_root("Ship it.", preset="lead")
+        request = await waiting_request(team, ROOT)
+        with pytest.raises(RegistryUnavailable):
+            await team.manager.resolve_approval(ROOT, decision(request))
+        await team.manager.quiescent()
+        with pytest.raises(ApprovalStale):
+            await team.manager.resolve_approval(
+                ROOT, decision(request, ApprovalDecision.DENY, by="client:bob")
+            )
+        records = await team.transcript(ROOT)
+    assert RAN == ["prod@1"]
+    [decided] = [r for r in records if isinstance(r.entry, ApprovalDecisionEntry)]
+    [result] = [r for r in records if isinstance(r.entry, ToolResultEntry)]
+    read = [
+        r for r in records if isinstance(r.entry, ConsumedEntry) and decided.seq in r.entry.seqs
+    ]
+    assert read and read[0].seq < result.seq  # read before the call ran
+
+
+async def test_interrupting_twice_cancels_once_and_the_next_call_still_waits(
+    team: InProcessMesh,
+) -> None:
+    # The cancelled turn makes no model call: the next step is the program's second.
+    team.scripted.program("lead", tool("deploy", env="a"), tool("deploy", env="b"), Reply())
+    await team.manager.create_root("Ship.", preset="lead")
+    await waiting_request(team, ROOT)
+    team.manager.interrupt(ROOT)
+    team.manager.interrupt(ROOT)  # while the first is carried out
+    await team.manager.quiescent()
+    await team.manager.submit_prompt(ROOT, "Ship b.", idempotency_key="b")
+    second = await waiting_request(team, ROOT)
+    assert second.arguments_json == '{"env": "b"}'  # waits: no stale cancel denied it
+    records = await team.transcript(ROOT)
+    assert len(entries(records, ApprovalDecisionEntry)) == 1
+    assert RAN == []
+
+
+def test_a_call_id_a_later_step_reuses_is_asked_anew() -> None:
+    """A provider may number calls per step (``call_0``): the request and decision of an earlier
+    step's call never answer a later step's call of the same id."""
+    step = AssistantStepEntry(
+        text="",
+        tool_calls=(ToolCall(call_id="call_0", name="deploy", arguments_json="{}"),),
+        usage=Usage(),
+    )
+    earlier = ApprovalRequestEntry(
+        call_id="call_0", step_seq=1, tool="deploy", arguments_json="{}", descriptor_digest="d"
+    )
+    records = [
+        Record(seq=1, entry=step),
+        Record(seq=2, entry=earlier),
+        Record(seq=3, entry=decision(earlier)),
+        Record(seq=4, entry=ToolResultEntry(call_id="call_0", name="deploy", content="ok")),
+        Record(seq=5, entry=step),
+    ]
+    assert request_of(records, "call_0", step=1) is not None
+    assert request_of(records, "call_0", step=5) is None
+    with pytest.raises(ApprovalStale):
+        check_decision(records, decision(earlier), None, datetime.now(UTC), step=5)
+
+
+def test_a_fork_never_inherits_a_call_without_its_result() -> None:
+    """A turn lost between its request and its end leaves the call open: that end is no
+    completed-turn prefix."""
+    first = AssistantStepEntry(text="hi", tool_calls=(), usage=Usage())
+    asking = AssistantStepEntry(
+        text="",
+        tool_calls=(ToolCall(call_id="c-1", name="deploy", arguments_json="{}"),),
+        usage=Usage(),
+    )
+    records = [
+        Record(seq=1, entry=first),
+        Record(seq=2, entry=TurnEndedEntry(turn_id=TurnId("t-1"), outcome=TurnOutcome.COMPLETED)),
+        Record(seq=3, entry=asking),
+        Record(seq=4, entry=TurnEndedEntry(turn_id=TurnId("t-2"), outcome=TurnOutcome.LOST)),
+    ]
+    assert completed_turn_prefix(records)[0] == 2

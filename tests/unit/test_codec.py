@@ -187,6 +187,7 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
     (
         ApprovalRequestEntry(
             call_id="c-1",
+            step_seq=7,
             tool="deploy",
             arguments_json='{"env":"prod"}',
             descriptor_digest="d1",
@@ -194,7 +195,7 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
         ),
         '{"arguments_json":"{\\"env\\":\\"prod\\"}","at":null,"call_id":"c-1",'
         '"descriptor_digest":"d1","expires_at":"2025-01-02T03:04:05.000006+00:00",'
-        '"tool":"deploy","type":"approval_request","v":8}',
+        '"step_seq":7,"tool":"deploy","type":"approval_request","v":8}',
     ),
     (
         ApprovalDecisionEntry(
@@ -729,6 +730,7 @@ ENTRIES: st.SearchStrategy[Entry] = st.one_of(
     st.builds(
         ApprovalRequestEntry,
         call_id=TEXT,
+        step_seq=COUNTS,
         tool=TEXT,
         arguments_json=TEXT,
         descriptor_digest=TEXT,

@@ -267,6 +267,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "HumanPrompt",
         "InterruptResult",
         "MeshClient",
+        "PendingApproval",
         "PromptAccepted",
         "RootSession",
         "SessionEvent",

@@ -33,6 +33,7 @@ CONTROL_RPCS = {
     "WatchSession",
     "ListAgents",
     "ResolveApproval",
+    "ListApprovals",
 }
 
 REJECTION_REASONS = [

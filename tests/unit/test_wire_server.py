@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from typing import Any
 
 import grpc
@@ -175,6 +175,11 @@ class _StoreReads:
         raise NotImplementedError
 
     async def activations(self) -> dict[SessionId, Activation]:
+        raise NotImplementedError
+
+    async def pending_approvals(
+        self, sessions: Collection[SessionId]
+    ) -> list[tuple[SessionId, Record]]:
         raise NotImplementedError
 
     async def page(

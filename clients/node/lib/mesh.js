@@ -267,6 +267,12 @@ function connect(address, options = {}) {
       );
     },
 
+    /** ListApprovals: {approvals: [{session_id, seq, requested_at, request}]}: every call of
+     * the tree rooted at rootSessionId that waits for a person's decision now. */
+    listApprovals(rootSessionId, opts) {
+      return call(control, 'ListApprovals', { root_session_id: rootSessionId }, opts);
+    },
+
     /** ResolveApproval, denying: the call never runs; the model reads `reason`. */
     deny(sessionId, callId, requestDigest, { reason = '' } = {}, opts) {
       return call(

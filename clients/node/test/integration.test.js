@@ -314,6 +314,12 @@ test('a call waiting for approval is approved through the client; a second decis
       const entry = event.entry;
       if (entry && entry.body === 'approval_request') {
         request = entry.approval_request;
+        const { approvals } = await a.listApprovals(root.session_id);
+        assert.deepEqual(
+          approvals.map((p) => [p.session_id, p.request.call_id, p.request.request_digest]),
+          [[root.session_id, request.call_id, request.request_digest]],
+          'ListApprovals: the one waiting call',
+        );
         // Decided through another node than the one it is watched through.
         const decided = await a.approve(root.session_id, request.call_id, request.request_digest, {
           reason: 'from Node.js',
@@ -333,6 +339,7 @@ test('a call waiting for approval is approved through the client; a second decis
     const refused = await refusal(a.deny(root.session_id, request.call_id, request.request_digest));
     assert.equal(refused.code, status.FAILED_PRECONDITION);
     assert.equal(refused.reason, 'APPROVAL_STALE');
+    assert.deepEqual((await b.listApprovals(root.session_id)).approvals, [], 'none waits now');
   } finally {
     a.close();
     b.close();

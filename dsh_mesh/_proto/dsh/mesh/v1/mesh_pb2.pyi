@@ -197,6 +197,30 @@ class Rejection(_message.Message):
     target_session_id: str
     def __init__(self, reason: _Optional[_Union[RejectionReason, str]] = ..., detail: _Optional[str] = ..., target_session_id: _Optional[str] = ...) -> None: ...
 
+class ListApprovalsRequest(_message.Message):
+    __slots__ = ("root_session_id",)
+    ROOT_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    root_session_id: str
+    def __init__(self, root_session_id: _Optional[str] = ...) -> None: ...
+
+class ListApprovalsResponse(_message.Message):
+    __slots__ = ("approvals",)
+    APPROVALS_FIELD_NUMBER: _ClassVar[int]
+    approvals: _containers.RepeatedCompositeFieldContainer[PendingApproval]
+    def __init__(self, approvals: _Optional[_Iterable[_Union[PendingApproval, _Mapping]]] = ...) -> None: ...
+
+class PendingApproval(_message.Message):
+    __slots__ = ("session_id", "seq", "requested_at", "request")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_AT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    seq: int
+    requested_at: _timestamp_pb2.Timestamp
+    request: ApprovalRequestEntry
+    def __init__(self, session_id: _Optional[str] = ..., seq: _Optional[int] = ..., requested_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., request: _Optional[_Union[ApprovalRequestEntry, _Mapping]] = ...) -> None: ...
+
 class ResolveApprovalRequest(_message.Message):
     __slots__ = ("session_id", "call_id", "decision", "request_digest", "arguments_json", "reason")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -648,20 +672,22 @@ class CompactionEntry(_message.Message):
     def __init__(self, summary: _Optional[str] = ..., from_seq: _Optional[int] = ..., through_seq: _Optional[int] = ..., task: _Optional[str] = ..., pending: _Optional[_Iterable[int]] = ..., model: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class ApprovalRequestEntry(_message.Message):
-    __slots__ = ("call_id", "tool", "arguments_json", "descriptor_digest", "expires_at", "request_digest")
+    __slots__ = ("call_id", "tool", "arguments_json", "descriptor_digest", "expires_at", "request_digest", "step_seq")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     TOOL_FIELD_NUMBER: _ClassVar[int]
     ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTOR_DIGEST_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    STEP_SEQ_FIELD_NUMBER: _ClassVar[int]
     call_id: str
     tool: str
     arguments_json: str
     descriptor_digest: str
     expires_at: _timestamp_pb2.Timestamp
     request_digest: str
-    def __init__(self, call_id: _Optional[str] = ..., tool: _Optional[str] = ..., arguments_json: _Optional[str] = ..., descriptor_digest: _Optional[str] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., request_digest: _Optional[str] = ...) -> None: ...
+    step_seq: int
+    def __init__(self, call_id: _Optional[str] = ..., tool: _Optional[str] = ..., arguments_json: _Optional[str] = ..., descriptor_digest: _Optional[str] = ..., expires_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., request_digest: _Optional[str] = ..., step_seq: _Optional[int] = ...) -> None: ...
 
 class ApprovalDecisionEntry(_message.Message):
     __slots__ = ("call_id", "decision", "request_digest", "arguments_json", "reason", "by")

@@ -233,6 +233,11 @@ class MeshControlStub:
                 request_serializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.ResolveApprovalRequest.SerializeToString,
                 response_deserializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.ResolveApprovalResponse.FromString,
                 _registered_method=True)
+        self.ListApprovals = channel.unary_unary(
+                '/dsh.mesh.v1.MeshControl/ListApprovals',
+                request_serializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.ListApprovalsRequest.SerializeToString,
+                response_deserializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.ListApprovalsResponse.FromString,
+                _registered_method=True)
 
 
 class MeshControlServicer:
@@ -358,6 +363,17 @@ class MeshControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListApprovals(self, request, context):
+        """ListApprovals lists the tool calls of a tree that wait for a person's
+        decision now: each request with its session, in session then seq order.
+        One indexed read of the log store for the whole tree, however long its
+        transcripts. Read-only snapshot; a request may be decided (or expire)
+        right after it was listed (ResolveApproval then says APPROVAL_STALE).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MeshControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -405,6 +421,11 @@ def add_MeshControlServicer_to_server(servicer, server):
                     servicer.ResolveApproval,
                     request_deserializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.ResolveApprovalRequest.FromString,
                     response_serializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.ResolveApprovalResponse.SerializeToString,
+            ),
+            'ListApprovals': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListApprovals,
+                    request_deserializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.ListApprovalsRequest.FromString,
+                    response_serializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.ListApprovalsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -662,6 +683,33 @@ class MeshControl:
             '/dsh.mesh.v1.MeshControl/ResolveApproval',
             dsh_dot_mesh_dot_v1_dot_mesh__pb2.ResolveApprovalRequest.SerializeToString,
             dsh_dot_mesh_dot_v1_dot_mesh__pb2.ResolveApprovalResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListApprovals(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsh.mesh.v1.MeshControl/ListApprovals',
+            dsh_dot_mesh_dot_v1_dot_mesh__pb2.ListApprovalsRequest.SerializeToString,
+            dsh_dot_mesh_dot_v1_dot_mesh__pb2.ListApprovalsResponse.FromString,
             options,
             channel_credentials,
             insecure,
