@@ -35,6 +35,7 @@ from dsh_mesh.core import (
     SettlementNoticeEntry,
     SettlementOutcome,
     TaskEntry,
+    ToolResultEntry,
 )
 from dsh_mesh.runtime import Acceptance, IdempotencyKey, Logged, LogStore, Write
 
@@ -63,6 +64,10 @@ def request(call: str, arguments: str = "{}", *, expires: datetime | None = None
             expires_at=expires,
         )
     )
+
+
+def answer(call: str) -> Write:
+    return Write(entry=ToolResultEntry(call_id=call, name="deploy", content="done"))
 
 
 def decided(call: str) -> Write:
@@ -329,7 +334,7 @@ class LogStoreConformance:
         await store.delete(S, 30)
         assert [s for s, _ in await store.pending_approvals([S, OTHER, THIRD])] == [OTHER, THIRD]
 
-    async def test_due_approvals_are_the_pending_ones_past_their_expiry_soonest_first(
+    async def test_stranded_approvals_are_the_expired_undecided_and_the_decided_unanswered(
         self, store: LogStore
     ) -> None:
         at = datetime(2026, 1, 1, tzinfo=UTC)
@@ -340,17 +345,30 @@ class LogStoreConformance:
             [request("late", expires=later), request("early", expires=at), request("never")],
             fence=10,
         )
-        await store.append(
-            OTHER, [request("mid", expires=at.replace(hour=5))], fence=1, unfenced=True
-        )
-        assert await store.due_approvals(at.replace(hour=0, minute=0), limit=10) != []
-        due = await store.due_approvals(later, limit=10)
-        assert [(s, r.seq) for s, r in due] == [(S, 2), (OTHER, 1), (S, 1)]
-        assert [(s, r.seq) for s, r in await store.due_approvals(later, limit=1)] == [(S, 2)]
-        assert await store.due_approvals(datetime(2025, 12, 31, tzinfo=UTC), limit=10) == []
-        await store.append(S, [decided("early")], fence=10)  # decided: due no more
-        due = await store.due_approvals(later, limit=10)
-        assert [(s, r.seq) for s, r in due] == [(OTHER, 1), (S, 1)]
+        await store.append(OTHER, [request("mid", expires=at)], fence=1, unfenced=True)
+
+        def seqs(found: list[tuple[SessionId, Record, bool]]) -> list[tuple[str, int, bool]]:
+            return [(s, r.seq, d) for s, r, d in found]
+
+        assert await store.stranded_approvals(datetime(2025, 12, 31, tzinfo=UTC), limit=9) == []
+        assert seqs(await store.stranded_approvals(at, limit=9)) == [
+            (S, 2, False),
+            (OTHER, 1, False),
+        ]
+        assert seqs(await store.stranded_approvals(later, limit=1)) == [(S, 1, False)]
+        # Decided: no longer pending, still stranded until its call has its result.
+        await store.append(S, [decided("never")], fence=10)
+        assert [r.seq for _, r in await store.pending_approvals([S])] == [1, 2]
+        assert seqs(await store.stranded_approvals(at, limit=9)) == [
+            (S, 2, False),
+            (S, 3, True),
+            (OTHER, 1, False),
+        ]
+        await store.append(S, [answer("never"), answer("early")], fence=10)
+        assert seqs(await store.stranded_approvals(later, limit=9)) == [
+            (S, 1, False),
+            (OTHER, 1, False),
+        ]
 
     async def test_a_deleted_session_is_gone_and_its_old_writers_stay_refused(
         self, store: LogStore

@@ -22,7 +22,6 @@ from typing import Protocol
 
 from dsh_mesh import telemetry
 from dsh_mesh.agent._approvals import (
-    EXPIRED_BY,
     check_decision,
     consumed,
     decision_of,
@@ -42,6 +41,7 @@ from dsh_mesh.agent._inbox import Inbox
 from dsh_mesh.agent._render import render
 from dsh_mesh.core import (
     INBOUND_TYPES,
+    MESH_DECIDER,
     AbortSignal,
     Activation,
     AgentRef,
@@ -231,6 +231,9 @@ class Agent:
         """Every seq up to this one is in the local copy (or was compacted)."""
         self._forget_compacted()
         self._in_doubt = False
+        self._doubts = 0
+        """How often :meth:`doubt` was called: a read clears the doubt only if none came
+        while it read (its snapshot may predate that accept's record)."""
         self._writes = DetachedWork()
         """Writes started by a turn: each runs to its end even if the turn is interrupted
         meanwhile, and the turn's close waits for them (:meth:`_finish_writes`), so nothing
@@ -339,6 +342,7 @@ class Agent:
         answer was lost): the next step boundary reads the transcript past what it holds and
         takes any inbound record it finds, so it leaves none behind (docs/adr/0007)."""
         self._in_doubt = True
+        self._doubts += 1
         self._work.set()  # a call waiting for approval may have its decision among what landed
 
     def _advance_held(self) -> None:
@@ -567,7 +571,7 @@ class Agent:
                 decision=ApprovalDecision.DENY,
                 request_digest=request.entry.digest,
                 reason=reason,
-                by=EXPIRED_BY,
+                by=MESH_DECIDER,
             )
             record = await self._writes.run(self._host.append(self, entry))
             self.deliver(record)
@@ -774,8 +778,10 @@ class Agent:
 
     async def _take_landed(self) -> None:
         """Deliver to this agent every inbound record that landed without its accept knowing
-        (the answer was lost); no accept is appending meanwhile (the gate is held). The doubt
-        ends only once the read succeeded: a failed read leaves it for the next holder."""
+        (the answer was lost). The doubt ends only once the read succeeded, and only if no
+        other doubt came while it read: a decision takes what landed with other accepts still
+        appending (:meth:`deciding`), and their lost answers are read next time."""
+        doubts = self._doubts
         for record in await self._host.read_after(self, self._held_through):
             if self.holds(record.seq):
                 continue
@@ -783,7 +789,8 @@ class Agent:
                 self.deliver(record)
             else:
                 self.record(record)
-        self._in_doubt = False
+        if self._doubts == doubts:
+            self._in_doubt = False
 
     async def _turn(self, first: list[Record], *, going_on: bool = False) -> None:
         turn_id = self._ids.turn_id()

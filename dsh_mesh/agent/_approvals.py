@@ -12,6 +12,7 @@ from typing import Any
 import jsonschema
 
 from dsh_mesh.core import (
+    MESH_DECIDER,
     ApprovalDecision,
     ApprovalDecisionEntry,
     ApprovalRequestEntry,
@@ -23,9 +24,6 @@ from dsh_mesh.core import (
     ToolResultEntry,
 )
 from dsh_mesh.tools import ToolOutput
-
-EXPIRED_BY = "dsh-mesh"
-"""Who an expiry's decision names: no person decided."""
 
 
 def request_of(records: Sequence[Record], call_id: str, *, step: int) -> Record | None:
@@ -150,7 +148,7 @@ def describe(record: Record) -> str:
 def denied(decision: ApprovalDecisionEntry) -> ToolOutput:
     """The result the model reads of a denied call."""
     why = f": {decision.reason}" if decision.reason else ""
-    who = "" if decision.by == EXPIRED_BY else f" by {decision.by or 'a person'}"
+    who = "" if decision.by == MESH_DECIDER else f" by {decision.by or 'a person'}"
     return ToolOutput(content=f"not run: this call was denied{who}{why}", is_error=True)
 
 

@@ -14,6 +14,7 @@ from dsh_mesh.core._adjacency import (
 )
 from dsh_mesh.core._approval import (
     MAX_APPROVAL_REASON_CHARS,
+    MESH_DECIDER,
     ApprovalDecision,
     ApprovalDecisionEntry,
     ApprovalRequestEntry,
@@ -119,6 +120,7 @@ __all__ = [
     "DEFAULT_NAMESPACE",
     "INBOUND_TYPES",
     "MAX_APPROVAL_REASON_CHARS",
+    "MESH_DECIDER",
     "RETRYABLE_REASONS",
     "SETTLEMENT_NOTICE_KIND",
     "AbortSignal",

@@ -15,6 +15,8 @@ from dsh_mesh.core._header import ToolDescriptor, canonical_json
 MAX_APPROVAL_REASON_CHARS = 2000
 """The longest reason a decision may carry: the model reads it."""
 MAX_APPROVER_CHARS = 256
+MESH_DECIDER = "dsh-mesh"
+"""Who a decision names when no person made it: an expiry, an interrupt, a stop."""
 
 
 class ApprovalDecision(enum.Enum):

@@ -14,6 +14,7 @@ from dsh_mesh.core import (
     CompactionEntry,
     Record,
     SessionId,
+    ToolResultEntry,
 )
 from dsh_mesh.runtime import Acceptance, IdempotencyKey, Write, Written, check_same_request
 
@@ -46,10 +47,17 @@ class Plan:
 
     @property
     def decided(self) -> list[str]:
-        """The call ids decided among ``records``: their requests are pending no more."""
+        """The call ids decided among ``records``: their requests are pending no more (they
+        stay indexed until their calls are answered, so a node can wake an absent agent
+        whose decision waits to be read)."""
         return [
             r.entry.call_id for r, _ in self.records if isinstance(r.entry, ApprovalDecisionEntry)
         ]
+
+    @property
+    def answered(self) -> list[str]:
+        """The call ids answered among ``records``: a request of theirs is done with."""
+        return [r.entry.call_id for r, _ in self.records if isinstance(r.entry, ToolResultEntry)]
 
 
 def plan_append(

@@ -21,8 +21,8 @@ class MemoryLogStore:
         self._log: list[Logged] = []  # every record, in position order
         self._forgotten: dict[SessionId, int] = {}  # deleted sessions: up to which position
         self._compacted: dict[SessionId, int] = {}  # the seq of each session's last compaction
-        # Pending approval requests: call id -> (seq, expiry).
-        self._asked: dict[SessionId, dict[str, tuple[int, datetime | None]]] = {}
+        # Approval requests whose call has no result yet: call id -> (seq, expiry, decided).
+        self._asked: dict[SessionId, dict[str, tuple[int, datetime | None, bool]]] = {}
 
     async def raise_fence(self, session: SessionId, fence: int) -> int:
         current = max(self._fences.get(session, 0), fence)
@@ -51,8 +51,11 @@ class MemoryLogStore:
         if plan.compactions:
             self._compacted[session] = plan.compactions[-1]
         asked = self._asked.setdefault(session, {})
-        asked.update({call: (seq, expires) for call, seq, expires in plan.requests})
+        asked.update({call: (seq, expires, False) for call, seq, expires in plan.requests})
         for call in plan.decided:
+            if call in asked:
+                asked[call] = (*asked[call][:2], True)
+        for call in plan.answered:
             asked.pop(call, None)
         if plan.new_fence is not None:
             self._fences[session] = plan.new_fence
@@ -96,17 +99,20 @@ class MemoryLogStore:
         return [
             (session, self._transcripts[session][seq - 1])
             for session in sorted(set(sessions))
-            for seq, _ in sorted(self._asked.get(session, {}).values())
+            for seq, _, decided in sorted(self._asked.get(session, {}).values())
+            if not decided
         ]
 
-    async def due_approvals(self, now: datetime, *, limit: int) -> list[tuple[SessionId, Record]]:
-        due = sorted(
-            (expires, session, seq)
+    async def stranded_approvals(
+        self, now: datetime, *, limit: int
+    ) -> list[tuple[SessionId, Record, bool]]:
+        stranded = sorted(
+            (session, seq, decided)
             for session, asked in self._asked.items()
-            for seq, expires in asked.values()
-            if expires is not None and expires <= now
+            for seq, expires, decided in asked.values()
+            if decided or (expires is not None and expires <= now)
         )
-        return [(s, self._transcripts[s][seq - 1]) for _, s, seq in due[:limit]]
+        return [(s, self._transcripts[s][seq - 1], d) for s, seq, d in stranded[:limit]]
 
     async def delete(self, session: SessionId, fence: int) -> None:
         self._fences[session] = max(self._fences.get(session, 0), fence)

@@ -51,7 +51,7 @@ _SCHEMA = (
     # Each call's pending approval request (docs/approvals.md): a decision removes it.
     "CREATE TABLE IF NOT EXISTS approvals ("
     " session TEXT NOT NULL, call_id TEXT NOT NULL, seq BIGINT NOT NULL, expires TIMESTAMPTZ,"
-    " PRIMARY KEY (session, call_id))",
+    " decided BOOLEAN NOT NULL DEFAULT FALSE, PRIMARY KEY (session, call_id))",
     "CREATE INDEX IF NOT EXISTS approvals_by_expiry ON approvals (expires)",
 )
 _ENSURE_FENCE = "INSERT INTO fences (session, fence) VALUES ($1, 0) ON CONFLICT DO NOTHING"
@@ -89,21 +89,25 @@ _LAST_COMPACTION = (
 )
 _FORGET_COMPACTIONS = "DELETE FROM compactions WHERE session = $1"
 _INSERT_REQUESTS = (
-    "INSERT INTO approvals (session, call_id, seq, expires)"
-    " SELECT $1, call_id, seq, expires"
+    "INSERT INTO approvals (session, call_id, seq, expires, decided)"
+    " SELECT $1, call_id, seq, expires, FALSE"
     " FROM unnest($2::text[], $3::bigint[], $4::timestamptz[]) AS r (call_id, seq, expires)"
-    " ON CONFLICT (session, call_id) DO UPDATE SET seq = excluded.seq, expires = excluded.expires"
+    " ON CONFLICT (session, call_id)"
+    " DO UPDATE SET seq = excluded.seq, expires = excluded.expires, decided = FALSE"
 )
-_DUE_APPROVALS = (
-    "SELECT e.session, e.seq, e.data FROM approvals a"
+_DECIDE_REQUESTS = (
+    "UPDATE approvals SET decided = TRUE WHERE session = $1 AND call_id = ANY($2::text[])"
+)
+_STRANDED_APPROVALS = (
+    "SELECT e.session, e.seq, e.data, a.decided FROM approvals a"
     " JOIN entries e ON e.session = a.session AND e.seq = a.seq"
-    " WHERE a.expires <= $1 ORDER BY a.expires LIMIT $2"
+    " WHERE a.decided OR a.expires <= $1 ORDER BY a.session, a.seq LIMIT $2"
 )
 _FORGET_REQUESTS = "DELETE FROM approvals WHERE session = $1 AND call_id = ANY($2::text[])"
 _PENDING_APPROVALS = (
     "SELECT e.session, e.seq, e.data FROM approvals a"
     " JOIN entries e ON e.session = a.session AND e.seq = a.seq"
-    " WHERE a.session = ANY($1::text[]) ORDER BY e.session, e.seq"
+    " WHERE a.session = ANY($1::text[]) AND NOT a.decided ORDER BY e.session, e.seq"
 )
 _FORGET_APPROVALS = "DELETE FROM approvals WHERE session = $1"
 _FORGET_ENTRIES = "DELETE FROM entries WHERE session = $1"
@@ -254,10 +258,12 @@ class PostgresLogStore:
             rows = await db.fetch(_PENDING_APPROVALS, sorted(set(sessions)))
         return [(SessionId(row[0]), decode_record(row[1], row[2])) for row in rows]
 
-    async def due_approvals(self, now: datetime, *, limit: int) -> list[tuple[SessionId, Record]]:
+    async def stranded_approvals(
+        self, now: datetime, *, limit: int
+    ) -> list[tuple[SessionId, Record, bool]]:
         async with self._connection() as db:
-            rows = await db.fetch(_DUE_APPROVALS, now, limit)
-        return [(SessionId(row[0]), decode_record(row[1], row[2])) for row in rows]
+            rows = await db.fetch(_STRANDED_APPROVALS, now, limit)
+        return [(SessionId(row[0]), decode_record(row[1], row[2]), row[3]) for row in rows]
 
     async def delete(self, session: SessionId, fence: int) -> None:
         async with self._connection() as db, db.transaction():
@@ -334,7 +340,9 @@ class PostgresLogStore:
                 calls, seqs, expiries = zip(*plan.requests, strict=True)
                 await db.execute(_INSERT_REQUESTS, session, list(calls), list(seqs), list(expiries))
             if plan.decided:
-                await db.execute(_FORGET_REQUESTS, session, plan.decided)
+                await db.execute(_DECIDE_REQUESTS, session, plan.decided)
+            if plan.answered:
+                await db.execute(_FORGET_REQUESTS, session, plan.answered)
             if plan.new_fence is not None:
                 await db.execute(_SET_FENCE, session, plan.new_fence)
             return plan.written

@@ -52,7 +52,7 @@ _SCHEMA = (
     # Each call's pending approval request (docs/approvals.md): a decision removes it.
     "CREATE TABLE IF NOT EXISTS approvals ("
     " session TEXT NOT NULL, call_id TEXT NOT NULL, seq INTEGER NOT NULL, expires INTEGER,"
-    " PRIMARY KEY (session, call_id)) WITHOUT ROWID",
+    " decided INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (session, call_id)) WITHOUT ROWID",
     "CREATE INDEX IF NOT EXISTS approvals_by_expiry ON approvals (expires)",
 )
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -140,17 +140,21 @@ class SqliteLogStore:
                     [(session, seq) for seq in plan.compactions],
                 )
                 db.executemany(
-                    "INSERT INTO approvals (session, call_id, seq, expires) VALUES (?, ?, ?, ?)"
-                    " ON CONFLICT (session, call_id)"
-                    " DO UPDATE SET seq = excluded.seq, expires = excluded.expires",
+                    "INSERT INTO approvals (session, call_id, seq, expires, decided)"
+                    " VALUES (?, ?, ?, ?, 0) ON CONFLICT (session, call_id)"
+                    " DO UPDATE SET seq = excluded.seq, expires = excluded.expires, decided = 0",
                     [
                         (session, call, seq, None if expires is None else _micros(expires))
                         for call, seq, expires in plan.requests
                     ],
                 )
                 db.executemany(
-                    "DELETE FROM approvals WHERE session = ? AND call_id = ?",
+                    "UPDATE approvals SET decided = 1 WHERE session = ? AND call_id = ?",
                     [(session, call) for call in plan.decided],
+                )
+                db.executemany(
+                    "DELETE FROM approvals WHERE session = ? AND call_id = ?",
+                    [(session, call) for call in plan.answered],
                 )
                 if plan.new_fence is not None:
                     db.execute(
@@ -230,7 +234,7 @@ class SqliteLogStore:
             rows = db.execute(
                 "SELECT e.session, e.seq, e.data FROM approvals a"
                 " JOIN entries e ON e.session = a.session AND e.seq = a.seq"
-                " WHERE a.session IN (SELECT value FROM json_each(?))"
+                " WHERE a.session IN (SELECT value FROM json_each(?)) AND NOT a.decided"
                 " ORDER BY e.session, e.seq",
                 (json.dumps(sorted(set(sessions))),),
             ).fetchall()
@@ -238,15 +242,20 @@ class SqliteLogStore:
 
         return await self._run(work)
 
-    async def due_approvals(self, now: datetime, *, limit: int) -> list[tuple[SessionId, Record]]:
-        def work(db: sqlite3.Connection) -> list[tuple[SessionId, Record]]:
+    async def stranded_approvals(
+        self, now: datetime, *, limit: int
+    ) -> list[tuple[SessionId, Record, bool]]:
+        def work(db: sqlite3.Connection) -> list[tuple[SessionId, Record, bool]]:
             rows = db.execute(
-                "SELECT e.session, e.seq, e.data FROM approvals a"
+                "SELECT e.session, e.seq, e.data, a.decided FROM approvals a"
                 " JOIN entries e ON e.session = a.session AND e.seq = a.seq"
-                " WHERE a.expires <= ? ORDER BY a.expires LIMIT ?",
+                " WHERE a.decided OR a.expires <= ? ORDER BY a.session, a.seq LIMIT ?",
                 (_micros(now), limit),
             ).fetchall()
-            return [(SessionId(s), decode_record(seq, data)) for s, seq, data in rows]
+            return [
+                (SessionId(s), decode_record(seq, data), bool(decided))
+                for s, seq, data, decided in rows
+            ]
 
         return await self._run(work)
 

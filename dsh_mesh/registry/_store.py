@@ -50,7 +50,7 @@ from dsh_mesh.registry._codec import (
     encode_stop,
 )
 from dsh_mesh.registry._etcd import Etcd, Result, Target, compare, delete, get, put
-from dsh_mesh.registry._keys import Keys
+from dsh_mesh.registry._keys import Keys, session_of_index_key
 from dsh_mesh.runtime import (
     DEFAULT_PAGE,
     Acceptance,
@@ -256,6 +256,24 @@ class EtcdSessionStore:
             raise SessionExists(session)
         self._headers[session] = header
         self._roots[session] = root
+
+    async def waiting_in_subtree(self, session: SessionId) -> list[tuple[SessionId, Record]]:
+        header = await self.get_header(session)
+        if header is None:
+            raise SessionUnknown(session)
+        prefix = self._keys.tree(await self._root_of(header))
+        below = {session}
+        start: bytes | None = None
+        while True:
+            response = await self._etcd.get_prefix(prefix, start=start, limit=1000)
+            for kv in response.kvs:
+                parent = SessionId(kv.value.decode()) if kv.value else None
+                if parent in below:  # the index holds parents before their children
+                    below.add(session_of_index_key(kv.key))
+            if not response.more:
+                break
+            start = response.kvs[-1].key + b"\0"
+        return await self._log.pending_approvals(below)
 
     async def _root_of(self, header: SessionHeader) -> SessionId:
         """The root of the tree ``header``'s session belongs to."""

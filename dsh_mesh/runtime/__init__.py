@@ -1,6 +1,7 @@
 """The runtime: the continuation manager and the session store it runs on."""
 
 from dsh_mesh.runtime._config import ManagerConfig
+from dsh_mesh.runtime._denials import deny_absent
 from dsh_mesh.runtime._departure import Departed, unless_departed
 from dsh_mesh.runtime._limits import SPAWN_WINDOW, Limits, NamespaceLimits, TreeLimits
 from dsh_mesh.runtime._log import DEFAULT_PAGE, Logged, LogStore, Write, Written
@@ -43,5 +44,6 @@ __all__ = [
     "Write",
     "Written",
     "check_same_request",
+    "deny_absent",
     "unless_departed",
 ]

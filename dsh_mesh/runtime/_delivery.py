@@ -34,6 +34,7 @@ from dsh_mesh.runtime._acceptance import Acceptor, duplicate_of, fingerprint
 from dsh_mesh.runtime._admission import AdmissionLedger
 from dsh_mesh.runtime._authorizer import LIVENESS_REASONS, Authorizer
 from dsh_mesh.runtime._children import ChildLedger
+from dsh_mesh.runtime._denials import decision_key
 from dsh_mesh.runtime._departure import Departed
 from dsh_mesh.runtime._placement import HandOff, Placement
 from dsh_mesh.runtime._residency import AlreadyAccepted, Residency
@@ -239,11 +240,7 @@ class Deliveries:
                 target=session,
                 entry=decision,
                 signal=AbortSignal(),
-                # One key per request: a call asked again (its tool changed) is decided anew.
-                key=IdempotencyKey(
-                    principal=f"approval:{session}",
-                    key=f"{decision.call_id}:{decision.request_digest}",
-                ),
+                key=decision_key(session, decision.call_id, decision.request_digest),
                 hand_off=hand_off,
             )
         )

@@ -118,10 +118,14 @@ class LogStore(Protocol):
         later request on the same call replaces the earlier one)."""
         ...
 
-    async def due_approvals(self, now: datetime, *, limit: int) -> list[tuple[SessionId, Record]]:
-        """Up to ``limit`` pending approval requests (of any session) whose ``expires_at`` is
-        at or before ``now``, soonest first: the sessions a node wakes so that their agents
-        answer them as denied (one indexed read)."""
+    async def stranded_approvals(
+        self, now: datetime, *, limit: int
+    ) -> list[tuple[SessionId, Record, bool]]:
+        """Up to ``limit`` approval requests (of any session) whose call has no result yet and
+        that either expired undecided (``expires_at`` at or before ``now``) or were decided,
+        each with its session and whether it was decided, by session then seq: what a node
+        looks at to wake an absent agent that has a request to answer as denied, or a decision
+        to read (one indexed read)."""
         ...
 
     async def delete(self, session: SessionId, fence: int) -> None:

@@ -10,6 +10,8 @@ from dsh_mesh.core import (
     Activation,
     ActivationFenced,
     ActivationId,
+    ApprovalDecisionEntry,
+    ApprovalRequestEntry,
     Entry,
     Record,
     SessionExists,
@@ -148,6 +150,31 @@ class InMemorySessionStore:
                 if h.parent_session is None and h.created_at is not None and h.created_at >= since
             ),
         )
+
+    async def waiting_in_subtree(self, session: SessionId) -> list[tuple[SessionId, Record]]:
+        if session not in self._headers:
+            raise SessionUnknown(session)
+        below = [s for s in self._headers if session in self._lineage(s)]
+        waiting: list[tuple[SessionId, Record]] = []
+        for member in sorted(below):
+            asked: dict[str, Record] = {}
+            for record in self._transcripts.get(member, []):
+                entry = record.entry
+                if isinstance(entry, ApprovalRequestEntry):
+                    asked[entry.call_id] = record
+                elif isinstance(entry, ApprovalDecisionEntry):
+                    asked.pop(entry.call_id, None)
+            waiting.extend((member, r) for r in sorted(asked.values(), key=lambda r: r.seq))
+        return waiting
+
+    def _lineage(self, session: SessionId) -> list[SessionId]:
+        chain: list[SessionId] = []
+        current: SessionId | None = session
+        while current is not None:
+            chain.append(current)
+            header = self._headers.get(current)
+            current = None if header is None else header.parent_session
+        return chain
 
     async def record_stop(self, stop: TreeStop) -> None:
         if stop.session_id not in self._headers:

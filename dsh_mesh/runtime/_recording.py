@@ -161,6 +161,9 @@ class RecordingStore:
     async def namespace_census(self, namespace: str, *, since: datetime) -> NamespaceCensus:
         return await self._store.namespace_census(namespace, since=since)
 
+    async def waiting_in_subtree(self, session: SessionId) -> list[tuple[SessionId, Record]]:
+        return await self._store.waiting_in_subtree(session)
+
     async def record_stop(self, stop: TreeStop) -> None:
         await self._store.record_stop(stop)
 

@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 
 from dsh_mesh.agent import Agent
 from dsh_mesh.core import (
+    ApprovalRequestEntry,
     IdFactory,
     SessionHeader,
     SessionId,
@@ -23,6 +24,7 @@ from dsh_mesh.core import (
     TreeStop,
     TurnId,
 )
+from dsh_mesh.runtime._denials import deny_absent
 from dsh_mesh.runtime._residency import Residency
 from dsh_mesh.runtime._store import SessionStore
 
@@ -56,7 +58,23 @@ class Stops:
             reason=reason,
         )
         await self._store.record_stop(stop)
-        return stop, len(await self.apply(stop))
+        cancelled = await self.apply(stop)
+        if close:
+            await self._deny_waiting(stop)
+        return stop, len(cancelled)
+
+    async def _deny_waiting(self, stop: TreeStop) -> None:
+        """A closed stop answers, as denied, every approval request of the subtree whose agent
+        is absent (a resident one denies its own when its node halts it). Nothing can resume
+        such an agent meanwhile (the subtree is closed): the decision is appended with no
+        activation, under the request's key, and read when the subtree is reopened and the
+        agent goes on."""
+        reason = f"the turn was cancelled (stopped: the subtree of {stop.session_id} was stopped"
+        reason += f", {stop.reason})" if stop.reason else ")"
+        for session, record in await self._store.waiting_in_subtree(stop.session_id):
+            assert isinstance(record.entry, ApprovalRequestEntry)
+            if await self._store.current_activation(session) is None:
+                await deny_absent(self._store, session, record.entry, reason)
 
     async def reopen(self, session: SessionId) -> bool:
         """Clear the stop of the subtree under ``session``; True when there was one. Its

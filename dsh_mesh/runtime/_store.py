@@ -173,6 +173,13 @@ class SessionStore(Protocol):
         ``since``. A namespace nothing was created in counts zero."""
         ...
 
+    async def waiting_in_subtree(self, session: SessionId) -> list[tuple[SessionId, Record]]:
+        """The approval requests no decision answered yet of ``session`` and its descendants,
+        each with its session (docs/approvals.md): read from the tree's index and the log
+        store's index of pending requests, not from any transcript. Raises
+        ``SessionUnknown`` for a session that does not exist."""
+        ...
+
     async def record_stop(self, stop: TreeStop) -> None:
         """Make ``stop`` the durable stop of the subtree under its session (replacing an
         earlier one); every node's :meth:`stops` shows it soon after. Raises

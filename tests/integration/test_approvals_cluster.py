@@ -168,9 +168,11 @@ async def deny(
         )
 
 
-def cli(cluster: LocalCluster, *args: str) -> subprocess.CompletedProcess[str]:
-    """The real ``dsh-mesh`` command against node-a, as a person runs it."""
-    address = cluster["node-a"].address
+def cli(
+    cluster: LocalCluster, *args: str, node: str = "node-a"
+) -> subprocess.CompletedProcess[str]:
+    """The real ``dsh-mesh`` command against ``node``, as a person runs it."""
+    address = cluster[node].address
     assert address is not None
     env = {**os.environ, "DSH_NODE": address, "DSH_CLUSTER_TOKEN": cluster.settings.cluster_token}
     return subprocess.run(
@@ -244,4 +246,30 @@ async def test_a_request_of_an_agent_whose_host_died_expires_on_another_node(
     assert started[-1].node_id == "node-b"  # the one node left
     ended = [r.entry.outcome for r in records if isinstance(r.entry, TurnEndedEntry)]
     assert ended == [TurnOutcome.AWAITING_APPROVAL, TurnOutcome.COMPLETED]
+    assert read_probe_log(log) == []
+
+
+async def test_a_stop_denies_the_request_of_an_agent_whose_host_died(
+    gated: tuple[LocalCluster, Path],
+) -> None:
+    cluster, log = gated
+    root = await create_root(cluster, on="node-a", task="Probe, once allowed.", preset="gated")
+    async with MeshReader(cluster.settings) as reader:
+        await reader.wait_for(
+            lambda: reader.transcript(root),
+            lambda rs: any(isinstance(r.entry, TurnEndedEntry) for r in rs),
+            what="the turn stopped at the call",
+        )
+        cluster["node-a"].kill()
+        await reader.wait_for(
+            lambda: reader.activation(root), lambda a: a is None, what="node-a's lease gone"
+        )
+        stopped = cli(
+            cluster, "stop", root, "--tree", "--close", "--reason", "incident", node="node-b"
+        )
+        assert stopped.returncode == 0, stopped.stderr
+        records = await reader.transcript(root)
+    [decided] = [r.entry for r in records if isinstance(r.entry, ApprovalDecisionEntry)]
+    assert decided.by == "dsh-mesh" and "incident" in decided.reason
+    assert not (await list_approvals(cluster, "node-b", root)).approvals
     assert read_probe_log(log) == []

@@ -130,8 +130,10 @@ class HeldLog:
     ) -> list[tuple[SessionId, Record]]:
         return await self.inner.pending_approvals(sessions)
 
-    async def due_approvals(self, now: datetime, *, limit: int) -> list[tuple[SessionId, Record]]:
-        return await self.inner.due_approvals(now, limit=limit)
+    async def stranded_approvals(
+        self, now: datetime, *, limit: int
+    ) -> list[tuple[SessionId, Record, bool]]:
+        return await self.inner.stranded_approvals(now, limit=limit)
 
     async def delete(self, session: SessionId, fence: int) -> None:
         await self.inner.delete(session, fence)

@@ -218,9 +218,11 @@ class ProbedLog:
             "pending_approvals", lambda: self.inner.pending_approvals(sessions)
         )
 
-    async def due_approvals(self, now: datetime, *, limit: int) -> list[tuple[SessionId, Record]]:
+    async def stranded_approvals(
+        self, now: datetime, *, limit: int
+    ) -> list[tuple[SessionId, Record, bool]]:
         return await self._probed(
-            "due_approvals", lambda: self.inner.due_approvals(now, limit=limit)
+            "stranded_approvals", lambda: self.inner.stranded_approvals(now, limit=limit)
         )
 
     async def delete(self, session: SessionId, fence: int) -> None:

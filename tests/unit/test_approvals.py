@@ -583,3 +583,31 @@ def test_a_fork_never_inherits_a_call_without_its_result() -> None:
         Record(seq=4, entry=TurnEndedEntry(turn_id=TurnId("t-2"), outcome=TurnOutcome.LOST)),
     ]
     assert completed_turn_prefix(records)[0] == 2
+
+
+async def test_stopping_the_subtree_of_an_absent_waiting_agent_denies_its_request() -> None:
+    """No agent holds the request (its root was passivated): the stop itself writes the denial,
+    which the agent reads once the subtree is reopened and something wakes it."""
+    RAN.clear()
+    async with in_process_mesh(approving("deploy"), tools=(deploy,)) as team:
+        team.scripted.program("lead", tool("deploy", env="prod"), Reply(text="understood"))
+        await team.manager.create_root("Ship it.", preset="lead")
+        request = await waiting_request(team, ROOT)
+        team.manager.passivate_idle(10)
+        await team.manager.wait_until(lambda: team.manager.agent(ROOT) is None)
+
+        await team.manager.stop_tree(ROOT, close=True, reason="freeze")
+        [decided] = entries(await team.transcript(ROOT), ApprovalDecisionEntry)
+        assert decided.decision is ApprovalDecision.DENY and decided.by == "dsh-mesh"
+        assert "freeze" in decided.reason
+        with pytest.raises(TreeClosed):
+            await team.manager.resolve_approval(ROOT, decision(request))
+
+        await team.manager.reopen_tree(ROOT)
+        await team.manager.submit_prompt(ROOT, "Status?", idempotency_key="k")
+        await team.manager.quiescent()
+        records = await team.transcript(ROOT)
+    assert RAN == []
+    [result] = entries(records, ToolResultEntry)
+    assert result.is_error and "freeze" in result.content
+    assert entries(records, AssistantStepEntry)[1].text == "understood"

@@ -52,6 +52,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "InboxFull",
         "InvalidArgument",
         "MAX_APPROVAL_REASON_CHARS",
+        "MESH_DECIDER",
         "MeshError",
         "NamespaceDenied",
         "NodeFenced",
@@ -362,6 +363,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "Write",
         "Written",
         "check_same_request",
+        "deny_absent",
         "unless_departed",
     ],
     "dsh_mesh.telemetry": [
