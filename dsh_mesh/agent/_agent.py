@@ -803,11 +803,13 @@ class Agent:
             },
         ) as turn_span:
             self._last_turn_trace = turn_span.traceparent
-            outcome = await self._run_turn(turn_id, first, going_on=going_on)
+            outcome = await self._run_turn(
+                turn_id, first, going_on=going_on, trace=turn_span.traceparent
+            )
             turn_span.set("dsh.turn.outcome", outcome.value)
 
     async def _run_turn(
-        self, turn_id: TurnId, first: list[Record], *, going_on: bool = False
+        self, turn_id: TurnId, first: list[Record], *, going_on: bool = False, trace: str = ""
     ) -> TurnOutcome:
         """One turn, from ``first`` (its inbound records). ``going_on``: the turn goes on from
         the call the last one stopped at, waiting for approval; ``first`` are the decisions,
@@ -821,6 +823,7 @@ class Agent:
                 turn_id=turn_id,
                 node_id=self.activation.node_id,
                 activation_id=self.activation.activation_id,
+                trace=trace,
             )
         )
         await self._read_waiting(first, steered=not going_on)

@@ -193,6 +193,7 @@ def _body_from_wire(entry: mesh_pb2.TranscriptEntry) -> EntryBody:
             turn_id=TurnId(started.turn_id),
             node_id=NodeId(started.node_id) if started.node_id else None,
             activation_id=ActivationId(started.activation_id) if started.activation_id else None,
+            trace=started.trace,
         )
     if which == "turn_ended":
         ended = entry.turn_ended

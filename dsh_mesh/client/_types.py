@@ -220,6 +220,9 @@ class TurnStarted:
     turn_id: TurnId
     node_id: NodeId | None = None
     activation_id: ActivationId | None = None
+    trace: str = ""
+    """The turn span's W3C ``traceparent`` (``""``: tracing off): its trace holds the turn's
+    steps, model calls and tool calls."""
 
 
 @dataclass(frozen=True, kw_only=True)

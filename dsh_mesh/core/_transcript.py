@@ -144,11 +144,18 @@ class TurnStartedEntry:
 
     ``node_id`` and ``activation_id`` say where the turn ran: the node hosting the activation
     that wrote this entry (fenced writes: only the session's current activation can). Both are
-    ``""`` on an entry written before the fields existed."""
+    ``""`` on an entry written before the fields existed. ``trace`` is the W3C ``traceparent``
+    of the turn's span (its steps and tool calls are spans of the same trace); ``""`` when
+    tracing is off or for an entry written before the field existed. Raises
+    :class:`InvalidArgument` for a non-empty malformed ``trace``."""
 
     turn_id: TurnId
     node_id: NodeId = _UNRECORDED_NODE
     activation_id: ActivationId = _UNRECORDED_ACTIVATION
+    trace: str = ""
+
+    def __post_init__(self) -> None:
+        _check_trace(self.trace)
 
 
 @dataclass(frozen=True, kw_only=True)

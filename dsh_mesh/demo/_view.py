@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 from collections.abc import Awaitable, Callable
 
 from dsh_mesh.client import MeshClient
@@ -42,7 +43,20 @@ def keeping(
                 f"    DSH_NODE={live.address} DSH_CLUSTER_TOKEN={token}"
                 " .venv/bin/dsh-mesh ui"
             )
-            say("  Ctrl-C stops the cluster")
-            await asyncio.Event().wait()
+            say("  Ctrl-C (or SIGTERM) stops the cluster")
+            await _until_stopped()
 
     return linger
+
+
+async def _until_stopped() -> None:
+    """Until SIGINT or SIGTERM: the demo then stops and reaps what it started, as after a run."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for number in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(number, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for number in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(number)

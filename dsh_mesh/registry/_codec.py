@@ -72,7 +72,9 @@ Version history (encoders write only the newest; decoders read every one in
 8. Two entry kinds are new: ``approval_request`` (an :class:`ApprovalRequestEntry`: the call,
    its tool and arguments, the tool's descriptor digest, when it expires) and
    ``approval_decision`` (an :class:`ApprovalDecisionEntry`). No older value has them.
-   Everything else is stored exactly as in version 7 apart from ``"v"``.
+   ``turn_started`` entries (and a compaction's ``open_turn``) gain ``"trace"``, the turn
+   span's ``traceparent`` or ``""``; an older value lacks it and decodes as ``""``. Everything
+   else is stored exactly as in version 7 apart from ``"v"``.
 
 ``_ADDED_IN`` is the table of fields added after version 1.
 """
@@ -161,7 +163,7 @@ _ADDED_IN: Final[Mapping[type, Mapping[str, int]]] = types.MappingProxyType(
         AgentMessageEntry: {"trace": 2, "delivery": 3, "idempotency_key": 4},
         SettlementNoticeEntry: {"trace": 2},
         HumanPromptEntry: {"idempotency_key": 4},
-        TurnStartedEntry: {"node_id": 4, "activation_id": 4},
+        TurnStartedEntry: {"node_id": 4, "activation_id": 4, "trace": 8},
         SessionHeader: {"created_at": 4, "namespace": 6},
         ToolResultEntry: {"duration_ms": 5},
     }

@@ -239,6 +239,7 @@ def record_to_wire(record: Record) -> mesh_pb2.TranscriptEntry:
         wire.turn_started.turn_id = entry.turn_id
         wire.turn_started.node_id = entry.node_id
         wire.turn_started.activation_id = entry.activation_id
+        wire.turn_started.trace = entry.trace
     elif isinstance(entry, TurnEndedEntry):
         wire.turn_ended.turn_id = entry.turn_id
         wire.turn_ended.outcome = _TURN_TO_WIRE[entry.outcome]

@@ -7,7 +7,7 @@ import asyncio
 import re
 from pathlib import Path
 
-from dsh_mesh.core import CompactionEntry, SessionId, SettlementNoticeEntry
+from dsh_mesh.core import CompactionEntry, SessionId, SettlementNoticeEntry, TurnStartedEntry
 from dsh_mesh.testing import (
     CollectedSpan,
     EtcdAddress,
@@ -78,6 +78,7 @@ async def test_one_trace_follows_a_message_across_nodes_and_into_a_cold_resumed_
                     resumed_child_consumed, lambda done: done, what="the resumed child settled"
                 )
                 child = next(h.session_id for h in await reader.sessions() if h.session_id != root)
+                child_records = await reader.transcript(child)
 
             def arrived(r: OtlpReceiver) -> bool:
                 steps = [
@@ -146,6 +147,10 @@ async def test_one_trace_follows_a_message_across_nodes_and_into_a_cold_resumed_
             ]
             linked = {(t, i) for s in lead_steps for t, i, _ in s.links}
             assert linked & set(child_turns)
+            # Each turn's start names its span: the web view links a turn to its trace.
+            started = [r.entry for r in child_records if isinstance(r.entry, TurnStartedEntry)]
+            assert started
+            assert {tuple(t.trace.split("-")[1:3]) for t in started} <= set(child_turns)
 
             # Names and key attributes are the documented ones.
             for span in spans:

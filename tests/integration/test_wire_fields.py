@@ -29,6 +29,7 @@ NOT_IN_SCENARIO: dict[str, str] = {
     "dsh.mesh.v1.Session.next_page_token": "every page here reaches the end",
     "dsh.mesh.v1.ListAgentsResponse.next_page_token": "two agents fit one page",
     "dsh.mesh.v1.AgentMessageEntry.trace": "tracing is off in the test cluster",
+    "dsh.mesh.v1.TurnStartedEntry.trace": "tracing is off in the test cluster",
     "dsh.mesh.v1.SettlementNoticeEntry.detail": "the worker completes (no error to explain)",
     "dsh.mesh.v1.TurnEndedEntry.detail": "every turn completes",
     "dsh.mesh.v1.ToolResultEntry.is_error": "no tool call fails",

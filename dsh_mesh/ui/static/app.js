@@ -217,7 +217,8 @@ function describe(entry) {
     }
     case 'tool_result':
       return ['tool', `${escape(body.name)} (${body.duration_ms} ms): ${escape(body.content)}`, body.is_error];
-    case 'turn_started': return ['turn', `${body.turn_id} started on ${body.node_id || '?'}`];
+    case 'turn_started':
+      return ['turn', `${body.turn_id} started on ${body.node_id || '?'}${body.trace ? traceLink(body.trace) : ''}`];
     case 'turn_ended':
       return ['turn', `${body.turn_id} ended ${body.outcome}${body.detail ? `: ${escape(body.detail)}` : ''}`, !['completed', 'awaiting-approval'].includes(body.outcome)];
     case 'consumed': return ['read', `seq ${body.seqs.join(', ')}`];
@@ -270,7 +271,8 @@ function drawTimeline() {
     const bars = [];
     for (const turn of found.turns) {
       const stop = turn.end ?? Date.now();
-      bars.push(`<div class="bar turn" data-outcome="${turn.outcome || 'running'}" style="left:${at(turn.start)};width:${width(turn.start, stop)}" title="turn ${turn.id} on ${turn.node}: ${turn.outcome || 'running'}"></div>`);
+      const trace = turn.trace ? turn.trace.split('-')[1] : '';
+      bars.push(`<div class="bar turn" data-outcome="${turn.outcome || 'running'}" data-trace="${trace}" style="left:${at(turn.start)};width:${width(turn.start, stop)}" title="turn ${turn.id} on ${turn.node}: ${turn.outcome || 'running'}${trace ? `, trace ${trace} (click)` : ''}"></div>`);
       for (const step of turn.steps) bars.push(`<div class="bar step" style="left:${at(step)}" title="step"></div>`);
       for (const call of turn.tools) {
         bars.push(`<div class="bar tool" data-error="${call.error}" style="left:${at(call.start)};width:${width(call.start, call.end)}" title="${escape(call.name)} ${call.end - call.start} ms"></div>`);
@@ -305,7 +307,7 @@ function apply(event) {
   switch (body.type) {
     case 'turn_started':
       found.running = true;
-      found.turns.push({ id: body.turn_id, node: body.node_id, start: when, end: null, outcome: null, steps: [], tools: [] });
+      found.turns.push({ id: body.turn_id, node: body.node_id, trace: body.trace, start: when, end: null, outcome: null, steps: [], tools: [] });
       break;
     case 'turn_ended':
       found.running = false;
@@ -419,6 +421,11 @@ function wire() {
   $('#stop-tree').addEventListener('click', () => act('stop', { close: $('#stop-close').checked, reason: $('#stop-reason').value }, (r) => `stopped the subtree of ${short(r.session_id)}${r.closed ? ' (closed)' : ''}`));
   $('#reopen-tree').addEventListener('click', () => act('reopen', {}, (r) => (r.reopened ? 'reopened' : 'nothing was stopped')));
   $('#roots').addEventListener('change', () => choose($('#roots').value));
+  $('#timeline').addEventListener('click', (click) => {
+    // A turn's bar opens its trace (its steps, model calls and tool calls are spans of it).
+    const trace = click.target.dataset?.trace;
+    if (trace && view.config.trace_url) window.open(view.config.trace_url.replace('{trace_id}', trace), '_blank');
+  });
 }
 
 async function choose(root) {

@@ -628,14 +628,16 @@ class ToolResultEntry(_message.Message):
     def __init__(self, call_id: _Optional[str] = ..., name: _Optional[str] = ..., content: _Optional[str] = ..., is_error: _Optional[bool] = ..., duration_ms: _Optional[int] = ...) -> None: ...
 
 class TurnStartedEntry(_message.Message):
-    __slots__ = ("turn_id", "node_id", "activation_id")
+    __slots__ = ("turn_id", "node_id", "activation_id", "trace")
     TURN_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ACTIVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    TRACE_FIELD_NUMBER: _ClassVar[int]
     turn_id: str
     node_id: str
     activation_id: str
-    def __init__(self, turn_id: _Optional[str] = ..., node_id: _Optional[str] = ..., activation_id: _Optional[str] = ...) -> None: ...
+    trace: str
+    def __init__(self, turn_id: _Optional[str] = ..., node_id: _Optional[str] = ..., activation_id: _Optional[str] = ..., trace: _Optional[str] = ...) -> None: ...
 
 class TurnEndedEntry(_message.Message):
     __slots__ = ("turn_id", "outcome", "detail")
