@@ -21,6 +21,7 @@ from dsh_mesh.core import (
     ApprovalDecisionEntry,
     ApprovalRequestEntry,
     ApprovalStale,
+    Record,
     Rejected,
     SessionId,
     ToolResultEntry,
@@ -72,6 +73,16 @@ async def resolve_until_accepted(
                 await asyncio.sleep(0.2)
 
 
+async def stopped_at_the_call(reader: MeshReader, root: SessionId) -> list[Record]:
+    """``root``'s transcript once its first turn ended, waiting at its marked call."""
+    records: list[Record] = await reader.wait_for(
+        lambda: reader.transcript(root),
+        lambda rs: any(isinstance(r.entry, TurnEndedEntry) for r in rs),
+        what="the turn stopped at the call",
+    )
+    return records
+
+
 async def list_approvals(
     cluster: LocalCluster, node: str, root: SessionId
 ) -> mesh_pb2.ListApprovalsResponse:
@@ -92,11 +103,7 @@ async def test_a_pending_approval_survives_the_sigkill_of_its_host_and_runs_once
     cluster, log = gated
     root = await create_root(cluster, on="node-a", task="Probe, once allowed.", preset="gated")
     async with MeshReader(cluster.settings) as reader:
-        records = await reader.wait_for(
-            lambda: reader.transcript(root),
-            lambda rs: any(isinstance(r.entry, TurnEndedEntry) for r in rs),
-            what="the turn stopped at the call",
-        )
+        records = await stopped_at_the_call(reader, root)
         [request] = [r.entry for r in records if isinstance(r.entry, ApprovalRequestEntry)]
         assert isinstance(request, ApprovalRequestEntry) and request.tool == "probe_unsafe"
         assert read_probe_log(log) == []
@@ -191,11 +198,7 @@ async def test_the_command_lists_a_trees_waiting_calls_and_denies_one(
     cluster, log = gated
     root = await create_root(cluster, on="node-a", task="Probe, once allowed.", preset="gated")
     async with MeshReader(cluster.settings) as reader:
-        await reader.wait_for(
-            lambda: reader.transcript(root),
-            lambda rs: any(isinstance(r.entry, TurnEndedEntry) for r in rs),
-            what="the turn stopped at the call",
-        )
+        await stopped_at_the_call(reader, root)
         listed = cli(cluster, "approvals", root, "--json")
         assert listed.returncode == 0, listed.stderr
         [waiting] = json.loads(listed.stdout)
@@ -227,11 +230,7 @@ async def test_a_request_of_an_agent_whose_host_died_expires_on_another_node(
     cluster, log = gated
     root = await create_root(cluster, on="node-a", task="Probe, briefly.", preset="gated-brief")
     async with MeshReader(cluster.settings) as reader:
-        await reader.wait_for(
-            lambda: reader.transcript(root),
-            lambda rs: any(isinstance(r.entry, TurnEndedEntry) for r in rs),
-            what="the turn stopped at the call",
-        )
+        await stopped_at_the_call(reader, root)
         cluster["node-a"].kill()
         records = await reader.wait_for(
             lambda: reader.transcript(root),
@@ -255,11 +254,7 @@ async def test_a_stop_denies_the_request_of_an_agent_whose_host_died(
     cluster, log = gated
     root = await create_root(cluster, on="node-a", task="Probe, once allowed.", preset="gated")
     async with MeshReader(cluster.settings) as reader:
-        await reader.wait_for(
-            lambda: reader.transcript(root),
-            lambda rs: any(isinstance(r.entry, TurnEndedEntry) for r in rs),
-            what="the turn stopped at the call",
-        )
+        await stopped_at_the_call(reader, root)
         cluster["node-a"].kill()
         await reader.wait_for(
             lambda: reader.activation(root), lambda a: a is None, what="node-a's lease gone"
