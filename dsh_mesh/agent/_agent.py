@@ -480,6 +480,15 @@ class Agent:
         """The latest approval request for the call ``call_id`` of the last step."""
         return request_of(self._records, call_id, step=self._calls_left_open()[0])
 
+    def _undecided(self, call_id: str) -> ApprovalRequestEntry | None:
+        """The latest request for the call ``call_id`` of the last step, if no decision
+        answered it yet."""
+        request = self._asked(call_id)
+        if request is None or decision_of(self._records, request) is not None:
+            return None
+        assert isinstance(request.entry, ApprovalRequestEntry)
+        return request.entry
+
     def _decision(self, call_id: str) -> Record | None:
         """The decision on the latest request for the call ``call_id`` of the last step."""
         request = self._asked(call_id)
@@ -511,20 +520,13 @@ class Agent:
     def waiting_request(self) -> ApprovalRequestEntry | None:
         """The request a call of this idle agent waits on, undecided; None when none does."""
         call = self._waiting_call()
-        request = None if call is None else self._asked(call.call_id)
-        if request is None or decision_of(self._records, request) is not None:
-            return None
-        assert isinstance(request.entry, ApprovalRequestEntry)
-        return request.entry
+        return None if call is None else self._undecided(call.call_id)
 
     def _until_expiry(self, call: ToolCall) -> float | None:
-        request = self._asked(call.call_id)
-        if request is None or decision_of(self._records, request) is not None:
+        request = self._undecided(call.call_id)
+        if request is None or request.expires_at is None:
             return None
-        assert isinstance(request.entry, ApprovalRequestEntry)
-        if request.entry.expires_at is None:
-            return None
-        return max(0.0, (request.entry.expires_at - datetime.now(UTC)).total_seconds())
+        return max(0.0, (request.expires_at - datetime.now(UTC)).total_seconds())
 
     @contextlib.asynccontextmanager
     async def deciding(self) -> AsyncIterator[None]:
@@ -562,14 +564,13 @@ class Agent:
         async with self.deciding():
             if self._in_doubt:
                 await self._take_landed()
-            request = self._asked(call.call_id)
-            if request is None or decision_of(self._records, request) is not None:
+            request = self._undecided(call.call_id)
+            if request is None:
                 return
-            assert isinstance(request.entry, ApprovalRequestEntry)
             entry = ApprovalDecisionEntry(
                 call_id=call.call_id,
                 decision=ApprovalDecision.DENY,
-                request_digest=request.entry.digest,
+                request_digest=request.digest,
                 reason=reason,
                 by=MESH_DECIDER,
             )
@@ -578,11 +579,8 @@ class Agent:
 
     async def _decision_due(self, call: ToolCall) -> bool:
         """Deny the request ``call`` waits on if it expired undecided; True when it did."""
-        request = self._asked(call.call_id)
-        if request is None or decision_of(self._records, request) is not None:
-            return False
-        assert isinstance(request.entry, ApprovalRequestEntry)
-        if not expired(request.entry, datetime.now(UTC)):
+        request = self._undecided(call.call_id)
+        if request is None or not expired(request, datetime.now(UTC)):
             return False
         await self._decide(call, "the request expired with no decision")
         return True
