@@ -1,5 +1,8 @@
 """One node's one connection to one MCP server: opened on first use, shared by every resident
-agent, bounded in concurrency, closed when idle and when the node drains."""
+agent, bounded in concurrency, closed when idle and when the node drains.
+
+The SDK loads with the first connection a node opens, not with the node: it is half of a node's
+start-up time, and most nodes of most clusters name no MCP server."""
 
 from __future__ import annotations
 
@@ -10,16 +13,16 @@ import os
 import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
-import httpx2
-import mcp_types
-from mcp import Client
-from mcp.client.stdio import StdioServerParameters
-from mcp.client.streamable_http import streamable_http_client
 
 from dsh_mesh.mcp._config import McpServerConfig
+
+if TYPE_CHECKING:
+    import mcp_types
+    from mcp import Client
+    from mcp.client.stdio import StdioServerParameters
 
 _log = logging.getLogger(__name__)
 
@@ -139,6 +142,8 @@ class McpConnection:
     async def _hold(self, ready: asyncio.Future[Client]) -> None:
         """Own the client for its whole life (the SDK's scopes must be left by the task that
         entered them): enter it, hand it out, wait until it is idle or closed, leave it."""
+        from mcp import Client  # the SDK's first use on this node (see the module's docstring)
+
         try:
             async with contextlib.AsyncExitStack() as stack:
                 client = await stack.enter_async_context(
@@ -165,6 +170,9 @@ class McpConnection:
             self._client = None
 
     async def _server(self, stack: contextlib.AsyncExitStack) -> StdioServerParameters | Any:
+        from mcp.client.stdio import StdioServerParameters
+        from mcp.client.streamable_http import streamable_http_client
+
         config = self.config
         if config.command is not None:
             return StdioServerParameters(
@@ -181,6 +189,8 @@ class McpConnection:
                 cwd=config.cwd,
             )
         assert config.url is not None
+        import httpx2
+
         http = await stack.enter_async_context(
             httpx2.AsyncClient(headers=dict(config.headers), timeout=None)
         )

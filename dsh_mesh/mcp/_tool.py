@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
-
-import mcp_types
+from typing import TYPE_CHECKING, Any
 
 from dsh_mesh.core import ToolDescriptor
 from dsh_mesh.mcp._connection import McpConnection, McpUnavailable
 from dsh_mesh.tools import CallLimits, Replay, ToolIdentity, ToolInvocation, ToolOutput
+
+if TYPE_CHECKING:
+    import mcp_types
 
 IDEMPOTENCY_META = "dsh.mesh/idempotency-key"
 """The ``_meta`` key of every ``tools/call`` request that carries the call's idempotency key:
@@ -78,6 +79,8 @@ def text_of(result: mcp_types.CallToolResult) -> str:
     """What the model is shown of a tool's result: its text parts, one after another; a
     part of another kind is named (an image by its type and size); the structured result
     when there is no text."""
+    import mcp_types  # loaded by the connection that answered (see _connection's docstring)
+
     parts: list[str] = []
     for block in result.content:
         if isinstance(block, mcp_types.TextContent):
