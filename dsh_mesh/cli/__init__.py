@@ -13,6 +13,7 @@ from dsh_mesh.cli._config import (
     NodeEntry,
     TlsPaths,
     TomlNode,
+    node_ids,
     read_state,
     read_toml,
     remove_state,
@@ -24,7 +25,6 @@ from dsh_mesh.cli._config import (
 from dsh_mesh.cli._main import main, use_color
 from dsh_mesh.cli._parser import build_parser, parse_args
 from dsh_mesh.cli._render import error_line, format_entry, format_event
-from dsh_mesh.cli._up import node_ids
 from dsh_mesh.client import to_jsonable
 
 __all__ = [

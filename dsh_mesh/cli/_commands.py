@@ -32,7 +32,6 @@ from dsh_mesh.client import (
     to_jsonable,
 )
 from dsh_mesh.core import MeshError
-from dsh_mesh.testing import EtcdAddress, TlsFiles
 from dsh_mesh.transport import TlsCredentials
 from dsh_mesh.ui import serving
 
@@ -428,6 +427,8 @@ async def _status(
 
 
 def _etcd_healthy(endpoint: str, tls: TlsPaths | None) -> bool:
+    from dsh_mesh.testing import EtcdAddress, TlsFiles  # `status` alone asks etcd itself
+
     try:
         address = EtcdAddress.parse(endpoint)
     except ValueError:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import string
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -316,3 +317,8 @@ def resolve_connection(
         tls=tls[1] if tls is not None else None,
         tls_from=tls[0] if tls is not None else None,
     )
+
+
+def node_ids(count: int) -> tuple[str, ...]:
+    """The ids of an ``up`` cluster of ``count`` nodes: ``node-a``, ``node-b``..."""
+    return tuple(f"node-{letter}" for letter in string.ascii_lowercase[:count])

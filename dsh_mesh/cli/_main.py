@@ -3,6 +3,7 @@ one ``error: ...`` line and an exit status."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import sys
@@ -21,9 +22,7 @@ from dsh_mesh.cli._config import (
     state_home,
 )
 from dsh_mesh.cli._parser import parse_args
-from dsh_mesh.cli._prune import run_prune
 from dsh_mesh.cli._render import error_line
-from dsh_mesh.cli._up import StartFailed, run_up
 from dsh_mesh.core import MeshError
 
 EXIT_OK = 0
@@ -55,11 +54,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         if args.command == "up":
-            return run_up(args, console, environ)
+            return _up(args, console, environ)
         if args.command == "certs":
             return run_certs(args, console)
         state = read_state(state_home(args.home, environ))
         if args.command == "prune":
+            from dsh_mesh.cli._prune import run_prune  # the node's config and log stores
+
             return asyncio.run(run_prune(args, state, console, environ))
         toml = read_toml(Path(args.config)) if args.config else None
         connection: Connection | None
@@ -83,9 +84,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MeshError as error:
         console.note(error_line(error))
         return EXIT_MESH_ERROR
-    except StartFailed as error:
-        console.note(f"error: cannot start the cluster: {error}")
-        return EXIT_MESH_ERROR
     except KeyboardInterrupt:
         # A watch is meant to be stopped this way; anything else was cut short.
         return EXIT_OK if args.command == "watch" else EXIT_INTERRUPTED
@@ -95,3 +93,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return EXIT_OK
+
+
+def _up(args: argparse.Namespace, console: Console, environ: Mapping[str, str]) -> int:
+    # Only `up` loads the node and the local cluster's code: every other command starts in
+    # half the time without them (a watch or an interrupt is often typed in a hurry).
+    from dsh_mesh.cli._up import StartFailed, run_up
+
+    try:
+        return run_up(args, console, environ)
+    except StartFailed as error:
+        console.note(f"error: cannot start the cluster: {error}")
+        return EXIT_MESH_ERROR

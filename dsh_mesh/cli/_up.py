@@ -9,7 +9,6 @@ import argparse
 import contextlib
 import os
 import signal
-import string
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,6 +23,7 @@ from dsh_mesh.cli._config import (
     ConfigError,
     NodeEntry,
     TlsPaths,
+    node_ids,
     pid_alive,
     read_state,
     remove_state,
@@ -50,11 +50,6 @@ class _Stop(Exception):
 class StartFailed(Exception):
     """``up`` could not start etcd or a node; everything it had started is stopped again. The
     message is one line and names the log to read."""
-
-
-def node_ids(count: int) -> tuple[str, ...]:
-    """The ids of an ``up`` cluster of ``count`` nodes: ``node-a``, ``node-b``..."""
-    return tuple(f"node-{letter}" for letter in string.ascii_lowercase[:count])
 
 
 class _Signals:
