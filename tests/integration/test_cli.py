@@ -294,6 +294,9 @@ async def test_an_unreachable_node_is_peer_unavailable() -> None:
 # -- the real command against a real cluster ----------------------------------------------------
 
 COMMAND = [sys.executable, "-m", "dsh_mesh.cli"]
+REPO = Path(__file__).resolve().parents[2]
+TOUR = "tests.integration.scenarios:CLI_TOUR"
+"""The demo's tour with alpha's slow call slow enough to interrupt on any machine."""
 
 
 class Lines:
@@ -427,9 +430,10 @@ def test_the_command_runs_a_cluster_end_to_end(tmp_path: Path) -> None:
     home = tmp_path / "home"
     env = {k: v for k, v in os.environ.items() if not k.startswith("DSH_") and k != "NO_COLOR"}
     env["DSH_MESH_HOME"] = str(home)
+    env["PYTHONPATH"] = str(REPO)  # the nodes load the test scenario
     cli = Cli(env=env, cwd=tmp_path)
 
-    with cli.start("up", "--nodes", "3") as up_child:
+    with cli.start("up", "--nodes", "3", "--scenario", TOUR) as up_child:
         up, up_out, up_err = up_child.process, up_child.out, up_child.err
         status = up_out.until(lambda line: line.startswith("ready"), within=45)
         nodes = [line.split() for line in status if line.startswith("node ")]
@@ -444,7 +448,7 @@ def test_the_command_runs_a_cluster_end_to_end(tmp_path: Path) -> None:
         assert root.startswith("s-") and "\n" not in root
 
         # Follow the tree live until alpha (the researcher that works slowly) has reported its
-        # progress and is inside its slow model call; interrupt it there.
+        # progress and is inside its slow model call (two minutes here); interrupt it there.
         with cli.start("watch", root, "--tree", "--json", "--for", "40") as watcher:
             watch, lines = watcher.process, watcher.out
             events: list[dict[str, Any]] = []
