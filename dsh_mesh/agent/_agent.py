@@ -40,6 +40,7 @@ from dsh_mesh.agent._gate import BoundaryGate
 from dsh_mesh.agent._inbox import Inbox
 from dsh_mesh.agent._render import render
 from dsh_mesh.core import (
+    EXPIRED_APPROVAL_REASON,
     INBOUND_TYPES,
     MESH_DECIDER,
     AbortSignal,
@@ -582,7 +583,7 @@ class Agent:
         request = self._undecided(call.call_id)
         if request is None or not expired(request, datetime.now(UTC)):
             return False
-        await self._decide(call, "the request expired with no decision")
+        await self._decide(call, EXPIRED_APPROVAL_REASON)
         return True
 
     async def _cancel_waiting(self, call: ToolCall, detail: str) -> None:

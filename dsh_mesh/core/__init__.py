@@ -13,6 +13,7 @@ from dsh_mesh.core._adjacency import (
     rejection_error,
 )
 from dsh_mesh.core._approval import (
+    EXPIRED_APPROVAL_REASON,
     MAX_APPROVAL_REASON_CHARS,
     MESH_DECIDER,
     ApprovalDecision,
@@ -118,6 +119,7 @@ from dsh_mesh.core._work import DetachedWork
 __all__ = [
     "AGENT_MESSAGE_FRAME",
     "DEFAULT_NAMESPACE",
+    "EXPIRED_APPROVAL_REASON",
     "INBOUND_TYPES",
     "MAX_APPROVAL_REASON_CHARS",
     "MESH_DECIDER",

@@ -17,6 +17,9 @@ MAX_APPROVAL_REASON_CHARS = 2000
 MAX_APPROVER_CHARS = 256
 MESH_DECIDER = "dsh-mesh"
 """Who a decision names when no person made it: an expiry, an interrupt, a stop."""
+EXPIRED_APPROVAL_REASON = "the request expired with no decision"
+"""The reason of the mesh's denial of a request that expired undecided (the model reads it),
+whether the agent's own driver or a node's sweep wrote it."""
 
 
 class ApprovalDecision(enum.Enum):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from datetime import UTC, datetime
 
-from dsh_mesh.core import ApprovalRequestEntry, MeshError, SessionId
+from dsh_mesh.core import EXPIRED_APPROVAL_REASON, ApprovalRequestEntry, MeshError, SessionId
 from dsh_mesh.runtime import ContinuationManager, LogStore, SessionStore, deny_absent
 
 _log = logging.getLogger(__name__)
@@ -52,8 +52,7 @@ class ApprovalExpiry:
                 continue  # resident: its own driver answers and reads
             if not decided:
                 assert isinstance(record.entry, ApprovalRequestEntry)
-                reason = "the request expired with no decision"
-                await deny_absent(self._store, session, record.entry, reason)
+                await deny_absent(self._store, session, record.entry, EXPIRED_APPROVAL_REASON)
             waking[session] = None
         woken: list[SessionId] = []
         for session in waking:

@@ -41,6 +41,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "DeliveryKind",
         "DetachedWork",
         "Direction",
+        "EXPIRED_APPROVAL_REASON",
         "Entry",
         "ForkOrigin",
         "ForkPrefixEntry",
