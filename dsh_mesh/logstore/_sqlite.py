@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
+import time
 from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
@@ -313,13 +314,33 @@ class SqliteLogStore:
         if self._connection is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=True)
-            db.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
-            db.execute("PRAGMA journal_mode = WAL")
-            db.execute("PRAGMA synchronous = FULL")  # durable when an append returns
-            for statement in _SCHEMA:
-                db.execute(statement)
+            try:
+                db.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
+                _write_ahead(db)
+                db.execute("PRAGMA synchronous = FULL")  # durable when an append returns
+                for statement in _SCHEMA:
+                    db.execute(statement)
+            except BaseException:
+                db.close()
+                raise
             self._connection = db
         return self._connection
+
+
+def _write_ahead(db: sqlite3.Connection) -> None:
+    """Put the file in WAL mode. On a new file, two processes (the nodes of a cluster that start
+    together) switching it at once can get "database is locked" at once, without the busy
+    timeout's wait (SQLite refuses an upgrade that could deadlock): try again until it holds,
+    for as long as the busy timeout."""
+    deadline = time.monotonic() + _BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            db.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
 
 
 class _immediate:

@@ -5,6 +5,8 @@ everything (positions too) kept across a reopen."""
 from __future__ import annotations
 
 import asyncio
+import sqlite3
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import pytest
 
 from dsh_mesh.core import ActivationFenced
 from dsh_mesh.logstore import MemoryLogStore, SqliteLogStore
+from dsh_mesh.logstore._sqlite import _write_ahead
 from dsh_mesh.runtime import IdempotencyKey, LogStore
 from tests.logstore_conformance import OTHER, LogStoreConformance, S, contents, keyed, rising, task
 
@@ -40,6 +43,37 @@ async def test_two_stores_on_one_sqlite_file_share_the_fence(tmp_path: Path) -> 
             await first.append(S, [task("stale")], fence=10)
         await second.append(S, [task("second")], fence=20)
         assert contents(await first.read(S)) == ["first", "second"]
+
+
+def test_connections_switching_one_new_sqlite_file_to_wal_at_once_all_succeed(
+    tmp_path: Path,
+) -> None:
+    """The nodes of a cluster start together and open one new file at the same moment. SQLite
+    may refuse one of two connections switching it to WAL at once ("database is locked",
+    without its busy wait); a store's open tries again, so each connection gets there."""
+    refused: list[BaseException] = []
+    for attempt in range(100):
+        path = tmp_path / f"new-{attempt}.sqlite"
+        together = threading.Barrier(4)
+
+        def switch(path: Path = path, together: threading.Barrier = together) -> None:
+            db = sqlite3.connect(path, isolation_level=None)
+            try:
+                db.execute("PRAGMA busy_timeout = 10000")
+                together.wait()
+                _write_ahead(db)
+                assert db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+            except BaseException as failure:
+                refused.append(failure)
+            finally:
+                db.close()
+
+        threads = [threading.Thread(target=switch) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert refused == []
 
 
 async def test_two_stores_on_one_sqlite_file_share_the_positions(tmp_path: Path) -> None:
