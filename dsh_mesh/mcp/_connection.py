@@ -2,12 +2,14 @@
 agent, bounded in concurrency, closed when idle and when the node drains.
 
 The SDK loads with the first connection a node opens, not with the node: it is half of a node's
-start-up time, and most nodes of most clusters name no MCP server."""
+start-up time, and most nodes of most clusters name no MCP server. It loads on a worker thread:
+half a second on the event loop would hold up the node's lease keepalive."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import os
 import sys
@@ -28,6 +30,16 @@ _log = logging.getLogger(__name__)
 
 Spawn = Callable[[Awaitable[None], str], asyncio.Task[None]]
 """Starts a task in the owner's task group (the connection owns no tasks of its own)."""
+
+
+_SDK = ("mcp", "mcp.client.stdio", "mcp.client.streamable_http", "mcp_types", "httpx2")
+"""The SDK's modules a connection uses."""
+
+
+async def _load_sdk() -> None:
+    if all(name in sys.modules for name in _SDK):
+        return
+    await asyncio.to_thread(lambda: [importlib.import_module(name) for name in _SDK])
 
 
 class McpUnavailable(Exception):
@@ -123,6 +135,12 @@ class McpConnection:
                 return self._client
             if self._holder is not None and not self._holder.done():
                 await asyncio.wait([self._holder])  # the last one is still closing
+            try:
+                await _load_sdk()
+            except Exception as failure:
+                raise McpUnavailable(
+                    f"MCP server {self.config.name}: the MCP SDK does not load: {failure}"
+                ) from failure
             ready: asyncio.Future[Client] = asyncio.get_running_loop().create_future()
             self._closing = asyncio.Event()
             self._holder = self._spawn(self._hold(ready), f"mcp {self.config.name}")
@@ -142,9 +160,9 @@ class McpConnection:
     async def _hold(self, ready: asyncio.Future[Client]) -> None:
         """Own the client for its whole life (the SDK's scopes must be left by the task that
         entered them): enter it, hand it out, wait until it is idle or closed, leave it."""
-        from mcp import Client  # the SDK's first use on this node (see the module's docstring)
-
         try:
+            from mcp import Client  # loaded by _open (see the module's docstring)
+
             async with contextlib.AsyncExitStack() as stack:
                 client = await stack.enter_async_context(
                     Client(await self._server(stack), mode="auto")
