@@ -164,8 +164,9 @@ def _start_and_wait(
     entries = []
     ids = node_ids(args.nodes)
     console.note(f"starting {', '.join(ids)} ...")
-    started.extend(ids)  # a node that fails to start is stopped with the rest
-    for node in cluster.add_together(ids):
+    added = cluster.add_together(ids)
+    started.extend(ids)
+    for node in added:
         assert node.address is not None
         entries.append(NodeEntry(node_id=node.node_id, address=node.address, pid=node.pid))
         console.say(f"node      {node.node_id}  {node.address}  pid {node.pid}")

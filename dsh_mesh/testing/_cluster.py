@@ -363,8 +363,10 @@ class LocalCluster:
     def add_together(self, node_ids: Sequence[str]) -> list[NodeProcess]:
         """Start more nodes in this cluster, launched together (their start-ups overlap);
         returns once each serves. The ids must be new, as for :meth:`add`."""
+        if len(set(node_ids)) < len(node_ids):
+            raise NodeProcessError(f"a node id is given twice: {', '.join(node_ids)}")
         for node_id in node_ids:
-            if node_id in self.nodes or list(node_ids).count(node_id) > 1:
+            if node_id in self.nodes:
                 raise NodeProcessError(f"the cluster already has a node {node_id}")
         added = [
             NodeProcess(node_id, self.settings, log_dir=self.log_dir, env=self._env)
