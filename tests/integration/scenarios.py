@@ -8,12 +8,9 @@ sessions walk (by step count, so a session resumed on another node continues its
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Mapping
-from typing import Any
 
 from dsh_mesh.core import ToolDescriptor
-from dsh_mesh.demo import SCENARIO as DEMO
 from dsh_mesh.models import PARENT, Branch, Call, Reply, Stall, arrived, child, send, tool
 from dsh_mesh.node import Scenario
 from dsh_mesh.tools import (
@@ -425,15 +422,3 @@ system_prompt = "You never stop."
 model = "runaway-worker"
 tools = ["send_message", "pause"]
 """
-
-
-def _slower(program: tuple[Any, ...], step: int, delay: float) -> tuple[Any, ...]:
-    return (*program[:step], dataclasses.replace(program[step], delay=delay), *program[step + 1 :])
-
-
-# The demo's tour (``dsh-mesh up``'s default) with alpha's slow model call long enough that an
-# interrupt sent once alpha's progress is seen always finds that call running, however busy the
-# machine: the demo's four seconds are a few command starts on a loaded one.
-CLI_TOUR = dataclasses.replace(
-    DEMO, programs={**DEMO.programs, "alpha": _slower(tuple(DEMO.programs["alpha"]), 1, 120.0)}
-)

@@ -295,7 +295,7 @@ async def test_an_unreachable_node_is_peer_unavailable() -> None:
 
 COMMAND = [sys.executable, "-m", "dsh_mesh.cli"]
 REPO = Path(__file__).resolve().parents[2]
-TOUR = "tests.integration.scenarios:CLI_TOUR"
+TOUR = "tests.integration.cli_tour:CLI_TOUR"
 """The demo's tour with alpha's slow call slow enough to interrupt on any machine."""
 
 
