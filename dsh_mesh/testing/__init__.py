@@ -17,6 +17,11 @@ with scripted ``Completion``, ``Failure`` and ``Stall`` replies and records ever
 wheel) on the tiny model ``write_tiny_model`` writes, whose prefix cache is real.
 """
 
+from dsh_mesh.testing._approval_history import (
+    ApprovalTally,
+    approval_violations,
+    open_requests,
+)
 from dsh_mesh.testing._browser import headless_chromium, web_view
 from dsh_mesh.testing._chat_replies import (
     Completion,
@@ -105,6 +110,7 @@ __all__ = [
     "FAULT_REASONS",
     "HUMAN",
     "WORKLOAD",
+    "ApprovalTally",
     "AttributeValue",
     "BedCluster",
     "BedError",
@@ -156,6 +162,7 @@ __all__ = [
     "Workload",
     "WriteEvent",
     "agent_sends",
+    "approval_violations",
     "bed_unavailable_reason",
     "blind_resends",
     "boundary_violations",
@@ -169,6 +176,7 @@ __all__ = [
     "headless_chromium",
     "in_process_mesh",
     "load_node_history",
+    "open_requests",
     "otel_env",
     "patiently",
     "process_tree",

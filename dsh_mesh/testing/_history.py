@@ -43,7 +43,10 @@ can fake for another:
   (the probe's own log, :mod:`dsh_mesh.testing.probe_tools`, counts executions by idempotency
   key); *unrecorded executions*: a probe run whose call no transcript records; *untrue results*:
   a probe call answered as done that never ran (:func:`check_tool_runs`). Safe calls run again
-  after a host death are counted, never held against the run.
+  after a host death are counted, never held against the run;
+- *unapproved runs*: a call of a tool that waits for approval that ran with no decision allowing
+  it; *untrue decisions*: a request decided twice, or a decision on no request
+  (:mod:`dsh_mesh.testing._approval_history`).
 
 A message whose outcome the asker never learned (its node died mid-call) may have landed once or
 not at all; it is never counted lost, but a second copy is still a duplicate.
@@ -62,6 +65,7 @@ from pathlib import Path
 from dsh_mesh.core import (
     INBOUND_TYPES,
     AgentMessageEntry,
+    ApprovalDecisionEntry,
     AssistantStepEntry,
     CompactionEntry,
     ConsumedEntry,
@@ -73,6 +77,7 @@ from dsh_mesh.core import (
     TaskEntry,
     ToolResultEntry,
 )
+from dsh_mesh.testing._approval_history import ApprovalTally, approval_violations
 from dsh_mesh.testing.probe_tools import ProbeRun
 
 HUMAN = "human"
@@ -164,6 +169,9 @@ class Verdict:
     untrue_results: int = 0
     safe_reruns: int = 0
     """Safe probe calls that ran more than once (again after a host death): allowed."""
+    approvals: ApprovalTally = field(default_factory=ApprovalTally)
+    unapproved_runs: int = 0
+    untrue_decisions: int = 0
     unattributed_writes: int = 0
     """Durable entries no node reported writing (their node was killed in between): counted,
     never held against the run."""
@@ -212,6 +220,13 @@ class Verdict:
             f" {self.unsafe_duplicates}, safe calls re-run {self.safe_reruns},"
             f" executions without a recorded call {self.unrecorded_runs},"
             f" results of calls that never ran {self.untrue_results}"
+        )
+        approvals = self.approvals
+        lines.append(
+            f"  approval requests {approvals.requests}: allowed {approvals.allowed}, denied"
+            f" {approvals.denied}, denied by the mesh {approvals.by_mesh};"
+            f" gated calls run unallowed {self.unapproved_runs},"
+            f" untrue decisions {self.untrue_decisions}"
         )
         lines.append(
             f"  activations {self.activations}, writes refused by the fence {self.fenced_writes},"
@@ -361,9 +376,14 @@ def check(
     transcripts: Mapping[SessionId, Sequence[Record]],
     history: NodeHistory,
     tool_runs: Sequence[ProbeRun] = (),
+    *,
+    gated: frozenset[str] = frozenset(),
+    refusals: Sequence[str] = (),
 ) -> Verdict:
     """Judge a whole run; see the module docstring for what is counted. ``tool_runs`` are the
-    probe tools' executions (their log)."""
+    probe tools' executions (their log); ``gated`` the tools whose calls wait for approval;
+    ``refusals`` the driver's own requests (decisions) refused with a reason they could not
+    have earned, one line each."""
     verdict = Verdict(operations=len(sends))
     verdict.activations = history.activations
     verdict.fenced_writes = history.fenced_writes
@@ -396,6 +416,14 @@ def check(
     for violation in blind_resends(transcripts):
         verdict._violate("blind_resends", violation)
     check_tool_runs(transcripts, tool_runs, verdict)
+    runs = Counter((run.session, run.key) for run in tool_runs)
+    for session, records in transcripts.items():
+        tally, found = approval_violations(session, records, runs, gated)
+        verdict.approvals.add(tally)
+        for kind, text in found:
+            verdict._violate(kind, text)
+    for text in refusals:
+        verdict._violate("wrong_reasons", text)
     return verdict
 
 
@@ -521,21 +549,28 @@ def boundary_violations(records: Sequence[Record]) -> list[str]:
     """The step boundaries of ``records`` (one transcript) that say something untrue, one line
     each: a ``ConsumedEntry`` whose seqs are not increasing (not acceptance order), or one that
     leaves unread a Steer record with a lower seq (durable before it) that no earlier one read.
-    Human prompts wait for their own turns and are not held to it (docs/adr/0007)."""
+    Human prompts wait for their own turns and are not held to it (docs/adr/0007). A read of
+    approval decisions alone is no boundary: a turn going on from a call that waited reads its
+    decision first, and what else arrived at the boundary after the call's result."""
     violations: list[str] = []
     read: set[int] = set()
     steer: list[int] = []
+    decisions: set[int] = set()
     for record in records:
         entry = record.entry
         if isinstance(entry, ConsumedEntry):
             read.update(entry.seqs)
             if list(entry.seqs) != sorted(entry.seqs):
                 violations.append(f"seq {record.seq} reads {list(entry.seqs)} out of seq order")
+            if decisions.issuperset(entry.seqs):
+                continue  # going on from a call that waited: no boundary (contract rule 9)
             unread = [seq for seq in steer if seq not in read]
             if unread:
                 violations.append(f"seq {record.seq} leaves {unread}, durable before it, unread")
         elif isinstance(entry, INBOUND_TYPES) and not isinstance(entry, HumanPromptEntry):
             steer.append(record.seq)
+            if isinstance(entry, ApprovalDecisionEntry):
+                decisions.add(record.seq)
     return violations
 
 

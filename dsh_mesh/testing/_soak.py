@@ -13,6 +13,7 @@ fault, which node, when); the cluster's own timing still varies.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import shutil
 import tempfile
@@ -26,7 +27,13 @@ from dsh_mesh.testing._faults import FAULT_KINDS, FaultDriver
 from dsh_mesh.testing._history import Verdict, agent_sends, check, load_node_history, writers_of
 from dsh_mesh.testing._proxy import TcpProxy
 from dsh_mesh.testing._testbed import BedCluster, MultiHostBed
-from dsh_mesh.testing._workload import DRIVER, FAULT_REASONS, WORKLOAD_NAMESPACE, Workload
+from dsh_mesh.testing._workload import (
+    DRIVER,
+    FAULT_REASONS,
+    GATED,
+    WORKLOAD_NAMESPACE,
+    Workload,
+)
 from dsh_mesh.testing.probe_tools import LOG_ENV, read_probe_log
 
 SCENARIO = "dsh_mesh.testing:WORKLOAD"
@@ -129,7 +136,14 @@ async def fault_run(
                 *agent_sends(transcripts, writers_of(history), allowed=FAULT_REASONS),
                 *workload.sends,
             ]
-            verdict = check(sends, transcripts, history, read_probe_log(probe_log))
+            verdict = check(
+                sends,
+                transcripts,
+                history,
+                read_probe_log(probe_log),
+                gated=GATED,
+                refusals=workload.refusals,
+            )
             fenced = sorted(node.node_id for node in cluster if "lost its lease" in node.log())
         finally:
             await asyncio.to_thread(cluster.close)
@@ -203,17 +217,29 @@ async def _drive(
     rounds = 0
     faults_done = asyncio.Event()
 
+    rounds_done = asyncio.Event()
+
     async def rounds_loop() -> None:
         nonlocal rounds
-        while time.monotonic() < deadline or not faults_done.is_set():
-            began = time.monotonic()
-            rounds += 1
-            if rounds % rounds_per_tree == 0:
-                await _replace_trees(workload, driver, nodes, trees)
-            await workload.round(rounds)
-            if rounds % 10 == 0:
-                await workload.probe()
-            await asyncio.sleep(max(0.0, round_interval - (time.monotonic() - began)))
+        try:
+            while time.monotonic() < deadline or not faults_done.is_set():
+                began = time.monotonic()
+                rounds += 1
+                if rounds % rounds_per_tree == 0:
+                    await _replace_trees(workload, driver, nodes, trees)
+                await workload.round(rounds)
+                if rounds % 10 == 0:
+                    await workload.probe()
+                await asyncio.sleep(max(0.0, round_interval - (time.monotonic() - began)))
+        finally:
+            rounds_done.set()
+
+    async def approvals_loop() -> None:
+        """A person at the page: decides what waits, every half second, faults or not."""
+        while not rounds_done.is_set():
+            await workload.decide_waiting()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(rounds_done.wait(), 0.5)
 
     async def faults_loop() -> None:
         try:
@@ -240,7 +266,7 @@ async def _drive(
             await driver.inject(kind)
 
     try:
-        await asyncio.gather(rounds_loop(), faults_loop())
+        await asyncio.gather(rounds_loop(), faults_loop(), approvals_loop())
     finally:
         await driver.heal()
     say(f"{rounds} rounds done; draining every inbox")

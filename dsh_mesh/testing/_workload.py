@@ -12,13 +12,15 @@ every edge in both directions, children spawn, settle and are cold-resumed by th
 message, and every message carries a fresh random token, so the checker can tell each one
 apart. A leaf's answer step first calls the two probe tools
 (:mod:`~dsh_mesh.testing.probe_tools`: one unsafe, one safe to re-run), whose executions the
-checker counts. Each step is chosen from what the transcript shows, not from a step count, so a
-turn cut short by a fault picks up where it stood, and nothing ping-pongs: only a round opens
-work.
+checker counts. The unsafe one waits for approval (docs/approvals.md): the driver allows most
+calls, denies some, and leaves some to expire, through any live node. Each step is chosen from
+what the transcript shows, not from a step count, so a turn cut short by a fault picks up where
+it stood, and nothing ping-pongs: only a round opens work.
 
 :class:`Workload` is the driver's side: it creates the roots, prompts the rounds through any
-live node (retrying under one idempotency key until the answer settles it), probes that refusals
-carry the right reason, and records every prompt as a :class:`~dsh_mesh.testing.Send`.
+live node (retrying under one idempotency key until the answer settles it), decides the calls
+waiting for approval, probes that refusals carry the right reason, and records every prompt as a
+:class:`~dsh_mesh.testing.Send`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import re
 import secrets
 import time
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 
 import grpc
 
@@ -55,10 +58,11 @@ from dsh_mesh.models import (
     child,
 )
 from dsh_mesh.node import Scenario
+from dsh_mesh.testing._approval_history import open_requests
 from dsh_mesh.testing._cluster import LocalCluster, MeshReader
 from dsh_mesh.testing._history import HUMAN, Outcome, Send
 from dsh_mesh.testing.probe_tools import probe_safe, probe_unsafe
-from dsh_mesh.tools import ContextPolicy, Preset, tool
+from dsh_mesh.tools import ApprovalPolicy, ContextPolicy, Preset, tool
 from dsh_mesh.transport import error_from_rpc
 
 ROUNDS_PER_TREE = 400
@@ -260,11 +264,23 @@ _READER_STEP = Branch(
 READER_CONTEXT = ContextPolicy(window_tokens=1200, compact_at=0.5, keep_tool_outputs=2)
 """The reader's window: a round's pages fill it twice over."""
 
+GATED = frozenset({"probe_unsafe"})
+"""The tools whose every call waits for a decision (the leaves' unsafe probe)."""
+APPROVAL_TIMEOUT = timedelta(seconds=5)
+"""How long a leaf's call waits before the mesh answers it denied."""
+FATES = (("allow", 0.7), ("deny", 0.15), ("leave", 0.15))
+"""What the driver does with a waiting call, by probability: a request left alone expires."""
+
 WORKLOAD = Scenario(
     presets=(
         Preset(name="soak-root", system_prompt="You lead rounds.", model="soak-root"),
         Preset(name="soak-worker", system_prompt="You work rounds.", model="soak-worker"),
-        Preset(name="soak-leaf", system_prompt="You answer.", model="soak-leaf"),
+        Preset(
+            name="soak-leaf",
+            system_prompt="You answer.",
+            model="soak-leaf",
+            approvals=ApprovalPolicy(tools=tuple(GATED), timeout=APPROVAL_TIMEOUT),
+        ),
         Preset(name="soak-helper", system_prompt="You answer once.", model="soak-helper"),
         Preset(
             name="soak-reader",
@@ -314,6 +330,13 @@ class Workload:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._retired: list[grpc.aio.Channel] = []
         self._counter = itertools.count()
+        self.made: list[SessionId] = []
+        """Every root made, replaced ones too (their leaves may still wait for a decision)."""
+        self._asking: set[SessionId] = set()
+        """Replaced roots whose trees had a call waiting when last listed."""
+        self._fates: dict[tuple[str, str], str] = {}
+        self.refusals: list[str] = []
+        """Decisions refused with a reason they could not have earned, one line each."""
 
     async def close(self) -> None:
         for channel in [*self._channels.values(), *self._retired]:
@@ -366,6 +389,7 @@ class Workload:
                     continue
                 root = SessionId(response.session_id)
                 self.roots.append(root)
+                self.made.append(root)
                 return root
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no node would create a root within {within} s; {last}")
@@ -465,6 +489,66 @@ class Workload:
         else:
             self._record(_ELSEWHERE, task, 0.0, Outcome.ACKED)  # never lands: flagged
 
+    async def decide_waiting(self) -> None:
+        """Decide the calls waiting for approval in the trees (the current ones, and replaced
+        ones that had a call waiting), each listed and decided through a random live node.
+        Each request's fate is drawn once (:data:`FATES`). A listing or a decision cut short
+        by a fault is simply tried again next time; ``APPROVAL_STALE`` (it expired or was
+        decided meanwhile) is a right answer; any other refusal is recorded in
+        :attr:`refusals`."""
+        nodes = self.live_nodes()
+        if not nodes:
+            return
+        for root in dict.fromkeys([*self.roots, *sorted(self._asking)]):
+            try:
+                listed = await self._stub(self.rng.choice(nodes)).ListApprovals(
+                    mesh_pb2.ListApprovalsRequest(root_session_id=root),
+                    metadata=self.cluster.metadata(DRIVER),
+                    timeout=5,
+                )
+            except grpc.aio.AioRpcError:
+                continue
+            if listed.approvals:
+                self._asking.add(root)
+            else:
+                self._asking.discard(root)
+            for pending in listed.approvals:
+                await self._decide(pending, self.rng.choice(nodes))
+
+    async def _decide(self, pending: mesh_pb2.PendingApproval, node: str) -> None:
+        request = pending.request
+        fate = self._fates.get((pending.session_id, request.request_digest))
+        if fate is None:
+            draw = self.rng.random()
+            fate = next((name for name, p in _CUMULATIVE_FATES if draw < p), "leave")
+            self._fates[pending.session_id, request.request_digest] = fate
+        if fate == "leave":
+            return
+        allow = fate == "allow"
+        try:
+            await self._stub(node).ResolveApproval(
+                mesh_pb2.ResolveApprovalRequest(
+                    session_id=pending.session_id,
+                    call_id=request.call_id,
+                    decision=(
+                        mesh_pb2.APPROVAL_DECISION_ALLOW
+                        if allow
+                        else mesh_pb2.APPROVAL_DECISION_DENY
+                    ),
+                    request_digest=request.request_digest,
+                    reason="" if allow else "The driver says no.",
+                ),
+                metadata=self.cluster.metadata(DRIVER),
+                timeout=5,
+            )
+        except grpc.aio.AioRpcError as failure:
+            reason = _classify(failure)
+            if reason is None or reason in FAULT_REASONS or reason in _STALE:
+                return
+            self.refusals.append(
+                f"{fate} of {pending.session_id} call {request.call_id} refused with {reason.value}"
+            )
+
     async def round(self, number: int) -> None:
         """Prompt every root with round ``number`` (every fifth also spawns a one-shot)."""
         text = f"Round {number}" + (" one-shot" if number % 5 == 0 else "")
@@ -473,20 +557,24 @@ class Workload:
         )
 
     async def settle(self, *, within: float = 120.0) -> int:
-        """Until the cluster is still: every session's inbound entries consumed and no
-        transcript growing for three reads in a row. A session holding pending entries that no
-        node hosts is woken with a prompt (nothing else would: there is no offline mailbox
-        reader). Returns how many wake-ups it took; gives up after ``within`` seconds."""
+        """Until the cluster is still: every session's inbound entries consumed, every call
+        that waited for approval answered, and no transcript growing for three reads in a row
+        (deciding what waits meanwhile; what the driver leaves alone expires). A session
+        holding pending entries that no node hosts is woken with a prompt (nothing else would:
+        there is no offline mailbox reader). Returns how many wake-ups it took; gives up
+        after ``within`` seconds."""
         deadline = time.monotonic() + within
         woken = 0
         still = 0
         sizes: dict[SessionId, int] = {}
         while time.monotonic() < deadline and still < 3:
             await asyncio.sleep(1.0)
+            await self.decide_waiting()
             transcripts = await self.transcripts()
             waiting = [s for s, records in transcripts.items() if pending_inbound(records)]
+            asking = any(open_requests(records) for records in transcripts.values())
             now = {session: len(records) for session, records in transcripts.items()}
-            still = still + 1 if not waiting and now == sizes else 0
+            still = still + 1 if not waiting and not asking and now == sizes else 0
             sizes = now
             for session in waiting:
                 if await self.reader.activation(session) is None:
@@ -532,6 +620,11 @@ def _classify(failure: grpc.aio.AioRpcError) -> RejectionReason | None:
         return None
     return error.reason
 
+
+_CUMULATIVE_FATES = tuple(
+    (name, sum(p for _, p in FATES[: index + 1])) for index, (name, _) in enumerate(FATES)
+)
+_STALE = frozenset({RejectionReason.APPROVAL_STALE})
 
 _DETAILS = "grpc-status-details-bin"
 _OPEN = frozenset(

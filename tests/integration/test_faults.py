@@ -54,6 +54,12 @@ async def test_every_fault_once_and_the_history_checks_clean(
     # The leaves' probe tools ran (one line per execution), and no unsafe call ran twice.
     assert verdict.tool_runs > 20, report.summary()
     assert (verdict.unsafe_duplicates, verdict.unanswered_calls) == (0, 0)
+    # Each leaf's unsafe probe waited for approval: the driver allowed most, denied some, left
+    # some to expire; none ran unallowed, none was decided twice.
+    approvals = verdict.approvals
+    assert approvals.requests > 10 and approvals.allowed > 0, report.summary()
+    assert approvals.denied + approvals.by_mesh > 0, report.summary()
+    assert (verdict.unapproved_runs, verdict.untrue_decisions) == (0, 0)
     # The paused node and the cut-off host's node found their lease gone and fenced themselves.
     assert report.fenced_nodes, report.log
     assert report.failovers, report.log

@@ -392,6 +392,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "spawn_refused",
     ],
     "dsh_mesh.testing": [
+        "ApprovalTally",
         "AttributeValue",
         "BedCluster",
         "BedError",
@@ -448,6 +449,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "Workload",
         "WriteEvent",
         "agent_sends",
+        "approval_violations",
         "bed_unavailable_reason",
         "blind_resends",
         "boundary_violations",
@@ -461,6 +463,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "headless_chromium",
         "in_process_mesh",
         "load_node_history",
+        "open_requests",
         "otel_env",
         "patiently",
         "process_tree",

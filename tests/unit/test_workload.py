@@ -5,14 +5,50 @@ from __future__ import annotations
 
 from dsh_mesh.core import (
     AgentMessageEntry,
+    ApprovalDecision,
+    ApprovalDecisionEntry,
+    ApprovalRequestEntry,
     CompactionEntry,
     SessionKind,
     SettlementNoticeEntry,
     ToolResultEntry,
 )
 from dsh_mesh.models import ScriptedProvider
-from dsh_mesh.testing import WORKLOAD, in_process_mesh
+from dsh_mesh.testing import WORKLOAD, InProcessMesh, in_process_mesh, open_requests
 from dsh_mesh.testing._workload import READER_PAGES
+
+
+async def quiet_allowing(mesh: InProcessMesh) -> int:
+    """Until the mesh is quiescent with no call waiting for approval, allowing each waiting
+    call (the leaves' unsafe probe waits for one); returns how many were allowed."""
+    allowed = 0
+    while True:
+        await mesh.manager.quiescent()
+        waiting = []
+        for session in list(mesh.store._transcripts):
+            records = await mesh.transcript(session)
+            decided = {
+                r.entry.call_id for r in records if isinstance(r.entry, ApprovalDecisionEntry)
+            }
+            for call_id in open_requests(records):
+                if call_id not in decided:
+                    [request] = [
+                        r.entry
+                        for r in records
+                        if isinstance(r.entry, ApprovalRequestEntry) and r.entry.call_id == call_id
+                    ]
+                    waiting.append((session, request))
+        if not waiting:
+            return allowed
+        for session, request in waiting:
+            decision = ApprovalDecisionEntry(
+                call_id=request.call_id,
+                decision=ApprovalDecision.ALLOW,
+                request_digest=request.digest,
+                by="client:test",
+            )
+            await mesh.manager.resolve_approval(session, decision)
+            allowed += 1
 
 
 async def test_each_round_crosses_every_edge_both_ways_and_then_the_tree_is_quiet() -> None:
@@ -20,10 +56,12 @@ async def test_each_round_crosses_every_edge_both_ways_and_then_the_tree_is_quie
     async with in_process_mesh(WORKLOAD.presets, scripted=scripted, tools=WORKLOAD.tools) as mesh:
         root = (await mesh.manager.create_root("Lead rounds.", preset="soak-root")).session_id
         await mesh.manager.quiescent()
+        allowed = 0
         for number in (1, 2, 3):
             suffix = " one-shot" if number == 2 else ""
             await mesh.manager.submit_prompt(root, f"Round {number}{suffix} t{number}")
-            await mesh.manager.quiescent()
+            allowed += await quiet_allowing(mesh)
+        assert allowed == 4  # each leaf's unsafe probe, in rounds 2 and 3, waited for approval
         sessions = {}
         for session in list(mesh.store._transcripts):
             sessions[session] = await mesh.manager.header(session)
