@@ -34,6 +34,12 @@ GATED = frozenset({"probe_unsafe"})
 REQUEST = ApprovalRequestEntry(
     call_id="u", step_seq=3, tool="probe_unsafe", arguments_json="{}", descriptor_digest="d" * 64
 )
+STEP = AssistantStepEntry(
+    text="",
+    tool_calls=(ToolCall(call_id="u", name="probe_unsafe", arguments_json="{}"),),
+    usage=Usage(),
+)
+"""The step calling the gated probe."""
 KEY = "3.0.u"
 """The call's idempotency key: its step's seq, its index, its id."""
 
@@ -54,11 +60,7 @@ def leaf(*after_the_request: Entry) -> list[Record]:
     return records(
         TaskEntry(content="answer"),
         ConsumedEntry(seqs=(1,)),
-        AssistantStepEntry(
-            text="",
-            tool_calls=(ToolCall(call_id="u", name="probe_unsafe", arguments_json="{}"),),
-            usage=Usage(),
-        ),
+        STEP,
         REQUEST,
         TurnEndedEntry(turn_id=TurnId("t-1"), outcome=TurnOutcome.AWAITING_APPROVAL),
         *after_the_request,
@@ -106,11 +108,7 @@ def test_a_gated_call_with_no_request_that_ran_ran_unapproved() -> None:
     transcript = records(
         TaskEntry(content="answer"),
         ConsumedEntry(seqs=(1,)),
-        AssistantStepEntry(
-            text="",
-            tool_calls=(ToolCall(call_id="u", name="probe_unsafe", arguments_json="{}"),),
-            usage=Usage(),
-        ),
+        STEP,
         result(),
     )
     assert judge(transcript, KEY)[0] == 1
