@@ -162,14 +162,13 @@ def _start_and_wait(
     stack.enter_context(cluster)
     stack.callback(_stop_nodes, cluster, console)
     entries = []
-    ids = node_ids(args.nodes)
-    console.note(f"starting {', '.join(ids)} ...")
-    added = cluster.add_together(ids)
-    started.extend(ids)
-    for node in added:
+    for node_id in node_ids(args.nodes):
+        console.note(f"starting {node_id} ...")
+        node = cluster.add(node_id)
+        started.append(node_id)
         assert node.address is not None
-        entries.append(NodeEntry(node_id=node.node_id, address=node.address, pid=node.pid))
-        console.say(f"node      {node.node_id}  {node.address}  pid {node.pid}")
+        entries.append(NodeEntry(node_id=node_id, address=node.address, pid=node.pid))
+        console.say(f"node      {node_id}  {node.address}  pid {node.pid}")
     tls: TlsPaths | None = None
     if pki is not None:
         files = pki.client(CLIENT_NAME)

@@ -185,12 +185,6 @@ class NodeProcess:
 
     def start(self) -> NodeProcess:
         """Start the process and wait for its ready line."""
-        self.launch()
-        return self.ready()
-
-    def launch(self) -> None:
-        """Start the process without waiting for it (:meth:`ready` waits): a cluster launches
-        its nodes together, so their start-ups overlap."""
         # The cluster decides the node's security itself: a shell's DSH_TLS_* (exported for the
         # CLI), DSH_PLAINTEXT or DSH_CLUSTER_TOKEN must not leak into it; ``env`` still may.
         inherited = {k: v for k, v in os.environ.items() if k not in _SECURITY_ENV}
@@ -210,9 +204,6 @@ class NodeProcess:
                 process_group=0,
             )
         _live.add(self)
-
-    def ready(self) -> NodeProcess:
-        """Wait for the launched process's ready line."""
         self.address = self._await_ready()
         return self
 
@@ -335,10 +326,11 @@ class LocalCluster:
     def __enter__(self) -> LocalCluster:
         try:
             self._grant(*self.nodes, READER)
+            # One after another: a node that serves has seen every node before it register,
+            # so placement right after the start already spreads over the cluster (nodes
+            # started together may each know none of the others yet, and place locally).
             for node in self.nodes.values():
-                node.launch()
-            for node in self.nodes.values():
-                node.ready()
+                node.start()
         except BaseException:
             self.close()
             raise
@@ -357,26 +349,12 @@ class LocalCluster:
         """Start one more node in this cluster. Raises :class:`NodeProcessError` for an id the
         cluster already has (restart that node with ``cluster[node_id].start()``): replacing
         it would lose track of its process, which nothing would then stop."""
-        (node,) = self.add_together([node_id])
-        return node
-
-    def add_together(self, node_ids: Sequence[str]) -> list[NodeProcess]:
-        """Start more nodes in this cluster, launched together (their start-ups overlap);
-        returns once each serves. The ids must be new, as for :meth:`add`."""
-        if len(set(node_ids)) < len(node_ids):
-            raise NodeProcessError(f"a node id is given twice: {', '.join(node_ids)}")
-        for node_id in node_ids:
-            if node_id in self.nodes:
-                raise NodeProcessError(f"the cluster already has a node {node_id}")
-        added = [
-            NodeProcess(node_id, self.settings, log_dir=self.log_dir, env=self._env)
-            for node_id in node_ids
-        ]
-        self.nodes.update((node.node_id, node) for node in added)
-        self._grant(*node_ids)
-        for node in added:
-            node.launch()
-        return [node.ready() for node in added]
+        if node_id in self.nodes:
+            raise NodeProcessError(f"the cluster already has a node {node_id}")
+        node = NodeProcess(node_id, self.settings, log_dir=self.log_dir, env=self._env)
+        self.nodes[node_id] = node
+        self._grant(node_id)
+        return node.start()
 
     def _grant(self, *users: str) -> None:
         """Under least privilege: make ``users`` etcd users of this mesh's role (as etcd's

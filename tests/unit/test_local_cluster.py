@@ -20,13 +20,3 @@ def test_adding_a_node_under_an_id_the_cluster_has_is_refused() -> None:
         assert list(cluster.nodes) == ["node-a"]
     finally:
         cluster.close()
-
-
-def test_adding_nodes_together_under_one_id_twice_is_refused_before_any_starts() -> None:
-    cluster = LocalCluster(etcd_endpoint="127.0.0.1:1", scenario="dsh_mesh.demo:SCENARIO", nodes=())
-    try:
-        with pytest.raises(NodeProcessError, match="given twice: node-b, node-c, node-b"):
-            cluster.add_together(["node-b", "node-c", "node-b"])
-        assert list(cluster.nodes) == []  # nothing was added, nothing started
-    finally:
-        cluster.close()
