@@ -7,7 +7,6 @@ check does). :func:`open_requests` tells a driver which calls still wait for the
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -17,6 +16,7 @@ from dsh_mesh.core import (
     ApprovalDecisionEntry,
     ApprovalRequestEntry,
     AssistantStepEntry,
+    ConsumedEntry,
     Record,
     SessionId,
     ToolResultEntry,
@@ -55,37 +55,64 @@ def approval_violations(
 ) -> tuple[ApprovalTally, list[tuple[str, str]]]:
     """The approvals of ``session``'s transcript, and its violations as (kind, text) pairs.
     ``runs`` counts executions by (session, idempotency key); ``gated`` names the tools whose
-    every call waits for a decision."""
+    every call waits for a decision.
+
+    A gated call may run only once a decision allowing its request was read (a
+    ``ConsumedEntry`` holds its seq) before the call's result: the agent's own rule, so a new
+    activation knows whether the call ran. A decision comes after its request and before its
+    call's result, and each request has at most one."""
     tally = ApprovalTally()
     violations: list[tuple[str, str]] = []
-    requests: dict[tuple[str, int], list[ApprovalRequestEntry]] = {}
-    decisions: Counter[tuple[str, str]] = Counter()
-    allowing: set[tuple[str, str]] = set()
+    requests: dict[tuple[str, str], tuple[int, ApprovalRequestEntry]] = {}
+    decisions: list[tuple[int, ApprovalDecisionEntry]] = []
+    read_at: dict[int, int] = {}
+    answered_at: dict[tuple[str, int], int] = {}
+    step = 0
     for record in records:
         entry = record.entry
-        if isinstance(entry, ApprovalRequestEntry):
+        if isinstance(entry, AssistantStepEntry):
+            step = record.seq
+        elif isinstance(entry, ToolResultEntry):
+            answered_at.setdefault((entry.call_id, step), record.seq)
+        elif isinstance(entry, ConsumedEntry):
+            for seq in entry.seqs:
+                read_at.setdefault(seq, record.seq)
+        elif isinstance(entry, ApprovalRequestEntry):
             tally.requests += 1
-            requests.setdefault((entry.call_id, entry.step_seq), []).append(entry)
+            requests[entry.call_id, entry.digest] = (record.seq, entry)
         elif isinstance(entry, ApprovalDecisionEntry):
-            decisions[entry.call_id, entry.request_digest] += 1
-            if entry.decision is ApprovalDecision.DENY:
-                if entry.by == MESH_DECIDER:
-                    tally.by_mesh += 1
-                else:
-                    tally.denied += 1
-            else:
+            decisions.append((record.seq, entry))
+            if entry.decision is not ApprovalDecision.DENY:
                 tally.allowed += 1
-                allowing.add((entry.call_id, entry.request_digest))
-    asked = {(r.call_id, r.digest) for group in requests.values() for r in group}
-    for (call_id, digest), count in sorted(decisions.items()):
-        if (call_id, digest) not in asked:
+            elif entry.by == MESH_DECIDER:
+                tally.by_mesh += 1
+            else:
+                tally.denied += 1
+    decided: set[tuple[str, str]] = set()
+    for seq, decision in decisions:
+        call_id = decision.call_id
+        asked = requests.get((call_id, decision.request_digest))
+        if asked is None or asked[0] > seq:
             violations.append(
-                (UNTRUE_DECISIONS, f"{session}: a decision on call {call_id} answers no request")
+                (UNTRUE_DECISIONS, f"{session}: the decision at seq {seq} answers no request")
             )
-        elif count > 1:
+            continue
+        answered = answered_at.get((call_id, asked[1].step_seq))
+        if answered is not None and answered < seq:
             violations.append(
-                (UNTRUE_DECISIONS, f"{session}: call {call_id}'s request was decided {count} times")
+                (UNTRUE_DECISIONS, f"{session}: call {call_id} was decided after its result")
             )
+        if (call_id, decision.request_digest) in decided:
+            violations.append(
+                (UNTRUE_DECISIONS, f"{session}: call {call_id}'s request was decided again")
+            )
+        decided.add((call_id, decision.request_digest))
+    allowed_reads: dict[tuple[str, int], list[int]] = {}
+    for seq, decision in decisions:
+        asked = requests.get((decision.call_id, decision.request_digest))
+        if decision.decision is ApprovalDecision.DENY or asked is None or seq not in read_at:
+            continue
+        allowed_reads.setdefault((decision.call_id, asked[1].step_seq), []).append(read_at[seq])
     for record in records:
         if not isinstance(record.entry, AssistantStepEntry):
             continue
@@ -93,10 +120,11 @@ def approval_violations(
             key = f"{record.seq}.{index}.{call.call_id}"
             if call.name not in gated or not runs.get((session, key)):
                 continue
-            asked_for = requests.get((call.call_id, record.seq), [])
-            if not any((call.call_id, r.digest) in allowing for r in asked_for):
+            answered = answered_at.get((call.call_id, record.seq))
+            reads = allowed_reads.get((call.call_id, record.seq), [])
+            if not any(answered is None or read < answered for read in reads):
                 violations.append(
-                    (UNAPPROVED_RUNS, f"{session}: {call.name} {key} ran, never allowed")
+                    (UNAPPROVED_RUNS, f"{session}: {call.name} {key} ran, not allowed first")
                 )
     return tally, violations
 

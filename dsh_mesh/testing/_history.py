@@ -76,6 +76,7 @@ from dsh_mesh.core import (
     SettlementNoticeEntry,
     TaskEntry,
     ToolResultEntry,
+    TurnStartedEntry,
 )
 from dsh_mesh.testing._approval_history import ApprovalTally, approval_violations
 from dsh_mesh.testing.probe_tools import ProbeRun
@@ -549,20 +550,25 @@ def boundary_violations(records: Sequence[Record]) -> list[str]:
     """The step boundaries of ``records`` (one transcript) that say something untrue, one line
     each: a ``ConsumedEntry`` whose seqs are not increasing (not acceptance order), or one that
     leaves unread a Steer record with a lower seq (durable before it) that no earlier one read.
-    Human prompts wait for their own turns and are not held to it (docs/adr/0007). A read of
-    approval decisions alone is no boundary: a turn going on from a call that waited reads its
-    decision first, and what else arrived at the boundary after the call's result."""
+    Human prompts wait for their own turns and are not held to it (docs/adr/0007). A turn's
+    first read, of approval decisions alone, is no boundary: a turn going on from a call that
+    waited reads its decision first, and what else arrived at the boundary after the call's
+    result."""
     violations: list[str] = []
     read: set[int] = set()
     steer: list[int] = []
     decisions: set[int] = set()
+    turn_started = False
     for record in records:
         entry = record.entry
-        if isinstance(entry, ConsumedEntry):
+        if isinstance(entry, TurnStartedEntry):
+            turn_started = True
+        elif isinstance(entry, ConsumedEntry):
+            first_of_turn, turn_started = turn_started, False
             read.update(entry.seqs)
             if list(entry.seqs) != sorted(entry.seqs):
                 violations.append(f"seq {record.seq} reads {list(entry.seqs)} out of seq order")
-            if decisions.issuperset(entry.seqs):
+            if first_of_turn and decisions.issuperset(entry.seqs):
                 continue  # going on from a call that waited: no boundary (contract rule 9)
             unread = [seq for seq in steer if seq not in read]
             if unread:

@@ -330,11 +330,13 @@ class Workload:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._retired: list[grpc.aio.Channel] = []
         self._counter = itertools.count()
-        self.made: list[SessionId] = []
-        """Every root made, replaced ones too (their leaves may still wait for a decision)."""
         self._asking: set[SessionId] = set()
-        """Replaced roots whose trees had a call waiting when last listed."""
+        """Replaced roots whose trees had a call waiting when last listed (a call asked after
+        its tree's last listing is left to expire)."""
         self._fates: dict[tuple[str, str], str] = {}
+        self._fate_rng = random.Random(rng.random())
+        """Draws each request's fate: its own, so when the driver looks (timing) does not shift
+        the run's other seeded choices."""
         self.refusals: list[str] = []
         """Decisions refused with a reason they could not have earned, one line each."""
 
@@ -389,7 +391,6 @@ class Workload:
                     continue
                 root = SessionId(response.session_id)
                 self.roots.append(root)
-                self.made.append(root)
                 return root
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no node would create a root within {within} s; {last}")
@@ -501,7 +502,7 @@ class Workload:
             return
         for root in dict.fromkeys([*self.roots, *sorted(self._asking)]):
             try:
-                listed = await self._stub(self.rng.choice(nodes)).ListApprovals(
+                listed = await self._stub(self._fate_rng.choice(nodes)).ListApprovals(
                     mesh_pb2.ListApprovalsRequest(root_session_id=root),
                     metadata=self.cluster.metadata(DRIVER),
                     timeout=5,
@@ -513,13 +514,13 @@ class Workload:
             else:
                 self._asking.discard(root)
             for pending in listed.approvals:
-                await self._decide(pending, self.rng.choice(nodes))
+                await self._decide(pending, self._fate_rng.choice(nodes))
 
     async def _decide(self, pending: mesh_pb2.PendingApproval, node: str) -> None:
         request = pending.request
         fate = self._fates.get((pending.session_id, request.request_digest))
         if fate is None:
-            draw = self.rng.random()
+            draw = self._fate_rng.random()
             fate = next((name for name, p in _CUMULATIVE_FATES if draw < p), "leave")
             self._fates[pending.session_id, request.request_digest] = fate
         if fate == "leave":
@@ -560,9 +561,10 @@ class Workload:
         """Until the cluster is still: every session's inbound entries consumed, every call
         that waited for approval answered, and no transcript growing for three reads in a row
         (deciding what waits meanwhile; what the driver leaves alone expires). A session
-        holding pending entries that no node hosts is woken with a prompt (nothing else would:
-        there is no offline mailbox reader). Returns how many wake-ups it took; gives up
-        after ``within`` seconds."""
+        holding pending entries, or a call that waits, that no node hosts is woken with a
+        prompt (nothing else would read them: there is no offline mailbox reader, and the
+        nodes' sweep of expired requests may be backing off). Returns how many wake-ups it
+        took; gives up after ``within`` seconds."""
         deadline = time.monotonic() + within
         woken = 0
         still = 0
@@ -572,11 +574,13 @@ class Workload:
             await self.decide_waiting()
             transcripts = await self.transcripts()
             waiting = [s for s, records in transcripts.items() if pending_inbound(records)]
-            asking = any(open_requests(records) for records in transcripts.values())
+            asleep = [s for s, records in transcripts.items() if open_requests(records)]
             now = {session: len(records) for session, records in transcripts.items()}
-            still = still + 1 if not waiting and not asking and now == sizes else 0
+            still = still + 1 if not waiting and not asleep and now == sizes else 0
             sizes = now
-            for session in waiting:
+            # Absent, with unread entries or a call still waiting: a resumed agent reads them,
+            # and denies an expired request itself (the node's sweep may be backing off).
+            for session in dict.fromkeys([*waiting, *asleep]):
                 if await self.reader.activation(session) is None:
                     await self.prompt(session, _token("Wake up"), within=20.0)
                     woken += 1

@@ -127,6 +127,20 @@ as a new call, under a new key, and some of them (a write whose answer was lost,
 mid-call) may have landed, so that would make a second copy."""
 
 
+_AFTER_A_CHANGE = frozenset(
+    {
+        RejectionReason.STALE_SENDER,
+        RejectionReason.PARENT_NOT_LIVE,
+        RejectionReason.PARENT_REBOUND,
+        RejectionReason.FORGED_SENDER,
+    }
+)
+"""Refusals a retry can earn because the tree changed after an earlier try (the runtime's
+``MAY_FOLLOW_AN_ACCEPTANCE``). The node looks the key up first, but a try whose answer was lost
+may still be on its way (a cold resume, a write waiting out a database outage) and land after
+that look: after an outage, such a refusal may have landed too."""
+
+
 @dataclass(frozen=True)
 class SendMessageTool:
     """The standard ``send_message``: same definition, same identity, for parents and children.
@@ -163,6 +177,7 @@ class SendMessageTool:
         delays = itertools.chain(self.retry_delays, itertools.repeat(last))
         clock = asyncio.get_running_loop()
         give_up_at: float | None = None
+        in_doubt = False  # an earlier try met an outage: it may have been accepted, or still be
         while True:
             try:
                 delivery = await self.runtime.send_message(
@@ -181,8 +196,11 @@ class SendMessageTool:
                     is_error=True,
                 )
             except Rejected as rejection:
+                if in_doubt and rejection.reason in _AFTER_A_CHANGE:
+                    return _refusal(rejection, may_have_landed=True)
                 delay = next(delays, None) if rejection.reason in _OUTAGES else None
                 if delay is not None:
+                    in_doubt = True
                     give_up_at = give_up_at or clock.time() + self.outage_window
                     if clock.time() >= give_up_at:
                         return _refusal(rejection)
@@ -268,9 +286,9 @@ def is_standard_send_message(tool: Tool) -> bool:
     return tool.identity is SEND_MESSAGE_IDENTITY
 
 
-def _refusal(rejection: Rejected) -> ToolOutput:
+def _refusal(rejection: Rejected, *, may_have_landed: bool = False) -> ToolOutput:
     """What the model reads of a refused send; an outage's refusal may have landed."""
     refusal: dict[str, object] = {"rejected": rejection.reason.value, "detail": rejection.detail}
-    if rejection.reason in _OUTAGES:
+    if may_have_landed or rejection.reason in _OUTAGES:
         refusal["may_have_landed"] = True
     return ToolOutput(content=json.dumps(refusal), is_error=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dsh_mesh.core import (
     MESH_DECIDER,
+    ActivationId,
     AgentMessageEntry,
     AgentMessageSource,
     ApprovalDecision,
@@ -15,6 +16,7 @@ from dsh_mesh.core import (
     AssistantStepEntry,
     ConsumedEntry,
     Entry,
+    NodeId,
     Record,
     SessionId,
     TaskEntry,
@@ -23,6 +25,7 @@ from dsh_mesh.core import (
     TurnEndedEntry,
     TurnId,
     TurnOutcome,
+    TurnStartedEntry,
     Usage,
 )
 from dsh_mesh.testing import NodeHistory, boundary_violations, check, open_requests
@@ -140,18 +143,38 @@ def test_the_tally_tells_a_persons_denial_from_the_meshs() -> None:
     assert "denied 1, denied by the mesh 1" in verdict.summary()
 
 
-def test_a_read_of_the_decision_alone_is_no_boundary_but_the_next_one_is() -> None:
+def test_a_turns_first_read_of_the_decision_alone_is_no_boundary_but_the_next_one_is() -> None:
     message = AgentMessageEntry(source=AgentMessageSource(sender_session_id=PARENT), content="hi")
-    going_on = leaf(message, decided(ApprovalDecision.ALLOW), ConsumedEntry(seqs=(7,)), result())
+    started = TurnStartedEntry(
+        turn_id=TurnId("t-2"), node_id=NodeId("node-b"), activation_id=ActivationId("a-2")
+    )
+    # 6 the message, 7 the decision, 8 the turn going on, 9 its read of the decision, 10 result
+    going_on = leaf(message, decided(ApprovalDecision.ALLOW), started, ConsumedEntry(seqs=(7,)))
+    going_on.append(Record(seq=10, entry=result()))
     assert boundary_violations(going_on) == []  # the message waits for the call's result
-    read_later = [*going_on, Record(seq=10, entry=ConsumedEntry(seqs=(6,)))]
+    read_later = [*going_on, Record(seq=11, entry=ConsumedEntry(seqs=(6,)))]
     assert boundary_violations(read_later) == []
     skipped = [
         *going_on,
-        Record(seq=10, entry=AgentMessageEntry(source=message.source, content="again")),
-        Record(seq=11, entry=ConsumedEntry(seqs=(10,))),
+        Record(seq=11, entry=AgentMessageEntry(source=message.source, content="again")),
+        Record(seq=12, entry=ConsumedEntry(seqs=(11,))),
     ]
-    assert boundary_violations(skipped) == ["seq 11 leaves [6], durable before it, unread"]
+    assert boundary_violations(skipped) == ["seq 12 leaves [6], durable before it, unread"]
+    # A read of decisions alone anywhere else is a boundary like any other.
+    late = leaf(message, decided(ApprovalDecision.ALLOW), result(), ConsumedEntry(seqs=(7,)))
+    assert boundary_violations(late) == ["seq 9 leaves [6], durable before it, unread"]
+
+
+def test_a_call_that_ran_before_its_allowance_was_read_ran_unapproved() -> None:
+    # Allowed, never read, run: the agent runs a call only after a turn read its decision.
+    unread = leaf(decided(ApprovalDecision.ALLOW), result())
+    assert judge(unread, KEY)[:2] == (1, 0)
+    # Allowed after the call was answered: the run came first, and the decision is untrue.
+    after = leaf(result(), decided(ApprovalDecision.ALLOW), ConsumedEntry(seqs=(7,)))
+    assert judge(after, KEY)[:2] == (1, 1)
+    # Allowed, read, then answered: clean.
+    read_first = leaf(decided(ApprovalDecision.ALLOW), ConsumedEntry(seqs=(6,)), result())
+    assert judge(read_first, KEY) == (0, 0, [])
 
 
 def test_a_call_waits_until_its_result_whatever_was_decided() -> None:

@@ -629,6 +629,31 @@ async def test_an_outage_that_outlasts_the_window_is_handed_to_the_model_as_itse
     assert len(runtime.keys) == 1
 
 
+async def test_a_tree_change_refusal_after_an_outage_says_the_send_may_have_landed() -> None:
+    # Found by the fault run with approvals: a leaf's send met an outage (its first try's
+    # answer lost, the try itself still on its way); the retry was refused PARENT_REBOUND (the
+    # parent had moved on) and the key not yet found; then the first try landed. The model read
+    # "rejected" for a message its parent received.
+    for reason in (RejectionReason.PARENT_REBOUND, RejectionReason.STALE_SENDER):
+        runtime = FlakyRuntime(
+            failures=[
+                Rejected.of(RejectionReason.DEADLINE_EXCEEDED, "the hop ran out of time"),
+                Rejected.of(reason, "the tree changed"),
+            ]
+        )
+        tool = SendMessageTool(runtime=runtime, retry_delays=(0.0,))
+        caller = AgentRef(session_id=SessionId("s-1"), activation_id=ActivationId("a-1"))
+        output = await tool.invoke(invocation(caller, {}), {"agent_id": "s-2", "message": "hi"})
+        answer = json.loads(output.content)
+        assert output.is_error and answer["rejected"] == reason.value
+        assert answer["may_have_landed"] is True
+    # With no outage before it, the same refusal is exact.
+    runtime = FlakyRuntime(failures=[Rejected.of(RejectionReason.PARENT_REBOUND, "moved on")])
+    tool = SendMessageTool(runtime=runtime, retry_delays=(0.0,))
+    output = await tool.invoke(invocation(caller, {}), {"agent_id": "s-2", "message": "hi"})
+    assert "may_have_landed" not in json.loads(output.content)
+
+
 @dataclass
 class InterruptedDuringOutage(FlakyRuntime):
     """An outage that outlasts the turn: the third try finds the turn interrupted."""

@@ -3,19 +3,29 @@ bounded amount of work and then the tree goes quiet, so a run can be drained and
 
 from __future__ import annotations
 
+from collections import Counter
+
 from dsh_mesh.core import (
     AgentMessageEntry,
     ApprovalDecision,
     ApprovalDecisionEntry,
     ApprovalRequestEntry,
+    AssistantStepEntry,
     CompactionEntry,
     SessionKind,
     SettlementNoticeEntry,
     ToolResultEntry,
 )
 from dsh_mesh.models import ScriptedProvider
-from dsh_mesh.testing import WORKLOAD, InProcessMesh, in_process_mesh, open_requests
-from dsh_mesh.testing._workload import READER_PAGES
+from dsh_mesh.testing import (
+    WORKLOAD,
+    InProcessMesh,
+    approval_violations,
+    boundary_violations,
+    in_process_mesh,
+    open_requests,
+)
+from dsh_mesh.testing._workload import GATED, READER_PAGES
 
 
 async def quiet_allowing(mesh: InProcessMesh) -> int:
@@ -62,6 +72,21 @@ async def test_each_round_crosses_every_edge_both_ways_and_then_the_tree_is_quie
             await mesh.manager.submit_prompt(root, f"Round {number}{suffix} t{number}")
             allowed += await quiet_allowing(mesh)
         assert allowed == 4  # each leaf's unsafe probe, in rounds 2 and 3, waited for approval
+        # The checker's rules hold on what the agents really wrote (the probes ran here without
+        # a log: each allowed call counts as run once, under its key).
+        transcripts = {s: await mesh.transcript(s) for s in list(mesh.store._transcripts)}
+        runs: Counter[tuple[str, str]] = Counter(
+            (session, f"{r.seq}.{index}.{call.call_id}")
+            for session, records in transcripts.items()
+            for r in records
+            if isinstance(r.entry, AssistantStepEntry)
+            for index, call in enumerate(r.entry.tool_calls)
+            if call.name in GATED
+        )
+        for session, records in transcripts.items():
+            assert boundary_violations(records) == [], session
+            _, violations = approval_violations(session, records, runs, GATED)
+            assert violations == [], violations
         sessions = {}
         for session in list(mesh.store._transcripts):
             sessions[session] = await mesh.manager.header(session)
