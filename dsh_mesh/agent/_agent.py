@@ -42,7 +42,6 @@ from dsh_mesh.agent._render import render
 from dsh_mesh.core import (
     EXPIRED_APPROVAL_REASON,
     INBOUND_TYPES,
-    MESH_DECIDER,
     AbortSignal,
     Activation,
     AgentRef,
@@ -75,6 +74,7 @@ from dsh_mesh.core import (
     context_of,
     descriptor_digest,
     latest_compaction,
+    mesh_denial,
     pending_inbound,
     unended_turn,
 )
@@ -568,13 +568,7 @@ class Agent:
             request = self._undecided(call.call_id)
             if request is None:
                 return
-            entry = ApprovalDecisionEntry(
-                call_id=call.call_id,
-                decision=ApprovalDecision.DENY,
-                request_digest=request.digest,
-                reason=reason,
-                by=MESH_DECIDER,
-            )
+            entry = mesh_denial(request, reason)
             record = await self._writes.run(self._host.append(self, entry))
             self.deliver(record)
 

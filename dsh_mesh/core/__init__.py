@@ -20,10 +20,12 @@ from dsh_mesh.core._approval import (
     ApprovalDecisionEntry,
     ApprovalRequestEntry,
     descriptor_digest,
+    mesh_denial,
 )
 from dsh_mesh.core._chat import ChatMessage, Role, ToolCall, Usage
 from dsh_mesh.core._delivery import Delivery, DeliveryKind
 from dsh_mesh.core._errors import (
+    MAY_FOLLOW_AN_ACCEPTANCE,
     RETRYABLE_REASONS,
     ActivationFenced,
     AdjacencyRejected,
@@ -122,6 +124,7 @@ __all__ = [
     "EXPIRED_APPROVAL_REASON",
     "INBOUND_TYPES",
     "MAX_APPROVAL_REASON_CHARS",
+    "MAY_FOLLOW_AN_ACCEPTANCE",
     "MESH_DECIDER",
     "RETRYABLE_REASONS",
     "SETTLEMENT_NOTICE_KIND",
@@ -216,6 +219,7 @@ __all__ = [
     "frame_settlement_notice",
     "is_queue_delivery",
     "latest_compaction",
+    "mesh_denial",
     "parse_session_id",
     "pending_inbound",
     "rejection_class",

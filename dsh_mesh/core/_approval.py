@@ -109,3 +109,15 @@ class ApprovalDecisionEntry:
         return canonical_json(
             [self.decision.value, self.request_digest, self.arguments_json, self.reason, self.by]
         )
+
+
+def mesh_denial(request: ApprovalRequestEntry, reason: str) -> ApprovalDecisionEntry:
+    """The mesh's own decision on ``request``: denied for ``reason`` (it expired, or its turn
+    was interrupted, or its subtree stopped), by :data:`MESH_DECIDER`."""
+    return ApprovalDecisionEntry(
+        call_id=request.call_id,
+        decision=ApprovalDecision.DENY,
+        request_digest=request.digest,
+        reason=reason,
+        by=MESH_DECIDER,
+    )

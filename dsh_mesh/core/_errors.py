@@ -118,6 +118,19 @@ only they carry a ``google.rpc.RetryInfo`` on the wire. Everything else
 fails again unless the request or the world changes (DEADLINE_EXCEEDED: retry only with a fresh
 deadline, by the caller's own choice)."""
 
+MAY_FOLLOW_AN_ACCEPTANCE: frozenset[RejectionReason] = frozenset(
+    {
+        RejectionReason.STALE_SENDER,
+        RejectionReason.PARENT_NOT_LIVE,
+        RejectionReason.PARENT_REBOUND,
+        RejectionReason.FORGED_SENDER,
+    }
+)
+"""Refusals a send's edge can earn only after the tree changed (or its sender moved node), so
+a retry refused so may be of a send accepted before the change. The node looks the retry's key
+up first; the standard ``send_message`` tool, after an outage, says such a refusal may have
+landed (an earlier try may still be on its way)."""
+
 
 class MeshError(Exception):
     """Root of every error the mesh raises on purpose."""

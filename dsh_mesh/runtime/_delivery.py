@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from dsh_mesh import telemetry
 from dsh_mesh.core import (
+    MAY_FOLLOW_AN_ACCEPTANCE,
     AbortSignal,
     ActivationId,
     AgentMessageEntry,
@@ -32,18 +33,13 @@ from dsh_mesh.core import (
 )
 from dsh_mesh.runtime._acceptance import Acceptor, duplicate_of, fingerprint
 from dsh_mesh.runtime._admission import AdmissionLedger
-from dsh_mesh.runtime._authorizer import LIVENESS_REASONS, Authorizer
+from dsh_mesh.runtime._authorizer import Authorizer
 from dsh_mesh.runtime._children import ChildLedger
 from dsh_mesh.runtime._denials import decision_key
 from dsh_mesh.runtime._departure import Departed
 from dsh_mesh.runtime._placement import HandOff, Placement
 from dsh_mesh.runtime._residency import AlreadyAccepted, Residency
 from dsh_mesh.runtime._store import Acceptance, IdempotencyKey, SessionStore
-
-MAY_FOLLOW_AN_ACCEPTANCE = LIVENESS_REASONS | {RejectionReason.FORGED_SENDER}
-"""Refusals a send's edge can earn only after the tree changed (or its sender moved node): a
-retry refused so may be of a send that was accepted before the change, so its key is looked
-up first."""
 
 
 @dataclass(frozen=True, kw_only=True)

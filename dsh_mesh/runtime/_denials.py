@@ -4,15 +4,13 @@ stop of its subtree, or its expiry while no agent held it."""
 from __future__ import annotations
 
 from dsh_mesh.core import (
-    MESH_DECIDER,
     ActivationFenced,
     ActivationId,
-    ApprovalDecision,
-    ApprovalDecisionEntry,
     ApprovalRequestEntry,
     DeliveryKind,
     IdempotencyConflict,
     SessionId,
+    mesh_denial,
 )
 from dsh_mesh.runtime._acceptance import fingerprint
 from dsh_mesh.runtime._store import Acceptance, IdempotencyKey, SessionStore
@@ -31,13 +29,7 @@ async def deny_absent(
     append is fenced so: if one holds it now, its agent decides, and this appends nothing).
     The agent reads it when it next runs. True when this decision was appended; False when
     the session is resident or the request was decided already."""
-    decision = ApprovalDecisionEntry(
-        call_id=request.call_id,
-        decision=ApprovalDecision.DENY,
-        request_digest=request.digest,
-        reason=reason,
-        by=MESH_DECIDER,
-    )
+    decision = mesh_denial(request, reason)
     acceptance = Acceptance(
         target=session,
         seq=0,

@@ -10,7 +10,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
-from dsh_mesh.core import Aborted, Rejected, RejectionReason, ToolDescriptor
+from dsh_mesh.core import (
+    MAY_FOLLOW_AN_ACCEPTANCE,
+    Aborted,
+    Rejected,
+    RejectionReason,
+    ToolDescriptor,
+)
 from dsh_mesh.tools._runtime import ChildKind, SubagentRuntime
 from dsh_mesh.tools._tool import Tool, ToolIdentity, ToolInvocation, ToolOutput
 
@@ -127,20 +133,6 @@ as a new call, under a new key, and some of them (a write whose answer was lost,
 mid-call) may have landed, so that would make a second copy."""
 
 
-_AFTER_A_CHANGE = frozenset(
-    {
-        RejectionReason.STALE_SENDER,
-        RejectionReason.PARENT_NOT_LIVE,
-        RejectionReason.PARENT_REBOUND,
-        RejectionReason.FORGED_SENDER,
-    }
-)
-"""Refusals a retry can earn because the tree changed after an earlier try (the runtime's
-``MAY_FOLLOW_AN_ACCEPTANCE``). The node looks the key up first, but a try whose answer was lost
-may still be on its way (a cold resume, a write waiting out a database outage) and land after
-that look: after an outage, such a refusal may have landed too."""
-
-
 @dataclass(frozen=True)
 class SendMessageTool:
     """The standard ``send_message``: same definition, same identity, for parents and children.
@@ -196,7 +188,7 @@ class SendMessageTool:
                     is_error=True,
                 )
             except Rejected as rejection:
-                if in_doubt and rejection.reason in _AFTER_A_CHANGE:
+                if in_doubt and rejection.reason in MAY_FOLLOW_AN_ACCEPTANCE:
                     return _refusal(rejection, may_have_landed=True)
                 delay = next(delays, None) if rejection.reason in _OUTAGES else None
                 if delay is not None:
