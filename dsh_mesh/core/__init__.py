@@ -90,6 +90,14 @@ from dsh_mesh.core._source import (
     frame_settlement_notice,
 )
 from dsh_mesh.core._stop import TreeStop
+from dsh_mesh.core._text import (
+    REPLACEMENT,
+    ValidText,
+    is_valid_text,
+    replacement_note,
+    valid_prose,
+    valid_text,
+)
 from dsh_mesh.core._transcript import (
     INBOUND_TYPES,
     AgentMessageEntry,
@@ -126,6 +134,7 @@ __all__ = [
     "MAX_APPROVAL_REASON_CHARS",
     "MAY_FOLLOW_AN_ACCEPTANCE",
     "MESH_DECIDER",
+    "REPLACEMENT",
     "RETRYABLE_REASONS",
     "SETTLEMENT_NOTICE_KIND",
     "AbortSignal",
@@ -209,6 +218,7 @@ __all__ = [
     "TurnStartedEntry",
     "Unauthenticated",
     "Usage",
+    "ValidText",
     "ancestors",
     "authorize",
     "canonical_json",
@@ -218,12 +228,16 @@ __all__ = [
     "frame_agent_message",
     "frame_settlement_notice",
     "is_queue_delivery",
+    "is_valid_text",
     "latest_compaction",
     "mesh_denial",
     "parse_session_id",
     "pending_inbound",
     "rejection_class",
     "rejection_error",
+    "replacement_note",
     "session_usage",
     "unended_turn",
+    "valid_prose",
+    "valid_text",
 ]

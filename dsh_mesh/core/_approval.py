@@ -11,6 +11,7 @@ from datetime import datetime
 
 from dsh_mesh.core._errors import InvalidArgument
 from dsh_mesh.core._header import ToolDescriptor, canonical_json
+from dsh_mesh.core._text import ValidText
 
 MAX_APPROVAL_REASON_CHARS = 2000
 """The longest reason a decision may carry: the model reads it."""
@@ -42,7 +43,7 @@ def descriptor_digest(descriptor: ToolDescriptor) -> str:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ApprovalRequestEntry:
+class ApprovalRequestEntry(ValidText):
     """The agent asks for a person's decision before it runs the call ``call_id`` of its last
     step (written by the agent, through its fenced append, in place of running the call).
 
@@ -71,7 +72,7 @@ class ApprovalRequestEntry:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ApprovalDecisionEntry:
+class ApprovalDecisionEntry(ValidText):
     """A decision on the request for call ``call_id``: accepted like a prompt (durable, once:
     a second decision on the same request is refused as stale), read by the agent at the start
     of the turn that goes on from that call. The model sees it only through the call's result.
@@ -81,6 +82,8 @@ class ApprovalDecisionEntry:
     of a denial; ``by`` who decided (the caller's identity as its node authenticated it, or
     ``dsh-mesh`` for an expiry). When is the record's ``recorded_at``."""
 
+    _PROSE = frozenset({"reason"})
+
     call_id: str
     decision: ApprovalDecision
     request_digest: str
@@ -89,6 +92,7 @@ class ApprovalDecisionEntry:
     by: str = ""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.call_id:
             raise InvalidArgument("call_id is required")
         if not self.request_digest:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from dsh_mesh.core._text import ValidText
+
 
 class Role(enum.Enum):
     """The speaker of one chat message sent to a provider."""
@@ -15,7 +17,7 @@ class Role(enum.Enum):
 
 
 @dataclass(frozen=True, kw_only=True)
-class ToolCall:
+class ToolCall(ValidText):
     """One tool invocation a model asked for. ``arguments_json`` is the model's raw JSON text."""
 
     call_id: str
@@ -33,8 +35,10 @@ class Usage:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ChatMessage:
+class ChatMessage(ValidText):
     """One message of a model request, after the transcript has been rendered."""
+
+    _PROSE = frozenset({"content"})
 
     role: Role
     content: str

@@ -10,6 +10,7 @@ from datetime import datetime
 
 from dsh_mesh.core._errors import InvalidArgument
 from dsh_mesh.core._ids import SessionId
+from dsh_mesh.core._text import ValidText
 
 
 class SessionKind(enum.Enum):
@@ -21,12 +22,14 @@ class SessionKind(enum.Enum):
 
 
 @dataclass(frozen=True, kw_only=True)
-class ToolDescriptor:
+class ToolDescriptor(ValidText):
     """What a provider is told about one tool: name, description and JSON input schema.
 
     ``input_schema_json`` is canonical JSON (sorted keys, no spaces) so two descriptors of the same
     tool serialise byte-identically, which is what provider prompt caches compare.
     """
+
+    _PROSE = frozenset({"description"})
 
     name: str
     description: str
@@ -40,7 +43,7 @@ class ToolDescriptor:
 
 
 @dataclass(frozen=True, kw_only=True)
-class SessionSpec:
+class SessionSpec(ValidText):
     """How a session's agent is built: preset (system prompt + tool selection), model, tools.
 
     ``tools`` is the descriptor list fixed when the session was created; a resume may filter it

@@ -23,6 +23,7 @@ from dsh_mesh.core._errors import InvalidArgument
 from dsh_mesh.core._header import SessionKind
 from dsh_mesh.core._ids import ActivationId, NodeId, SessionId, TurnId
 from dsh_mesh.core._source import AgentMessageSource, SettlementOutcome
+from dsh_mesh.core._text import ValidText
 
 # W3C Trace Context, version 00: lowercase hex only; an all-zero trace or span id is invalid.
 _TRACEPARENT: Final = re.compile(r"00-(?P<trace>[0-9a-f]{32})-(?P<span>[0-9a-f]{16})-[0-9a-f]{2}")
@@ -56,26 +57,30 @@ class TurnOutcome(enum.Enum):
 
 
 @dataclass(frozen=True, kw_only=True)
-class TaskEntry:
+class TaskEntry(ValidText):
     """A child's initial user task (manager-written), including any return instruction."""
+
+    _PROSE = frozenset({"content"})
 
     content: str
 
 
 @dataclass(frozen=True, kw_only=True)
-class HumanPromptEntry:
+class HumanPromptEntry(ValidText):
     """A human prompt, delivered by Queue: it always starts a turn of its own.
 
     ``idempotency_key`` is the key the prompt was submitted with (``""`` when none was given,
     or for an entry written before the field existed); retries are matched by the store's
     idempotency record, not by this copy, which is there for readers of the transcript."""
 
+    _PROSE = frozenset({"content"})
+
     content: str
     idempotency_key: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
-class AgentMessageEntry:
+class AgentMessageEntry(ValidText):
     """An accepted agent message. ``source`` is derived from the authorized sender.
 
     ``trace`` is the W3C ``traceparent`` (``00-<32 hex trace id>-<16 hex span id>-<2 hex
@@ -94,6 +99,8 @@ class AgentMessageEntry:
     record, not by this copy, which is there for readers of the transcript.
     """
 
+    _PROSE = frozenset({"content"})
+
     source: AgentMessageSource
     content: str
     trace: str = ""
@@ -101,11 +108,12 @@ class AgentMessageEntry:
     idempotency_key: str = ""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _check_trace(self.trace)
 
 
 @dataclass(frozen=True, kw_only=True)
-class SettlementNoticeEntry:
+class SettlementNoticeEntry(ValidText):
     """The manager-owned ``subagent-settled`` notice: how a child's Activation ended.
 
     ``trace`` is the W3C ``traceparent`` (``00-<32 hex trace id>-<16 hex span id>-<2 hex
@@ -114,6 +122,8 @@ class SettlementNoticeEntry:
     it never changes delivery, ordering, authorization or rendering. Raises
     :class:`InvalidArgument` for a non-empty malformed ``trace``.
     """
+
+    _PROSE = frozenset({"terminal_output", "detail"})
 
     child_session: SessionId
     child_activation: ActivationId
@@ -124,11 +134,12 @@ class SettlementNoticeEntry:
     trace: str = ""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _check_trace(self.trace)
 
 
 @dataclass(frozen=True, kw_only=True)
-class ForkPrefixEntry:
+class ForkPrefixEntry(ValidText):
     """A fork child's inherited completed-turn prefix, exactly as its parent rendered it."""
 
     messages: tuple[ChatMessage, ...]
@@ -139,7 +150,7 @@ _UNRECORDED_ACTIVATION: Final = ActivationId("")
 
 
 @dataclass(frozen=True, kw_only=True)
-class TurnStartedEntry:
+class TurnStartedEntry(ValidText):
     """A turn began: everything until the matching `TurnEndedEntry` belongs to it.
 
     ``node_id`` and ``activation_id`` say where the turn ran: the node hosting the activation
@@ -155,19 +166,22 @@ class TurnStartedEntry:
     trace: str = ""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _check_trace(self.trace)
 
 
 @dataclass(frozen=True, kw_only=True)
-class ConsumedEntry:
+class ConsumedEntry(ValidText):
     """Inbound entries (by seq, in FIFO order) shown to the model at this step boundary."""
 
     seqs: tuple[int, ...]
 
 
 @dataclass(frozen=True, kw_only=True)
-class AssistantStepEntry:
+class AssistantStepEntry(ValidText):
     """One model call's answer: text and the tool calls it asked for."""
+
+    _PROSE = frozenset({"text"})
 
     text: str
     tool_calls: tuple[ToolCall, ...]
@@ -175,11 +189,13 @@ class AssistantStepEntry:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ToolResultEntry:
+class ToolResultEntry(ValidText):
     """The recorded result of one tool call, keyed by the call id the model gave it.
 
     ``duration_ms`` is how long the call ran on its node (0: it did not run there, e.g. an
     answer "outcome unknown" or "not run"); it is not part of the entry's identity."""
+
+    _PROSE = frozenset({"content"})
 
     call_id: str
     name: str
@@ -189,7 +205,7 @@ class ToolResultEntry:
 
 
 @dataclass(frozen=True, kw_only=True)
-class CompactionEntry:
+class CompactionEntry(ValidText):
     """The agent's context was compacted: from here on the model sees ``summary`` in place of
     every entry up to ``through_seq`` (docs/context.md).
 
@@ -208,6 +224,8 @@ class CompactionEntry:
     ``usage`` is that of the model call that wrote the summary, with ``model``'s name. Written
     only by the agent, at a step boundary, where every call of the range has its result."""
 
+    _PROSE = frozenset({"summary", "task"})
+
     summary: str
     from_seq: int
     through_seq: int
@@ -218,6 +236,7 @@ class CompactionEntry:
     usage: Usage = field(default_factory=Usage)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not 1 <= self.from_seq <= self.through_seq:
             raise InvalidArgument(
                 f"a compaction covers seqs {self.from_seq}..{self.through_seq}: not a range"
@@ -227,7 +246,7 @@ class CompactionEntry:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ToolOutputsClearedEntry:
+class ToolOutputsClearedEntry(ValidText):
     """The outputs of the tool results at ``seqs`` were cleared from the model's context: each
     is shown from here on as a short stub naming the call, its size and how to get it again.
     The results themselves stay in the transcript, whole. Cheaper than a compaction, and tried
@@ -237,8 +256,10 @@ class ToolOutputsClearedEntry:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TurnEndedEntry:
+class TurnEndedEntry(ValidText):
     """A turn ended, with its outcome (completed, error, cancelled, token exhaustion) and detail."""
+
+    _PROSE = frozenset({"detail"})
 
     turn_id: TurnId
     outcome: TurnOutcome

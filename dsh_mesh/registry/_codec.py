@@ -25,8 +25,12 @@ here; ``tests/unit/test_codec.py`` pins the exact bytes of every kind::
 - Every other key is a dataclass field name, and every field is written, defaults included.
   Nested dataclasses are plain objects, tuples are arrays, ``None`` is ``null``, enums are their
   ``.value`` and ids are strings.
-- A ``str`` holding lone surrogates (no valid UTF-8 can, a Python ``str`` can: think of tool output
-  decoded with ``surrogateescape``) is written with ``surrogatepass``, so it round-trips exactly.
+- Every value is valid UTF-8. A ``str`` holding lone surrogates (no valid UTF-8 can, a Python
+  ``str`` can: think of tool output decoded with ``surrogateescape``) never gets here from an
+  entry, which makes its text valid when it is built (``core/_text.py``); any other value has
+  them replaced with U+FFFD on the way out. Values that code before that boundary stored with
+  ``surrogatepass`` still decode: the entry built from them makes its text valid, so such a
+  transcript reads again.
 
 Decoding is strict: the exact set of fields the value's version stores, exact JSON types
 (``true`` is not an int), no duplicate keys, a known tag and version; anything else raises
@@ -112,6 +116,7 @@ from dsh_mesh.core import (
     TreeStop,
     TurnEndedEntry,
     TurnStartedEntry,
+    valid_text,
 )
 from dsh_mesh.runtime import Acceptance
 
@@ -291,7 +296,7 @@ def _encode(value: DataclassInstance, *, tag: str | None, at: datetime | None = 
         ensure_ascii=False,
         allow_nan=False,
     )
-    return text.encode("utf-8", "surrogatepass")
+    return text.encode("utf-8")
 
 
 def _fields_to_json(value: DataclassInstance) -> dict[str, object]:
@@ -299,7 +304,9 @@ def _fields_to_json(value: DataclassInstance) -> dict[str, object]:
 
 
 def _to_json(value: object) -> object:
-    if value is None or isinstance(value, str | int):  # bool is an int
+    if isinstance(value, str):
+        return valid_text(value)[0]
+    if value is None or isinstance(value, int):  # bool is an int
         return value
     if isinstance(value, enum.Enum):
         return value.value

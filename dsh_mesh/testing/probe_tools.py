@@ -74,6 +74,18 @@ def pause(seconds: float) -> str:
     return f"paused {seconds:g} s"
 
 
+GARBLED_TEXT = "caf\udce9 \ud800 end"
+"""What :func:`garbled` returns: "café" in Latin-1 decoded with ``surrogateescape`` (as a file
+name that is not UTF-8 comes back from ``os.listdir``), and a lone high surrogate."""
+
+
+@tool(replay="safe")
+def garbled() -> str:
+    """List a directory whose file names are not valid UTF-8 (a probe: its text is not valid
+    Unicode)."""
+    return GARBLED_TEXT
+
+
 def read_probe_log(path: Path) -> list[ProbeRun]:
     """Every execution ``path`` records, in order (none when it does not exist)."""
     if not path.exists():

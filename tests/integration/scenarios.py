@@ -232,6 +232,10 @@ PROBE = Scenario(
         "pauser": (Call(calls=(("pause", {"seconds": "10"}),)), Reply(text="Paused.")),
         # A root whose tool blocks for 60 s: to be interrupted.
         "stuck": (Call(calls=(("pause", {"seconds": "60"}),)), Reply(text="Unstuck.")),
+        # A child whose tool returns text that is not valid Unicode, and whose model's reply
+        # (its terminal output, in its parent's notice) holds a lone surrogate too.
+        "lead-garbled": (tool("spawn_agent", task="List it.", preset="garbler"), Stall()),
+        "garbler": (Call(calls=(("garbled", {}),)), Reply(text="Listed caf\udce9.")),
         # A root whose probe call waits for a person's approval (approve_tools).
         "gated": (Call(calls=(("probe_unsafe", {}),)), Reply(text="Approved and done.")),
         # The same, whose request expires after 2 s.
@@ -272,6 +276,16 @@ tools = ["send_message", "spawn_agent"]
 system_prompt = "You pause."
 model = "pauser"
 tools = ["send_message", "pause"]
+
+[presets.lead-garbled]
+system_prompt = "You lead."
+model = "lead-garbled"
+tools = ["send_message", "spawn_agent"]
+
+[presets.garbler]
+system_prompt = "You list."
+model = "garbler"
+tools = ["send_message", "garbled"]
 
 [presets.stuck]
 system_prompt = "You get stuck."

@@ -23,11 +23,13 @@ from dsh_mesh.core import (
     TurnEndedEntry,
     TurnOutcome,
     TurnStartedEntry,
+    replacement_note,
 )
 from dsh_mesh.testing import (
     EtcdAddress,
     LocalCluster,
     MeshReader,
+    NodeProcess,
     calls_without_one_answer,
     create_root,
 )
@@ -174,3 +176,51 @@ async def interrupt(cluster: LocalCluster, session: str) -> mesh_pb2.InterruptRe
             timeout=10,
         )
         return response
+
+
+async def test_text_that_is_not_valid_unicode_is_stored_valid_and_every_reader_reads_it(
+    probed: tuple[LocalCluster, Path, Path],
+) -> None:
+    """A child's tool returns a lone surrogate and a ``surrogateescape``d byte, and its model's
+    reply (its terminal output, quoted in its parent's notice) holds one too. Every node stays
+    up, the text is stored valid with a note of the replacements, and both transcripts read over
+    ``GetSession`` on every node (they answered UNKNOWN for good before the text boundary)."""
+    cluster, _, _ = probed
+    async with MeshReader(cluster.settings) as reader:
+        root = await create_root(cluster, on="node-a", task="Delegate.", preset="lead-garbled")
+        [child] = await reader.wait_for(
+            lambda: children_of(reader, root), lambda c: len(c) == 1, what="the child's header"
+        )
+        at_root = await reader.wait_for(
+            lambda: reader.transcript(root), lambda r: bool(notices(r)), what="the notice"
+        )
+        at_child = await reader.transcript(child.session_id)
+    [result] = [r.entry for r in at_child if isinstance(r.entry, ToolResultEntry)]
+    assert result.content == "caf\ufffd \ufffd end\n" + replacement_note(2)
+    [notice] = notices(at_root)
+    assert notice.outcome is SettlementOutcome.COMPLETED
+    assert notice.terminal_output == "Listed caf\ufffd.\n" + replacement_note(1)
+    for node in cluster:
+        assert node.running, f"{node.node_id} died"
+        for session, expected in (
+            (child.session_id, result.content),
+            (root, notice.terminal_output),
+        ):
+            assert expected in await _texts_over_grpc(node, cluster, session), (node, session)
+
+
+async def _texts_over_grpc(node: NodeProcess, cluster: LocalCluster, session: str) -> list[str]:
+    """The tool results' and notices' texts of ``session``, read by ``GetSession`` on ``node``."""
+    assert node.address is not None
+    async with grpc.aio.insecure_channel(node.address) as channel:
+        stub = mesh_pb2_grpc.MeshControlStub(channel)
+        response = await stub.GetSession(
+            mesh_pb2.GetSessionRequest(session_id=session),
+            metadata=cluster.metadata("a-human"),
+            timeout=20,
+        )
+    return [e.tool_result.content for e in response.transcript if e.HasField("tool_result")] + [
+        e.settlement_notice.terminal_output
+        for e in response.transcript
+        if e.HasField("settlement_notice")
+    ]

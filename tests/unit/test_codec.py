@@ -654,9 +654,12 @@ def test_every_older_version_reads_like_the_current_one_without_later_fields(
 TEXT = st.text(
     st.one_of(st.sampled_from('\x00\n\r\t"\\\u2028\ufeff'), st.characters(exclude_categories=()))
 )
-SESSIONS = TEXT.map(SessionId)
-ACTIVATIONS = TEXT.map(ActivationId)
-TURNS = TEXT.map(TurnId)
+# Ids are minted by the mesh or checked where they enter it: valid text (an entry's own text is
+# made valid when it is built, so TEXT serves for it).
+IDS = st.text(st.characters(codec="utf-8"))
+SESSIONS = IDS.map(SessionId)
+ACTIVATIONS = IDS.map(ActivationId)
+TURNS = IDS.map(TurnId)
 COUNTS = st.integers(min_value=0)
 TOOL_CALLS = st.builds(ToolCall, call_id=TEXT, name=TEXT, arguments_json=TEXT)
 CHAT_MESSAGES = st.builds(
@@ -861,7 +864,7 @@ def test_every_header_round_trips_to_equal_value_and_identical_bytes(header: Ses
     assert is_canonical(data)
 
 
-@given(SESSIONS, ACTIVATIONS, TEXT.map(NodeId), st.none() | ACTIVATIONS)
+@given(SESSIONS, ACTIVATIONS, IDS.map(NodeId), st.none() | ACTIVATIONS)
 def test_every_activation_round_trips(
     session: SessionId, activation: ActivationId, node: NodeId, parent: ActivationId | None
 ) -> None:
@@ -873,7 +876,7 @@ def test_every_activation_round_trips(
     assert encode_activation(copy.deepcopy(value)) == data
 
 
-@given(SESSIONS, COUNTS, ACTIVATIONS, st.sampled_from(DeliveryKind), TEXT)
+@given(SESSIONS, COUNTS, ACTIVATIONS, st.sampled_from(DeliveryKind), IDS)
 def test_every_acceptance_round_trips(
     target: SessionId, seq: int, activation: ActivationId, kind: DeliveryKind, fingerprint: str
 ) -> None:
@@ -891,11 +894,52 @@ def test_text_without_surrogates_is_stored_as_strict_utf8(text: str) -> None:
     assert json.loads(data.decode("utf-8"))["content"] == text
 
 
-def test_lone_and_paired_surrogate_code_points_round_trip_exactly() -> None:
-    # Two surrogate code points are not the emoji they would pair into in UTF-16.
-    for text in ("\udc80", "\ud83d\ude00", "a\ud800b\x00\n"):
-        entry = ToolResultEntry(call_id="c", name="n", content=text)
-        assert decode_entry(encode_entry(entry)) == entry
+def test_text_with_surrogates_is_stored_as_valid_utf8_with_a_note_of_the_replacements() -> None:
+    # A lone surrogate becomes U+FFFD; a high one followed by a low one is the emoji they spell.
+    entry = ToolResultEntry(call_id="c\udc80", name="n", content="caf\udce9 \ud83d\ude00 \ud800")
+    data = encode_entry(entry)
+    stored = json.loads(data.decode("utf-8"))  # strict: raises on anything but valid UTF-8
+    assert stored["content"] == (
+        "caf\ufffd \U0001f600 \ufffd\n[dsh-mesh: 2 invalid characters were replaced with U+FFFD]"
+    )
+    assert stored["call_id"] == "c\ufffd"  # not prose: made valid, no note
+    assert decode_entry(data) == entry
+
+
+@pytest.mark.parametrize(
+    "cls",
+    [ToolResultEntry, AssistantStepEntry, SettlementNoticeEntry, TurnEndedEntry, HumanPromptEntry],
+)
+def test_a_value_stored_with_lone_surrogates_by_earlier_code_reads_again(cls: type) -> None:
+    """Code before the text boundary wrote lone surrogates with ``surrogatepass``: invalid
+    UTF-8 in the log store, and values no protobuf string can carry. They decode to valid text."""
+    prose = {
+        ToolResultEntry: "content",
+        AssistantStepEntry: "text",
+        SettlementNoticeEntry: "terminal_output",
+        TurnEndedEntry: "detail",
+        HumanPromptEntry: "content",
+    }[cls]
+    valid = encode_entry(_sample_of(cls))
+    parsed = json.loads(valid)
+    parsed[prose] = "x\ud800y"
+    old = json.dumps(parsed, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode(
+        "utf-8", "surrogatepass"
+    )
+    with pytest.raises(UnicodeDecodeError):
+        old.decode("utf-8")
+    decoded = decode_entry(old)
+    text = getattr(decoded, prose)
+    assert text == "x\ufffdy\n[dsh-mesh: 1 invalid character was replaced with U+FFFD]"
+    text.encode("utf-8")  # valid now
+    assert decode_entry(encode_entry(decoded)) == decoded
+
+
+def _sample_of(cls: type) -> Entry:
+    for entry, _ in ENTRY_EXAMPLES:
+        if type(entry) is cls:
+            return entry
+    raise LookupError(cls)
 
 
 # -- rejection -----------------------------------------------------------------------------------

@@ -1,0 +1,75 @@
+"""The one text boundary: every string a transcript, a header or a request holds is valid Unicode,
+so it encodes to valid UTF-8 wherever it goes (the log store, protobuf, JSON to a provider).
+
+A Python ``str`` can hold what no UTF-8 can: lone surrogates, as a tool's output decoded with
+``surrogateescape`` (a file name that is not UTF-8) or a JSON ``"\\ud800"`` escape from a model
+or an MCP server leaves them. They are replaced here with U+FFFD, a well-formed pair is joined
+into the character it spells, and prose (what a model or a person reads) gains a note of how
+many characters were replaced, so the reader knows the text was not what the tool said.
+
+:class:`ValidText` applies this when a value is built, whether it is new or decoded from what
+earlier code stored, so a transcript written before this boundary existed reads again. Applying
+it twice changes nothing (the second pass finds nothing to replace).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Final
+
+REPLACEMENT: Final = "\ufffd"
+"""What an invalid character becomes (U+FFFD REPLACEMENT CHARACTER)."""
+
+
+def replacement_note(count: int) -> str:
+    """The note prose gains when ``count`` characters of it were replaced."""
+    plural = "character was" if count == 1 else "characters were"
+    return f"[dsh-mesh: {count} invalid {plural} replaced with U+FFFD]"
+
+
+def is_valid_text(text: str) -> bool:
+    """Whether ``text`` encodes to UTF-8 as it is (no surrogate code points)."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def valid_text(text: str) -> tuple[str, int]:
+    """``text`` with every lone surrogate replaced by U+FFFD (a high surrogate followed by a
+    low one becomes the character the pair encodes), and how many were replaced."""
+    if is_valid_text(text):
+        return text, 0
+    joined = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace")
+    return joined, joined.count(REPLACEMENT) - text.count(REPLACEMENT)
+
+
+def valid_prose(text: str) -> str:
+    """``text`` made valid, followed by a line that says how many characters were replaced
+    (``text`` itself when it was valid)."""
+    cleaned, replaced = valid_text(text)
+    if not replaced:
+        return cleaned
+    return f"{cleaned}\n{replacement_note(replaced)}"
+
+
+class ValidText:
+    """Base of a frozen dataclass whose ``str`` fields are always valid Unicode: they are made
+    so when it is built (see the module's docstring). ``_PROSE`` names the fields a model or a
+    person reads: those gain the note of how many characters were replaced; other strings
+    (ids, names, JSON text, digests) are only made valid.
+
+    A subclass that defines ``__post_init__`` calls ``super().__post_init__()`` first."""
+
+    _PROSE: ClassVar[frozenset[str]] = frozenset()
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, field.name)  # each is checked by value: ids are str too
+            if isinstance(value, str) and not is_valid_text(value):
+                prose = field.name in self._PROSE
+                fixed = valid_prose(value) if prose else valid_text(value)[0]
+                object.__setattr__(self, field.name, fixed)
