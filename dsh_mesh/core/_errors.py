@@ -97,6 +97,11 @@ class RejectionReason(enum.Enum):
     """A decision names no request now waiting: the call was decided already (by someone
     else, by expiry, by an interrupt or a stop), or the request it was shown is not the one
     waiting (metadata ``call_id``). Nothing was accepted."""
+    STORE_REFUSED = "STORE_REFUSED"
+    """The log store refused the request for a reason that does not pass by itself: the
+    node's database user lacks a privilege, a table is missing, the database does not exist
+    (metadata ``store``, ``code``: the database's own error code). The message carries the
+    database's words. Nothing was accepted; an operator must fix the database."""
 
 
 RETRYABLE_REASONS: frozenset[RejectionReason] = frozenset(
@@ -243,6 +248,16 @@ class RegistryUnavailable(_FixedRejected):
     accepted. Retryable: send the same request (same idempotency key) again after a short delay."""
 
     fixed_reason = RejectionReason.REGISTRY_UNAVAILABLE
+
+
+class StoreRefused(_FixedRejected):
+    """The log store refused the request for a reason that does not pass by itself (a missing
+    privilege or table: ``metadata["code"]`` is the database's error code,
+    ``metadata["store"]`` where the store is): nothing was accepted. Not retryable as such: an
+    operator must fix the database. The node stays up; its agents wait at their step
+    boundary, and go on once the store accepts their writes again."""
+
+    fixed_reason = RejectionReason.STORE_REFUSED
 
 
 class PeerUnavailable(_FixedRejected):
@@ -444,6 +459,7 @@ _CLASS_OF_REASON: Mapping[RejectionReason, type[Rejected]] = MappingProxyType(
         RejectionReason.NAMESPACE_DENIED: NamespaceDenied,
         RejectionReason.QUOTA_EXCEEDED: QuotaExceeded,
         RejectionReason.APPROVAL_STALE: ApprovalStale,
+        RejectionReason.STORE_REFUSED: StoreRefused,
     }
 )
 

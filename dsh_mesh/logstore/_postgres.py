@@ -24,7 +24,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 
-from dsh_mesh.core import Record, RegistryUnavailable, SessionId
+from dsh_mesh.core import Record, RegistryUnavailable, SessionId, StoreRefused
 from dsh_mesh.logstore._batch import plan_append
 from dsh_mesh.registry import decode_acceptance, decode_record, encode_acceptance, encode_entry
 from dsh_mesh.runtime import DEFAULT_PAGE, Acceptance, IdempotencyKey, Logged, Write, Written
@@ -148,6 +148,22 @@ _UNAVAILABLE: tuple[type[BaseException], ...] = (
 )
 
 
+_RACES = (asyncpg.UniqueViolationError, asyncpg.exceptions.TransactionRollbackError)
+"""What an append that lost a race to another transaction raises (see :func:`_lost_race`)."""
+
+_PASSING_CLASSES = frozenset({"08", "25", "40", "53", "55", "57", "58"})
+"""SQLSTATE classes of refusals that pass by themselves, retried as an outage: a connection
+exception, an invalid transaction state (``25006``: the database is read-only, as a standby
+before its promotion), a rollback (serialization failure, deadlock), insufficient resources
+(disk full, too many connections), an object in use (``55P03``: a lock not available), an
+operator's intervention (shutting down, a cancelled statement), a system error (I/O). Every
+other refusal (``42501`` a missing privilege, ``42P01`` a missing table, ``3D000`` a missing
+database, ``28P01`` a wrong password...) needs an operator: :class:`StoreRefused`."""
+
+_MAX_WORDS = 500
+"""Characters of the database's own words an error message quotes."""
+
+
 class PostgresLogStore:
     """A :class:`LogStore` in the PostgreSQL database at ``dsn``, shared by every node that
     names it. Its tables are created when the store opens (on ``async with`` or the first call).
@@ -200,13 +216,10 @@ class PostgresLogStore:
         while True:
             try:
                 return await self._append_once(session, writes, keys, fence, unfenced)
-            except (
-                asyncpg.UniqueViolationError,
-                asyncpg.exceptions.TransactionRollbackError,
-            ) as race:
+            except _RACES as race:
                 # Rolled back whole; the next try sees the other append's keys as known.
                 if not _lost_race(race):
-                    raise
+                    raise self._refusal(race) from race
                 if attempt == _RACE_ATTEMPTS:
                     raise RegistryUnavailable(
                         f"the log store at {self._where}: an append to {session} lost"
@@ -298,7 +311,7 @@ class PostgresLogStore:
         fence: int,
         unfenced: bool,
     ) -> list[Written]:
-        async with self._connection() as db, db.transaction():
+        async with self._connection(racing=True) as db, db.transaction():
             await db.execute(_ENSURE_FENCE, session)
             current: int = await db.fetchval(_LOCK_FENCE, session)
             # Read committed: each statement below sees every transaction committed before it
@@ -348,15 +361,24 @@ class PostgresLogStore:
             return plan.written
 
     @asynccontextmanager
-    async def _connection(self) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
-        """A pooled connection; a failure of the connection or the server raises
-        ``RegistryUnavailable`` from it."""
+    async def _connection(
+        self, *, racing: bool = False
+    ) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
+        """A pooled connection. A failure of the connection or the server raises
+        ``RegistryUnavailable`` from it, and so does a refusal that passes by itself; any other
+        refusal of the database raises :class:`StoreRefused` (see :data:`_PASSING_CLASSES`).
+        With ``racing``, a lost race (a unique violation, a rollback) is raised as it is, for
+        :meth:`append` to try again."""
         pool = await self._ready_pool()
         try:
             async with pool.acquire(timeout=self._timeout) as db:
                 yield db
         except _UNAVAILABLE as failure:
             raise self._unavailable(failure) from failure
+        except asyncpg.PostgresError as refused:
+            if racing and isinstance(refused, _RACES):
+                raise
+            raise self._refusal(refused) from refused
         except asyncpg.InterfaceError as failure:
             # Raised when a connection that broke is touched again (rolling back the
             # transaction it was in, say): an outage if it broke, a bug in this module if not.
@@ -409,6 +431,8 @@ class PostgresLogStore:
             opened = True
         except _UNAVAILABLE as failure:
             raise self._unavailable(failure) from failure
+        except asyncpg.PostgresError as refused:  # a wrong password, no database, no CREATE
+            raise self._refusal(refused) from refused
         finally:
             if not opened:
                 pool.terminate()
@@ -416,7 +440,19 @@ class PostgresLogStore:
 
     def _unavailable(self, failure: BaseException) -> RegistryUnavailable:
         detail = str(failure) or type(failure).__name__
-        return RegistryUnavailable(f"the log store at {self._where}: {detail}")
+        return RegistryUnavailable(f"the log store at {self._where}: {detail[:_MAX_WORDS]}")
+
+    def _refusal(self, refused: asyncpg.PostgresError) -> RegistryUnavailable | StoreRefused:
+        """The typed outcome of the database's refusal: an outage when it passes by itself,
+        else :class:`StoreRefused` with the database's words and SQLSTATE."""
+        code = str(refused.sqlstate or "")
+        words = (str(refused) or type(refused).__name__)[:_MAX_WORDS]
+        if code[:2] in _PASSING_CLASSES:
+            return RegistryUnavailable(f"the log store at {self._where}: {words} ({code})")
+        return StoreRefused(
+            f"the log store at {self._where} refused: {words} (SQLSTATE {code})",
+            metadata={"store": self._where, "code": code},
+        )
 
 
 async def _known(

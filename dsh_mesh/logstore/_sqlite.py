@@ -11,6 +11,7 @@ clock's value.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sqlite3
 import time
@@ -20,7 +21,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TypeVar
 
-from dsh_mesh.core import Record, RegistryUnavailable, SessionId
+from dsh_mesh.core import Record, RegistryUnavailable, SessionId, StoreRefused
 from dsh_mesh.logstore._batch import plan_append
 from dsh_mesh.registry import decode_acceptance, decode_record, encode_acceptance, encode_entry
 from dsh_mesh.runtime import DEFAULT_PAGE, Acceptance, IdempotencyKey, Logged, Write, Written
@@ -59,6 +60,20 @@ _SCHEMA = (
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _BUSY_TIMEOUT_MS = 10_000
 """How long a write waits for another process's transaction on the same file."""
+_PASSING_ERRORS = (
+    "SQLITE_BUSY",
+    "SQLITE_LOCKED",
+    "SQLITE_FULL",
+    "SQLITE_READONLY",
+    "SQLITE_IOERR",
+    "SQLITE_CANTOPEN",
+    "SQLITE_PROTOCOL",
+)
+"""SQLite's refusals that pass by themselves (extended names start with these), retried as an
+outage. Every other one (``SQLITE_ERROR``: a missing table; ``SQLITE_NOTADB``,
+``SQLITE_CORRUPT``, ``SQLITE_PERM``...) needs an operator: :class:`StoreRefused`."""
+_MAX_WORDS = 500
+"""Characters of SQLite's own words an error message quotes."""
 
 
 class SqliteLogStore:
@@ -307,8 +322,31 @@ class SqliteLogStore:
 
         try:
             return await asyncio.get_running_loop().run_in_executor(self._worker, call)
-        except sqlite3.OperationalError as failure:  # locked past the busy timeout, disk full
-            raise RegistryUnavailable(f"the log store {self.path}: {failure}") from failure
+        except sqlite3.Error as failure:
+            raise self._refusal(failure) from failure
+
+    def _refusal(self, failure: sqlite3.Error) -> RegistryUnavailable | StoreRefused:
+        """The typed outcome of SQLite's refusal: an outage when it passes by itself (locked
+        past the busy timeout, a full disk, a read-only file or file system, an I/O error),
+        else :class:`StoreRefused` with SQLite's words and error name (a missing table, a
+        file that is not a database). After an outage the connection is opened afresh by the
+        next call: one opened on a file system since remounted may hold on to its state."""
+        name = getattr(failure, "sqlite_errorname", "") or type(failure).__name__
+        words = str(failure)[:_MAX_WORDS]
+        if name.startswith(_PASSING_ERRORS):
+            self._reset()
+            return RegistryUnavailable(f"the log store {self.path}: {words} ({name})")
+        return StoreRefused(
+            f"the log store {self.path} refused: {words} ({name})",
+            metadata={"store": str(self.path), "code": name},
+        )
+
+    def _reset(self) -> None:
+        """Drop the connection (on the worker thread, which owns it); the next call opens a
+        new one."""
+        db, self._connection = self._connection, None
+        if db is not None:
+            self._worker.submit(_close_quietly, db)
 
     def _open(self) -> sqlite3.Connection:
         if self._connection is None:
@@ -325,6 +363,11 @@ class SqliteLogStore:
                 raise
             self._connection = db
         return self._connection
+
+
+def _close_quietly(db: sqlite3.Connection) -> None:
+    with contextlib.suppress(sqlite3.Error):
+        db.close()
 
 
 def _write_ahead(db: sqlite3.Connection) -> None:

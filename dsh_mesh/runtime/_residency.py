@@ -422,7 +422,8 @@ class Residency:
         return agent is None or agent.activation.activation_id != held.activation_id
 
     async def _drive(self, agent: Agent) -> None:
-        """Run one agent's driver; a registry failure drops that agent, never the node."""
+        """Run one agent's driver; its failure (a store's, a defect's) drops that agent, never the
+        node."""
         try:
             await agent.run()
         except ActivationFenced as fenced:
@@ -430,8 +431,15 @@ class Residency:
             # Agent is stale and must not write again. Its successor owns the transcript.
             _log.warning("%s: fenced, dropping the stale agent: %s", agent.session_id, fenced)
             self.forget(agent)
-        except MeshError as failure:
-            _log.error("%s: driver failed, releasing: %s", agent.session_id, failure)
+        except Exception as failure:  # one agent's failure is never the node's
+            # A MeshError is a typed outcome of a dependency (the store refused, etcd stayed
+            # away past the writer's patience); anything else is a defect of this agent's run,
+            # logged with its trace. Either way the node goes on and the session is released,
+            # for its next message to resume it (here or elsewhere).
+            if isinstance(failure, MeshError):
+                _log.error("%s: driver failed, releasing: %s", agent.session_id, failure)
+            else:
+                _log.exception("%s: driver failed, releasing", agent.session_id)
             self.forget(agent)
             with contextlib.suppress(MeshError):
                 await self._store.release(agent.activation)

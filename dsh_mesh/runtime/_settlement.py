@@ -21,7 +21,6 @@ from dsh_mesh.core import (
     NodeId,
     PeerUnavailable,
     Record,
-    RegistryUnavailable,
     SessionHeader,
     SessionId,
     SettlementNoticeEntry,
@@ -35,7 +34,7 @@ from dsh_mesh.runtime._children import ChildLedger
 from dsh_mesh.runtime._placement import Placement
 from dsh_mesh.runtime._residency import Residency
 from dsh_mesh.runtime._store import Acceptance, IdempotencyKey, SessionStore
-from dsh_mesh.runtime._writes import OutageTolerantWriter
+from dsh_mesh.runtime._writes import WAITED_OUT, OutageTolerantWriter
 
 _log = logging.getLogger(__name__)
 
@@ -146,7 +145,7 @@ class Settlements:
         while True:
             try:
                 return await read()
-            except RegistryUnavailable as away:
+            except WAITED_OUT as away:
                 _log.warning("reading %s waits: %s", what, away)
             delay = await self._writer.pause(delay, f"reading {what} waited")
 
@@ -196,7 +195,7 @@ class Settlements:
         while True:
             try:
                 return await self._deliver(parent, notice)
-            except RegistryUnavailable as away:
+            except WAITED_OUT as away:
                 _log.warning("%s: notice of %s waits: %s", parent, notice.child_session, away)
             delay = await self._writer.pause(delay, f"the notice of {notice.child_session} waited")
 

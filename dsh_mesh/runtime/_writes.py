@@ -8,14 +8,29 @@ from collections.abc import Callable
 from datetime import timedelta
 
 from dsh_mesh.agent import Agent
-from dsh_mesh.core import INBOUND_TYPES, Entry, NodeFenced, Record, RegistryUnavailable, SessionId
+from dsh_mesh.core import (
+    INBOUND_TYPES,
+    Entry,
+    NodeFenced,
+    Record,
+    RegistryUnavailable,
+    SessionId,
+    StoreRefused,
+)
 from dsh_mesh.runtime._store import SessionStore
 
 _log = logging.getLogger(__name__)
 
 
+WAITED_OUT = (RegistryUnavailable, StoreRefused)
+"""What an agent's own write waits out: an outage of etcd or the log store, and a refusal of
+the log store that an operator must fix (a revoked privilege): the agent goes on by itself
+once the store accepts again, and the node never needs a restart."""
+
+
 class OutageTolerantWriter:
-    """Writes that wait out a registry outage instead of failing the turn.
+    """Writes that wait out a registry outage (or a refusal of the log store) instead of
+    failing the turn.
 
     The back-off starts at ``backoff`` and doubles up to ``backoff_max``; each pause ends in
     :class:`NodeFenced` once ``stopped()`` holds (the node fenced itself or shut down), so no
@@ -54,13 +69,13 @@ class OutageTolerantWriter:
             try:
                 record, _ = await self._store.append(session, entry, writer=writer)
                 return record
-            except RegistryUnavailable as away:
+            except WAITED_OUT as away:
                 _log.warning("%s: waiting at a step boundary: %s", session, away)
             while True:
                 delay = await self.pause(delay, f"{session} waited")
                 try:
                     landed = await self._landed(session, entry, after_seq=known)
-                except RegistryUnavailable:
+                except WAITED_OUT:
                     continue
                 if landed is not None:
                     return landed

@@ -94,6 +94,7 @@ STATUS_OF_REASON: Mapping[RejectionReason, grpc.StatusCode] = MappingProxyType(
         RejectionReason.NAMESPACE_DENIED: grpc.StatusCode.PERMISSION_DENIED,
         RejectionReason.QUOTA_EXCEEDED: grpc.StatusCode.RESOURCE_EXHAUSTED,
         RejectionReason.APPROVAL_STALE: grpc.StatusCode.FAILED_PRECONDITION,
+        RejectionReason.STORE_REFUSED: grpc.StatusCode.FAILED_PRECONDITION,
     }
 )
 """Each reason travels with exactly this status code; (code, reason) is the wire contract."""

@@ -213,6 +213,25 @@ LONG = Scenario(
     programs={"long": (Stall(),)},
 )
 
+# A root that answers each prompt in a turn of two steps: a call of the probe tools' ``pause``
+# (half a second, on a worker thread), then a reply. Enough turns for every prompt a test of
+# the log store's refusals sends (tests/integration/test_store_refusals.py).
+PATIENT_PRESETS = """
+[tools]
+modules = ["dsh_mesh.testing.probe_tools"]
+
+[presets.patient]
+system_prompt = "You take your time."
+model = "patient"
+tools = ["pause"]
+"""
+PATIENT = Scenario(
+    presets=(),
+    programs={
+        "patient": (Call(calls=(("pause", {"seconds": "0.5"}),)), Reply(text="Done.")) * 64,
+    },
+)
+
 # A lead spawns a prober (its preset, with the probe tools, comes from the test's presets file:
 # PROBE_PRESETS) whose step calls one probe tool; the tool blocks on its gate file, so the test
 # can SIGKILL its host mid-call. Resumed by its parent's message, it answers the open call

@@ -87,6 +87,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "SettlementOutcome",
         "StaleSender",
         "SteerEntry",
+        "StoreRefused",
         "TargetElsewhere",
         "TargetUnknown",
         "TaskEntry",

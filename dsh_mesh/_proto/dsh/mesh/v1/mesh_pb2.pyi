@@ -51,6 +51,7 @@ class RejectionReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REJECTION_REASON_NAMESPACE_DENIED: _ClassVar[RejectionReason]
     REJECTION_REASON_QUOTA_EXCEEDED: _ClassVar[RejectionReason]
     REJECTION_REASON_APPROVAL_STALE: _ClassVar[RejectionReason]
+    REJECTION_REASON_STORE_REFUSED: _ClassVar[RejectionReason]
 
 class ApprovalDecision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -128,6 +129,7 @@ REJECTION_REASON_TREE_CLOSED: RejectionReason
 REJECTION_REASON_NAMESPACE_DENIED: RejectionReason
 REJECTION_REASON_QUOTA_EXCEEDED: RejectionReason
 REJECTION_REASON_APPROVAL_STALE: RejectionReason
+REJECTION_REASON_STORE_REFUSED: RejectionReason
 APPROVAL_DECISION_UNSPECIFIED: ApprovalDecision
 APPROVAL_DECISION_ALLOW: ApprovalDecision
 APPROVAL_DECISION_DENY: ApprovalDecision
