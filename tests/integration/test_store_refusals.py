@@ -4,11 +4,17 @@ back, then while the database is read-only (as a standby before its promotion) a
 again. Clients get a typed refusal (``STORE_REFUSED`` with the database's SQLSTATE, or the
 retryable ``REGISTRY_UNAVAILABLE``), never ``UNKNOWN``; the agent caught mid-turn waits at its
 step boundary and finishes by itself; every acknowledged prompt is answered once; no node is
-restarted."""
+restarted. The same for SQLite: its files made immutable (read-only even for root), and its
+file system full."""
 
 from __future__ import annotations
 
+import errno
+import os
 import secrets
+import shutil
+import sqlite3
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,9 +31,12 @@ from dsh_mesh.core import (
     RegistryUnavailable,
     SessionId,
     StoreRefused,
+    TaskEntry,
     TurnEndedEntry,
     TurnOutcome,
 )
+from dsh_mesh.logstore import PostgresLogStore, SqliteLogStore
+from dsh_mesh.runtime import Write
 from dsh_mesh.testing import (
     EtcdAddress,
     LocalCluster,
@@ -139,6 +148,114 @@ async def test_a_revoked_privilege_and_a_read_only_database_leave_every_node_ser
     assert all(node.running for node in cluster)
 
 
+@pytest.fixture
+def sqlite_on_tmpfs(etcd: EtcdAddress, tmp_path: Path) -> Iterator[tuple[LocalCluster, Path]]:
+    """One node on a SQLite file in a file system of 8 MiB of its own, unmounted after."""
+    mount = tmp_path / "fs"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], check=True)
+    presets = tmp_path / "presets.toml"
+    presets.write_text(PATIENT_PRESETS)
+    try:
+        with LocalCluster(
+            etcd_endpoint=etcd.endpoint,
+            scenario="tests.integration.scenarios:PATIENT",
+            presets_file=presets,
+            nodes=("node-a",),
+            log_store=f"sqlite:{mount / 'log.db'}",
+        ) as cluster:
+            yield cluster, mount
+    finally:
+        subprocess.run(["umount", "--lazy", str(mount)], check=False)
+
+
+@pytest.fixture
+def sqlite_on_disk(etcd: EtcdAddress, tmp_path: Path) -> Iterator[tuple[LocalCluster, Path]]:
+    """One node on a SQLite file in the test's directory (made writable again after)."""
+    store = tmp_path / "store"
+    store.mkdir()
+    presets = tmp_path / "presets.toml"
+    presets.write_text(PATIENT_PRESETS)
+    try:
+        with LocalCluster(
+            etcd_endpoint=etcd.endpoint,
+            scenario="tests.integration.scenarios:PATIENT",
+            presets_file=presets,
+            nodes=("node-a",),
+            log_store=f"sqlite:{store / 'log.db'}",
+        ) as cluster:
+            yield cluster, store
+    finally:
+        _immutable(store, False)
+
+
+def _immutable(directory: Path, on: bool) -> None:
+    """``chattr +i`` (or ``-i``) on every file of ``directory``: no process may write them,
+    root's included (a mode of 0444 stops no root)."""
+    files = [str(path) for path in directory.iterdir()]
+    if files:
+        subprocess.run(["chattr", "+i" if on else "-i", *files], check=True)
+
+
+async def test_a_sqlite_file_made_read_only_then_writable_leaves_its_node_serving(
+    sqlite_on_disk: tuple[LocalCluster, Path],
+) -> None:
+    cluster, store = sqlite_on_disk
+    pid = cluster["node-a"].pid
+    async with PatientReader(cluster.settings) as reader:
+        root = await create_root(cluster, on="node-a", task="Begin.", preset="patient")
+        await _until_turns_ended(reader, root, 1)
+        _immutable(store, True)
+        try:
+            refused = await _refusal(cluster, "node-a", root, "read-only")
+            assert isinstance(refused, RegistryUnavailable), refused
+            assert cluster["node-a"].running
+        finally:
+            _immutable(store, False)
+        await _accepted(cluster, "node-a", root, "read-only")
+        records = await _until_turns_ended(reader, root, 2)
+    assert [r.entry.idempotency_key for r in records if isinstance(r.entry, HumanPromptEntry)] == [
+        "read-only"
+    ]
+    assert cluster["node-a"].pid == pid
+
+
+async def test_a_full_disk_under_sqlite_leaves_its_node_serving(
+    sqlite_on_tmpfs: tuple[LocalCluster, Path],
+) -> None:
+    cluster, mount = sqlite_on_tmpfs
+    pid = cluster["node-a"].pid
+    async with PatientReader(cluster.settings) as reader:
+        root = await create_root(cluster, on="node-a", task="Begin.", preset="patient")
+        await _until_turns_ended(reader, root, 1)
+        filler = mount / "filler"
+        _fill(filler)
+        try:
+            refused = await _refusal(cluster, "node-a", root, "on-a-full-disk")
+            assert isinstance(refused, RegistryUnavailable), refused
+            assert "full" in refused.detail
+            assert cluster["node-a"].running
+        finally:
+            filler.unlink()
+        await _accepted(cluster, "node-a", root, "on-a-full-disk")
+        await _until_turns_ended(reader, root, 2)
+    assert cluster["node-a"].pid == pid
+    assert shutil.disk_usage(mount).free > 0
+
+
+def _fill(path: Path) -> None:
+    """Write ``path`` until its file system has no space left."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while True:
+            os.write(descriptor, b"\0" * 65536)
+    except OSError as full:
+        if full.errno != errno.ENOSPC:
+            raise
+    finally:
+        os.close(descriptor)
+
+
 async def _submit(cluster: LocalCluster, node: str, session: str, key: str) -> None:
     async with cluster.channel(node) as channel:
         stub = mesh_pb2_grpc.MeshControlStub(channel)
@@ -196,3 +313,31 @@ async def _until_calls(reader: MeshReader, session: SessionId, count: int) -> li
         what=f"{count} tool calls made",
         within=_PATIENCE,
     )
+
+
+async def test_a_missing_table_is_store_refused_with_the_databases_words_on_both_backends(
+    postgres: PostgresServer, tmp_path: Path
+) -> None:
+    """A refusal an operator must mend is not dressed as an outage to retry: before, SQLite's
+    ``no such table`` was REGISTRY_UNAVAILABLE and PostgreSQL's ``UndefinedTableError`` reached
+    the caller raw."""
+    database = f"missing_{secrets.token_hex(4)}"
+    dsn = postgres.create_database(database)
+    async with PostgresLogStore(dsn=dsn) as store:
+        await store.raise_fence(SessionId("s-1"), 1)
+        await store.append(SessionId("s-1"), [Write(entry=TaskEntry(content="one"))], fence=1)
+        postgres.execute("DROP TABLE entries", database=database)
+        with pytest.raises(StoreRefused) as refused:
+            await store.read(SessionId("s-1"))
+    assert refused.value.metadata["code"] == "42P01"  # undefined_table
+    assert 'relation "entries" does not exist' in refused.value.detail
+    path = tmp_path / "log.db"
+    async with SqliteLogStore(path) as lite:
+        await lite.raise_fence(SessionId("s-1"), 1)
+        await lite.append(SessionId("s-1"), [Write(entry=TaskEntry(content="one"))], fence=1)
+        with sqlite3.connect(path) as db:
+            db.execute("DROP TABLE entries")
+        with pytest.raises(StoreRefused) as refused:
+            await lite.read(SessionId("s-1"))
+    assert refused.value.metadata["code"] == "SQLITE_ERROR"
+    assert "no such table: entries" in refused.value.detail
