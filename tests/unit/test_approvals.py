@@ -566,6 +566,33 @@ async def test_an_expiry_whose_denial_landed_with_its_answer_lost_is_decided_onc
     assert RAN == []
 
 
+async def test_a_decision_the_store_refuses_as_second_makes_the_agent_read_the_first(
+    team: InProcessMesh,
+) -> None:
+    """A decision landed that the agent's copy does not hold (written here behind its back,
+    as a write whose answer was lost would be): a person's decision passes the agent's check
+    and the store refuses it. The caller hears APPROVAL_STALE, and the agent reads the
+    decision that stands and goes on from it, instead of waiting for one."""
+    team.scripted.program("lead", tool("deploy", env="prod"), Reply(text="shipped"))
+    await team.manager.create_root("Ship it.", preset="lead")
+    request = await waiting_request(team, ROOT)
+    agent = team.manager.agent(ROOT)
+    assert agent is not None
+    stands = decision(request, by="client:alice")
+    await team.store.append(ROOT, stands, writer=agent.activation.activation_id)
+
+    with pytest.raises(ApprovalStale):
+        await team.manager.resolve_approval(
+            ROOT, decision(request, ApprovalDecision.DENY, by="client:bob")
+        )
+    await team.manager.quiescent()
+
+    records = await team.transcript(ROOT)
+    assert entries(records, ApprovalDecisionEntry) == [stands]
+    assert RAN == ["prod@1"]
+    assert entries(records, AssistantStepEntry)[-1].text == "shipped"
+
+
 async def test_interrupting_twice_cancels_once_and_the_next_call_still_waits(
     team: InProcessMesh,
 ) -> None:
