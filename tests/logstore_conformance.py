@@ -26,6 +26,7 @@ from dsh_mesh.core import (
     ApprovalDecision,
     ApprovalDecisionEntry,
     ApprovalRequestEntry,
+    ApprovalStale,
     CompactionEntry,
     DeliveryKind,
     IdempotencyConflict,
@@ -70,12 +71,25 @@ def answer(call: str) -> Write:
     return Write(entry=ToolResultEntry(call_id=call, name="deploy", content="done"))
 
 
-def decided(call: str) -> Write:
-    return Write(
-        entry=ApprovalDecisionEntry(
-            call_id=call, decision=ApprovalDecision.DENY, request_digest="r", by="tester"
-        )
+def decided(
+    call: str, arguments: str = "{}", *, by: str = "tester", key: str | None = None
+) -> Write:
+    """A denial of the request ``request(call, arguments)`` wrote; under ``key``, if any."""
+    entry = request(call, arguments).entry
+    assert isinstance(entry, ApprovalRequestEntry)
+    decision = ApprovalDecisionEntry(
+        call_id=call, decision=ApprovalDecision.DENY, request_digest=entry.digest, by=by
     )
+    if key is None:
+        return Write(entry=decision)
+    asked = Acceptance(
+        target=S,
+        seq=0,
+        target_activation=ActivationId(""),
+        kind=DeliveryKind.STEERED,
+        fingerprint=f"fp {decision.content}",
+    )
+    return Write(entry=decision, idempotency=(IdempotencyKey(principal="approval", key=key), asked))
 
 
 def keyed(text: str, key: str, *, target: SessionId = S, principal: str = "s-9") -> Write:
@@ -329,10 +343,46 @@ class LogStoreConformance:
         pending = await store.pending_approvals([S, OTHER])
         assert [(s, r.seq) for s, r in pending] == [(S, 5), (OTHER, 1)]
         with pytest.raises(ActivationFenced):  # a refused append indexes nothing
-            await store.append(S, [decided("c-2")], fence=9)
+            await store.append(S, [decided("c-2", '{"again": true}')], fence=9)
         assert [r.seq for _, r in await store.pending_approvals([S])] == [5]
         await store.delete(S, 30)
         assert [s for s, _ in await store.pending_approvals([S, OTHER, THIRD])] == [OTHER, THIRD]
+
+    async def test_a_request_is_decided_once_whoever_writes_the_second_decision(
+        self, store: LogStore
+    ) -> None:
+        """docs/approvals.md: the index of pending requests refuses, in the append's own
+        transaction, a decision unless its call's request waits undecided and is the one it
+        names. So a retry whose first try landed (its answer lost), the mesh's denial racing a
+        person's, or a node's sweep that read the index before the agent decided, each get
+        ``ApprovalStale`` and store nothing."""
+        await store.raise_fence(S, 10)
+        await store.append(S, [task("a"), request("c-1"), request("c-2")], fence=10)
+        [first] = await store.append(S, [decided("c-1")], fence=10)
+        refused = [
+            ([decided("c-1")], 10, False),  # the same decision again: its first try landed
+            ([decided("c-1", by="dsh-mesh")], 10, False),  # another decider, same activation
+            ([decided("c-1", by="dsh-mesh")], 20, True),  # a writer with no activation
+            ([decided("c-2"), decided("c-2", by="b")], 10, False),  # two in one batch
+            ([decided("c-2", '{"other": 1}')], 10, False),  # not the request that waits
+            ([decided("c-9")], 10, False),  # a call nobody asked about
+        ]
+        for batch, fence, unfenced in refused:
+            with pytest.raises(ApprovalStale):
+                await store.append(S, batch, fence=fence, unfenced=unfenced)
+        assert [r.seq for r in await store.read(S)] == [1, 2, 3, first.record.seq]
+        assert [r.seq for _, r in await store.pending_approvals([S])] == [3]
+        # A decision under a key, repeated under that key, is answered by it, not refused.
+        [keyed_first] = await store.append(S, [decided("c-2", key="k")], fence=10)
+        [repeat] = await store.append(S, [decided("c-2", key="k")], fence=10)
+        assert repeat.known is not None and repeat.record == keyed_first.record
+        # Once its call has its result, nothing decides the request; the call asked anew can be.
+        await store.append(S, [answer("c-1")], fence=10)
+        with pytest.raises(ApprovalStale):
+            await store.append(S, [decided("c-1", by="late")], fence=10)
+        again, _ = await store.append(S, [request("c-1"), decided("c-1")], fence=10)
+        assert isinstance(again.record.entry, ApprovalRequestEntry)
+        assert await store.pending_approvals([S]) == []
 
     async def test_stranded_approvals_are_the_expired_undecided_and_the_decided_unanswered(
         self, store: LogStore

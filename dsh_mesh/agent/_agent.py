@@ -48,6 +48,7 @@ from dsh_mesh.core import (
     ApprovalDecision,
     ApprovalDecisionEntry,
     ApprovalRequestEntry,
+    ApprovalStale,
     AssistantStepEntry,
     CompactionEntry,
     ConsumedEntry,
@@ -561,7 +562,9 @@ class Agent:
         """Deny the request ``call`` waits on, as this agent's own decision (it expired, or
         the turn was cancelled), unless a decision came first (one that landed unseen
         included): it is then the one that stands. Appended and delivered like an accepted
-        one."""
+        one. The store refuses a second decision on a request (``ApprovalStale``): one landed
+        that this copy does not hold (this one's own first try, whose answer an outage lost),
+        and it is taken and stands."""
         async with self.deciding():
             if self._in_doubt:
                 await self._take_landed()
@@ -569,7 +572,12 @@ class Agent:
             if request is None:
                 return
             entry = mesh_denial(request, reason)
-            record = await self._writes.run(self._host.append(self, entry))
+            try:
+                record = await self._writes.run(self._host.append(self, entry))
+            except ApprovalStale:
+                self.doubt()
+                await self._take_landed()
+                return
             self.deliver(record)
 
     async def _decision_due(self, call: ToolCall) -> bool:

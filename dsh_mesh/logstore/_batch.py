@@ -11,12 +11,25 @@ from dsh_mesh.core import (
     ActivationFenced,
     ApprovalDecisionEntry,
     ApprovalRequestEntry,
+    ApprovalStale,
     CompactionEntry,
+    Entry,
     Record,
     SessionId,
     ToolResultEntry,
 )
-from dsh_mesh.runtime import Acceptance, IdempotencyKey, Write, Written, check_same_request
+from dsh_mesh.runtime import (
+    Acceptance,
+    IdempotencyKey,
+    Write,
+    Written,
+    check_same_request,
+    refuse_decision,
+)
+
+Waiting = Callable[[str], tuple[ApprovalRequestEntry, bool] | None]
+"""What the index of approval requests holds for a call id: its request whose call has no
+result yet, and whether a decision answered it; None when it holds none."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,14 +82,20 @@ def plan_append(
     current_fence: int,
     last_seq: int,
     known: Callable[[IdempotencyKey], tuple[Acceptance, Record] | None],
+    waiting: Waiting,
     now: datetime,
 ) -> Plan:
     """Decide an append of ``writes`` to ``session`` whose fence is ``current_fence`` and whose
-    last record is ``last_seq``. ``known(key)`` answers a key recorded before, with its record.
-    A key used twice in ``writes`` is written once; the second answers the first."""
+    last record is ``last_seq``. ``known(key)`` answers a key recorded before, with its record;
+    ``waiting(call_id)`` what the index of approval requests holds for a call (asked only for
+    the calls that ``writes`` decide). A key used twice in ``writes`` is written once; the
+    second answers the first. After the fence, each decision to write is checked against the
+    index as the writes before it leave it (:func:`~dsh_mesh.runtime.refuse_decision`): one it
+    refuses refuses the whole append with ``ApprovalStale``."""
     records: list[tuple[Record, tuple[IdempotencyKey, Acceptance] | None]] = []
     answers: list[Written | IdempotencyKey] = []
     batch: dict[IdempotencyKey, tuple[Acceptance, Record]] = {}
+    index = _Index(session, waiting)
     for write in writes:
         if write.idempotency is not None:
             key, asked = write.idempotency
@@ -86,6 +105,7 @@ def plan_append(
                 answers.append(key)
                 continue
         record = Record(seq=last_seq + len(records) + 1, entry=write.entry, recorded_at=now)
+        index.take(write.entry)
         guard = None
         if write.idempotency is not None:
             key, asked = write.idempotency
@@ -96,6 +116,8 @@ def plan_append(
     new_fence = None
     if records:
         check_fence(session, current_fence, fence, unfenced=unfenced)
+        if index.refused is not None:
+            raise index.refused
         if unfenced and fence != current_fence:
             new_fence = fence
     written: list[Written] = []
@@ -119,3 +141,27 @@ def check_fence(session: SessionId, current: int, fence: int, *, unfenced: bool)
         )
     if not unfenced and fence != current:
         raise ActivationFenced(f"{session}: writer fence {fence} is not the current {current}")
+
+
+class _Index:
+    """The index of approval requests as one append leaves it, write by write: what the store
+    holds, then each request, decision and result the append writes. Keeps the first decision
+    it refuses."""
+
+    def __init__(self, session: SessionId, waiting: Waiting) -> None:
+        self._session = session
+        self._waiting = waiting
+        self._calls: dict[str, tuple[ApprovalRequestEntry, bool] | None] = {}
+        self.refused: ApprovalStale | None = None
+
+    def take(self, entry: Entry) -> None:
+        if isinstance(entry, ApprovalRequestEntry):
+            self._calls[entry.call_id] = (entry, False)
+        elif isinstance(entry, ToolResultEntry):
+            self._calls[entry.call_id] = None
+        elif isinstance(entry, ApprovalDecisionEntry):
+            call = entry.call_id
+            now = self._calls[call] if call in self._calls else self._waiting(call)
+            self.refused = self.refused or refuse_decision(self._session, entry, now)
+            if now is not None:
+                self._calls[call] = (now[0], True)

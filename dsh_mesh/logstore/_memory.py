@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from datetime import UTC, datetime
 
-from dsh_mesh.core import Record, SessionId
+from dsh_mesh.core import ApprovalRequestEntry, Record, SessionId
 from dsh_mesh.logstore._batch import plan_append
 from dsh_mesh.runtime import DEFAULT_PAGE, Acceptance, IdempotencyKey, Logged, Write, Written
 
@@ -41,6 +41,7 @@ class MemoryLogStore:
             current_fence=self._fences.get(session, 0),
             last_seq=len(transcript),
             known=self._known,
+            waiting=lambda call: self._waiting(session, call),
             now=datetime.now(UTC),
         )
         for record, guard in plan.records:
@@ -131,6 +132,14 @@ class MemoryLogStore:
 
     async def aclose(self) -> None:
         return None
+
+    def _waiting(self, session: SessionId, call: str) -> tuple[ApprovalRequestEntry, bool] | None:
+        asked = self._asked.get(session, {}).get(call)
+        if asked is None:
+            return None
+        entry = self._transcripts[session][asked[0] - 1].entry
+        assert isinstance(entry, ApprovalRequestEntry)
+        return entry, asked[2]
 
     def _known(self, key: IdempotencyKey) -> tuple[Acceptance, Record] | None:
         known = self._idempotency.get(key)

@@ -24,7 +24,14 @@ from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 
-from dsh_mesh.core import Record, RegistryUnavailable, SessionId, StoreRefused
+from dsh_mesh.core import (
+    ApprovalDecisionEntry,
+    ApprovalRequestEntry,
+    Record,
+    RegistryUnavailable,
+    SessionId,
+    StoreRefused,
+)
 from dsh_mesh.logstore._batch import plan_append
 from dsh_mesh.registry import decode_acceptance, decode_record, encode_acceptance, encode_entry
 from dsh_mesh.runtime import DEFAULT_PAGE, Acceptance, IdempotencyKey, Logged, Write, Written
@@ -110,6 +117,11 @@ _PENDING_APPROVALS = (
     " WHERE a.session = ANY($1::text[]) AND NOT a.decided ORDER BY e.session, e.seq"
 )
 _FORGET_APPROVALS = "DELETE FROM approvals WHERE session = $1"
+_WAITING = (
+    "SELECT a.call_id, e.seq, e.data, a.decided FROM approvals a"
+    " JOIN entries e ON e.session = a.session AND e.seq = a.seq"
+    " WHERE a.session = $1 AND a.call_id = ANY($2::text[])"
+)
 _FORGET_ENTRIES = "DELETE FROM entries WHERE session = $1"
 _FORGET_KEYS = "DELETE FROM idempotency WHERE target = $1"
 _EXPIRE_KEYS = "DELETE FROM idempotency WHERE at < $1"
@@ -320,6 +332,7 @@ class PostgresLogStore:
             # the wait, and miss it.)
             last: int | None = await db.fetchval(_LAST_SEQ, session)
             known = await _known(db, keys)
+            waiting = await _waiting(db, session, writes)
             plan = plan_append(
                 session,
                 writes,
@@ -328,6 +341,7 @@ class PostgresLogStore:
                 current_fence=current,
                 last_seq=last or 0,
                 known=known.get,
+                waiting=waiting.get,
                 now=datetime.now(UTC),
             )
             if plan.records:
@@ -476,6 +490,22 @@ async def _known(
         )
     }
     return {key: (a, records[(a.target, a.seq)]) for key, a in accepted.items()}
+
+
+async def _waiting(
+    db: asyncpg.pool.PoolConnectionProxy, session: SessionId, writes: Sequence[Write]
+) -> dict[str, tuple[ApprovalRequestEntry, bool]]:
+    """What the index of approval requests holds for each call that ``writes`` decide (read
+    under the session's fence lock: no other append to it runs meanwhile)."""
+    calls = [w.entry.call_id for w in writes if isinstance(w.entry, ApprovalDecisionEntry)]
+    if not calls:
+        return {}
+    waiting: dict[str, tuple[ApprovalRequestEntry, bool]] = {}
+    for row in await db.fetch(_WAITING, session, calls):
+        entry = decode_record(row[1], row[2]).entry
+        assert isinstance(entry, ApprovalRequestEntry)
+        waiting[row[0]] = (entry, row[3])
+    return waiting
 
 
 def _connection_failure(failure: BaseException) -> BaseException | None:

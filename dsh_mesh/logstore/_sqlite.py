@@ -21,7 +21,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TypeVar
 
-from dsh_mesh.core import Record, RegistryUnavailable, SessionId, StoreRefused
+from dsh_mesh.core import ApprovalRequestEntry, Record, RegistryUnavailable, SessionId, StoreRefused
 from dsh_mesh.logstore._batch import plan_append
 from dsh_mesh.registry import decode_acceptance, decode_record, encode_acceptance, encode_entry
 from dsh_mesh.runtime import DEFAULT_PAGE, Acceptance, IdempotencyKey, Logged, Write, Written
@@ -121,6 +121,7 @@ class SqliteLogStore:
                     current_fence=_fence_of(db, session),
                     last_seq=row[0] or 0,
                     known=lambda key: _known(db, key),
+                    waiting=lambda call: _waiting(db, session, call),
                     now=datetime.now(UTC),
                 )
                 last = _clock(db)
@@ -422,6 +423,23 @@ def _known(db: sqlite3.Connection, key: IdempotencyKey) -> tuple[Acceptance, Rec
         (acceptance.target, acceptance.seq),
     ).fetchone()
     return acceptance, decode_record(acceptance.seq, found[0])
+
+
+def _waiting(
+    db: sqlite3.Connection, session: SessionId, call: str
+) -> tuple[ApprovalRequestEntry, bool] | None:
+    """What the index of approval requests holds for ``call`` of ``session``."""
+    row = db.execute(
+        "SELECT e.seq, e.data, a.decided FROM approvals a"
+        " JOIN entries e ON e.session = a.session AND e.seq = a.seq"
+        " WHERE a.session = ? AND a.call_id = ?",
+        (session, call),
+    ).fetchone()
+    if row is None:
+        return None
+    entry = decode_record(row[0], row[1]).entry
+    assert isinstance(entry, ApprovalRequestEntry)
+    return entry, bool(row[2])
 
 
 def _micros(at: datetime | None) -> int:

@@ -26,6 +26,7 @@ from dsh_mesh.core import (
     Activation,
     ActivationFenced,
     ActivationId,
+    ApprovalStale,
     CompactionEntry,
     DeliveryKind,
     DetachedWork,
@@ -604,12 +605,13 @@ class EtcdSessionStore:
                 fence=first.fence,
                 unfenced=first.unfenced,
             )
-        except IdempotencyConflict as conflict:
+        except (IdempotencyConflict, ApprovalStale) as conflict:
             if len(batch) == 1:
                 _settle(batch, conflict)
                 return
-            # One retry reused its key for another message, which refuses the whole batch:
-            # commit one by one, so only that one is refused and the others go in, in order.
+            # One retry reused its key for another message, or one decision answers a request
+            # decided already, which refuses the whole batch: commit one by one, so only that
+            # one is refused and the others go in, in order.
             for pending in batch:
                 await self._commit(session, [pending])
             return

@@ -17,6 +17,7 @@ from dsh_mesh.runtime._store import (
     SessionStore,
     TreeCensus,
     check_same_request,
+    refuse_decision,
 )
 
 __all__ = [
@@ -45,5 +46,6 @@ __all__ = [
     "Written",
     "check_same_request",
     "deny_absent",
+    "refuse_decision",
     "unless_departed",
 ]

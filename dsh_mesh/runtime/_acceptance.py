@@ -10,6 +10,7 @@ from dsh_mesh.agent import Agent, AgentState
 from dsh_mesh.core import (
     AgentMessageEntry,
     ApprovalDecisionEntry,
+    ApprovalStale,
     Delivery,
     DeliveryKind,
     IdempotencyConflict,
@@ -70,6 +71,9 @@ class Acceptor:
                     )
                 except (RegistryUnavailable, NodeFenced):
                     agent.doubt()  # it may have landed: the next boundary looks
+                    raise
+                except ApprovalStale:
+                    agent.doubt()  # the store holds a decision this agent's copy does not
                     raise
                 if known is not None and key is not None:
                     duplicate = duplicate_of(key, known, session, known.fingerprint)

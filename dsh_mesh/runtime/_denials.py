@@ -7,6 +7,7 @@ from dsh_mesh.core import (
     ActivationFenced,
     ActivationId,
     ApprovalRequestEntry,
+    ApprovalStale,
     DeliveryKind,
     IdempotencyConflict,
     SessionId,
@@ -28,7 +29,9 @@ async def deny_absent(
     """Append the mesh's denial of ``request`` to ``session``, which no activation holds (the
     append is fenced so: if one holds it now, its agent decides, and this appends nothing).
     The agent reads it when it next runs. True when this decision was appended; False when
-    the session is resident or the request was decided already."""
+    the session is resident or the request was decided already (the store refuses a second
+    decision, whoever wrote the first: the agent's own, say, after this sweep read the
+    index)."""
     decision = mesh_denial(request, reason)
     acceptance = Acceptance(
         target=session,
@@ -40,6 +43,6 @@ async def deny_absent(
     key = decision_key(session, request.call_id, request.digest)
     try:
         _, known = await store.append(session, decision, writer=None, idempotency=(key, acceptance))
-    except (ActivationFenced, IdempotencyConflict):
+    except (ActivationFenced, ApprovalStale, IdempotencyConflict):
         return False
     return known is None

@@ -18,6 +18,7 @@ from dsh_mesh.core import (
     SessionHeader,
     SessionId,
     SessionUnknown,
+    ToolResultEntry,
     TreeStop,
     context_of,
 )
@@ -28,6 +29,7 @@ from dsh_mesh.runtime._store import (
     Resumption,
     TreeCensus,
     check_same_request,
+    refuse_decision,
 )
 
 
@@ -111,6 +113,8 @@ class InMemorySessionStore:
                 check_same_request(key, known, acceptance)
                 return self._transcripts[known.target][known.seq - 1], known
         self._fence(session, writer)
+        if isinstance(entry, ApprovalDecisionEntry):
+            self._check_decision(session, entry)
         record = Record(seq=len(transcript) + 1, entry=entry, recorded_at=datetime.now(UTC))
         transcript.append(record)
         if idempotency is not None:
@@ -157,15 +161,33 @@ class InMemorySessionStore:
         below = [s for s in self._headers if session in self._lineage(s)]
         waiting: list[tuple[SessionId, Record]] = []
         for member in sorted(below):
-            asked: dict[str, Record] = {}
-            for record in self._transcripts.get(member, []):
-                entry = record.entry
-                if isinstance(entry, ApprovalRequestEntry):
-                    asked[entry.call_id] = record
-                elif isinstance(entry, ApprovalDecisionEntry):
-                    asked.pop(entry.call_id, None)
-            waiting.extend((member, r) for r in sorted(asked.values(), key=lambda r: r.seq))
+            undecided = [r for r, decided in self._requests(member).values() if not decided]
+            waiting.extend((member, r) for r in sorted(undecided, key=lambda r: r.seq))
         return waiting
+
+    def _check_decision(self, session: SessionId, decision: ApprovalDecisionEntry) -> None:
+        asked = self._requests(session).get(decision.call_id)
+        waiting = None
+        if asked is not None:
+            assert isinstance(asked[0].entry, ApprovalRequestEntry)
+            waiting = (asked[0].entry, asked[1])
+        refused = refuse_decision(session, decision, waiting)
+        if refused is not None:
+            raise refused
+
+    def _requests(self, session: SessionId) -> dict[str, tuple[Record, bool]]:
+        """What the log store's index of requests holds for ``session``: each call's latest
+        request while the call has no result, and whether a decision answered it."""
+        asked: dict[str, tuple[Record, bool]] = {}
+        for record in self._transcripts.get(session, []):
+            entry = record.entry
+            if isinstance(entry, ApprovalRequestEntry):
+                asked[entry.call_id] = (record, False)
+            elif isinstance(entry, ApprovalDecisionEntry) and entry.call_id in asked:
+                asked[entry.call_id] = (asked[entry.call_id][0], True)
+            elif isinstance(entry, ToolResultEntry):
+                asked.pop(entry.call_id, None)
+        return asked
 
     def _lineage(self, session: SessionId) -> list[SessionId]:
         chain: list[SessionId] = []

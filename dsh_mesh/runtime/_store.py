@@ -16,6 +16,9 @@ from typing import Protocol
 from dsh_mesh.core import (
     Activation,
     ActivationId,
+    ApprovalDecisionEntry,
+    ApprovalRequestEntry,
+    ApprovalStale,
     DeliveryKind,
     Entry,
     IdempotencyConflict,
@@ -148,6 +151,9 @@ class SessionStore(Protocol):
         With ``idempotency``, a known key returns ``(its record, the first acceptance)`` and
         writes nothing; a new key is recorded in the same atomic step as the entry, with the
         acceptance's ``seq`` filled in. Durable when it returns.
+
+        An approval decision that :func:`refuse_decision` refuses (a second one on its
+        request, whoever writes it) raises ``ApprovalStale`` and writes nothing.
         """
         ...
 
@@ -214,3 +220,31 @@ def check_same_request(key: IdempotencyKey, known: Acceptance, asked: Acceptance
     """Raise :class:`IdempotencyConflict` when ``key`` was first used for another message."""
     if known.fingerprint != asked.fingerprint or known.target != asked.target:
         raise IdempotencyConflict(f"key {key.key!r} was already used for another message")
+
+
+def refuse_decision(
+    session: SessionId,
+    decision: ApprovalDecisionEntry,
+    waiting: tuple[ApprovalRequestEntry, bool] | None,
+) -> ApprovalStale | None:
+    """The store's own refusal of ``decision`` (docs/approvals.md, "decided once"), given what
+    the index of requests holds for its call: ``(the request whose call has no result yet,
+    whether a decision answered it)``, or None. A request is decided at most once, and only
+    while its call waits: a second decision on it, a decision on another request than the one
+    waiting, or on a call that none waits on, is refused whoever writes it (the agent, a
+    person through it, a node's sweep or stop, a retry whose first try landed). None when
+    ``decision`` may be stored. Every store applies it in the append's own atomic step."""
+    call = decision.call_id
+    stale = {"call_id": call}
+    if waiting is None:
+        return ApprovalStale(f"{session}: no request waits on call {call!r}", metadata=stale)
+    request, decided = waiting
+    if decided:
+        return ApprovalStale(f"{session}: call {call!r} was decided already", metadata=stale)
+    if decision.request_digest != request.digest:
+        return ApprovalStale(
+            f"{session}: the request waiting on call {call!r} is not the one decided (digest"
+            f" {request.digest[:12]}..., not {decision.request_digest[:12]}...)",
+            metadata=stale,
+        )
+    return None

@@ -14,9 +14,12 @@ from pathlib import Path
 import pytest
 
 from dsh_mesh.core import (
+    EXPIRED_APPROVAL_REASON,
     Activation,
     ActivationFenced,
     ActivationId,
+    ApprovalRequestEntry,
+    ApprovalStale,
     DeliveryKind,
     HumanPromptEntry,
     IdempotencyConflict,
@@ -25,6 +28,7 @@ from dsh_mesh.core import (
     SessionId,
     SessionKind,
     SessionSpec,
+    mesh_denial,
 )
 from dsh_mesh.logstore import SqliteLogStore
 from dsh_mesh.registry import Etcd, EtcdConfig, EtcdSessionStore, Keys, LeaseConfig, LeaseKeeper
@@ -156,6 +160,32 @@ async def test_a_retry_whose_key_was_used_for_another_request_is_refused_alone(
     assert bed.log.calls["append"] == appends + 1 + 3  # the batch, then each on its own
     stored = await sessions.read(SESSION)
     assert [r.entry for r in stored] == [prompt(0), prompt(1), prompt(2)]
+
+
+async def test_a_second_decision_on_a_request_is_refused_alone(bed: Bed) -> None:
+    """The log store refuses a batch holding a decision on a request decided already
+    (docs/approvals.md, "decided once"); it is then committed one by one, so only that
+    decision is refused and the appends around it go in, in order."""
+    sessions, writer = bed.sessions, bed.activation.activation_id
+    request = ApprovalRequestEntry(
+        call_id="c-1", step_seq=1, tool="deploy", arguments_json="{}", descriptor_digest="d"
+    )
+    first = mesh_denial(request, "the turn was cancelled")
+    await sessions.append(SESSION, request, writer=writer)
+    await sessions.append(SESSION, first, writer=writer)
+    appends = bed.log.calls["append"]
+    one, second, two = await asyncio.gather(
+        sessions.append(SESSION, prompt(1), writer=writer),
+        sessions.append(SESSION, mesh_denial(request, EXPIRED_APPROVAL_REASON), writer=writer),
+        sessions.append(SESSION, prompt(2), writer=writer),
+        return_exceptions=True,
+    )
+    assert isinstance(second, ApprovalStale), second
+    assert not isinstance(one, BaseException) and not isinstance(two, BaseException)
+    assert (one[0].seq, two[0].seq) == (3, 4)
+    assert bed.log.calls["append"] == appends + 1 + 3  # the batch, then each on its own
+    stored = await sessions.read(SESSION)
+    assert [r.entry for r in stored] == [request, first, prompt(1), prompt(2)]
 
 
 async def test_a_fenced_batch_writes_nothing_and_fails_every_caller(bed: Bed) -> None:

@@ -21,11 +21,16 @@ from dsh_mesh.core import (
     ApprovalRequestEntry,
     NodeId,
     Record,
+    SessionHeader,
     SessionId,
+    SessionKind,
+    SessionSpec,
+    TaskEntry,
     TreeClosed,
+    mesh_denial,
 )
 from dsh_mesh.node._expiry import MAX_BACKOFF, ApprovalExpiry
-from dsh_mesh.runtime import ContinuationManager, LogStore, SessionStore
+from dsh_mesh.runtime import ContinuationManager, InMemorySessionStore, LogStore, SessionStore
 
 PAST = datetime(2026, 1, 1, tzinfo=UTC)
 STUCK, WAKING, RESIDENT, EXPIRED = (SessionId(f"s-{n}") for n in range(1, 5))
@@ -115,6 +120,33 @@ async def test_an_expired_undecided_request_of_an_absent_agent_is_denied_and_the
     assert (denial.call_id, denial.request_digest) == ("call-1", request.entry.digest)
     assert denial.decision is ApprovalDecision.DENY
     assert (denial.by, denial.reason) == (MESH_DECIDER, EXPIRED_APPROVAL_REASON)
+
+
+async def test_a_sweep_that_read_the_index_before_the_agent_decided_writes_no_second_decision() -> (
+    None
+):
+    """The sweep read the index (expired, undecided); before it looked for an activation, the
+    agent denied the request itself (under no key) and its host died. The store refuses the
+    sweep's denial: the request stays decided once, and the agent is woken to read it."""
+    store = InMemorySessionStore()
+    request = _request("call-1")
+    assert isinstance(request.entry, ApprovalRequestEntry)
+    header = SessionHeader(
+        session_id=EXPIRED,
+        kind=SessionKind.ROOT,
+        parent_session=None,
+        spec=SessionSpec(preset="p", model="m"),
+    )
+    own = mesh_denial(request.entry, EXPIRED_APPROVAL_REASON)
+    await store.create_header(header, [TaskEntry(content="Ship it."), request.entry, own])
+    stale = Record(seq=2, entry=request.entry)
+    expiry = ApprovalExpiry(
+        log=cast(LogStore, _Index([(EXPIRED, stale, False)])), store=cast(SessionStore, store)
+    )
+    manager = _Manager(failing=set())
+    assert await expiry.sweep(cast(ContinuationManager, manager)) == [EXPIRED]
+    decisions = [r.entry for r in await store.read(EXPIRED)][2:]
+    assert decisions == [own]
 
 
 async def test_a_resident_agent_is_left_to_its_own_driver() -> None:

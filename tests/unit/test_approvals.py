@@ -15,6 +15,8 @@ import pytest
 from dsh_mesh.agent import completed_turn_prefix, render
 from dsh_mesh.agent._approvals import check_decision, request_of
 from dsh_mesh.core import (
+    EXPIRED_APPROVAL_REASON,
+    MESH_DECIDER,
     ApprovalDecision,
     ApprovalDecisionEntry,
     ApprovalRequestEntry,
@@ -37,7 +39,7 @@ from dsh_mesh.core import (
 )
 from dsh_mesh.models import PARENT, Call, Reply, send, tool
 from dsh_mesh.runtime import InMemorySessionStore
-from dsh_mesh.testing import InProcessMesh, in_process_mesh
+from dsh_mesh.testing import InProcessMesh, approval_violations, in_process_mesh
 from dsh_mesh.tools import ApprovalPolicy, Preset
 from dsh_mesh.tools import tool as tool_decorator
 from tests.unit.test_tool_answers import DyingStore, Programs, _node
@@ -523,6 +525,72 @@ async def test_a_decision_whose_answer_was_lost_is_found_runs_once_and_stands() 
         r for r in records if isinstance(r.entry, ConsumedEntry) and decided.seq in r.entry.seqs
     ]
     assert read and read[0].seq < result.seq  # read before the call ran
+
+
+class LostDenialStore(InMemorySessionStore):
+    """Writes the mesh's own denial durably, then loses its answer once (the log store
+    restarted between its commit and the reply)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lost = False
+
+    async def append(self, session, entry, *, writer, idempotency=None):  # type: ignore[no-untyped-def]
+        result = await super().append(session, entry, writer=writer, idempotency=idempotency)
+        if isinstance(entry, ApprovalDecisionEntry) and not self.lost:
+            self.lost = True
+            raise RegistryUnavailable("the log store restarted before it answered")
+        return result
+
+
+async def test_an_expiry_whose_denial_landed_with_its_answer_lost_is_decided_once() -> None:
+    """The fault run's "decided again" (seed 5151): the agent's own denial of its expired
+    request landed, its answer was lost; the write waited out the outage and, finding no
+    record of its own (a decision is an inbound entry), wrote the denial again. The log store
+    refuses a second decision; the agent reads the one that landed and goes on."""
+    RAN.clear()
+    store = LostDenialStore()
+    presets = approving("deploy", timeout=timedelta(milliseconds=50))
+    async with in_process_mesh(presets, store=store, tools=(deploy,)) as team:
+        team.scripted.program("lead", tool("deploy", env="prod"), Reply(text="gave up"))
+        await team.manager.create_root("Ship it.", preset="lead")
+        await team.manager.wait_until(lambda: _ended(team))
+        records = await team.transcript(ROOT)
+    assert store.lost
+    [decided] = entries(records, ApprovalDecisionEntry)
+    assert decided.by == MESH_DECIDER and decided.reason == EXPIRED_APPROVAL_REASON
+    [result] = entries(records, ToolResultEntry)
+    assert result.is_error and "expired" in result.content
+    assert entries(records, AssistantStepEntry)[-1].text == "gave up"
+    assert approval_violations(ROOT, records, {}, {"deploy"})[1] == []
+    assert RAN == []
+
+
+async def test_a_decision_the_store_refuses_as_second_makes_the_agent_read_the_first(
+    team: InProcessMesh,
+) -> None:
+    """A decision landed that the agent's copy does not hold (written here behind its back,
+    as a write whose answer was lost would be): a person's decision passes the agent's check
+    and the store refuses it. The caller hears APPROVAL_STALE, and the agent reads the
+    decision that stands and goes on from it, instead of waiting for one."""
+    team.scripted.program("lead", tool("deploy", env="prod"), Reply(text="shipped"))
+    await team.manager.create_root("Ship it.", preset="lead")
+    request = await waiting_request(team, ROOT)
+    agent = team.manager.agent(ROOT)
+    assert agent is not None
+    stands = decision(request, by="client:alice")
+    await team.store.append(ROOT, stands, writer=agent.activation.activation_id)
+
+    with pytest.raises(ApprovalStale):
+        await team.manager.resolve_approval(
+            ROOT, decision(request, ApprovalDecision.DENY, by="client:bob")
+        )
+    await team.manager.quiescent()
+
+    records = await team.transcript(ROOT)
+    assert entries(records, ApprovalDecisionEntry) == [stands]
+    assert RAN == ["prod@1"]
+    assert entries(records, AssistantStepEntry)[-1].text == "shipped"
 
 
 async def test_interrupting_twice_cancels_once_and_the_next_call_still_waits(

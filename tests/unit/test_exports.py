@@ -374,6 +374,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "Written",
         "check_same_request",
         "deny_absent",
+        "refuse_decision",
         "unless_departed",
     ],
     "dsh_mesh.telemetry": [
