@@ -6,12 +6,13 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Sequence
+from datetime import timedelta
 from types import TracebackType
 from typing import Self
 
 from dsh_mesh.core import ToolDescriptor, ToolsUnavailable
 from dsh_mesh.mcp._config import McpServerConfig, split_tool_name
-from dsh_mesh.mcp._connection import McpConnection, McpUnavailable
+from dsh_mesh.mcp._connection import DEFAULT_GRACE, McpConnection, McpRefused, McpUnavailable
 from dsh_mesh.mcp._tool import McpTool, descriptor_of
 from dsh_mesh.tools import Tool
 
@@ -26,12 +27,15 @@ or ``mcp:<server>/<tool>`` (one)."""
 class McpServers:
     """Every MCP server a node declares. Use as ``async with``: it owns each connection's task
     in its task group; leaving it closes every connection (and so ends every stdio server it
-    launched). Implements the tool registry's ``ToolSource``: presets select its tools with
-    ``mcp:`` selectors; a resumed session's recorded MCP descriptors are bound to their
-    servers."""
+    launched) within ``grace`` and a kill's reaping, whatever the servers do. Implements the
+    tool registry's ``ToolSource``: presets select its tools with ``mcp:`` selectors; a resumed
+    session's recorded MCP descriptors are bound to their servers."""
 
-    def __init__(self, configs: Sequence[McpServerConfig]) -> None:
+    def __init__(
+        self, configs: Sequence[McpServerConfig], *, grace: timedelta = DEFAULT_GRACE
+    ) -> None:
         self._configs = {config.name: config for config in configs}
+        self._grace = grace
         self._connections: dict[str, McpConnection] = {}
         self._listings: dict[str, tuple[McpTool, ...]] = {}
         self._listed_at: dict[str, float] = {}
@@ -41,7 +45,8 @@ class McpServers:
     async def __aenter__(self) -> Self:
         self._group = await self._stack.enter_async_context(asyncio.TaskGroup())
         self._connections = {
-            name: McpConnection(config, self._spawn) for name, config in self._configs.items()
+            name: McpConnection(config, self._spawn, grace=self._grace)
+            for name, config in self._configs.items()
         }
         return self
 
@@ -71,7 +76,7 @@ class McpServers:
     async def load(self, selector: str) -> None:
         """List the selected server's tools (opening its connection) unless listed within
         :data:`LISTING_TTL`. Raises :class:`ToolsUnavailable` when the server cannot be reached
-        or lacks the tool."""
+        or lacks the tool, ends during the listing, refuses it, or is in its back-off."""
         server, _, tool = selector.removeprefix(SELECTOR_PREFIX).partition("/")
         if server not in self._connections:
             raise ToolsUnavailable(
@@ -83,7 +88,7 @@ class McpServers:
             connection = self._connections[server]
             try:
                 listed = await connection.list_tools()
-            except McpUnavailable as unavailable:
+            except (McpUnavailable, McpRefused) as unavailable:
                 raise ToolsUnavailable(
                     str(unavailable), metadata={"tool": selector, "problem": "unreachable"}
                 ) from unavailable

@@ -7,7 +7,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from dsh_mesh.core import ToolDescriptor
-from dsh_mesh.mcp._connection import McpConnection, McpUnavailable
+from dsh_mesh.mcp._connection import McpConnection, McpRefused, McpUnavailable
+from dsh_mesh.mcp._frames import CUT_META
 from dsh_mesh.tools import CallLimits, Replay, ToolIdentity, ToolInvocation, ToolOutput
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ class McpTool:
     ) -> ToolOutput:
         """Call the tool on its server with the call's idempotency key in ``_meta``; a
         progress notification resets the call's idle limit. An unreachable server is an
-        error result (the call may or may not have reached it)."""
+        error result (the call may or may not have reached it), and so is its refusal."""
         try:
             result = await self._connection.call(
                 self._tool,
@@ -67,6 +68,11 @@ class McpTool:
                 content=f"{unavailable}. The call may or may not have reached the server.",
                 is_error=True,
             )
+        except McpRefused as refused:
+            return ToolOutput(content=str(refused), is_error=True)
+        cut = (result.meta or {}).get(CUT_META)
+        if isinstance(cut, dict):  # an answer over the bound, made up from its start
+            return ToolOutput(content=text_of(result), is_error=cut.get("isError") is True)
         return ToolOutput(content=text_of(result), is_error=result.is_error)
 
 

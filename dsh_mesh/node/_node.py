@@ -118,7 +118,7 @@ class Node:
             Etcd(config.etcd_config()) as etcd,
             contextlib.aclosing(log),
             _shut_down_at_exit(self._tool_threads),
-            McpServers(self._scenario.mcp_servers) as mcp_servers,
+            McpServers(self._scenario.mcp_servers, grace=config.shutdown_grace) as mcp_servers,
         ):
             self._mcp_servers = mcp_servers
             lease = LeaseKeeper(etcd, config.lease)

@@ -1,12 +1,20 @@
-"""An MCP server for the tests, over streamable HTTP on loopback (the official SDK's
-``MCPServer``, served by uvicorn on port 0 in the test's own event loop)."""
+"""MCP servers for the tests: one over streamable HTTP on loopback (the official SDK's
+``MCPServer``, served by uvicorn on port 0 in the test's own event loop), and a faulty one over
+stdio, run as its own process (``python -m tests.integration.mcp_test_server --stdio``): it
+can die mid-call, answer tens of megabytes, spew stderr, hang or crash at start."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import os
+import signal
+import sys
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import uvicorn
 from mcp.server.mcpserver import Context, MCPServer
@@ -99,3 +107,63 @@ async def serving(observed: Observed, mcp: MCPServer | None = None) -> AsyncIter
     finally:
         server.should_exit = True
         await asyncio.wait_for(task, 10)
+
+
+# -- the faulty stdio server -------------------------------------------------------------------
+
+
+def build_faulty() -> MCPServer:
+    """A stdio server whose tools misbehave on request."""
+    server = MCPServer("dsh-faulty")
+
+    @server.tool()
+    async def echo(text: str) -> str:
+        """Say ``text`` back."""
+        return text
+
+    @server.tool()
+    async def die() -> str:
+        """Exit the server's process in the middle of the call."""
+        os._exit(3)
+
+    @server.tool()
+    async def huge(megabytes: int) -> str:
+        """Answer ``megabytes`` MB of text."""
+        return "x" * (megabytes * 1024 * 1024)
+
+    @server.tool()
+    async def spew(kilobytes: int) -> str:
+        """Write ``kilobytes`` KB of numbered lines to stderr, then answer."""
+        line = "spew " + "." * 90
+        for n in range(kilobytes * 1024 // 100):
+            print(f"{n:04d}{line}", file=sys.stderr)
+        print("the last line spewed", file=sys.stderr, flush=True)
+        return "spewed"
+
+    return server
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--stdio", action="store_true", required=True)
+    parser.add_argument("--start", choices=["ok", "hang", "crash"], default="ok")
+    parser.add_argument("--launches", type=Path, help="append this process's pid to FILE")
+    parser.add_argument("--ignore-sigterm", action="store_true")
+    args = parser.parse_args(argv)
+    if args.launches is not None:
+        with args.launches.open("a") as launches:
+            print(os.getpid(), file=launches)
+    if args.ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if args.start == "crash":
+        print("faulty server: boom at start", file=sys.stderr, flush=True)
+        return 4
+    if args.start == "hang":
+        while True:  # never answers initialize
+            time.sleep(3600)
+    build_faulty().run("stdio")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import sys
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -21,7 +22,9 @@ from dsh_mesh.core import (
     AgentRef,
     SessionId,
     ToolCall,
+    ToolDescriptor,
     ToolResultEntry,
+    ToolsUnavailable,
     TurnEndedEntry,
 )
 from dsh_mesh.mcp import McpServerConfig, McpServers
@@ -350,3 +353,164 @@ async def test_cancelling_a_running_call_cancels_it_on_the_server(
         with pytest.raises(asyncio.CancelledError):
             await running
         await asyncio.wait_for(observed.cancelled.wait(), 5)
+
+
+# -- a faulty stdio server: it fails soft --------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def faulty(
+    tmp_path: Path, *extra: str, name: str = "faulty", **config: object
+) -> tuple[McpServerConfig, Path]:
+    """The faulty stdio test server's config, and the file each of its launches writes its pid
+    to."""
+    launches = tmp_path / f"{name}-launches"
+    args = ("-m", "tests.integration.mcp_test_server", "--stdio", "--launches", str(launches))
+    return (
+        McpServerConfig(
+            name=name,
+            command=sys.executable,
+            args=(*args, *extra),
+            cwd=REPO,
+            **config,  # type: ignore[arg-type]
+        ),
+        launches,
+    )
+
+
+def launched(launches: Path) -> list[int]:
+    """The pids of the server's launches so far."""
+    return [int(line) for line in launches.read_text().split()] if launches.exists() else []
+
+
+def running_servers() -> list[int]:
+    """Every faulty test server (or reaper of one) below this process."""
+    return [
+        pid for pid, command in descendants(os.getpid()).items() if "mcp_test_server" in command
+    ]
+
+
+async def none_running() -> None:
+    """Wait until no faulty test server is left below this process (no event to await)."""
+    async with asyncio.timeout(10):
+        while running_servers():  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+
+
+async def test_a_server_that_dies_mid_call_is_started_again_by_the_next_use(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The call that was running gets an error result saying it may or may not have reached
+    the server; the next call starts the server again and works; listing it for a new session
+    works too."""
+    monkeypatch.setattr("dsh_mesh.mcp._servers.LISTING_TTL", 0.0)
+    config, launches = faulty(tmp_path)
+    async with McpServers([config]) as servers:
+        await servers.load("mcp:faulty")
+        tools = {t.descriptor.name: t for t in servers.select("mcp:faulty")}
+        died = await call(tools["faulty__die"], {})
+        assert died.is_error and "may or may not have reached the server" in died.content
+        assert "exit" in died.content  # it says the server ended, not only "Connection closed"
+        again = await call(tools["faulty__echo"], {"text": "back"}, "c-2")
+        assert again == ToolOutput(content="back")
+        assert len(launched(launches)) == 2
+        await servers.load("mcp:faulty")  # a new session's listing: the server is back
+        assert servers.connection("faulty").opened == 2
+    await none_running()
+
+
+async def test_a_server_that_keeps_crashing_is_restarted_with_back_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server that crashes at start: the first two uses try it (the second at once), then
+    back-off: creation gets a typed ToolsUnavailable, a call an error result, both at once,
+    without a launch."""
+    monkeypatch.setattr("dsh_mesh.mcp._connection.FIRST_BACKOFF", 600.0)
+    config, launches = faulty(tmp_path, "--start", "crash")
+    async with McpServers([config]) as servers:
+        for _ in range(2):
+            with pytest.raises(ToolsUnavailable) as refused:
+                await servers.load("mcp:faulty")
+            assert "boom at start" in str(refused.value)  # its stderr says why
+        assert len(launched(launches)) == 2
+        with pytest.raises(ToolsUnavailable) as backing_off:
+            await servers.load("mcp:faulty")
+        assert "back-off" in str(backing_off.value)
+        descriptor = ToolDescriptor.of("faulty__echo", "Echo.", {"type": "object"})
+        tool = servers.bind(descriptor)
+        assert tool is not None
+        output = await call(tool, {"text": "hi"})
+        assert output.is_error and "back-off" in output.content
+        assert len(launched(launches)) == 2  # no launch during the back-off
+    await none_running()
+
+
+async def test_a_50_mb_answer_is_cut_while_it_is_read_and_the_connection_goes_on(
+    tmp_path: Path,
+) -> None:
+    config, launches = faulty(
+        tmp_path, limits=CallLimits(timeout=timedelta(seconds=30), max_output_chars=1000)
+    )
+    async with McpServers([config]) as servers:
+        await servers.load("mcp:faulty")
+        tools = {t.descriptor.name: t for t in servers.select("mcp:faulty")}
+        output = await call(tools["faulty__huge"], {"megabytes": 50})
+        assert not output.is_error, output.content
+        assert output.content.startswith("x" * 100) and len(output.content) <= 1000
+        size = re.search(r"output cut: the server's answer was ([\d,]+) bytes", output.content)
+        assert size is not None and int(size[1].replace(",", "")) > 50 * 2**20
+        after = await call(tools["faulty__echo"], {"text": "next"}, "c-2")
+        assert after == ToolOutput(content="next")
+        assert len(launched(launches)) == 1  # the same connection, the same server
+    await none_running()
+
+
+async def test_a_start_that_times_out_kills_the_server_and_later_creations_do_not_hang(
+    tmp_path: Path,
+) -> None:
+    config, launches = faulty(
+        tmp_path, "--start", "hang", "--ignore-sigterm", connect_timeout=timedelta(seconds=1)
+    )
+    async with McpServers([config]) as servers:
+        for attempt in range(1, 3):
+            async with asyncio.timeout(20):  # a hang guard: each is bounded by connect_timeout
+                with pytest.raises(ToolsUnavailable) as refused:
+                    await servers.load("mcp:faulty")
+            assert "did not start" in str(refused.value)
+            assert len(launched(launches)) == attempt
+            await none_running()  # the timed-out start's process group is gone
+
+
+async def test_leaving_the_servers_is_bounded_whatever_a_server_does(tmp_path: Path) -> None:
+    """A node's shutdown: a server hung at start (ignoring SIGTERM) while a session waits for
+    it is killed within the grace; nothing is left running."""
+    config, launches = faulty(
+        tmp_path, "--start", "hang", "--ignore-sigterm", connect_timeout=timedelta(seconds=300)
+    )
+    async with asyncio.timeout(20):  # a hang guard: the exit takes the grace, not 300 s
+        async with McpServers([config], grace=timedelta(seconds=0.5)) as servers:
+            waiting = asyncio.create_task(servers.load("mcp:faulty"))
+            while not launched(launches):  # noqa: ASYNC110 (a process's file: no event)
+                await asyncio.sleep(0.05)
+        with pytest.raises(ToolsUnavailable):
+            await waiting
+    await none_running()
+
+
+async def test_a_servers_stderr_is_kept_in_a_bounded_buffer(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """2 MB of stderr: none of it reaches the node's own stderr (its log); the last 64 KiB are
+    kept, the most recent line readable."""
+    config, _ = faulty(tmp_path)
+    async with McpServers([config]) as servers:
+        await servers.load("mcp:faulty/spew")
+        [spew] = servers.select("mcp:faulty/spew")
+        assert (await call(spew, {"kilobytes": 2048})).content == "spewed"
+        connection = servers.connection("faulty")
+        async with asyncio.timeout(10):
+            while not connection.stderr_tail().endswith("the last line spewed\n"):  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        assert len(connection.stderr_tail().encode()) <= 64 * 1024
+    assert "spew ....." not in capfd.readouterr().err
