@@ -473,7 +473,7 @@ class Agent:
         """Whether ``call`` (of the last step) runs only once a person allowed it: its tool is
         one the preset marks (a standard tool never is), or it was asked for already."""
         tool = self.tools.get(call.name)
-        if tool is not None and self.approvals.marks(call.name) and not answers_for_itself(tool):
+        if tool is not None and self.approvals.marks(tool) and not answers_for_itself(tool):
             return True
         return self._asked(call.call_id) is not None
 

@@ -189,6 +189,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "ToolSet",
         "ToolSource",
         "TurnLimits",
+        "canonical_name",
         "child_task",
         "cut",
         "is_idempotent_by_key",
