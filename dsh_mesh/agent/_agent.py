@@ -221,6 +221,7 @@ class Agent:
         self._cancel_wait: str | None = None
         """An interrupt or a stop came while a call waits for approval: why."""
         self._turn_tokens = 0
+        self._turn_calls = 0
         self._records = sorted(records, key=lambda r: r.seq)
         """The session's context, once ``_forget_compacted`` below has run: with no compaction
         its whole transcript, else what its latest compaction kept and everything after that
@@ -821,6 +822,7 @@ class Agent:
         )
         await self._read_waiting(first, steered=not going_on)
         self._turn_tokens = 0
+        self._turn_calls = 0
         signal = AbortSignal()
         self._turn_task = asyncio.create_task(
             self._steps(signal, going_on=going_on), name=f"turn {turn_id}"
@@ -882,6 +884,13 @@ class Agent:
         """One model call and the tool calls it asked for, then the step boundary. Returns the
         turn's outcome when the turn is over, None when another step follows. First, if the
         context has reached its policy's mark, room is made (docs/context.md)."""
+        calls_limit = self.limits.max_model_calls
+        if calls_limit is not None and self._turn_calls >= calls_limit:
+            raise TokensExhausted(
+                f"the turn made {self._turn_calls} model calls; its limit is {calls_limit}"
+                " (max_model_calls_per_turn)"
+            )
+        self._turn_calls += 1
         response = await self._call_model(await self._make_room())
         step = await self._append(
             AssistantStepEntry(

@@ -9,7 +9,8 @@ system_prompt = "You lead a small team of agents."
 model = "ollama:qwen2.5:7b-instruct"
 tools = ["send_message", "spawn_agent"]
 max_output_tokens = 2048
-turn_token_budget = 200000
+turn_token_budget = 200000              # unset: the namespace's (default 20,000,000)
+max_model_calls_per_turn = 100          # unset: the namespace's (default 300)
 
 [tools]                                 # Python tools every node imports (docs/tools.md)
 paths = ["tools"]                       # directories put on sys.path, relative to this file
@@ -116,6 +117,7 @@ _PRESET_KEYS = frozenset(
         "tools",
         "max_output_tokens",
         "turn_token_budget",
+        "max_model_calls_per_turn",
         "context_window",
         "compact_at",
         "clear_tool_outputs",
@@ -426,6 +428,7 @@ def _preset(
             limits=TurnLimits(
                 max_output_tokens=_optional_int(table.get("max_output_tokens")),
                 turn_token_budget=_optional_int(table.get("turn_token_budget")),
+                max_model_calls=_optional_int(table.get("max_model_calls_per_turn")),
             ),
             context=_context(table),
             approvals=_approvals(table),

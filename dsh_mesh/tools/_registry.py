@@ -18,24 +18,41 @@ DescriptorFilter = Callable[[ToolDescriptor], bool]
 
 @dataclass(frozen=True, kw_only=True)
 class TurnLimits:
-    """Token limits of an agent's model calls.
+    """What one turn of an agent may spend on model calls (ADR 0037).
 
     ``max_output_tokens`` bounds what one call may generate (sent to the provider; a call that
     reaches it ends the turn with token exhaustion). ``turn_token_budget`` bounds the prompt
     plus completion tokens the providers report over one turn's calls: a turn whose calls
     reach it ends with token exhaustion after recording that call, before running its tools.
-    ``None``: no limit of this project's own (the provider's and the model's context still
-    apply).
+    ``max_model_calls`` bounds the model calls (steps) of one turn: the turn that made that
+    many ends with token exhaustion at the step boundary after the last one, its tools run,
+    before the next call.
+
+    ``None``: unset. A preset's unset limit is its namespace's (``NamespaceLimits.turn``,
+    whose defaults bound every turn: ``DEFAULT_TURN_LIMITS``); see :meth:`over`.
     """
 
     max_output_tokens: int | None = None
     turn_token_budget: int | None = None
+    max_model_calls: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_output_tokens", "turn_token_budget"):
+        for name in ("max_output_tokens", "turn_token_budget", "max_model_calls"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1 (or unset)")
+
+    def over(self, base: TurnLimits) -> TurnLimits:
+        """These limits, each unset one taken from ``base`` (a preset's over its namespace's)."""
+        return TurnLimits(
+            max_output_tokens=_first(self.max_output_tokens, base.max_output_tokens),
+            turn_token_budget=_first(self.turn_token_budget, base.turn_token_budget),
+            max_model_calls=_first(self.max_model_calls, base.max_model_calls),
+        )
+
+
+def _first(own: int | None, base: int | None) -> int | None:
+    return base if own is None else own
 
 
 @dataclass(frozen=True, kw_only=True)

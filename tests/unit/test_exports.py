@@ -346,6 +346,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "Acceptance",
         "ContinuationManager",
         "DEFAULT_PAGE",
+        "DEFAULT_TURN_LIMITS",
         "Departed",
         "HistoryLog",
         "IdempotencyKey",
