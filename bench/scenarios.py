@@ -10,7 +10,14 @@ from bench._log import TOOL, tool_output
 from dsh_mesh.core import ToolDescriptor
 from dsh_mesh.models import PARENT, Call, Reply, Stall, tool
 from dsh_mesh.node import Scenario
-from dsh_mesh.tools import ApprovalPolicy, Preset, ToolIdentity, ToolInvocation, ToolOutput
+from dsh_mesh.tools import (
+    ApprovalPolicy,
+    Preset,
+    ToolIdentity,
+    ToolInvocation,
+    ToolOutput,
+    TurnLimits,
+)
 from dsh_mesh.tools import tool as _tool_decorator
 
 LEAD = Preset(name="lead", system_prompt="You lead.", model="lead")
@@ -104,6 +111,9 @@ STORAGE = Scenario(
             system_prompt="You fetch.",
             model=f"steps-{n}",
             scoped_tools=(FetchTool(),),
+            # One turn of n steps, past the default turn budgets (ADR 0037) for n = 1,000:
+            # the section measures how storage holds a long transcript, so it sets its own.
+            limits=TurnLimits(max_model_calls=n + 1, turn_token_budget=10**9),
         )
         for n in STORAGE_STEPS
     ),

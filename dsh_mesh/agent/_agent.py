@@ -222,6 +222,7 @@ class Agent:
         self._cancel_wait: str | None = None
         """An interrupt or a stop came while a call waits for approval: why."""
         self._turn_tokens = 0
+        self._turn_calls = 0
         self._records = sorted(records, key=lambda r: r.seq)
         """The session's context, once ``_forget_compacted`` below has run: with no compaction
         its whole transcript, else what its latest compaction kept and everything after that
@@ -474,7 +475,7 @@ class Agent:
         """Whether ``call`` (of the last step) runs only once a person allowed it: its tool is
         one the preset marks (a standard tool never is), or it was asked for already."""
         tool = self.tools.get(call.name)
-        if tool is not None and self.approvals.marks(call.name) and not answers_for_itself(tool):
+        if tool is not None and self.approvals.marks(tool) and not answers_for_itself(tool):
             return True
         return self._asked(call.call_id) is not None
 
@@ -829,6 +830,7 @@ class Agent:
         )
         await self._read_waiting(first, steered=not going_on)
         self._turn_tokens = 0
+        self._turn_calls = 0
         signal = AbortSignal()
         self._turn_task = asyncio.create_task(
             self._steps(signal, going_on=going_on), name=f"turn {turn_id}"
@@ -890,6 +892,13 @@ class Agent:
         """One model call and the tool calls it asked for, then the step boundary. Returns the
         turn's outcome when the turn is over, None when another step follows. First, if the
         context has reached its policy's mark, room is made (docs/context.md)."""
+        calls_limit = self.limits.max_model_calls
+        if calls_limit is not None and self._turn_calls >= calls_limit:
+            raise TokensExhausted(
+                f"the turn made {self._turn_calls} model calls; its limit is {calls_limit}"
+                " (max_model_calls_per_turn)"
+            )
+        self._turn_calls += 1
         response = await self._call_model(await self._make_room())
         step = await self._append(
             AssistantStepEntry(

@@ -287,7 +287,9 @@ class ToolsUnavailable(_FixedRejected):
     """The node cannot serve a tool the session's header records (``metadata["tool"]`` names
     it, ``metadata["problem"]`` says ``missing`` or ``descriptor``): resuming it here would
     change what its tools mean. Nothing was accepted; fix the deployment (every node imports
-    the same tool modules) and send again."""
+    the same tool modules) and send again. At creation also: an MCP server that cannot be
+    listed (``unreachable``), or an ``approve_tools`` pattern that matches none of the
+    preset's listed tools (``approval``, ``tool`` names the pattern): it would gate nothing."""
 
     fixed_reason = RejectionReason.TOOLS_UNAVAILABLE
 

@@ -2,9 +2,9 @@
 the official ``mcp`` SDK), their tools under ``<server>__<tool>`` names, the call limits and the
 replay promise of every user tool (docs/tools.md)."""
 
-from dsh_mesh.mcp._config import McpServerConfig, split_tool_name
+from dsh_mesh.mcp._config import SELECTOR_PREFIX, McpServerConfig, split_tool_name
 from dsh_mesh.mcp._connection import McpConnection, McpUnavailable
-from dsh_mesh.mcp._servers import SELECTOR_PREFIX, McpServers
+from dsh_mesh.mcp._servers import McpServers
 from dsh_mesh.mcp._tool import IDEMPOTENCY_META, McpTool, descriptor_of, text_of
 
 __all__ = [

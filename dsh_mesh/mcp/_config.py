@@ -13,6 +13,10 @@ from dsh_mesh.tools import CallLimits
 SERVER_NAME = re.compile(r"[A-Za-z0-9-]{1,32}")
 """What a server's name may be: it prefixes its tools' names (``<server>__<tool>``)."""
 SEPARATOR = "__"
+SELECTOR_PREFIX = "mcp:"
+"""A preset names a server's tools as ``mcp:<server>`` (all of them, in the server's order)
+or ``mcp:<server>/<tool>`` (one); ``mcp:<server>/<tool>`` is also the tool's canonical name,
+which ``approve_tools`` patterns match."""
 
 
 @dataclass(frozen=True, kw_only=True)

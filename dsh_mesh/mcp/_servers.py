@@ -11,7 +11,7 @@ from types import TracebackType
 from typing import Self
 
 from dsh_mesh.core import ToolDescriptor, ToolsUnavailable
-from dsh_mesh.mcp._config import McpServerConfig, split_tool_name
+from dsh_mesh.mcp._config import SELECTOR_PREFIX, McpServerConfig, split_tool_name
 from dsh_mesh.mcp._connection import DEFAULT_GRACE, McpConnection, McpRefused, McpUnavailable
 from dsh_mesh.mcp._tool import McpTool, descriptor_of
 from dsh_mesh.tools import Tool
@@ -19,9 +19,6 @@ from dsh_mesh.tools import Tool
 LISTING_TTL = 60.0
 """Seconds a server's tool listing serves new sessions before it is listed again. A session
 keeps the descriptors it was created with, whatever the server lists later."""
-SELECTOR_PREFIX = "mcp:"
-"""A preset names a server's tools as ``mcp:<server>`` (all of them, in the server's order)
-or ``mcp:<server>/<tool>`` (one)."""
 
 
 class McpServers:

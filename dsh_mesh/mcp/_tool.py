@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from dsh_mesh.core import ToolDescriptor
+from dsh_mesh.mcp._config import SELECTOR_PREFIX
 from dsh_mesh.mcp._connection import McpConnection, McpRefused, McpUnavailable
 from dsh_mesh.mcp._frames import CUT_META
 from dsh_mesh.tools import CallLimits, Replay, ToolIdentity, ToolInvocation, ToolOutput
@@ -35,7 +36,7 @@ class McpTool:
         self._connection = connection
         self._tool = tool
         self._descriptor = descriptor
-        self._identity = ToolIdentity(f"mcp:{config.name}/{tool}")
+        self._identity = ToolIdentity(f"{SELECTOR_PREFIX}{config.name}/{tool}")
         self.replay = Replay.SAFE if tool in config.safe_tools else Replay.UNSAFE
         self.limits: CallLimits = config.limits
 
@@ -45,6 +46,12 @@ class McpTool:
     @property
     def identity(self) -> ToolIdentity:
         return self._identity
+
+    @property
+    def canonical_name(self) -> str:
+        """``mcp:<server>/<tool>``: how a preset's ``tools`` and ``approve_tools`` name this
+        tool (the model sees ``<server>__<tool>``)."""
+        return f"{SELECTOR_PREFIX}{self._connection.config.name}/{self._tool}"
 
     @property
     def descriptor(self) -> ToolDescriptor:

@@ -9,6 +9,8 @@ Every node of a cluster reads the same file::
     max_tree_depth = 8
     max_live_descendants = 200
     max_tree_spawns_per_minute = 60
+    max_model_calls_per_turn = 100    # a turn's budget (ADR 0037), unless its preset sets one
+    turn_token_budget = 5000000
 
     [[grant]]
     client = "alice"              # the client certificate client:alice
@@ -40,6 +42,10 @@ _DIGEST = re.compile(r"[0-9a-fA-F]{64}")
 _NAMESPACE_SETTINGS = {
     "max_live_sessions": "max_live_sessions",
     "max_roots_per_minute": "max_roots_per_minute",
+}
+_TURN_SETTINGS = {
+    "max_model_calls_per_turn": "max_model_calls",
+    "turn_token_budget": "turn_token_budget",
 }
 _TREE_SETTINGS = {
     "max_tree_depth": "max_depth",
@@ -86,7 +92,9 @@ def _limits(
         check_namespace(name)
         if not isinstance(settings, dict):
             raise ValueError(f"[namespace.{name}] must be a table of settings")
-        unknown = sorted(set(settings) - set(_NAMESPACE_SETTINGS) - set(_TREE_SETTINGS))
+        unknown = sorted(
+            set(settings) - set(_NAMESPACE_SETTINGS) - set(_TREE_SETTINGS) - set(_TURN_SETTINGS)
+        )
         if unknown:
             raise ValueError(f"[namespace.{name}]: unknown settings {unknown}")
         own_tree = {
@@ -99,8 +107,16 @@ def _limits(
             for k, v in settings.items()
             if k in _NAMESPACE_SETTINGS
         }
+        own_turn = {
+            _TURN_SETTINGS[k]: _count(name, k, v)
+            for k, v in settings.items()
+            if k in _TURN_SETTINGS
+        }
         limits[name] = dataclasses.replace(
-            namespace, **own, tree=dataclasses.replace(tree, **own_tree) if own_tree else None
+            namespace,
+            **own,
+            tree=dataclasses.replace(tree, **own_tree) if own_tree else None,
+            turn=dataclasses.replace(namespace.turn, **own_turn),
         )
     return limits
 

@@ -9,7 +9,8 @@ system_prompt = "You lead a small team of agents."
 model = "ollama:qwen2.5:7b-instruct"
 tools = ["send_message", "spawn_agent"]
 max_output_tokens = 2048
-turn_token_budget = 200000
+turn_token_budget = 200000              # unset: the namespace's (default 20,000,000)
+max_model_calls_per_turn = 100          # unset: the namespace's (default 300)
 
 [tools]                                 # Python tools every node imports (docs/tools.md)
 paths = ["tools"]                       # directories put on sys.path, relative to this file
@@ -40,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import re
 import sys
 import tomllib
 from collections.abc import Collection, Mapping
@@ -49,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from dsh_mesh.core import InvalidArgument
-from dsh_mesh.mcp import SELECTOR_PREFIX, McpServerConfig
+from dsh_mesh.mcp import SELECTOR_PREFIX, McpServerConfig, split_tool_name
 from dsh_mesh.models import OpenAIEndpoint, RetryPolicy, check_model_spec, split_model_spec
 from dsh_mesh.tools import (
     SEND_MESSAGE_DESCRIPTOR,
@@ -115,6 +117,7 @@ _PRESET_KEYS = frozenset(
         "tools",
         "max_output_tokens",
         "turn_token_budget",
+        "max_model_calls_per_turn",
         "context_window",
         "compact_at",
         "clear_tool_outputs",
@@ -188,7 +191,9 @@ def load_presets(
         tables,
         tuple(_preset(path, name, table, known_tools) for name, table in tables.items()),
     )
+    servers = {server.name for server in mcp_servers}
     for preset in presets:
+        _check_approvals(path, preset, known_tools, servers)
         if preset.model is not None:
             try:
                 check_model_spec(preset.model)
@@ -423,6 +428,7 @@ def _preset(
             limits=TurnLimits(
                 max_output_tokens=_optional_int(table.get("max_output_tokens")),
                 turn_token_budget=_optional_int(table.get("turn_token_budget")),
+                max_model_calls=_optional_int(table.get("max_model_calls_per_turn")),
             ),
             context=_context(table),
             approvals=_approvals(table),
@@ -445,6 +451,54 @@ def _approvals(table: Mapping[str, Any]) -> ApprovalPolicy:
     return ApprovalPolicy(
         tools=tuple(patterns), timeout=None if timeout == 0 else timedelta(seconds=timeout)
     )
+
+
+def _check_approvals(
+    path: Path, preset: Preset, known_tools: Collection[str], servers: Collection[str]
+) -> None:
+    """Refuse an ``approve_tools`` pattern that gates no tool ``preset`` can use: a typo, a
+    tool the preset does not select, the model's ``<server>__<tool>`` spelling of an MCP tool,
+    a pattern only standard tools match (they never wait). A preset's MCP tools are known
+    here by their selectors only: a pattern that may match a tool of a server the preset
+    selects whole (``mcp:<server>``) is checked against the server's listing when a session
+    is created (``ToolRegistry.prepare``)."""
+    named = (
+        [name for name in known_tools if not name.startswith(SELECTOR_PREFIX)]
+        if preset.tools is None  # all the registry's tools, no MCP server's
+        else list(preset.tools)
+    )
+    whole = [f"{n}/" for n in named if n.startswith(SELECTOR_PREFIX) and "/" not in n]
+    usable = [
+        n
+        for n in named
+        if n not in STANDARD_TOOL_NAMES and not (n.startswith(SELECTOR_PREFIX) and "/" not in n)
+    ]
+    for pattern in preset.approvals.unmatched(usable):
+        if any(_may_match_under(pattern, prefix) for prefix in whole):
+            continue
+        split = split_tool_name(pattern)
+        hint = (
+            f"; an MCP tool is named {SELECTOR_PREFIX}<server>/<tool>:"
+            f" write '{SELECTOR_PREFIX}{split[0]}/{split[1]}'"
+            if split is not None and split[0] in servers
+            else ""
+        )
+        can_use = ", ".join([*usable, *(f"{prefix}*" for prefix in whole)]) or "none"
+        raise PresetFileError(
+            f"{path}: presets.{preset.name}.approve_tools: {pattern!r} matches no tool this"
+            f" preset can use, so it would gate nothing (it can use: {can_use}; standard tools"
+            f" never wait){hint}"
+        )
+
+
+def _may_match_under(pattern: str, prefix: str) -> bool:
+    """Whether the ``approve_tools`` pattern ``pattern`` may match a name that starts with
+    ``prefix`` (``mcp:<server>/``): its literal part, up to its first wildcard, and the prefix
+    agree as far as both go."""
+    if pattern.startswith(SELECTOR_PREFIX) and "/" not in pattern:
+        pattern = f"{pattern}/*"
+    literal = re.split(r"[*?\[]", pattern, maxsplit=1)[0]
+    return literal.startswith(prefix) or prefix.startswith(literal)
 
 
 def _context(table: Mapping[str, Any]) -> ContextPolicy:

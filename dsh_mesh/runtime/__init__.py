@@ -3,7 +3,13 @@
 from dsh_mesh.runtime._config import ManagerConfig
 from dsh_mesh.runtime._denials import deny_absent
 from dsh_mesh.runtime._departure import Departed, unless_departed
-from dsh_mesh.runtime._limits import SPAWN_WINDOW, Limits, NamespaceLimits, TreeLimits
+from dsh_mesh.runtime._limits import (
+    DEFAULT_TURN_LIMITS,
+    SPAWN_WINDOW,
+    Limits,
+    NamespaceLimits,
+    TreeLimits,
+)
 from dsh_mesh.runtime._log import DEFAULT_PAGE, Logged, LogStore, Write, Written
 from dsh_mesh.runtime._manager import ContinuationManager
 from dsh_mesh.runtime._memory_store import InMemorySessionStore
@@ -22,6 +28,7 @@ from dsh_mesh.runtime._store import (
 
 __all__ = [
     "DEFAULT_PAGE",
+    "DEFAULT_TURN_LIMITS",
     "MAX_HOPS",
     "SPAWN_WINDOW",
     "Acceptance",

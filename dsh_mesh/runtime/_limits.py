@@ -29,6 +29,15 @@ from dsh_mesh.core import (
     TreeLimitReached,
 )
 from dsh_mesh.runtime._store import SessionStore
+from dsh_mesh.tools import TurnLimits
+
+DEFAULT_TURN_LIMITS = TurnLimits(max_model_calls=300, turn_token_budget=20_000_000)
+"""What one turn may spend unless its preset or its namespace says otherwise (ADR 0037): 300
+model calls, well above the anchors' step limits (OpenAI Agents SDK ``max_turns`` 10,
+LangGraph ``recursion_limit`` 25) so a coding agent's turn of a few hundred steps runs, and
+20 million prompt plus completion tokens, which 300 calls over a context of about 64,000
+tokens stay under. A model stuck in a loop stops there, with the typed outcome
+``token-exhaustion``."""
 
 SPAWN_WINDOW = timedelta(minutes=1)
 """The sliding window ``max_tree_spawns_per_minute`` and ``max_roots_per_minute`` count
@@ -70,6 +79,9 @@ class NamespaceLimits:
     (``limit`` ``roots_per_minute``), retryable after its ``retry_after_ms``."""
     tree: TreeLimits | None = None
     """The namespace's own tree limits; None: the node's."""
+    turn: TurnLimits = DEFAULT_TURN_LIMITS
+    """What one turn of a session of the namespace may spend (a preset's own setting wins):
+    its model calls and tokens. Unset fields here mean no limit of the mesh's own."""
 
     def __post_init__(self) -> None:
         for name in ("max_live_sessions", "max_roots_per_minute"):

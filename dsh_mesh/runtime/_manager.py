@@ -116,6 +116,7 @@ class ContinuationManager:
             resume_filter=config.resume_filter,
             tool_executor=tool_executor,
             admit=self._check_open,
+            limits=config.limits,
         )
         self._stops = Stops(store=store, residency=self._residency, ids=ids)
         placement: Placement = (

@@ -39,6 +39,7 @@ from dsh_mesh.models import ModelProvider
 from dsh_mesh.runtime._admission import AdmissionLedger
 from dsh_mesh.runtime._changes import ChangeSignal
 from dsh_mesh.runtime._children import ChildLedger
+from dsh_mesh.runtime._limits import Limits
 from dsh_mesh.runtime._store import Acceptance, IdempotencyKey, SessionStore
 from dsh_mesh.tools import DescriptorFilter, Preset, ToolRegistry, ToolSet
 
@@ -79,8 +80,11 @@ class Residency:
         resume_filter: DescriptorFilter | None,
         tool_executor: Executor | None = None,
         admit: Callable[[SessionId], Awaitable[None]] | None = None,
+        limits: Limits | None = None,
     ) -> None:
         self.node_id = node_id
+        self._limits = limits or Limits()
+        """Whose ``turn`` budgets a preset's unset turn limits take, by namespace (ADR 0037)."""
         self._admit = admit
         """Raises when a session may take no work now (its subtree is closed), before it is
         found resident or resumed for a send, a prompt or an activation."""
@@ -272,7 +276,7 @@ class Residency:
             records=records,
             tools=self.resolve_tools(header, resume_filter),
             system_prompt=preset.system_prompt,
-            limits=preset.limits,
+            limits=preset.limits.over(self._limits.of(header.namespace)[0].turn),
             context=preset.context,
             approvals=preset.approvals,
             provider=self._provider,

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Protocol
 
-from dsh_mesh.core import InvalidArgument, ToolDescriptor
+from dsh_mesh.core import InvalidArgument, ToolDescriptor, ToolsUnavailable
 from dsh_mesh.tools._standard import is_standard_send_message
-from dsh_mesh.tools._tool import Tool
+from dsh_mesh.tools._tool import Tool, canonical_name
 
 DescriptorFilter = Callable[[ToolDescriptor], bool]
 """Keeps a descriptor when it returns true; applied to a session's tools when it resumes."""
@@ -18,24 +18,41 @@ DescriptorFilter = Callable[[ToolDescriptor], bool]
 
 @dataclass(frozen=True, kw_only=True)
 class TurnLimits:
-    """Token limits of an agent's model calls.
+    """What one turn of an agent may spend on model calls (ADR 0037).
 
     ``max_output_tokens`` bounds what one call may generate (sent to the provider; a call that
     reaches it ends the turn with token exhaustion). ``turn_token_budget`` bounds the prompt
     plus completion tokens the providers report over one turn's calls: a turn whose calls
     reach it ends with token exhaustion after recording that call, before running its tools.
-    ``None``: no limit of this project's own (the provider's and the model's context still
-    apply).
+    ``max_model_calls`` bounds the model calls (steps) of one turn: the turn that made that
+    many ends with token exhaustion at the step boundary after the last one, its tools run,
+    before the next call.
+
+    ``None``: unset. A preset's unset limit is its namespace's (``NamespaceLimits.turn``,
+    whose defaults bound every turn: ``DEFAULT_TURN_LIMITS``); see :meth:`over`.
     """
 
     max_output_tokens: int | None = None
     turn_token_budget: int | None = None
+    max_model_calls: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_output_tokens", "turn_token_budget"):
+        for name in ("max_output_tokens", "turn_token_budget", "max_model_calls"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1 (or unset)")
+
+    def over(self, base: TurnLimits) -> TurnLimits:
+        """These limits, each unset one taken from ``base`` (a preset's over its namespace's)."""
+        return TurnLimits(
+            max_output_tokens=_first(self.max_output_tokens, base.max_output_tokens),
+            turn_token_budget=_first(self.turn_token_budget, base.turn_token_budget),
+            max_model_calls=_first(self.max_model_calls, base.max_model_calls),
+        )
+
+
+def _first(own: int | None, base: int | None) -> int | None:
+    return base if own is None else own
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,14 +102,24 @@ class ContextPolicy:
         return None if self.window_tokens is None else int(self.window_tokens * self.compact_at)
 
 
+_MCP_PREFIX = "mcp:"
+"""The MCP package's ``SELECTOR_PREFIX`` (it imports this layer, not the other way round)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class ApprovalPolicy:
     """Which of an agent's tools a person must allow before a call runs (docs/approvals.md).
 
-    ``tools`` are shell-style patterns (``fnmatch``: ``deploy``, ``mcp:prod/*``, ``*``) over
-    the names of the tools the agent sees; a standard tool (``send_message``, the spawn
-    tools) never waits, whatever matches it: it answers for itself. ``timeout`` is how long a
-    request waits for a decision before it is answered as denied (``None``: for ever).
+    ``tools`` are shell-style patterns (``fnmatch``) over each tool's canonical name
+    (:func:`~dsh_mesh.tools.canonical_name`): a Python tool's name (``deploy``, ``place_*``),
+    an MCP tool's ``mcp:<server>/<tool>`` (``mcp:prod/deploy``, ``mcp:prod/*``; ``mcp:prod``
+    alone means all of that server's tools, as in a preset's ``tools``), or ``*``. Never the
+    model-visible ``<server>__<tool>``. A standard tool (``send_message``, the spawn tools)
+    never waits, whatever matches it: it answers for itself. ``timeout`` is how long a request
+    waits for a decision before it is answered as denied (``None``: for ever).
+
+    A pattern that matches no tool the preset can use is refused, not ignored: the presets
+    file at start, an MCP server's listing when a session is created (ADR 0035).
     """
 
     tools: tuple[str, ...] = ()
@@ -104,10 +131,36 @@ class ApprovalPolicy:
         if self.timeout is not None and self.timeout <= timedelta(0):
             raise ValueError("approval_timeout must be positive (or unset)")
 
-    def marks(self, name: str) -> bool:
-        """Whether a call of the tool ``name`` waits for approval (before the standard-tool
-        exception, which the agent applies)."""
-        return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.tools)
+    def marks(self, tool: Tool) -> bool:
+        """Whether a call of ``tool`` waits for approval (before the standard-tool exception,
+        which the agent applies)."""
+        name = canonical_name(tool)
+        return any(pattern_matches(pattern, name) for pattern in self.tools)
+
+    def unmatched(self, names: Iterable[str]) -> tuple[str, ...]:
+        """The patterns, as written, that match none of ``names`` (canonical names)."""
+        listed = tuple(names)
+        return tuple(p for p in self.tools if not any(pattern_matches(p, n) for n in listed))
+
+
+def pattern_matches(pattern: str, name: str) -> bool:
+    """Whether the ``approve_tools`` pattern ``pattern`` matches the canonical tool name
+    ``name`` (``mcp:<server>`` stands for ``mcp:<server>/*``)."""
+    if pattern.startswith(_MCP_PREFIX) and "/" not in pattern:
+        pattern = f"{pattern}/*"
+    return fnmatch.fnmatchcase(name, pattern)
+
+
+def gates_nothing(preset: Preset, tools: Iterable[Tool]) -> tuple[str, ...]:
+    """The patterns of ``preset``'s ``approve_tools`` that match none of ``tools`` a call of
+    which could wait (the standard tools never do)."""
+    names = [canonical_name(t) for t in tools if not _answers_for_itself(t)]
+    return preset.approvals.unmatched(names)
+
+
+def _answers_for_itself(tool: Tool) -> bool:
+    """A standard tool (the agent's ``answers_for_itself``): it never waits for approval."""
+    return getattr(tool, "idempotent_by_key", False) is True
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -196,11 +249,26 @@ class ToolRegistry:
         return [name for name in preset.tools if self._source.selects(name)]
 
     async def prepare(self, preset: Preset) -> None:
-        """Load what ``preset``'s selectors name (before :meth:`resolve` for a new session)."""
+        """Load what ``preset``'s selectors name (before :meth:`resolve` for a new session).
+
+        Raises :class:`ToolsUnavailable` (``problem = approval``) when one of the preset's
+        ``approve_tools`` patterns matches none of its tools once they are listed: a pattern
+        naming an MCP tool its server does not list (a typo) would gate nothing, so the
+        session is not created (the presets file's check at start cannot see a listing)."""
         source = self._source
-        if source is not None:
-            for selector in self._selectors(preset):
-                await source.load(selector)
+        selectors = self._selectors(preset)
+        if source is None or not selectors:
+            return
+        for selector in selectors:
+            await source.load(selector)
+        tools = self.resolve(preset).tools
+        for pattern in gates_nothing(preset, tools):
+            names = ", ".join(sorted(canonical_name(t) for t in tools))
+            raise ToolsUnavailable(
+                f"preset {preset.name!r}: approve_tools pattern {pattern!r} matches none of its"
+                f" tools ({names}), so it would gate nothing; fix the presets file",
+                metadata={"tool": pattern, "problem": "approval"},
+            )
 
     def resolve_recorded(self, preset: Preset, recorded: Sequence[ToolDescriptor]) -> ToolSet:
         """The tools of a session resumed with ``recorded`` descriptors (its header's, after

@@ -112,6 +112,15 @@ def is_idempotent_by_key(tool: Tool) -> bool:
     return getattr(tool, "idempotent_by_key", False) is True or replay_of(tool) is Replay.SAFE
 
 
+def canonical_name(tool: Tool) -> str:
+    """The name a preset's ``approve_tools`` patterns match (docs/approvals.md): a tool that
+    declares a ``canonical_name`` (an MCP tool: ``mcp:<server>/<tool>``, the spelling a preset's
+    ``tools`` selects it by) is known by it; any other tool by its descriptor's name (a Python
+    tool's own name). Never the model-visible ``<server>__<tool>`` of an MCP tool."""
+    declared = getattr(tool, "canonical_name", None)
+    return declared if isinstance(declared, str) else tool.descriptor.name
+
+
 def replay_of(tool: Tool) -> Replay:
     """What ``tool`` declares (``replay``); a tool that declares nothing is unsafe to re-run."""
     replay = getattr(tool, "replay", Replay.UNSAFE)

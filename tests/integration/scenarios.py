@@ -340,6 +340,11 @@ MCP = Scenario(
             Reply(text="Resumed and finished."),
         ),
         "mcp-time": (Call(calls=(("time__get_current_time", {"timezone": "UTC"}),)), Stall()),
+        # A root whose step calls an ungated tool, then one its preset's approve_tools gates.
+        "mcp-gated": (
+            Call(calls=(("docs__whoami", {}), ("docs__gated_unsafe", {}))),
+            Reply(text="Approved and done."),
+        ),
     },
 )
 

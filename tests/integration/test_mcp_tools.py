@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import re
+import subprocess
 import sys
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -16,16 +17,19 @@ from pathlib import Path
 
 import pytest
 
+from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2
 from dsh_mesh.core import (
     AbortSignal,
     ActivationId,
     AgentRef,
+    ApprovalRequestEntry,
     SessionId,
     ToolCall,
     ToolDescriptor,
     ToolResultEntry,
     ToolsUnavailable,
     TurnEndedEntry,
+    TurnOutcome,
 )
 from dsh_mesh.mcp import McpServerConfig, McpServers
 from dsh_mesh.testing import (
@@ -39,6 +43,11 @@ from dsh_mesh.testing import (
 from dsh_mesh.tools import CallLimits, Tool, ToolInvocation, ToolOutput, run_limited
 from tests.integration.mcp_test_server import Observed, build, serving
 from tests.integration.mesh_client import children_of, live_ref, notices, send_as
+from tests.integration.test_approvals_cluster import (
+    list_approvals,
+    resolve_until_accepted,
+    stopped_at_the_call,
+)
 
 CALLER = AgentRef(session_id=SessionId("s-1"), activation_id=ActivationId("a-1"))
 TIME_SERVER = (sys.executable, ("-m", "mcp_server_time", "--local-timezone", "UTC"))
@@ -183,6 +192,12 @@ tools = ["send_message", "mcp:docs/gated_unsafe"]
 system_prompt = "You tell the time."
 model = "mcp-time"
 tools = ["send_message", "mcp:time"]
+
+[presets.mcp-gated]
+system_prompt = "You ask first."
+model = "mcp-gated"
+tools = ["mcp:docs"]
+approve_tools = ["mcp:docs/gated_unsafe"]
 """
 
 
@@ -514,3 +529,93 @@ async def test_a_servers_stderr_is_kept_in_a_bounded_buffer(
                 await asyncio.sleep(0.05)
         assert len(connection.stderr_tail().encode()) <= 64 * 1024
     assert "spew ....." not in capfd.readouterr().err
+
+
+async def test_an_mcp_tool_its_preset_gates_by_its_documented_name_waits_for_approval(
+    mcp_cluster: tuple[LocalCluster, Observed],
+) -> None:
+    """``approve_tools = ["mcp:docs/gated_unsafe"]``, as docs/approvals.md spells it, gates the
+    tool the model calls as ``docs__gated_unsafe``: nothing reaches the server until a person
+    allows it; the step's ungated call runs at once."""
+    cluster, observed = mcp_cluster
+    observed.gate.set()  # the server answers at once: only the approval holds the call
+    root = await create_root(cluster, on="node-a", task="Ask first.", preset="mcp-gated")
+    async with MeshReader(cluster.settings) as reader:
+        records = await stopped_at_the_call(reader, root)
+        [request] = [r.entry for r in records if isinstance(r.entry, ApprovalRequestEntry)]
+        assert request.tool == "docs__gated_unsafe"
+        assert observed.gated == [] and len(observed.keys) == 1  # whoami ran, ungated
+        [ended] = [r.entry for r in records if isinstance(r.entry, TurnEndedEntry)]
+        assert ended.outcome is TurnOutcome.AWAITING_APPROVAL
+        [listed] = (await list_approvals(cluster, "node-a", root)).approvals
+        assert listed.request.call_id == request.call_id
+
+        await resolve_until_accepted(
+            cluster,
+            "node-a",
+            mesh_pb2.ResolveApprovalRequest(
+                session_id=root,
+                call_id=request.call_id,
+                decision=mesh_pb2.APPROVAL_DECISION_ALLOW,
+                request_digest=request.digest,
+            ),
+        )
+        records = await reader.wait_for(
+            lambda: reader.transcript(root),
+            lambda rs: sum(isinstance(r.entry, TurnEndedEntry) for r in rs) == 2,
+            what="the turn gone on from the allowed call, ended",
+        )
+    assert [tool for tool, _ in observed.gated] == ["gated_unsafe"]  # once, once allowed
+    results = {r.entry.name: r.entry for r in records if isinstance(r.entry, ToolResultEntry)}
+    assert not results["docs__gated_unsafe"].is_error
+    assert results["docs__gated_unsafe"].content.startswith("gated_unsafe ran")
+    ended_outcomes = [r.entry.outcome for r in records if isinstance(r.entry, TurnEndedEntry)]
+    assert ended_outcomes == [TurnOutcome.AWAITING_APPROVAL, TurnOutcome.COMPLETED]
+
+
+@pytest.mark.parametrize(
+    ("tools", "pattern", "complaint"),
+    [
+        ('["probe_unsafe"]', "probe_unsafr", "'probe_unsafr' matches no tool this preset can use"),
+        (  # the model's name of the tool, as old presets wrote it: refused, naming the right one
+            '["mcp:docs"]',
+            "docs__gated_unsafe",
+            "write 'mcp:docs/gated_unsafe'",
+        ),
+    ],
+)
+def test_a_node_whose_approve_tools_gates_nothing_exits_at_start(
+    tmp_path: Path, tools: str, pattern: str, complaint: str
+) -> None:
+    """A pattern that gates no tool the preset can use is a presets mistake like any other:
+    exit status 2 and one error line naming the file, the preset and the pattern."""
+    presets = tmp_path / "presets.toml"
+    presets.write_text(
+        '[tools]\nmodules = ["dsh_mesh.testing.probe_tools"]\n'
+        '[mcp.servers.docs]\nurl = "http://127.0.0.1:9/mcp"\n'
+        f'[presets.clerk]\nsystem_prompt = "x"\ntools = {tools}\napprove_tools = ["{pattern}"]\n'
+    )
+    started = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dsh_mesh.node",
+            "--plaintext",
+            "--log-store",
+            f"sqlite:{tmp_path / 'log.db'}",
+            "--presets-file",
+            str(presets),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("DSH_")},
+            "DSH_CLUSTER_TOKEN": "a-token-of-thirty-two-characters-long",
+        },
+    )
+    assert started.returncode == 2, started.stderr
+    [line] = started.stderr.strip().splitlines()
+    assert line.startswith(f"dsh-mesh-node: error: {presets}: presets.clerk.approve_tools: ")
+    assert complaint in line

@@ -14,15 +14,19 @@ from dsh_mesh.core import (
     DeliveryKind,
     InboxFull,
     NodeOverloaded,
+    Record,
     RejectionReason,
+    SettlementNoticeEntry,
+    SettlementOutcome,
     ToolResultEntry,
     TurnEndedEntry,
     TurnOutcome,
 )
 from dsh_mesh.models import Reply, Stall, tool
-from dsh_mesh.runtime import ManagerConfig
-from dsh_mesh.testing import in_process_mesh
+from dsh_mesh.runtime import DEFAULT_TURN_LIMITS, ManagerConfig, NamespaceLimits
+from dsh_mesh.testing import InProcessMesh, in_process_mesh
 from dsh_mesh.tools import Preset, TurnLimits
+from dsh_mesh.tools import tool as tool_decorator
 from tests.unit.conftest import of_type, presets
 from tests.unit.test_agent_loop import HoldingStore
 from tests.unit.test_manager import CHILD, ROOT
@@ -169,3 +173,115 @@ async def test_a_turn_past_its_token_budget_ends_in_token_exhaustion_before_its_
         assert results[1].content.startswith("not run: the turn ended")
         assert {r.max_output_tokens for r in mesh.recorder.requests_of(ref.session_id)} == {64}
         assert {r.max_output_tokens for r in mesh.recorder.requests_of(CHILD)} == {None}
+
+
+# -- default turn budgets (ADR 0037) -------------------------------------------------------------
+
+LOOPING = 5_000
+"""Steps of a model that never stops asking for a tool: far past any default."""
+
+
+def looping_presets(**limits: int) -> tuple[Preset, ...]:
+    return (
+        Preset(name="lead", system_prompt="You lead.", model="lead"),
+        Preset(
+            name="looper",
+            system_prompt="You loop.",
+            model="looper",
+            limits=TurnLimits(**limits),
+        ),
+    )
+
+
+def loop_forever(mesh: InProcessMesh) -> None:
+    """The looper asks for one more tool call at every step, for ever (as a model that lost
+    its place after a compaction did: issue 30)."""
+    mesh.scripted.program("looper", *(tool("look_again") for _ in range(LOOPING)))
+
+
+@tool_decorator(replay="safe")
+def look_again() -> str:
+    """Look once more."""
+    return "nothing new"
+
+
+def first_turn_steps(records: list[Record]) -> tuple[int, TurnEndedEntry]:
+    ended = next(r.entry for r in records if isinstance(r.entry, TurnEndedEntry))
+    assert isinstance(ended, TurnEndedEntry)
+    return sum(isinstance(r.entry, AssistantStepEntry) for r in records), ended
+
+
+async def test_a_model_that_loops_for_ever_is_stopped_at_the_default_call_limit() -> None:
+    """No preset or namespace says anything: the default stops the turn after
+    DEFAULT_TURN_LIMITS.max_model_calls model calls, with the typed outcome
+    ``token-exhaustion``, and the parent's settlement notice carries it."""
+    limit = DEFAULT_TURN_LIMITS.max_model_calls
+    assert limit is not None
+    async with in_process_mesh(tools=(look_again,), presets=looping_presets()) as mesh:
+        loop_forever(mesh)
+        mesh.scripted.program(
+            "lead", tool("spawn_agent", task="Loop.", preset="looper"), Reply(text="Delegated.")
+        )
+        await mesh.manager.create_root("Lead.", preset="lead")
+        await mesh.manager.quiescent()
+        steps, ended = first_turn_steps(await mesh.transcript(CHILD))
+        assert steps == limit
+        assert ended.outcome is TurnOutcome.TOKEN_EXHAUSTION
+        assert f"the turn made {limit} model calls; its limit is {limit}" in ended.detail
+        [notice] = [
+            r.entry
+            for r in await mesh.transcript(ROOT)
+            if isinstance(r.entry, SettlementNoticeEntry)
+        ]
+        assert notice.outcome is SettlementOutcome.TOKEN_EXHAUSTION
+        assert notice.detail == ended.detail
+
+
+async def test_a_presets_own_call_limit_overrides_the_default_and_the_namespaces() -> None:
+    config = ManagerConfig(namespaces={"team": NamespaceLimits(turn=TurnLimits(max_model_calls=9))})
+    async with in_process_mesh(
+        looping_presets(max_model_calls=4), config=config, tools=(look_again,)
+    ) as mesh:
+        loop_forever(mesh)
+        ref = await mesh.manager.create_root("Loop.", preset="looper", namespace="team")
+        await mesh.manager.wait_until(lambda: mesh.manager.running(ref.session_id) is False)
+        steps, ended = first_turn_steps(await mesh.transcript(ref.session_id))
+    assert (steps, ended.outcome) == (4, TurnOutcome.TOKEN_EXHAUSTION)
+
+
+async def test_a_namespaces_call_limit_overrides_the_default_for_its_sessions_only() -> None:
+    config = ManagerConfig(namespaces={"team": NamespaceLimits(turn=TurnLimits(max_model_calls=7))})
+    async with in_process_mesh(
+        tools=(look_again,), presets=looping_presets(), config=config
+    ) as mesh:
+        loop_forever(mesh)
+        ref = await mesh.manager.create_root("Loop.", preset="looper", namespace="team")
+        await mesh.manager.wait_until(lambda: mesh.manager.running(ref.session_id) is False)
+        steps, ended = first_turn_steps(await mesh.transcript(ref.session_id))
+        assert (steps, ended.outcome) == (7, TurnOutcome.TOKEN_EXHAUSTION)
+
+
+async def test_a_namespaces_token_budget_overrides_the_default() -> None:
+    config = ManagerConfig(
+        namespace_limits=NamespaceLimits(turn=TurnLimits(turn_token_budget=40)),
+    )
+    async with in_process_mesh(
+        tools=(look_again,), presets=looping_presets(), config=config
+    ) as mesh:
+        loop_forever(mesh)
+        ref = await mesh.manager.create_root("Loop.", preset="looper")
+        await mesh.manager.wait_until(lambda: mesh.manager.running(ref.session_id) is False)
+        steps, ended = first_turn_steps(await mesh.transcript(ref.session_id))
+    assert ended.outcome is TurnOutcome.TOKEN_EXHAUSTION
+    assert "its budget is 40" in ended.detail and steps < 10
+
+
+def test_the_defaults_bound_a_turn_and_leave_room_for_a_long_one() -> None:
+    """ADR 0037: a bound by default, far above the anchors' (10, 25), so a coding agent's
+    turn of a few hundred steps runs; a token budget that a turn of that many calls over a
+    large context does not reach first."""
+    calls, tokens = DEFAULT_TURN_LIMITS.max_model_calls, DEFAULT_TURN_LIMITS.turn_token_budget
+    assert calls is not None and tokens is not None
+    assert 25 < 200 <= calls <= 1_000
+    assert tokens >= 200 * 64_000
+    assert NamespaceLimits().turn == DEFAULT_TURN_LIMITS

@@ -22,9 +22,9 @@ from dsh_mesh.core import (
 )
 from dsh_mesh.models import Reply, Stall, tool
 from dsh_mesh.node import NodeConfig, load_config, parse_args
-from dsh_mesh.runtime import ManagerConfig, NamespaceLimits, TreeLimits
+from dsh_mesh.runtime import DEFAULT_TURN_LIMITS, ManagerConfig, NamespaceLimits, TreeLimits
 from dsh_mesh.testing import in_process_mesh
-from dsh_mesh.tools import ChildKind
+from dsh_mesh.tools import ChildKind, TurnLimits
 from dsh_mesh.transport import (
     EVERY_NAMESPACE,
     NO_NAMESPACE,
@@ -249,3 +249,18 @@ def test_a_request_id_is_one_namespaces_own() -> None:
     assert root_session_id("r-1") == root_session_id("r-1", "default") == before
     assert len({root_session_id("r-1", n) for n in ("default", "team-a", "team-b")}) == 3
     assert root_session_id("r-1", "team-a") == root_session_id("r-1", "team-a")
+
+
+def test_a_namespace_may_set_its_turns_budget_and_keeps_the_default_it_leaves_out(
+    tmp_path: Path,
+) -> None:
+    config = node_with(tmp_path, "[namespace.team-a]\nmax_model_calls_per_turn = 40\n")
+    manager = config.manager_config(config.namespaces())
+    own, _ = manager.limits.of("team-a")
+    assert own.turn == TurnLimits(
+        max_model_calls=40, turn_token_budget=DEFAULT_TURN_LIMITS.turn_token_budget
+    )
+    other, _ = manager.limits.of("team-b")
+    assert other.turn == DEFAULT_TURN_LIMITS
+    with pytest.raises(ValueError, match="positive integer"):
+        node_with(tmp_path, "[namespace.a]\nturn_token_budget = 0\n")

@@ -304,3 +304,19 @@ def test_a_scenarios_own_tools_and_servers_survive_a_file_that_names_none() -> N
     assert [t.descriptor.name for t in configured.tools] == ["read_doc"]
     assert [s.name for s in configured.mcp_servers] == ["docs"]
     assert configured.tool_threads == SCENARIO.tool_threads
+
+
+def test_a_presets_turn_budget_is_read_and_unset_means_its_namespaces(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "[presets.coder]\nsystem_prompt = 'x'\nmax_model_calls_per_turn = 800\n"
+        "[presets.brief]\nsystem_prompt = 'y'\n",
+    )
+    coder, brief = load_presets(path, environ={}).presets
+    assert coder.limits == TurnLimits(max_model_calls=800)
+    assert brief.limits == TurnLimits()  # the namespace's (by default DEFAULT_TURN_LIMITS)
+    with pytest.raises(PresetFileError, match="max_model_calls"):
+        load_presets(
+            write(tmp_path, "[presets.a]\nsystem_prompt = 'x'\nmax_model_calls_per_turn = 0\n"),
+            environ={},
+        )
