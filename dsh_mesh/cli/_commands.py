@@ -359,17 +359,27 @@ async def _show(client: MeshClient, args: argparse.Namespace, console: Console) 
 
 async def _health_of(
     address: str, connection: Connection | None, node_id: str | None = None
-) -> tuple[str, bool]:
+) -> tuple[str, str, bool]:
+    """A node's health, its log store's ("ok", or why it is degraded), and whether both are
+    well."""
     token = connection.token if connection is not None else None
     tls = _tls(connection.tls) if connection is not None else None
     try:
         async with MeshClient(
             address, token=token or "", name=CLIENT_NAME, tls=tls, server_name=node_id
         ) as client:
-            health = await client.health(deadline=_HEALTH_DEADLINE)
+            health, store = await asyncio.gather(
+                client.health(deadline=_HEALTH_DEADLINE),
+                client.log_store_health(deadline=_HEALTH_DEADLINE),
+            )
     except MeshError as error:
-        return f"unreachable ({error_line(error).removeprefix('error: ')})", False
-    return health.value, health is HealthStatus.SERVING
+        return f"unreachable ({error_line(error).removeprefix('error: ')})", "-", False
+    degraded = store.degraded
+    return (
+        health.value,
+        "ok" if degraded is None else f"degraded: {degraded}",
+        health is HealthStatus.SERVING and degraded is None,
+    )
 
 
 async def _status(
@@ -394,7 +404,7 @@ async def _status(
     etcd_ok: bool | None = None
     if state is not None:
         etcd_ok = await asyncio.to_thread(_etcd_healthy, state.etcd, state.tls)
-    healthy = all(ok for _, ok in results) and etcd_ok is not False
+    healthy = all(ok for _, _, ok in results) and etcd_ok is not False
     if args.json:
         console.say(
             json.dumps(
@@ -404,8 +414,14 @@ async def _status(
                     "up_running": pid_alive(state.pid) if state is not None else None,
                     "etcd": {"endpoint": state.etcd, "healthy": etcd_ok} if state else None,
                     "nodes": [
-                        {"node_id": node_id, "address": address, "pid": pid, "health": health}
-                        for (node_id, address, pid), (health, _) in zip(
+                        {
+                            "node_id": node_id,
+                            "address": address,
+                            "pid": pid,
+                            "health": health,
+                            "log_store": store,
+                        }
+                        for (node_id, address, pid), (health, store, _) in zip(
                             targets, results, strict=True
                         )
                     ],
@@ -418,10 +434,10 @@ async def _status(
         console.say(f"cluster   up pid {state.pid}: {running}")
         console.say(f"etcd      {state.etcd}  {'healthy' if etcd_ok else 'unhealthy'}")
     rows = [
-        (node_id, address, str(pid) if pid is not None else "-", health)
-        for (node_id, address, pid), (health, _) in zip(targets, results, strict=True)
+        (node_id, address, str(pid) if pid is not None else "-", health, store)
+        for (node_id, address, pid), (health, store, _) in zip(targets, results, strict=True)
     ]
-    for line in table(("NODE", "ADDRESS", "PID", "HEALTH"), rows):
+    for line in table(("NODE", "ADDRESS", "PID", "HEALTH", "LOG STORE"), rows):
         console.say(line)
     return 0 if healthy else 1
 

@@ -40,6 +40,7 @@ from dsh_mesh.client._types import (
     SessionEvent,
     SessionPage,
     StopResult,
+    StoreHealth,
 )
 from dsh_mesh.core import (
     ActivationId,
@@ -52,6 +53,8 @@ from dsh_mesh.core import (
     TurnId,
 )
 from dsh_mesh.transport import (
+    DEGRADED_TRAILER,
+    LOG_STORE_HEALTH,
     ClusterCredential,
     RemoteError,
     TlsCredentials,
@@ -565,3 +568,26 @@ class MeshClient:
         except grpc.RpcError as error:
             raise error_from_rpc(error) from error
         return _HEALTH.get(response.status, HealthStatus.UNKNOWN)
+
+    async def log_store_health(self, *, deadline: timedelta | None = None) -> StoreHealth:
+        """Whether the node's log store accepts (``grpc.health.v1`` service
+        ``dsh.mesh.v1.LogStore``): ``degraded`` says why not (its last refusal, within the last
+        seconds), ``None`` when it does. A node that cannot be reached raises
+        :class:`~dsh_mesh.core.PeerUnavailable`."""
+        stub = health_pb2_grpc.HealthStub(self._open())
+        call = stub.Check(
+            health_pb2.HealthCheckRequest(service=LOG_STORE_HEALTH),
+            metadata=self._metadata,
+            timeout=self._seconds(deadline),
+        )
+        try:
+            response = await call
+            trailers = await call.trailing_metadata()
+        except grpc.RpcError as error:
+            raise error_from_rpc(error) from error
+        status = _HEALTH.get(response.status, HealthStatus.UNKNOWN)
+        if status is HealthStatus.SERVING:
+            return StoreHealth(status=status, degraded=None)
+        why = dict(trailers or ()).get(DEGRADED_TRAILER, b"")
+        text = why.decode("utf-8", "replace") if isinstance(why, bytes) else str(why)
+        return StoreHealth(status=status, degraded=text or status.value)

@@ -47,6 +47,17 @@ class AgentState(enum.Enum):
     asks the host, says idle or running)."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class StoreHealth:
+    """What a node says of its log store (``MeshClient.log_store_health``)."""
+
+    status: HealthStatus
+    """``SERVING`` while the store accepts; ``NOT_SERVING`` while it refuses."""
+    degraded: str | None
+    """Why the store counts as refusing: its last refusal's reason and words (``None``: it
+    accepts)."""
+
+
 class HealthStatus(enum.Enum):
     """A node's answer to ``grpc.health.v1.Health/Check`` for the server as a whole."""
 

@@ -7,7 +7,15 @@ from datetime import UTC, datetime
 
 from dsh_mesh.core import ApprovalRequestEntry, Record, SessionId
 from dsh_mesh.logstore._batch import plan_append
-from dsh_mesh.runtime import DEFAULT_PAGE, Acceptance, IdempotencyKey, Logged, Write, Written
+from dsh_mesh.runtime import (
+    DEFAULT_PAGE,
+    Acceptance,
+    IdempotencyKey,
+    Logged,
+    StoreCondition,
+    Write,
+    Written,
+)
 
 
 class MemoryLogStore:
@@ -23,6 +31,7 @@ class MemoryLogStore:
         self._compacted: dict[SessionId, int] = {}  # the seq of each session's last compaction
         # Approval requests whose call has no result yet: call id -> (seq, expiry, decided).
         self._asked: dict[SessionId, dict[str, tuple[int, datetime | None, bool]]] = {}
+        self.condition = StoreCondition()  # never refuses
 
     async def raise_fence(self, session: SessionId, fence: int) -> int:
         current = max(self._fences.get(session, 0), fence)

@@ -34,7 +34,15 @@ from dsh_mesh.core import (
 )
 from dsh_mesh.logstore._batch import plan_append
 from dsh_mesh.registry import decode_acceptance, decode_record, encode_acceptance, encode_entry
-from dsh_mesh.runtime import DEFAULT_PAGE, Acceptance, IdempotencyKey, Logged, Write, Written
+from dsh_mesh.runtime import (
+    DEFAULT_PAGE,
+    Acceptance,
+    IdempotencyKey,
+    Logged,
+    StoreCondition,
+    Write,
+    Written,
+)
 
 _SCHEMA_LOCK = 0x64_73_68_6C_6F_67  # "dshlog": any constant all stores agree on
 _SCHEMA = (
@@ -205,6 +213,7 @@ class PostgresLogStore:
         self._pool: asyncpg.Pool | None = None
         self._opening = asyncio.Lock()
         self._closed = False
+        self.condition = StoreCondition()
 
     async def __aenter__(self) -> PostgresLogStore:
         await self._ready_pool()
@@ -454,19 +463,25 @@ class PostgresLogStore:
 
     def _unavailable(self, failure: BaseException) -> RegistryUnavailable:
         detail = str(failure) or type(failure).__name__
-        return RegistryUnavailable(f"the log store at {self._where}: {detail[:_MAX_WORDS]}")
+        unavailable = RegistryUnavailable(f"the log store at {self._where}: {detail[:_MAX_WORDS]}")
+        self.condition.refused(unavailable)
+        return unavailable
 
     def _refusal(self, refused: asyncpg.PostgresError) -> RegistryUnavailable | StoreRefused:
         """The typed outcome of the database's refusal: an outage when it passes by itself,
         else :class:`StoreRefused` with the database's words and SQLSTATE."""
         code = str(refused.sqlstate or "")
         words = (str(refused) or type(refused).__name__)[:_MAX_WORDS]
+        outcome: RegistryUnavailable | StoreRefused
         if code[:2] in _PASSING_CLASSES:
-            return RegistryUnavailable(f"the log store at {self._where}: {words} ({code})")
-        return StoreRefused(
-            f"the log store at {self._where} refused: {words} (SQLSTATE {code})",
-            metadata={"store": self._where, "code": code},
-        )
+            outcome = RegistryUnavailable(f"the log store at {self._where}: {words} ({code})")
+        else:
+            outcome = StoreRefused(
+                f"the log store at {self._where} refused: {words} (SQLSTATE {code})",
+                metadata={"store": self._where, "code": code},
+            )
+        self.condition.refused(outcome)
+        return outcome
 
 
 async def _known(

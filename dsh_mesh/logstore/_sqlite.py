@@ -24,7 +24,15 @@ from typing import TypeVar
 from dsh_mesh.core import ApprovalRequestEntry, Record, RegistryUnavailable, SessionId, StoreRefused
 from dsh_mesh.logstore._batch import plan_append
 from dsh_mesh.registry import decode_acceptance, decode_record, encode_acceptance, encode_entry
-from dsh_mesh.runtime import DEFAULT_PAGE, Acceptance, IdempotencyKey, Logged, Write, Written
+from dsh_mesh.runtime import (
+    DEFAULT_PAGE,
+    Acceptance,
+    IdempotencyKey,
+    Logged,
+    StoreCondition,
+    Write,
+    Written,
+)
 
 T = TypeVar("T")
 
@@ -85,6 +93,7 @@ class SqliteLogStore:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-log")
         self._connection: sqlite3.Connection | None = None
         self._closed = False
+        self.condition = StoreCondition()
 
     async def __aenter__(self) -> SqliteLogStore:
         await self._run(lambda _: None)  # opens the file and creates the schema
@@ -334,13 +343,17 @@ class SqliteLogStore:
         next call: one opened on a file system since remounted may hold on to its state."""
         name = getattr(failure, "sqlite_errorname", "") or type(failure).__name__
         words = str(failure)[:_MAX_WORDS]
+        outcome: RegistryUnavailable | StoreRefused
         if name.startswith(_PASSING_ERRORS):
             self._reset()
-            return RegistryUnavailable(f"the log store {self.path}: {words} ({name})")
-        return StoreRefused(
-            f"the log store {self.path} refused: {words} ({name})",
-            metadata={"store": str(self.path), "code": name},
-        )
+            outcome = RegistryUnavailable(f"the log store {self.path}: {words} ({name})")
+        else:
+            outcome = StoreRefused(
+                f"the log store {self.path} refused: {words} ({name})",
+                metadata={"store": str(self.path), "code": name},
+            )
+        self.condition.refused(outcome)
+        return outcome
 
     def _reset(self) -> None:
         """Drop the connection (on the worker thread, which owns it); the next call opens a

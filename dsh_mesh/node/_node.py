@@ -22,7 +22,6 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from dsh_mesh import telemetry
@@ -58,6 +57,7 @@ from dsh_mesh.transport import (
     MeshControlService,
     MeshPeerService,
     MethodAwarePool,
+    NodeHealth,
     PeerPool,
 )
 
@@ -143,7 +143,7 @@ class Node:
                 pool=pool,
                 placement=config.placement,
             )
-            health = HealthServicer()
+            health = NodeHealth(log.condition.degraded)
             server = grpc.aio.server(
                 interceptors=[
                     *telemetry.server_interceptors(),
@@ -228,7 +228,7 @@ class Node:
         lease: LeaseKeeper,
         store: SessionStore,
         router: ClusterRouter,
-        health: HealthServicer,
+        health: NodeHealth,
         ready: Callable[[str], None] | None,
         retention: Retention,
         directory: Directory,

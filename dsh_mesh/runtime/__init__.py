@@ -1,5 +1,6 @@
 """The runtime: the continuation manager and the session store it runs on."""
 
+from dsh_mesh.runtime._condition import DEGRADED_FOR, StoreCondition
 from dsh_mesh.runtime._config import ManagerConfig
 from dsh_mesh.runtime._denials import deny_absent
 from dsh_mesh.runtime._departure import Departed, unless_departed
@@ -29,6 +30,7 @@ from dsh_mesh.runtime._store import (
 __all__ = [
     "DEFAULT_PAGE",
     "DEFAULT_TURN_LIMITS",
+    "DEGRADED_FOR",
     "MAX_HOPS",
     "SPAWN_WINDOW",
     "Acceptance",
@@ -47,6 +49,7 @@ __all__ = [
     "Resumption",
     "Router",
     "SessionStore",
+    "StoreCondition",
     "TreeCensus",
     "TreeLimits",
     "Write",

@@ -9,6 +9,7 @@ from datetime import datetime
 from typing import Protocol
 
 from dsh_mesh.core import Entry, Record, SessionId
+from dsh_mesh.runtime._condition import StoreCondition
 from dsh_mesh.runtime._store import Acceptance, IdempotencyKey
 
 DEFAULT_PAGE = 500
@@ -47,7 +48,12 @@ class LogStore(Protocol):
 
     Each session has a fence, an etcd revision that only rises. An activation writes under its
     activation key's create revision; a writer with no activation under the revision at which
-    it saw the session without one (ADR 0026)."""
+    it saw the session without one (ADR 0026).
+
+    ``condition`` holds the store's last refusal (``REGISTRY_UNAVAILABLE`` or
+    ``STORE_REFUSED``), for the node's health."""
+
+    condition: StoreCondition
 
     async def raise_fence(self, session: SessionId, fence: int) -> int:
         """Raise ``session``'s fence to ``fence`` unless it is higher already; return the fence

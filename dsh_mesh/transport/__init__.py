@@ -26,6 +26,12 @@ from dsh_mesh.transport._grants import (
     scope_of_names,
     token_digest,
 )
+from dsh_mesh.transport._health import (
+    DEGRADED_TRAILER,
+    LOG_STORE_HEALTH,
+    MAX_DEGRADED_BYTES,
+    NodeHealth,
+)
 from dsh_mesh.transport._peers import PeerPool, PeerTimeouts
 from dsh_mesh.transport._reflection import MethodAwarePool
 from dsh_mesh.transport._servicer import AgentMeshService, ManagerRef, MeshPeerService
@@ -56,10 +62,13 @@ from dsh_mesh.transport._tls import (
 __all__ = [
     "CA_CERT_FILE",
     "CA_KEY_FILE",
+    "DEGRADED_TRAILER",
     "DETAILS_METADATA_KEY",
     "ERROR_DOMAIN",
     "EVERY",
     "EVERY_NAMESPACE",
+    "LOG_STORE_HEALTH",
+    "MAX_DEGRADED_BYTES",
     "MAX_DETAIL_BYTES",
     "NO_NAMESPACE",
     "RETRY_DELAY",
@@ -77,6 +86,7 @@ __all__ = [
     "MeshControlService",
     "MeshPeerService",
     "MethodAwarePool",
+    "NodeHealth",
     "PeerPool",
     "PeerTimeouts",
     "RemoteError",

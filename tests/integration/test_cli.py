@@ -554,13 +554,14 @@ def test_the_command_runs_a_cluster_end_to_end(tmp_path: Path) -> None:
         healthy = cli.run("status")
         assert healthy.returncode == 0, healthy.stdout + healthy.stderr
         rows = [line.split() for line in healthy.stdout.splitlines() if line.startswith("node-")]
-        assert [(row[0], row[-1]) for row in rows] == [
-            ("node-a", "SERVING"),
-            ("node-b", "SERVING"),
-            ("node-c", "SERVING"),
+        assert [(row[0], row[-2], row[-1]) for row in rows] == [
+            ("node-a", "SERVING", "ok"),
+            ("node-b", "SERVING", "ok"),
+            ("node-c", "SERVING", "ok"),
         ]
         report = json.loads(cli.run("status", "--json").stdout)
         assert report["healthy"] is True and report["etcd"]["healthy"] is True
+        assert [node["log_store"] for node in report["nodes"]] == ["ok"] * 3
 
         refused = cli.run("prompt", "s-no-such-session", "hello")
         assert refused.returncode == 1

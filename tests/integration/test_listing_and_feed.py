@@ -90,6 +90,7 @@ class HeldLog:
         """Set once an append of ``hold`` is written and held."""
         self.gate = asyncio.Event()
         """Set to let the held append return."""
+        self.condition = inner.condition
 
     async def raise_fence(self, session: SessionId, fence: int) -> int:
         return await self.inner.raise_fence(session, fence)

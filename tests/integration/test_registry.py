@@ -162,6 +162,7 @@ class ProbedLog:
         self.calls: Counter[str] = Counter()
         self.before: dict[str, Callable[[], Awaitable[None]]] = {}
         self.after: dict[str, Callable[[], Awaitable[None]]] = {}
+        self.condition = inner.condition
 
     async def _probed(self, name: str, call: Callable[[], Awaitable[T]]) -> T:
         self.calls[name] += 1

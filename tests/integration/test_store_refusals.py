@@ -23,6 +23,7 @@ import grpc
 import pytest
 
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
+from dsh_mesh.client import HealthStatus, MeshClient
 from dsh_mesh.core import (
     AssistantStepEntry,
     HumanPromptEntry,
@@ -118,6 +119,11 @@ async def test_a_revoked_privilege_and_a_read_only_database_leave_every_node_ser
             assert isinstance(refused, StoreRefused), refused
             assert refused.metadata["code"] == "42501", refused.metadata  # insufficient privilege
             assert "permission denied" in refused.detail
+        # The root's node (node-b forwards to it) says why its log store is degraded: its
+        # agent waits at its step boundary, writing again and again.
+        degraded = await _log_store_health(cluster, "node-a")
+        assert degraded is not None and degraded.startswith("STORE_REFUSED: "), degraded
+        assert "permission denied for table entries" in degraded
         assert all(node.running for node in cluster)
         refusing.sql(f"GRANT INSERT ON entries TO {refusing.role}")
         for node in ("node-a", "node-b"):
@@ -254,6 +260,16 @@ def _fill(path: Path) -> None:
             raise
     finally:
         os.close(descriptor)
+
+
+async def _log_store_health(cluster: LocalCluster, node: str) -> str | None:
+    """Why ``node`` says its log store is degraded (None: it accepts)."""
+    address = cluster[node].address
+    assert address is not None
+    async with MeshClient(address, token=cluster.settings.cluster_token) as client:
+        health = await client.log_store_health()
+    assert (health.status is HealthStatus.SERVING) == (health.degraded is None)
+    return health.degraded
 
 
 async def _submit(cluster: LocalCluster, node: str, session: str, key: str) -> None:
