@@ -22,6 +22,14 @@ from dsh_mesh.core._approval import (
     descriptor_digest,
     mesh_denial,
 )
+from dsh_mesh.core._bounds import (
+    MAX_EDIT_BYTES,
+    MAX_EDIT_DEPTH,
+    MAX_ID_CHARS,
+    MAX_KEY_CHARS,
+    check_chars,
+    parse_json_field,
+)
 from dsh_mesh.core._chat import ChatMessage, Role, ToolCall, Usage
 from dsh_mesh.core._delivery import Delivery, DeliveryKind
 from dsh_mesh.core._errors import (
@@ -142,8 +150,12 @@ __all__ = [
     "EXPIRED_APPROVAL_REASON",
     "INBOUND_TYPES",
     "MAX_APPROVAL_REASON_CHARS",
+    "MAX_EDIT_BYTES",
+    "MAX_EDIT_DEPTH",
+    "MAX_ID_CHARS",
     "MAX_JSON_BYTES",
     "MAX_JSON_DEPTH",
+    "MAX_KEY_CHARS",
     "MAX_QUOTE_CHARS",
     "MAY_FOLLOW_AN_ACCEPTANCE",
     "MESH_DECIDER",
@@ -237,6 +249,7 @@ __all__ = [
     "authorize",
     "bounded_quote",
     "canonical_json",
+    "check_chars",
     "check_namespace",
     "context_of",
     "descriptor_digest",
@@ -248,6 +261,7 @@ __all__ = [
     "latest_compaction",
     "mesh_denial",
     "parse_bounded",
+    "parse_json_field",
     "parse_session_id",
     "pending_inbound",
     "rejection_class",
