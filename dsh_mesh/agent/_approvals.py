@@ -12,6 +12,8 @@ from typing import Any
 import jsonschema
 
 from dsh_mesh.core import (
+    MAX_EDIT_BYTES,
+    MAX_EDIT_DEPTH,
     MESH_DECIDER,
     ApprovalDecision,
     ApprovalDecisionEntry,
@@ -22,6 +24,8 @@ from dsh_mesh.core import (
     Record,
     ToolDescriptor,
     ToolResultEntry,
+    bounded_quote,
+    parse_json_field,
 )
 from dsh_mesh.tools import ToolOutput
 
@@ -91,24 +95,28 @@ def check_decision(
     stale = {"call_id": call}
     request = request_of(records, call, step=step)
     if request is None:
-        raise ApprovalStale(f"no request waits on call {call!r}", metadata=stale)
+        raise ApprovalStale(f"no request waits on call {bounded_quote(call)}", metadata=stale)
     assert isinstance(request.entry, ApprovalRequestEntry)
     taken = decision_of(records, request)
     if taken is not None:
         assert isinstance(taken.entry, ApprovalDecisionEntry)
         if taken.entry == decision:
             return True
-        raise ApprovalStale(f"call {call!r} was decided already: {describe(taken)}", metadata=stale)
+        raise ApprovalStale(
+            f"call {bounded_quote(call)} was decided already: {describe(taken)}", metadata=stale
+        )
     if answered(records, call, after=request.seq):
-        raise ApprovalStale(f"call {call!r} has its result: nothing waits", metadata=stale)
+        raise ApprovalStale(
+            f"call {bounded_quote(call)} has its result: nothing waits", metadata=stale
+        )
     if decision.request_digest != request.entry.digest:
         raise ApprovalStale(
-            f"the request waiting on call {call!r} is not the one shown (digest"
+            f"the request waiting on call {bounded_quote(call)} is not the one shown (digest"
             f" {request.entry.digest[:12]}..., not {decision.request_digest[:12]}...)",
             metadata=stale,
         )
     if expired(request.entry, now):
-        raise ApprovalStale(f"the request on call {call!r} expired", metadata=stale)
+        raise ApprovalStale(f"the request on call {bounded_quote(call)} expired", metadata=stale)
     if decision.decision is ApprovalDecision.EDIT:
         check_arguments(decision.arguments_json, descriptor)
     return False
@@ -116,10 +124,9 @@ def check_decision(
 
 def check_arguments(arguments_json: str, descriptor: ToolDescriptor | None) -> None:
     """Refuse edited arguments that are not a JSON object the tool's input schema accepts."""
-    try:
-        arguments: Any = json.loads(arguments_json)
-    except json.JSONDecodeError as bad:
-        raise InvalidArgument(f"the edited arguments are not JSON: {bad}") from bad
+    arguments: Any = parse_json_field(
+        "arguments_json", arguments_json, max_bytes=MAX_EDIT_BYTES, max_depth=MAX_EDIT_DEPTH
+    )
     if not isinstance(arguments, dict):
         raise InvalidArgument("the edited arguments must be a JSON object")
     if descriptor is None:

@@ -10,7 +10,7 @@ from datetime import datetime
 
 from dsh_mesh.core._errors import InvalidArgument
 from dsh_mesh.core._ids import SessionId
-from dsh_mesh.core._text import ValidText
+from dsh_mesh.core._text import ValidText, bounded_quote
 
 
 class SessionKind(enum.Enum):
@@ -75,7 +75,7 @@ def check_namespace(name: str) -> str:
     inner hyphens); :class:`InvalidArgument` otherwise."""
     if not _NAMESPACE.fullmatch(name):
         raise InvalidArgument(
-            f"namespace {name[:80]!r} is not a name: 1 to 63 lowercase letters, digits and"
+            f"namespace {bounded_quote(name)} is not a name: 1 to 63 lowercase letters, digits and"
             " inner hyphens (a DNS label)"
         )
     return name

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import NewType, Protocol
 
 from dsh_mesh.core._errors import InvalidArgument
+from dsh_mesh.core._text import bounded_quote
 
 SessionId = NewType("SessionId", str)
 ActivationId = NewType("ActivationId", str)
@@ -30,7 +31,8 @@ def parse_session_id(text: str) -> SessionId:
     value that could alias another session after normalisation (no trimming is done).
     """
     if not isinstance(text, str) or not _ID_PATTERN.fullmatch(text):
-        raise InvalidArgument(f"agent_id {text!r} is not a valid session id")
+        shown = bounded_quote(text) if isinstance(text, str) else type(text).__name__
+        raise InvalidArgument(f"agent_id {shown} is not a valid session id")
     return SessionId(text)
 
 

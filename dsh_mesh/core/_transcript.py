@@ -23,7 +23,7 @@ from dsh_mesh.core._errors import InvalidArgument
 from dsh_mesh.core._header import SessionKind
 from dsh_mesh.core._ids import ActivationId, NodeId, SessionId, TurnId
 from dsh_mesh.core._source import AgentMessageSource, SettlementOutcome
-from dsh_mesh.core._text import ValidText
+from dsh_mesh.core._text import ValidText, bounded_quote
 
 # W3C Trace Context, version 00: lowercase hex only; an all-zero trace or span id is invalid.
 _TRACEPARENT: Final = re.compile(r"00-(?P<trace>[0-9a-f]{32})-(?P<span>[0-9a-f]{16})-[0-9a-f]{2}")
@@ -37,7 +37,7 @@ def _is_traceparent(text: str) -> bool:
 
 def _check_trace(trace: str) -> None:
     if trace and not _is_traceparent(trace):
-        raise InvalidArgument(f"trace {trace!r} is not a W3C traceparent")
+        raise InvalidArgument(f"trace {bounded_quote(trace)} is not a W3C traceparent")
 
 
 class TurnOutcome(enum.Enum):

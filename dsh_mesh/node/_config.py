@@ -327,8 +327,11 @@ def load_config(args: argparse.Namespace, environ: Mapping[str, str] | None = No
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     if args.config is not None:
-        with args.config.open("rb") as handle:
-            from_file = tomllib.load(handle).get("node", {})
+        try:
+            with args.config.open("rb") as handle:
+                from_file = tomllib.load(handle).get("node", {})
+        except RecursionError as deep:  # tomllib recurses once per level of nesting
+            raise ValueError(f"{args.config}: its arrays or tables nest too deep to read") from deep
         unknown = sorted(set(from_file) - {setting for setting, _, _ in _SETTINGS})
         if unknown:
             raise ValueError(f"{args.config}: unknown [node] settings {unknown}")

@@ -71,6 +71,8 @@ def load_namespaces(path: Path, *, tree: TreeLimits, namespace: NamespaceLimits)
             document = tomllib.load(handle)
     except (OSError, tomllib.TOMLDecodeError) as error:
         raise ValueError(f"{path}: cannot read the namespaces file: {error}") from error
+    except RecursionError as deep:  # tomllib recurses once per level of nesting
+        raise ValueError(f"{path}: its arrays or tables nest too deep to read") from deep
     unknown = sorted(set(document) - {"namespace", "grant"})
     if unknown:
         raise ValueError(f"{path}: unknown sections {unknown} (namespace, grant)")

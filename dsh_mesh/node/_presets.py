@@ -167,6 +167,8 @@ def load_presets(
             document = tomllib.load(handle)
     except (OSError, tomllib.TOMLDecodeError) as error:
         raise PresetFileError(f"{path}: {error}") from error
+    except RecursionError as deep:  # tomllib recurses once per level of nesting
+        raise PresetFileError(f"{path}: its arrays or tables nest too deep to read") from deep
     unknown = sorted(set(document) - {"endpoints", "presets", "tools", "mcp"})
     if unknown:
         raise PresetFileError(

@@ -19,6 +19,7 @@ from dsh_mesh.core import (
     Record,
     RegistryUnavailable,
     SessionId,
+    bounded_quote,
 )
 from dsh_mesh.runtime._admission import Reservation
 from dsh_mesh.runtime._store import Acceptance, IdempotencyKey, SessionStore
@@ -121,7 +122,9 @@ def duplicate_of(
     """The answer to a repeat of an accepted request; raises :class:`IdempotencyConflict` when
     ``key`` was used for another target or content."""
     if known.target != target or known.fingerprint != fingerprint:
-        raise IdempotencyConflict(f"key {key.key!r} was already used for another message")
+        raise IdempotencyConflict(
+            f"key {bounded_quote(key.key)} was already used for another message"
+        )
     return Delivery(
         target=known.target,
         target_activation=known.target_activation,

@@ -29,6 +29,7 @@ from dsh_mesh.core import (
     RejectionReason,
     SessionId,
     TargetElsewhere,
+    bounded_quote,
     parse_session_id,
 )
 from dsh_mesh.runtime._acceptance import Acceptor, duplicate_of, fingerprint
@@ -221,7 +222,7 @@ class Deliveries:
             return await self._decide(session, decision, hand_off)
         except IdempotencyConflict as other:
             raise ApprovalStale(
-                f"call {decision.call_id!r} was decided already, otherwise",
+                f"call {bounded_quote(decision.call_id)} was decided already, otherwise",
                 metadata={"call_id": decision.call_id},
             ) from other
 

@@ -33,6 +33,7 @@ from dsh_mesh.core import (
     SettlementNoticeEntry,
     TargetElsewhere,
     ToolsUnavailable,
+    bounded_quote,
     pending_inbound,
 )
 from dsh_mesh.models import ModelProvider
@@ -210,7 +211,7 @@ class Residency:
         """The preset ``name``; an unknown one is refused as malformed."""
         preset = self._presets.get(name)
         if preset is None:
-            raise InvalidArgument(f"unknown preset {name!r}")
+            raise InvalidArgument(f"unknown preset {bounded_quote(name)}")
         return preset
 
     def resolve_tools(

@@ -26,6 +26,7 @@ from dsh_mesh.core import (
     SessionHeader,
     SessionId,
     TreeStop,
+    bounded_quote,
 )
 
 
@@ -219,7 +220,9 @@ class SessionStore(Protocol):
 def check_same_request(key: IdempotencyKey, known: Acceptance, asked: Acceptance) -> None:
     """Raise :class:`IdempotencyConflict` when ``key`` was first used for another message."""
     if known.fingerprint != asked.fingerprint or known.target != asked.target:
-        raise IdempotencyConflict(f"key {key.key!r} was already used for another message")
+        raise IdempotencyConflict(
+            f"key {bounded_quote(key.key)} was already used for another message"
+        )
 
 
 def refuse_decision(
@@ -237,14 +240,18 @@ def refuse_decision(
     call = decision.call_id
     stale = {"call_id": call}
     if waiting is None:
-        return ApprovalStale(f"{session}: no request waits on call {call!r}", metadata=stale)
+        return ApprovalStale(
+            f"{session}: no request waits on call {bounded_quote(call)}", metadata=stale
+        )
     request, decided = waiting
     if decided:
-        return ApprovalStale(f"{session}: call {call!r} was decided already", metadata=stale)
+        return ApprovalStale(
+            f"{session}: call {bounded_quote(call)} was decided already", metadata=stale
+        )
     if decision.request_digest != request.digest:
         return ApprovalStale(
-            f"{session}: the request waiting on call {call!r} is not the one decided (digest"
-            f" {request.digest[:12]}..., not {decision.request_digest[:12]}...)",
+            f"{session}: the request waiting on call {bounded_quote(call)} is not the one"
+            f" decided (digest {request.digest[:12]}..., not {decision.request_digest[:12]}...)",
             metadata=stale,
         )
     return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
 import time
 from collections.abc import Mapping
@@ -55,6 +56,11 @@ class Heartbeat:
         self.last = time.monotonic()  # one store: atomic for the reader on the loop
 
 
+_CALL_ID_IN_KEY = 200
+"""The longest call id a call's idempotency key holds as it is: with a step's seq and an index
+(at most 20 digits each) the key stays within ``MAX_KEY_CHARS`` (256)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class ToolInvocation:
     """One call of a tool by one agent: who calls (its exact live ref), the call, the signal,
@@ -75,8 +81,14 @@ class ToolInvocation:
     @property
     def idempotency_key(self) -> str:
         """A key no other call of the caller's session shares: the step's seq and the call's
-        place in it (a model may reuse call ids across steps), plus the model's call id."""
-        return f"{self.step_seq}.{self.index}.{self.call.call_id}"
+        place in it (a model may reuse call ids across steps), plus the model's call id, or
+        its SHA-256 when it is longer than :data:`_CALL_ID_IN_KEY` characters, so that the
+        key always fits the wire's bound on keys (``MAX_KEY_CHARS``). A real provider's call
+        ids are far shorter: their keys are what they always were."""
+        call_id = self.call.call_id
+        if len(call_id) > _CALL_ID_IN_KEY:
+            call_id = "sha256:" + hashlib.sha256(call_id.encode("utf-8", "replace")).hexdigest()
+        return f"{self.step_seq}.{self.index}.{call_id}"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -38,6 +38,7 @@ from dsh_mesh.core import (
     SessionUsage,
     TargetElsewhere,
     TaskEntry,
+    bounded_quote,
     check_namespace,
     parse_session_id,
     session_usage,
@@ -46,6 +47,7 @@ from dsh_mesh.transport._auth import ClusterCredential, caller_hops, decider
 from dsh_mesh.transport._convert import (
     DECISION_FROM_WIRE,
     activation_to_wire,
+    check_bounds,
     header_to_wire,
     record_to_wire,
     session_usage_to_wire,
@@ -69,12 +71,6 @@ USAGE_SESSIONS = 1024
 """How many records ``GetSession`` reads at a time while it sums a session's usage over the
 whole transcript: a transcript up to this long takes one registry read, a longer one one more
 read per chunk, and at most one chunk plus the page is held at once."""
-MAX_NAME_CHARS = 256
-MAX_STOP_REASON_CHARS = 1000
-"""The longest ``StopTreeRequest.reason``: it is kept in the registry and in transcripts."""
-"""The most characters a ``CreateRootSession`` ``preset`` or ``model`` may have. Both are
-stored in the session header (one etcd value); a longer one is refused as malformed
-(``INVALID_ARGUMENT``) rather than failing at etcd's request limit."""
 
 
 class WatchEvent(Protocol):
@@ -171,6 +167,7 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         request: mesh_pb2.CreateRootSessionRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> mesh_pb2.CreateRootSessionResponse:
+        check_bounds(request)
         if not request.request_id:
             raise InvalidArgument("request_id is required")
         namespace = _granted(self._scope(context), request.namespace or DEFAULT_NAMESPACE)
@@ -187,8 +184,6 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
             return mesh_pb2.CreateRootSessionResponse(
                 session_id=made.session_id, activation_id=made.activation_id, node_id=made.node_id
             )
-        _check_name("preset", request.preset)
-        _check_name("model", request.model)
         session = root_session_id(request.request_id, namespace)
         try:
             ref = await self._create_root(session, request)
@@ -241,8 +236,8 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
             or header.namespace != (request.namespace or DEFAULT_NAMESPACE)
         ):
             raise IdempotencyConflict(
-                f"request_id {request.request_id!r} created another root (other preset, model,"
-                " initial_task or namespace)"
+                f"request_id {bounded_quote(request.request_id)} created another root (other"
+                " preset, model, initial_task or namespace)"
             )
         current = await self._current_activation(session, fresh=True)
         if current is None and task and await self._task_unread(session):
@@ -285,6 +280,7 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         request: mesh_pb2.SubmitPromptRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> mesh_pb2.SubmitPromptResponse:
+        check_bounds(request)
         if not request.idempotency_key:
             raise InvalidArgument("idempotency_key is required")
         session = await self._visible(context, request.session_id)
@@ -304,6 +300,7 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         request: mesh_pb2.ResolveApprovalRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> mesh_pb2.ResolveApprovalResponse:
+        check_bounds(request)
         decision = DECISION_FROM_WIRE.get(request.decision)
         if decision is None:
             raise InvalidArgument("decision is required: allow, deny or edit")
@@ -328,6 +325,7 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         request: mesh_pb2.InterruptRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> mesh_pb2.InterruptResponse:
+        check_bounds(request)
         session = await self._visible(context, request.session_id)
         turn = await self._manager().interrupt_session(session, hops=caller_hops(context))
         return mesh_pb2.InterruptResponse(interrupted=turn is not None, turn_id=turn or "")
@@ -338,9 +336,8 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         request: mesh_pb2.StopTreeRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> mesh_pb2.StopTreeResponse:
+        check_bounds(request)
         session = await self._visible(context, request.session_id)
-        if len(request.reason) > MAX_STOP_REASON_CHARS:
-            raise InvalidArgument(f"reason is longer than {MAX_STOP_REASON_CHARS} characters")
         stop, cancelled = await self._manager().stop_tree(
             session, close=request.close, reason=request.reason
         )
@@ -357,6 +354,7 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         request: mesh_pb2.ReopenTreeRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> mesh_pb2.ReopenTreeResponse:
+        check_bounds(request)
         session = await self._visible(context, request.session_id)
         reopened = await self._manager().reopen_tree(session)
         return mesh_pb2.ReopenTreeResponse(reopened=reopened)
@@ -369,6 +367,7 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         request: mesh_pb2.GetSessionRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> mesh_pb2.Session:
+        check_bounds(request)
         session = await self._visible(context, request.session_id)
         header = await self._manager().header(session)
         current = await self._current_activation(session, fresh=True)
@@ -435,6 +434,7 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[mesh_pb2.SessionEvent]:
         try:
+            check_bounds(request)
             session = await self._visible(context, request.session_id)
             events = self._reads.follow(
                 session,
@@ -453,6 +453,7 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         request: mesh_pb2.ListAgentsRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> mesh_pb2.ListAgentsResponse:
+        check_bounds(request)
         scope = self._scope(context)
         root = None
         if request.root_session_id:
@@ -487,6 +488,7 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         request: mesh_pb2.ListApprovalsRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> mesh_pb2.ListApprovalsResponse:
+        check_bounds(request)
         root = await self._visible(context, request.root_session_id)
         tree: list[SessionId] = []
         token = ""
@@ -547,8 +549,10 @@ def _page(token: str, size: int) -> tuple[int, int]:
     """The offset a page token names and the page's size. A token is opaque to clients: one
     that is no decimal this server could have issued is refused as malformed."""
     if token and not (len(token) <= MAX_PAGE_TOKEN_DIGITS and token.isascii() and token.isdigit()):
-        shown = token if len(token) <= 40 else f"{token[:40]}... ({len(token)} characters)"
-        raise InvalidArgument(f"page_token {shown!r} is not one this server issued")
+        raise InvalidArgument(
+            f"page_token {bounded_quote(token, max_chars=40)} is not one this server issued",
+            metadata={"field": "page_token"},
+        )
     return int(token or 0), min(size or DEFAULT_PAGE, MAX_PAGE)
 
 
@@ -568,15 +572,10 @@ def _granted(scope: Scope, namespace: str) -> str:
     check_namespace(namespace)
     if not scope.admits(namespace):
         raise NamespaceDenied(
-            f"this credential holds no grant of namespace {namespace!r}",
+            f"this credential holds no grant of namespace {bounded_quote(namespace)}",
             metadata={"namespace": namespace},
         )
     return namespace
-
-
-def _check_name(field: str, value: str) -> None:
-    if len(value) > MAX_NAME_CHARS:
-        raise InvalidArgument(f"{field} has {len(value)} characters; the limit is {MAX_NAME_CHARS}")
 
 
 def _event_to_wire(event: WatchEvent) -> mesh_pb2.SessionEvent:

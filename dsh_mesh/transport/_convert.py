@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from google.protobuf.message import Message
+
 from dsh_mesh._proto.dsh.mesh.peer.v1 import peer_pb2
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2
 from dsh_mesh.core import (
+    MAX_APPROVAL_REASON_CHARS,
+    MAX_EDIT_BYTES,
+    MAX_EDIT_DEPTH,
+    MAX_ID_CHARS,
+    MAX_KEY_CHARS,
     SETTLEMENT_NOTICE_KIND,
     Activation,
     ActivationId,
@@ -34,8 +44,109 @@ from dsh_mesh.core import (
     TurnOutcome,
     TurnStartedEntry,
     Usage,
+    check_chars,
+    parse_json_field,
     parse_session_id,
 )
+
+MAX_NAME_CHARS = 256
+"""The most characters a ``CreateRootSession`` ``preset`` or ``model`` may have. Both are
+stored in the session header (one etcd value); a longer one is refused as malformed
+(``INVALID_ARGUMENT``) rather than failing at etcd's request limit."""
+MAX_STOP_REASON_CHARS = 1000
+"""The longest ``StopTreeRequest.reason``: it is kept in the registry and in transcripts."""
+
+_ID = MAX_ID_CHARS
+_BOUNDS: Mapping[str, Mapping[str, int]] = MappingProxyType(
+    {
+        message.DESCRIPTOR.full_name: MappingProxyType(fields)
+        for message, fields in (
+            (
+                mesh_pb2.SendMessageRequest,
+                {
+                    "sender.session_id": _ID,
+                    "sender.activation_id": _ID,
+                    "agent_id": _ID,
+                    "idempotency_key": MAX_KEY_CHARS,
+                },
+            ),
+            (
+                mesh_pb2.CreateRootSessionRequest,
+                {
+                    "preset": MAX_NAME_CHARS,
+                    "model": MAX_NAME_CHARS,
+                    "request_id": _ID,
+                    "node_id": _ID,
+                    "namespace": _ID,
+                },
+            ),
+            (mesh_pb2.SubmitPromptRequest, {"session_id": _ID, "idempotency_key": MAX_KEY_CHARS}),
+            (mesh_pb2.InterruptRequest, {"session_id": _ID}),
+            (mesh_pb2.StopTreeRequest, {"session_id": _ID, "reason": MAX_STOP_REASON_CHARS}),
+            (mesh_pb2.ReopenTreeRequest, {"session_id": _ID}),
+            (mesh_pb2.GetSessionRequest, {"session_id": _ID, "page_token": _ID}),
+            (mesh_pb2.WatchSessionRequest, {"session_id": _ID}),
+            (
+                mesh_pb2.ListAgentsRequest,
+                {"root_session_id": _ID, "page_token": _ID, "namespace": _ID},
+            ),
+            (
+                mesh_pb2.ResolveApprovalRequest,
+                {
+                    "session_id": _ID,
+                    "call_id": _ID,
+                    "request_digest": _ID,
+                    "reason": MAX_APPROVAL_REASON_CHARS,
+                },
+            ),
+            (mesh_pb2.ListApprovalsRequest, {"root_session_id": _ID}),
+        )
+    }
+)
+"""The longest value (in characters) of each id, key, name and reason field of a request a
+client (or a node, for ``SendMessage``) sends: ADR 0039, stated per field in mesh.proto.
+Content fields (a message, a prompt, a task) are bounded by the node's ``max_message_chars``
+where they are accepted."""
+
+_JSON_BOUNDS: Mapping[str, Mapping[str, int]] = MappingProxyType(
+    {
+        mesh_pb2.ResolveApprovalRequest.DESCRIPTOR.full_name: MappingProxyType(
+            {"arguments_json": MAX_EDIT_BYTES}
+        )
+    }
+)
+"""The JSON fields of a request, with their largest size in UTF-8 bytes; each nests at most
+``MAX_EDIT_DEPTH`` deep."""
+
+
+def bounded_fields(message: type[Message]) -> Mapping[str, int]:
+    """The bounded fields of the request ``message`` (dotted paths) and their limits."""
+    return _BOUNDS.get(message.DESCRIPTOR.full_name, MappingProxyType({}))
+
+
+def json_fields(message: type[Message]) -> Mapping[str, int]:
+    """The JSON fields of the request ``message`` and their largest size in bytes."""
+    return _JSON_BOUNDS.get(message.DESCRIPTOR.full_name, MappingProxyType({}))
+
+
+def check_bounds(request: Message) -> None:
+    """Refuse ``request`` when one of its fields is past its bound (``_BOUNDS``; a JSON field
+    also past its size or depth): ``InvalidArgument`` with the metadata ``field`` naming the
+    first such field, ``limit`` and ``max``; the detail never quotes the value. A request of a
+    kind without bounds passes. Pure; each handler calls it first (after the caller's
+    credential), so nothing past a bound is looked up, logged, stored or echoed."""
+    name = request.DESCRIPTOR.full_name
+    for path, limit in _BOUNDS.get(name, {}).items():
+        value: object = request
+        for part in path.split("."):
+            value = getattr(value, part)
+        if isinstance(value, str):  # every path of the table is a string field
+            check_chars(path, value, limit)
+    for path, max_bytes in _JSON_BOUNDS.get(name, {}).items():
+        text = getattr(request, path)
+        if text:
+            parse_json_field(path, text, max_bytes=max_bytes, max_depth=MAX_EDIT_DEPTH)
+
 
 _DELIVERY_TO_WIRE = {
     DeliveryKind.STEERED: mesh_pb2.DELIVERY_STEERED,

@@ -29,12 +29,14 @@ from dsh_mesh.core import (
     SessionUnknown,
     StaleSender,
     TargetElsewhere,
+    bounded_quote,
     parse_session_id,
 )
 from dsh_mesh.runtime import ContinuationManager
 from dsh_mesh.transport._auth import caller_hops, caller_node
 from dsh_mesh.transport._convert import (
     agent_ref_from_wire,
+    check_bounds,
     delivery_to_wire,
     notice_from_wire,
 )
@@ -71,6 +73,7 @@ class AgentMeshService(mesh_pb2_grpc.AgentMeshServicer):
         try:
             caller = caller_node(context)
             manager = self._manager()  # a fenced node refuses at once, before any etcd read
+            check_bounds(request)
             sender = agent_ref_from_wire(request.sender)
             if not request.idempotency_key:
                 raise InvalidArgument("idempotency_key is required")
@@ -109,9 +112,8 @@ class AgentMeshService(mesh_pb2_grpc.AgentMeshServicer):
                 ) from None
         if current is None or current.activation_id != sender.activation_id:
             telemetry.message_rejected(RejectionReason.STALE_SENDER.value)
-            raise StaleSender(
-                f"{sender.session_id} activation {sender.activation_id} is not current"
-            )
+            shown = bounded_quote(sender.activation_id)
+            raise StaleSender(f"{sender.session_id} activation {shown} is not current")
         if current.node_id != caller:
             telemetry.message_rejected(RejectionReason.FORGED_SENDER.value)
             raise Rejected.of(

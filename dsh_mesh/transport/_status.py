@@ -58,6 +58,12 @@ MAX_DETAIL_BYTES = 512
 over about 8 KiB by default, so an unbounded detail could turn a clean rejection into a transport
 error."""
 
+MAX_METADATA_BYTES = 256
+"""Each key and value of a rejection's ``ErrorInfo`` metadata is cut to this many UTF-8 bytes
+on the wire. The mesh's own values (ids, limits, names) are shorter: request fields are
+bounded before anything can echo them (ADR 0039); this keeps a status that would echo a
+caller's value anyway within the trailers, so its reason is never dropped."""
+
 DETAILS_METADATA_KEY = "grpc-status-details-bin"
 """The trailer that carries the serialized ``google.rpc.Status`` (the gRPC convention)."""
 
@@ -169,11 +175,11 @@ def wire_reason(error: MeshError) -> RejectionReason | None:
     return None
 
 
-def _cut(text: str) -> str:
-    data = text.encode("utf-8")
-    if len(data) <= MAX_DETAIL_BYTES:
+def _cut(text: str, limit: int = MAX_DETAIL_BYTES) -> str:
+    data = text.encode("utf-8", errors="replace")
+    if len(data) <= limit:
         return text
-    return data[:MAX_DETAIL_BYTES].decode("utf-8", errors="ignore")
+    return data[:limit].decode("utf-8", errors="ignore")
 
 
 TARGET_KEY = "target_session_id"
@@ -229,7 +235,11 @@ def to_rpc_status(error: MeshError, *, target: str = "") -> status_pb2.Status:
         message = _cut(f"{type(error).__name__}: {error}")
         return status_pb2.Status(code=grpc.StatusCode.INTERNAL.value[0], message=message)
     if isinstance(error, Rejected):
-        detail, metadata = _cut(error.detail), dict(error.metadata)
+        detail = _cut(error.detail)
+        metadata = {
+            _cut(k, MAX_METADATA_BYTES): _cut(v, MAX_METADATA_BYTES)
+            for k, v in error.metadata.items()
+        }
     else:
         detail, metadata = _cut(f"{type(error).__name__}: {error}"), {}
     if target:

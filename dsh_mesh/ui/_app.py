@@ -24,8 +24,13 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from dsh_mesh.client import MeshClient, SessionEvent, to_jsonable
-from dsh_mesh.core import InvalidArgument, MeshError, Rejected
+from dsh_mesh.core import InvalidArgument, MeshError, Rejected, bounded_quote, parse_json_field
 from dsh_mesh.transport import RemoteError, status_of
+
+MAX_BODY_BYTES = 4 * 1024 * 1024
+"""The largest request body the web view reads: room for an approval's edited arguments at
+their own limit (1 MiB, escaped as a JSON string) and a prompt at the default message limit,
+and no more than gRPC's own request limit, past which nothing could be passed on anyway."""
 
 KEEPALIVE_SECONDS = 15.0
 """A comment line on an idle event stream this often, so proxies and browsers keep it open."""
@@ -46,16 +51,20 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 
 def error_response(error: MeshError) -> JSONResponse:
-    """A failed call as JSON, ``{"error": <reason or status>, "detail": ...}``, with the HTTP
+    """A failed call as JSON, ``{"error": <reason or status>, "detail": ..., "metadata":
+    {...}}`` (the rejection's structured fields, ``field`` for a refused input), with the HTTP
     status its gRPC status maps to (502 for one with no closer meaning)."""
+    metadata: dict[str, str] = {}
     if isinstance(error, Rejected):
         code, name, detail = status_of(error.reason), error.reason.value, error.detail
+        metadata = dict(error.metadata)
     elif isinstance(error, RemoteError):
         code, name, detail = error.code, error.code.name, error.detail
     else:
         code, name, detail = grpc.StatusCode.UNKNOWN, type(error).__name__, str(error)
     return JSONResponse(
-        {"error": name, "detail": detail}, status_code=_HTTP_OF_STATUS.get(code, 502)
+        {"error": name, "detail": detail, "metadata": metadata},
+        status_code=_HTTP_OF_STATUS.get(code, 502),
     )
 
 
@@ -70,13 +79,34 @@ def _answering(handler: Handler) -> Handler:
 
 
 async def _body(request: Request) -> dict[str, Any]:
+    """The request's body, a JSON object of at most :data:`MAX_BODY_BYTES` nesting at most
+    ``MAX_JSON_DEPTH`` deep: anything else is ``InvalidArgument`` (HTTP 400) naming the field
+    ``body``. The body is read only up to the bound, whatever its ``Content-Length`` says."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise _too_large(int(declared))
+    data = bytearray()
+    async for chunk in request.stream():
+        data += chunk
+        if len(data) > MAX_BODY_BYTES:
+            raise _too_large(len(data))
     try:
-        body = await request.json()
-    except ValueError as bad:
-        raise InvalidArgument(f"the request body is not JSON: {bad}") from bad
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        raise InvalidArgument(
+            f"the request body is not UTF-8: {bad.reason}", metadata={"field": "body"}
+        ) from bad
+    body = parse_json_field("body", text, max_bytes=MAX_BODY_BYTES)
     if not isinstance(body, dict):
-        raise InvalidArgument("the request body must be a JSON object")
+        raise InvalidArgument("the request body must be a JSON object", metadata={"field": "body"})
     return body
+
+
+def _too_large(size: int) -> InvalidArgument:
+    return InvalidArgument(
+        f"the request body has {size} bytes or more; the limit is {MAX_BODY_BYTES}",
+        metadata={"field": "body", "limit": "body_bytes", "max": str(MAX_BODY_BYTES)},
+    )
 
 
 def _text(body: dict[str, Any], name: str, *, required: bool = False) -> str:
@@ -195,7 +225,7 @@ def _position(request: Request) -> int:
     """Where a stream resumes: the browser's ``Last-Event-ID`` (after a drop), else ``after``."""
     raw = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
     if not raw.isdigit() or len(raw) > 19:
-        raise InvalidArgument(f"event position {raw!r} is not a count")
+        raise InvalidArgument(f"event position {bounded_quote(raw, max_chars=20)} is not a count")
     return int(raw)
 
 

@@ -51,6 +51,7 @@ from hypothesis import strategies as st
 
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
 from dsh_mesh.core import (
+    MAX_ID_CHARS,
     RETRYABLE_REASONS,
     AgentMessageEntry,
     AgentRef,
@@ -149,6 +150,12 @@ _LISTING_TOKEN = re.compile(r"[0-9]{20}/[A-Za-z0-9_-]{1,128}")
 
 def is_session_id(text: str) -> bool:
     return _ID.fullmatch(text) is not None
+
+
+def past_bounds(*values: str) -> bool:
+    """Whether an id, key or name field is longer than its bound (ADR 0039): such a request is
+    refused as malformed before anything else of it is judged (after the credential)."""
+    return any(len(v) > MAX_ID_CHARS for v in values)
 
 
 def bad_content(content: str) -> bool:
@@ -912,6 +919,8 @@ def send_expectation(
         return refused
     if credentials in ("anon", "team_token"):  # a client token speaks for no node
         return refuse(R.UNAUTHENTICATED)
+    if past_bounds(sender, activation, target, key):
+        return refuse(R.INVALID_ARGUMENT)
     if not is_session_id(sender) or not activation or not key:
         return refuse(R.INVALID_ARGUMENT)
     if not live:
@@ -1314,7 +1323,7 @@ async def test_fuzzed_prompts_get_exactly_the_answer_their_fields_call_for(
     if expect is None:
         first_of_key = journal.accepted.get((principal, key))
         visible = {world.quick} if case.credentials == "team_token" else {world.quick, world.hidden}
-        if not key or not is_session_id(session):
+        if not key or not is_session_id(session) or past_bounds(key):
             expect = refuse(R.INVALID_ARGUMENT)
         elif case.credentials == "team_token" and session not in visible:
             # Judged against the session's namespace before its content: a session the
@@ -1454,7 +1463,8 @@ async def test_fuzzed_root_creation_gets_exactly_the_answer_its_fields_call_for(
     if expect is None:
         first_root = journal.roots.get((request.request_id, namespace))
         task = request.initial_task
-        if not request.request_id or not NAMESPACE.fullmatch(namespace):
+        fields = (request.request_id, request.preset, request.model, request.node_id, namespace)
+        if not request.request_id or not NAMESPACE.fullmatch(namespace) or past_bounds(*fields):
             expect = refuse(R.INVALID_ARGUMENT)
         elif case.credentials == "team_token" and namespace not in GRANTED:
             expect = refuse(R.NAMESPACE_DENIED)
@@ -1578,7 +1588,9 @@ async def test_fuzzed_reads_get_exactly_the_answer_their_fields_call_for(
     token = text(case.page_token)
     expect = credentials_refusal(case.credentials)
     if expect is None:
-        if case.method == LIST and session == "":
+        if past_bounds(token if case.method != WATCH else ""):
+            expect = refuse(R.INVALID_ARGUMENT)
+        elif case.method == LIST and session == "":
             expect = listing_token_expectation(token)
         elif not is_session_id(session):
             expect = refuse(R.INVALID_ARGUMENT)

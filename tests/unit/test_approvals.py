@@ -13,7 +13,7 @@ from typing import TypeVar
 import pytest
 
 from dsh_mesh.agent import completed_turn_prefix, render
-from dsh_mesh.agent._approvals import check_decision, request_of
+from dsh_mesh.agent._approvals import check_arguments, check_decision, request_of
 from dsh_mesh.core import (
     EXPIRED_APPROVAL_REASON,
     MESH_DECIDER,
@@ -679,3 +679,24 @@ async def test_stopping_the_subtree_of_an_absent_waiting_agent_denies_its_reques
     [result] = entries(records, ToolResultEntry)
     assert result.is_error and "freeze" in result.content
     assert entries(records, AssistantStepEntry)[1].text == "understood"
+
+
+@pytest.mark.parametrize(
+    ("arguments", "limit"),
+    [
+        ("[" * 100_000 + "]" * 100_000, "json_depth"),
+        ('"' + "x" * (2 * 1024 * 1024) + '"', "json_bytes"),
+    ],
+    ids=["100000-deep", "2-mib"],
+)
+def test_edited_arguments_too_deep_or_too_large_are_invalid_argument_wherever_they_come_from(
+    arguments: str, limit: str
+) -> None:
+    """The agent's own check bounds an edit too (a decision from the in-process client never
+    crossed the wire's): refused, typed, never a RecursionError."""
+    with pytest.raises(InvalidArgument) as refused:
+        check_arguments(arguments, None)
+    assert (refused.value.metadata["field"], refused.value.metadata["limit"]) == (
+        "arguments_json",
+        limit,
+    )

@@ -206,6 +206,7 @@ def test_grants_of_one_credential_add_up_and_a_star_is_every_namespace(tmp_path:
         ('[[grant]]\nclient = "a"\nnamespaces = "a"\n', "list of names"),
         ('[[grant]]\nclient = "a"\nnamespaces = ["A B"]\n', "namespace"),
         ("[[grant]\n", "cannot read"),
+        ("x = " + "[" * 100_000 + "]" * 100_000 + "\n", "nest too deep"),
     ],
 )
 def test_a_namespaces_file_it_cannot_use_stops_the_node(

@@ -217,3 +217,10 @@ def test_a_weak_or_placeholder_token_is_refused(token: str) -> None:
 def test_a_token_of_128_bits_or_more_is_accepted(token: str) -> None:
     assert token_bits(token) >= 128
     ClusterCredential(token=token)
+
+
+def test_a_config_file_nested_100000_deep_is_a_one_line_error(tmp_path: Path) -> None:
+    config_file = tmp_path / "node.toml"
+    config_file.write_text("x = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ValueError, match="nest too deep"):
+        load_config(parse_args([*STORE, "--config", str(config_file)]))

@@ -320,3 +320,12 @@ def test_a_presets_turn_budget_is_read_and_unset_means_its_namespaces(tmp_path: 
             write(tmp_path, "[presets.a]\nsystem_prompt = 'x'\nmax_model_calls_per_turn = 0\n"),
             environ={},
         )
+
+
+def test_a_presets_file_nested_100000_deep_is_a_one_line_error(tmp_path: Path) -> None:
+    """An operator's file is bounded like a client's input: no RecursionError out of start."""
+    path = tmp_path / "presets.toml"
+    path.write_text("x = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(PresetFileError, match="nest too deep") as refused:
+        load_presets(path)
+    assert "\n" not in str(refused.value) and len(str(refused.value)) < 300

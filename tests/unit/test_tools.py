@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -9,6 +10,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from dsh_mesh.core import (
+    MAX_KEY_CHARS,
     AbortSignal,
     ActivationId,
     AgentMessageEntry,
@@ -708,3 +710,20 @@ def test_the_one_send_message_description_is_true_for_every_kind_of_caller() -> 
     assert "if you are a continuable child, your direct parent" in description
     assert "A one-shot child cannot message its parent" in description
     assert "your direct parent or one of" not in description
+
+
+def test_a_calls_idempotency_key_fits_the_wire_whatever_the_models_call_id() -> None:
+    """A send's key rides in ``SendMessageRequest.idempotency_key`` (at most 256 characters):
+    a model's call id as long as it likes still gives a key that fits, one of its own; a
+    short call id keeps the key it always had."""
+    caller = AgentRef(session_id=SessionId("s-1"), activation_id=ActivationId("a-1"))
+
+    def key(call_id: str, *, step: int = 2**63 - 1, index: int = 2**31) -> str:
+        call = ToolCall(call_id=call_id, name=SEND_MESSAGE, arguments_json="{}")
+        made = ToolInvocation(caller=caller, call=call, signal=AbortSignal(), step_seq=step)
+        return dataclasses.replace(made, index=index).idempotency_key
+
+    assert key("call-x", step=7, index=1) == "7.1.call-x"
+    long_ones = [key("c" * 10_000), key("c" * 9_999 + "d"), key("c" * 300)]
+    assert all(len(k) <= MAX_KEY_CHARS for k in long_ones)
+    assert len(set(long_ones)) == 3

@@ -31,12 +31,12 @@ from dsh_mesh.transport import DETAILS_METADATA_KEY, ERROR_DOMAIN, ClusterCreden
 from dsh_mesh.transport import _control as control_module
 from dsh_mesh.transport._auth import ClusterAuthInterceptor
 from dsh_mesh.transport._control import (
-    MAX_NAME_CHARS,
     AgentListing,
     MeshControlService,
     WatchEvent,
     root_session_id,
 )
+from dsh_mesh.transport._convert import MAX_NAME_CHARS
 from dsh_mesh.transport._peers import PeerPool
 from tests.unit.conftest import presets
 
