@@ -394,6 +394,12 @@ class Cli:
         child = Child(process=process, out=Lines(process.stdout), err=Lines(process.stderr))
         try:
             yield child
+        except AssertionError as failed:
+            # A child that ended early said why on its stderr: keep it with the failure.
+            failed.add_note(
+                "its stderr: " + "\n".join([*child.err.seen, *child.err.rest(within=5)])
+            )
+            raise
         finally:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)

@@ -9,6 +9,7 @@ file system full."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
@@ -154,22 +155,29 @@ async def test_a_revoked_privilege_and_a_read_only_database_leave_every_node_ser
     assert all(node.running for node in cluster)
 
 
+@contextlib.contextmanager
+def _one_node(etcd: EtcdAddress, tmp_path: Path, store: Path) -> Iterator[LocalCluster]:
+    """One node of the PATIENT scenario on the SQLite file ``store``."""
+    presets = tmp_path / "presets.toml"
+    presets.write_text(PATIENT_PRESETS)
+    with LocalCluster(
+        etcd_endpoint=etcd.endpoint,
+        scenario="tests.integration.scenarios:PATIENT",
+        presets_file=presets,
+        nodes=("node-a",),
+        log_store=f"sqlite:{store}",
+    ) as cluster:
+        yield cluster
+
+
 @pytest.fixture
 def sqlite_on_tmpfs(etcd: EtcdAddress, tmp_path: Path) -> Iterator[tuple[LocalCluster, Path]]:
     """One node on a SQLite file in a file system of 8 MiB of its own, unmounted after."""
     mount = tmp_path / "fs"
     mount.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)], check=True)
-    presets = tmp_path / "presets.toml"
-    presets.write_text(PATIENT_PRESETS)
     try:
-        with LocalCluster(
-            etcd_endpoint=etcd.endpoint,
-            scenario="tests.integration.scenarios:PATIENT",
-            presets_file=presets,
-            nodes=("node-a",),
-            log_store=f"sqlite:{mount / 'log.db'}",
-        ) as cluster:
+        with _one_node(etcd, tmp_path, mount / "log.db") as cluster:
             yield cluster, mount
     finally:
         subprocess.run(["umount", "--lazy", str(mount)], check=False)
@@ -180,16 +188,8 @@ def sqlite_on_disk(etcd: EtcdAddress, tmp_path: Path) -> Iterator[tuple[LocalClu
     """One node on a SQLite file in the test's directory (made writable again after)."""
     store = tmp_path / "store"
     store.mkdir()
-    presets = tmp_path / "presets.toml"
-    presets.write_text(PATIENT_PRESETS)
     try:
-        with LocalCluster(
-            etcd_endpoint=etcd.endpoint,
-            scenario="tests.integration.scenarios:PATIENT",
-            presets_file=presets,
-            nodes=("node-a",),
-            log_store=f"sqlite:{store / 'log.db'}",
-        ) as cluster:
+        with _one_node(etcd, tmp_path, store / "log.db") as cluster:
             yield cluster, store
     finally:
         _immutable(store, False)
