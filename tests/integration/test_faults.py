@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -41,9 +42,14 @@ async def test_every_fault_once_and_the_history_checks_clean(
     bed: MultiHostBed, request: pytest.FixtureRequest
 ) -> None:
     seed = int(os.environ.get("DSH_FAULT_SEED", secrets.randbelow(2**31)))
+    began = time.monotonic()
+
+    def say(text: str) -> None:
+        print(f"[{time.monotonic() - began:5.1f} s] {text}")
+
     # Shorter quiet spells than the soak's: ten faults in about the time eight took before.
     report = await fault_run(
-        bed, seed=seed, seconds=60, every_kind_once=True, quiet=(1.0, 3.0), progress=print
+        bed, seed=seed, seconds=50, every_kind_once=True, quiet=(0.5, 2.5), progress=say
     )
     assert bed.database is not None
     assert bed.database.running  # healed: the database crashed once and runs again
