@@ -140,6 +140,12 @@ class NodeProcess:
         """True while the process has not exited."""
         return self._process is not None and self._process.poll() is None
 
+    @property
+    def exit_code(self) -> int | None:
+        """The last process's exit status once it has ended (negative: the signal that ended
+        it); None while it runs, and before it first starts."""
+        return None if self._process is None else self._process.poll()
+
     def command(self) -> list[str]:
         """The command line that starts this node."""
         s = self.settings

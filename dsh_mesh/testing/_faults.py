@@ -20,24 +20,43 @@ Each fault is undone before the next begins, and the driver measures what it can
   peers, its lease lapses and its sessions resume elsewhere, while it still reaches
   PostgreSQL: the zombie of ADR 0026, whose appends the successor's fence must refuse.
 
+- ``mcp-kill`` (issue 30): SIGKILL a fault MCP server (:mod:`~dsh_mesh.testing.fault_mcp_server`)
+  in the middle of a call, found by its busy marker (waiting up to 15 s for a call in flight);
+  the call it was serving is answered with an error, the next use starts the server again;
+- ``db-read-only`` (issue 30): make the cluster's database read-only for 1.5 leases (as a
+  standby is before its promotion), ending every connection so the nodes' pools reconnect into
+  read-only sessions, then writable again, ending them once more. Meanwhile every write is
+  refused: the nodes answer ``REGISTRY_UNAVAILABLE`` and running turns wait at their step
+  boundary; nothing ends a node.
+
 For ``kill``, ``cut``, ``pause`` and ``etcd-cut`` the driver times the failover: from the fault
 until a root the stricken node hosted accepts a prompt through another node (a cold resume
-elsewhere). ``db-kill`` and ``etcd-cut`` need a bed with a database host (the default).
+elsewhere). ``db-kill``, ``etcd-cut`` and ``db-read-only`` need a bed with a database host
+(the default).
+
+Only ``kill`` ends a node process. The driver watches the others (:meth:`FaultDriver.watch`):
+a node process that ends without the driver ending it is recorded in :attr:`FaultDriver.deaths`,
+which the history checker counts as a violation (whatever the faults, no node may die of them).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import secrets
+import signal
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from dsh_mesh.core import MeshError, SessionId
 from dsh_mesh.testing._history import Outcome
 from dsh_mesh.testing._proxy import TcpProxy
 from dsh_mesh.testing._testbed import BedCluster, MultiHostBed
 from dsh_mesh.testing._workload import Workload
+from dsh_mesh.testing.fault_mcp_server import forget, servers_mid_call
 
 FAULT_KINDS: tuple[str, ...] = (
     "kill",
@@ -48,13 +67,22 @@ FAULT_KINDS: tuple[str, ...] = (
     "slow-link",
     "db-kill",
     "etcd-cut",
+    "mcp-kill",
+    "db-read-only",
 )
 """Every fault the driver knows, by name."""
 
 
+_MID_CALL_WAIT = 15.0
+"""Seconds ``mcp-kill`` waits for a fault MCP server to be in a call."""
+_WATCH_EVERY = 0.25
+
+
 class FaultDriver:
     """Injects faults into ``cluster`` on ``bed`` while ``workload`` runs; counts them in
-    :attr:`injected` and records failover times (seconds) in :attr:`failovers`."""
+    :attr:`injected` and records failover times (seconds) in :attr:`failovers`. ``mcp_busy``
+    is the directory of the fault MCP servers' busy markers (the nodes' ``DSH_FAULT_MCP_DIR``;
+    None: ``mcp-kill`` kills nothing)."""
 
     def __init__(
         self,
@@ -65,6 +93,7 @@ class FaultDriver:
         ttl: float,
         proxy: TcpProxy | None = None,
         log: list[str] | None = None,
+        mcp_busy: Path | None = None,
     ) -> None:
         self.bed = bed
         self.cluster = cluster
@@ -76,6 +105,15 @@ class FaultDriver:
         self.stuck = 0
         """Times the workload found no node to make a new root for two minutes."""
         self.log = log if log is not None else []
+        self.mcp_busy = mcp_busy
+        self.mcp_kills_mid_call = 0
+        """Fault MCP servers the driver killed with a call in flight."""
+        self.deaths: list[str] = []
+        """Node processes that ended without the driver ending them, one line each."""
+        self._ended: set[int] = set()
+        """Pids of the node processes the driver ended on purpose."""
+        self._mourned: set[int] = set()
+        self._read_only = False
 
     async def inject(self, kind: str) -> None:
         """Inject one fault of ``kind`` and undo it."""
@@ -117,6 +155,7 @@ class FaultDriver:
     async def _kill(self) -> None:
         node, root = await self._victim()
         self._note(f"kill {node} (hosting {root})")
+        self._ended.add(self.cluster[node].pid)
         self.cluster[node].kill()
         since = time.monotonic()
         self.workload.forget_channel(node)
@@ -183,14 +222,50 @@ class FaultDriver:
             await asyncio.sleep(self.ttl)
         finally:
             await asyncio.to_thread(self.bed.restart_database)
-        back = time.monotonic()
         self._note("the database is back")
+        await self._recovered(since=time.monotonic())
+
+    async def _recovered(self, *, since: float) -> None:
+        """Prompt a root and note how long after ``since`` it took the prompt."""
         if self.workload.roots:
             root = self.workload.rng.choice(self.workload.roots)
             probe = f"Recovery probe {secrets.token_hex(4)}"
             send = await self.workload.prompt(root, probe, within=30.0)
             if send.outcome is Outcome.ACKED:
-                self._note(f"{root} took a prompt {time.monotonic() - back:.2f} s after")
+                self._note(f"{root} took a prompt {time.monotonic() - since:.2f} s after")
+
+    async def _db_read_only(self) -> None:
+        database = self.cluster.database
+        if database is None:
+            return
+        self._note(f"make the database {database} read-only")
+        self._read_only = True
+        try:
+            await self.bed.set_read_only(database, True)
+            await asyncio.sleep(self.ttl * 1.5)
+        finally:
+            await self.bed.set_read_only(database, False)
+            self._read_only = False
+        self._note("the database is writable again")
+        await self._recovered(since=time.monotonic())
+
+    async def _mcp_kill(self) -> None:
+        busy = self.mcp_busy
+        if busy is None:
+            return
+        deadline = time.monotonic() + _MID_CALL_WAIT
+        # A marker file is all there is to wait for: no event to await.
+        while not (pids := servers_mid_call(busy)) and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
+        if not pids:
+            self._note(f"no fault MCP server was in a call for {_MID_CALL_WAIT:g} s; none killed")
+            return
+        pid = pids[0]  # not a seeded choice: which server is busy is the cluster's timing
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            self.mcp_kills_mid_call += 1
+            self._note(f"killed fault MCP server pid {pid} mid-call")
+        forget(busy, pid)
 
     async def _slow_link(self) -> None:
         if self.proxy is None:
@@ -202,12 +277,41 @@ class FaultDriver:
         finally:
             self.proxy.shape(delay=0.0, jitter=0.0, loss=0.0)
 
+    def check_nodes(self) -> None:
+        """Record in :attr:`deaths` each node process that has ended without the driver ending
+        it (once each), with its exit status and its log's last lines."""
+        for node in self.cluster:
+            code = node.exit_code
+            if code is None:
+                continue
+            pid = node.pid
+            if pid in self._ended or pid in self._mourned:
+                continue
+            self._mourned.add(pid)
+            last = " | ".join(line for line in node.log_tail(5).splitlines() if line.strip())
+            death = f"{node.node_id} (pid {pid}) exited with status {code}; its log ends: {last}"
+            self.deaths.append(death)
+            self._note(f"a node died unbidden: {death}")
+
+    async def watch(self, stop: asyncio.Event) -> None:
+        """Check the nodes (:meth:`check_nodes`) every quarter second until ``stop`` is set."""
+        while not stop.is_set():
+            self.check_nodes()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), _WATCH_EVERY)
+        self.check_nodes()
+
     async def heal(self) -> None:
-        """Undo anything left: hosts restored (also from an isolation from etcd), the database,
-        etcd members and nodes running."""
+        """Undo anything left: hosts restored (also from an isolation from etcd), the database
+        (running and writable), etcd members and nodes running. A node found dead that the
+        driver did not kill is recorded in :attr:`deaths` first."""
+        self.check_nodes()
         await asyncio.to_thread(self.bed.restore_all)
         if self.bed.database is not None and not self.bed.database.running:
             await asyncio.to_thread(self.bed.restart_database)
+        if self._read_only and self.cluster.database is not None:
+            await self.bed.set_read_only(self.cluster.database, False)
+            self._read_only = False
         stopped = [name for name, member in self.bed.etcd.items() if not member.running]
         if stopped:
             await asyncio.to_thread(_start_all, self.bed, stopped)

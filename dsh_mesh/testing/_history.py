@@ -46,7 +46,13 @@ can fake for another:
   after a host death are counted, never held against the run;
 - *unapproved runs*: a call of a tool that waits for approval that ran with no decision allowing
   it; *untrue decisions*: a request decided twice, or a decision on no request
-  (:mod:`dsh_mesh.testing._approval_history`).
+  (:mod:`dsh_mesh.testing._approval_history`);
+- *invalid texts* (issue 30): an entry the log store holds as bytes that are not valid UTF-8
+  JSON, or with a string holding a lone surrogate; a result of the workload's edge tools stored
+  other than promised: invalid characters not replaced with their note, a huge output not cut at
+  its limit, an echo changed, a call of a server that died mid-call answered as done
+  (:mod:`dsh_mesh.testing._edges`);
+- *unexpected deaths* (issue 30): a node process that ended without the fault driver ending it.
 
 A message whose outcome the asker never learned (its node died mid-call) may have landed once or
 not at all; it is never counted lost, but a second copy is still a duplicate.
@@ -79,6 +85,12 @@ from dsh_mesh.core import (
     TurnStartedEntry,
 )
 from dsh_mesh.testing._approval_history import ApprovalTally, approval_violations
+from dsh_mesh.testing._edges import (
+    EdgeTally,
+    StoredEntry,
+    edge_violations,
+    stored_text_violations,
+)
 from dsh_mesh.testing.probe_tools import ProbeRun
 
 HUMAN = "human"
@@ -173,6 +185,10 @@ class Verdict:
     approvals: ApprovalTally = field(default_factory=ApprovalTally)
     unapproved_runs: int = 0
     untrue_decisions: int = 0
+    edges: EdgeTally = field(default_factory=EdgeTally)
+    """Every tool call, and what the edge calls came to."""
+    invalid_texts: int = 0
+    unexpected_deaths: int = 0
     unattributed_writes: int = 0
     """Durable entries no node reported writing (their node was killed in between): counted,
     never held against the run."""
@@ -229,6 +245,13 @@ class Verdict:
             f" gated calls run unallowed {self.unapproved_runs},"
             f" untrue decisions {self.untrue_decisions}"
         )
+        edges = self.edges
+        lines.append(
+            f"  tool calls {edges.tool_calls}: results stored with invalid characters replaced"
+            f" {edges.replaced}, cut at their limit {edges.cut}; MCP calls {edges.mcp_calls},"
+            f" answered with an error {edges.mcp_errors}; invalid texts {self.invalid_texts}"
+        )
+        lines.append(f"  node processes that died unbidden {self.unexpected_deaths}")
         lines.append(
             f"  activations {self.activations}, writes refused by the fence {self.fenced_writes},"
             f" unattributed writes {self.unattributed_writes}"
@@ -380,11 +403,14 @@ def check(
     *,
     gated: frozenset[str] = frozenset(),
     refusals: Sequence[str] = (),
+    stored: Iterable[StoredEntry] = (),
+    deaths: Sequence[str] = (),
 ) -> Verdict:
     """Judge a whole run; see the module docstring for what is counted. ``tool_runs`` are the
     probe tools' executions (their log); ``gated`` the tools whose calls wait for approval;
     ``refusals`` the driver's own requests (decisions) refused with a reason they could not
-    have earned, one line each."""
+    have earned, one line each; ``stored`` the log store's entries as it holds them (bytes);
+    ``deaths`` the node processes that ended without the driver ending them, one line each."""
     verdict = Verdict(operations=len(sends))
     verdict.activations = history.activations
     verdict.fenced_writes = history.fenced_writes
@@ -425,6 +451,15 @@ def check(
             verdict._violate(kind, text)
     for text in refusals:
         verdict._violate("wrong_reasons", text)
+    for session, records in transcripts.items():
+        edges, wrong = edge_violations(records)
+        verdict.edges.add(edges)
+        for text in wrong:
+            verdict._violate("invalid_texts", f"{session} {text}")
+    for text in stored_text_violations(stored):
+        verdict._violate("invalid_texts", text)
+    for text in deaths:
+        verdict._violate("unexpected_deaths", text)
     return verdict
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from dsh_mesh.core import Record, SequentialIds, SessionId
 from dsh_mesh.models import ModelProvider, RecordingProvider, ScriptedProvider
 from dsh_mesh.runtime import ContinuationManager, InMemorySessionStore, ManagerConfig
-from dsh_mesh.tools import Preset, Tool
+from dsh_mesh.tools import Preset, Tool, ToolSource
 
 
 @dataclass
@@ -40,10 +40,12 @@ async def in_process_mesh(
     store: InMemorySessionStore | None = None,
     provider: ModelProvider | None = None,
     tools: Sequence[Tool] = (),
+    tool_source: ToolSource | None = None,
 ) -> AsyncIterator[InProcessMesh]:
     """Run a manager for the duration of the block; every driver is stopped on exit.
     ``tools`` are user tools (``@dsh_mesh.tool`` functions) registered after the standard
-    ones, as a presets file's ``[tools]`` modules are."""
+    ones, as a presets file's ``[tools]`` modules are; ``tool_source`` serves the presets'
+    ``mcp:`` selectors (a node's MCP servers, or a stand-in)."""
     scripted = scripted or ScriptedProvider()
     recorder = RecordingProvider(provider or scripted)
     store = store or InMemorySessionStore()
@@ -54,5 +56,6 @@ async def in_process_mesh(
         config=config,
         ids=SequentialIds(),
         tools=tools,
+        tool_source=tool_source,
     ) as manager:
         yield InProcessMesh(manager=manager, store=store, scripted=scripted, recorder=recorder)

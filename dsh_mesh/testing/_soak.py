@@ -5,8 +5,10 @@ node fronted by a TCP proxy for slow-link faults, every node keeping a store his
 store a fresh database on the bed's PostgreSQL host, which the checker reads too), makes
 trees, prompts rounds while the :class:`~dsh_mesh.testing.FaultDriver` breaks things, then heals
 everything, lets every accepted message be consumed, reads the durable state and runs the
-checker. ``make test`` runs a short one (tests/integration/test_faults.py), ``make soak`` a long
-one (``python -m dsh_mesh.testing.soak``). A seed makes the run's choices repeatable (which
+checker (which also reads the log store's entries as bytes, and counts any node process that
+died without the driver killing it). ``make test`` runs a short one
+(tests/integration/test_faults.py), ``make soak`` a long one
+(``python -m dsh_mesh.testing.soak``). A seed makes the run's choices repeatable (which
 fault, which node, when); the cluster's own timing still varies.
 """
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsh_mesh.testing._cluster import PatientReader
+from dsh_mesh.testing._edges import stored_entries
 from dsh_mesh.testing._faults import FAULT_KINDS, FaultDriver
 from dsh_mesh.testing._history import Verdict, agent_sends, check, load_node_history, writers_of
 from dsh_mesh.testing._proxy import TcpProxy
@@ -34,6 +37,7 @@ from dsh_mesh.testing._workload import (
     WORKLOAD_NAMESPACE,
     Workload,
 )
+from dsh_mesh.testing.fault_mcp_server import BUSY_ENV
 from dsh_mesh.testing.probe_tools import LOG_ENV, read_probe_log
 
 SCENARIO = "dsh_mesh.testing:WORKLOAD"
@@ -53,6 +57,7 @@ class FaultRunReport:
     trees: int
     woken: int
     stuck: int = 0
+    mcp_kills_mid_call: int = 0
     fenced_nodes: list[str] = field(default_factory=list)
     log: list[str] = field(default_factory=list)
     evidence: tuple[object, ...] = ()
@@ -65,7 +70,8 @@ class FaultRunReport:
             f"fault run: seed {self.seed}, {self.seconds:.0f} s, {self.rounds} rounds over"
             f" {self.trees} trees, {self.woken} sessions woken to drain their inbox at the end,"
             f" nodes that fenced themselves at least once: {fenced},"
-            f" tree replacements that found no node to make a root in two minutes: {self.stuck}"
+            f" tree replacements that found no node to make a root in two minutes: {self.stuck},"
+            f" fault MCP servers killed mid-call: {self.mcp_kills_mid_call}"
         )
         body = self.verdict.summary(faults=self.faults, failovers=self.failovers, ttl=self.ttl)
         return f"{head}\n{body}"
@@ -113,7 +119,9 @@ async def fault_run(
         try:
             async with PatientReader(cluster.settings, patience=60.0) as reader:
                 workload = Workload(cluster, reader, rng=rng)
-                driver = FaultDriver(bed, cluster, workload, ttl=ttl, proxy=proxy)
+                driver = FaultDriver(
+                    bed, cluster, workload, ttl=ttl, proxy=proxy, mcp_busy=_busy_dir(probe_log)
+                )
                 try:
                     rounds, woken = await _drive(
                         workload,
@@ -129,6 +137,8 @@ async def fault_run(
                     )
                     say("reading the durable state")
                     transcripts = await workload.transcripts()
+                    stored = await stored_entries(cluster.settings.log_store)
+                    driver.check_nodes()
                 finally:
                     await workload.close()
             history = load_node_history(node.history_path for node in cluster)
@@ -143,6 +153,8 @@ async def fault_run(
                 read_probe_log(probe_log),
                 gated=GATED,
                 refusals=workload.refusals,
+                stored=stored,
+                deaths=driver.deaths,
             )
             fenced = sorted(node.node_id for node in cluster if "lost its lease" in node.log())
         finally:
@@ -159,21 +171,32 @@ async def fault_run(
         trees=len(workload.roots),
         woken=woken,
         stuck=driver.stuck,
+        mcp_kills_mid_call=driver.mcp_kills_mid_call,
         fenced_nodes=fenced,
         log=driver.log,
         evidence=(sends, transcripts, history),
     )
 
 
+def _busy_dir(probe_log: Path) -> Path:
+    """Where the fault MCP servers of a run mark their calls in flight."""
+    return probe_log.parent / "mcp-busy"
+
+
 def _start(bed: MultiHostBed, proxy: TcpProxy, ttl: float, probe_log: Path) -> BedCluster:
     namespaces = probe_log.parent / "namespaces.toml"
     namespaces.write_text(NAMESPACES_FILE)
+    _busy_dir(probe_log).mkdir()
     cluster = bed.cluster(
         SCENARIO,
         lease_ttl=ttl,
         fronted={"node-c": (proxy.host, proxy.port)},
         history=True,
-        env={LOG_ENV: str(probe_log), "DSH_NAMESPACES_FILE": str(namespaces)},
+        env={
+            LOG_ENV: str(probe_log),
+            "DSH_NAMESPACES_FILE": str(namespaces),
+            BUSY_ENV: str(_busy_dir(probe_log)),
+        },
     )
     cluster.__enter__()
     return cluster
@@ -266,7 +289,9 @@ async def _drive(
             await driver.inject(kind)
 
     try:
-        await asyncio.gather(rounds_loop(), faults_loop(), approvals_loop())
+        await asyncio.gather(
+            rounds_loop(), faults_loop(), approvals_loop(), driver.watch(rounds_done)
+        )
     finally:
         await driver.heal()
     say(f"{rounds} rounds done; draining every inbox")

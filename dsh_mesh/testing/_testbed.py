@@ -21,7 +21,8 @@ reaches PostgreSQL: the zombie of ADR 0026), :meth:`MultiHostBed.restore` brings
 :meth:`MultiHostBed.stop_etcd`, :meth:`MultiHostBed.kill_etcd` and
 :meth:`MultiHostBed.start_etcd` stop, crash and restart one etcd member, and
 :meth:`MultiHostBed.etcd_leader` finds the current leader; :meth:`MultiHostBed.kill_database`
-and :meth:`MultiHostBed.restart_database` crash PostgreSQL and start it again on the same data.
+and :meth:`MultiHostBed.restart_database` crash PostgreSQL and start it again on the same data;
+:meth:`MultiHostBed.set_read_only` makes a cluster's database read-only and writable again.
 Node processes are :class:`~dsh_mesh.testing.NodeProcess` objects (``kill``, ``pause``,
 ``terminate``). Delay and loss come from :class:`~dsh_mesh.testing.TcpProxy` placed in front of
 a node (see ``fronted``).
@@ -486,8 +487,12 @@ class BedCluster(LocalCluster):
         env: Mapping[str, str] | None,
         history: bool = False,
         log_store: str | None = None,
+        database: str | None = None,
     ) -> None:
         log_dir = Path(tempfile.mkdtemp(prefix="cluster-", dir=bed.directory))
+        self.database = database
+        """The name of the cluster's database on the bed's database host (its log store), or
+        None when its nodes share a SQLite file."""
         super().__init__(
             etcd_endpoint=bed.etcd_target(),
             scenario=scenario,
@@ -734,9 +739,10 @@ class MultiHostBed:
         cluster's log store is a fresh database on it (``settings.log_store`` is its DSN, which
         the test process's readers use too). The bed stops every cluster on close.
         """
-        log_store = None
+        log_store = database = None
         if self.database is not None:
-            log_store = self.database.create_database(f"mesh_{secrets.token_hex(6)}")
+            database = f"mesh_{secrets.token_hex(6)}"
+            log_store = self.database.create_database(database)
         cluster = BedCluster(
             self,
             scenario=scenario,
@@ -747,6 +753,7 @@ class MultiHostBed:
             env=env,
             history=history,
             log_store=log_store,
+            database=database,
         )
         self._clusters.append(cluster)
         return cluster
@@ -798,6 +805,33 @@ class MultiHostBed:
         until it accepts connections; it recovers every committed transaction. A running
         database is crashed first."""
         self._require_database().restart()
+
+    async def set_read_only(self, database: str, on: bool) -> None:
+        """Make ``database`` (a cluster's, :attr:`BedCluster.database`) read-only, as a standby
+        is before its promotion, or writable again (``on=False``), and end every connection to
+        it: the setting holds for new sessions only, so the nodes' pools reconnect into it.
+        Meanwhile every write is refused (SQLSTATE 25006) and the nodes answer
+        ``REGISTRY_UNAVAILABLE``; reads go on. Said as the superuser over a connection to the
+        ``postgres`` database (so the statement itself is not read-only) from this process:
+        not through ``psql``, since a fork while gRPC's threads run may crash the child."""
+        import asyncpg
+
+        server = self._require_database()
+        setting = (
+            "SET default_transaction_read_only = on"
+            if on
+            else "RESET default_transaction_read_only"
+        )
+        connection = await asyncpg.connect(server.dsn_for("postgres"), timeout=10)
+        try:
+            await connection.execute(f'ALTER DATABASE "{database}" {setting}', timeout=10)
+            await connection.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1",
+                database,
+                timeout=10,
+            )
+        finally:
+            await connection.close(timeout=10)
 
     @property
     def database_running(self) -> bool:

@@ -30,8 +30,10 @@ import itertools
 import random
 import re
 import secrets
+import sys
 import time
-from collections.abc import Callable, Sequence
+import zlib
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 
 import grpc
@@ -48,6 +50,7 @@ from dsh_mesh.core import (
     SessionId,
     pending_inbound,
 )
+from dsh_mesh.mcp import McpServerConfig
 from dsh_mesh.models import (
     PARENT,
     Branch,
@@ -60,9 +63,21 @@ from dsh_mesh.models import (
 from dsh_mesh.node import Scenario
 from dsh_mesh.testing._approval_history import open_requests
 from dsh_mesh.testing._cluster import LocalCluster, MeshReader
+from dsh_mesh.testing._edges import (
+    EDGE_KINDS,
+    EDGE_MAX_OUTPUT,
+    EDGE_TOOL,
+    MCP_DIE,
+    MCP_ECHO,
+    MCP_HUGE,
+    MCP_MAX_OUTPUT,
+    MCP_SERVER,
+    edge_text,
+)
 from dsh_mesh.testing._history import HUMAN, Outcome, Send
+from dsh_mesh.testing.fault_mcp_server import SCRIPT
 from dsh_mesh.testing.probe_tools import probe_safe, probe_unsafe
-from dsh_mesh.tools import ApprovalPolicy, ContextPolicy, Preset, tool
+from dsh_mesh.tools import ApprovalPolicy, CallLimits, ContextPolicy, Preset, tool
 from dsh_mesh.transport import error_from_rpc
 
 ROUNDS_PER_TREE = 400
@@ -203,23 +218,87 @@ def _leaf_owes(context: ScriptContext) -> bool:
     return since is not None and not _sent(since, "leaf-result")
 
 
+def _draw(context: ScriptContext, salt: str) -> int:
+    """A number in 0..99 drawn from the leaf-ping being answered (its random token): the same
+    for every look at one request, so a step asked again after a fault asks the same."""
+    messages = context.request.messages
+    ping = next((m.content for m in reversed(messages) if "\nleaf-ping " in m.content), "")
+    return zlib.crc32(f"{salt}:{ping}".encode()) % 100
+
+
+def _edge_kind(context: ScriptContext) -> str:
+    return EDGE_KINDS[_draw(context, "edge") % len(EDGE_KINDS)]
+
+
+MCP_FATES = (("die", 4), ("huge", 16), ("echo", 80))
+"""Which fault MCP server tool a leaf's answer calls, in percent."""
+
+
+def _mcp_fate(context: ScriptContext) -> str:
+    draw = _draw(context, "mcp")
+    for name, share in MCP_FATES:
+        if draw < share:
+            return name
+        draw -= share
+    return "echo"
+
+
+def _answer(mcp: tuple[str, Mapping[str, str | Callable[[ScriptContext], str]]]) -> Call:
+    """A leaf's answer step: the two probe tools with effects the checker counts (one line per
+    execution), the edge tool, a call of the fault MCP server, then the answer. A host that
+    dies mid-step leaves them open for the next activation."""
+    return Call(
+        calls=(
+            ("probe_unsafe", {}),
+            ("probe_safe", {}),
+            (EDGE_TOOL, {"kind": _edge_kind}),
+            mcp,
+            ("send_message", {"agent_id": PARENT, "message": _fresh("leaf-result")}),
+        )
+    )
+
+
+def _leaf_owes_with(fate: str) -> Callable[[ScriptContext], bool]:
+    return lambda context: _leaf_owes(context) and _mcp_fate(context) == fate
+
+
 _LEAF_STEP = Branch(
     cases=(
+        (_leaf_owes_with("die"), _answer((MCP_DIE, {}))),
+        (
+            _leaf_owes_with("huge"),
+            # Past the output limit; one in four past the bound on one message too.
+            _answer(
+                (MCP_HUGE, {"size": lambda c: "oversized" if _draw(c, "size") < 25 else "large"})
+            ),
+        ),
         (
             _leaf_owes,
-            # Two probe tools with effects the checker counts (one line per execution), then
-            # the answer: a host that dies mid-step leaves them open for the next activation.
-            Call(
-                calls=(
-                    ("probe_unsafe", {}),
-                    ("probe_safe", {}),
-                    ("send_message", {"agent_id": PARENT, "message": _fresh("leaf-result")}),
-                )
-            ),
+            _answer((MCP_ECHO, {"text": _fresh("echo")})),
         ),
     ),
     otherwise=Reply(text="Leaf done."),
 )
+
+
+@tool(replay="safe", max_output_chars=EDGE_MAX_OUTPUT)
+def soak_edge(kind: str) -> str:
+    """Read an awkward file: ``garbled`` (its name is not valid UTF-8), ``huge`` (far longer
+    than anyone should be shown) or ``plain``."""
+    return edge_text(kind)
+
+
+FAULT_MCP = McpServerConfig(
+    name=MCP_SERVER,
+    command=sys.executable,
+    args=(str(SCRIPT),),
+    limits=CallLimits(timeout=timedelta(seconds=30), max_output_chars=MCP_MAX_OUTPUT),
+    safe_tools=frozenset({"echo", "huge"}),
+)
+"""The fault MCP server every node of a fault run declares; its busy markers go to the
+directory the nodes' ``DSH_FAULT_MCP_DIR`` names."""
+LEAF_TOOLS = ("send_message", "probe_unsafe", "probe_safe", EDGE_TOOL, f"mcp:{MCP_SERVER}")
+
 
 READER_PAGES = 6
 """Pages the reader reads a round."""
@@ -279,6 +358,7 @@ WORKLOAD = Scenario(
             name="soak-leaf",
             system_prompt="You answer.",
             model="soak-leaf",
+            tools=LEAF_TOOLS,
             approvals=ApprovalPolicy(tools=tuple(GATED), timeout=APPROVAL_TIMEOUT),
         ),
         Preset(name="soak-helper", system_prompt="You answer once.", model="soak-helper"),
@@ -289,7 +369,8 @@ WORKLOAD = Scenario(
             context=READER_CONTEXT,
         ),
     ),
-    tools=(probe_unsafe, probe_safe, soak_page),
+    tools=(probe_unsafe, probe_safe, soak_page, soak_edge),
+    mcp_servers=(FAULT_MCP,),
     programs={
         "soak-root": (
             Call(

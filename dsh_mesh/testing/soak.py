@@ -2,8 +2,9 @@
 
 Makes a multi-host bed (root only; its log store in PostgreSQL on a host of its own), runs the
 mixed workload on it for ``--minutes`` while injecting every kind of fault (the database's among
-them: ``db-kill``, ``etcd-cut``), then prints the history checker's verdict and figures and exits
-non-zero unless the history checks clean. ``--seed`` repeats a run's choices.
+them: ``db-kill``, ``etcd-cut``, ``db-read-only``; and ``mcp-kill``), then prints the history
+checker's verdict and figures and exits non-zero unless the history checks clean. ``--seed``
+repeats a run's choices.
 """
 
 from __future__ import annotations

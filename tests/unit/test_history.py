@@ -7,6 +7,7 @@ breaks exactly one promise and checks that the checker counts exactly that one.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from dsh_mesh.core import (
@@ -45,7 +46,19 @@ from dsh_mesh.testing import (
     load_node_history,
     writers_of,
 )
-from dsh_mesh.testing.probe_tools import ProbeRun
+from dsh_mesh.testing._edges import (
+    EDGE_MAX_OUTPUT,
+    EDGE_TOOL,
+    HUGE_TEXT,
+    MCP_DIE,
+    MCP_ECHO,
+    MCP_HUGE,
+    MCP_MAX_OUTPUT,
+    PLAIN_TEXT,
+    StoredEntry,
+)
+from dsh_mesh.testing.probe_tools import GARBLED_TEXT, ProbeRun
+from dsh_mesh.tools import ToolOutput, cut
 
 ROOT = SessionId("root")
 CHILD = SessionId("child")
@@ -598,3 +611,115 @@ def test_a_compaction_that_summarised_a_read_no_step_showed_is_untrue() -> None:
         CompactionEntry(summary="s", from_seq=1, through_seq=6, task="work", pending=(6,)),
     )
     assert compaction_violations(kept) == []
+
+
+# -- the edge (issue 30): invalid text, huge outputs, an MCP server dying, nodes dying ----------
+
+
+def edge_call(call_id: str, name: str, **arguments: object) -> ToolCall:
+    return ToolCall(call_id=call_id, name=name, arguments_json=json.dumps(arguments))
+
+
+def edge_transcript(*results: ToolResultEntry) -> list[Record]:
+    """A leaf's step calling the edge tool three ways and the fault MCP server's three tools,
+    then ``results``."""
+    return records(
+        TaskEntry(content="leaf"),
+        ConsumedEntry(seqs=(1,)),
+        AssistantStepEntry(
+            text="",
+            tool_calls=(
+                edge_call("g", EDGE_TOOL, kind="garbled"),
+                edge_call("h", EDGE_TOOL, kind="huge"),
+                edge_call("p", EDGE_TOOL, kind="plain"),
+                edge_call("e", MCP_ECHO, text="echo 1f2e"),
+                edge_call("m", MCP_HUGE, size="large"),
+                edge_call("d", MCP_DIE),
+            ),
+            usage=Usage(),
+        ),
+        *results,
+    )
+
+
+def mcp_cut(text: str) -> str:
+    return text[:MCP_MAX_OUTPUT] + "\n[output cut: 520288 of 524288 characters cut]"
+
+
+# What the mesh stores for each call: the lone surrogates replaced (the entry does it), the
+# huge outputs cut at their limits with a note, the echo as it came, the death as an error.
+TRUE_EDGE_RESULTS = (
+    ToolResultEntry(call_id="g", name=EDGE_TOOL, content=GARBLED_TEXT),
+    ToolResultEntry(
+        call_id="h",
+        name=EDGE_TOOL,
+        content=cut(ToolOutput(content=HUGE_TEXT), EDGE_MAX_OUTPUT).content,
+    ),
+    ToolResultEntry(call_id="p", name=EDGE_TOOL, content=PLAIN_TEXT),
+    ToolResultEntry(call_id="e", name=MCP_ECHO, content="echo 1f2e"),
+    ToolResultEntry(call_id="m", name=MCP_HUGE, content=mcp_cut("m" * 524288)),
+    ToolResultEntry(
+        call_id="d",
+        name=MCP_DIE,
+        content="MCP server faults exited (3) during the call",
+        is_error=True,
+    ),
+)
+
+
+def test_edge_results_as_the_mesh_promises_are_clean_and_counted() -> None:
+    transcript = edge_transcript(*TRUE_EDGE_RESULTS)
+    assert "[dsh-mesh: 2 invalid characters were replaced with U+FFFD]" in str(transcript[3].entry)
+    verdict = check([], {CHILD: transcript}, NodeHistory())
+    assert verdict.clean, verdict.summary()
+    edges = verdict.edges
+    assert (edges.tool_calls, edges.replaced, edges.cut) == (6, 1, 2)
+    assert (edges.mcp_calls, edges.mcp_errors) == (3, 1)
+    assert "tool calls 6" in verdict.summary()
+
+
+def test_edge_results_stored_other_than_promised_are_invalid_texts() -> None:
+    wrong = (
+        ToolResultEntry(call_id="g", name=EDGE_TOOL, content="caf\ufffd \ufffd end"),  # no note
+        ToolResultEntry(call_id="h", name=EDGE_TOOL, content=HUGE_TEXT[:50_000]),  # not cut
+        ToolResultEntry(call_id="p", name=EDGE_TOOL, content="something else"),
+        ToolResultEntry(call_id="e", name=MCP_ECHO, content="echo 0000"),
+        ToolResultEntry(call_id="m", name=MCP_HUGE, content="m" * 100_000),
+        ToolResultEntry(call_id="d", name=MCP_DIE, content="done"),  # a dead server answered
+    )
+    for index, bad in enumerate(wrong):
+        results = list(TRUE_EDGE_RESULTS)
+        results[index] = bad
+        verdict = check([], {CHILD: edge_transcript(*results)}, NodeHistory())
+        assert verdict.invalid_texts == 1, (bad, verdict.summary())
+        assert len(verdict.violations) == 1 and not verdict.clean
+    # An error result (the call never ran, or its host died) is held to nothing but valid text.
+    errors = [replace(r, content="not run: the turn ended", is_error=True) for r in wrong]
+    assert check([], {CHILD: edge_transcript(*errors)}, NodeHistory()).clean
+
+
+def test_stored_bytes_that_are_not_valid_utf8_or_hold_a_lone_surrogate_are_invalid_texts() -> None:
+    good = StoredEntry(
+        session="s", seq=1, data=json.dumps({"content": "caf\u00e9 \ufffd"}).encode()
+    )
+    escaped = StoredEntry(session="s", seq=2, data=b'{"content": "caf\\udce9"}')
+    raw = StoredEntry(session="s", seq=3, data=b'{"content": "caf\xed\xb3\xa9"}')  # surrogatepass
+    verdict = check([], {}, NodeHistory(), stored=[good, escaped, raw])
+    assert verdict.invalid_texts == 2, verdict.summary()
+    assert [v.split(":")[1].split()[:3] for v in verdict.violations] == [
+        ["s", "seq", "2"],
+        ["s", "seq", "3"],
+    ]
+
+
+def test_a_node_process_that_died_unbidden_is_a_violation() -> None:
+    verdict = judge(CLEAN_ROOT, CLEAN_CHILD)
+    assert verdict.unexpected_deaths == 0
+    transcripts = {ROOT: CLEAN_ROOT, CHILD: CLEAN_CHILD}
+    history = history_of(transcripts, root=R1, child=A1)
+    sends = [PROMPT, *agent_sends(transcripts, writers_of(history))]
+    deaths = ["node-b (pid 4242) exited with status 1: InsufficientPrivilegeError"]
+    verdict = check(sends, transcripts, history, deaths=deaths)
+    assert verdict.unexpected_deaths == 1 and not verdict.clean
+    assert "node processes that died unbidden 1" in verdict.summary()
+    assert "InsufficientPrivilegeError" in verdict.summary()

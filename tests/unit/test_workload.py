@@ -14,9 +14,10 @@ from dsh_mesh.core import (
     CompactionEntry,
     SessionKind,
     SettlementNoticeEntry,
+    ToolDescriptor,
     ToolResultEntry,
 )
-from dsh_mesh.models import ScriptedProvider
+from dsh_mesh.models import Call, Reply, ScriptedProvider
 from dsh_mesh.testing import (
     WORKLOAD,
     InProcessMesh,
@@ -25,7 +26,53 @@ from dsh_mesh.testing import (
     in_process_mesh,
     open_requests,
 )
+from dsh_mesh.testing._edges import (
+    EDGE_TOOL,
+    MCP_DIE,
+    MCP_ECHO,
+    MCP_HUGE,
+    MCP_MAX_OUTPUT,
+    MCP_TOOLS,
+    edge_violations,
+)
 from dsh_mesh.testing._workload import GATED, READER_PAGES
+from dsh_mesh.testing.fault_mcp_server import HUGE_SIZES
+from dsh_mesh.tools import Preset, Tool, tool
+
+
+class FaultsStandIn:
+    """The fault MCP server's tools, in process (a ToolSource for ``mcp:faults``): ``die``
+    fails its call, as a server that exits mid-call does."""
+
+    def __init__(self) -> None:
+        def echo(text: str) -> str:
+            """Say it back."""
+            return text
+
+        def huge(size: str) -> str:
+            """A lot of text."""
+            return "m" * (HUGE_SIZES[size] * 1024)
+
+        def die() -> str:
+            """Exit mid-call."""
+            raise ConnectionError("MCP server faults exited (3) during the call")
+
+        self.tools: tuple[Tool, ...] = tuple(
+            tool(name=name, max_output_chars=MCP_MAX_OUTPUT)(function)
+            for function, name in ((echo, MCP_ECHO), (huge, MCP_HUGE), (die, MCP_DIE))
+        )
+
+    def selects(self, selector: str) -> bool:
+        return selector.startswith("mcp:")
+
+    async def load(self, selector: str) -> None:
+        return None
+
+    def select(self, selector: str) -> tuple[Tool, ...]:
+        return self.tools
+
+    def bind(self, descriptor: ToolDescriptor) -> Tool | None:
+        return next((t for t in self.tools if t.descriptor == descriptor), None)
 
 
 async def quiet_allowing(mesh: InProcessMesh) -> int:
@@ -63,7 +110,9 @@ async def quiet_allowing(mesh: InProcessMesh) -> int:
 
 async def test_each_round_crosses_every_edge_both_ways_and_then_the_tree_is_quiet() -> None:
     scripted = ScriptedProvider(programs=dict(WORKLOAD.programs), resume_from_transcript=True)
-    async with in_process_mesh(WORKLOAD.presets, scripted=scripted, tools=WORKLOAD.tools) as mesh:
+    async with in_process_mesh(
+        WORKLOAD.presets, scripted=scripted, tools=WORKLOAD.tools, tool_source=FaultsStandIn()
+    ) as mesh:
         root = (await mesh.manager.create_root("Lead rounds.", preset="soak-root")).session_id
         await mesh.manager.quiescent()
         allowed = 0
@@ -119,6 +168,19 @@ async def test_each_round_crosses_every_edge_both_ways_and_then_the_tree_is_quie
                 if isinstance(r.entry, ToolResultEntry) and r.entry.name.startswith("probe_")
             ]
             assert len(probes) == 4 and not any(p.is_error for p in probes)
+            # ... and the edge tool and one tool of the fault MCP server, whose results the
+            # mesh stored as the checker expects.
+            at_leaf = await mesh.transcript(leaf.session_id)
+            called = [
+                call.name
+                for r in at_leaf
+                if isinstance(r.entry, AssistantStepEntry)
+                for call in r.entry.tool_calls
+            ]
+            assert called.count(EDGE_TOOL) == 2
+            assert len([name for name in called if name in MCP_TOOLS]) == 2
+            tally, wrong = edge_violations(at_leaf)
+            assert wrong == [] and tally.mcp_calls == 2
         # The reader read every page of every round, and compacted its context as it went:
         # each round resumed it from its latest compaction.
         [reader] = [h for h in sessions.values() if h.spec.preset == "soak-reader"]
@@ -130,3 +192,28 @@ async def test_each_round_crosses_every_edge_both_ways_and_then_the_tree_is_quie
         ]
         assert pages == [f"page {n} of {READER_PAGES}" for n in range(1, READER_PAGES + 1)] * 3
         assert len([r for r in at_reader if isinstance(r.entry, CompactionEntry)]) >= 3
+
+
+async def test_the_edge_tools_answers_are_stored_replaced_and_cut_as_the_checker_expects() -> None:
+    """Each kind of the edge tool, and the fault server's huge answer, through a real agent."""
+    calls = (
+        *((EDGE_TOOL, {"kind": kind}) for kind in ("garbled", "huge", "plain")),
+        (MCP_HUGE, {"size": "large"}),
+        (MCP_ECHO, {"text": "echo 1"}),
+        (MCP_DIE, {}),
+    )
+    scripted = ScriptedProvider(programs={"edge": (Call(calls=calls), Reply(text="Done."))})
+    preset = Preset(
+        name="edge", system_prompt="Read.", model="edge", tools=(EDGE_TOOL, "mcp:faults")
+    )
+    async with in_process_mesh(
+        [preset], scripted=scripted, tools=WORKLOAD.tools, tool_source=FaultsStandIn()
+    ) as mesh:
+        root = (await mesh.manager.create_root("Read.", preset="edge")).session_id
+        await mesh.manager.quiescent()
+        records = await mesh.transcript(root)
+    results = {r.entry.call_id: r.entry for r in records if isinstance(r.entry, ToolResultEntry)}
+    assert len(results) == 6
+    tally, wrong = edge_violations(records)
+    assert wrong == []
+    assert (tally.replaced, tally.cut, tally.mcp_calls, tally.mcp_errors) == (1, 2, 3, 1)
