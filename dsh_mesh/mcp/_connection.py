@@ -107,6 +107,12 @@ class McpConnection:
     def is_open(self) -> bool:
         return self._client is not None and not self._closing.is_set()
 
+    @property
+    def last_exit(self) -> int | None:
+        """How the stdio server launched last ended: its exit status (negative: the signal
+        that ended it), None while it runs or for a server reached over HTTP."""
+        return None if self._server is None else self._server.returncode
+
     def stderr_tail(self) -> str:
         """The last 64 KiB the stdio server wrote to stderr (across its launches)."""
         return self._stderr.text()
@@ -244,7 +250,9 @@ class McpConnection:
                 while not self._closing.is_set() and not ended.is_set():
                     waits = {asyncio.ensure_future(e.wait()) for e in (self._closing, ended)}
                     try:
-                        await asyncio.wait(waits, timeout=idle / 4)
+                        await asyncio.wait(
+                            waits, timeout=idle / 4, return_when=asyncio.FIRST_COMPLETED
+                        )
                     finally:
                         for waiting in waits:
                             waiting.cancel()

@@ -435,6 +435,21 @@ async def test_a_server_that_dies_mid_call_is_started_again_by_the_next_use(
     await none_running()
 
 
+async def test_a_server_that_ends_when_its_stdin_closes_is_stopped_without_a_signal(
+    tmp_path: Path,
+) -> None:
+    """Closing a connection closes the server's stdin first, and a server that then exits
+    by itself is never signalled: the connection's holder heard the close at once (it waited
+    for the close *and* the server's end before, so every close ran out the grace, and the
+    SIGKILL after it: 7 s for every node's shutdown)."""
+    config, _ = faulty(tmp_path)
+    async with McpServers([config]) as servers:
+        await servers.load("mcp:faulty")
+        connection = servers.connection("faulty")
+    assert connection.last_exit == 0, connection.last_exit
+    await none_running()
+
+
 async def test_a_server_that_keeps_crashing_is_restarted_with_back_off(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
