@@ -79,8 +79,11 @@ class HungCall(RuntimeError):
 
 
 async def _bounded(call: Call, serial: int, hung_after: float) -> None:
+    # In the caller's own task (asyncio.wait_for wraps the call in a task of its own on this
+    # Python): a call keyed by its task (floors' _caller_sessions) must see its caller's.
     try:
-        await asyncio.wait_for(call(serial), hung_after)
+        async with asyncio.timeout(hung_after):
+            await call(serial)
     except TimeoutError:
         raise HungCall(f"a call did not complete within {hung_after:g} s: hung") from None
 
