@@ -81,6 +81,13 @@ from dsh_mesh.core._ids import (
     TurnId,
     parse_session_id,
 )
+from dsh_mesh.core._json import (
+    MAX_JSON_BYTES,
+    MAX_JSON_DEPTH,
+    json_depth,
+    parse_bounded,
+    utf8_size,
+)
 from dsh_mesh.core._signal import Aborted, AbortSignal
 from dsh_mesh.core._source import (
     AGENT_MESSAGE_FRAME,
@@ -92,8 +99,10 @@ from dsh_mesh.core._source import (
 )
 from dsh_mesh.core._stop import TreeStop
 from dsh_mesh.core._text import (
+    MAX_QUOTE_CHARS,
     REPLACEMENT,
     ValidText,
+    bounded_quote,
     is_valid_text,
     replacement_note,
     valid_prose,
@@ -133,6 +142,9 @@ __all__ = [
     "EXPIRED_APPROVAL_REASON",
     "INBOUND_TYPES",
     "MAX_APPROVAL_REASON_CHARS",
+    "MAX_JSON_BYTES",
+    "MAX_JSON_DEPTH",
+    "MAX_QUOTE_CHARS",
     "MAY_FOLLOW_AN_ACCEPTANCE",
     "MESH_DECIDER",
     "REPLACEMENT",
@@ -223,6 +235,7 @@ __all__ = [
     "ValidText",
     "ancestors",
     "authorize",
+    "bounded_quote",
     "canonical_json",
     "check_namespace",
     "context_of",
@@ -231,8 +244,10 @@ __all__ = [
     "frame_settlement_notice",
     "is_queue_delivery",
     "is_valid_text",
+    "json_depth",
     "latest_compaction",
     "mesh_denial",
+    "parse_bounded",
     "parse_session_id",
     "pending_inbound",
     "rejection_class",
@@ -240,6 +255,7 @@ __all__ = [
     "replacement_note",
     "session_usage",
     "unended_turn",
+    "utf8_size",
     "valid_prose",
     "valid_text",
 ]

@@ -20,6 +20,20 @@ from typing import ClassVar, Final
 REPLACEMENT: Final = "\ufffd"
 """What an invalid character becomes (U+FFFD REPLACEMENT CHARACTER)."""
 
+MAX_QUOTE_CHARS: Final = 80
+"""How many characters of a refused value an error's detail quotes by default."""
+
+
+def bounded_quote(text: str, *, max_chars: int = MAX_QUOTE_CHARS) -> str:
+    """``text`` quoted for an error's detail: its first ``max_chars`` characters as a Python
+    literal (newlines, controls and lone surrogates escaped, so the quote is one valid line),
+    then how many characters were left out. A refusal quotes what it refused with this, so a
+    1 MB value never rides in an error."""
+    head = repr(text[:max_chars])
+    if len(text) <= max_chars:
+        return head
+    return f"{head}... ({len(text) - max_chars} more characters)"
+
 
 def replacement_note(count: int) -> str:
     """The note prose gains when ``count`` characters of it were replaced."""
