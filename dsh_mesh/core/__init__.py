@@ -22,6 +22,15 @@ from dsh_mesh.core._approval import (
     descriptor_digest,
     mesh_denial,
 )
+from dsh_mesh.core._calls import (
+    MAX_ARGUMENTS_DEPTH,
+    MAX_CALL_ID_CHARS,
+    MAX_CALLS_PER_STEP,
+    MAX_STEP_BYTES,
+    MAX_TOOL_NAME_CHARS,
+    recorded_step,
+    stored_size,
+)
 from dsh_mesh.core._chat import ChatMessage, Role, ToolCall, Usage
 from dsh_mesh.core._delivery import Delivery, DeliveryKind
 from dsh_mesh.core._errors import (
@@ -142,9 +151,14 @@ __all__ = [
     "EXPIRED_APPROVAL_REASON",
     "INBOUND_TYPES",
     "MAX_APPROVAL_REASON_CHARS",
+    "MAX_ARGUMENTS_DEPTH",
+    "MAX_CALLS_PER_STEP",
+    "MAX_CALL_ID_CHARS",
     "MAX_JSON_BYTES",
     "MAX_JSON_DEPTH",
     "MAX_QUOTE_CHARS",
+    "MAX_STEP_BYTES",
+    "MAX_TOOL_NAME_CHARS",
     "MAY_FOLLOW_AN_ACCEPTANCE",
     "MESH_DECIDER",
     "REPLACEMENT",
@@ -250,10 +264,12 @@ __all__ = [
     "parse_bounded",
     "parse_session_id",
     "pending_inbound",
+    "recorded_step",
     "rejection_class",
     "rejection_error",
     "replacement_note",
     "session_usage",
+    "stored_size",
     "unended_turn",
     "utf8_size",
     "valid_prose",
