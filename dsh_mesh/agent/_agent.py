@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import enum
 import itertools
-import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from concurrent.futures import Executor
@@ -42,6 +41,8 @@ from dsh_mesh.agent._render import render
 from dsh_mesh.core import (
     EXPIRED_APPROVAL_REASON,
     INBOUND_TYPES,
+    MAX_ARGUMENTS_DEPTH,
+    MAX_STEP_BYTES,
     AbortSignal,
     Activation,
     AgentRef,
@@ -57,6 +58,7 @@ from dsh_mesh.core import (
     DetachedWork,
     Entry,
     IdFactory,
+    InvalidArgument,
     Record,
     SessionHeader,
     SessionId,
@@ -76,7 +78,9 @@ from dsh_mesh.core import (
     descriptor_digest,
     latest_compaction,
     mesh_denial,
+    parse_bounded,
     pending_inbound,
+    recorded_step,
     unended_turn,
 )
 from dsh_mesh.models import (
@@ -474,6 +478,8 @@ class Agent:
     def needs_approval(self, call: ToolCall) -> bool:
         """Whether ``call`` (of the last step) runs only once a person allowed it: its tool is
         one the preset marks (a standard tool never is), or it was asked for already."""
+        if call.refused:
+            return False
         tool = self.tools.get(call.name)
         if tool is not None and self.approvals.marks(tool) and not answers_for_itself(tool):
             return True
@@ -634,7 +640,9 @@ class Agent:
         for index, call in open_calls:
             tool = self.tools.get(call.name)
             started: float | None = None
-            if never_ran:
+            if call.refused:
+                output = ToolOutput(content=call.refused, is_error=True)
+            elif never_ran:
                 output = ToolOutput(
                     content="not run: its host stopped before this call started", is_error=True
                 )
@@ -900,11 +908,10 @@ class Agent:
             )
         self._turn_calls += 1
         response = await self._call_model(await self._make_room())
-        step = await self._append(
-            AssistantStepEntry(
-                text=response.text, tool_calls=response.tool_calls, usage=response.usage
-            )
-        )
+        # Recorded bounded and with one id per call (ADR 0038): what runs, is asked for
+        # approval and is answered below is the step as recorded, never the raw answer.
+        recorded = recorded_step(response.text, response.tool_calls, response.usage)
+        step = await self._append(recorded)
         if response.finish_reason is FinishReason.LENGTH:
             raise TokensExhausted("the model stopped at its token limit")
         self._turn_tokens += response.usage.input_tokens + response.usage.output_tokens
@@ -913,9 +920,9 @@ class Agent:
             raise TokensExhausted(
                 f"the turn used {self._turn_tokens} tokens; its budget is {budget}"
             )
-        calls = list(enumerate(response.tool_calls))
+        calls = list(enumerate(recorded.tool_calls))
         return await self._calls_and_boundary(
-            step.seq, calls, signal, asked=bool(response.tool_calls)
+            step.seq, calls, signal, asked=bool(recorded.tool_calls)
         )
 
     async def _calls_and_boundary(
@@ -929,6 +936,9 @@ class Agent:
         """Run ``calls`` of the step ``step_seq`` in order, each answered once, then the step
         boundary. Raises :class:`_AwaitingApproval` at a call that waits for a decision."""
         for index, call in calls:
+            if call.refused:  # never run, never asked for (ADR 0038)
+                await self._answer(call, ToolOutput(content=call.refused, is_error=True))
+                continue
             decision = await self._approval(call, step_seq)
             if decision is not None and decision.decision is ApprovalDecision.DENY:
                 await self._answer(call, denied(decision))
@@ -1227,9 +1237,12 @@ class Agent:
         if tool is None:
             return ToolOutput(content=f"unknown tool {call.name!r}", is_error=True)
         try:
-            arguments = json.loads(call.arguments_json or "{}")
-        except json.JSONDecodeError as bad:
-            return ToolOutput(content=f"arguments are not JSON: {bad}", is_error=True)
+            # Bounded: a step recorded before ADR 0038, or a person's edit, may be anything.
+            arguments = parse_bounded(
+                call.arguments_json or "{}", max_depth=MAX_ARGUMENTS_DEPTH, max_bytes=MAX_STEP_BYTES
+            )
+        except InvalidArgument as bad:
+            return ToolOutput(content=f"arguments refused: {bad.detail}", is_error=True)
         if not isinstance(arguments, dict):
             return ToolOutput(content="arguments must be a JSON object", is_error=True)
         invocation = ToolInvocation(

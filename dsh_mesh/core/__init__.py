@@ -30,6 +30,15 @@ from dsh_mesh.core._bounds import (
     check_chars,
     parse_json_field,
 )
+from dsh_mesh.core._calls import (
+    MAX_ARGUMENTS_DEPTH,
+    MAX_CALL_ID_CHARS,
+    MAX_CALLS_PER_STEP,
+    MAX_STEP_BYTES,
+    MAX_TOOL_NAME_CHARS,
+    recorded_step,
+    stored_size,
+)
 from dsh_mesh.core._chat import ChatMessage, Role, ToolCall, Usage
 from dsh_mesh.core._delivery import Delivery, DeliveryKind
 from dsh_mesh.core._errors import (
@@ -150,6 +159,9 @@ __all__ = [
     "EXPIRED_APPROVAL_REASON",
     "INBOUND_TYPES",
     "MAX_APPROVAL_REASON_CHARS",
+    "MAX_ARGUMENTS_DEPTH",
+    "MAX_CALLS_PER_STEP",
+    "MAX_CALL_ID_CHARS",
     "MAX_EDIT_BYTES",
     "MAX_EDIT_DEPTH",
     "MAX_ID_CHARS",
@@ -157,6 +169,8 @@ __all__ = [
     "MAX_JSON_DEPTH",
     "MAX_KEY_CHARS",
     "MAX_QUOTE_CHARS",
+    "MAX_STEP_BYTES",
+    "MAX_TOOL_NAME_CHARS",
     "MAY_FOLLOW_AN_ACCEPTANCE",
     "MESH_DECIDER",
     "REPLACEMENT",
@@ -264,10 +278,12 @@ __all__ = [
     "parse_json_field",
     "parse_session_id",
     "pending_inbound",
+    "recorded_step",
     "rejection_class",
     "rejection_error",
     "replacement_note",
     "session_usage",
+    "stored_size",
     "unended_turn",
     "utf8_size",
     "valid_prose",

@@ -18,11 +18,19 @@ class Role(enum.Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class ToolCall(ValidText):
-    """One tool invocation a model asked for. ``arguments_json`` is the model's raw JSON text."""
+    """One tool invocation a model asked for. ``arguments_json`` is the model's raw JSON text.
+
+    As a step records it (:func:`~dsh_mesh.core.recorded_step`), ``call_id`` is unique in its
+    step and well formed; ``given_id`` is the id the model gave when the step records the call
+    under another (``None``: ``call_id`` is the model's own); ``refused`` says why the call is
+    never run (its arguments were too deep or too large to keep, and ``arguments_json`` is
+    ``"{}"`` in their place), and is its result; ``""`` for a call that may run."""
 
     call_id: str
     name: str
     arguments_json: str
+    given_id: str | None = None
+    refused: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

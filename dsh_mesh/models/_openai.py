@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import email.utils
-import json
 import logging
 import os
 import random
@@ -29,7 +28,7 @@ from typing import Any
 
 import httpx
 
-from dsh_mesh.core import ContextOverflow
+from dsh_mesh.core import MAX_JSON_DEPTH, ContextOverflow, InvalidArgument, parse_bounded
 from dsh_mesh.models._openai_wire import (
     RESERVED_FIELDS,
     ErrorReport,
@@ -315,12 +314,20 @@ async def _whole(raw: bytes) -> AsyncIterator[Any]:
     yield _parse(raw.decode(errors="replace"))
 
 
+_MAX_CHUNK_DEPTH = MAX_JSON_DEPTH + 8
+"""How deeply one chunk may nest: its envelope, and arguments some servers send as an object."""
+_MAX_CHUNK_BYTES = 16 * 1024 * 1024
+"""The largest chunk (or whole completion of a server that ignores ``stream``) read."""
+
+
 def _parse(data: str) -> Any:
     try:
-        return json.loads(data)
-    except ValueError as bad:
+        return parse_bounded(data, max_depth=_MAX_CHUNK_DEPTH, max_bytes=_MAX_CHUNK_BYTES)
+    except InvalidArgument as bad:
         raise StreamError(
-            ErrorReport(message=f"the endpoint sent a chunk that is not JSON: {data[:200]!r}")
+            ErrorReport(
+                message=f"the endpoint sent a chunk that is not JSON it takes: {bad.detail}"
+            )
         ) from bad
 
 

@@ -25,7 +25,15 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsh_mesh.core import ChatMessage, Role, ToolCall, ToolDescriptor, Usage
+from dsh_mesh.core import (
+    ChatMessage,
+    InvalidArgument,
+    Role,
+    ToolCall,
+    ToolDescriptor,
+    Usage,
+    parse_bounded,
+)
 from dsh_mesh.models._protocol import (
     CallPurpose,
     Finished,
@@ -212,12 +220,23 @@ class _PartialCall:
         )
 
     def complete(self) -> bool:
-        """Named, with arguments that are one whole JSON object."""
+        """Named, with arguments that are one whole JSON object (of bounded depth: any
+        arguments the agent would refuse count as cut)."""
         try:
-            arguments = json.loads("".join(self.arguments))
-        except ValueError:
+            arguments = parse_bounded("".join(self.arguments))
+        except InvalidArgument:
             return False
         return bool(self.name) and isinstance(arguments, dict)
+
+
+def _index(value: Any, position: int) -> int:
+    """A tool call's place in its choice: the ``index`` sent (a number, or digits), else its
+    position in the chunk."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str) and value.isdigit() and len(value) < 10:
+        return int(value)
+    return position
 
 
 @dataclass
@@ -262,18 +281,23 @@ class StreamAssembler:
                 yield from self._flush()
 
     def _call_piece(self, position: int, piece: Any) -> None:
+        # An endpoint may send anything: an id, a name or an index of the wrong type never
+        # breaks the stream. The agent bounds and checks what comes out (ADR 0038).
         if not isinstance(piece, dict):
             return
-        index = piece.get("index", position)
-        function = piece.get("function") or {}
+        index = _index(piece.get("index", position), position)
+        function = piece.get("function")
+        if not isinstance(function, dict):
+            function = {}
+        given_id, name = piece.get("id"), function.get("name")
+        name = name if isinstance(name, str) else ""
         partial = self._calls.get(index)
         if partial is None:
-            partial = _PartialCall(
-                call_id=piece.get("id") or f"call_{index}", name=function.get("name") or ""
-            )
+            call_id = given_id if isinstance(given_id, str) and given_id else f"call_{index}"
+            partial = _PartialCall(call_id=call_id, name=name)
             self._calls[index] = partial
-        elif function.get("name") and not partial.name:
-            partial.name = function["name"]
+        elif name and not partial.name:
+            partial.name = name
         arguments = function.get("arguments")
         if isinstance(arguments, str):
             partial.arguments.append(arguments)

@@ -129,6 +129,17 @@ class Call:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Raw:
+    """One model step that returns ``calls`` exactly as given: their ids, names and argument
+    text, duplicates, empty ids and JSON no tool would accept included. For tests of what a
+    hostile or broken model may send (docs/adr/0038-what-a-model-returns.md)."""
+
+    calls: tuple[ToolCall, ...]
+    text: str = ""
+    gate: asyncio.Event | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class Fail:
     """The provider raises: the turn ends with outcome ``error``."""
 
@@ -152,7 +163,7 @@ class Stall:
     gate: asyncio.Event | None = None
 
 
-Plain = Reply | Call | Fail | ExhaustTokens | Stall
+Plain = Reply | Call | Raw | Fail | ExhaustTokens | Stall
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -301,6 +312,12 @@ class ScriptedProvider:
                     )
                 )
             yield Finished(finish_reason=FinishReason.TOOL_CALLS, usage=usage)
+            return
+        if isinstance(action, Raw):
+            for call in action.calls:
+                yield ToolCallEvent(call=call)
+            reason = FinishReason.TOOL_CALLS if action.calls else FinishReason.STOP
+            yield Finished(finish_reason=reason, usage=usage)
             return
         yield Finished(finish_reason=FinishReason.STOP, usage=usage)
 

@@ -1,6 +1,6 @@
 """The one place where domain values become the bytes stored in etcd, and back.
 
-Format (version 8). Every stored value is one JSON object: UTF-8, compact (no insignificant
+Format (version 9). Every stored value is one JSON object: UTF-8, compact (no insignificant
 whitespace), keys sorted, non-ASCII written as itself, so equal values are equal bytes. Wrapped
 here; ``tests/unit/test_codec.py`` pins the exact bytes of every kind::
 
@@ -80,6 +80,12 @@ Version history (encoders write only the newest; decoders read every one in
    span's ``traceparent`` or ``""``; an older value lacks it and decodes as ``""``. Everything
    else is stored exactly as in version 7 apart from ``"v"``.
 
+9. A tool call (in an ``assistant_step`` entry, and in a ``fork_prefix`` entry's messages)
+   gains ``"given_id"`` (the id the model gave when the step records the call under another,
+   or ``null``) and ``"refused"`` (why the call is never run, or ``""``): ADR 0038. An older
+   value lacks them and decodes as ``null`` and ``""``. Everything else is stored exactly as
+   in version 8 apart from ``"v"``.
+
 ``_ADDED_IN`` is the table of fields added after version 1.
 """
 
@@ -111,6 +117,7 @@ from dsh_mesh.core import (
     SessionHeader,
     SettlementNoticeEntry,
     TaskEntry,
+    ToolCall,
     ToolOutputsClearedEntry,
     ToolResultEntry,
     TreeStop,
@@ -125,7 +132,7 @@ if TYPE_CHECKING:
 
 _D = TypeVar("_D", bound="DataclassInstance")
 
-FORMAT_VERSION: Final = 8
+FORMAT_VERSION: Final = 9
 """The version every encoder writes (see the module docstring for the history)."""
 
 READABLE_VERSIONS: Final = frozenset(range(1, FORMAT_VERSION + 1))
@@ -171,6 +178,7 @@ _ADDED_IN: Final[Mapping[type, Mapping[str, int]]] = types.MappingProxyType(
         TurnStartedEntry: {"node_id": 4, "activation_id": 4, "trace": 8},
         SessionHeader: {"created_at": 4, "namespace": 6},
         ToolResultEntry: {"duration_ms": 5},
+        ToolCall: {"given_id": 9, "refused": 9},
     }
 )
 """Fields of a stored dataclass that older versions lack, with the version that added each.

@@ -67,6 +67,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dsh_mesh.core import (
     INBOUND_TYPES,
@@ -76,6 +77,7 @@ from dsh_mesh.core import (
     CompactionEntry,
     ConsumedEntry,
     HumanPromptEntry,
+    InvalidArgument,
     Record,
     RejectionReason,
     SessionId,
@@ -83,6 +85,7 @@ from dsh_mesh.core import (
     TaskEntry,
     ToolResultEntry,
     TurnStartedEntry,
+    parse_bounded,
 )
 from dsh_mesh.testing._approval_history import ApprovalTally, approval_violations
 from dsh_mesh.testing._edges import (
@@ -330,12 +333,22 @@ def _sends_of(
                     continue
                 if call.call_id in asked:
                     settle(call.call_id, None)
-                asked[call.call_id] = (record, index, json.loads(call.arguments_json or "{}"))
+                asked[call.call_id] = (record, index, _arguments(call.arguments_json))
         elif isinstance(record.entry, ToolResultEntry) and record.entry.call_id in asked:
             settle(record.entry.call_id, record)
     for call_id in list(asked):
         settle(call_id, None)
     return sends
+
+
+def _arguments(arguments_json: str) -> dict[str, Any]:
+    """A call's arguments, or ``{}`` when they are no JSON object the agent would have run
+    (bounded like the agent's parse: a model's arguments may be anything)."""
+    try:
+        arguments = parse_bounded(arguments_json or "{}")
+    except InvalidArgument:
+        return {}
+    return arguments if isinstance(arguments, dict) else {}
 
 
 def _tool_outcome(result: Record | None) -> tuple[Outcome, RejectionReason | None]:
@@ -505,7 +518,8 @@ def check_tool_runs(
 
 def calls_without_one_answer(records: Sequence[Record]) -> list[str]:
     """The tool calls of ``records`` (one transcript) that do not have exactly one result
-    between their step and the next, one line each. The calls of the last step may still be
+    between their step and the next, one line each, and every id two calls of one step share
+    (a result could not tell them apart: ADR 0038). The calls of the last step may still be
     open while nothing but inbound entries follows it: the session stopped mid-step, and its
     next activation answers them before it does anything else."""
     violations: list[str] = []
@@ -521,6 +535,12 @@ def calls_without_one_answer(records: Sequence[Record]) -> list[str]:
         )
         went_on = any(
             not isinstance(r.entry, (*INBOUND_TYPES, ToolResultEntry)) for r in records[start + 1 :]
+        )
+        shared = Counter(call.call_id for call in step.entry.tool_calls)
+        violations.extend(
+            f"call id {call_id!r} is shared by {count} calls of the step at seq {step.seq}"
+            for call_id, count in shared.items()
+            if count > 1
         )
         for call in step.entry.tool_calls:
             count = answers[call.call_id]
@@ -636,12 +656,7 @@ def blind_resends(transcripts: Mapping[SessionId, Sequence[Record]]) -> list[str
             for call in record.entry.tool_calls:
                 if call.name != SEND_TOOL:
                     continue
-                try:
-                    arguments = json.loads(call.arguments_json or "{}")
-                except json.JSONDecodeError:
-                    continue
-                if not isinstance(arguments, dict):
-                    continue
+                arguments = _arguments(call.arguments_json)
                 key = (str(arguments.get("agent_id", "")), str(arguments.get("message", "")))
                 blind = any(seen is None or seen > record.seq for seen in earlier[key])
                 copies = stored[SessionId(key[0]), sender, key[1]]

@@ -4,21 +4,29 @@ parsed, without recursion, and a refusal quotes a bounded prefix of what it refu
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from dsh_mesh.core import (
+    MAX_CALLS_PER_STEP,
     MAX_JSON_BYTES,
     MAX_JSON_DEPTH,
     MAX_QUOTE_CHARS,
+    MAX_STEP_BYTES,
+    MAX_TOOL_NAME_CHARS,
     InvalidArgument,
     RejectionReason,
+    ToolCall,
+    Usage,
     bounded_quote,
     json_depth,
     parse_bounded,
+    recorded_step,
 )
+from dsh_mesh.registry import encode_entry
 
 
 def test_json_nested_100_000_deep_is_refused_typed_not_a_recursion_error() -> None:
@@ -121,3 +129,44 @@ def test_the_scan_agrees_with_the_parsed_depth(value: object) -> None:
     text = json.dumps(value)
     assert json_depth(text) == _depth(value)
     assert parse_bounded(text, max_depth=max(_depth(value), 1)) == value
+
+
+# -- recorded_step (core/_calls.py): what a model's step is recorded as -------------------------
+
+ANY_TEXT = st.text(st.characters(exclude_categories=()), max_size=80)
+CALL_IDS = st.sampled_from(["c-1", "c-1_2", "", "x" * 65, "a b", "call_0"]) | ANY_TEXT
+MODEL_CALLS = st.lists(
+    st.builds(
+        ToolCall,
+        call_id=CALL_IDS,
+        name=st.sampled_from(["status", "n" * 200]) | ANY_TEXT,
+        arguments_json=st.sampled_from(['{"a": 1}', "[" * 70 + "]" * 70, "{", ""]) | ANY_TEXT,
+    ),
+    max_size=80,
+)
+
+
+@given(ANY_TEXT, MODEL_CALLS)
+def test_a_recorded_step_has_unique_bounded_ids_and_recording_it_again_changes_nothing(
+    text: str, calls: list[ToolCall]
+) -> None:
+    step = recorded_step(text, calls, Usage())
+    ids = [c.call_id for c in step.tool_calls]
+    assert len(ids) == len(set(ids)) == min(len(calls), MAX_CALLS_PER_STEP)
+    assert all(re.fullmatch(r"[A-Za-z0-9_.:-]{1,64}", i) for i in ids)
+    assert all(len(c.name) <= MAX_TOOL_NAME_CHARS for c in step.tool_calls)
+    for sent, recorded in zip(calls, step.tool_calls, strict=False):
+        assert (recorded.given_id is None) == (recorded.call_id == sent.call_id)
+        assert bool(recorded.refused) == (recorded.arguments_json != sent.arguments_json)
+    # The same answer is recorded the same way on any node, and a recorded step is final.
+    assert recorded_step(text, calls, Usage()) == step
+    assert recorded_step(step.text, step.tool_calls, Usage()) == step
+
+
+def test_a_step_of_the_largest_calls_and_text_stays_inside_a_store_entry() -> None:
+    calls = [
+        ToolCall(call_id="\x01" * 10_000, name="\x01" * 10_000, arguments_json="\x01" * 50_000)
+        for _ in range(1000)
+    ]
+    step = recorded_step("\x01" * 3_000_000, calls, Usage())
+    assert len(encode_entry(step)) <= MAX_STEP_BYTES + 64 * 1024

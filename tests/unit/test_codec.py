@@ -79,12 +79,12 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
     (
         TaskEntry(content="Summarise the design.\nThen send_message your parent."),
         '{"at":null,"content":"Summarise the design.\\nThen send_message your parent.",'
-        '"type":"task","v":8}',
+        '"type":"task","v":9}',
     ),
     (
         HumanPromptEntry(content="Wie geht's? 你好 🙂", idempotency_key="prompt-7"),
         '{"at":null,"content":"Wie geht\'s? 你好 🙂","idempotency_key":"prompt-7",'
-        '"type":"human_prompt","v":8}',
+        '"type":"human_prompt","v":9}',
     ),
     (
         AgentMessageEntry(
@@ -97,7 +97,7 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
         '{"at":null,"content":"result: 42","delivery":"steered","idempotency_key":"call-9",'
         '"source":{"form":"relay","kind":"agent-message","sender_session_id":"s-2"},'
         '"trace":"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",'
-        '"type":"agent_message","v":8}',
+        '"type":"agent_message","v":9}',
     ),
     (
         SettlementNoticeEntry(
@@ -113,7 +113,7 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
         '"child_session":"s-3","detail":"budget spent","outcome":"token-exhaustion",'
         '"terminal_output":"partial answer",'
         '"trace":"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00",'
-        '"type":"settlement_notice","v":8}',
+        '"type":"settlement_notice","v":9}',
     ),
     (
         ForkPrefixEntry(
@@ -126,19 +126,20 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
         '{"at":null,"messages":[{"content":"Plan it.","role":"user","tool_call_id":null,'
         '"tool_calls":[]},'
         '{"content":"","role":"assistant","tool_call_id":null,"tool_calls":[{"arguments_json":'
-        '"{\\"path\\":\\"a.md\\"}","call_id":"c-1","name":"read_file"}]},{"content":"# A",'
-        '"role":"tool","tool_call_id":"c-1","tool_calls":[]}],"type":"fork_prefix","v":8}',
+        '"{\\"path\\":\\"a.md\\"}","call_id":"c-1","given_id":null,"name":"read_file",'
+        '"refused":""}]},{"content":"# A",'
+        '"role":"tool","tool_call_id":"c-1","tool_calls":[]}],"type":"fork_prefix","v":9}',
     ),
     (
         TurnStartedEntry(
             turn_id=TurnId("t-1"), node_id=NodeId("n-2"), activation_id=ActivationId("a-2")
         ),
         '{"activation_id":"a-2","at":null,"node_id":"n-2","trace":"","turn_id":"t-1",'
-        '"type":"turn_started","v":8}',
+        '"type":"turn_started","v":9}',
     ),
     (
         ConsumedEntry(seqs=(3, 4)),
-        '{"at":null,"seqs":[3,4],"type":"consumed","v":8}',
+        '{"at":null,"seqs":[3,4],"type":"consumed","v":9}',
     ),
     (
         AssistantStepEntry(
@@ -147,19 +148,39 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
             usage=Usage(input_tokens=1200, output_tokens=35, cached_input_tokens=1024),
         ),
         '{"at":null,"text":"Reading it.","tool_calls":[{"arguments_json":"{\\"path\\":\\"a.md\\"}",'
-        '"call_id":"c-1","name":"read_file"}],"type":"assistant_step","usage":'
-        '{"cached_input_tokens":1024,"input_tokens":1200,"output_tokens":35},"v":8}',
+        '"call_id":"c-1","given_id":null,"name":"read_file",'
+        '"refused":""}],"type":"assistant_step","usage":'
+        '{"cached_input_tokens":1024,"input_tokens":1200,"output_tokens":35},"v":9}',
+    ),
+    (
+        AssistantStepEntry(
+            text="",
+            tool_calls=(
+                ToolCall(
+                    call_id="c-1_2",
+                    name="read_file",
+                    arguments_json="{}",
+                    given_id="c-1",
+                    refused="not run: too deep",
+                ),
+            ),
+            usage=Usage(),
+        ),
+        '{"at":null,"text":"","tool_calls":[{"arguments_json":"{}","call_id":"c-1_2",'
+        '"given_id":"c-1","name":"read_file","refused":"not run: too deep"}],'
+        '"type":"assistant_step","usage":{"cached_input_tokens":0,"input_tokens":0,'
+        '"output_tokens":0},"v":9}',
     ),
     (
         ToolResultEntry(
             call_id="c-1", name="read_file", content="no such file", is_error=True, duration_ms=120
         ),
         '{"at":null,"call_id":"c-1","content":"no such file","duration_ms":120,"is_error":true,'
-        '"name":"read_file","type":"tool_result","v":8}',
+        '"name":"read_file","type":"tool_result","v":9}',
     ),
     (
         TurnEndedEntry(turn_id=TurnId("t-1"), outcome=TurnOutcome.COMPLETED),
-        '{"at":null,"detail":"","outcome":"completed","turn_id":"t-1","type":"turn_ended","v":8}',
+        '{"at":null,"detail":"","outcome":"completed","turn_id":"t-1","type":"turn_ended","v":9}',
     ),
     (
         CompactionEntry(
@@ -179,11 +200,11 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
         '"pending":[38],'
         '"summary":"Read a.md; b.md is next.","task":"Review.\\nparent agent_id: \\"s-0\\"",'
         '"through_seq":40,"type":"compaction",'
-        '"usage":{"cached_input_tokens":8192,"input_tokens":9000,"output_tokens":300},"v":8}',
+        '"usage":{"cached_input_tokens":8192,"input_tokens":9000,"output_tokens":300},"v":9}',
     ),
     (
         ToolOutputsClearedEntry(seqs=(5, 9)),
-        '{"at":null,"seqs":[5,9],"type":"tool_outputs_cleared","v":8}',
+        '{"at":null,"seqs":[5,9],"type":"tool_outputs_cleared","v":9}',
     ),
     (
         ApprovalRequestEntry(
@@ -196,7 +217,7 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
         ),
         '{"arguments_json":"{\\"env\\":\\"prod\\"}","at":null,"call_id":"c-1",'
         '"descriptor_digest":"d1","expires_at":"2025-01-02T03:04:05.000006+00:00",'
-        '"step_seq":7,"tool":"deploy","type":"approval_request","v":8}',
+        '"step_seq":7,"tool":"deploy","type":"approval_request","v":9}',
     ),
     (
         ApprovalDecisionEntry(
@@ -209,7 +230,7 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
         ),
         '{"arguments_json":"{\\"env\\":\\"staging\\"}","at":null,"by":"client:alice",'
         '"call_id":"c-1","decision":"edit","reason":"not prod today","request_digest":"r1",'
-        '"type":"approval_decision","v":8}',
+        '"type":"approval_decision","v":9}',
     ),
 ]
 
@@ -269,7 +290,7 @@ OTHER_EXAMPLES: list[tuple[object, Callable[[Any], bytes], str]] = [
         encode_header,
         '{"created_at":"2025-01-02T03:04:05.000006+00:00","fork_origin":null,"kind":"root",'
         '"namespace":"default","parent_session":null,"session_id":"s-1",'
-        '"spec":{"model":"lead-model","preset":"lead","tools":[]},"v":8}',
+        '"spec":{"model":"lead-model","preset":"lead","tools":[]},"v":9}',
     ),
     (
         FORK_HEADER,
@@ -279,24 +300,24 @@ OTHER_EXAMPLES: list[tuple[object, Callable[[Any], bytes], str]] = [
         '"parent_session":"s-1","session_id":"s-2","spec":{"model":"worker-model",'
         '"preset":"worker","tools":[{"description":"Read a file.","input_schema_json":'
         '"{\\"properties\\":{\\"path\\":{\\"type\\":\\"string\\"}},\\"type\\":\\"object\\"}",'
-        '"name":"read_file"}]},"v":8}',
+        '"name":"read_file"}]},"v":9}',
     ),
     (
         ROOT_ACTIVATION,
         encode_activation,
-        '{"activation_id":"a-1","node_id":"n-1","parent_activation":null,"session_id":"s-1","v":8}',
+        '{"activation_id":"a-1","node_id":"n-1","parent_activation":null,"session_id":"s-1","v":9}',
     ),
     (
         CHILD_ACTIVATION,
         encode_activation,
         '{"activation_id":"a-2","node_id":"n-2","parent_activation":"a-1","session_id":"s-2",'
-        '"v":8}',
+        '"v":9}',
     ),
     (
         ACCEPTANCE,
         encode_acceptance,
         '{"fingerprint":"sha256:9f86d0","kind":"cold-resumed","seq":3,"target":"s-2",'
-        '"target_activation":"a-2","v":8}',
+        '"target_activation":"a-2","v":9}',
     ),
 ]
 
@@ -370,9 +391,9 @@ def test_an_acceptance_round_trips_for_every_delivery_kind(kind: DeliveryKind) -
     assert decode_acceptance(encode_acceptance(acceptance)) == acceptance
 
 
-def test_the_format_version_is_eight_and_every_older_one_is_readable() -> None:
-    assert FORMAT_VERSION == 8
-    assert sorted(READABLE_VERSIONS) == [1, 2, 3, 4, 5, 6, 7, 8]
+def test_the_format_version_is_nine_and_every_older_one_is_readable() -> None:
+    assert FORMAT_VERSION == 9
+    assert sorted(READABLE_VERSIONS) == [1, 2, 3, 4, 5, 6, 7, 8, 9]
 
 
 @pytest.mark.parametrize("tag", sorted(TAGS_ADDED_IN))
@@ -596,6 +617,8 @@ ADDED_IN: dict[str, dict[str, tuple[int, object]]] = {
     "decode_header": {"created_at": (4, None), "namespace": (6, "default")},
     "tool_result": {"duration_ms": (5, 0)},
 }
+# The fields a tool call gained (in an assistant step, and in a fork prefix's messages).
+TOOL_CALL_ADDED_IN: dict[str, tuple[int, object]] = {"given_id": (9, None), "refused": (9, "")}
 # The envelope key every entry gained (version 4): when the record was written.
 ENTRY_ADDED_IN: dict[str, tuple[int, object]] = {"at": (4, None)}
 OLDER_VERSIONS = sorted(READABLE_VERSIONS - {FORMAT_VERSION})
@@ -603,6 +626,7 @@ OLDER_VERSIONS = sorted(READABLE_VERSIONS - {FORMAT_VERSION})
 
 def test_every_field_added_later_is_from_a_readable_version() -> None:
     added = {v for fields in ADDED_IN.values() for v, _ in fields.values()}
+    added |= {v for v, _ in TOOL_CALL_ADDED_IN.values()}
     added |= set(TAGS_ADDED_IN.values())
     assert added <= READABLE_VERSIONS - {min(READABLE_VERSIONS)}
     assert FORMAT_VERSION in added  # the newest version added something
@@ -630,11 +654,21 @@ def test_every_older_version_reads_like_the_current_one_without_later_fields(
         if added > version
     }
     open_turn = tag == "compaction" and isinstance(json.loads(data).get("open_turn"), dict)
+    # So are a tool call's, wherever calls are stored.
+    call_later = {
+        name: default for name, (added, default) in TOOL_CALL_ADDED_IN.items() if added > version
+    }
+
+    def calls_of(d: dict[str, Any]) -> list[dict[str, Any]]:
+        messages = d.get("messages") if tag == "fork_prefix" else [d]
+        return [call for m in messages or () for call in m.get("tool_calls") or ()]
 
     def defaults(d: dict[str, Any]) -> None:
         d.update(later)
         if open_turn:
             d["open_turn"].update(nested)
+        for call in calls_of(d):
+            call.update(call_later)
 
     def as_older(d: dict[str, Any]) -> None:
         d.update(v=version)
@@ -643,6 +677,9 @@ def test_every_older_version_reads_like_the_current_one_without_later_fields(
         if open_turn:
             for name in nested:
                 del d["open_turn"][name]
+        for call in calls_of(d):
+            for name in call_later:
+                del call[name]
 
     assert decode(rewrite(data, as_older)) == decode(rewrite(data, defaults))
 
@@ -661,7 +698,14 @@ SESSIONS = IDS.map(SessionId)
 ACTIVATIONS = IDS.map(ActivationId)
 TURNS = IDS.map(TurnId)
 COUNTS = st.integers(min_value=0)
-TOOL_CALLS = st.builds(ToolCall, call_id=TEXT, name=TEXT, arguments_json=TEXT)
+TOOL_CALLS = st.builds(
+    ToolCall,
+    call_id=TEXT,
+    name=TEXT,
+    arguments_json=TEXT,
+    given_id=st.none() | TEXT,
+    refused=TEXT,
+)
 CHAT_MESSAGES = st.builds(
     ChatMessage,
     role=st.sampled_from(Role),

@@ -382,3 +382,45 @@ def test_a_model_spec_splits_at_its_first_colon() -> None:
     assert split_model_spec("ollama:qwen2.5:7b") == ("ollama", "qwen2.5:7b")
     assert split_model_spec("openai:") == ("openai", "")
     assert split_model_spec("lead") is None
+
+
+# -- what a hostile or broken endpoint sends (ADR 0038) -------------------------------------------
+
+
+def test_ids_names_and_indexes_of_the_wrong_type_never_break_the_stream() -> None:
+    """An id or a name that is no string, an index that is no number: the call is still put
+    together (an id the agent then replaces, a name that names no tool), never a TypeError."""
+    events = assemble(
+        chunk({"tool_calls": [{"index": 0, "id": 7, "function": {"name": ["t"]}}]}),
+        chunk({"tool_calls": [{"index": "1", "id": None, "function": {"name": "u"}}]}),
+        chunk({"tool_calls": [{"index": 2, "id": "c", "function": "nonsense"}]}),
+        chunk({"tool_calls": [{"index": 0, "function": {"arguments": "{}", "name": 3}}]}),
+        chunk({}, "tool_calls"),
+    )
+    calls = [e.call for e in events if isinstance(e, ToolCallEvent)]
+    assert all(isinstance(c.call_id, str) and isinstance(c.name, str) for c in calls)
+    assert [c.name for c in calls] == ["", "u", ""]
+    assert calls[0].arguments_json == "{}"
+
+
+def test_arguments_nested_100_000_deep_cut_by_the_token_limit_are_dropped_not_a_crash() -> None:
+    deep = '{"a": ' * 100_000
+    call = {"index": 0, "id": "a", "function": {"name": "t", "arguments": deep}}
+    events = assemble(chunk({"tool_calls": [call]}), chunk({}, "length"))
+    assert events == [Finished(finish_reason=FinishReason.LENGTH, usage=Usage())]
+    whole = {
+        "index": 0,
+        "id": "a",
+        "function": {"name": "t", "arguments": deep + "1" + "}" * 100_000},
+    }
+    events = assemble(chunk({"tool_calls": [whole]}), chunk({}, "length"))
+    assert events == [Finished(finish_reason=FinishReason.LENGTH, usage=Usage())]
+
+
+def test_a_chunk_nested_100_000_deep_is_a_typed_stream_error() -> None:
+    from dsh_mesh.models._openai import _parse
+
+    with pytest.raises(StreamError, match="nested deeper"):
+        _parse("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(StreamError, match="not JSON"):
+        _parse("{nope" + "x" * 100_000)
