@@ -92,6 +92,13 @@ class ApprovalDecisionEntry(ValidText):
     by: str = ""
 
     def __post_init__(self) -> None:
+        # The bound first, then the text boundary: a reason stored within it before that
+        # boundary existed must not be pushed past it by the note the boundary adds.
+        if len(self.reason) > MAX_APPROVAL_REASON_CHARS:
+            raise InvalidArgument(
+                f"reason has {len(self.reason)} characters; the limit is"
+                f" {MAX_APPROVAL_REASON_CHARS}"
+            )
         super().__post_init__()
         if not self.call_id:
             raise InvalidArgument("call_id is required")
@@ -99,11 +106,6 @@ class ApprovalDecisionEntry(ValidText):
             raise InvalidArgument("request_digest is required: the digest of the request shown")
         if (self.decision is ApprovalDecision.EDIT) != bool(self.arguments_json):
             raise InvalidArgument("arguments_json is given with an edit, and only then")
-        if len(self.reason) > MAX_APPROVAL_REASON_CHARS:
-            raise InvalidArgument(
-                f"reason has {len(self.reason)} characters; the limit is"
-                f" {MAX_APPROVAL_REASON_CHARS}"
-            )
         if len(self.by) > MAX_APPROVER_CHARS:
             raise InvalidArgument(f"by is longer than {MAX_APPROVER_CHARS} characters")
 

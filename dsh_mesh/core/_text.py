@@ -15,7 +15,10 @@ it twice changes nothing (the second pass finds nothing to replace).
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import ClassVar, Final
+
+_SURROGATE: Final = re.compile("[\ud800-\udfff]")
 
 REPLACEMENT: Final = "\ufffd"
 """What an invalid character becomes (U+FFFD REPLACEMENT CHARACTER)."""
@@ -43,13 +46,7 @@ def replacement_note(count: int) -> str:
 
 def is_valid_text(text: str) -> bool:
     """Whether ``text`` encodes to UTF-8 as it is (no surrogate code points)."""
-    if text.isascii():
-        return True
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+    return text.isascii() or _SURROGATE.search(text) is None
 
 
 def valid_text(text: str) -> tuple[str, int]:
@@ -81,9 +78,20 @@ class ValidText:
     _PROSE: ClassVar[frozenset[str]] = frozenset()
 
     def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):  # type: ignore[arg-type]
-            value = getattr(self, field.name)  # each is checked by value: ids are str too
+        for name in _field_names(type(self)):
+            value = getattr(self, name)  # each is checked by value: ids are str too
             if isinstance(value, str) and not is_valid_text(value):
-                prose = field.name in self._PROSE
-                fixed = valid_prose(value) if prose else valid_text(value)[0]
-                object.__setattr__(self, field.name, fixed)
+                fixed = valid_prose(value) if name in self._PROSE else valid_text(value)[0]
+                object.__setattr__(self, name, fixed)
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+"""Each :class:`ValidText` dataclass's field names, read once (an entry is built for every
+record a store returns: no ``dataclasses.fields`` call for each)."""
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names

@@ -139,7 +139,7 @@ class SettlementNoticeEntry(ValidText):
 
 
 @dataclass(frozen=True, kw_only=True)
-class ForkPrefixEntry(ValidText):
+class ForkPrefixEntry:
     """A fork child's inherited completed-turn prefix, exactly as its parent rendered it."""
 
     messages: tuple[ChatMessage, ...]
@@ -171,7 +171,7 @@ class TurnStartedEntry(ValidText):
 
 
 @dataclass(frozen=True, kw_only=True)
-class ConsumedEntry(ValidText):
+class ConsumedEntry:
     """Inbound entries (by seq, in FIFO order) shown to the model at this step boundary."""
 
     seqs: tuple[int, ...]
@@ -246,7 +246,7 @@ class CompactionEntry(ValidText):
 
 
 @dataclass(frozen=True, kw_only=True)
-class ToolOutputsClearedEntry(ValidText):
+class ToolOutputsClearedEntry:
     """The outputs of the tool results at ``seqs`` were cleared from the model's context: each
     is shown from here on as a short stub naming the call, its size and how to get it again.
     The results themselves stay in the transcript, whole. Cheaper than a compaction, and tried

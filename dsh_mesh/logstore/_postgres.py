@@ -236,7 +236,9 @@ class PostgresLogStore:
         attempt = 1
         while True:
             try:
-                return await self._append_once(session, writes, keys, fence, unfenced)
+                written = await self._append_once(session, writes, keys, fence, unfenced)
+                self.condition.accepted()
+                return written
             except _RACES as race:
                 # Rolled back whole; the next try sees the other append's keys as known.
                 if not _lost_race(race):

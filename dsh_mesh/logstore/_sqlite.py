@@ -190,7 +190,9 @@ class SqliteLogStore:
                     )
                 return plan.written
 
-        return await self._run(work)
+        written = await self._run(work)
+        self.condition.accepted()
+        return written
 
     async def read(
         self, session: SessionId, *, after_seq: int = 0, limit: int = DEFAULT_PAGE
@@ -328,7 +330,15 @@ class SqliteLogStore:
 
         def call() -> T:
             db = self._connection or self._open()
-            return work(db)
+            try:
+                return work(db)
+            except sqlite3.Error as failure:
+                if _passes(failure) and self._connection is db:
+                    # Opened afresh by the next call, here on the thread that owns it: one
+                    # opened on a file system since remounted may hold on to its old state.
+                    self._connection = None
+                    _close_quietly(db)
+                raise
 
         try:
             return await asyncio.get_running_loop().run_in_executor(self._worker, call)
@@ -339,13 +349,11 @@ class SqliteLogStore:
         """The typed outcome of SQLite's refusal: an outage when it passes by itself (locked
         past the busy timeout, a full disk, a read-only file or file system, an I/O error),
         else :class:`StoreRefused` with SQLite's words and error name (a missing table, a
-        file that is not a database). After an outage the connection is opened afresh by the
-        next call: one opened on a file system since remounted may hold on to its state."""
-        name = getattr(failure, "sqlite_errorname", "") or type(failure).__name__
+        file that is not a database)."""
+        name = _error_name(failure)
         words = str(failure)[:_MAX_WORDS]
         outcome: RegistryUnavailable | StoreRefused
-        if name.startswith(_PASSING_ERRORS):
-            self._reset()
+        if _passes(failure):
             outcome = RegistryUnavailable(f"the log store {self.path}: {words} ({name})")
         else:
             outcome = StoreRefused(
@@ -354,13 +362,6 @@ class SqliteLogStore:
             )
         self.condition.refused(outcome)
         return outcome
-
-    def _reset(self) -> None:
-        """Drop the connection (on the worker thread, which owns it); the next call opens a
-        new one."""
-        db, self._connection = self._connection, None
-        if db is not None:
-            self._worker.submit(_close_quietly, db)
 
     def _open(self) -> sqlite3.Connection:
         if self._connection is None:
@@ -377,6 +378,15 @@ class SqliteLogStore:
                 raise
             self._connection = db
         return self._connection
+
+
+def _error_name(failure: sqlite3.Error) -> str:
+    return getattr(failure, "sqlite_errorname", "") or type(failure).__name__
+
+
+def _passes(failure: sqlite3.Error) -> bool:
+    """Whether SQLite's refusal passes by itself (see :data:`_PASSING_ERRORS`)."""
+    return _error_name(failure).startswith(_PASSING_ERRORS)
 
 
 def _close_quietly(db: sqlite3.Connection) -> None:

@@ -206,6 +206,8 @@ class McpConnection:
                 raise McpUnavailable(
                     f"MCP server {name}: the MCP SDK does not load: {failure}"
                 ) from failure
+            if self._closed:  # closed while the last one retired or the SDK loaded
+                raise McpUnavailable(f"MCP server {name}: the node is draining")
             ready: asyncio.Future[Client] = asyncio.get_running_loop().create_future()
             self._closing = asyncio.Event()
             self._broken = False
@@ -236,6 +238,7 @@ class McpConnection:
         """Own the client for its whole life (the SDK's scopes must be left by the task that
         entered them): enter it, hand it out, wait until it is idle, closed or broken, leave
         it."""
+        closing = self._closing  # this holder's own: a later one gets a new event
         try:
             from mcp import Client  # loaded by _open (see the module's docstring)
 
@@ -247,8 +250,8 @@ class McpConnection:
                 idle = self.config.idle_close.total_seconds()
                 server = self._server
                 ended = asyncio.Event() if server is None else server.ended
-                while not self._closing.is_set() and not ended.is_set():
-                    waits = {asyncio.ensure_future(e.wait()) for e in (self._closing, ended)}
+                while not closing.is_set() and not ended.is_set():
+                    waits = {asyncio.ensure_future(e.wait()) for e in (closing, ended)}
                     try:
                         await asyncio.wait(
                             waits, timeout=idle / 4, return_when=asyncio.FIRST_COMPLETED
@@ -277,8 +280,9 @@ class McpConnection:
                 self._broken = True
                 _log.warning("MCP server %s: connection ended: %s", self.config.name, failure)
         finally:
-            self._closing.set()
-            self._client = None
+            closing.set()
+            if self._holder is asyncio.current_task():  # not a later holder's client
+                self._client = None
             if not ready.done():  # cancelled while it started: whoever waits hears of it
                 ready.set_exception(McpUnavailable("the connection was closed while it started"))
             if self._broken and not self._closed:

@@ -25,6 +25,7 @@ from dsh_mesh.core import (
     SessionHeader,
     SessionId,
     SessionUnknown,
+    bounded_quote,
 )
 from dsh_mesh.registry._codec import decode_activation, decode_header
 from dsh_mesh.registry._etcd import Etcd, get
@@ -97,8 +98,9 @@ class RegistryReads:
         token this server did not issue."""
         members = None if root is None else await self.members(root)  # an unknown root first
         if after and not _TOKEN.fullmatch(after.encode()):
-            shown = after if len(after) <= 40 else f"{after[:40]}... ({len(after)} characters)"
-            raise InvalidArgument(f"page_token {shown!r} is not one this server issued")
+            raise InvalidArgument(
+                f"page_token {bounded_quote(after)} is not one this server issued"
+            )
         if members is None and namespaces is None:
             candidates = self._index(self._keys.listing, after=after.encode())
         elif members is None:

@@ -16,9 +16,11 @@ keeps refusing is reported without a gap; one that stopped refusing is clear wit
 
 class StoreCondition:
     """The last refusal of one log store (an outage or a refusal an operator must mend), noted
-    by the backend where it maps its driver's exceptions. Read by the node's health: the store
-    is *degraded* while its last refusal is younger than ``window``. Not thread-safe: noted and
-    read on the event loop."""
+    by the backend where it maps its driver's exceptions, and cleared by its next accepted
+    write. Read by the node's health: the store is *degraded* while its last refusal is younger
+    than ``window`` and no write was accepted since (a store that refuses writes and serves
+    reads, a revoked INSERT, stays degraded). Not thread-safe: noted and read on the event
+    loop."""
 
     def __init__(
         self,
@@ -34,6 +36,11 @@ class StoreCondition:
         """Note ``refusal`` as the store's latest (and return it, for ``raise``)."""
         self._last = (self._clock(), f"{refusal.reason.value}: {refusal.detail}")
         return refusal
+
+    def accepted(self) -> None:
+        """Note that the store took a write: whatever it refused before has passed (a blip
+        does not leave the store reported degraded for the whole window)."""
+        self._last = None
 
     def degraded(self) -> str | None:
         """Why the store counts as refusing now (its last refusal's reason and words), or

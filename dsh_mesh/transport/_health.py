@@ -9,6 +9,8 @@ import grpc
 from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
 
+from dsh_mesh.transport._status import cut_utf8
+
 LOG_STORE_HEALTH: Final = "dsh.mesh.v1.LogStore"
 """The health service name of a node's log store: ``SERVING`` unless the store refused within
 the last seconds (``runtime.DEGRADED_FOR``), ``NOT_SERVING`` then, the refusal in the
@@ -40,6 +42,6 @@ class NodeHealth(HealthServicer):  # type: ignore[misc]  # grpc_health ships no 
         if why is None:
             return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
         context.set_trailing_metadata(
-            ((DEGRADED_TRAILER, why.encode("utf-8", "replace")[:MAX_DEGRADED_BYTES]),)
+            ((DEGRADED_TRAILER, cut_utf8(why, MAX_DEGRADED_BYTES).encode("utf-8")),)
         )
         return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -175,7 +175,8 @@ def wire_reason(error: MeshError) -> RejectionReason | None:
     return None
 
 
-def _cut(text: str, limit: int = MAX_DETAIL_BYTES) -> str:
+def cut_utf8(text: str, limit: int = MAX_DETAIL_BYTES) -> str:
+    """``text`` cut to at most ``limit`` bytes of UTF-8, never inside a character."""
     data = text.encode("utf-8", errors="replace")
     if len(data) <= limit:
         return text
@@ -229,23 +230,23 @@ def to_rpc_status(error: MeshError, *, target: str = "") -> status_pb2.Status:
     branch on it. Details are cut to :data:`MAX_DETAIL_BYTES`.
     """
     if isinstance(error, RemoteError):
-        return status_pb2.Status(code=error.code.value[0], message=_cut(error.detail))
+        return status_pb2.Status(code=error.code.value[0], message=cut_utf8(error.detail))
     reason = wire_reason(error)
     if reason is None:
-        message = _cut(f"{type(error).__name__}: {error}")
+        message = cut_utf8(f"{type(error).__name__}: {error}")
         return status_pb2.Status(code=grpc.StatusCode.INTERNAL.value[0], message=message)
     if isinstance(error, Rejected):
-        detail = _cut(error.detail)
+        detail = cut_utf8(error.detail)
         metadata = {
-            _cut(k, MAX_METADATA_BYTES): _cut(v, MAX_METADATA_BYTES)
+            cut_utf8(k, MAX_METADATA_BYTES): cut_utf8(v, MAX_METADATA_BYTES)
             for k, v in error.metadata.items()
         }
     else:
-        detail, metadata = _cut(f"{type(error).__name__}: {error}"), {}
+        detail, metadata = cut_utf8(f"{type(error).__name__}: {error}"), {}
     if target:
         metadata.setdefault(TARGET_KEY, target)
     status = status_pb2.Status(
-        code=status_of(reason).value[0], message=_cut(f"{reason.value}: {detail}")
+        code=status_of(reason).value[0], message=cut_utf8(f"{reason.value}: {detail}")
     )
     status.details.add().Pack(
         error_details_pb2.ErrorInfo(reason=reason.value, domain=ERROR_DOMAIN, metadata=metadata)

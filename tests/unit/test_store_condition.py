@@ -40,3 +40,12 @@ def test_the_latest_refusal_is_the_one_reported() -> None:
     clock.now += 5
     condition.refused(RegistryUnavailable("read-only transaction"))
     assert condition.degraded() == "REGISTRY_UNAVAILABLE: read-only transaction"
+
+
+def test_an_accepted_write_clears_the_refusal_before_the_window_ends() -> None:
+    clock = Clock()
+    condition = StoreCondition(clock=clock)
+    condition.refused(RegistryUnavailable("database is locked"))
+    clock.now += 1
+    condition.accepted()
+    assert condition.degraded() is None

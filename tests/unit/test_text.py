@@ -7,6 +7,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dsh_mesh.core import (
+    MAX_APPROVAL_REASON_CHARS,
+    ApprovalDecision,
+    ApprovalDecisionEntry,
     AssistantStepEntry,
     ChatMessage,
     Role,
@@ -74,3 +77,13 @@ def test_building_an_entry_from_valid_text_keeps_it_identical() -> None:
     entry = ToolResultEntry(call_id="c", name="n", content="plain")
     assert entry == ToolResultEntry(call_id="c", name="n", content="plain")
     assert entry.content == "plain"
+
+
+def test_a_reason_at_its_bound_with_a_lone_surrogate_still_builds() -> None:
+    """The bound is judged before the note is added: a decision stored at the bound before
+    the text boundary existed reads again."""
+    reason = "x" * (MAX_APPROVAL_REASON_CHARS - 1) + "\ud800"
+    decision = ApprovalDecisionEntry(
+        call_id="c", decision=ApprovalDecision.DENY, request_digest="d", reason=reason
+    )
+    assert decision.reason.endswith(replacement_note(1))
