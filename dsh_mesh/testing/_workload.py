@@ -49,6 +49,7 @@ from dsh_mesh.core import (
     Role,
     SessionId,
     pending_inbound,
+    unended_turn,
 )
 from dsh_mesh.mcp import McpServerConfig
 from dsh_mesh.models import (
@@ -642,8 +643,10 @@ class Workload:
         """Until the cluster is still: every session's inbound entries consumed, every call
         that waited for approval answered, and no transcript growing for three reads in a row
         (deciding what waits meanwhile; what the driver leaves alone expires). A session
-        holding pending entries, or a call that waits, that no node hosts is woken with a
-        prompt (nothing else would read them: there is no offline mailbox reader, and the
+        holding pending entries, a call that waits, or a turn its host left unended (every node
+        fenced at once mid-step: nobody writes its calls' results until it runs again) that no
+        node hosts is woken with a prompt (nothing else would read them: there is no offline
+        mailbox reader, nothing resumes an absent agent by itself yet (issue 33), and the
         nodes' sweep of expired requests may be backing off). Returns how many wake-ups it
         took; gives up after ``within`` seconds."""
         deadline = time.monotonic() + within
@@ -655,7 +658,11 @@ class Workload:
             await self.decide_waiting()
             transcripts = await self.transcripts()
             waiting = [s for s, records in transcripts.items() if pending_inbound(records)]
-            asleep = [s for s, records in transcripts.items() if open_requests(records)]
+            asleep = [
+                s
+                for s, records in transcripts.items()
+                if open_requests(records) or unended_turn(records) is not None
+            ]
             now = {session: len(records) for session, records in transcripts.items()}
             still = still + 1 if not waiting and not asleep and now == sizes else 0
             sizes = now
