@@ -336,15 +336,18 @@ class McpConnection:
             )
             return self._server.streams()
         assert config.url is not None
-        import httpx2
+        from dsh_mesh.mcp._http import bounded_client  # imports httpx2: loaded by now
 
+        limit = frame_limit(config.limits.max_output_chars)
         http = await stack.enter_async_context(
-            httpx2.AsyncClient(headers=dict(config.headers), timeout=None)
+            bounded_client(
+                config.headers, limit=limit, max_output_chars=config.limits.max_output_chars
+            )
         )
         return streamable_http_client(
             config.url,
             http_client=http,
-            max_sse_event_size=frame_limit(config.limits.max_output_chars),
+            max_sse_event_size=limit,
         )
 
 

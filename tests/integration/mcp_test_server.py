@@ -92,9 +92,12 @@ def build(observed: Observed) -> MCPServer:
 
 
 @contextlib.asynccontextmanager
-async def serving(observed: Observed, mcp: MCPServer | None = None) -> AsyncIterator[str]:
-    """Serve the test server (or ``mcp``); yields its URL."""
-    app = (mcp or build(observed)).streamable_http_app()
+async def serving(
+    observed: Observed, mcp: MCPServer | None = None, *, json_response: bool = False
+) -> AsyncIterator[str]:
+    """Serve the test server (or ``mcp``); yields its URL. With ``json_response`` it answers
+    each request with one JSON body instead of an SSE stream."""
+    app = (mcp or build(observed)).streamable_http_app(json_response=json_response)
     config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())

@@ -41,7 +41,7 @@ from dsh_mesh.testing import (
     process_tree,
 )
 from dsh_mesh.tools import CallLimits, Tool, ToolInvocation, ToolOutput, run_limited
-from tests.integration.mcp_test_server import Observed, build, serving
+from tests.integration.mcp_test_server import Observed, build, build_faulty, serving
 from tests.integration.mesh_client import children_of, live_ref, notices, send_as
 from tests.integration.test_approvals_cluster import (
     list_approvals,
@@ -494,6 +494,35 @@ async def test_a_50_mb_answer_is_cut_while_it_is_read_and_the_connection_goes_on
         assert after == ToolOutput(content="next")
         assert len(launched(launches)) == 1  # the same connection, the same server
     await none_running()
+
+
+async def test_a_50_mb_json_answer_over_http_is_cut_while_it_is_read() -> None:
+    """A streamable-HTTP server in JSON-response mode (no SSE): the SDK read its answer whole
+    (50 MB in the node's memory); now the body is held to the per-message limit while it is
+    read and the call gets the start of its text, as a stdio server's does."""
+    mcp = build_faulty()
+    async with (
+        serving(Observed(), mcp, json_response=True) as url,
+        McpServers(
+            [
+                McpServerConfig(
+                    name="plain",
+                    url=url,
+                    limits=CallLimits(timeout=timedelta(seconds=30), max_output_chars=1000),
+                )
+            ]
+        ) as servers,
+    ):
+        await servers.load("mcp:plain")
+        tools = {t.descriptor.name: t for t in servers.select("mcp:plain")}
+        output = await call(tools["plain__huge"], {"megabytes": 50})
+        assert not output.is_error, output.content
+        assert output.content.startswith("x" * 100) and len(output.content) <= 1000
+        size = re.search(r"output cut: the server's answer was ([\d,]+) bytes", output.content)
+        assert size is not None and int(size[1].replace(",", "")) > 50 * 2**20
+        after = await call(tools["plain__echo"], {"text": "next"}, "c-2")
+        assert after == ToolOutput(content="next")
+        assert servers.connection("plain").opened == 1  # the same connection went on
 
 
 async def test_a_start_that_times_out_kills_the_server_and_later_creations_do_not_hang(
