@@ -476,6 +476,18 @@ async def test_a_server_that_keeps_crashing_is_restarted_with_back_off(
     await none_running()
 
 
+async def huge_then_echo(tools: dict[str, Tool], server: str) -> None:
+    """A 50 MB answer is cut to the start of its text (``max_output_chars`` 1000) with a note
+    of its size; the next call on the connection is answered."""
+    output = await call(tools[f"{server}__huge"], {"megabytes": 50})
+    assert not output.is_error, output.content
+    assert output.content.startswith("x" * 100) and len(output.content) <= 1000
+    size = re.search(r"output cut: the server's answer was ([\d,]+) bytes", output.content)
+    assert size is not None and int(size[1].replace(",", "")) > 50 * 2**20
+    after = await call(tools[f"{server}__echo"], {"text": "next"}, "c-2")
+    assert after == ToolOutput(content="next")
+
+
 async def test_a_50_mb_answer_is_cut_while_it_is_read_and_the_connection_goes_on(
     tmp_path: Path,
 ) -> None:
@@ -485,13 +497,7 @@ async def test_a_50_mb_answer_is_cut_while_it_is_read_and_the_connection_goes_on
     async with McpServers([config]) as servers:
         await servers.load("mcp:faulty")
         tools = {t.descriptor.name: t for t in servers.select("mcp:faulty")}
-        output = await call(tools["faulty__huge"], {"megabytes": 50})
-        assert not output.is_error, output.content
-        assert output.content.startswith("x" * 100) and len(output.content) <= 1000
-        size = re.search(r"output cut: the server's answer was ([\d,]+) bytes", output.content)
-        assert size is not None and int(size[1].replace(",", "")) > 50 * 2**20
-        after = await call(tools["faulty__echo"], {"text": "next"}, "c-2")
-        assert after == ToolOutput(content="next")
+        await huge_then_echo(tools, "faulty")
         assert len(launched(launches)) == 1  # the same connection, the same server
     await none_running()
 
@@ -515,13 +521,7 @@ async def test_a_50_mb_json_answer_over_http_is_cut_while_it_is_read() -> None:
     ):
         await servers.load("mcp:plain")
         tools = {t.descriptor.name: t for t in servers.select("mcp:plain")}
-        output = await call(tools["plain__huge"], {"megabytes": 50})
-        assert not output.is_error, output.content
-        assert output.content.startswith("x" * 100) and len(output.content) <= 1000
-        size = re.search(r"output cut: the server's answer was ([\d,]+) bytes", output.content)
-        assert size is not None and int(size[1].replace(",", "")) > 50 * 2**20
-        after = await call(tools["plain__echo"], {"text": "next"}, "c-2")
-        assert after == ToolOutput(content="next")
+        await huge_then_echo(tools, "plain")
         assert servers.connection("plain").opened == 1  # the same connection went on
 
 
