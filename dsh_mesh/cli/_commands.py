@@ -33,7 +33,7 @@ from dsh_mesh.client import (
 )
 from dsh_mesh.core import MeshError
 from dsh_mesh.transport import TlsCredentials
-from dsh_mesh.ui import serving
+from dsh_mesh.ui import ExposureRefused, ViewTls, serving
 
 CLIENT_NAME = "dsh-mesh-cli"
 """The name the CLI presents to nodes."""
@@ -157,9 +157,28 @@ async def _interrupt(client: MeshClient, args: argparse.Namespace, console: Cons
 
 
 async def _ui(client: MeshClient, args: argparse.Namespace, console: Console) -> int:
-    async with serving(client, host=args.host, port=args.port, trace_url=args.trace_url) as address:
-        console.say(f"dsh-mesh ui: {address.url} (over {client.address}; Ctrl-C stops it)")
-        await asyncio.Event().wait()  # until interrupted
+    if (args.view_cert is None) != (args.view_key is None):
+        raise ConfigError("ui: --tls-cert and --tls-key go together")
+    tls = ViewTls(cert=args.view_cert, key=args.view_key) if args.view_cert else None
+    try:
+        view = serving(
+            client,
+            host=args.host,
+            port=args.port,
+            trace_url=args.trace_url,
+            tls=tls,
+            allowed_hosts=args.allowed_host,
+            trusted_header=args.trusted_header,
+            trusted_proxies=args.trusted_proxy or ("127.0.0.1", "::1"),
+        )
+        async with view as address:
+            console.say(
+                f"dsh-mesh ui: {address.sign_in_url} (over {client.address}; the link signs a"
+                " browser in with this command's credentials: keep it to yourself; Ctrl-C stops it)"
+            )
+            await asyncio.Event().wait()  # until interrupted
+    except ExposureRefused as refused:
+        raise ConfigError(str(refused)) from refused
     return 0
 
 

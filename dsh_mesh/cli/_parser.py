@@ -267,11 +267,53 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Serve the web view on HOST:PORT until interrupted: a thin gateway over the node this"
             " command connects to (the same connection and credentials as every command). It"
-            " prints the address once it listens. Open it in a browser; it needs no internet."
+            " prints a link once it listens, which carries a token made at start: opening it signs"
+            " a browser in with this command's credentials. A person may instead sign in with a"
+            " team's client token (they then see and steer only that team's namespaces)."
+            " Open it in a browser; it needs no internet. See docs/ui.md."
         ),
     )
-    ui.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    ui.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (127.0.0.1); beyond loopback it needs --tls-cert/--tls-key"
+        " or --trusted-header",
+    )
     ui.add_argument("--port", type=int, default=8765, help="port (8765; 0 picks a free one)")
+    ui.add_argument(
+        "--tls-cert",
+        dest="view_cert",
+        type=Path,
+        metavar="FILE",
+        help="serve HTTPS with this certificate (PEM): the view's own; the node connection's"
+        " --tls-* flags go before `ui`",
+    )
+    ui.add_argument(
+        "--tls-key", dest="view_key", type=Path, metavar="FILE", help="its private key (PEM)"
+    )
+    ui.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a host name browsers reach the view by, besides localhost names and IP addresses"
+        " (repeatable); any other Host is refused, against DNS rebinding",
+    )
+    ui.add_argument(
+        "--trusted-header",
+        default="",
+        metavar="HEADER",
+        help="behind an authenticating proxy: the header it names the signed-in person in"
+        " (e.g. X-Forwarded-User), believed only from --trusted-proxy addresses. Off by default",
+    )
+    ui.add_argument(
+        "--trusted-proxy",
+        action="append",
+        default=[],
+        metavar="ADDRESS",
+        help="the proxy's address --trusted-header is believed from (repeatable; 127.0.0.1"
+        " and ::1 when none is given)",
+    )
     ui.add_argument(
         "--trace-url",
         default="",

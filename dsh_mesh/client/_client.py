@@ -55,6 +55,9 @@ from dsh_mesh.core import (
 from dsh_mesh.transport import (
     DEGRADED_TRAILER,
     LOG_STORE_HEALTH,
+    MAX_PERSON_CHARS,
+    PERSON_HEADER,
+    PERSON_TOKEN_HEADER,
     ClusterCredential,
     RemoteError,
     TlsCredentials,
@@ -153,7 +156,7 @@ class MeshClient:
             raise ValueError(f"client name {name!r} must match {_NAME.pattern}")
         environ = os.environ if environ is None else environ
         token = token if token is not None else environ.get(TOKEN_ENV)
-        self._metadata: tuple[tuple[str, str], ...] = ()
+        self._metadata: tuple[tuple[str, str | bytes], ...] = ()
         if token:
             self._metadata = ClusterCredential(token=token).metadata(NodeId(name))
         self._address = address
@@ -164,6 +167,28 @@ class MeshClient:
         self._server_name = server_name
         self._channel: grpc.aio.Channel | None = None
         self._closed = False
+        self._sharing: MeshClient | None = None
+
+    def acting_for(self, *, person_token: str = "", person: str = "") -> MeshClient:
+        """A client over this one's channel whose calls act for a person, as a gateway (the
+        web view) does: with ``person_token`` (a client token of the namespaces file) each
+        call sees and steers no more than that token's grant, and a decision is recorded as
+        that token's; ``person`` names who decided (``alice via ...``). The node judges both
+        (ADR 0041). Closing it leaves this client's channel open; closing this one ends both."""
+        if person and (len(person) > MAX_PERSON_CHARS or not person.isprintable()):
+            raise ValueError(f"a person's name is 1 to {MAX_PERSON_CHARS} printable characters")
+        acting = MeshClient.__new__(MeshClient)
+        acting.__dict__.update(self.__dict__)
+        extra: list[tuple[str, str | bytes]] = []
+        if person_token:
+            extra.append((PERSON_TOKEN_HEADER, person_token))
+        if person:
+            extra.append((PERSON_HEADER, person.encode()))
+        acting._metadata = (*self._metadata, *extra)
+        acting._channel = None
+        acting._closed = False
+        acting._sharing = self
+        return acting
 
     def __repr__(self) -> str:
         return f"MeshClient({self._address!r}, name={self._name!r})"
@@ -201,6 +226,8 @@ class MeshClient:
     def _open(self) -> grpc.aio.Channel:
         if self._closed:
             raise ClientClosed(f"the client of {self._address} is closed")
+        if self._sharing is not None:
+            return self._sharing._open()
         if self._channel is None:
             if self._tls is not None:
                 self._channel = secure_channel(

@@ -37,7 +37,8 @@ def keeping(
             except OSError:  # taken: any free port
                 address = await stack.enter_async_context(serving(client, port=0))
             say("\n=== the cluster stays up: look at it ===")
-            say(f"  web view   {address.url}?root={run.root}")
+            say(f"  web view   {address.sign_in_url}&root={run.root}")
+            say("              (the link signs a browser in: keep it to yourself)")
             say(
                 f"  the same from another terminal:\n"
                 f"    DSH_NODE={live.address} DSH_CLUSTER_TOKEN={token}"

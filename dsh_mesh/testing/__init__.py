@@ -22,7 +22,7 @@ from dsh_mesh.testing._approval_history import (
     approval_violations,
     open_requests,
 )
-from dsh_mesh.testing._browser import headless_chromium, web_view
+from dsh_mesh.testing._browser import WebView, headless_chromium, web_view
 from dsh_mesh.testing._chat_replies import (
     Completion,
     Failure,
@@ -159,6 +159,7 @@ __all__ = [
     "TlsFiles",
     "UsageForm",
     "Verdict",
+    "WebView",
     "Workload",
     "WriteEvent",
     "agent_sends",

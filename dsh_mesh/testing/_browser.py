@@ -10,8 +10,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
+
+import httpx
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -29,9 +32,11 @@ _FLAGS = (
 
 
 @contextlib.contextmanager
-def headless_chromium() -> Iterator[Any]:
+def headless_chromium(*, flags: Sequence[str] = ()) -> Iterator[Any]:
     """A Selenium ``WebDriver`` over a fresh headless Chromium, quit (and its profile removed)
-    on exit. Raises ``RuntimeError`` naming what is missing when the browser is not installed."""
+    on exit; ``flags`` are more command-line flags (``--host-resolver-rules=...`` to point a
+    host name at loopback, as DNS rebinding does). Raises ``RuntimeError`` naming what is
+    missing when the browser is not installed."""
     for path in (CHROMIUM, CHROMEDRIVER):
         if not os.access(path, os.X_OK):
             raise RuntimeError(f"{path} is missing: run scripts/install_browser.sh (as root)")
@@ -42,7 +47,7 @@ def headless_chromium() -> Iterator[Any]:
     profile = tempfile.mkdtemp(prefix="dsh-chromium-")
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for flag in (*_FLAGS, f"--user-data-dir={profile}"):
+    for flag in (*_FLAGS, *flags, f"--user-data-dir={profile}"):
         options.add_argument(flag)
     driver = webdriver.Chrome(options=options, service=Service(executable_path=CHROMEDRIVER))
     try:
@@ -52,13 +57,50 @@ def headless_chromium() -> Iterator[Any]:
         shutil.rmtree(profile, ignore_errors=True)
 
 
+@dataclass(frozen=True)
+class WebView:
+    """A running ``dsh-mesh ui``: its address (``url``, ending in ``/``) and the launch link it
+    printed (``sign_in_url``, which carries its token)."""
+
+    url: str
+    sign_in_url: str
+
+    @property
+    def origin(self) -> str:
+        """``scheme://host:port``, as a browser sends it in ``Origin``."""
+        return self.url.rstrip("/")
+
+    def link(self, **query: str) -> str:
+        """The launch link with more query parameters (``root=...``): it signs a browser in
+        and lands on the page they ask for."""
+        return self.sign_in_url + "".join(f"&{k}={v}" for k, v in query.items())
+
+    @contextlib.asynccontextmanager
+    async def signed_in(self, **headers: str) -> AsyncIterator[httpx.AsyncClient]:
+        """An HTTP client of the view signed in by the launch link, sending what the page
+        sends with a change of state: its ``Origin`` and its CSRF token (and ``headers``)."""
+        async with httpx.AsyncClient(base_url=self.url, timeout=30, headers=headers) as http:
+            signed = await http.get(self.sign_in_url)
+            if signed.status_code != 303:  # the link answers with the page to go to
+                raise RuntimeError(f"the launch link did not sign in: {signed.status_code}")
+            config = (await http.get("/api/config")).raise_for_status().json()
+            http.headers.update({"origin": self.origin, "x-csrf-token": config["csrf_token"]})
+            yield http
+
+
 @contextlib.contextmanager
-def web_view(node: str, token: str, *, env: Mapping[str, str] | None = None) -> Iterator[str]:
+def web_view(
+    node: str,
+    token: str,
+    *,
+    env: Mapping[str, str] | None = None,
+    args: Sequence[str] = (),
+) -> Iterator[WebView]:
     """``dsh-mesh ui --port 0`` over the node at ``node`` (plaintext, cluster ``token``), as a
-    person starts it, in a process of its own; yields its URL once it listens, and stops it
-    (terminated, killed if it lingers, always reaped) on exit."""
+    person starts it (with more ``args``), in a process of its own; yields it once it listens,
+    and stops it (terminated, killed if it lingers, always reaped) on exit."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "dsh_mesh.cli", "ui", "--port", "0"],
+        [sys.executable, "-m", "dsh_mesh.cli", "ui", "--port", "0", *args],
         env={**os.environ, **(env or {}), "DSH_NODE": node, "DSH_CLUSTER_TOKEN": token},
         stdout=subprocess.PIPE,
         text=True,
@@ -66,9 +108,10 @@ def web_view(node: str, token: str, *, env: Mapping[str, str] | None = None) -> 
     try:
         assert process.stdout is not None
         line = process.stdout.readline()
-        if not line.startswith("dsh-mesh ui: http://"):
+        if not line.startswith("dsh-mesh ui: http"):
             raise RuntimeError(f"dsh-mesh ui did not start: it said {line!r}")
-        yield line.split()[2]
+        link = line.split()[2]
+        yield WebView(url=link.split("?", 1)[0], sign_in_url=link)
     finally:
         process.terminate()
         try:

@@ -4,6 +4,9 @@ small certificate authority behind ``dsh-mesh certs``, and the one table between
 gRPC statuses (both directions). Wire messages become domain values here and nowhere else."""
 
 from dsh_mesh.transport._auth import (
+    MAX_PERSON_CHARS,
+    PERSON_HEADER,
+    PERSON_TOKEN_HEADER,
     ClusterAuthInterceptor,
     ClusterCredential,
     caller_identity,
@@ -70,7 +73,10 @@ __all__ = [
     "LOG_STORE_HEALTH",
     "MAX_DEGRADED_BYTES",
     "MAX_DETAIL_BYTES",
+    "MAX_PERSON_CHARS",
     "NO_NAMESPACE",
+    "PERSON_HEADER",
+    "PERSON_TOKEN_HEADER",
     "RETRY_DELAY",
     "STATUS_OF_REASON",
     "AgentMeshService",

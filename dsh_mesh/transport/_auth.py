@@ -40,6 +40,15 @@ HOPS_HEADER = "x-dsh-hops"
 DECIDED_BY_HEADER = "x-dsh-decided-by"
 """Who decided on an approval request, as the node that handed the decision on authenticated
 them: taken from a node only (docs/approvals.md)."""
+PERSON_TOKEN_HEADER = "x-dsh-person-token"
+"""A person's client token, sent by a gateway (the web view) beside its own credential: the
+call then acts with no more than that token's grant, and a decision is recorded as that
+token's. A token this cluster does not grant is ``UNAUTHENTICATED`` (ADR 0041)."""
+PERSON_HEADER = "x-dsh-person-bin"
+"""The name of the person a gateway acts for (UTF-8, printable, at most
+:data:`MAX_PERSON_CHARS` characters): a decision is recorded as ``<name> via <credential>``.
+The credential vouches for the name; the record keeps both (ADR 0041)."""
+MAX_PERSON_CHARS = 128
 _GUARDED_PREFIX = "/dsh.mesh."
 # Methods only a node may call: a client hosts no agent, so it can speak for no sender.
 _NODE_ONLY_PREFIXES = ("/dsh.mesh.v1.AgentMesh/", "/dsh.mesh.peer.v1.MeshPeer/")
@@ -158,7 +167,9 @@ def decider(
     ``client:<name>``; a client token's ``token:<first 12 hex digits of its SHA-256>``; for
     the cluster token, or a cluster without one, ``operator``. A node handing on a decision
     names the decider it authenticated (:data:`DECIDED_BY_HEADER`), and is believed: it holds
-    the cluster's credential."""
+    the cluster's credential. A gateway acting for a person (ADR 0041) narrows this: the
+    person's token names the decider in place of the gateway's credential, and the person's
+    name leads (``alice via operator``)."""
     metadata = dict(context.invocation_metadata() or ())
     named = metadata.get(DECIDED_BY_HEADER)
     token = metadata.get(TOKEN_HEADER)
@@ -166,13 +177,49 @@ def decider(
         caller = caller_identity(context)
         if caller.role is CallerRole.NODE:
             return named if isinstance(named, str) and named else f"node:{caller.name}"
-        return str(caller)
-    from_node = caller_hops(context) > 0 and isinstance(named, str) and bool(named)
+        return _for_person(context, str(caller))
     if credential is None or (isinstance(token, str) and credential.matches(token)):
-        return str(named) if from_node else "operator"
+        from_node = caller_hops(context) > 0 and isinstance(named, str) and bool(named)
+        return str(named) if from_node else _for_person(context, "operator")
     if isinstance(token, str):
-        return "token:" + hashlib.sha256(token.encode()).hexdigest()[:12]
-    return "operator"
+        return _for_person(context, token_identity(token))
+    return _for_person(context, "operator")
+
+
+def token_identity(token: str) -> str:
+    """How a client token is named in a record: ``token:`` and the first 12 hex digits of its
+    SHA-256 (the token itself is never written down)."""
+    return "token:" + hashlib.sha256(token.encode()).hexdigest()[:12]
+
+
+def _for_person(context: grpc.aio.ServicerContext[Any, Any], credential: str) -> str:
+    """``credential`` as a decider, narrowed to the person a gateway acts for: the person's
+    token names the decider in place of the gateway's credential, and the person's name
+    comes first (``alice via token:...``)."""
+    metadata = dict(context.invocation_metadata() or ())
+    person_token = metadata.get(PERSON_TOKEN_HEADER)
+    if isinstance(person_token, str) and person_token:
+        credential = token_identity(person_token)
+    name = person_name(context)
+    return f"{name} via {credential}" if name else credential
+
+
+def person_name(context: grpc.aio.ServicerContext[Any, Any]) -> str:
+    """The person a gateway names in :data:`PERSON_HEADER` ("" when none). A name that is not
+    UTF-8, not printable, or longer than :data:`MAX_PERSON_CHARS` is ``InvalidArgument``."""
+    raw = dict(context.invocation_metadata() or ()).get(PERSON_HEADER)
+    if raw is None or raw in (b"", ""):
+        return ""
+    try:
+        name = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
+    except UnicodeDecodeError as bad:
+        raise InvalidArgument("the person's name is not UTF-8") from bad
+    if len(name) > MAX_PERSON_CHARS or not name.isprintable() or name != name.strip():
+        raise InvalidArgument(
+            f"the person's name must be 1 to {MAX_PERSON_CHARS} printable characters"
+            " without surrounding spaces"
+        )
+    return name
 
 
 def caller_hops(context: grpc.aio.ServicerContext[Any, Any]) -> int:
@@ -205,6 +252,9 @@ class ClusterAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     - Over TLS, a peer certificate that names neither a node nor a client fails with
       ``UNAUTHENTICATED``, and a client calling ``AgentMesh`` or ``MeshPeer`` fails with
       ``PERMISSION_DENIED`` (reason ``FORGED_SENDER``).
+    - A ``MeshControl`` call that carries a person's token (:data:`PERSON_TOKEN_HEADER`, from
+      a gateway acting for a person) fails with ``UNAUTHENTICATED`` unless ``client_tokens``
+      grants it: a cluster without grants has no person to narrow to.
     """
 
     def __init__(
@@ -222,10 +272,17 @@ class ClusterAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if handler is None or not details.method.startswith(_GUARDED_PREFIX):
             return handler
         node_only = details.method.startswith(_NODE_ONLY_PREFIXES)
+        metadata = dict(details.invocation_metadata or ())
         if self._credential is not None:
-            token = dict(details.invocation_metadata or ()).get(TOKEN_HEADER)
+            token = metadata.get(TOKEN_HEADER)
             if not self._credential.matches(token) and (node_only or not self._grants_token(token)):
                 return _refusing(handler, Unauthenticated("missing or wrong cluster credential"))
+        person = metadata.get(PERSON_TOKEN_HEADER)
+        if not node_only and person is not None and not self._grants_token(person):
+            return _refusing(
+                handler,
+                Unauthenticated("the person's token is not a client token this cluster grants"),
+            )
         return _checked(handler, node_only=node_only)
 
     def _grants_token(self, token: str | None) -> bool:

@@ -20,7 +20,13 @@ from typing import Any
 
 import grpc
 
-from dsh_mesh.transport._auth import TOKEN_HEADER, ClusterCredential, caller_identity, is_tls
+from dsh_mesh.transport._auth import (
+    PERSON_TOKEN_HEADER,
+    TOKEN_HEADER,
+    ClusterCredential,
+    caller_identity,
+    is_tls,
+)
 from dsh_mesh.transport._tls import CallerRole
 
 EVERY = "*"
@@ -41,6 +47,14 @@ class Scope:
     def admits(self, namespace: str) -> bool:
         """Whether ``namespace`` is in the scope."""
         return self.namespaces is None or namespace in self.namespaces
+
+    def narrowed(self, other: Scope) -> Scope:
+        """The namespaces both scopes hold."""
+        if self.namespaces is None:
+            return other
+        if other.namespaces is None:
+            return self
+        return Scope(self.namespaces & other.namespaces)
 
 
 EVERY_NAMESPACE = Scope(None)
@@ -92,15 +106,29 @@ class Grants:
     def scope_of(
         self, context: grpc.aio.ServicerContext[Any, Any], credential: ClusterCredential | None
     ) -> Scope:
-        """The namespaces the caller of ``context`` may see and steer."""
+        """The namespaces the caller of ``context`` may see and steer: its credential's
+        grant, narrowed to a person's token's when a gateway sends one (ADR 0041)."""
         if not self._enforced:
             return EVERY_NAMESPACE
+        metadata = dict(context.invocation_metadata() or ())
+        scope = self._credential_scope(context, metadata, credential)
+        person = metadata.get(PERSON_TOKEN_HEADER)
+        if isinstance(person, str):
+            scope = scope.narrowed(self._token_scope(person) or NO_NAMESPACE)
+        return scope
+
+    def _credential_scope(
+        self,
+        context: grpc.aio.ServicerContext[Any, Any],
+        metadata: Mapping[str, Any],
+        credential: ClusterCredential | None,
+    ) -> Scope:
         if is_tls(context):
             caller = caller_identity(context)  # the interceptor refused a caller without one
             if caller.role is CallerRole.NODE:
                 return EVERY_NAMESPACE
             return self._clients.get(caller.name, NO_NAMESPACE)
-        token = dict(context.invocation_metadata() or ()).get(TOKEN_HEADER)
+        token = metadata.get(TOKEN_HEADER)
         if not isinstance(token, str):
             return NO_NAMESPACE
         if credential is not None and credential.matches(token):

@@ -1,9 +1,14 @@
 """The web view's server: a Starlette app that is a thin gateway over one :class:`MeshClient`.
 
-It keeps no state of its own. Each page request becomes control-plane calls to the node the
-client points at (with the client's credentials, TLS included); the live view is a server-sent
-event stream of ``WatchSession(tree)``, which a browser resumes after a drop with the last
-``event_seq`` it saw (``Last-Event-ID``), so nothing is repeated or skipped.
+It keeps no state of the mesh. Each page request becomes control-plane calls to the node the
+client points at, acting for the person signed in (``_people``): the view's own credential
+for the launch link, a team's token forwarded for a person who signed in with it, the name an
+authenticating proxy gives. The node judges what each may see and do. The live view is a
+server-sent event stream of ``WatchSession(tree)``, which a browser resumes after a drop with
+the last ``event_seq`` it saw (``Last-Event-ID``), so nothing is repeated or skipped.
+
+Before a route runs, ``_guard`` has checked the ``Host``; a route that changes state also
+checks that the request is JSON from the view's own page and carries the person's CSRF token.
 """
 
 from __future__ import annotations
@@ -13,19 +18,31 @@ import contextlib
 import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
+from urllib.parse import urlencode
 
 import grpc
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from dsh_mesh.client import MeshClient, SessionEvent, to_jsonable
-from dsh_mesh.core import InvalidArgument, MeshError, Rejected, bounded_quote, parse_json_field
-from dsh_mesh.transport import RemoteError, status_of
+from dsh_mesh.core import (
+    InvalidArgument,
+    MeshError,
+    Rejected,
+    Unauthenticated,
+    bounded_quote,
+    parse_json_field,
+)
+from dsh_mesh.transport import MAX_PERSON_CHARS, RemoteError, status_of
+from dsh_mesh.ui._guard import Guard, Refusal, Refused, ViewPolicy, check_same_origin
+from dsh_mesh.ui._people import Person, SignedInBy, SignIns
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 """The largest request body the web view reads: room for an approval's edited arguments at
@@ -47,7 +64,31 @@ _HTTP_OF_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 
-Handler = Callable[[Request], Awaitable[Response]]
+CSRF_HEADER = "x-csrf-token"
+"""The header a state-changing request carries its person's CSRF token in."""
+
+MAX_TOKEN_CHARS = 1024
+"""The longest token a person may sign in with (a client token is far shorter)."""
+
+Route_ = Callable[[Request], Awaitable[Response]]
+
+
+@dataclass(frozen=True)
+class Caller:
+    """A signed-in request: who it acts for, the client acting for them, its CSRF key."""
+
+    person: Person
+    client: MeshClient
+    csrf_key: str
+
+
+Handler = Callable[[Request, Caller], Awaitable[Response]]
+
+_SIGN_IN_FIRST = Refusal(
+    401,
+    "UNAUTHENTICATED",
+    "sign in first: open the link `dsh-mesh ui` printed, or sign in with your team's token",
+)
 
 
 def error_response(error: MeshError) -> JSONResponse:
@@ -68,14 +109,103 @@ def error_response(error: MeshError) -> JSONResponse:
     )
 
 
-def _answering(handler: Handler) -> Handler:
+def _refused(refusal: Refusal) -> JSONResponse:
+    response = refusal.response()
+    response.headers["cache-control"] = "no-store"
+    return response
+
+
+def _json(value: Any) -> JSONResponse:
+    return JSONResponse(value, headers={"cache-control": "no-store"})
+
+
+def _answering(handler: Route_) -> Route_:
     async def answer(request: Request) -> Response:
         try:
             return await handler(request)
+        except Refused as refused:
+            return _refused(refused.refusal)
         except MeshError as error:
             return error_response(error)
 
     return answer
+
+
+class _Gate:
+    """Who a request acts for: a browser's sign-in cookie, or the person a trusted proxy
+    names; and the checks of a request that changes state."""
+
+    def __init__(self, client: MeshClient, policy: ViewPolicy, sign_ins: SignIns) -> None:
+        self._client = client
+        self._policy = policy
+        self.sign_ins = sign_ins
+
+    def caller(self, request: Request) -> Caller | None:
+        """The signed-in caller of ``request``, or None."""
+        proxied = self._proxied(request)
+        if proxied is not None:
+            return Caller(proxied, proxied.client(self._client), f"proxy:{proxied.name}")
+        session = request.cookies.get(self._policy.cookie, "")
+        person = self.sign_ins.find(session) if session else None
+        if person is None:
+            return None
+        return Caller(person, person.client(self._client), session)
+
+    def _proxied(self, request: Request) -> Person | None:
+        header = self._policy.trusted_header
+        if not header or request.client is None:
+            return None
+        if request.client.host not in self._policy.trusted_proxies:
+            return None  # anyone else may send that header: it means nothing from them
+        name = request.headers.get(header, "")
+        if not name:
+            return None
+        if len(name) > MAX_PERSON_CHARS or not name.isprintable():
+            raise Refused(
+                Refusal(
+                    401,
+                    "UNAUTHENTICATED",
+                    f"the proxy's {header} is no person's name (1 to {MAX_PERSON_CHARS}"
+                    " printable characters)",
+                )
+            )
+        return Person(by=SignedInBy.PROXY, name=name.strip())
+
+    def route(self, handler: Handler, *, changes: bool = False) -> Route_:
+        """``handler`` behind the checks: a request that ``changes`` state is refused 403
+        unless it is JSON from the view's page (before anything else) and carries the CSRF
+        token; any request not signed in is 401."""
+
+        async def guarded(request: Request) -> Response:
+            if changes:
+                check_same_origin(request)
+            caller = self.caller(request)
+            if caller is None:
+                raise Refused(_SIGN_IN_FIRST)
+            if changes and not self.sign_ins.csrf_matches(
+                caller.csrf_key, request.headers.get(CSRF_HEADER, "")
+            ):
+                raise Refused(
+                    Refusal(
+                        403,
+                        "CSRF_TOKEN_INVALID",
+                        f"a request that changes state must carry the page's {CSRF_HEADER}",
+                        {"check": "csrf"},
+                    )
+                )
+            return await handler(request, caller)
+
+        return _answering(guarded)
+
+    def sign_in_cookie(self, response: Response, session: str) -> None:
+        response.set_cookie(
+            self._policy.cookie,
+            session,
+            httponly=True,
+            samesite="strict",
+            secure=self._policy.tls,
+            path="/",
+        )
 
 
 async def _body(request: Request) -> dict[str, Any]:
@@ -118,107 +248,180 @@ def _text(body: dict[str, Any], name: str, *, required: bool = False) -> str:
     return value
 
 
-def create_app(client: MeshClient, *, trace_url: str = "") -> Starlette:
-    """The web view over ``client`` (connected by the caller, closed by the caller).
-    ``trace_url`` is a link template with ``{trace_id}`` (a tracing UI), shown for each trace
-    id the transcript holds; empty shows the ids alone."""
+def create_app(
+    client: MeshClient,
+    *,
+    trace_url: str = "",
+    policy: ViewPolicy | None = None,
+    sign_ins: SignIns | None = None,
+) -> Starlette:
+    """The web view over ``client`` (connected by the caller, closed by the caller), judging
+    requests by ``policy`` and signing people in to ``sign_ins`` (whose launch token the
+    caller prints). ``trace_url`` is a link template with ``{trace_id}`` (a tracing UI), shown
+    for each trace id the transcript holds; empty shows the ids alone."""
+    policy = policy or ViewPolicy()
+    gate = _Gate(client, policy, sign_ins or SignIns())
     static = resources.files("dsh_mesh.ui").joinpath("static")
 
-    async def index(_: Request) -> Response:
-        return Response(static.joinpath("index.html").read_text(), media_type="text/html")
+    def page(name: str, status: int = 200) -> Response:
+        return Response(
+            static.joinpath(name).read_text(),
+            status_code=status,
+            media_type="text/html",
+            headers={"cache-control": "no-store"},
+        )
 
-    async def config(_: Request) -> Response:
-        return JSONResponse({"trace_url": trace_url, "node": client.address})
+    async def index(request: Request) -> Response:
+        token = request.query_params.get("token")
+        if token is not None:  # the launch link: sign in, and drop the token from the URL
+            if not gate.sign_ins.launch_matches(token):
+                return page("sign-in.html", 401)
+            kept = [(k, v) for k, v in request.query_params.multi_items() if k != "token"]
+            response = RedirectResponse("/" + (f"?{urlencode(kept)}" if kept else ""), 303)
+            gate.sign_in_cookie(response, gate.sign_ins.open(Person(by=SignedInBy.LINK)))
+            return response
+        try:
+            signed_in = gate.caller(request) is not None
+        except Refused:
+            signed_in = False
+        return page("index.html") if signed_in else page("sign-in.html", 401)
 
-    async def roots(_: Request) -> Response:
+    async def sign_in(request: Request) -> Response:
+        check_same_origin(request)
+        token = _text(await _body(request), "token", required=True)
+        if gate.sign_ins.launch_matches(token):
+            person = Person(by=SignedInBy.LINK)
+        else:
+            person = Person(by=SignedInBy.TOKEN, token=token)
+            await _granted(person, client)
+        response = _json({"person": person.shown()})
+        gate.sign_in_cookie(response, gate.sign_ins.open(person))
+        return response
+
+    async def sign_out(request: Request, caller: Caller) -> Response:
+        gate.sign_ins.close(request.cookies.get(policy.cookie, ""))
+        response = _json({"signed_out": True})
+        response.delete_cookie(policy.cookie, path="/", httponly=True, samesite="strict")
+        return response
+
+    async def config(_: Request, caller: Caller) -> Response:
+        return _json(
+            {
+                "trace_url": trace_url,
+                "node": client.address,
+                "person": caller.person.shown(),
+                "csrf_token": gate.sign_ins.csrf_token(caller.csrf_key),
+            }
+        )
+
+    async def roots(_: Request, caller: Caller) -> Response:
         found = [
             to_jsonable(summary)
-            async for summary in client.list_agents()
+            async for summary in caller.client.list_agents()
             if summary.info.parent_session is None
         ]
-        return JSONResponse({"roots": found})
+        return _json({"roots": found})
 
-    async def agents(request: Request) -> Response:
+    async def agents(request: Request, caller: Caller) -> Response:
         root = request.query_params.get("root", "")
         if not root:
             raise InvalidArgument("root is required")
-        found = [to_jsonable(summary) async for summary in client.list_agents(root)]
-        return JSONResponse({"agents": found})
+        found = [to_jsonable(summary) async for summary in caller.client.list_agents(root)]
+        return _json({"agents": found})
 
-    async def events(request: Request) -> Response:
+    async def events(request: Request, caller: Caller) -> Response:
         root = request.query_params.get("root", "")
         if not root:
             raise InvalidArgument("root is required")
         after = _position(request)
         # Fail before the stream starts (an unknown root is a 404, not an empty stream).
-        await client.get_session(root, page_size=1)
+        await caller.client.get_session(root, page_size=1)
         return StreamingResponse(
-            _event_stream(client, root, after),
+            _event_stream(caller.client, root, after),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
         )
 
-    async def prompt(request: Request) -> Response:
+    async def prompt(request: Request, caller: Caller) -> Response:
         body = await _body(request)
         key = _text(body, "key") or f"ui-{uuid.uuid4()}"
-        accepted = await client.prompt(
+        accepted = await caller.client.prompt(
             request.path_params["session"], _text(body, "text", required=True), key=key
         )
-        return JSONResponse(to_jsonable(accepted))
+        return _json(to_jsonable(accepted))
 
-    async def interrupt(request: Request) -> Response:
-        return JSONResponse(to_jsonable(await client.interrupt(request.path_params["session"])))
+    async def interrupt(request: Request, caller: Caller) -> Response:
+        return _json(to_jsonable(await caller.client.interrupt(request.path_params["session"])))
 
-    async def stop(request: Request) -> Response:
+    async def stop(request: Request, caller: Caller) -> Response:
         body = await _body(request)
         close = body.get("close", False)
         if not isinstance(close, bool):
             raise InvalidArgument("close must be true or false")
-        stopped = await client.stop_tree(
+        stopped = await caller.client.stop_tree(
             request.path_params["session"], close=close, reason=_text(body, "reason")
         )
-        return JSONResponse(to_jsonable(stopped))
+        return _json(to_jsonable(stopped))
 
-    async def reopen(request: Request) -> Response:
-        return JSONResponse({"reopened": await client.reopen_tree(request.path_params["session"])})
+    async def reopen(request: Request, caller: Caller) -> Response:
+        reopened = await caller.client.reopen_tree(request.path_params["session"])
+        return _json({"reopened": reopened})
 
-    async def approve(request: Request) -> Response:
+    async def approve(request: Request, caller: Caller) -> Response:
         body = await _body(request)
-        decided = await client.approve(
+        decided = await caller.client.approve(
             request.path_params["session"],
             _text(body, "call_id", required=True),
             _text(body, "request_digest", required=True),
             arguments_json=_text(body, "arguments_json"),
             reason=_text(body, "reason"),
         )
-        return JSONResponse(to_jsonable(decided))
+        return _json(to_jsonable(decided))
 
-    async def deny(request: Request) -> Response:
+    async def deny(request: Request, caller: Caller) -> Response:
         body = await _body(request)
-        decided = await client.deny(
+        decided = await caller.client.deny(
             request.path_params["session"],
             _text(body, "call_id", required=True),
             _text(body, "request_digest", required=True),
             reason=_text(body, "reason"),
         )
-        return JSONResponse(to_jsonable(decided))
+        return _json(to_jsonable(decided))
 
     session = "/api/sessions/{session}"
     routes = [
-        Route("/", index),
-        Route("/api/config", _answering(config)),
-        Route("/api/roots", _answering(roots)),
-        Route("/api/agents", _answering(agents)),
-        Route("/api/events", _answering(events)),
-        Route(f"{session}/prompt", _answering(prompt), methods=["POST"]),
-        Route(f"{session}/interrupt", _answering(interrupt), methods=["POST"]),
-        Route(f"{session}/stop", _answering(stop), methods=["POST"]),
-        Route(f"{session}/reopen", _answering(reopen), methods=["POST"]),
-        Route(f"{session}/approve", _answering(approve), methods=["POST"]),
-        Route(f"{session}/deny", _answering(deny), methods=["POST"]),
+        Route("/", _answering(index)),
+        Route("/api/sign-in", _answering(sign_in), methods=["POST"]),
+        Route("/api/sign-out", gate.route(sign_out, changes=True), methods=["POST"]),
+        Route("/api/config", gate.route(config)),
+        Route("/api/roots", gate.route(roots)),
+        Route("/api/agents", gate.route(agents)),
+        Route("/api/events", gate.route(events)),
+        Route(f"{session}/prompt", gate.route(prompt, changes=True), methods=["POST"]),
+        Route(f"{session}/interrupt", gate.route(interrupt, changes=True), methods=["POST"]),
+        Route(f"{session}/stop", gate.route(stop, changes=True), methods=["POST"]),
+        Route(f"{session}/reopen", gate.route(reopen, changes=True), methods=["POST"]),
+        Route(f"{session}/approve", gate.route(approve, changes=True), methods=["POST"]),
+        Route(f"{session}/deny", gate.route(deny, changes=True), methods=["POST"]),
         Mount("/static", StaticFiles(directory=str(static)), name="static"),
     ]
-    return Starlette(routes=routes)
+    return Starlette(routes=routes, middleware=[Middleware(Guard, policy=policy)])
+
+
+async def _granted(person: Person, client: MeshClient) -> None:
+    """Refuse (401) a token the cluster does not grant: the node judges it, on one listing."""
+    token = person.token
+    if len(token) > MAX_TOKEN_CHARS or not token.isascii() or not token.isprintable():
+        raise Refused(Refusal(401, "UNAUTHENTICATED", "that is not a token this cluster grants"))
+    listing = person.client(client).list_agents(page_size=1)
+    try:
+        async with contextlib.aclosing(listing) as agents:
+            async for _ in agents:
+                break
+    except Unauthenticated as refused:
+        raise Refused(
+            Refusal(401, "UNAUTHENTICATED", "that is not a token this cluster grants")
+        ) from refused
 
 
 def _position(request: Request) -> int:

@@ -21,7 +21,14 @@ from dsh_mesh.core import (
     SessionId,
     TurnEndedEntry,
 )
-from dsh_mesh.testing import EtcdAddress, LocalCluster, MeshReader, create_root, web_view
+from dsh_mesh.testing import (
+    EtcdAddress,
+    LocalCluster,
+    MeshReader,
+    WebView,
+    create_root,
+    web_view,
+)
 from dsh_mesh.testing.probe_tools import GATE_ENV, LOG_ENV
 from dsh_mesh.transport import DETAILS_METADATA_KEY, ERROR_DOMAIN, error_from_rpc
 from tests.integration.scenarios import PROBE_PRESETS
@@ -173,16 +180,16 @@ async def test_a_1_mb_idempotency_key_is_refused_and_nothing_is_stored(
 
 
 @pytest.fixture(scope="module")
-def view(cluster: LocalCluster) -> Iterator[str]:
+def view(cluster: LocalCluster) -> Iterator[WebView]:
     address = cluster["node-a"].address
     assert address is not None
-    with web_view(address, cluster.settings.cluster_token) as url:
-        yield url
+    with web_view(address, cluster.settings.cluster_token) as running:
+        yield running
 
 
-async def post_approval(view: str, root: SessionId, **body: object) -> httpx.Response:
-    async with httpx.AsyncClient(timeout=30) as http:
-        return await http.post(f"{view}api/sessions/{root}/approve", **body)  # type: ignore[arg-type]
+async def post_approval(view: WebView, root: SessionId, **body: object) -> httpx.Response:
+    async with view.signed_in() as http:
+        return await http.post(f"/api/sessions/{root}/approve", **body)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -195,7 +202,7 @@ async def post_approval(view: str, root: SessionId, **body: object) -> httpx.Res
 )
 async def test_a_web_view_body_too_deep_or_too_large_is_a_400_with_the_reason(
     cluster: LocalCluster,
-    view: str,
+    view: WebView,
     waiting: tuple[SessionId, ApprovalRequestEntry],
     body: bytes,
     field: str,
@@ -213,7 +220,7 @@ async def test_a_web_view_body_too_deep_or_too_large_is_a_400_with_the_reason(
 
 
 async def test_a_web_view_edit_nested_100000_deep_is_a_400_naming_the_arguments(
-    cluster: LocalCluster, view: str, waiting: tuple[SessionId, ApprovalRequestEntry]
+    cluster: LocalCluster, view: WebView, waiting: tuple[SessionId, ApprovalRequestEntry]
 ) -> None:
     root, request = waiting
     answer = await post_approval(

@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from dsh_mesh.client import MeshClient, SettlementNotice
@@ -27,6 +26,7 @@ from dsh_mesh.testing import (
     EtcdAddress,
     LocalCluster,
     MeshReader,
+    WebView,
     create_root,
     headless_chromium,
     web_view,
@@ -55,8 +55,8 @@ def cluster(etcd: EtcdAddress, tmp_path: Path) -> Iterator[LocalCluster]:
 
 
 @pytest.fixture
-def view(cluster: LocalCluster) -> Iterator[str]:
-    """``dsh-mesh ui --port 0`` over node-a, as a person starts it; its URL."""
+def view(cluster: LocalCluster) -> Iterator[WebView]:
+    """``dsh-mesh ui --port 0`` over node-a, as a person starts it."""
     address = cluster["node-a"].address
     assert address is not None
     with web_view(address, cluster.settings.cluster_token) as url:
@@ -129,10 +129,10 @@ async def transcript(cluster: LocalCluster, session: SessionId) -> list[Any]:
 
 
 async def test_the_tree_renders_and_a_killed_workers_loss_and_resume_show(
-    cluster: LocalCluster, view: str, browser: Any, shots: Callable[[Any, str], None]
+    cluster: LocalCluster, view: WebView, browser: Any, shots: Callable[[Any, str], None]
 ) -> None:
     root = await create_root(cluster, on="node-a", task="Lead.", preset="ui-lead")
-    browser.get(f"{view}?root={root}")
+    browser.get(view.link(root=root))
 
     def workers_running(driver: Any) -> dict[str, dict[str, str]] | None:
         tree = rows(driver)
@@ -174,13 +174,13 @@ async def test_the_tree_renders_and_a_killed_workers_loss_and_resume_show(
 
 async def test_a_call_waiting_for_approval_is_approved_from_the_page_and_runs_once(
     cluster: LocalCluster,
-    view: str,
+    view: WebView,
     browser: Any,
     shots: Callable[[Any, str], None],
     tmp_path: Path,
 ) -> None:
     root = await create_root(cluster, on="node-a", task="Probe, once allowed.", preset="gated")
-    browser.get(f"{view}?root={root}")
+    browser.get(view.link(root=root))
     until(
         browser,
         lambda d: rows(d).get(root, {}).get("state") == "awaiting-approval",
@@ -218,10 +218,10 @@ async def test_a_call_waiting_for_approval_is_approved_from_the_page_and_runs_on
 
 
 async def test_stopping_a_runaway_tree_from_the_page_quiets_it(
-    cluster: LocalCluster, view: str, browser: Any, shots: Callable[[Any, str], None]
+    cluster: LocalCluster, view: WebView, browser: Any, shots: Callable[[Any, str], None]
 ) -> None:
     root = await create_root(cluster, on="node-a", task="Run.", preset="runaway-lead")
-    browser.get(f"{view}?root={root}")
+    browser.get(view.link(root=root))
     until(
         browser,
         lambda d: len(rows(d)) == 2 and all(r["state"] == "running" for r in rows(d).values()),
@@ -247,22 +247,27 @@ async def test_stopping_a_runaway_tree_from_the_page_quiets_it(
 
 
 async def test_the_gateway_answers_bad_requests_with_typed_errors(
-    cluster: LocalCluster, view: str
+    cluster: LocalCluster, view: WebView
 ) -> None:
-    async with httpx.AsyncClient(base_url=view, timeout=30) as http:
+    async with view.signed_in() as http:
         unknown = await http.get("/api/agents", params={"root": "s-000000000000000000000000"})
         assert unknown.status_code == 404 and unknown.json()["error"] == "UNKNOWN_SESSION"
         malformed = await http.get("/api/events", params={"root": "not an id"})
         assert malformed.status_code == 400 and malformed.json()["error"] == "INVALID_ARGUMENT"
         root = await create_root(cluster, on="node-a", task="Probe.", preset="gated")
-        not_json = await http.post(f"/api/sessions/{root}/approve", content=b"{")
+        not_json = await http.post(
+            f"/api/sessions/{root}/approve",
+            content=b"{",
+            headers={"content-type": "application/json"},
+        )
         assert not_json.status_code == 400 and not_json.json()["error"] == "INVALID_ARGUMENT"
         stale = await http.post(
             f"/api/sessions/{root}/approve",
             json={"call_id": "no-such-call", "request_digest": "0" * 64},
         )
         assert stale.status_code == 409 and stale.json()["error"] == "APPROVAL_STALE"
-        assert (await http.get("/")).text.startswith("<!doctype html>")
+        page = await http.get("/")
+        assert page.status_code == 200 and 'id="tree"' in page.text
 
 
 async def test_the_clients_tree_watch_tells_residency_changes_that_follow_an_entry(

@@ -27,12 +27,16 @@ from dsh_mesh.testing import in_process_mesh
 from dsh_mesh.tools import ChildKind, TurnLimits
 from dsh_mesh.transport import (
     EVERY_NAMESPACE,
+    MAX_PERSON_CHARS,
     NO_NAMESPACE,
+    PERSON_HEADER,
+    PERSON_TOKEN_HEADER,
     ClusterCredential,
     Grants,
     Scope,
     token_digest,
 )
+from dsh_mesh.transport._auth import decider
 from dsh_mesh.transport._control import root_session_id
 from tests.unit.test_tree_limits import RUNAWAY
 
@@ -220,13 +224,22 @@ def test_a_namespaces_file_it_cannot_use_stops_the_node(
 class _Context:
     """What a servicer context tells the grants: plaintext metadata, no certificate."""
 
-    def __init__(self, token: str | None) -> None:
-        self._metadata = () if token is None else (("x-dsh-cluster-token", token),)
+    def __init__(
+        self, token: str | None, *, person_token: str | None = None, person: bytes = b""
+    ) -> None:
+        metadata: list[tuple[str, str | bytes]] = []
+        if token is not None:
+            metadata.append(("x-dsh-cluster-token", token))
+        if person_token is not None:
+            metadata.append((PERSON_TOKEN_HEADER, person_token))
+        if person:
+            metadata.append((PERSON_HEADER, person))
+        self._metadata = tuple(metadata)
 
     def auth_context(self) -> dict[str, list[bytes]]:
         return {}
 
-    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+    def invocation_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
         return self._metadata
 
 
@@ -240,6 +253,41 @@ def test_in_plaintext_the_token_decides_the_scope() -> None:
     assert grants.scope_of(_Context("e" * 32), cluster) == NO_NAMESPACE
     assert grants.scope_of(_Context(None), cluster) == NO_NAMESPACE
     assert Grants.open().scope_of(_Context(None), cluster) == EVERY_NAMESPACE
+
+
+def test_a_persons_token_narrows_a_gateways_scope_and_names_its_decisions() -> None:
+    """A gateway (the web view) acting for a person sends the person's client token beside
+    its own credential: the call sees no more than the person's grant, whatever the
+    gateway's, and a decision is recorded as the person's token, their name first."""
+    cluster = ClusterCredential(token="c" * 32)
+    team, other = "d" * 32, "f" * 32
+    grants = Grants(
+        tokens={
+            token_digest(team): Scope(frozenset({"team-a"})),
+            token_digest(other): Scope(frozenset({"team-b", "team-c"})),
+        }
+    )
+    operator_for_team = _Context("c" * 32, person_token=team)
+    assert grants.scope_of(operator_for_team, cluster) == Scope(frozenset({"team-a"}))
+    # A person's token never widens: team-b's holder acting for team-a's sees neither.
+    assert grants.scope_of(_Context(other, person_token=team), cluster) == NO_NAMESPACE
+    assert grants.scope_of(_Context("c" * 32, person_token="e" * 32), cluster) == NO_NAMESPACE
+    digest = token_digest(team)[:12]
+    assert decider(operator_for_team, cluster) == f"token:{digest}"
+    named = _Context("c" * 32, person_token=team, person="Zoë".encode())
+    assert decider(named, cluster) == f"Zoë via token:{digest}"
+    proxied = _Context("c" * 32, person=b"alice@example.org")
+    assert decider(proxied, cluster) == "alice@example.org via operator"
+    assert decider(_Context("c" * 32), cluster) == "operator"
+
+
+@pytest.mark.parametrize(
+    "name", [b"\xff\xfe", b"a\nb", b" alice", ("x" * (MAX_PERSON_CHARS + 1)).encode()]
+)
+def test_a_persons_name_that_is_no_name_is_refused(name: bytes) -> None:
+    cluster = ClusterCredential(token="c" * 32)
+    with pytest.raises(InvalidArgument, match="person's name"):
+        decider(_Context("c" * 32, person=name), cluster)
 
 
 def test_a_request_id_is_one_namespaces_own() -> None:

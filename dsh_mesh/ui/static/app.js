@@ -36,11 +36,25 @@ function agent(id, { listed = false } = {}) {
   return found;
 }
 
+// Positions and widths drawn as data attributes, set here through the CSSOM: the page's
+// content-security policy allows no inline style attribute.
+function placed(box) {
+  for (const element of box.querySelectorAll('[data-left], [data-width]')) {
+    if (element.dataset.left) element.style.left = element.dataset.left;
+    if (element.dataset.width) element.style.width = element.dataset.width;
+  }
+}
+
 async function api(path, body) {
   const init = body === undefined ? {} : {
-    method: 'POST', headers: { 'Content-Type': 'application/json' }, body: JSON.stringify(body),
+    method: 'POST',
+    headers: { 'Content-Type': 'application/json', 'X-CSRF-Token': view.config?.csrf_token || '' },
+    body: JSON.stringify(body),
   };
   const response = await fetch(path, init);
+  if (response.status === 401) {  // signed out (the view restarted, or idle too long)
+    window.location.reload();
+  }
   const data = await response.json();
   if (!response.ok) {
     throw new Error(`${data.error}: ${data.detail}`);
@@ -130,7 +144,7 @@ function drawTree() {
     const detail = state === 'settled' ? ` ${found.settled}` : '';
     rows.push(`<tr data-session="${id}" data-state="${state}" data-node="${found.node}"`
       + `${id === view.selected ? ' class="selected"' : ''}>`
-      + `<td class="id"><span class="indent" style="width:${depth(id) * 1.2}em"></span>${short(id)}</td>`
+      + `<td class="id"><span class="indent" data-width="${depth(id) * 1.2}em"></span>${short(id)}</td>`
       + `<td>${role(found.info)}</td><td>${escape(found.info?.preset || '')}</td>`
       + `<td><span class="state" data-state="${state}">${state}${detail}</span></td>`
       + `<td>${moves}${found.node || ''}</td>`
@@ -138,6 +152,7 @@ function drawTree() {
       + `<td>${share}</td><td>${number(subtreeTokens(id))}</td></tr>`);
   }
   body.innerHTML = rows.join('');
+  placed(body);
   $('#totals').textContent = `${view.order.length} agents, ${number(tokens)} tokens`;
 }
 
@@ -272,15 +287,16 @@ function drawTimeline() {
     for (const turn of found.turns) {
       const stop = turn.end ?? Date.now();
       const trace = turn.trace ? turn.trace.split('-')[1] : '';
-      bars.push(`<div class="bar turn" data-outcome="${turn.outcome || 'running'}" data-trace="${trace}" style="left:${at(turn.start)};width:${width(turn.start, stop)}" title="turn ${turn.id} on ${turn.node}: ${turn.outcome || 'running'}${trace ? `, trace ${trace} (click)` : ''}"></div>`);
-      for (const step of turn.steps) bars.push(`<div class="bar step" style="left:${at(step)}" title="step"></div>`);
+      bars.push(`<div class="bar turn" data-outcome="${turn.outcome || 'running'}" data-trace="${trace}" data-left="${at(turn.start)}" data-width="${width(turn.start, stop)}" title="turn ${turn.id} on ${turn.node}: ${turn.outcome || 'running'}${trace ? `, trace ${trace} (click)` : ''}"></div>`);
+      for (const step of turn.steps) bars.push(`<div class="bar step" data-left="${at(step)}" title="step"></div>`);
       for (const call of turn.tools) {
-        bars.push(`<div class="bar tool" data-error="${call.error}" style="left:${at(call.start)};width:${width(call.start, call.end)}" title="${escape(call.name)} ${call.end - call.start} ms"></div>`);
+        bars.push(`<div class="bar tool" data-error="${call.error}" data-left="${at(call.start)}" data-width="${width(call.start, call.end)}" title="${escape(call.name)} ${call.end - call.start} ms"></div>`);
       }
     }
     lanes.push(`<div class="lane" data-session="${id}"><div class="label">${short(id)}</div><div class="track">${bars.join('')}</div></div>`);
   }
   box.innerHTML = lanes.join('');
+  placed(box);
 }
 
 // -- events --------------------------------------------------------------------------------
@@ -400,6 +416,10 @@ async function act(path, body, done) {
 }
 
 function wire() {
+  $('#sign-out').addEventListener('click', async () => {
+    await api('/api/sign-out', {}).catch(() => {});
+    window.location.assign('/');
+  });
   $('#tree tbody').addEventListener('click', (click) => {
     const row = click.target.closest('tr');
     if (!row) return;
@@ -445,6 +465,7 @@ async function start() {
   wire();
   view.config = await api('/api/config');
   $('#node').textContent = `node ${view.config.node}`;
+  $('#person').textContent = `signed in as ${view.config.person.name}`;
   const { roots } = await api('/api/roots');
   const select = $('#roots');
   select.innerHTML = roots.map((r) => `<option value="${r.info.session_id}">${r.info.session_id} (${escape(r.info.preset)})</option>`).join('');
