@@ -75,11 +75,12 @@ Route_ = Callable[[Request], Awaitable[Response]]
 
 @dataclass(frozen=True)
 class Caller:
-    """A signed-in request: who it acts for, the client acting for them, its CSRF key."""
+    """A signed-in request: who it acts for, the client acting for them, and its sign-in (the
+    session id its cookie carries, or ``proxy:<name>``: the key of its CSRF token)."""
 
     person: Person
     client: MeshClient
-    csrf_key: str
+    sign_in: str
 
 
 Handler = Callable[[Request, Caller], Awaitable[Response]]
@@ -183,7 +184,7 @@ class _Gate:
             if caller is None:
                 raise Refused(_SIGN_IN_FIRST)
             if changes and not self.sign_ins.csrf_matches(
-                caller.csrf_key, request.headers.get(CSRF_HEADER, "")
+                caller.sign_in, request.headers.get(CSRF_HEADER, "")
             ):
                 raise Refused(
                     Refusal(
@@ -193,7 +194,13 @@ class _Gate:
                         {"check": "csrf"},
                     )
                 )
-            return await handler(request, caller)
+            try:
+                return await handler(request, caller)
+            except Unauthenticated:
+                # The node no longer takes this person's credential (a grant removed): they
+                # are signed out, and the page's next load asks them to sign in again.
+                self.sign_ins.close(caller.sign_in)
+                raise
 
         return _answering(guarded)
 
@@ -310,7 +317,7 @@ def create_app(
                 "trace_url": trace_url,
                 "node": client.address,
                 "person": caller.person.shown(),
-                "csrf_token": gate.sign_ins.csrf_token(caller.csrf_key),
+                "csrf_token": gate.sign_ins.csrf_token(caller.sign_in),
             }
         )
 

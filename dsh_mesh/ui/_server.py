@@ -115,6 +115,7 @@ async def serving(
         ssl_certfile=str(tls.cert) if tls else None,
         ssl_keyfile=str(tls.key) if tls else None,
         server_header=False,
+        proxy_headers=False,  # X-Forwarded-For must not make a local process a trusted proxy
     )
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[bound]), name="dsh-mesh ui")

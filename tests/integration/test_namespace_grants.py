@@ -52,7 +52,8 @@ def tls_cluster(pki: LocalPki, tmp_path_factory: pytest.TempPathFactory) -> Iter
         '[[grant]]\nclient = "alice"\nnamespaces = ["team-a"]\n\n'
         '[[grant]]\nclient = "bob"\nnamespaces = ["team-b"]\n\n'
         '[[grant]]\nclient = "ops"\nnamespaces = ["*"]\n\n'
-        '[[grant]]\nclient = "carol"\nnamespaces = ["list-a", "list-b"]\n'
+        '[[grant]]\nclient = "carol"\nnamespaces = ["list-a", "list-b"]\n\n'
+        f'[[grant]]\ntoken_sha256 = "{token_digest(TEAM_TOKEN)}"\nnamespaces = ["team-a"]\n'
     )
     with (
         EtcdServer(tls=pki) as etcd,
@@ -211,6 +212,43 @@ async def test_a_client_token_is_held_to_its_grant(plain_cluster: LocalCluster) 
     async with plain_client(plain_cluster, secrets.token_hex(16)) as stranger:
         with pytest.raises(Unauthenticated):
             await stranger.get_session(own)
+
+
+async def test_a_gateway_acting_for_a_person_is_held_to_the_persons_token(
+    plain_cluster: LocalCluster, tls_cluster: LocalCluster
+) -> None:
+    """A gateway (the web view) holding the operator's credential, acting for a person who
+    signed in with a team's token, sees and steers no more than that team: in plaintext (the
+    cluster token) and over TLS (a client certificate granted every namespace)."""
+    operator = plain_cluster.settings.cluster_token
+    async with plain_client(plain_cluster, operator) as ops:
+        elsewhere = (await ops.create_root("long", "Default work.")).session_id
+        own = (await ops.create_root("long", "Team work.", namespace="team-a")).session_id
+        person = ops.acting_for(person_token=TEAM_TOKEN)
+        listed = {a.info.session_id async for a in person.list_agents()}
+        assert own in listed and elsewhere not in listed
+        with pytest.raises(SessionUnknown):
+            await person.stop_tree(elsewhere, close=True)
+        with pytest.raises(NamespaceDenied):
+            await person.create_root("long", "Elsewhere.")
+        assert (await person.prompt(own, "Go on.")).accepted_seq > 0
+        stranger = ops.acting_for(person_token=secrets.token_hex(16))
+        with pytest.raises(Unauthenticated):
+            await stranger.get_session(own)
+        with pytest.raises(ValueError, match="printable"):
+            ops.acting_for(person="a\nb")
+        await person.close()  # its own: the gateway's channel stays open
+        assert (await ops.get_session(elsewhere)).info.namespace == "default"
+    async with as_client(tls_cluster, "ops") as tls_ops:
+        theirs = (await tls_ops.create_root("long", "B.", namespace="team-b")).session_id
+        mine = (await tls_ops.create_root("long", "A.", namespace="team-a")).session_id
+        person = tls_ops.acting_for(person_token=TEAM_TOKEN)
+        listed = {a.info.session_id async for a in person.list_agents()}
+        assert mine in listed and theirs not in listed
+        with pytest.raises(SessionUnknown):
+            await person.interrupt(theirs)
+        with pytest.raises(Unauthenticated):
+            await tls_ops.acting_for(person_token=secrets.token_hex(16)).get_session(mine)
 
 
 async def test_a_client_token_speaks_for_no_node(plain_cluster: LocalCluster) -> None:

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from dsh_mesh.client import ClientOptions, MeshClient
+from dsh_mesh.core import Unauthenticated
 from dsh_mesh.ui import ExposureRefused, Person, SignedInBy, SignIns, ViewPolicy, create_app
 from dsh_mesh.ui._server import check_exposure
 
@@ -235,3 +236,36 @@ def test_listing_beyond_loopback_needs_tls_or_a_proxy() -> None:
         with pytest.raises(ExposureRefused, match="--tls-cert"):
             check_exposure(host, tls=None, trusted_header="")
     check_exposure("0.0.0.0", tls=None, trusted_header="X-Forwarded-User")
+
+
+class _Revoking(MeshClient):
+    """A node that takes a person's token once (the sign-in), then no longer (its grant was
+    removed and the node restarted)."""
+
+    def __init__(self) -> None:
+        super().__init__(DEAD_NODE, token="")
+        self.listings = 0
+
+    def acting_for(self, *, person_token: str = "", person: str = "") -> MeshClient:
+        return self
+
+    async def list_agents(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:  # type: ignore[override]
+        self.listings += 1
+        if self.listings > 1:
+            raise Unauthenticated("missing or wrong cluster credential")
+        nothing: list[Any] = []
+        for found in nothing:
+            yield found
+
+
+async def test_a_person_whose_token_the_node_stops_taking_is_signed_out() -> None:
+    revoking = _Revoking()
+    async with view(revoking, SignIns()) as http:
+        signed = await http.post("/api/sign-in", json={"token": "a" * 32}, headers={"origin": VIEW})
+        assert signed.status_code == 200 and signed.json()["person"]["by"] == "token"
+        assert (await http.get("/api/config")).status_code == 200
+        refused = await http.get("/api/roots")
+        assert refused.status_code == 401 and refused.json()["error"] == "UNAUTHENTICATED"
+        # Signed out: the page's next load is the sign-in page, not the app again (a loop).
+        assert (await http.get("/api/config")).status_code == 401
+        assert 'id="sign-in"' in (await http.get("/")).text

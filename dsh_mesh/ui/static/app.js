@@ -45,6 +45,10 @@ function placed(box) {
   }
 }
 
+function recentlyReloaded() {
+  return Date.now() - Number(sessionStorage.getItem('dsh-reloaded') || 0) < 10000;
+}
+
 async function api(path, body) {
   const init = body === undefined ? {} : {
     method: 'POST',
@@ -52,8 +56,11 @@ async function api(path, body) {
     body: JSON.stringify(body),
   };
   const response = await fetch(path, init);
-  if (response.status === 401) {  // signed out (the view restarted, or idle too long)
-    window.location.reload();
+  if (response.status === 401 && !recentlyReloaded()) {
+    // Signed out (the view restarted, idle too long, a grant removed): the page's next load
+    // asks to sign in. Once only: a view whose own credential is refused would loop.
+    sessionStorage.setItem('dsh-reloaded', String(Date.now()));
+    window.location.assign('/');
   }
   const data = await response.json();
   if (!response.ok) {
