@@ -369,9 +369,12 @@ async def test_a_person_a_trusted_proxy_names_decides_as_themselves(
             )
             assert decided.status_code == 200, decided.text
             assert decided.json()["decided_by"] == "alice@example.org via operator"
-        # The same header from anywhere but the proxy names nobody.
+        # The same header from anywhere but the proxy names nobody, whatever the sender says
+        # of where it came from.
         async with httpx.AsyncClient(base_url=proxied.url, headers=named, timeout=30) as forger:
             assert (await forger.get("/api/config")).status_code == 401
+            posing = {"x-forwarded-for": "127.0.0.2", "forwarded": "for=127.0.0.2"}
+            assert (await forger.get("/api/config", headers=posing)).status_code == 401
     async with MeshReader(cluster.settings) as reader:
         records = await reader.transcript(SessionId(pending.session_id))
     [decision] = [r.entry for r in records if isinstance(r.entry, ApprovalDecisionEntry)]
