@@ -13,6 +13,7 @@ import tempfile
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import httpx
 
@@ -83,8 +84,11 @@ class WebView:
             signed = await http.get(self.sign_in_url)
             if signed.status_code != 303:  # the link answers with the page to go to
                 raise RuntimeError(f"the launch link did not sign in: {signed.status_code}")
-            config = (await http.get("/api/config")).raise_for_status().json()
-            http.headers.update({"origin": self.origin, "x-csrf-token": config["csrf_token"]})
+            # The page's key rides in the fragment of the page the link sends the browser to.
+            fragment = urlsplit(signed.headers["location"]).fragment
+            http.headers.update(
+                {"origin": self.origin, "x-csrf-token": parse_qs(fragment)["key"][0]}
+            )
             yield http
 
 

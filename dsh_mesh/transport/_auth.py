@@ -176,7 +176,9 @@ def decider(
     if is_tls(context):
         caller = caller_identity(context)
         if caller.role is CallerRole.NODE:
-            return named if isinstance(named, str) and named else f"node:{caller.name}"
+            if isinstance(named, str) and named:
+                return named  # handed on: the first node named the decider
+            return _for_person(context, f"node:{caller.name}")
         return _for_person(context, str(caller))
     if credential is None or (isinstance(token, str) and credential.matches(token)):
         from_node = caller_hops(context) > 0 and isinstance(named, str) and bool(named)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -90,6 +91,14 @@ _SIGN_IN_FIRST = Refusal(
     "UNAUTHENTICATED",
     "sign in first: open the link `dsh-mesh ui` printed, or sign in with your team's token",
 )
+_NO_PAGE_KEY = Refusal(
+    401,
+    "UNAUTHENTICATED",
+    f"this request carries no {CSRF_HEADER} of its sign-in (a page that did not sign in, or a"
+    " cookie sent on its own): sign in again",
+)
+_NOT_GRANTED = Refusal(401, "UNAUTHENTICATED", "that is not a token this cluster grants")
+_log = logging.getLogger(__name__)
 
 
 def error_response(error: MeshError) -> JSONResponse:
@@ -128,6 +137,11 @@ def _answering(handler: Route_) -> Route_:
             return _refused(refused.refusal)
         except MeshError as error:
             return error_response(error)
+        except Exception as error:  # a bug of the view: a typed 500, never a traceback page
+            _log.exception("the web view failed on %s %s", request.method, request.url.path)
+            return _refused(
+                Refusal(500, "INTERNAL", f"the web view failed: {type(error).__name__}")
+            )
 
     return answer
 
@@ -158,24 +172,33 @@ class _Gate:
             return None
         if request.client.host not in self._policy.trusted_proxies:
             return None  # anyone else may send that header: it means nothing from them
-        name = request.headers.get(header, "")
-        if not name:
+        raw = request.headers.get(header)
+        if raw is None:
             return None
-        if len(name) > MAX_PERSON_CHARS or not name.isprintable():
+        try:  # Starlette reads header bytes as Latin-1; a proxy sends UTF-8
+            name = raw.encode("latin-1").decode("utf-8").strip()
+        except UnicodeError:
+            name = ""
+        if not name or len(name) > MAX_PERSON_CHARS or not name.isprintable():
             raise Refused(
                 Refusal(
                     401,
                     "UNAUTHENTICATED",
                     f"the proxy's {header} is no person's name (1 to {MAX_PERSON_CHARS}"
-                    " printable characters)",
+                    " printable characters of UTF-8)",
                 )
             )
-        return Person(by=SignedInBy.PROXY, name=name.strip())
+        return Person(by=SignedInBy.PROXY, name=name)
 
-    def route(self, handler: Handler, *, changes: bool = False) -> Route_:
-        """``handler`` behind the checks: a request that ``changes`` state is refused 403
-        unless it is JSON from the view's page (before anything else) and carries the CSRF
-        token; any request not signed in is 401."""
+    def route(
+        self, handler: Handler, *, changes: bool = False, key_in_query: bool = False
+    ) -> Route_:
+        """``handler`` behind the checks. A request that ``changes`` state is refused 403
+        unless it is JSON from the view's page (before anything else). Any request not signed
+        in is 401. Then the page's CSRF token: a browser signed in by cookie carries it on
+        every request (in the query with ``key_in_query``, for an event stream), since its
+        cookie reaches every server on the same host, whatever the port: without the token a
+        read is 401, a change 403. A person a proxy names carries it on changes."""
 
         async def guarded(request: Request) -> Response:
             if changes:
@@ -183,17 +206,21 @@ class _Gate:
             caller = self.caller(request)
             if caller is None:
                 raise Refused(_SIGN_IN_FIRST)
-            if changes and not self.sign_ins.csrf_matches(
-                caller.sign_in, request.headers.get(CSRF_HEADER, "")
-            ):
-                raise Refused(
-                    Refusal(
-                        403,
-                        "CSRF_TOKEN_INVALID",
-                        f"a request that changes state must carry the page's {CSRF_HEADER}",
-                        {"check": "csrf"},
+            presented = request.headers.get(CSRF_HEADER, "")
+            if not presented and key_in_query:
+                presented = request.query_params.get("key", "")
+            if not self.sign_ins.csrf_matches(caller.sign_in, presented):
+                if changes:
+                    raise Refused(
+                        Refusal(
+                            403,
+                            "CSRF_TOKEN_INVALID",
+                            f"a request that changes state must carry the page's {CSRF_HEADER}",
+                            {"check": "csrf"},
+                        )
                     )
-                )
+                if caller.person.by is not SignedInBy.PROXY:
+                    raise Refused(_NO_PAGE_KEY)
             try:
                 return await handler(request, caller)
             except Unauthenticated:
@@ -250,6 +277,12 @@ def _text(body: dict[str, Any], name: str, *, required: bool = False) -> str:
     value = body.get(name, "")
     if not isinstance(value, str):
         raise InvalidArgument(f"{name} must be a string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as bad:  # a lone surrogate (JSON allows one as an escape)
+        raise InvalidArgument(
+            f"{name} is not valid Unicode: {bad.reason}", metadata={"field": name}
+        ) from bad
     if required and not value:
         raise InvalidArgument(f"{name} is required")
     return value
@@ -283,9 +316,14 @@ def create_app(
         if token is not None:  # the launch link: sign in, and drop the token from the URL
             if not gate.sign_ins.launch_matches(token):
                 return page("sign-in.html", 401)
+            # The page's key travels in the fragment, which no server and no Referer sees.
             kept = [(k, v) for k, v in request.query_params.multi_items() if k != "token"]
-            response = RedirectResponse("/" + (f"?{urlencode(kept)}" if kept else ""), 303)
-            gate.sign_in_cookie(response, gate.sign_ins.open(Person(by=SignedInBy.LINK)))
+            session = gate.sign_ins.open(Person(by=SignedInBy.LINK))
+            key = urlencode({"key": gate.sign_ins.csrf_token(session)})
+            response = RedirectResponse(
+                "/" + (f"?{urlencode(kept)}" if kept else "") + f"#{key}", 303
+            )
+            gate.sign_in_cookie(response, session)
             return response
         try:
             signed_in = gate.caller(request) is not None
@@ -296,14 +334,22 @@ def create_app(
     async def sign_in(request: Request) -> Response:
         check_same_origin(request)
         token = _text(await _body(request), "token", required=True)
+        if len(token) > MAX_TOKEN_CHARS or not token.isascii() or not token.isprintable():
+            raise Refused(_NOT_GRANTED)
         if gate.sign_ins.launch_matches(token):
             person = Person(by=SignedInBy.LINK)
         else:
             person = Person(by=SignedInBy.TOKEN, token=token)
             await _granted(person, client)
-        response = _json({"person": person.shown()})
-        gate.sign_in_cookie(response, gate.sign_ins.open(person))
+        session = gate.sign_ins.open(person)
+        response = _json(
+            {"person": person.shown(), "csrf_token": gate.sign_ins.csrf_token(session)}
+        )
+        gate.sign_in_cookie(response, session)
         return response
+
+    async def sign_in_page(_: Request) -> Response:
+        return page("sign-in.html")
 
     async def sign_out(request: Request, caller: Caller) -> Response:
         gate.sign_ins.close(request.cookies.get(policy.cookie, ""))
@@ -398,12 +444,13 @@ def create_app(
     session = "/api/sessions/{session}"
     routes = [
         Route("/", _answering(index)),
+        Route("/sign-in", _answering(sign_in_page)),
         Route("/api/sign-in", _answering(sign_in), methods=["POST"]),
         Route("/api/sign-out", gate.route(sign_out, changes=True), methods=["POST"]),
         Route("/api/config", gate.route(config)),
         Route("/api/roots", gate.route(roots)),
         Route("/api/agents", gate.route(agents)),
-        Route("/api/events", gate.route(events)),
+        Route("/api/events", gate.route(events, key_in_query=True)),
         Route(f"{session}/prompt", gate.route(prompt, changes=True), methods=["POST"]),
         Route(f"{session}/interrupt", gate.route(interrupt, changes=True), methods=["POST"]),
         Route(f"{session}/stop", gate.route(stop, changes=True), methods=["POST"]),
@@ -417,18 +464,13 @@ def create_app(
 
 async def _granted(person: Person, client: MeshClient) -> None:
     """Refuse (401) a token the cluster does not grant: the node judges it, on one listing."""
-    token = person.token
-    if len(token) > MAX_TOKEN_CHARS or not token.isascii() or not token.isprintable():
-        raise Refused(Refusal(401, "UNAUTHENTICATED", "that is not a token this cluster grants"))
     listing = person.client(client).list_agents(page_size=1)
     try:
         async with contextlib.aclosing(listing) as agents:
             async for _ in agents:
                 break
     except Unauthenticated as refused:
-        raise Refused(
-            Refusal(401, "UNAUTHENTICATED", "that is not a token this cluster grants")
-        ) from refused
+        raise Refused(_NOT_GRANTED) from refused
 
 
 def _position(request: Request) -> int:

@@ -117,6 +117,9 @@ class Guard:
             self._headers.append((_HSTS[0].encode(), _HSTS[1].encode()))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":  # the view serves none: refused at the handshake
+            await send({"type": "websocket.close", "code": 1008})
+            return
         if scope["type"] != "http":
             await self._app(scope, receive, send)
             return

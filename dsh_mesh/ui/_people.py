@@ -37,6 +37,10 @@ MAX_SIGN_INS = 10_000
 IDLE_SIGN_IN = timedelta(hours=12)
 """How long a signed-in browser stays signed in without a request."""
 
+MAX_SIGN_INS_PER_PERSON = 20
+"""Sign-ins one person (one token, the launch link) holds at once; a new one past it signs out
+that person's longest idle, so that no one token can sign everyone else out."""
+
 
 class SignedInBy(StrEnum):
     """How a person signed in."""
@@ -81,12 +85,14 @@ class SignIns:
         *,
         launch_token: str | None = None,
         limit: int = MAX_SIGN_INS,
+        per_person: int = MAX_SIGN_INS_PER_PERSON,
         idle: timedelta = IDLE_SIGN_IN,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.launch_token = launch_token or secrets.token_urlsafe(32)
         self._secret = secrets.token_bytes(32)
         self._limit = limit
+        self._per_person = per_person
         self._idle = idle.total_seconds()
         self._clock = clock
         self._people: OrderedDict[str, tuple[Person, float]] = OrderedDict()
@@ -97,8 +103,17 @@ class SignIns:
 
     def open(self, person: Person) -> str:
         """Sign ``person`` in; the session id their cookie carries."""
+        now = self._clock()
+        while self._people:  # the expired first (least recently used come first)
+            oldest, (_, seen) = next(iter(self._people.items()))
+            if now - seen <= self._idle:
+                break
+            del self._people[oldest]
+        theirs = [key for key, (held, _) in self._people.items() if held == person]
+        for key in theirs[: max(len(theirs) - self._per_person + 1, 0)]:
+            del self._people[key]
         session = secrets.token_urlsafe(32)
-        self._people[session] = (person, self._clock())
+        self._people[session] = (person, now)
         while len(self._people) > self._limit:
             self._people.popitem(last=False)
         return session

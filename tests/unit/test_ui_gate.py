@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from datetime import timedelta
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import pytest
@@ -39,16 +40,17 @@ def view(
 
 
 async def signed_in(http: httpx.AsyncClient, sign_ins: SignIns) -> str:
-    """Sign ``http`` in by the launch link; its CSRF token."""
+    """Sign ``http`` in by the launch link; its CSRF token (the page's key)."""
     opened = await http.get("/", params={"token": sign_ins.launch_token, "root": SESSION})
     assert opened.status_code == 303
-    assert opened.headers["location"] == f"/?root={SESSION}"  # the token leaves the URL
+    location = urlsplit(opened.headers["location"])
+    assert (location.path, location.query) == ("/", f"root={SESSION}")  # the token is gone
+    token = parse_qs(location.fragment)["key"][0]  # the key: in the fragment, seen by no server
     cookie = opened.headers["set-cookie"].lower()
     assert "httponly" in cookie and "samesite=strict" in cookie and "secure" not in cookie
-    config = await http.get("/api/config")
+    config = await http.get("/api/config", headers={"x-csrf-token": token})
     assert config.status_code == 200
     assert config.json()["person"] == {"by": "link", "name": "the view's credential"}
-    token: str = config.json()["csrf_token"]
     return token
 
 
@@ -85,7 +87,7 @@ async def test_every_answer_carries_the_security_headers(client: MeshClient) -> 
     sign_ins = SignIns()
     async with view(client, sign_ins) as http:
         await signed_in(http, sign_ins)
-        for path in ("/", "/api/config", "/static/app.js", "/no-such-page"):
+        for path in ("/", "/api/config", "/static/app.js", "/no-such-page", "/sign-in"):
             headers = (await http.get(path)).headers
             policy = headers["content-security-policy"]
             assert "script-src 'self'" in policy and "unsafe-inline" not in policy, path
@@ -93,6 +95,8 @@ async def test_every_answer_carries_the_security_headers(client: MeshClient) -> 
             assert headers["x-content-type-options"] == "nosniff", path
             assert headers["referrer-policy"] == "same-origin", path
             assert headers["x-frame-options"] == "DENY", path
+            assert headers["cross-origin-resource-policy"] == "same-origin", path
+            assert headers["cross-origin-opener-policy"] == "same-origin", path
             assert "strict-transport-security" not in headers  # plain HTTP on loopback
 
 
@@ -146,6 +150,12 @@ async def test_a_cross_site_request_is_refused_even_when_not_signed_in(
             headers={"origin": "http://127.0.0.1:9999", "content-type": "text/plain"},
         )
         assert refused.status_code == 403
+        json_cross = await http.post(
+            f"/api/sessions/{SESSION}/stop",
+            content=b"{}",
+            headers={"origin": "http://127.0.0.1:9999", "content-type": "application/json"},
+        )
+        assert json_cross.status_code == 403 and json_cross.json()["error"] == "CROSS_ORIGIN"
         signed_out = await http.post(
             f"/api/sessions/{SESSION}/stop", content=b"{}", headers=SAME_ORIGIN
         )
@@ -171,7 +181,8 @@ async def test_the_launch_token_signs_in_from_the_sign_in_form_too(client: MeshC
         assert cross.status_code == 403  # no signing a victim in from another page
         signed = await http.post("/api/sign-in", json=body, headers={"origin": VIEW})
         assert signed.status_code == 200 and signed.json()["person"]["by"] == "link"
-        assert (await http.get("/api/config")).status_code == 200
+        key = {"x-csrf-token": signed.json()["csrf_token"]}
+        assert (await http.get("/api/config", headers=key)).status_code == 200
 
 
 async def test_a_team_token_the_node_cannot_judge_signs_nobody_in(client: MeshClient) -> None:
@@ -196,8 +207,11 @@ async def test_a_trusted_proxy_names_the_person_and_nobody_else_may(client: Mesh
         assert config.json()["person"] == {"by": "proxy", "name": "alice@example.org"}
         csrf = config.json()["csrf_token"]
         assert csrf == sign_ins.csrf_token("proxy:alice@example.org")
-        wrong = await http.get("/api/config", headers={"x-forwarded-user": "a\nb"})
-        assert wrong.status_code == 401
+        for wrong in (b"a\tb", b"   ", b"x" * 129, b"\xff"):  # control, blank, long, not UTF-8
+            refused = await http.get("/api/config", headers=[(b"x-forwarded-user", wrong)])
+            assert refused.status_code == 401, repr(wrong)
+        utf8 = await http.get("/api/config", headers=[(b"x-forwarded-user", "Zoë".encode())])
+        assert utf8.json()["person"]["name"] == "Zoë"
     async with view(client, sign_ins, peer="10.1.2.3", trusted_header="X-Forwarded-User") as http:
         assert (await http.get("/api/config", headers=named)).status_code == 401
     async with view(client, sign_ins) as http:  # no trusted header: the name means nothing
@@ -263,9 +277,65 @@ async def test_a_person_whose_token_the_node_stops_taking_is_signed_out() -> Non
     async with view(revoking, SignIns()) as http:
         signed = await http.post("/api/sign-in", json={"token": "a" * 32}, headers={"origin": VIEW})
         assert signed.status_code == 200 and signed.json()["person"]["by"] == "token"
-        assert (await http.get("/api/config")).status_code == 200
-        refused = await http.get("/api/roots")
+        key = {"x-csrf-token": signed.json()["csrf_token"]}
+        assert (await http.get("/api/config", headers=key)).status_code == 200
+        refused = await http.get("/api/roots", headers=key)
         assert refused.status_code == 401 and refused.json()["error"] == "UNAUTHENTICATED"
         # Signed out: the page's next load is the sign-in page, not the app again (a loop).
-        assert (await http.get("/api/config")).status_code == 401
+        assert (await http.get("/api/config", headers=key)).status_code == 401
         assert 'id="sign-in"' in (await http.get("/")).text
+
+
+async def test_the_cookie_on_its_own_reads_nothing(client: MeshClient) -> None:
+    """The sign-in cookie reaches every server on the view's host, whatever its port (cookies
+    do not tell ports apart): whoever collects it and replays it reads nothing without the
+    page's key, which only the view's own pages hold."""
+    sign_ins = SignIns()
+    async with view(client, sign_ins) as http:
+        key = await signed_in(http, sign_ins)
+        for headers in ({}, {"x-csrf-token": "0" * 64}):
+            for path in ("/api/config", "/api/roots", f"/api/events?root={SESSION}"):
+                refused = await http.get(path, headers=headers)
+                assert refused.status_code == 401, (path, headers)
+                assert refused.json()["error"] == "UNAUTHENTICATED"
+        # An event stream (EventSource sends no header) carries the key in its query.
+        streamed = await http.get(f"/api/events?root={SESSION}&key={key}")
+        assert streamed.status_code == 503  # through the gate, to the (absent) node
+        assert (await http.get(f"/api/roots?key={key}")).status_code == 401  # there only
+
+
+async def test_text_that_is_not_unicode_is_a_typed_400(client: MeshClient) -> None:
+    sign_ins = SignIns()
+    async with view(client, sign_ins) as http:
+        key = await signed_in(http, sign_ins)
+        headers = {**SAME_ORIGIN, "x-csrf-token": key}
+        lone = b'{"text": "\\ud800"}'
+        refused = await http.post(f"/api/sessions/{SESSION}/prompt", content=lone, headers=headers)
+        assert refused.status_code == 400 and refused.json()["metadata"]["field"] == "text"
+        sign_in = await http.post(
+            "/api/sign-in", content=b'{"token": "\\ud800"}', headers=SAME_ORIGIN
+        )
+        assert sign_in.status_code == 400 and sign_in.json()["metadata"]["field"] == "token"
+        assert "content-security-policy" in sign_in.headers
+
+
+def test_one_person_cannot_sign_everyone_else_out() -> None:
+    sign_ins = SignIns(limit=100, per_person=2)
+    operator = sign_ins.open(Person(by=SignedInBy.LINK))
+    team = Person(by=SignedInBy.TOKEN, token="a" * 32)
+    theirs = [sign_ins.open(team) for _ in range(50)]
+    assert sign_ins.find(operator) is not None
+    assert [sign_ins.find(s) is not None for s in theirs] == [False] * 48 + [True] * 2
+
+
+def test_the_view_serves_no_websocket() -> None:
+    from starlette.testclient import TestClient
+    from starlette.websockets import WebSocketDisconnect
+
+    app = create_app(MeshClient(DEAD_NODE, token=""), sign_ins=SignIns())
+    with (
+        TestClient(app, base_url=VIEW) as http,
+        pytest.raises(WebSocketDisconnect),
+        http.websocket_connect("/api/events"),
+    ):
+        pass

@@ -45,23 +45,33 @@ function placed(box) {
   }
 }
 
-function recentlyReloaded() {
-  return Date.now() - Number(sessionStorage.getItem('dsh-reloaded') || 0) < 10000;
+// The page's key (its sign-in's CSRF token): from the launch link's fragment or the sign-in
+// form, kept in this origin's storage (which no other port's page reads) and sent with every
+// request. The sign-in cookie alone reads nothing: every server on this host receives it.
+function pageKey() {
+  const given = new URLSearchParams(window.location.hash.slice(1)).get('key');
+  if (given) {
+    localStorage.setItem('dsh-mesh-key', given);
+    const url = new URL(window.location);
+    url.hash = '';
+    window.history.replaceState(null, '', url);
+  }
+  return localStorage.getItem('dsh-mesh-key') || '';
+}
+
+function signIn() {
+  window.location.assign(`/sign-in${window.location.search}`);
 }
 
 async function api(path, body) {
-  const init = body === undefined ? {} : {
+  const headers = { 'X-CSRF-Token': view.key };
+  const init = body === undefined ? { headers } : {
     method: 'POST',
-    headers: { 'Content-Type': 'application/json', 'X-CSRF-Token': view.config?.csrf_token || '' },
+    headers: { ...headers, 'Content-Type': 'application/json' },
     body: JSON.stringify(body),
   };
   const response = await fetch(path, init);
-  if (response.status === 401 && !recentlyReloaded()) {
-    // Signed out (the view restarted, idle too long, a grant removed): the page's next load
-    // asks to sign in. Once only: a view whose own credential is refused would loop.
-    sessionStorage.setItem('dsh-reloaded', String(Date.now()));
-    window.location.assign('/');
-  }
+  if (response.status === 401) signIn();  // signed out: restarted, idle, a grant removed
   const data = await response.json();
   if (!response.ok) {
     throw new Error(`${data.error}: ${data.detail}`);
@@ -385,7 +395,7 @@ function draw() {
 
 function listen() {
   if (view.source) view.source.close();
-  const source = new EventSource(`/api/events?root=${encodeURIComponent(view.root)}&after=${view.lastEvent}`);
+  const source = new EventSource(`/api/events?root=${encodeURIComponent(view.root)}&after=${view.lastEvent}&key=${encodeURIComponent(view.key)}`);
   view.source = source;
   source.onopen = () => connection('live');
   source.onmessage = (message) => {
@@ -425,7 +435,8 @@ async function act(path, body, done) {
 function wire() {
   $('#sign-out').addEventListener('click', async () => {
     await api('/api/sign-out', {}).catch(() => {});
-    window.location.assign('/');
+    localStorage.removeItem('dsh-mesh-key');
+    signIn();
   });
   $('#tree tbody').addEventListener('click', (click) => {
     const row = click.target.closest('tr');
@@ -469,6 +480,8 @@ async function choose(root) {
 }
 
 async function start() {
+  view.key = pageKey();
+  if (!view.key) { signIn(); return; }
   wire();
   view.config = await api('/api/config');
   $('#node').textContent = `node ${view.config.node}`;

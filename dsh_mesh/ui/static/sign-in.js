@@ -12,9 +12,11 @@ document.querySelector('#sign-in').addEventListener('submit', async (submit) => 
     body: JSON.stringify({ token: document.querySelector('#token').value }),
   });
   if (response.ok) {
+    // The page's key: sent with every request the page makes (the cookie alone reads nothing).
+    localStorage.setItem('dsh-mesh-key', (await response.json()).csrf_token);
     const url = new URL(window.location);
     url.searchParams.delete('token');
-    window.location.assign(url.pathname + url.search);
+    window.location.assign(`/${url.search}`);
     return;
   }
   const data = await response.json().catch(() => ({ error: response.status, detail: '' }));
