@@ -5,6 +5,7 @@ sees, and the node settings that choose TLS or an explicit plaintext. No sockets
 from __future__ import annotations
 
 import datetime
+import hashlib
 import ipaddress
 import stat
 from collections.abc import Sequence
@@ -18,6 +19,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from dsh_mesh.core import Rejected, RejectionReason, Unauthenticated
 from dsh_mesh.node import load_config, parse_args
 from dsh_mesh.transport import (
+    PERSON_HEADER,
+    PERSON_TOKEN_HEADER,
     Caller,
     CallerRole,
     CertificateAuthority,
@@ -30,6 +33,7 @@ from dsh_mesh.transport import (
     identity_of_auth_context,
     identity_of_certificate,
 )
+from dsh_mesh.transport._auth import decider
 
 STORE = ["--log-store", "sqlite:log.db"]
 TOKEN = "t" * 32
@@ -375,3 +379,21 @@ def test_tls_paths_in_a_file_are_relative_to_that_file(
     plain_file = tmp_path / "plain.toml"
     plain_file.write_text(f'[node]\nplaintext = true\ncluster_token = "{TOKEN}"\n')
     assert load_config(parse_args([*STORE, "--config", str(plain_file)]), {}).plaintext
+
+
+def test_a_gateway_under_tls_decides_as_the_person_it_acts_for() -> None:
+    """Over TLS the certificate is the caller; a gateway (the web view) holding a client or a
+    node certificate and acting for a person records the person's decisions as theirs (ADR
+    0041); a decision another node hands on keeps the name the first node gave it."""
+    team = "d" * 32
+    digest = hashlib.sha256(team.encode()).hexdigest()[:12]
+    client = {"transport_security_type": [b"ssl"], "x509_common_name": [b"client:view"]}
+    for auth, own in ((client, "client:view"), (TLS_NODE_B, "node:node-b")):
+        plain: Any = FakeContext(auth)
+        assert decider(plain, None) == own
+        person: Any = FakeContext(auth, [(PERSON_TOKEN_HEADER, team)])
+        assert decider(person, None) == f"token:{digest}"
+        named: Any = FakeContext(auth, [(PERSON_HEADER, "alice")])
+        assert decider(named, None) == f"alice via {own}"
+    handed: Any = FakeContext(TLS_NODE_B, [("x-dsh-decided-by", "client:bob")])
+    assert decider(handed, None) == "client:bob"
