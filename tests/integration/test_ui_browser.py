@@ -91,12 +91,12 @@ def until(driver: Any, condition: Callable[[Any], Any], what: str) -> Any:
         return WebDriverWait(driver, WAIT_S, poll_frequency=0.1).until(condition, message=what)
     except TimeoutException as timeout:
         shown = driver.execute_script(
-            "return [document.querySelector('#message').textContent,"
-            " document.querySelector('#connection').textContent]"
+            "return [...document.querySelectorAll('#message, #connection')]"
+            ".map(e => e.textContent).join(' | ') || document.body.innerText.slice(0, 2000)"
         )
-        raise AssertionError(f"{what}: never seen; tree {rows(driver)}; page says {shown}") from (
-            timeout
-        )
+        raise AssertionError(
+            f"{what}: never seen; at {driver.current_url}: tree {rows(driver)}; page says {shown}"
+        ) from timeout
 
 
 def rows(driver: Any) -> dict[str, dict[str, str]]:

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime
 import functools
 import http.server
-import ipaddress
 import json
 import secrets
 import ssl
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +35,7 @@ from dsh_mesh.core import (
 from dsh_mesh.testing import (
     EtcdAddress,
     LocalCluster,
+    LocalPki,
     MeshReader,
     WebView,
     headless_chromium,
@@ -45,7 +44,7 @@ from dsh_mesh.testing import (
 from dsh_mesh.testing.probe_tools import GATE_ENV, LOG_ENV, read_probe_log
 from dsh_mesh.transport import token_digest
 from tests.integration.scenarios import UI_PRESETS
-from tests.integration.test_ui_browser import WAIT_S, rows
+from tests.integration.test_ui_browser import rows, until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -122,19 +121,6 @@ def attacker(tmp_path: Path) -> Iterator[tuple[str, Path]]:
 class QuietHandler(http.server.SimpleHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         pass
-
-
-def until(driver: Any, condition: Callable[[Any], Any], what: str) -> Any:
-    """Wait for ``condition`` on whatever page the browser shows (the view's, the
-    attacker's, a refusal); on a timeout, the page goes into the error."""
-    from selenium.common.exceptions import TimeoutException
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    try:
-        return WebDriverWait(driver, WAIT_S, poll_frequency=0.1).until(condition, message=what)
-    except TimeoutException as timeout:
-        shown = f"{driver.current_url}: {driver.page_source[:2000]}"
-        raise AssertionError(f"{what}: never seen; the browser shows {shown}") from timeout
 
 
 def node_address(cluster: LocalCluster) -> str:
@@ -401,60 +387,23 @@ def test_the_view_refuses_to_listen_beyond_loopback_without_tls_or_a_proxy(
     assert refused.stdout == ""
 
 
-async def test_over_https_the_cookie_is_secure_and_hsts_is_sent(
-    cluster: LocalCluster, tmp_path: Path
-) -> None:
-    cert, key = self_signed(tmp_path)
-    args = ("--host", "0.0.0.0", "--tls-cert", str(cert), "--tls-key", str(key))
-    with web_view(node_address(cluster), cluster.settings.cluster_token, args=args) as served:
-        assert served.url.startswith("https://0.0.0.0:")
-        url = served.sign_in_url.replace("0.0.0.0", "127.0.0.1")
-        trusting = ssl.create_default_context(cafile=str(cert))
-        async with httpx.AsyncClient(verify=trusting, timeout=30) as https:
-            signed = await https.get(url)
-            assert signed.status_code == 303
-            cookie = signed.headers["set-cookie"].lower()
-            assert "secure" in cookie and "httponly" in cookie and "samesite=strict" in cookie
-            assert signed.headers["strict-transport-security"].startswith("max-age=")
-            page = await https.get(url.split("?")[0])
-            assert page.status_code == 200 and 'id="tree"' in page.text
-        async with httpx.AsyncClient(timeout=30) as plain:
-            with pytest.raises(httpx.HTTPError):  # no plain HTTP beside it
-                await plain.get(url.replace("https://", "http://"))
-
-
-def self_signed(folder: Path) -> tuple[Path, Path]:
-    """A certificate for 127.0.0.1 signed by its own key (PEM files)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "dsh-mesh view")])
-    now = datetime.datetime.now(datetime.UTC)
-    certificate = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_file, key_file = folder / "view.pem", folder / "view.key"
-    cert_file.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return cert_file, key_file
+async def test_over_https_the_cookie_is_secure_and_hsts_is_sent(cluster: LocalCluster) -> None:
+    with LocalPki() as pki:
+        served_by = pki.node("view")  # a certificate for 127.0.0.1 from a throwaway CA
+        args = ["--host", "0.0.0.0", "--tls-cert", str(served_by.cert)]
+        args += ["--tls-key", str(served_by.key)]
+        with web_view(node_address(cluster), cluster.settings.cluster_token, args=args) as served:
+            assert served.url.startswith("https://0.0.0.0:")
+            url = served.sign_in_url.replace("0.0.0.0", "127.0.0.1")
+            trusting = ssl.create_default_context(cafile=str(served_by.ca))
+            async with httpx.AsyncClient(verify=trusting, timeout=30) as https:
+                signed = await https.get(url)
+                assert signed.status_code == 303
+                cookie = signed.headers["set-cookie"].lower()
+                assert "secure" in cookie and "httponly" in cookie and "samesite=strict" in cookie
+                assert signed.headers["strict-transport-security"].startswith("max-age=")
+                page = await https.get(url.split("?")[0])
+                assert page.status_code == 200 and 'id="tree"' in page.text
+            async with httpx.AsyncClient(timeout=30) as plain:
+                with pytest.raises(httpx.HTTPError):  # no plain HTTP beside it
+                    await plain.get(url.replace("https://", "http://"))
