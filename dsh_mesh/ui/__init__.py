@@ -4,7 +4,8 @@ across nodes, each agent's transcript, a timeline, and the actions a person take
 interrupt, stop a subtree, approve or deny a waiting call). Every request is signed in and acts
 with that person's scope and name (ADR 0041)."""
 
-from dsh_mesh.ui._app import create_app, error_response
+from dsh_mesh.ui._answers import error_response
+from dsh_mesh.ui._app import create_app
 from dsh_mesh.ui._guard import ViewPolicy
 from dsh_mesh.ui._people import Person, SignedInBy, SignIns
 from dsh_mesh.ui._server import ExposureRefused, ViewAddress, ViewTls, serving

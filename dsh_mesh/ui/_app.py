@@ -16,19 +16,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from importlib import resources
 from typing import Any
 from urllib.parse import urlencode
 
-import grpc
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
+from starlette.responses import RedirectResponse, Response, StreamingResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
@@ -36,12 +33,12 @@ from dsh_mesh.client import MeshClient, SessionEvent, to_jsonable
 from dsh_mesh.core import (
     InvalidArgument,
     MeshError,
-    Rejected,
     Unauthenticated,
     bounded_quote,
     parse_json_field,
 )
-from dsh_mesh.transport import MAX_PERSON_CHARS, RemoteError, status_of
+from dsh_mesh.ui._answers import answering, json_answer
+from dsh_mesh.ui._gate import Caller, Gate
 from dsh_mesh.ui._guard import Guard, Refusal, Refused, ViewPolicy, check_same_origin
 from dsh_mesh.ui._people import Person, SignedInBy, SignIns
 
@@ -53,193 +50,10 @@ and no more than gRPC's own request limit, past which nothing could be passed on
 KEEPALIVE_SECONDS = 15.0
 """A comment line on an idle event stream this often, so proxies and browsers keep it open."""
 
-_HTTP_OF_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.UNAUTHENTICATED: 401,
-    grpc.StatusCode.PERMISSION_DENIED: 403,
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.ALREADY_EXISTS: 409,
-    grpc.StatusCode.FAILED_PRECONDITION: 409,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-}
-
-CSRF_HEADER = "x-csrf-token"
-"""The header a state-changing request carries its person's CSRF token in."""
-
 MAX_TOKEN_CHARS = 1024
 """The longest token a person may sign in with (a client token is far shorter)."""
 
-Route_ = Callable[[Request], Awaitable[Response]]
-
-
-@dataclass(frozen=True)
-class Caller:
-    """A signed-in request: who it acts for, the client acting for them, and its sign-in (the
-    session id its cookie carries, or ``proxy:<name>``: the key of its CSRF token)."""
-
-    person: Person
-    client: MeshClient
-    sign_in: str
-
-
-Handler = Callable[[Request, Caller], Awaitable[Response]]
-
-_SIGN_IN_FIRST = Refusal(
-    401,
-    "UNAUTHENTICATED",
-    "sign in first: open the link `dsh-mesh ui` printed, or sign in with your team's token",
-)
-_NO_PAGE_KEY = Refusal(
-    401,
-    "UNAUTHENTICATED",
-    f"this request carries no {CSRF_HEADER} of its sign-in (a page that did not sign in, or a"
-    " cookie sent on its own): sign in again",
-)
 _NOT_GRANTED = Refusal(401, "UNAUTHENTICATED", "that is not a token this cluster grants")
-_log = logging.getLogger(__name__)
-
-
-def error_response(error: MeshError) -> JSONResponse:
-    """A failed call as JSON, ``{"error": <reason or status>, "detail": ..., "metadata":
-    {...}}`` (the rejection's structured fields, ``field`` for a refused input), with the HTTP
-    status its gRPC status maps to (502 for one with no closer meaning)."""
-    metadata: dict[str, str] = {}
-    if isinstance(error, Rejected):
-        code, name, detail = status_of(error.reason), error.reason.value, error.detail
-        metadata = dict(error.metadata)
-    elif isinstance(error, RemoteError):
-        code, name, detail = error.code, error.code.name, error.detail
-    else:
-        code, name, detail = grpc.StatusCode.UNKNOWN, type(error).__name__, str(error)
-    return JSONResponse(
-        {"error": name, "detail": detail, "metadata": metadata},
-        status_code=_HTTP_OF_STATUS.get(code, 502),
-    )
-
-
-def _refused(refusal: Refusal) -> JSONResponse:
-    response = refusal.response()
-    response.headers["cache-control"] = "no-store"
-    return response
-
-
-def _json(value: Any) -> JSONResponse:
-    return JSONResponse(value, headers={"cache-control": "no-store"})
-
-
-def _answering(handler: Route_) -> Route_:
-    async def answer(request: Request) -> Response:
-        try:
-            return await handler(request)
-        except Refused as refused:
-            return _refused(refused.refusal)
-        except MeshError as error:
-            return error_response(error)
-        except Exception as error:  # a bug of the view: a typed 500, never a traceback page
-            _log.exception("the web view failed on %s %s", request.method, request.url.path)
-            return _refused(
-                Refusal(500, "INTERNAL", f"the web view failed: {type(error).__name__}")
-            )
-
-    return answer
-
-
-class _Gate:
-    """Who a request acts for: a browser's sign-in cookie, or the person a trusted proxy
-    names; and the checks of a request that changes state."""
-
-    def __init__(self, client: MeshClient, policy: ViewPolicy, sign_ins: SignIns) -> None:
-        self._client = client
-        self._policy = policy
-        self.sign_ins = sign_ins
-
-    def caller(self, request: Request) -> Caller | None:
-        """The signed-in caller of ``request``, or None."""
-        proxied = self._proxied(request)
-        if proxied is not None:
-            return Caller(proxied, proxied.client(self._client), f"proxy:{proxied.name}")
-        session = request.cookies.get(self._policy.cookie, "")
-        person = self.sign_ins.find(session) if session else None
-        if person is None:
-            return None
-        return Caller(person, person.client(self._client), session)
-
-    def _proxied(self, request: Request) -> Person | None:
-        header = self._policy.trusted_header
-        if not header or request.client is None:
-            return None
-        if request.client.host not in self._policy.trusted_proxies:
-            return None  # anyone else may send that header: it means nothing from them
-        raw = request.headers.get(header)
-        if raw is None:
-            return None
-        try:  # Starlette reads header bytes as Latin-1; a proxy sends UTF-8
-            name = raw.encode("latin-1").decode("utf-8").strip()
-        except UnicodeError:
-            name = ""
-        if not name or len(name) > MAX_PERSON_CHARS or not name.isprintable():
-            raise Refused(
-                Refusal(
-                    401,
-                    "UNAUTHENTICATED",
-                    f"the proxy's {header} is no person's name (1 to {MAX_PERSON_CHARS}"
-                    " printable characters of UTF-8)",
-                )
-            )
-        return Person(by=SignedInBy.PROXY, name=name)
-
-    def route(
-        self, handler: Handler, *, changes: bool = False, key_in_query: bool = False
-    ) -> Route_:
-        """``handler`` behind the checks. A request that ``changes`` state is refused 403
-        unless it is JSON from the view's page (before anything else). Any request not signed
-        in is 401. Then the page's CSRF token: a browser signed in by cookie carries it on
-        every request (in the query with ``key_in_query``, for an event stream), since its
-        cookie reaches every server on the same host, whatever the port: without the token a
-        read is 401, a change 403. A person a proxy names carries it on changes."""
-
-        async def guarded(request: Request) -> Response:
-            if changes:
-                check_same_origin(request)
-            caller = self.caller(request)
-            if caller is None:
-                raise Refused(_SIGN_IN_FIRST)
-            presented = request.headers.get(CSRF_HEADER, "")
-            if not presented and key_in_query:
-                presented = request.query_params.get("key", "")
-            if not self.sign_ins.csrf_matches(caller.sign_in, presented):
-                if changes:
-                    raise Refused(
-                        Refusal(
-                            403,
-                            "CSRF_TOKEN_INVALID",
-                            f"a request that changes state must carry the page's {CSRF_HEADER}",
-                            {"check": "csrf"},
-                        )
-                    )
-                if caller.person.by is not SignedInBy.PROXY:
-                    raise Refused(_NO_PAGE_KEY)
-            try:
-                return await handler(request, caller)
-            except Unauthenticated:
-                # The node no longer takes this person's credential (a grant removed): they
-                # are signed out, and the page's next load asks them to sign in again.
-                self.sign_ins.close(caller.sign_in)
-                raise
-
-        return _answering(guarded)
-
-    def sign_in_cookie(self, response: Response, session: str) -> None:
-        response.set_cookie(
-            self._policy.cookie,
-            session,
-            httponly=True,
-            samesite="strict",
-            secure=self._policy.tls,
-            path="/",
-        )
 
 
 async def _body(request: Request) -> dict[str, Any]:
@@ -300,7 +114,7 @@ def create_app(
     caller prints). ``trace_url`` is a link template with ``{trace_id}`` (a tracing UI), shown
     for each trace id the transcript holds; empty shows the ids alone."""
     policy = policy or ViewPolicy()
-    gate = _Gate(client, policy, sign_ins or SignIns())
+    gate = Gate(client, policy, sign_ins or SignIns())
     static = resources.files("dsh_mesh.ui").joinpath("static")
 
     def page(name: str, status: int = 200) -> Response:
@@ -342,7 +156,7 @@ def create_app(
             person = Person(by=SignedInBy.TOKEN, token=token)
             await _granted(person, client)
         session = gate.sign_ins.open(person)
-        response = _json(
+        response = json_answer(
             {"person": person.shown(), "csrf_token": gate.sign_ins.csrf_token(session)}
         )
         gate.sign_in_cookie(response, session)
@@ -353,12 +167,12 @@ def create_app(
 
     async def sign_out(request: Request, caller: Caller) -> Response:
         gate.sign_ins.close(request.cookies.get(policy.cookie, ""))
-        response = _json({"signed_out": True})
+        response = json_answer({"signed_out": True})
         response.delete_cookie(policy.cookie, path="/", httponly=True, samesite="strict")
         return response
 
     async def config(_: Request, caller: Caller) -> Response:
-        return _json(
+        return json_answer(
             {
                 "trace_url": trace_url,
                 "node": client.address,
@@ -373,14 +187,14 @@ def create_app(
             async for summary in caller.client.list_agents()
             if summary.info.parent_session is None
         ]
-        return _json({"roots": found})
+        return json_answer({"roots": found})
 
     async def agents(request: Request, caller: Caller) -> Response:
         root = request.query_params.get("root", "")
         if not root:
             raise InvalidArgument("root is required")
         found = [to_jsonable(summary) async for summary in caller.client.list_agents(root)]
-        return _json({"agents": found})
+        return json_answer({"agents": found})
 
     async def events(request: Request, caller: Caller) -> Response:
         root = request.query_params.get("root", "")
@@ -401,10 +215,12 @@ def create_app(
         accepted = await caller.client.prompt(
             request.path_params["session"], _text(body, "text", required=True), key=key
         )
-        return _json(to_jsonable(accepted))
+        return json_answer(to_jsonable(accepted))
 
     async def interrupt(request: Request, caller: Caller) -> Response:
-        return _json(to_jsonable(await caller.client.interrupt(request.path_params["session"])))
+        return json_answer(
+            to_jsonable(await caller.client.interrupt(request.path_params["session"]))
+        )
 
     async def stop(request: Request, caller: Caller) -> Response:
         body = await _body(request)
@@ -414,11 +230,11 @@ def create_app(
         stopped = await caller.client.stop_tree(
             request.path_params["session"], close=close, reason=_text(body, "reason")
         )
-        return _json(to_jsonable(stopped))
+        return json_answer(to_jsonable(stopped))
 
     async def reopen(request: Request, caller: Caller) -> Response:
         reopened = await caller.client.reopen_tree(request.path_params["session"])
-        return _json({"reopened": reopened})
+        return json_answer({"reopened": reopened})
 
     async def approve(request: Request, caller: Caller) -> Response:
         body = await _body(request)
@@ -429,7 +245,7 @@ def create_app(
             arguments_json=_text(body, "arguments_json"),
             reason=_text(body, "reason"),
         )
-        return _json(to_jsonable(decided))
+        return json_answer(to_jsonable(decided))
 
     async def deny(request: Request, caller: Caller) -> Response:
         body = await _body(request)
@@ -439,13 +255,13 @@ def create_app(
             _text(body, "request_digest", required=True),
             reason=_text(body, "reason"),
         )
-        return _json(to_jsonable(decided))
+        return json_answer(to_jsonable(decided))
 
     session = "/api/sessions/{session}"
     routes = [
-        Route("/", _answering(index)),
-        Route("/sign-in", _answering(sign_in_page)),
-        Route("/api/sign-in", _answering(sign_in), methods=["POST"]),
+        Route("/", answering(index)),
+        Route("/sign-in", answering(sign_in_page)),
+        Route("/api/sign-in", answering(sign_in), methods=["POST"]),
         Route("/api/sign-out", gate.route(sign_out, changes=True), methods=["POST"]),
         Route("/api/config", gate.route(config)),
         Route("/api/roots", gate.route(roots)),
