@@ -22,7 +22,14 @@ from dsh_mesh.testing._approval_history import (
     approval_violations,
     open_requests,
 )
-from dsh_mesh.testing._browser import WebView, headless_chromium, web_view
+from dsh_mesh.testing._browser import (
+    WebView,
+    click_redrawn,
+    headless_chromium,
+    tree_rows,
+    until_shown,
+    web_view,
+)
 from dsh_mesh.testing._chat_replies import (
     Completion,
     Failure,
@@ -169,6 +176,7 @@ __all__ = [
     "boundary_violations",
     "calls_without_one_answer",
     "check",
+    "click_redrawn",
     "compaction_violations",
     "create_root",
     "fault_run",
@@ -183,6 +191,8 @@ __all__ = [
     "process_tree",
     "render_trace_tree",
     "sweep_stale_beds",
+    "tree_rows",
+    "until_shown",
     "web_view",
     "write_tiny_model",
     "writers_of",

@@ -10,7 +10,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -125,3 +125,52 @@ def web_view(
             process.wait()
         if process.stdout is not None:
             process.stdout.close()
+
+
+PAGE_WAIT_S = 60.0
+"""How long a browser test waits for what it expects the web view's page to show."""
+
+
+def until_shown(
+    driver: Any, condition: Callable[[Any], Any], what: str, *, timeout: float = PAGE_WAIT_S
+) -> Any:
+    """Wait for ``condition`` on the page; on a timeout the page's state goes into the error
+    (and a screenshot beside the others, when the test takes them)."""
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    try:
+        return WebDriverWait(driver, timeout, poll_frequency=0.1).until(condition, message=what)
+    except TimeoutException as expired:
+        shown = driver.execute_script(
+            "return [...document.querySelectorAll('#message, #connection')]"
+            ".map(e => e.textContent).join(' | ') || document.body.innerText.slice(0, 2000)"
+        )
+        raise AssertionError(
+            f"{what}: never seen; at {driver.current_url}: tree {tree_rows(driver)};"
+            f" page says {shown}"
+        ) from expired
+
+
+def tree_rows(driver: Any) -> dict[str, dict[str, str]]:
+    """The tree as the page shows it: session -> its row's state and node."""
+    found = driver.execute_script(
+        "return [...document.querySelectorAll('#tree tbody tr')].map(r =>"
+        " [r.dataset.session, r.dataset.state, r.dataset.node])"
+    )
+    return {session: {"state": state, "node": node} for session, state, node in found}
+
+
+def click_redrawn(driver: Any, selector: str) -> None:
+    """Click what ``selector`` finds; the live page redraws the tree as events arrive, so an
+    element found may be replaced before the click lands: then find it again."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    until_shown(driver, lambda d: d.find_elements("css selector", selector), f"{selector} shown")
+    for _ in range(20):
+        try:
+            driver.find_element("css selector", selector).click()
+            return
+        except StaleElementReferenceException:
+            continue
+    raise AssertionError(f"{selector} kept being redrawn under the click")

@@ -27,8 +27,11 @@ from dsh_mesh.testing import (
     LocalCluster,
     MeshReader,
     WebView,
+    click_redrawn,
     create_root,
     headless_chromium,
+    tree_rows,
+    until_shown,
     web_view,
 )
 from dsh_mesh.testing.probe_tools import GATE_ENV, LOG_ENV, read_probe_log
@@ -81,48 +84,6 @@ def shots(tmp_path: Path) -> Callable[[Any, str], None]:
     return shoot
 
 
-def until(driver: Any, condition: Callable[[Any], Any], what: str) -> Any:
-    """Wait for ``condition`` on the page; on a timeout the page's state goes into the error
-    (and a screenshot beside the others, when the test takes them)."""
-    from selenium.common.exceptions import TimeoutException
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    try:
-        return WebDriverWait(driver, WAIT_S, poll_frequency=0.1).until(condition, message=what)
-    except TimeoutException as timeout:
-        shown = driver.execute_script(
-            "return [...document.querySelectorAll('#message, #connection')]"
-            ".map(e => e.textContent).join(' | ') || document.body.innerText.slice(0, 2000)"
-        )
-        raise AssertionError(
-            f"{what}: never seen; at {driver.current_url}: tree {rows(driver)}; page says {shown}"
-        ) from timeout
-
-
-def rows(driver: Any) -> dict[str, dict[str, str]]:
-    """The tree as the page shows it: session -> its row's state and node."""
-    found = driver.execute_script(
-        "return [...document.querySelectorAll('#tree tbody tr')].map(r =>"
-        " [r.dataset.session, r.dataset.state, r.dataset.node])"
-    )
-    return {session: {"state": state, "node": node} for session, state, node in found}
-
-
-def click(driver: Any, selector: str) -> None:
-    """Click what ``selector`` finds; the live page redraws the tree as events arrive, so an
-    element found may be replaced before the click lands: then find it again."""
-    from selenium.common.exceptions import StaleElementReferenceException
-
-    until(driver, lambda d: d.find_elements("css selector", selector), f"{selector} shown")
-    for _ in range(20):
-        try:
-            driver.find_element("css selector", selector).click()
-            return
-        except StaleElementReferenceException:
-            continue
-    raise AssertionError(f"{selector} kept being redrawn under the click")
-
-
 async def transcript(cluster: LocalCluster, session: SessionId) -> list[Any]:
     async with MeshReader(cluster.settings) as reader:
         return await reader.transcript(session)
@@ -135,31 +96,33 @@ async def test_the_tree_renders_and_a_killed_workers_loss_and_resume_show(
     browser.get(view.link(root=root))
 
     def workers_running(driver: Any) -> dict[str, dict[str, str]] | None:
-        tree = rows(driver)
+        tree = tree_rows(driver)
         workers = {s: r for s, r in tree.items() if s != root}
         running = len(workers) == 2 and all(r["state"] == "running" for r in workers.values())
         return workers if running else None
 
-    workers = until(browser, workers_running, "two workers running")
-    assert rows(browser)[root]["node"] == "node-a"
+    workers = until_shown(browser, workers_running, "two workers running")
+    assert tree_rows(browser)[root]["node"] == "node-a"
     assert {r["node"] for r in workers.values()} == {"node-b", "node-c"}
     shots(browser, "1-tree")
 
     victim, placed = next((s, r["node"]) for s, r in workers.items() if r["node"] == "node-b")
     cluster[placed].kill()
-    until(browser, lambda d: rows(d)[victim]["state"] == "lost", "the killed worker shown lost")
+    until_shown(
+        browser, lambda d: tree_rows(d)[victim]["state"] == "lost", "the killed worker shown lost"
+    )
     shots(browser, "2-lost")
 
-    click(browser, f'#tree tr[data-session="{victim}"]')
+    click_redrawn(browser, f'#tree tr[data-session="{victim}"]')
     browser.find_element("id", "prompt-text").send_keys("Carry on.")
-    click(browser, "#prompt-send")
+    click_redrawn(browser, "#prompt-send")
 
     def resumed(driver: Any) -> bool:
-        row = rows(driver)[victim]
+        row = tree_rows(driver)[victim]
         return row["node"] not in ("", placed) and row["state"] in ("idle", "settled")
 
-    until(browser, resumed, "the worker resumed on another node")
-    until(
+    until_shown(browser, resumed, "the worker resumed on another node")
+    until_shown(
         browser,
         lambda d: "Resumed." in d.find_element("id", "transcript").text,
         "its reply in the transcript pane",
@@ -181,12 +144,12 @@ async def test_a_call_waiting_for_approval_is_approved_from_the_page_and_runs_on
 ) -> None:
     root = await create_root(cluster, on="node-a", task="Probe, once allowed.", preset="gated")
     browser.get(view.link(root=root))
-    until(
+    until_shown(
         browser,
-        lambda d: rows(d).get(root, {}).get("state") == "awaiting-approval",
+        lambda d: tree_rows(d).get(root, {}).get("state") == "awaiting-approval",
         "the root shown waiting for approval",
     )
-    card = until(
+    card = until_shown(
         browser,
         lambda d: d.find_elements("css selector", "#approvals .approval"),
         "the request's card",
@@ -197,12 +160,12 @@ async def test_a_call_waiting_for_approval_is_approved_from_the_page_and_runs_on
 
     card.find_element("css selector", ".reason").send_keys("looks right")
     card.find_element("css selector", ".approve").click()
-    until(
+    until_shown(
         browser,
         lambda d: not d.find_elements("css selector", "#approvals .approval"),
         "the card gone once decided",
     )
-    until(
+    until_shown(
         browser,
         lambda d: "Approved and done." in d.find_element("id", "transcript").text,
         "the turn gone on",
@@ -222,24 +185,26 @@ async def test_stopping_a_runaway_tree_from_the_page_quiets_it(
 ) -> None:
     root = await create_root(cluster, on="node-a", task="Run.", preset="runaway-lead")
     browser.get(view.link(root=root))
-    until(
+    until_shown(
         browser,
-        lambda d: len(rows(d)) == 2 and all(r["state"] == "running" for r in rows(d).values()),
+        lambda d: (
+            len(tree_rows(d)) == 2 and all(r["state"] == "running" for r in tree_rows(d).values())
+        ),
         "the runaway lead and its worker running",
     )
     shots(browser, "1-running")
 
-    click(browser, f'#tree tr[data-session="{root}"]')
+    click_redrawn(browser, f'#tree tr[data-session="{root}"]')
     browser.find_element("id", "stop-reason").send_keys("runaway")
-    click(browser, "#stop-tree")
-    until(
+    click_redrawn(browser, "#stop-tree")
+    until_shown(
         browser,
-        lambda d: all(r["state"] not in ("running", "idle") for r in rows(d).values()),
+        lambda d: all(r["state"] not in ("running", "idle") for r in tree_rows(d).values()),
         "the whole tree quiet: no turn running, no agent resident",
     )
     shots(browser, "2-stopped")
 
-    for session in rows(browser):
+    for session in tree_rows(browser):
         records = await transcript(cluster, SessionId(session))
         ended = [r.entry for r in records if isinstance(r.entry, TurnEndedEntry)]
         assert ended[-1].outcome is TurnOutcome.CANCELLED

@@ -39,12 +39,13 @@ from dsh_mesh.testing import (
     MeshReader,
     WebView,
     headless_chromium,
+    tree_rows,
+    until_shown,
     web_view,
 )
 from dsh_mesh.testing.probe_tools import GATE_ENV, LOG_ENV, read_probe_log
 from dsh_mesh.transport import token_digest
 from tests.integration.scenarios import UI_PRESETS
-from tests.integration.test_ui_browser import rows, until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -189,9 +190,9 @@ async def test_a_form_and_a_fetch_from_another_local_origin_change_nothing(
 ) -> None:
     pending = await waiting_root(cluster)
     browser.get(view.link(root=pending.session_id))  # the person signs in, as they would
-    until(
+    until_shown(
         browser,
-        lambda d: rows(d).get(pending.session_id, {}).get("state") == "awaiting-approval",
+        lambda d: tree_rows(d).get(pending.session_id, {}).get("state") == "awaiting-approval",
         "the signed-in page showing the waiting call",
     )
     origin, folder = attacker
@@ -204,7 +205,9 @@ async def test_a_form_and_a_fetch_from_another_local_origin_change_nothing(
         "<script>document.getElementById('f').submit()</script>"
     )
     browser.get(f"{origin}form.html")
-    until(browser, lambda d: "JSON_REQUIRED" in d.page_source, "the view's refusal of the form")
+    until_shown(
+        browser, lambda d: "JSON_REQUIRED" in d.page_source, "the view's refusal of the form"
+    )
     # Fetches: simple requests (no-cors, text/plain, with the cookie) and a JSON one (which
     # needs a CORS preflight the view never grants).
     (folder / "fetch.html").write_text(
@@ -229,7 +232,7 @@ async def test_a_form_and_a_fetch_from_another_local_origin_change_nothing(
         "</script>"
     )
     browser.get(f"{origin}fetch.html")
-    until(browser, lambda d: d.title.startswith("done"), "the attacker's fetches made")
+    until_shown(browser, lambda d: d.title.startswith("done"), "the attacker's fetches made")
     assert browser.title == "done " + ",".join(["blocked"] * len(targets))
     await still_waits(cluster, pending, probe_log)
 
@@ -239,7 +242,7 @@ async def test_a_page_on_a_rebinding_host_name_reads_nothing_and_approves_nothin
 ) -> None:
     pending = await waiting_root(cluster)
     browser.get(view.link(root=pending.session_id))
-    until(browser, lambda d: pending.session_id in rows(d), "the signed-in page")
+    until_shown(browser, lambda d: pending.session_id in tree_rows(d), "the signed-in page")
     # The attacker's page, once its name resolves to this machine: same origin as itself, so
     # it may read whatever the view answers it, and post what it likes.
     rebound = view.url.replace("127.0.0.1", REBINDING_NAME)
@@ -276,8 +279,8 @@ async def test_a_teams_person_sees_and_steers_only_their_teams_trees_and_decides
     assert "Sign in" in browser.page_source and "tree" not in browser.title
     browser.find_element("id", "token").send_keys(TEAM_A)
     browser.find_element("css selector", "#sign-in button").click()
-    until(browser, lambda d: d.find_elements("id", "roots"), "the page, once signed in")
-    until(
+    until_shown(browser, lambda d: d.find_elements("id", "roots"), "the page, once signed in")
+    until_shown(
         browser,
         lambda d: d.find_elements("css selector", "#roots option"),
         "the team's trees listed",
@@ -291,7 +294,7 @@ async def test_a_teams_person_sees_and_steers_only_their_teams_trees_and_decides
 
     # Another team's tree, by its id: unknown to this person, as a tree that does not exist.
     browser.get(f"{view.url}?root={others.session_id}")
-    until(
+    until_shown(
         browser,
         lambda d: "UNKNOWN_SESSION" in d.find_element("id", "message").text,
         "the other team's tree refused",
@@ -315,13 +318,13 @@ async def test_a_teams_person_sees_and_steers_only_their_teams_trees_and_decides
 
     # The team's own tree: approved from the page, recorded as the person's token.
     browser.get(f"{view.url}?root={theirs.session_id}")
-    card = until(
+    card = until_shown(
         browser,
         lambda d: d.find_elements("css selector", "#approvals .approval"),
         "the team's waiting call",
     )[0]
     card.find_element("css selector", ".approve").click()
-    until(
+    until_shown(
         browser,
         lambda d: "Approved and done." in d.find_element("id", "transcript").text,
         "the turn gone on",
