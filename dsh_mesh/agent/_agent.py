@@ -608,11 +608,8 @@ class Agent:
 
     async def _settle_doubt(self) -> None:
         """While a call waits: take what landed unseen (a decision may be among it)."""
-        await self._gate.hold()
-        try:
+        with await self._gate.held():
             await self._take_landed()
-        finally:
-            self._gate.release()
 
     async def _finish_left_over_turn(self) -> None:
         """Answer, durably, every call of the last step that an earlier activation left without
@@ -760,11 +757,11 @@ class Agent:
         records): every Steer record waiting, in seq order, made durable as one
         ``ConsumedEntry``. It holds the gate against accepts, so no Steer record durable before
         that entry is left unread. False when there was nothing to read."""
-        await self._gate.hold()
+        held = await self._gate.held()
 
         async def read() -> list[Record]:
             # Shielded like any write (see _append); the gate opens when the entry is durable.
-            try:
+            with held:
                 if self._in_doubt:
                     await self._take_landed()
                 # Going on from a call waiting for approval reads only decisions (a decision
@@ -778,8 +775,6 @@ class Agent:
                     self.record(record)
                     self._host.admitted(self, records)
                 return records
-            finally:
-                self._gate.release()
 
         records = await self._writes.run(read())
         # The next step reads these: its span links to the spans that sent them.
@@ -1174,10 +1169,10 @@ class Agent:
         """Append the compaction of everything up to ``through``. It holds the gate against
         accepts (as a step boundary's read does), so every inbound record durable at or below
         ``through`` is here, and the ones no step read yet are kept, not summarised away."""
-        await self._gate.hold()
+        held = await self._gate.held()
 
         async def write() -> Record:
-            try:
+            with held:
                 # A record below ``through`` that this copy lacks landed unseen (an accept
                 # whose answer was lost): take it now, or the compaction would pass it by.
                 if self._in_doubt or self._held_through < through:
@@ -1203,8 +1198,6 @@ class Agent:
                 self.record(record)
                 self._forget_compacted()
                 return record
-            finally:
-                self._gate.release()
 
         return await self._writes.run(write())
 

@@ -11,7 +11,7 @@ class BoundaryGate:
     """Orders the appends of inbound records (accepts) against the agent's step boundaries.
 
     Any number of accepts may be appending at once (:meth:`accepting`). A step boundary
-    (:meth:`hold`) waits until none is, and keeps new ones out until :meth:`release`. While it
+    (:meth:`held`) waits until none is, and keeps new ones out until its block ends. While it
     holds the gate the boundary takes its inbox and writes its ``ConsumedEntry``: every inbound
     record with a lower seq is then already in the inbox (its accept finished, delivering it),
     and every accept after it gets a higher seq. So a ``ConsumedEntry`` never leaves behind a
@@ -39,9 +39,15 @@ class BoundaryGate:
             self._accepting -= 1
             self._changed()
 
-    async def hold(self) -> None:
-        """Return once no accept is appending, with the gate closed to new ones. Cancel-safe:
+    async def held(self) -> Held:
+        """Return once no accept is appending, with the gate closed to new ones; the gate
+        opens again when the block of the returned :class:`Held` ends (``with held:``, which
+        may run in another task: a boundary's write is shielded from its turn). Cancel-safe:
         a boundary cancelled while it waits leaves the gate as it found it."""
+        await self._hold()
+        return Held(self._release)
+
+    async def _hold(self) -> None:
         self._boundaries += 1
         acquired = False
         try:
@@ -52,8 +58,7 @@ class BoundaryGate:
                 self._boundaries -= 1
                 self._changed()
 
-    def release(self) -> None:
-        """Open the gate again after :meth:`hold` (the boundary's entry is durable or failed)."""
+    def _release(self) -> None:
         self._held = False
         self._boundaries -= 1
         self._changed()
@@ -65,3 +70,19 @@ class BoundaryGate:
     def _changed(self) -> None:
         self._change.set()
         self._change = asyncio.Event()
+
+
+class Held:
+    """The gate, held by one step boundary: ``with held:`` opens it again at the block's end
+    (the boundary's entry is durable, or failed). Opens it once, however often it is left."""
+
+    def __init__(self, release: Callable[[], None]) -> None:
+        self._release: Callable[[], None] | None = release
+
+    def __enter__(self) -> Held:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
