@@ -7,7 +7,6 @@ takes turns while its inbox has work and settles when its host says it may.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import dataclasses
 import enum
@@ -27,7 +26,6 @@ from dsh_mesh.agent._approvals import (
     denied,
     edited,
     expired,
-    request_of,
 )
 from dsh_mesh.agent._context import (
     clearing,
@@ -38,6 +36,7 @@ from dsh_mesh.agent._context import (
 from dsh_mesh.agent._gate import BoundaryGate
 from dsh_mesh.agent._inbox import Inbox
 from dsh_mesh.agent._render import render
+from dsh_mesh.agent._transcript import LocalTranscript
 from dsh_mesh.core import (
     EXPIRED_APPROVAL_REASON,
     INBOUND_TYPES,
@@ -50,7 +49,6 @@ from dsh_mesh.core import (
     ApprovalDecisionEntry,
     ApprovalRequestEntry,
     ApprovalStale,
-    AssistantStepEntry,
     CompactionEntry,
     ConsumedEntry,
     ContextOverflow,
@@ -64,7 +62,6 @@ from dsh_mesh.core import (
     SessionId,
     SessionKind,
     SettlementOutcome,
-    TaskEntry,
     TokensExhausted,
     ToolCall,
     ToolOutputsClearedEntry,
@@ -74,7 +71,6 @@ from dsh_mesh.core import (
     TurnOutcome,
     TurnStartedEntry,
     Usage,
-    context_of,
     descriptor_digest,
     latest_compaction,
     mesh_denial,
@@ -227,16 +223,7 @@ class Agent:
         """An interrupt or a stop came while a call waits for approval: why."""
         self._turn_tokens = 0
         self._turn_calls = 0
-        self._records = sorted(records, key=lambda r: r.seq)
-        """The session's context, once ``_forget_compacted`` below has run: with no compaction
-        its whole transcript, else what its latest compaction kept and everything after that
-        compaction's range (docs/context.md)."""
-        self._seqs = {r.seq for r in self._records}
-        self._floor = 0
-        """Every seq up to this one was compacted (or kept): nothing of it is missing here."""
-        self._held_through = 0
-        """Every seq up to this one is in the local copy (or was compacted)."""
-        self._forget_compacted()
+        self._transcript = LocalTranscript(records)
         self._in_doubt = False
         self._doubts = 0
         """How often :meth:`doubt` was called: a read clears the doubt only if none came
@@ -292,7 +279,7 @@ class Agent:
 
     @property
     def records(self) -> tuple[Record, ...]:
-        return tuple(self._records)
+        return tuple(self._transcript.records)
 
     @property
     def steers_into_a_turn(self) -> bool:
@@ -330,19 +317,16 @@ class Agent:
     def holds(self, seq: int) -> bool:
         """Whether the record ``seq`` of the transcript is in this object's local copy, or
         within a compaction's range (compacted, or kept in the copy)."""
-        return seq <= self._floor or seq in self._seqs
+        return self._transcript.holds(seq)
 
     @property
     def whole_transcript(self) -> bool:
         """Whether the local copy is the session's whole transcript: nothing was compacted."""
-        return self._floor == 0
+        return self._transcript.whole
 
     def record(self, record: Record) -> None:
         """Keep a durably written record in the local transcript (in seq order)."""
-        if record.seq not in self._seqs:
-            self._seqs.add(record.seq)
-            bisect.insort(self._records, record, key=lambda r: r.seq)
-            self._advance_held()
+        self._transcript.add(record)
 
     def doubt(self) -> None:
         """An accept to this agent failed without knowing whether its append landed (its
@@ -351,10 +335,6 @@ class Agent:
         self._in_doubt = True
         self._doubts += 1
         self._work.set()  # a call waiting for approval may have its decision among what landed
-
-    def _advance_held(self) -> None:
-        while self._held_through + 1 in self._seqs:
-            self._held_through += 1
 
     @contextlib.asynccontextmanager
     async def accepting(self) -> AsyncIterator[None]:
@@ -398,7 +378,7 @@ class Agent:
                 if self._cancel_wait is None:
                     self._cancel_wait = detail
                     self._work.set()
-                return self._stopped_turn()
+                return self._transcript.last_ended_turn()
             return None
         if not self._interrupting:
             self._interrupting = True
@@ -483,56 +463,22 @@ class Agent:
         tool = self.tools.get(call.name)
         if tool is not None and self.approvals.marks(tool) and not answers_for_itself(tool):
             return True
-        return self._asked(call.call_id) is not None
-
-    def _asked(self, call_id: str) -> Record | None:
-        """The latest approval request for the call ``call_id`` of the last step."""
-        return request_of(self._records, call_id, step=self._calls_left_open()[0])
-
-    def _undecided(self, call_id: str) -> ApprovalRequestEntry | None:
-        """The latest request for the call ``call_id`` of the last step, if no decision
-        answered it yet."""
-        request = self._asked(call_id)
-        if request is None or decision_of(self._records, request) is not None:
-            return None
-        assert isinstance(request.entry, ApprovalRequestEntry)
-        return request.entry
-
-    def _decision(self, call_id: str) -> Record | None:
-        """The decision on the latest request for the call ``call_id`` of the last step."""
-        request = self._asked(call_id)
-        return None if request is None else decision_of(self._records, request)
+        return self._transcript.asked(call.call_id) is not None
 
     def _waiting_call(self) -> ToolCall | None:
         """The call the last turn stopped at, waiting for a decision, when no turn runs: the
         first call of the last step without a result (every other turn answers them all)."""
         if self._state is not AgentState.IDLE:
             return None
-        return self._asked_call()
-
-    def _stopped_turn(self) -> TurnId | None:
-        """The turn that stopped at the call waiting for approval (the last one that ended)."""
-        for record in reversed(self._records):
-            if isinstance(record.entry, TurnEndedEntry):
-                return record.entry.turn_id
-        return None
-
-    def _asked_call(self) -> ToolCall | None:
-        """The first call of the last step without a result, if a request for approval was
-        written for it (decided or not)."""
-        open_calls = self._calls_left_open()[1]
-        if not open_calls:
-            return None
-        call = open_calls[0][1]
-        return call if self._asked(call.call_id) is not None else None
+        return self._transcript.asked_call()
 
     def waiting_request(self) -> ApprovalRequestEntry | None:
         """The request a call of this idle agent waits on, undecided; None when none does."""
         call = self._waiting_call()
-        return None if call is None else self._undecided(call.call_id)
+        return None if call is None else self._transcript.undecided(call.call_id)
 
     def _until_expiry(self, call: ToolCall) -> float | None:
-        request = self._undecided(call.call_id)
+        request = self._transcript.undecided(call.call_id)
         if request is None or request.expires_at is None:
             return None
         return max(0.0, (request.expires_at - datetime.now(UTC)).total_seconds())
@@ -552,17 +498,17 @@ class Agent:
         among it."""
         if self._in_doubt:
             await self._take_landed()
-        request = self._asked(decision.call_id)
+        request = self._transcript.asked(decision.call_id)
         tool = None
         if request is not None:
             assert isinstance(request.entry, ApprovalRequestEntry)
             tool = self.tools.get(request.entry.tool)
         return check_decision(
-            self._records,
+            self._transcript.records,
             decision,
             None if tool is None else tool.descriptor,
             datetime.now(UTC),
-            step=self._calls_left_open()[0],
+            step=self._transcript.last_step()[0],
         )
 
     async def _decide(self, call: ToolCall, reason: str) -> None:
@@ -575,7 +521,7 @@ class Agent:
         async with self.deciding():
             if self._in_doubt:
                 await self._take_landed()
-            request = self._undecided(call.call_id)
+            request = self._transcript.undecided(call.call_id)
             if request is None:
                 return
             entry = mesh_denial(request, reason)
@@ -589,7 +535,7 @@ class Agent:
 
     async def _decision_due(self, call: ToolCall) -> bool:
         """Deny the request ``call`` waits on if it expired undecided; True when it did."""
-        request = self._undecided(call.call_id)
+        request = self._transcript.undecided(call.call_id)
         if request is None or not expired(request, datetime.now(UTC)):
             return False
         await self._decide(call, EXPIRED_APPROVAL_REASON)
@@ -622,11 +568,11 @@ class Agent:
         A call that waits for approval stays open, and so do the calls after it: the turn
         goes on from there once it is decided. A call that needed approval and never had a
         decision read never ran: it is answered "not run" if no request was written for it."""
-        open_turn = unended_turn(self._records)
-        step_seq, open_calls = self._calls_left_open()
+        open_turn = unended_turn(self._transcript.records)
+        step_seq, open_calls = self._transcript.last_step()
         if not open_calls and open_turn is None:
             return
-        if open_turn is None and self._asked_call() is not None:
+        if open_turn is None and self._transcript.asked_call() is not None:
             return  # a call waiting for approval: the driver goes on from it
         # Running, for whoever waits on this agent: what it writes now belongs to that turn.
         self._state = AgentState.RUNNING
@@ -643,8 +589,8 @@ class Agent:
                 output = ToolOutput(
                     content="not run: its host stopped before this call started", is_error=True
                 )
-            elif self.needs_approval(call) and not self._decision_read(call):
-                if self._asked(call.call_id) is not None:
+            elif self.needs_approval(call) and not self._transcript.decision_read(call.call_id):
+                if self._transcript.asked(call.call_id) is not None:
                     break  # it waits for (or has) a decision: the turn goes on from it
                 # Asked for by no request: its host stopped before it; the calls after it in
                 # the step run only after it, so none of them ran either.
@@ -681,45 +627,15 @@ class Agent:
         self._recovering = False
         self._host.changed()
 
-    def _decision_read(self, call: ToolCall) -> bool:
-        """Whether a turn read a decision on ``call``: only then may the call have run."""
-        decision = self._decision(call.call_id)
-        return decision is not None and consumed(self._records, decision.seq)
-
-    def _calls_left_open(self) -> tuple[int, list[tuple[int, ToolCall]]]:
-        """The seq of the transcript's last step and those of its calls (with their places in
-        it) that have no result after it yet."""
-        for position in range(len(self._records) - 1, -1, -1):
-            step = self._records[position]
-            if isinstance(step.entry, CompactionEntry):
-                return 0, []  # written at a step boundary: every call before it was answered
-            if isinstance(step.entry, AssistantStepEntry):
-                answered = {
-                    r.entry.call_id
-                    for r in self._records[position + 1 :]
-                    if isinstance(r.entry, ToolResultEntry)
-                }
-                calls = enumerate(step.entry.tool_calls)
-                return step.seq, [(i, c) for i, c in calls if c.call_id not in answered]
-        return 0, []
-
     def _settlement(self) -> Settlement | None:
         if self._turns_run == 0:
             return None
         return Settlement(
             outcome=_SETTLEMENT_OF_TURN[self._last_outcome],
-            terminal_output=self._terminal_output(),
+            terminal_output=self._transcript.terminal_output(),
             detail=self._last_detail,
             trace=self._last_turn_trace,
         )
-
-    def _terminal_output(self) -> str:
-        for record in reversed(self._records):
-            if isinstance(record.entry, TurnStartedEntry | CompactionEntry):
-                return ""
-            if isinstance(record.entry, AssistantStepEntry) and record.entry.text:
-                return record.entry.text
-        return ""
 
     async def _append(self, entry: Entry) -> Record:
         # Shielded: once a write starts it finishes and is kept locally, even if the turn is
@@ -787,7 +703,7 @@ class Agent:
         other doubt came while it read: a decision takes what landed with other accepts still
         appending (:meth:`deciding`), and their lost answers are read next time."""
         doubts = self._doubts
-        for record in await self._host.read_after(self, self._held_through):
+        for record in await self._host.read_after(self, self._transcript.held_through):
             if self.holds(record.seq):
                 continue
             if isinstance(record.entry, INBOUND_TYPES):
@@ -874,7 +790,7 @@ class Agent:
 
     async def _steps(self, signal: AbortSignal, *, going_on: bool = False) -> TurnOutcome:
         if going_on:
-            step_seq, open_calls = self._calls_left_open()
+            step_seq, open_calls = self._transcript.last_step()
             with telemetry.span("dsh.step", attributes={"dsh.session.id": self.session_id}):
                 outcome = await self._calls_and_boundary(step_seq, open_calls, signal, asked=True)
             if outcome is not None:
@@ -974,13 +890,13 @@ class Agent:
         reads it first)."""
         if not self.needs_approval(call):
             return None
-        request = self._asked(call.call_id)
+        request = self._transcript.asked(call.call_id)
         tool = self.tools.get(call.name)
         shown = "" if tool is None else descriptor_digest(tool.descriptor)
         if request is not None:
             assert isinstance(request.entry, ApprovalRequestEntry)
-            decision = decision_of(self._records, request)
-            if decision is None or not consumed(self._records, decision.seq):
+            decision = decision_of(self._transcript.records, request)
+            if decision is None or not consumed(self._transcript.records, decision.seq):
                 raise _AwaitingApproval(call)
             if request.entry.descriptor_digest == shown or tool is None:
                 assert isinstance(decision.entry, ApprovalDecisionEntry)
@@ -1008,7 +924,7 @@ class Agent:
             model=self.header.spec.model,
             system_prompt=self.system_prompt,
             tools=self.tools.descriptors,
-            messages=render(self._records, clear_all=clear_all),
+            messages=render(self._transcript.records, clear_all=clear_all),
             max_output_tokens=self.limits.max_output_tokens,
         )
 
@@ -1058,15 +974,17 @@ class Agent:
         policy = self.context
         mark, window = policy.mark, policy.window_tokens
         request = self._request()
-        if mark is None or window is None or not self._compactable():
+        if mark is None or window is None or not self._transcript.compactable():
             return request
         size = context_size(
-            self._records, request.messages, head_length(self.system_prompt, request.tools)
+            self._transcript.records,
+            request.messages,
+            head_length(self.system_prompt, request.tools),
         )
         if size.tokens < mark:
             return request
         if policy.clear_tool_outputs:
-            plan = clearing(self._records, policy)
+            plan = clearing(self._transcript.records, policy)
             enough = plan.frees >= policy.clear_min_share * window
             if plan.seqs and enough and size.tokens - plan.frees < mark:
                 with telemetry.span(
@@ -1082,26 +1000,16 @@ class Agent:
         await self._compact(f"the context reached {size.tokens:,} of {window:,} tokens")
         return self._request()
 
-    def _compactable(self) -> bool:
-        """Whether a model step was recorded since the latest compaction (or at all): else a
-        compaction would only summarise a summary, or a task no step has worked on yet."""
-        for record in reversed(self._records):
-            if isinstance(record.entry, CompactionEntry):
-                return False
-            if isinstance(record.entry, AssistantStepEntry):
-                return True
-        return False
-
     async def _compact(self, reason: str, *, forced: bool = False) -> None:
         """Replace the context up to now by a summary the model writes: one model call over the
         context as it is (same head and messages, so the provider's cache serves it), then the
         :class:`CompactionEntry`. Raises :class:`TokensExhausted` when there is nothing to
         compact (``forced``: the provider refused the request) or the summary cannot fit."""
-        if not self._compactable():
+        if not self._transcript.compactable():
             if forced:
                 raise TokensExhausted(f"{reason}; nothing is left to compact")
             return
-        through = self._unseen_from() - 1
+        through = self._transcript.unseen_from() - 1
         model = self.context.summary_model or self.header.spec.model
         with telemetry.span(
             "dsh.context.compact",
@@ -1121,30 +1029,12 @@ class Agent:
             record = await self._write_compaction(summary, through, model, response.usage)
             span.set("dsh.context.compaction_seq", record.seq)
 
-    def _unseen_from(self) -> int:
-        """Where what no model step has seen yet begins: the first boundary's read since the
-        last step (or compaction), if any (the messages a read delivered are not read until a
-        step shows them: a turn may have ended between a read and its step), else past the
-        last record. A compaction covers only what comes before."""
-        unseen = self._records[-1].seq + 1
-        decisions = {r.seq for r in self._records if isinstance(r.entry, ApprovalDecisionEntry)}
-        for record in reversed(self._records):
-            if isinstance(record.entry, AssistantStepEntry | CompactionEntry):
-                break
-            # A turn that went on from a call waiting for approval read only decisions: no
-            # message is among them, and the step's results come after that read.
-            if isinstance(record.entry, ConsumedEntry) and not decisions.issuperset(
-                record.entry.seqs
-            ):
-                unseen = record.seq
-        return unseen
-
     async def _summarise(self, model: str, through: int) -> ModelResponse:
         """The summary call: the context up to ``through`` as the model sees it, then the
         instruction. If that is too long for the model, again with every tool output cleared;
         if that is too long as well, :class:`TokensExhausted`."""
         for clear_all in (False, True):
-            conversation = render(self._records, upto=through, clear_all=clear_all)
+            conversation = render(self._transcript.records, upto=through, clear_all=clear_all)
             request = ModelRequest(
                 session_id=self.session_id,
                 model=model,
@@ -1175,11 +1065,11 @@ class Agent:
             with held:
                 # A record below ``through`` that this copy lacks landed unseen (an accept
                 # whose answer was lost): take it now, or the compaction would pass it by.
-                if self._in_doubt or self._held_through < through:
+                if self._in_doubt or self._transcript.held_through < through:
                     await self._take_landed()
-                if self._held_through < through:
+                if self._transcript.held_through < through:
                     raise RuntimeError(f"{self.session_id}: seqs below {through} are missing")
-                previous = latest_compaction(self._records)
+                previous = latest_compaction(self._transcript.records)
                 start = 1
                 if previous is not None:
                     assert isinstance(previous.entry, CompactionEntry)
@@ -1188,40 +1078,20 @@ class Agent:
                     summary=summary,
                     from_seq=start,
                     through_seq=through,
-                    task=self._task(),
-                    pending=tuple(r.seq for r in pending_inbound(self._records, through=through)),
-                    open_turn=unended_turn(self._records),
+                    task=self._transcript.task(),
+                    pending=tuple(
+                        r.seq for r in pending_inbound(self._transcript.records, through=through)
+                    ),
+                    open_turn=unended_turn(self._transcript.records),
                     model=model,
                     usage=usage,
                 )
                 record = await self._host.append(self, entry)
                 self.record(record)
-                self._forget_compacted()
+                self._transcript.forget_compacted()
                 return record
 
         return await self._writes.run(write())
-
-    def _task(self) -> str:
-        """A child's initial task, kept verbatim by every compaction: it holds the direct
-        parent's id and the return instruction (contract rules 6, 7)."""
-        for record in self._records:
-            if isinstance(record.entry, TaskEntry):
-                return record.entry.content
-            if isinstance(record.entry, CompactionEntry):
-                return record.entry.task
-        return ""
-
-    def _forget_compacted(self) -> None:
-        """Keep only the context: what the latest compaction kept and what follows its range
-        (memory does not grow with the transcript)."""
-        latest = latest_compaction(self._records)
-        if latest is not None:
-            assert isinstance(latest.entry, CompactionEntry)
-            self._records = context_of(self._records)
-            self._seqs = {r.seq for r in self._records}
-            self._floor = latest.entry.through_seq
-            self._held_through = max(self._held_through, self._floor)
-        self._advance_held()
 
     async def _invoke(
         self, call: ToolCall, signal: AbortSignal, *, step_seq: int, index: int
@@ -1271,7 +1141,7 @@ class Agent:
         finishing, self._interrupted_call = self._interrupted_call, None
         running, self._running_call = self._running_call, None
         # The turn's last step, if it has one: an earlier turn's steps are all answered.
-        for _, call in self._calls_left_open()[1]:
+        for _, call in self._transcript.last_step()[1]:
             if finishing is not None and finishing[0] == call.call_id:
                 output = await finishing[1]
                 finishing = None
