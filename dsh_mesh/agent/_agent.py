@@ -37,6 +37,7 @@ from dsh_mesh.agent._gate import BoundaryGate
 from dsh_mesh.agent._inbox import Inbox
 from dsh_mesh.agent._render import render
 from dsh_mesh.agent._transcript import LocalTranscript
+from dsh_mesh.agent._turn import Turn
 from dsh_mesh.core import (
     EXPIRED_APPROVAL_REASON,
     INBOUND_TYPES,
@@ -221,8 +222,6 @@ class Agent:
         """Held while one decision on an approval request is checked and written."""
         self._cancel_wait: str | None = None
         """An interrupt or a stop came while a call waits for approval: why."""
-        self._turn_tokens = 0
-        self._turn_calls = 0
         self._transcript = LocalTranscript(records)
         self._in_doubt = False
         self._doubts = 0
@@ -232,10 +231,6 @@ class Agent:
         """Writes started by a turn: each runs to its end even if the turn is interrupted
         meanwhile, and the turn's close waits for them (:meth:`_finish_writes`), so nothing
         lands after the turn's end."""
-        self._interrupted_call: tuple[str, asyncio.Future[ToolOutput]] | None = None
-        self._running_call: str | None = None
-        """The call id of the tool call the current step is running, if any."""
-        """The standard-tool call an interrupt stopped mid-way, still finding its answer."""
         self._recovering = False
         """Answering what an earlier activation left open (no turn: see steers_into_a_turn)."""
         self._provider = provider
@@ -246,11 +241,8 @@ class Agent:
         self._state = AgentState.IDLE
         self._work = asyncio.Event()
         self._released = asyncio.Event()
-        self._turn_task: asyncio.Task[TurnOutcome] | None = None
-        self._turn_id: TurnId | None = None
-        self._interrupting = False
-        self._cancellable = False
-        """From a turn's start until its steps end: an interrupt then cancels it."""
+        self._turn: Turn | None = None
+        """The running turn's own state (None between turns)."""
         self._turns_run = 0
         self._last_outcome = TurnOutcome.COMPLETED
         self._last_turn_trace = ""
@@ -259,7 +251,6 @@ class Agent:
         self._passivating = False
         self._halted = False
         """Its subtree was stopped and closed: no turn starts; the activation ends."""
-        self._interrupt_detail = "interrupted"
 
     # -- identity and state -------------------------------------------------------------------
 
@@ -371,7 +362,8 @@ class Agent:
         """Cancel the current turn (recorded as cancelled, with ``detail``). Returns its id, or
         None when idle. Idempotent while the cancellation is in flight; never touches the
         inbox."""
-        if not self._cancellable:
+        turn = self._turn
+        if turn is None or not turn.cancellable:
             if self._state is AgentState.IDLE and self._waiting_call() is not None:
                 # The turn waits at a call for approval: it is cancelled from there, and the
                 # request is answered as denied (the driver writes both, once).
@@ -380,14 +372,8 @@ class Agent:
                     self._work.set()
                 return self._transcript.last_ended_turn()
             return None
-        if not self._interrupting:
-            self._interrupting = True
-            self._interrupt_detail = detail
-            # Before its steps started (the turn's first writes), the turn is cancelled as
-            # soon as they start: an interrupt then is never lost.
-            if self._turn_task is not None:
-                self._turn_task.cancel()
-        return self._turn_id
+        turn.interrupt(detail)
+        return turn.turn_id
 
     def halt(self, detail: str) -> TurnId | None:
         """Its subtree was stopped and closed: cancel the running turn (recorded as cancelled
@@ -427,10 +413,10 @@ class Agent:
                 if await self._host.closed(self):  # closed before this turn (or activation)
                     self._halted = True
                     continue
-                await self._turn(self._inbox.take_turn_input())
+                await self._take_turn(self._inbox.take_turn_input())
                 continue
             if waiting is not None and self._inbox.has_decision(waiting.call_id):
-                await self._turn(self._inbox.take_decisions(), going_on=True)
+                await self._take_turn(self._inbox.take_decisions(), going_on=True)
                 continue
             if self._halted and len(self._inbox):
                 # Nothing here reads them: their holds end, and they stay durable, unread, for
@@ -546,9 +532,8 @@ class Agent:
         then the turn goes on from that call only to end cancelled, answering each open call
         "not run". Another interrupt meanwhile changes nothing (see :meth:`interrupt`)."""
         await self._decide(call, f"the turn was cancelled ({detail})")
-        self._interrupting, self._interrupt_detail = True, detail
         try:
-            await self._turn(self._inbox.take_decisions(), going_on=True)
+            await self._take_turn(self._inbox.take_decisions(), going_on=True, interrupted=detail)
         finally:
             self._cancel_wait = None
 
@@ -713,7 +698,9 @@ class Agent:
         if self._doubts == doubts:
             self._in_doubt = False
 
-    async def _turn(self, first: list[Record], *, going_on: bool = False) -> None:
+    async def _take_turn(
+        self, first: list[Record], *, going_on: bool = False, interrupted: str | None = None
+    ) -> None:
         turn_id = self._ids.turn_id()
         with telemetry.span(
             "dsh.turn",
@@ -724,47 +711,46 @@ class Agent:
             },
         ) as turn_span:
             self._last_turn_trace = turn_span.traceparent
+            turn = Turn(turn_id=turn_id, limits=self.limits)
+            if interrupted is not None:
+                turn.interrupt(interrupted)  # its steps are cancelled as soon as they start
             outcome = await self._run_turn(
-                turn_id, first, going_on=going_on, trace=turn_span.traceparent
+                turn, first, going_on=going_on, trace=turn_span.traceparent
             )
             turn_span.set("dsh.turn.outcome", outcome.value)
 
     async def _run_turn(
-        self, turn_id: TurnId, first: list[Record], *, going_on: bool = False, trace: str = ""
+        self, turn: Turn, first: list[Record], *, going_on: bool = False, trace: str = ""
     ) -> TurnOutcome:
         """One turn, from ``first`` (its inbound records). ``going_on``: the turn goes on from
         the call the last one stopped at, waiting for approval; ``first`` are the decisions,
         read now, and what else waits is read at the step's boundary, after its results."""
-        self._turn_id = turn_id
-        self._cancellable = True
+        self._turn = turn
         self._state = AgentState.RUNNING
         self._host.changed()
         await self._append(
             TurnStartedEntry(
-                turn_id=turn_id,
+                turn_id=turn.turn_id,
                 node_id=self.activation.node_id,
                 activation_id=self.activation.activation_id,
                 trace=trace,
             )
         )
         await self._read_waiting(first, steered=not going_on)
-        self._turn_tokens = 0
-        self._turn_calls = 0
-        signal = AbortSignal()
-        self._turn_task = asyncio.create_task(
-            self._steps(signal, going_on=going_on), name=f"turn {turn_id}"
+        turn.steps = asyncio.create_task(
+            self._steps(turn, going_on=going_on), name=f"turn {turn.turn_id}"
         )
-        if self._interrupting:
-            self._turn_task.cancel()  # interrupted while the turn was starting
+        if turn.interrupting:
+            turn.steps.cancel()  # interrupted while the turn was starting
         detail = ""
         try:
-            outcome = await self._turn_task
+            outcome = await turn.steps
         except asyncio.CancelledError:
             current = asyncio.current_task()
-            if not self._interrupting or (current is not None and current.cancelling()):
+            if not turn.interrupting or (current is not None and current.cancelling()):
                 raise
             outcome = TurnOutcome.CANCELLED
-            detail = self._interrupt_detail
+            detail = turn.interrupt_detail
         except _AwaitingApproval as waiting:
             outcome, detail = TurnOutcome.AWAITING_APPROVAL, str(waiting)
         except TokensExhausted as exhausted:
@@ -772,27 +758,24 @@ class Agent:
         except Exception as failure:  # a failed model call ends the turn, never the driver
             outcome, detail = TurnOutcome.ERROR, f"{type(failure).__name__}: {failure}"
         finally:
-            signal.abort("turn ended")
-            self._turn_task = None
-            self._cancellable = False
-            self._interrupting = False
-            self._interrupt_detail = "interrupted"
+            turn.signal.abort("turn ended")
+            turn.cancellable = False
         await self._finish_writes()
         if outcome is not TurnOutcome.AWAITING_APPROVAL:
-            await self._close_open_calls(outcome)
-        await self._append(TurnEndedEntry(turn_id=turn_id, outcome=outcome, detail=detail))
+            await self._close_open_calls(turn, outcome)
+        await self._append(TurnEndedEntry(turn_id=turn.turn_id, outcome=outcome, detail=detail))
         self._turns_run += 1
         self._last_outcome, self._last_detail = outcome, detail
-        self._turn_id = None
+        self._turn = None
         self._state = AgentState.IDLE
         self._host.changed()
         return outcome
 
-    async def _steps(self, signal: AbortSignal, *, going_on: bool = False) -> TurnOutcome:
+    async def _steps(self, turn: Turn, *, going_on: bool = False) -> TurnOutcome:
         if going_on:
             step_seq, open_calls = self._transcript.last_step()
             with telemetry.span("dsh.step", attributes={"dsh.session.id": self.session_id}):
-                outcome = await self._calls_and_boundary(step_seq, open_calls, signal, asked=True)
+                outcome = await self._calls_and_boundary(turn, step_seq, open_calls, asked=True)
             if outcome is not None:
                 return outcome
         for index in itertools.count():
@@ -802,45 +785,35 @@ class Agent:
                 attributes={"dsh.session.id": self.session_id, "dsh.step.index": index},
                 links=links,
             ):
-                outcome = await self._step(signal)
+                outcome = await self._step(turn)
             if outcome is not None:
                 return outcome
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _step(self, signal: AbortSignal) -> TurnOutcome | None:
+    async def _step(self, turn: Turn) -> TurnOutcome | None:
         """One model call and the tool calls it asked for, then the step boundary. Returns the
         turn's outcome when the turn is over, None when another step follows. First, if the
         context has reached its policy's mark, room is made (docs/context.md)."""
-        calls_limit = self.limits.max_model_calls
-        if calls_limit is not None and self._turn_calls >= calls_limit:
-            raise TokensExhausted(
-                f"the turn made {self._turn_calls} model calls; its limit is {calls_limit}"
-                " (max_model_calls_per_turn)"
-            )
-        self._turn_calls += 1
-        response = await self._call_model(await self._make_room())
+        turn.count_model_call()
+        response = await self._call_model(turn, await self._make_room(turn))
         # Recorded bounded and with one id per call (ADR 0038): what runs, is asked for
         # approval and is answered below is the step as recorded, never the raw answer.
         recorded = recorded_step(response.text, response.tool_calls, response.usage)
         step = await self._append(recorded)
         if response.finish_reason is FinishReason.LENGTH:
             raise TokensExhausted("the model stopped at its token limit")
-        self._turn_tokens += response.usage.input_tokens + response.usage.output_tokens
-        budget = self.limits.turn_token_budget
-        if budget is not None and self._turn_tokens >= budget:
-            raise TokensExhausted(
-                f"the turn used {self._turn_tokens} tokens; its budget is {budget}"
-            )
+        turn.count_tokens(response.usage)
+        turn.check_budget()
         calls = list(enumerate(recorded.tool_calls))
         return await self._calls_and_boundary(
-            step.seq, calls, signal, asked=bool(recorded.tool_calls)
+            turn, step.seq, calls, asked=bool(recorded.tool_calls)
         )
 
     async def _calls_and_boundary(
         self,
+        turn: Turn,
         step_seq: int,
         calls: Sequence[tuple[int, ToolCall]],
-        signal: AbortSignal,
         *,
         asked: bool,
     ) -> TurnOutcome | None:
@@ -865,10 +838,12 @@ class Agent:
                     "gen_ai.tool.call.id": call.call_id,
                 },
             ) as tool_span:
-                self._running_call = call.call_id
+                turn.running_call = call.call_id
                 started = time.monotonic()
-                output = await self._invoke(ran, signal, step_seq=step_seq, index=index)
-                self._running_call = None
+                output = await self._invoke(
+                    ran, turn.signal, step_seq=step_seq, index=index, turn=turn
+                )
+                turn.running_call = None
                 tool_span.set("dsh.tool.error", output.is_error)
             if ran is not call:
                 assert decision is not None
@@ -928,14 +903,14 @@ class Agent:
             max_output_tokens=self.limits.max_output_tokens,
         )
 
-    async def _call_model(self, request: ModelRequest) -> ModelResponse:
+    async def _call_model(self, turn: Turn, request: ModelRequest) -> ModelResponse:
         """The step's model call, of ``request``. A provider that refuses it as longer than the
         model's window gets a compaction, then the step again; a second refusal ends the turn
         (token exhaustion)."""
         try:
             return await self._model_call(request)
         except ContextOverflow as overflow:
-            await self._compact(f"the provider refused the request: {overflow}", forced=True)
+            await self._compact(turn, f"the provider refused the request: {overflow}", forced=True)
         return await self._model_call(self._request())
 
     async def _model_call(self, request: ModelRequest) -> ModelResponse:
@@ -965,7 +940,7 @@ class Agent:
         )
         return response
 
-    async def _make_room(self) -> ModelRequest:
+    async def _make_room(self, turn: Turn) -> ModelRequest:
         """Before a model call: if the context has reached the policy's mark, clear old tool
         outputs when that alone brings it under the mark and frees enough, else compact. A
         context with nothing new since its latest compaction is left as it is: the provider
@@ -997,10 +972,10 @@ class Agent:
                 ):
                     await self._append(ToolOutputsClearedEntry(seqs=plan.seqs))
                 return self._request()
-        await self._compact(f"the context reached {size.tokens:,} of {window:,} tokens")
+        await self._compact(turn, f"the context reached {size.tokens:,} of {window:,} tokens")
         return self._request()
 
-    async def _compact(self, reason: str, *, forced: bool = False) -> None:
+    async def _compact(self, turn: Turn, reason: str, *, forced: bool = False) -> None:
         """Replace the context up to now by a summary the model writes: one model call over the
         context as it is (same head and messages, so the provider's cache serves it), then the
         :class:`CompactionEntry`. Raises :class:`TokensExhausted` when there is nothing to
@@ -1020,7 +995,7 @@ class Agent:
             },
         ) as span:
             response = await self._summarise(model, through)
-            self._turn_tokens += response.usage.input_tokens + response.usage.output_tokens
+            turn.count_tokens(response.usage)
             if response.finish_reason is FinishReason.LENGTH:
                 raise TokensExhausted("the summary of the context did not fit its output limit")
             summary = response.text.strip()
@@ -1094,7 +1069,13 @@ class Agent:
         return await self._writes.run(write())
 
     async def _invoke(
-        self, call: ToolCall, signal: AbortSignal, *, step_seq: int, index: int
+        self,
+        call: ToolCall,
+        signal: AbortSignal,
+        *,
+        step_seq: int,
+        index: int,
+        turn: Turn | None = None,
     ) -> ToolOutput:
         tool = self.tools.get(call.name)
         if tool is None:
@@ -1126,20 +1107,19 @@ class Agent:
         try:
             return await asyncio.shield(answering)
         except asyncio.CancelledError:
-            if self._interrupting:
+            if turn is not None and turn.interrupting:
                 signal.abort("the turn was interrupted")
-                self._interrupted_call = (call.call_id, answering)
+                turn.interrupted_call = (call.call_id, answering)
             else:
                 answering.cancel()
             raise
 
-    async def _close_open_calls(self, outcome: TurnOutcome) -> None:
+    async def _close_open_calls(self, turn: Turn, outcome: TurnOutcome) -> None:
         """Give every tool call of an ended turn a result, so the transcript stays renderable.
         The standard-tool call an interrupt stopped gets its own answer (sent or not, spawned
         or not); a user tool's call that was running is told it was cancelled and may or may
         not have taken effect; a call that never started is told so."""
-        finishing, self._interrupted_call = self._interrupted_call, None
-        running, self._running_call = self._running_call, None
+        finishing, running = turn.interrupted_call, turn.running_call
         # The turn's last step, if it has one: an earlier turn's steps are all answered.
         for _, call in self._transcript.last_step()[1]:
             if finishing is not None and finishing[0] == call.call_id:
