@@ -12,11 +12,11 @@ import dataclasses
 import enum
 import itertools
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from dsh_mesh import telemetry
 from dsh_mesh.agent._approvals import (
@@ -27,17 +27,11 @@ from dsh_mesh.agent._approvals import (
     edited,
     expired,
 )
-from dsh_mesh.agent._context import (
-    clearing,
-    context_size,
-    head_length,
-    summary_messages,
-)
 from dsh_mesh.agent._gate import BoundaryGate
 from dsh_mesh.agent._inbox import Inbox
-from dsh_mesh.agent._render import render
 from dsh_mesh.agent._transcript import LocalTranscript
 from dsh_mesh.agent._turn import Turn
+from dsh_mesh.agent._window import ContextWindow, Writes
 from dsh_mesh.core import (
     EXPIRED_APPROVAL_REASON,
     INBOUND_TYPES,
@@ -50,9 +44,7 @@ from dsh_mesh.core import (
     ApprovalDecisionEntry,
     ApprovalRequestEntry,
     ApprovalStale,
-    CompactionEntry,
     ConsumedEntry,
-    ContextOverflow,
     DeliveryKind,
     DetachedWork,
     Entry,
@@ -65,29 +57,20 @@ from dsh_mesh.core import (
     SettlementOutcome,
     TokensExhausted,
     ToolCall,
-    ToolOutputsClearedEntry,
     ToolResultEntry,
     TurnEndedEntry,
     TurnId,
     TurnOutcome,
     TurnStartedEntry,
-    Usage,
     descriptor_digest,
-    latest_compaction,
     mesh_denial,
     parse_bounded,
-    pending_inbound,
     recorded_step,
     unended_turn,
 )
 from dsh_mesh.models import (
-    CallPurpose,
     FinishReason,
     ModelProvider,
-    ModelRequest,
-    ModelResponse,
-    ProviderError,
-    complete,
 )
 from dsh_mesh.tools import (
     ApprovalPolicy,
@@ -101,6 +84,8 @@ from dsh_mesh.tools import (
     outcome_unknown,
     run_limited,
 )
+
+T = TypeVar("T")
 
 
 class AgentState(enum.Enum):
@@ -223,6 +208,22 @@ class Agent:
         self._cancel_wait: str | None = None
         """An interrupt or a stop came while a call waits for approval: why."""
         self._transcript = LocalTranscript(records)
+        self._window = ContextWindow(
+            session_id=header.session_id,
+            model=header.spec.model,
+            system_prompt=system_prompt,
+            tools=tools,
+            limits=self.limits,
+            policy=self.context,
+            provider=provider,
+            transcript=self._transcript,
+            writes=Writes(
+                append=self._append,
+                at_boundary=self._at_boundary,
+                catch_up=self._catch_up,
+                append_durable=lambda entry: self._host.append(self, entry),
+            ),
+        )
         self._in_doubt = False
         self._doubts = 0
         """How often :meth:`doubt` was called: a read clears the doubt only if none came
@@ -658,29 +659,43 @@ class Agent:
         records): every Steer record waiting, in seq order, made durable as one
         ``ConsumedEntry``. It holds the gate against accepts, so no Steer record durable before
         that entry is left unread. False when there was nothing to read."""
-        held = await self._gate.held()
 
         async def read() -> list[Record]:
-            # Shielded like any write (see _append); the gate opens when the entry is durable.
-            with held:
-                if self._in_doubt:
-                    await self._take_landed()
-                # Going on from a call waiting for approval reads only decisions (a decision
-                # that landed unseen, just taken, among them); the rest waits for the boundary.
-                waiting = self._inbox.take_steered() if steered else self._inbox.take_decisions()
-                records = sorted([*first, *waiting], key=lambda r: r.seq)
-                if records:
-                    record = await self._host.append(
-                        self, ConsumedEntry(seqs=tuple(r.seq for r in records))
-                    )
-                    self.record(record)
-                    self._host.admitted(self, records)
-                return records
+            if self._in_doubt:
+                await self._take_landed()
+            # Going on from a call waiting for approval reads only decisions (a decision that
+            # landed unseen, just taken, among them); the rest waits for the boundary.
+            waiting = self._inbox.take_steered() if steered else self._inbox.take_decisions()
+            records = sorted([*first, *waiting], key=lambda r: r.seq)
+            if records:
+                record = await self._host.append(
+                    self, ConsumedEntry(seqs=tuple(r.seq for r in records))
+                )
+                self.record(record)
+                self._host.admitted(self, records)
+            return records
 
-        records = await self._writes.run(read())
+        records = await self._at_boundary(read)
         # The next step reads these: its span links to the spans that sent them.
         self._links.extend(getattr(r.entry, "trace", "") for r in records)
         return bool(records)
+
+    async def _at_boundary(self, write: Callable[[], Awaitable[T]]) -> T:
+        """Run ``write`` with the gate held against accepts: every inbound record durable
+        before what it writes is then in the inbox (docs/adr/0007). Shielded like any write
+        (see :meth:`_append`); the gate opens when its entry is durable, or failed."""
+        held = await self._gate.held()
+
+        async def written() -> T:
+            with held:
+                return await write()
+
+        return await self._writes.run(written())
+
+    async def _catch_up(self, through: int) -> None:
+        """Take what landed unseen, when in doubt or when a seq up to ``through`` is missing."""
+        if self._in_doubt or self._transcript.held_through < through:
+            await self._take_landed()
 
     async def _take_landed(self) -> None:
         """Deliver to this agent every inbound record that landed without its accept knowing
@@ -795,7 +810,8 @@ class Agent:
         turn's outcome when the turn is over, None when another step follows. First, if the
         context has reached its policy's mark, room is made (docs/context.md)."""
         turn.count_model_call()
-        response = await self._call_model(turn, await self._make_room(turn))
+        window = self._window
+        response = await window.call(await window.make_room(turn.count_tokens), turn.count_tokens)
         # Recorded bounded and with one id per call (ADR 0038): what runs, is asked for
         # approval and is answered below is the step as recorded, never the raw answer.
         recorded = recorded_step(response.text, response.tool_calls, response.usage)
@@ -889,184 +905,6 @@ class Agent:
             )
         )
         raise _AwaitingApproval(call)
-
-    # -- the context window (docs/context.md) ---------------------------------------------------
-
-    def _request(self, *, clear_all: bool = False) -> ModelRequest:
-        """The next step's request: the session's head, then its context as the model sees it."""
-        return ModelRequest(
-            session_id=self.session_id,
-            model=self.header.spec.model,
-            system_prompt=self.system_prompt,
-            tools=self.tools.descriptors,
-            messages=render(self._transcript.records, clear_all=clear_all),
-            max_output_tokens=self.limits.max_output_tokens,
-        )
-
-    async def _call_model(self, turn: Turn, request: ModelRequest) -> ModelResponse:
-        """The step's model call, of ``request``. A provider that refuses it as longer than the
-        model's window gets a compaction, then the step again; a second refusal ends the turn
-        (token exhaustion)."""
-        try:
-            return await self._model_call(request)
-        except ContextOverflow as overflow:
-            await self._compact(turn, f"the provider refused the request: {overflow}", forced=True)
-        return await self._model_call(self._request())
-
-    async def _model_call(self, request: ModelRequest) -> ModelResponse:
-        with telemetry.span(
-            f"chat {request.model}",
-            kind="client",
-            attributes={
-                "gen_ai.operation.name": "chat",
-                "gen_ai.request.model": request.model,
-                "dsh.model_call.purpose": request.purpose.value,
-            },
-        ) as model_span:
-            response = await complete(self._provider, request)
-            model_span.set_many(
-                {
-                    "gen_ai.usage.input_tokens": response.usage.input_tokens,
-                    "gen_ai.usage.output_tokens": response.usage.output_tokens,
-                    "gen_ai.usage.cache_read.input_tokens": response.usage.cached_input_tokens,
-                    "gen_ai.response.finish_reasons": [response.finish_reason.value],
-                }
-            )
-        telemetry.model_call(
-            request.model,
-            input_tokens=response.usage.input_tokens,
-            output_tokens=response.usage.output_tokens,
-            cached=response.usage.cached_input_tokens,
-        )
-        return response
-
-    async def _make_room(self, turn: Turn) -> ModelRequest:
-        """Before a model call: if the context has reached the policy's mark, clear old tool
-        outputs when that alone brings it under the mark and frees enough, else compact. A
-        context with nothing new since its latest compaction is left as it is: the provider
-        says whether it fits. Returns the step's request (rendered once when nothing
-        changed)."""
-        policy = self.context
-        mark, window = policy.mark, policy.window_tokens
-        request = self._request()
-        if mark is None or window is None or not self._transcript.compactable():
-            return request
-        size = context_size(
-            self._transcript.records,
-            request.messages,
-            head_length(self.system_prompt, request.tools),
-        )
-        if size.tokens < mark:
-            return request
-        if policy.clear_tool_outputs:
-            plan = clearing(self._transcript.records, policy)
-            enough = plan.frees >= policy.clear_min_share * window
-            if plan.seqs and enough and size.tokens - plan.frees < mark:
-                with telemetry.span(
-                    "dsh.context.clear",
-                    attributes={
-                        "dsh.session.id": self.session_id,
-                        "dsh.context.tokens": size.tokens,
-                        "dsh.context.cleared": len(plan.seqs),
-                    },
-                ):
-                    await self._append(ToolOutputsClearedEntry(seqs=plan.seqs))
-                return self._request()
-        await self._compact(turn, f"the context reached {size.tokens:,} of {window:,} tokens")
-        return self._request()
-
-    async def _compact(self, turn: Turn, reason: str, *, forced: bool = False) -> None:
-        """Replace the context up to now by a summary the model writes: one model call over the
-        context as it is (same head and messages, so the provider's cache serves it), then the
-        :class:`CompactionEntry`. Raises :class:`TokensExhausted` when there is nothing to
-        compact (``forced``: the provider refused the request) or the summary cannot fit."""
-        if not self._transcript.compactable():
-            if forced:
-                raise TokensExhausted(f"{reason}; nothing is left to compact")
-            return
-        through = self._transcript.unseen_from() - 1
-        model = self.context.summary_model or self.header.spec.model
-        with telemetry.span(
-            "dsh.context.compact",
-            attributes={
-                "dsh.session.id": self.session_id,
-                "dsh.context.through_seq": through,
-                "dsh.context.reason": reason,
-            },
-        ) as span:
-            response = await self._summarise(model, through)
-            turn.count_tokens(response.usage)
-            if response.finish_reason is FinishReason.LENGTH:
-                raise TokensExhausted("the summary of the context did not fit its output limit")
-            summary = response.text.strip()
-            if not summary:
-                raise ProviderError(f"{model} answered the summary request with no text")
-            record = await self._write_compaction(summary, through, model, response.usage)
-            span.set("dsh.context.compaction_seq", record.seq)
-
-    async def _summarise(self, model: str, through: int) -> ModelResponse:
-        """The summary call: the context up to ``through`` as the model sees it, then the
-        instruction. If that is too long for the model, again with every tool output cleared;
-        if that is too long as well, :class:`TokensExhausted`."""
-        for clear_all in (False, True):
-            conversation = render(self._transcript.records, upto=through, clear_all=clear_all)
-            request = ModelRequest(
-                session_id=self.session_id,
-                model=model,
-                system_prompt=self.system_prompt,
-                tools=self.tools.descriptors,
-                messages=summary_messages(conversation, self.context.summary_max_tokens),
-                max_output_tokens=self.limits.max_output_tokens,
-                purpose=CallPurpose.COMPACTION,
-            )
-            try:
-                return await self._model_call(request)
-            except ContextOverflow as overflow:
-                if clear_all:
-                    raise TokensExhausted(
-                        f"the summary request itself cannot fit: {overflow}"
-                    ) from overflow
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    async def _write_compaction(
-        self, summary: str, through: int, model: str, usage: Usage
-    ) -> Record:
-        """Append the compaction of everything up to ``through``. It holds the gate against
-        accepts (as a step boundary's read does), so every inbound record durable at or below
-        ``through`` is here, and the ones no step read yet are kept, not summarised away."""
-        held = await self._gate.held()
-
-        async def write() -> Record:
-            with held:
-                # A record below ``through`` that this copy lacks landed unseen (an accept
-                # whose answer was lost): take it now, or the compaction would pass it by.
-                if self._in_doubt or self._transcript.held_through < through:
-                    await self._take_landed()
-                if self._transcript.held_through < through:
-                    raise RuntimeError(f"{self.session_id}: seqs below {through} are missing")
-                previous = latest_compaction(self._transcript.records)
-                start = 1
-                if previous is not None:
-                    assert isinstance(previous.entry, CompactionEntry)
-                    start = previous.entry.through_seq + 1
-                entry = CompactionEntry(
-                    summary=summary,
-                    from_seq=start,
-                    through_seq=through,
-                    task=self._transcript.task(),
-                    pending=tuple(
-                        r.seq for r in pending_inbound(self._transcript.records, through=through)
-                    ),
-                    open_turn=unended_turn(self._transcript.records),
-                    model=model,
-                    usage=usage,
-                )
-                record = await self._host.append(self, entry)
-                self.record(record)
-                self._transcript.forget_compacted()
-                return record
-
-        return await self._writes.run(write())
 
     async def _invoke(
         self,
