@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 
 from dsh_mesh import telemetry
 from dsh_mesh.agent import Agent, AgentState
@@ -13,16 +12,19 @@ from dsh_mesh.core import (
     ApprovalStale,
     Delivery,
     DeliveryKind,
-    IdempotencyConflict,
     InboundEntry,
     NodeFenced,
     Record,
     RegistryUnavailable,
-    SessionId,
-    bounded_quote,
 )
 from dsh_mesh.runtime._admission import Reservation
-from dsh_mesh.runtime._store import Acceptance, IdempotencyKey, SessionStore
+from dsh_mesh.runtime._store import (
+    Acceptance,
+    IdempotencyKey,
+    SessionStore,
+    duplicate_of,
+    fingerprint,
+)
 
 
 class Acceptor:
@@ -114,28 +116,3 @@ def deliver_once(agent: Agent, record: Record, reservation: Reservation) -> bool
     reservation.admit_on(record.seq)
     agent.deliver(record)
     return True
-
-
-def duplicate_of(
-    key: IdempotencyKey, known: Acceptance, target: SessionId, fingerprint: str
-) -> Delivery:
-    """The answer to a repeat of an accepted request; raises :class:`IdempotencyConflict` when
-    ``key`` was used for another target or content."""
-    if known.target != target or known.fingerprint != fingerprint:
-        raise IdempotencyConflict(
-            f"key {bounded_quote(key.key)} was already used for another message"
-        )
-    return Delivery(
-        target=known.target,
-        target_activation=known.target_activation,
-        kind=known.kind,
-        accepted_seq=known.seq,
-        duplicate=True,
-    )
-
-
-def fingerprint(target: SessionId, entry: InboundEntry) -> str:
-    """What a key remembers of its request: target, entry type and content."""
-    digest = hashlib.sha256(f"{target}\0{type(entry).__name__}\0".encode())
-    digest.update(getattr(entry, "content", "").encode())
-    return digest.hexdigest()

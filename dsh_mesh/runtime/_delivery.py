@@ -32,7 +32,7 @@ from dsh_mesh.core import (
     bounded_quote,
     parse_session_id,
 )
-from dsh_mesh.runtime._acceptance import Acceptor, duplicate_of, fingerprint
+from dsh_mesh.runtime._acceptance import Acceptor
 from dsh_mesh.runtime._admission import AdmissionLedger
 from dsh_mesh.runtime._authorizer import Authorizer
 from dsh_mesh.runtime._children import ChildLedger
@@ -40,7 +40,13 @@ from dsh_mesh.runtime._denials import decision_key
 from dsh_mesh.runtime._departure import Departed
 from dsh_mesh.runtime._placement import HandOff, Placement
 from dsh_mesh.runtime._residency import AlreadyAccepted, Residency
-from dsh_mesh.runtime._store import Acceptance, IdempotencyKey, SessionStore
+from dsh_mesh.runtime._store import (
+    Acceptance,
+    IdempotencyKey,
+    SessionStore,
+    duplicate_of,
+    fingerprint,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
