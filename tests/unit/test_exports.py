@@ -919,3 +919,28 @@ def test_the_idempotency_helpers_live_beside_the_key() -> None:
     }
     assert homes["IdempotencyKey"] == ["_store.py"]
     assert homes["duplicate_of"] == homes["fingerprint"] == homes["IdempotencyKey"]
+
+
+def used_names(path: Path) -> set[str]:
+    """Every name, attribute and imported name in ``path``'s code (comments and strings left
+    out)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            found.add(node.attr)
+        elif isinstance(node, ast.alias):
+            found.add(node.asname or node.name)
+    return found
+
+
+def test_generic_acceptance_has_no_case_for_approval_decisions() -> None:
+    used = used_names(PACKAGE_DIR / "runtime" / "_acceptance.py")
+    assert {"append", "deliver_once", "reservation"} <= used  # the walk saw the module's code
+    approval = sorted(
+        name
+        for name in used
+        if any(word in name.lower() for word in ("approval", "decision", "deciding"))
+    )
+    assert approval == []
