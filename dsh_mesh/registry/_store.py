@@ -565,7 +565,7 @@ class EtcdSessionStore:
     async def _flush(self, session: SessionId) -> None:
         """Group commit: while appends to ``session`` wait, take them in arrival order and write
         as many as fit into one log-store transaction (same fence, at most ``_BATCH_ENTRIES``
-        entries and ``_BATCH_BYTES`` of payload), then settle each caller with its own record.
+        entries and ``_BATCH_BYTES`` of payload), then answer each caller with its own record.
         A key used twice in one batch is written once; the second use answers the first."""
         queue = self._queues[session]
         batch: list[_Pending] = []
@@ -585,7 +585,7 @@ class EtcdSessionStore:
         finally:
             # In the same step as the queue goes: an append arriving after this starts a
             # commit of its own, and none can find a queue that nobody will commit. A commit
-            # cancelled mid-batch (aclose) strands its batch too: _commit settles only on
+            # cancelled mid-batch (aclose) strands its batch too: _commit fails a batch only on
             # Exception, and the batch may or may not have landed.
             for stranded in (*batch, *queue):
                 if not stranded.done.done():
@@ -607,7 +607,7 @@ class EtcdSessionStore:
             )
         except (IdempotencyConflict, ApprovalStale) as conflict:
             if len(batch) == 1:
-                _settle(batch, conflict)
+                _fail_waiting(batch, conflict)
                 return
             # One retry reused its key for another message, or one decision answers a request
             # decided already, which refuses the whole batch: commit one by one, so only that
@@ -616,10 +616,10 @@ class EtcdSessionStore:
                 await self._commit(session, [pending])
             return
         except ActivationFenced as fenced:
-            _settle(batch, ActivationFenced(f"{session}: writer {first.writer}: {fenced}"))
+            _fail_waiting(batch, ActivationFenced(f"{session}: writer {first.writer}: {fenced}"))
             return
-        except Exception as failure:  # settles every waiting caller; none is left hanging
-            _settle(batch, failure)
+        except Exception as failure:  # fails every waiting caller; none is left hanging
+            _fail_waiting(batch, failure)
             return
         for pending, answer in zip(batch, written, strict=True):
             if not pending.done.done():
@@ -736,7 +736,7 @@ def _only(response: Any) -> Any | None:
     return kvs[0] if kvs else None
 
 
-def _settle(batch: list[_Pending], failure: BaseException) -> None:
+def _fail_waiting(batch: list[_Pending], failure: BaseException) -> None:
     """Fail every caller of ``batch`` still waiting."""
     for pending in batch:
         if not pending.done.done():

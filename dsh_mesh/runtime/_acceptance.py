@@ -3,26 +3,62 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
+from contextlib import AbstractAsyncContextManager
+from typing import Protocol
 
 from dsh_mesh import telemetry
 from dsh_mesh.agent import Agent, AgentState
 from dsh_mesh.core import (
     AgentMessageEntry,
-    ApprovalDecisionEntry,
-    ApprovalStale,
     Delivery,
     DeliveryKind,
-    IdempotencyConflict,
     InboundEntry,
     NodeFenced,
     Record,
     RegistryUnavailable,
-    SessionId,
-    bounded_quote,
 )
 from dsh_mesh.runtime._admission import Reservation
-from dsh_mesh.runtime._store import Acceptance, IdempotencyKey, SessionStore
+from dsh_mesh.runtime._store import Acceptance, IdempotencyKey, SessionStore, duplicate_of
+
+
+class AcceptanceRule(Protocol):
+    """What one kind of inbound entry asks of its acceptance beyond the append and the
+    delivery every entry gets: how its target is held meanwhile, a check before the append,
+    and which refusals of the append leave the target's copy in doubt. The rule of a kind
+    lives where that kind is handled; :data:`PLAIN_ACCEPTANCE` is every other kind's."""
+
+    @property
+    def in_doubt_after(self) -> tuple[type[Exception], ...]:
+        """The store's refusals of the append, beyond an outage's, that mean it holds a record
+        the target's copy does not: the target doubts its copy (:meth:`Agent.doubt`)."""
+        ...
+
+    def held(self, agent: Agent) -> AbstractAsyncContextManager[None]:
+        """Hold ``agent`` while the entry is checked, appended and delivered: at least its step
+        boundary held off (:meth:`Agent.accepting`)."""
+        ...
+
+    async def check(self, agent: Agent, key: IdempotencyKey | None) -> Delivery | None:
+        """Within :meth:`held`, before the append: the answer to a repeat, or None to append
+        the entry; raises to refuse it (nothing is appended)."""
+        ...
+
+
+class _PlainAcceptance:
+    """The rule of an entry that asks nothing more: its append and delivery hold off the
+    target's step boundary (docs/adr/0007), and its key answers a repeat at the append."""
+
+    in_doubt_after: tuple[type[Exception], ...] = ()
+
+    def held(self, agent: Agent) -> AbstractAsyncContextManager[None]:
+        return agent.accepting()
+
+    async def check(self, agent: Agent, key: IdempotencyKey | None) -> Delivery | None:
+        return None
+
+
+PLAIN_ACCEPTANCE: AcceptanceRule = _PlainAcceptance()
+"""The acceptance of every inbound entry whose kind has no rule of its own."""
 
 
 class Acceptor:
@@ -40,27 +76,22 @@ class Acceptor:
         key: IdempotencyKey | None,
         acceptance: Acceptance | None,
         reservation: Reservation,
+        rule: AcceptanceRule = PLAIN_ACCEPTANCE,
     ) -> Delivery:
-        """Append ``entry`` for ``agent`` and deliver it. ``reservation`` holds the target
-        awake: it ends when the driver admits the record, or here when nothing was handed to
-        the agent. Call detached: once begun, acceptance runs to its end."""
+        """Append ``entry`` for ``agent`` and deliver it, under the ``rule`` of its kind.
+        ``reservation`` holds the target awake: it ends when the driver admits the record, or
+        here when nothing was handed to the agent. Call detached: once begun, acceptance runs
+        to its end."""
         session = agent.session_id
         if isinstance(entry, AgentMessageEntry):
             entry = dataclasses.replace(entry, delivery=kind)
         with reservation:
             # The append and the delivery hold off the target's step boundary: it cannot write
-            # a ConsumedEntry past this record without reading it (docs/adr/0007). A decision
-            # on an approval request also holds off every other decision on that agent's
-            # requests: it is checked against the transcript, then appended, as one step.
-            deciding = isinstance(entry, ApprovalDecisionEntry)
-            async with agent.deciding() if deciding else agent.accepting():
-                if isinstance(entry, ApprovalDecisionEntry):
-                    # A repeat is answered by its key, whatever the agent did since (the call
-                    # ran, the turn went on); anything else is checked against the transcript.
-                    known = None if key is None else await self._store.lookup(key)
-                    if known is not None and key is not None:
-                        return duplicate_of(key, known, session, fingerprint(session, entry))
-                    await agent.check_decision(entry)
+            # a ConsumedEntry past this record without reading it (docs/adr/0007).
+            async with rule.held(agent):
+                answer = await rule.check(agent, key)
+                if answer is not None:
+                    return answer
                 try:
                     record, known = await self._store.append(
                         session,
@@ -73,8 +104,8 @@ class Acceptor:
                 except (RegistryUnavailable, NodeFenced):
                     agent.doubt()  # it may have landed: the next boundary looks
                     raise
-                except ApprovalStale:
-                    agent.doubt()  # the store holds a decision this agent's copy does not
+                except rule.in_doubt_after:
+                    agent.doubt()  # the store holds a record this agent's copy does not
                     raise
                 if known is not None and key is not None:
                     duplicate = duplicate_of(key, known, session, known.fingerprint)
@@ -114,28 +145,3 @@ def deliver_once(agent: Agent, record: Record, reservation: Reservation) -> bool
     reservation.admit_on(record.seq)
     agent.deliver(record)
     return True
-
-
-def duplicate_of(
-    key: IdempotencyKey, known: Acceptance, target: SessionId, fingerprint: str
-) -> Delivery:
-    """The answer to a repeat of an accepted request; raises :class:`IdempotencyConflict` when
-    ``key`` was used for another target or content."""
-    if known.target != target or known.fingerprint != fingerprint:
-        raise IdempotencyConflict(
-            f"key {bounded_quote(key.key)} was already used for another message"
-        )
-    return Delivery(
-        target=known.target,
-        target_activation=known.target_activation,
-        kind=known.kind,
-        accepted_seq=known.seq,
-        duplicate=True,
-    )
-
-
-def fingerprint(target: SessionId, entry: InboundEntry) -> str:
-    """What a key remembers of its request: target, entry type and content."""
-    digest = hashlib.sha256(f"{target}\0{type(entry).__name__}\0".encode())
-    digest.update(getattr(entry, "content", "").encode())
-    return digest.hexdigest()

@@ -32,15 +32,22 @@ from dsh_mesh.core import (
     bounded_quote,
     parse_session_id,
 )
-from dsh_mesh.runtime._acceptance import Acceptor, duplicate_of, fingerprint
+from dsh_mesh.runtime._acceptance import PLAIN_ACCEPTANCE, AcceptanceRule, Acceptor
 from dsh_mesh.runtime._admission import AdmissionLedger
 from dsh_mesh.runtime._authorizer import Authorizer
 from dsh_mesh.runtime._children import ChildLedger
+from dsh_mesh.runtime._decisions import DecisionAcceptance
 from dsh_mesh.runtime._denials import decision_key
 from dsh_mesh.runtime._departure import Departed
 from dsh_mesh.runtime._placement import HandOff, Placement
 from dsh_mesh.runtime._residency import AlreadyAccepted, Residency
-from dsh_mesh.runtime._store import Acceptance, IdempotencyKey, SessionStore
+from dsh_mesh.runtime._store import (
+    Acceptance,
+    IdempotencyKey,
+    SessionStore,
+    duplicate_of,
+    fingerprint,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,6 +65,9 @@ class Send:
     must handle it or answer ``TargetElsewhere`` (it was handed here by another node)."""
     place: bool = False
     """Whether an absent target may be placed on another node (else it is resumed here)."""
+    rule: AcceptanceRule = PLAIN_ACCEPTANCE
+    """What the entry's kind asks of its acceptance at the target (a decision's is
+    :class:`~dsh_mesh.runtime._decisions.DecisionAcceptance`)."""
 
 
 def check_content(content: str, limit: int) -> None:
@@ -239,6 +249,7 @@ class Deliveries:
                 signal=AbortSignal(),
                 key=decision_key(session, decision.call_id, decision.request_digest),
                 hand_off=hand_off,
+                rule=DecisionAcceptance(self._store, decision),
             )
         )
 
@@ -301,7 +312,7 @@ class Deliveries:
             return await reservation.hand_to(
                 self._work,
                 lambda handed: self._acceptor.accept(
-                    agent, send.entry, kind, send.key, acceptance, handed
+                    agent, send.entry, kind, send.key, acceptance, handed, send.rule
                 ),
             )
 

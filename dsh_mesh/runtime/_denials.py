@@ -13,8 +13,7 @@ from dsh_mesh.core import (
     SessionId,
     mesh_denial,
 )
-from dsh_mesh.runtime._acceptance import fingerprint
-from dsh_mesh.runtime._store import Acceptance, IdempotencyKey, SessionStore
+from dsh_mesh.runtime._store import Acceptance, IdempotencyKey, SessionStore, fingerprint
 
 
 def decision_key(session: SessionId, call_id: str, request_digest: str) -> IdempotencyKey:

@@ -8,6 +8,7 @@ the entry they protect.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -19,9 +20,11 @@ from dsh_mesh.core import (
     ApprovalDecisionEntry,
     ApprovalRequestEntry,
     ApprovalStale,
+    Delivery,
     DeliveryKind,
     Entry,
     IdempotencyConflict,
+    InboundEntry,
     Record,
     SessionHeader,
     SessionId,
@@ -223,6 +226,31 @@ def check_same_request(key: IdempotencyKey, known: Acceptance, asked: Acceptance
         raise IdempotencyConflict(
             f"key {bounded_quote(key.key)} was already used for another message"
         )
+
+
+def duplicate_of(
+    key: IdempotencyKey, known: Acceptance, target: SessionId, fingerprint: str
+) -> Delivery:
+    """The answer to a repeat of an accepted request; raises :class:`IdempotencyConflict` when
+    ``key`` was used for another target or content."""
+    if known.target != target or known.fingerprint != fingerprint:
+        raise IdempotencyConflict(
+            f"key {bounded_quote(key.key)} was already used for another message"
+        )
+    return Delivery(
+        target=known.target,
+        target_activation=known.target_activation,
+        kind=known.kind,
+        accepted_seq=known.seq,
+        duplicate=True,
+    )
+
+
+def fingerprint(target: SessionId, entry: InboundEntry) -> str:
+    """What a key remembers of its request: target, entry type and content."""
+    digest = hashlib.sha256(f"{target}\0{type(entry).__name__}\0".encode())
+    digest.update(getattr(entry, "content", "").encode())
+    return digest.hexdigest()
 
 
 def refuse_decision(

@@ -896,3 +896,51 @@ def test_every_public_method_of_a_runtime_class_says_its_contract(cls: type) -> 
         and name not in contracts
     ]
     assert missing == [], f"{cls.__module__}.{cls.__name__}: no docstring on {missing}"
+
+
+# -- one home per rule ------------------------------------------------------------------------
+
+
+def defined_names(path: Path) -> set[str]:
+    """The classes and functions ``path`` defines at module level."""
+    kinds = (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    return {
+        node.name
+        for node in ast.parse(path.read_text(encoding="utf-8")).body
+        if isinstance(node, kinds)
+    }
+
+
+def test_the_idempotency_helpers_live_beside_the_key() -> None:
+    modules = sorted((PACKAGE_DIR / "runtime").glob("_*.py"))
+    homes = {
+        name: [path.name for path in modules if name in defined_names(path)]
+        for name in ("IdempotencyKey", "duplicate_of", "fingerprint")
+    }
+    assert homes["IdempotencyKey"] == ["_store.py"]
+    assert homes["duplicate_of"] == homes["fingerprint"] == homes["IdempotencyKey"]
+
+
+def used_names(path: Path) -> set[str]:
+    """Every name, attribute and imported name in ``path``'s code (comments and strings left
+    out)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            found.add(node.attr)
+        elif isinstance(node, ast.alias):
+            found.add(node.asname or node.name)
+    return found
+
+
+def test_generic_acceptance_has_no_case_for_approval_decisions() -> None:
+    used = used_names(PACKAGE_DIR / "runtime" / "_acceptance.py")
+    assert {"append", "deliver_once", "reservation"} <= used  # the walk saw the module's code
+    approval = sorted(
+        name
+        for name in used
+        if any(word in name.lower() for word in ("approval", "decision", "deciding"))
+    )
+    assert approval == []
