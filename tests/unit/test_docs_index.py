@@ -17,6 +17,8 @@ EXPORTS_TEST = ROOT / "tests" / "unit" / "test_exports.py"
 MODULE_SPAN = re.compile(r"`([a-z_]+(?:/[A-Za-z0-9_]+)+\.py)`")
 # A layer's name among the cell's words (`_proto` included).
 WORD = re.compile(r"[A-Za-z_]+")
+# A class's member in a code span, as the walks name each hop: `Deliveries._route`.
+MEMBER_SPAN = re.compile(r"`([A-Z][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)")
 
 
 def library_modules() -> set[str]:
@@ -46,6 +48,8 @@ def modules_in_tables(text: str) -> set[str]:
 
 
 def section(text: str, title: str) -> str:
+    """The text of the ``## title`` section of ``text``."""
+    assert f"\n## {title}\n" in text, f"no section '## {title}'"
     start = text.index(f"\n## {title}\n")
     end = text.find("\n## ", start + 1)
     return text[start : end if end != -1 else len(text)]
@@ -84,6 +88,48 @@ def layers_named(cell: str, layers: set[str]) -> set[str]:
     return {word for word in WORD.findall(plain) if word in layers}
 
 
+def class_members() -> dict[str, set[str]]:
+    """Every class of the package (and every gRPC service of proto/) to the names it defines:
+    methods, class attributes and fields, and what its methods assign to ``self``."""
+    members: dict[str, set[str]] = {}
+    for path in PACKAGE_DIR.rglob("*.py"):
+        if path.relative_to(PACKAGE_DIR).parts[0] == "_proto":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            names = members.setdefault(node.name, set())
+            for item in ast.walk(node):
+                if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
+                    names.add(item.name)
+                elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    names.add(item.target.id)
+                elif isinstance(item, ast.Assign):
+                    names.update(t.id for t in item.targets if isinstance(t, ast.Name))
+                elif (
+                    isinstance(item, ast.Attribute)
+                    and isinstance(item.ctx, ast.Store)
+                    and isinstance(item.value, ast.Name)
+                    and item.value.id == "self"
+                ):
+                    names.add(item.attr)
+    for proto in (ROOT / "proto").rglob("*.proto"):
+        for service, body in re.findall(
+            r"^service (\w+) \{(.*?)^\}", proto.read_text(), re.M | re.S
+        ):
+            members.setdefault(service, set()).update(re.findall(r"^\s*rpc (\w+)\(", body, re.M))
+    return members
+
+
+def unknown_members(text: str, members: dict[str, set[str]]) -> list[str]:
+    """The `Class.member` spans of ``text`` that name no class, or no member of it."""
+    return sorted(
+        f"{cls}.{name}"
+        for cls, name in set(MEMBER_SPAN.findall(text))
+        if name not in members.get(cls, set())
+    )
+
+
 def test_the_module_walk_sees_every_layer_and_names_modules_as_the_doc_does() -> None:
     modules = library_modules()
     assert {"agent/_agent.py", "runtime/_manager.py", "ui/_app.py", "node/__main__.py"} <= modules
@@ -105,6 +151,38 @@ def test_every_module_the_architecture_names_exists() -> None:
     named = {name for name in MODULE_SPAN.findall(text) if name.split("/")[0] in packages}
     assert "runtime/_manager.py" in named
     assert sorted(named - library_modules()) == []
+
+
+def test_the_member_check_knows_classes_fields_and_services() -> None:
+    members = class_members()
+    assert {"_route", "deliver"} <= members["Deliveries"]
+    assert "client" in members["Caller"]  # a dataclass field
+    assert "ResolveApproval" in members["MeshControl"]  # a service of proto/
+    text = "`Deliveries._route` `MeshControl.ResolveApproval` `Deliveries._gone` `Nobody.x`"
+    assert unknown_members(text, members) == ["Deliveries._gone", "Nobody.x"]
+
+
+def test_every_method_the_architecture_walks_through_exists() -> None:
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    assert unknown_members(text, class_members()) == []
+
+
+def test_the_architecture_walks_a_message_and_an_approval_decision() -> None:
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    for title in ("One message's path", "One approval decision's path"):
+        walk = section(text, title)
+        hops = set(MEMBER_SPAN.findall(walk))
+        assert len(hops) >= 20, f"{title}: {len(hops)} hops named"
+    decision = section(text, "One approval decision's path")
+    for hop in (
+        "ui/_app.py",
+        "client/_client.py",
+        "transport/_control.py",
+        "runtime/_delivery.py",
+        "runtime/_acceptance.py",
+        "agent/_agent.py",
+    ):
+        assert f"`{hop}`" in decision, hop
 
 
 def test_the_layer_check_reads_what_a_cell_names() -> None:
