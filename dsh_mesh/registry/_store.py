@@ -17,7 +17,6 @@ import dataclasses
 import hashlib
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
 
@@ -26,10 +25,8 @@ from dsh_mesh.core import (
     Activation,
     ActivationFenced,
     ActivationId,
-    ApprovalStale,
     CompactionEntry,
     DeliveryKind,
-    DetachedWork,
     Entry,
     IdempotencyConflict,
     InvalidArgument,
@@ -51,6 +48,7 @@ from dsh_mesh.registry._codec import (
     encode_stop,
 )
 from dsh_mesh.registry._etcd import Etcd, Result, Target, compare, delete, get, put
+from dsh_mesh.registry._group_commit import GroupCommit
 from dsh_mesh.registry._keys import Keys, session_of_index_key
 from dsh_mesh.runtime import (
     DEFAULT_PAGE,
@@ -64,25 +62,6 @@ from dsh_mesh.runtime import (
 )
 
 _log = logging.getLogger(__name__)
-
-_BATCH_ENTRIES = 32
-"""At most this many entries per group-commit transaction."""
-_BATCH_BYTES = 1024 * 1024
-"""Payload per group-commit transaction beyond its first entry."""
-
-
-@dataclass(eq=False, kw_only=True)
-class _Pending:
-    """One append waiting for its group commit."""
-
-    entry: Entry
-    size: int
-    fence: int
-    unfenced: bool
-    writer: ActivationId | None
-    idempotency: tuple[IdempotencyKey, Acceptance] | None
-    done: asyncio.Future[tuple[Record, Acceptance | None]]
-
 
 _ACTIVATE_ATTEMPTS = 8
 MAX_ENTRY_BYTES = 1024 * 1024 + 64 * 1024
@@ -160,10 +139,8 @@ class EtcdSessionStore:
         """Stops this store wrote, for a store without a directory (one that does see every
         node's: it follows them on its watch)."""
         self._fences: dict[ActivationId, int] = {}
-        self._queues: dict[SessionId, list[_Pending]] = {}
-        self._flushing: set[SessionId] = set()
-        self._flushes = DetachedWork()
-        """The group commits running: each outlives the append that started it."""
+        self._commits = GroupCommit(log.append)
+        """The appends waiting per session and the group commits running (ADR 0022)."""
 
     async def aclose(self) -> None:
         """Cancel every group commit still running and wait until all have ended. Idempotent.
@@ -171,7 +148,7 @@ class EtcdSessionStore:
         Callers stop appending first (a commit started meanwhile is awaited, not cancelled).
         An append whose commit is cancelled fails with :class:`RegistryUnavailable` (its entry
         may or may not have landed, as after any outage mid-commit); none is left waiting."""
-        await self._flushes.aclose()
+        await self._commits.aclose()
 
     # -- headers --------------------------------------------------------------------------------
 
@@ -537,93 +514,17 @@ class EtcdSessionStore:
             "dsh.log.append",
             attributes={"dsh.session.id": session, "dsh.entry.bytes": size},
         ) as appending:
-            pending = _Pending(
-                entry=entry,
+            written = await self._commits.append(
+                session,
+                Write(entry=entry, idempotency=idempotency),
                 size=size,
                 fence=fence,
                 unfenced=unfenced,
                 writer=writer,
-                idempotency=idempotency,
-                done=asyncio.get_running_loop().create_future(),
             )
-            # A caller cancelled while it waits leaves the outcome to nobody: mark a failure
-            # as seen, so it is not logged as "never retrieved" (the caller already gave up).
-            pending.done.add_done_callback(_seen)
-            self._queues.setdefault(session, []).append(pending)
-            if session not in self._flushing:
-                # This caller commits for everyone waiting on the session. Detached: the batch
-                # it carries is other callers' too, so its own cancellation must not stop it
-                # (it ends only its wait). A commit cancelled by aclose() ends the wait too,
-                # and its answer is this caller's pending.done, like every other caller's.
-                self._flushing.add(session)
-                flush = self._flushes.start(self._flush(session), name=f"flush {session}")
-                await asyncio.wait((flush,))
-            record, known = await asyncio.shield(pending.done)
+            record, known = written.record, written.known
             appending.set_many({"dsh.seq": record.seq, "dsh.duplicate": known is not None})
             return record, known
-
-    async def _flush(self, session: SessionId) -> None:
-        """Group commit: while appends to ``session`` wait, take them in arrival order and write
-        as many as fit into one log-store transaction (same fence, at most ``_BATCH_ENTRIES``
-        entries and ``_BATCH_BYTES`` of payload), then answer each caller with its own record.
-        A key used twice in one batch is written once; the second use answers the first."""
-        queue = self._queues[session]
-        batch: list[_Pending] = []
-        try:
-            while queue:
-                batch = [queue.pop(0)]
-                size = batch[0].size
-                while (
-                    queue
-                    and len(batch) < _BATCH_ENTRIES
-                    and (queue[0].fence, queue[0].unfenced) == (batch[0].fence, batch[0].unfenced)
-                    and size + queue[0].size <= _BATCH_BYTES
-                ):
-                    size += queue[0].size
-                    batch.append(queue.pop(0))
-                await self._commit(session, batch)
-        finally:
-            # In the same step as the queue goes: an append arriving after this starts a
-            # commit of its own, and none can find a queue that nobody will commit. A commit
-            # cancelled mid-batch (aclose) strands its batch too: _commit fails a batch only on
-            # Exception, and the batch may or may not have landed.
-            for stranded in (*batch, *queue):
-                if not stranded.done.done():
-                    stranded.done.set_exception(
-                        RegistryUnavailable(f"{session}: the commit was interrupted")
-                    )
-            queue.clear()
-            self._queues.pop(session, None)
-            self._flushing.discard(session)
-
-    async def _commit(self, session: SessionId, batch: list[_Pending]) -> None:
-        first = batch[0]
-        try:
-            written = await self._log.append(
-                session,
-                [Write(entry=p.entry, idempotency=p.idempotency) for p in batch],
-                fence=first.fence,
-                unfenced=first.unfenced,
-            )
-        except (IdempotencyConflict, ApprovalStale) as conflict:
-            if len(batch) == 1:
-                _fail_waiting(batch, conflict)
-                return
-            # One retry reused its key for another message, or one decision answers a request
-            # decided already, which refuses the whole batch: commit one by one, so only that
-            # one is refused and the others go in, in order.
-            for pending in batch:
-                await self._commit(session, [pending])
-            return
-        except ActivationFenced as fenced:
-            _fail_waiting(batch, ActivationFenced(f"{session}: writer {first.writer}: {fenced}"))
-            return
-        except Exception as failure:  # fails every waiting caller; none is left hanging
-            _fail_waiting(batch, failure)
-            return
-        for pending, answer in zip(batch, written, strict=True):
-            if not pending.done.done():
-                pending.done.set_result((answer.record, answer.known))
 
     async def lookup(self, key: IdempotencyKey) -> Acceptance | None:
         return await self._log.lookup(key)
@@ -734,15 +635,3 @@ def _only(response: Any) -> Any | None:
     """The one ``KeyValue`` a transaction's single-key Range returned, if any."""
     kvs = response.response_range.kvs
     return kvs[0] if kvs else None
-
-
-def _fail_waiting(batch: list[_Pending], failure: BaseException) -> None:
-    """Fail every caller of ``batch`` still waiting."""
-    for pending in batch:
-        if not pending.done.done():
-            pending.done.set_exception(failure)
-
-
-def _seen(done: asyncio.Future[tuple[Record, Acceptance | None]]) -> None:
-    if not done.cancelled():
-        done.exception()

@@ -22,6 +22,15 @@ from dsh_mesh.testing._approval_history import (
     approval_violations,
     open_requests,
 )
+from dsh_mesh.testing._bed_etcd import EtcdMember
+from dsh_mesh.testing._bed_host import (
+    ETCD_CLIENT_NAME,
+    BedError,
+    BedHost,
+    BedNode,
+    BedUnavailable,
+)
+from dsh_mesh.testing._bed_network import bed_unavailable_reason, sweep_stale_beds
 from dsh_mesh.testing._browser import (
     WebView,
     click_redrawn,
@@ -95,19 +104,7 @@ from dsh_mesh.testing._postgres import (
 from dsh_mesh.testing._processes import process_tree
 from dsh_mesh.testing._proxy import ProxyStats, TcpProxy
 from dsh_mesh.testing._soak import FaultRunReport, fault_run
-from dsh_mesh.testing._testbed import (
-    ETCD_CLIENT_NAME,
-    BedCluster,
-    BedError,
-    BedHost,
-    BedNode,
-    BedSettings,
-    BedUnavailable,
-    EtcdMember,
-    MultiHostBed,
-    bed_unavailable_reason,
-    sweep_stale_beds,
-)
+from dsh_mesh.testing._testbed import BedCluster, BedSettings, MultiHostBed
 from dsh_mesh.testing._tiny_llama import TinyModel, write_tiny_model
 from dsh_mesh.testing._workload import FAULT_REASONS, WORKLOAD, Workload
 

@@ -18,9 +18,10 @@ import sys
 import time
 from pathlib import Path
 
+from dsh_mesh.testing._bed_network import bed_unavailable_reason
 from dsh_mesh.testing._faults import FAULT_KINDS
 from dsh_mesh.testing._soak import fault_run
-from dsh_mesh.testing._testbed import KEEP_ENV, MultiHostBed, bed_unavailable_reason
+from dsh_mesh.testing._testbed import KEEP_ENV, MultiHostBed
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -61,8 +61,8 @@ from dsh_mesh.registry import (
     LeaseKeeper,
     RegistryReads,
 )
-from dsh_mesh.registry import _store as store_module
 from dsh_mesh.registry._etcd import MAX_REVISION, put
+from dsh_mesh.registry._group_commit import BATCH_BYTES
 from dsh_mesh.registry._reads import MAX_POSITION
 from dsh_mesh.runtime import DEFAULT_PAGE, Acceptance, IdempotencyKey, Write, Written
 from dsh_mesh.testing import EtcdAddress, EtcdServer
@@ -560,7 +560,7 @@ async def test_an_entry_over_the_limit_is_refused_alone_and_commits_stay_bounded
 ) -> None:
     """Entries go to the log store, not etcd, so etcd's request limit is no longer theirs: the
     store's own limit refuses an entry before anything is written, the appends around it go in
-    in order, and a group commit carries at most ``_BATCH_BYTES`` beyond its first entry (two
+    in order, and a group commit carries at most ``BATCH_BYTES`` beyond its first entry (two
     entries of nearly 1 MiB never share one)."""
     store, writer = registry.store, registry.activation.activation_id
     log = registry.log
@@ -580,7 +580,7 @@ async def test_an_entry_over_the_limit_is_refused_alone_and_commits_stay_bounded
         prompt("a"), prompt(big), prompt(big), prompt("b"),
     ]  # fmt: skip
     assert sum(log.appends) == 4, log.appends
-    assert 2 * len(big) > store_module._BATCH_BYTES
+    assert 2 * len(big) > BATCH_BYTES
     assert all(commit.count(prompt(big)) < 2 for commit in log.commits), log.appends
 
 

@@ -32,7 +32,7 @@ from dsh_mesh.core import (
 )
 from dsh_mesh.logstore import SqliteLogStore
 from dsh_mesh.registry import Etcd, EtcdConfig, EtcdSessionStore, Keys, LeaseConfig, LeaseKeeper
-from dsh_mesh.registry._store import _BATCH_ENTRIES
+from dsh_mesh.registry._group_commit import BATCH_ENTRIES
 from dsh_mesh.runtime import Acceptance, IdempotencyKey
 from dsh_mesh.testing import EtcdAddress
 from tests.integration.test_registry import ProbedLog
@@ -91,7 +91,7 @@ async def test_concurrent_appends_share_transactions_and_keep_their_order(bed: B
     used = bed.log.calls["append"] - appends
     assert [record.seq for record, _ in results] == list(range(1, 101))  # arrival order
     # All 100 wait while the first commit starts: full batches, one log transaction each.
-    assert used == math.ceil(100 / _BATCH_ENTRIES), f"{used} transactions for 100 appends"
+    assert used == math.ceil(100 / BATCH_ENTRIES), f"{used} transactions for 100 appends"
     # The activation's fence is cached since its win: not one etcd request for 100 appends.
     assert (bed.etcd.txns, bed.etcd.reads) == requests
     stored = await sessions.read(SESSION)

@@ -98,7 +98,7 @@ async def test_aclose_fails_every_append_of_a_running_commit_and_leaves_nothing_
         # The leader too gets the store's answer, not the cancellation of its commit.
         with pytest.raises(RegistryUnavailable, match="interrupted"):
             await asyncio.wait_for(appending, 5)
-    assert len(store._flushes) == 0
+    assert len(store._commits) == 0
     await store.aclose()  # idempotent
     assert log.txns == 1
 
@@ -113,12 +113,12 @@ async def test_a_cancelled_leader_leaves_its_commit_running_for_the_others() -> 
     leader.cancel()
     with pytest.raises(asyncio.CancelledError):
         await leader
-    assert len(store._flushes) == 1
+    assert len(store._commits) == 1
     log.gate.set()
     record, known = await asyncio.wait_for(follower, 5)
     assert record.seq == 2 and known is None  # "a" landed as 1 though its caller left
     await store.aclose()
-    assert len(store._flushes) == 0
+    assert len(store._commits) == 0
 
 
 async def test_aclose_with_nothing_running_returns() -> None:
@@ -128,7 +128,7 @@ async def test_aclose_with_nothing_running_returns() -> None:
     record, _ = await _append(store, "a")
     assert record.seq == 1
     await store.aclose()
-    assert len(store._flushes) == 0
+    assert len(store._commits) == 0
 
 
 class FakeWatch:
