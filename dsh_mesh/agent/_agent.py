@@ -15,41 +15,34 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Protocol, TypeVar
 
 from dsh_mesh import telemetry
+from dsh_mesh.agent._approval_wait import ApprovalWait, AwaitingApproval, DecisionWrites
 from dsh_mesh.agent._approvals import (
-    check_decision,
-    consumed,
-    decision_of,
     denied,
     edited,
-    expired,
 )
 from dsh_mesh.agent._gate import BoundaryGate
 from dsh_mesh.agent._inbox import Inbox
+from dsh_mesh.agent._tool_calls import ToolCalls
 from dsh_mesh.agent._transcript import LocalTranscript
 from dsh_mesh.agent._turn import Turn
 from dsh_mesh.agent._window import ContextWindow, Writes
 from dsh_mesh.core import (
     EXPIRED_APPROVAL_REASON,
     INBOUND_TYPES,
-    MAX_ARGUMENTS_DEPTH,
-    MAX_STEP_BYTES,
     AbortSignal,
     Activation,
     AgentRef,
     ApprovalDecision,
     ApprovalDecisionEntry,
     ApprovalRequestEntry,
-    ApprovalStale,
     ConsumedEntry,
     DeliveryKind,
     DetachedWork,
     Entry,
     IdFactory,
-    InvalidArgument,
     Record,
     SessionHeader,
     SessionId,
@@ -57,14 +50,10 @@ from dsh_mesh.core import (
     SettlementOutcome,
     TokensExhausted,
     ToolCall,
-    ToolResultEntry,
     TurnEndedEntry,
     TurnId,
     TurnOutcome,
     TurnStartedEntry,
-    descriptor_digest,
-    mesh_denial,
-    parse_bounded,
     recorded_step,
     unended_turn,
 )
@@ -75,14 +64,11 @@ from dsh_mesh.models import (
 from dsh_mesh.tools import (
     ApprovalPolicy,
     ContextPolicy,
-    ToolInvocation,
     ToolOutput,
     ToolSet,
     TurnLimits,
     is_idempotent_by_key,
-    limits_of,
     outcome_unknown,
-    run_limited,
 )
 
 T = TypeVar("T")
@@ -119,13 +105,6 @@ _SETTLEMENT_OF_TURN = {
     # notice. A child's run goes on until the call is decided.
     TurnOutcome.AWAITING_APPROVAL: SettlementOutcome.COMPLETED,
 }
-
-
-class _AwaitingApproval(Exception):
-    """The turn stops at a call that waits for a person's decision."""
-
-    def __init__(self, call: ToolCall) -> None:
-        super().__init__(f"waiting for approval of {call.name} (call {call.call_id})")
 
 
 class AgentHost(Protocol):
@@ -195,35 +174,13 @@ class Agent:
         tool_executor: Executor | None = None,
     ) -> None:
         self.header = header
-        self._tool_executor = tool_executor
-        """Where a blocking Python tool's function runs (None: the loop's default executor)."""
         self.activation = activation
         self.tools = tools
         self.system_prompt = system_prompt
         self.limits = limits or TurnLimits()
         self.context = context or ContextPolicy()
         self.approvals = approvals or ApprovalPolicy()
-        self._deciding = asyncio.Lock()
-        """Held while one decision on an approval request is checked and written."""
-        self._cancel_wait: str | None = None
-        """An interrupt or a stop came while a call waits for approval: why."""
         self._transcript = LocalTranscript(records)
-        self._window = ContextWindow(
-            session_id=header.session_id,
-            model=header.spec.model,
-            system_prompt=system_prompt,
-            tools=tools,
-            limits=self.limits,
-            policy=self.context,
-            provider=provider,
-            transcript=self._transcript,
-            writes=Writes(
-                append=self._append,
-                at_boundary=self._at_boundary,
-                catch_up=self._catch_up,
-                append_durable=lambda entry: self._host.append(self, entry),
-            ),
-        )
         self._in_doubt = False
         self._doubts = 0
         """How often :meth:`doubt` was called: a read clears the doubt only if none came
@@ -252,6 +209,42 @@ class Agent:
         self._passivating = False
         self._halted = False
         """Its subtree was stopped and closed: no turn starts; the activation ends."""
+        self._calls = ToolCalls(
+            caller=AgentRef(session_id=header.session_id, activation_id=activation.activation_id),
+            tools=tools,
+            transcript=self._transcript,
+            append=self._append,
+            executor=tool_executor,
+        )
+        self._approval_wait = ApprovalWait(
+            tools=tools,
+            policy=self.approvals,
+            transcript=self._transcript,
+            writes=DecisionWrites(
+                append=self._append,
+                append_durable=lambda entry: self._writes.run(self._host.append(self, entry)),
+                deliver=self.deliver,
+                accepting=self._gate.accepting,
+                catch_up=lambda: self._catch_up(0),
+                doubt=self.doubt,
+            ),
+        )
+        self._window = ContextWindow(
+            session_id=header.session_id,
+            model=header.spec.model,
+            system_prompt=system_prompt,
+            tools=tools,
+            limits=self.limits,
+            policy=self.context,
+            provider=provider,
+            transcript=self._transcript,
+            writes=Writes(
+                append=self._append,
+                at_boundary=self._at_boundary,
+                catch_up=self._catch_up,
+                append_durable=lambda entry: self._host.append(self, entry),
+            ),
+        )
 
     # -- identity and state -------------------------------------------------------------------
 
@@ -296,7 +289,7 @@ class Agent:
     def at_rest(self) -> bool:
         """Idle with nothing to do: an empty inbox, or a call waiting for a person's decision
         (what waits in the inbox waits for that) and no interrupt of it to carry out."""
-        if self._state is not AgentState.IDLE or self._cancel_wait is not None:
+        if self._state is not AgentState.IDLE or self._approval_wait.cancel_reason is not None:
             return False
         return self.inbox_depth == 0 or self.waiting_request() is not None
 
@@ -368,8 +361,8 @@ class Agent:
             if self._state is AgentState.IDLE and self._waiting_call() is not None:
                 # The turn waits at a call for approval: it is cancelled from there, and the
                 # request is answered as denied (the driver writes both, once).
-                if self._cancel_wait is None:
-                    self._cancel_wait = detail
+                if self._approval_wait.cancel_reason is None:
+                    self._approval_wait.cancel_reason = detail
                     self._work.set()
                 return self._transcript.last_ended_turn()
             return None
@@ -405,10 +398,12 @@ class Agent:
                 if self._in_doubt:
                     await self._settle_doubt()
                     continue
-                if self._cancel_wait is not None or self._halted:
-                    await self._cancel_waiting(waiting, self._cancel_wait or "stopped")
+                if self._approval_wait.cancel_reason is not None or self._halted:
+                    await self._cancel_waiting(
+                        waiting, self._approval_wait.cancel_reason or "stopped"
+                    )
                     continue
-                if await self._decision_due(waiting):
+                if await self._approval_wait.deny_if_expired(waiting, EXPIRED_APPROVAL_REASON):
                     continue
             if len(self._inbox) and not self._halted and waiting is None:
                 if await self._host.closed(self):  # closed before this turn (or activation)
@@ -435,7 +430,7 @@ class Agent:
                     self._released.set()
                 return
             self._work.clear()
-            timeout = None if waiting is None else self._until_expiry(waiting)
+            timeout = None if waiting is None else self._approval_wait.until_expiry(waiting)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(timeout):
                     await self._work.wait()
@@ -443,14 +438,8 @@ class Agent:
     # -- approvals (docs/approvals.md) ----------------------------------------------------------
 
     def needs_approval(self, call: ToolCall) -> bool:
-        """Whether ``call`` (of the last step) runs only once a person allowed it: its tool is
-        one the preset marks (a standard tool never is), or it was asked for already."""
-        if call.refused:
-            return False
-        tool = self.tools.get(call.name)
-        if tool is not None and self.approvals.marks(tool) and not answers_for_itself(tool):
-            return True
-        return self._transcript.asked(call.call_id) is not None
+        """Whether ``call`` (of the last step) runs only once a person allowed it."""
+        return self._approval_wait.needs_approval(call)
 
     def _waiting_call(self) -> ToolCall | None:
         """The call the last turn stopped at, waiting for a decision, when no turn runs: the
@@ -464,79 +453,26 @@ class Agent:
         call = self._waiting_call()
         return None if call is None else self._transcript.undecided(call.call_id)
 
-    def _until_expiry(self, call: ToolCall) -> float | None:
-        request = self._transcript.undecided(call.call_id)
-        if request is None or request.expires_at is None:
-            return None
-        return max(0.0, (request.expires_at - datetime.now(UTC)).total_seconds())
-
-    @contextlib.asynccontextmanager
-    async def deciding(self) -> AsyncIterator[None]:
+    def deciding(self) -> contextlib.AbstractAsyncContextManager[None]:
         """Hold off every other decision on this agent's requests, and its step boundary, while
         one decision is checked (:meth:`check_decision`), appended and delivered."""
-        async with self._deciding, self._gate.accepting():
-            yield
+        return self._approval_wait.deciding()
 
     async def check_decision(self, decision: ApprovalDecisionEntry) -> bool:
         """Refuse a decision that answers no request waiting now (``ApprovalStale``) or edits
         the arguments into something the tool's schema refuses (``InvalidArgument``); call it
-        within :meth:`deciding`. True when it repeats the decision taken, word for word. In
-        doubt (an accept's answer was lost), it first takes what landed: a decision may be
-        among it."""
-        if self._in_doubt:
-            await self._take_landed()
-        request = self._transcript.asked(decision.call_id)
-        tool = None
-        if request is not None:
-            assert isinstance(request.entry, ApprovalRequestEntry)
-            tool = self.tools.get(request.entry.tool)
-        return check_decision(
-            self._transcript.records,
-            decision,
-            None if tool is None else tool.descriptor,
-            datetime.now(UTC),
-            step=self._transcript.last_step()[0],
-        )
-
-    async def _decide(self, call: ToolCall, reason: str) -> None:
-        """Deny the request ``call`` waits on, as this agent's own decision (it expired, or
-        the turn was cancelled), unless a decision came first (one that landed unseen
-        included): it is then the one that stands. Appended and delivered like an accepted
-        one. The store refuses a second decision on a request (``ApprovalStale``): one landed
-        that this copy does not hold (this one's own first try, whose answer an outage lost),
-        and it is taken and stands."""
-        async with self.deciding():
-            if self._in_doubt:
-                await self._take_landed()
-            request = self._transcript.undecided(call.call_id)
-            if request is None:
-                return
-            entry = mesh_denial(request, reason)
-            try:
-                record = await self._writes.run(self._host.append(self, entry))
-            except ApprovalStale:
-                self.doubt()
-                await self._take_landed()
-                return
-            self.deliver(record)
-
-    async def _decision_due(self, call: ToolCall) -> bool:
-        """Deny the request ``call`` waits on if it expired undecided; True when it did."""
-        request = self._transcript.undecided(call.call_id)
-        if request is None or not expired(request, datetime.now(UTC)):
-            return False
-        await self._decide(call, EXPIRED_APPROVAL_REASON)
-        return True
+        within :meth:`deciding`. True when it repeats the decision taken, word for word."""
+        return await self._approval_wait.check(decision)
 
     async def _cancel_waiting(self, call: ToolCall, detail: str) -> None:
         """An interrupt (or a stop) of a turn that waits at ``call``: its request is denied,
         then the turn goes on from that call only to end cancelled, answering each open call
         "not run". Another interrupt meanwhile changes nothing (see :meth:`interrupt`)."""
-        await self._decide(call, f"the turn was cancelled ({detail})")
+        await self._approval_wait.deny(call, f"the turn was cancelled ({detail})")
         try:
             await self._take_turn(self._inbox.take_decisions(), going_on=True, interrupted=detail)
         finally:
-            self._cancel_wait = None
+            self._approval_wait.cancel_reason = None
 
     async def _settle_doubt(self) -> None:
         """While a call waits: take what landed unseen (a decision may be among it)."""
@@ -587,10 +523,10 @@ class Agent:
                 )
             elif tool is not None and is_idempotent_by_key(tool):
                 started = time.monotonic()
-                output = await self._invoke(call, signal, step_seq=step_seq, index=index)
+                output = await self._calls.invoke(call, signal, step_seq=step_seq, index=index)
             else:
                 output = outcome_unknown(call)
-            await self._answer(call, output, started=started)
+            await self._calls.answer(call, output, started=started)
         if open_turn is not None:
             await self._append(
                 TurnEndedEntry(
@@ -637,22 +573,6 @@ class Agent:
         """Wait for every write an interrupted turn left running: the step or result being
         written must be in the local transcript before the turn's open calls are closed."""
         await self._writes.wait()
-
-    async def _answer(
-        self, call: ToolCall, output: ToolOutput, *, started: float | None = None
-    ) -> None:
-        """Record ``output`` as the one result of ``call`` (which ran from ``started``, a
-        ``time.monotonic()``; None: it did not run here)."""
-        elapsed = 0 if started is None else round((time.monotonic() - started) * 1000)
-        await self._append(
-            ToolResultEntry(
-                call_id=call.call_id,
-                name=call.name,
-                content=output.content,
-                is_error=output.is_error,
-                duration_ms=elapsed,
-            )
-        )
 
     async def _read_waiting(self, first: Sequence[Record] = (), *, steered: bool = True) -> bool:
         """The read of a step boundary (or of a turn's start, with the turn's ``first``
@@ -766,7 +686,7 @@ class Agent:
                 raise
             outcome = TurnOutcome.CANCELLED
             detail = turn.interrupt_detail
-        except _AwaitingApproval as waiting:
+        except AwaitingApproval as waiting:
             outcome, detail = TurnOutcome.AWAITING_APPROVAL, str(waiting)
         except TokensExhausted as exhausted:
             outcome, detail = TurnOutcome.TOKEN_EXHAUSTION, str(exhausted)
@@ -777,7 +697,7 @@ class Agent:
             turn.cancellable = False
         await self._finish_writes()
         if outcome is not TurnOutcome.AWAITING_APPROVAL:
-            await self._close_open_calls(turn, outcome)
+            await self._calls.close_open(turn, outcome)
         await self._append(TurnEndedEntry(turn_id=turn.turn_id, outcome=outcome, detail=detail))
         self._turns_run += 1
         self._last_outcome, self._last_detail = outcome, detail
@@ -834,14 +754,14 @@ class Agent:
         asked: bool,
     ) -> TurnOutcome | None:
         """Run ``calls`` of the step ``step_seq`` in order, each answered once, then the step
-        boundary. Raises :class:`_AwaitingApproval` at a call that waits for a decision."""
+        boundary. Raises :class:`AwaitingApproval` at a call that waits for a decision."""
         for index, call in calls:
             if call.refused:  # never run, never asked for (ADR 0038)
-                await self._answer(call, ToolOutput(content=call.refused, is_error=True))
+                await self._calls.answer(call, ToolOutput(content=call.refused, is_error=True))
                 continue
-            decision = await self._approval(call, step_seq)
+            decision = await self._approval_wait.decision_for(call, step_seq)
             if decision is not None and decision.decision is ApprovalDecision.DENY:
-                await self._answer(call, denied(decision))
+                await self._calls.answer(call, denied(decision))
                 continue
             ran = call
             if decision is not None and decision.decision is ApprovalDecision.EDIT:
@@ -856,7 +776,7 @@ class Agent:
             ) as tool_span:
                 turn.running_call = call.call_id
                 started = time.monotonic()
-                output = await self._invoke(
+                output = await self._calls.invoke(
                     ran, turn.signal, step_seq=step_seq, index=index, turn=turn
                 )
                 turn.running_call = None
@@ -864,7 +784,7 @@ class Agent:
             if ran is not call:
                 assert decision is not None
                 output = edited(decision, output)
-            await self._answer(call, output, started=started)
+            await self._calls.answer(call, output, started=started)
         # Step boundary: every tool result of this step is recorded.
         if not asked:
             # Before the turn ends, let sends admitted while it ran land: they were told
@@ -873,122 +793,3 @@ class Agent:
         if not await self._read_waiting() and not asked:
             return TurnOutcome.COMPLETED
         return None
-
-    async def _approval(self, call: ToolCall, step_seq: int) -> ApprovalDecisionEntry | None:
-        """The decision ``call`` (of the step at ``step_seq``) runs under: None when it needs
-        none. Raises :class:`_AwaitingApproval` (after writing the request, the first time)
-        when it waits for one, or has one no turn read yet (it landed unseen: the next turn
-        reads it first)."""
-        if not self.needs_approval(call):
-            return None
-        request = self._transcript.asked(call.call_id)
-        tool = self.tools.get(call.name)
-        shown = "" if tool is None else descriptor_digest(tool.descriptor)
-        if request is not None:
-            assert isinstance(request.entry, ApprovalRequestEntry)
-            decision = decision_of(self._transcript.records, request)
-            if decision is None or not consumed(self._transcript.records, decision.seq):
-                raise _AwaitingApproval(call)
-            if request.entry.descriptor_digest == shown or tool is None:
-                assert isinstance(decision.entry, ApprovalDecisionEntry)
-                return decision.entry
-            # Decided for a tool that changed since: asked again, as it is now.
-        timeout = self.approvals.timeout
-        await self._append(
-            ApprovalRequestEntry(
-                call_id=call.call_id,
-                step_seq=step_seq,
-                tool=call.name,
-                arguments_json=call.arguments_json,
-                descriptor_digest=shown,
-                expires_at=None if timeout is None else datetime.now(UTC) + timeout,
-            )
-        )
-        raise _AwaitingApproval(call)
-
-    async def _invoke(
-        self,
-        call: ToolCall,
-        signal: AbortSignal,
-        *,
-        step_seq: int,
-        index: int,
-        turn: Turn | None = None,
-    ) -> ToolOutput:
-        tool = self.tools.get(call.name)
-        if tool is None:
-            return ToolOutput(content=f"unknown tool {call.name!r}", is_error=True)
-        try:
-            # Bounded: a step recorded before ADR 0038, or a person's edit, may be anything.
-            arguments = parse_bounded(
-                call.arguments_json or "{}", max_depth=MAX_ARGUMENTS_DEPTH, max_bytes=MAX_STEP_BYTES
-            )
-        except InvalidArgument as bad:
-            return ToolOutput(content=f"arguments refused: {bad.detail}", is_error=True)
-        if not isinstance(arguments, dict):
-            return ToolOutput(content="arguments must be a JSON object", is_error=True)
-        invocation = ToolInvocation(
-            caller=self.ref,
-            call=call,
-            signal=signal,
-            step_seq=step_seq,
-            index=index,
-            executor=self._tool_executor,
-        )
-        if not answers_for_itself(tool):
-            # A user tool: its limits apply, and an interrupt cancels it.
-            return await run_limited(tool, invocation, arguments, limits_of(tool))
-        # A standard tool's call is never abandoned half-way: an interrupt aborts its signal,
-        # and the call answers for itself (stopped before its point of no return, or carried
-        # out past it); the turn's close records that answer (_close_open_calls).
-        answering = asyncio.ensure_future(_answer_of(tool.invoke(invocation, arguments)))
-        try:
-            return await asyncio.shield(answering)
-        except asyncio.CancelledError:
-            if turn is not None and turn.interrupting:
-                signal.abort("the turn was interrupted")
-                turn.interrupted_call = (call.call_id, answering)
-            else:
-                answering.cancel()
-            raise
-
-    async def _close_open_calls(self, turn: Turn, outcome: TurnOutcome) -> None:
-        """Give every tool call of an ended turn a result, so the transcript stays renderable.
-        The standard-tool call an interrupt stopped gets its own answer (sent or not, spawned
-        or not); a user tool's call that was running is told it was cancelled and may or may
-        not have taken effect; a call that never started is told so."""
-        finishing, running = turn.interrupted_call, turn.running_call
-        # The turn's last step, if it has one: an earlier turn's steps are all answered.
-        for _, call in self._transcript.last_step()[1]:
-            if finishing is not None and finishing[0] == call.call_id:
-                output = await finishing[1]
-                finishing = None
-            elif call.call_id == running:
-                output = ToolOutput(
-                    content=f"not completed: the turn ended ({outcome.value}) while this call"
-                    " ran, and the call was cancelled; it may or may not have taken effect.",
-                    is_error=True,
-                )
-            else:
-                output = ToolOutput(
-                    content=f"not run: the turn ended ({outcome.value}) before this call started.",
-                    is_error=True,
-                )
-            await self._answer(call, output)
-        if finishing is not None:
-            finishing[1].cancel()
-
-
-def answers_for_itself(tool: object) -> bool:
-    """Whether ``tool`` is a standard tool, whose call is answered exactly from durable state
-    and is never abandoned half-way (an interrupt lets it find its own answer); a user tool's
-    call runs under its limits and is cancelled by an interrupt."""
-    return getattr(tool, "idempotent_by_key", False) is True
-
-
-async def _answer_of(work: Awaitable[ToolOutput]) -> ToolOutput:
-    """A tool's answer; a broken tool fails its call, not the turn."""
-    try:
-        return await work
-    except Exception as failure:
-        return ToolOutput(content=f"{type(failure).__name__}: {failure}", is_error=True)

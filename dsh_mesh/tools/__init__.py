@@ -35,6 +35,7 @@ from dsh_mesh.tools._tool import (
     ToolOutput,
     canonical_name,
     is_idempotent_by_key,
+    is_standard_tool,
     outcome_unknown,
     replay_of,
 )
@@ -72,6 +73,7 @@ __all__ = [
     "cut",
     "is_idempotent_by_key",
     "is_standard_send_message",
+    "is_standard_tool",
     "limits_of",
     "outcome_unknown",
     "replay_of",

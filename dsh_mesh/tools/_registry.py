@@ -10,7 +10,7 @@ from typing import Protocol
 
 from dsh_mesh.core import InvalidArgument, ToolDescriptor, ToolsUnavailable
 from dsh_mesh.tools._standard import is_standard_send_message
-from dsh_mesh.tools._tool import Tool, canonical_name
+from dsh_mesh.tools._tool import Tool, canonical_name, is_standard_tool
 
 DescriptorFilter = Callable[[ToolDescriptor], bool]
 """Keeps a descriptor when it returns true; applied to a session's tools when it resumes."""
@@ -154,13 +154,8 @@ def pattern_matches(pattern: str, name: str) -> bool:
 def gates_nothing(preset: Preset, tools: Iterable[Tool]) -> tuple[str, ...]:
     """The patterns of ``preset``'s ``approve_tools`` that match none of ``tools`` a call of
     which could wait (the standard tools never do)."""
-    names = [canonical_name(t) for t in tools if not _answers_for_itself(t)]
+    names = [canonical_name(t) for t in tools if not is_standard_tool(t)]
     return preset.approvals.unmatched(names)
-
-
-def _answers_for_itself(tool: Tool) -> bool:
-    """A standard tool (the agent's ``answers_for_itself``): it never waits for approval."""
-    return getattr(tool, "idempotent_by_key", False) is True
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -114,6 +114,14 @@ class Tool(Protocol):
     ) -> ToolOutput: ...
 
 
+def is_standard_tool(tool: object) -> bool:
+    """Whether ``tool`` is a standard tool (``send_message``, ``spawn_agent``...): its call is
+    answered exactly from durable state and never abandoned half-way (an interrupt lets it
+    find its own answer), and it never waits for approval. A user tool's call runs under its
+    limits and is cancelled by an interrupt."""
+    return getattr(tool, "idempotent_by_key", False) is True
+
+
 def is_idempotent_by_key(tool: Tool) -> bool:
     """Whether a call of ``tool`` may be carried out again under its idempotency key with one
     effect at most: the standard tools (their class says ``idempotent_by_key = True``) and a

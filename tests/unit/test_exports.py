@@ -222,6 +222,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "cut",
         "is_idempotent_by_key",
         "is_standard_send_message",
+        "is_standard_tool",
         "limits_of",
         "outcome_unknown",
         "replay_of",
