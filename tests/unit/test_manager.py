@@ -55,11 +55,10 @@ from dsh_mesh.models import (
     tool,
 )
 from dsh_mesh.runtime import ContinuationManager, InMemorySessionStore, ManagerConfig
-from dsh_mesh.testing import InProcessMesh, in_process_mesh
+from dsh_mesh.testing import FaultySessionStore, InProcessMesh, in_process_mesh, writing
 from dsh_mesh.tools import RETURN_INSTRUCTION
 from dsh_mesh.tools import tool as tool_decorator
 from tests.unit.conftest import drain_loop, of_type, presets
-from tests.unit.test_agent_loop import HoldingStore
 
 ROOT = SessionId("s-1")
 CHILD = SessionId("s-2")
@@ -269,18 +268,19 @@ async def test_aborted_before_acceptance_delivers_nothing(mesh: InProcessMesh) -
 
 @pytest.mark.contract(10)
 async def test_caller_cancelled_after_acceptance_began_keeps_the_message_and_the_target() -> None:
-    store = HoldingStore(AgentMessageEntry)
+    store = FaultySessionStore()
+    held = store.faults.hold("append", when=writing(AgentMessageEntry))
     async with in_process_mesh(presets(), store=store) as mesh:
         mesh.scripted.program("lead", tool("spawn_agent", task="t", preset="helper"))
         mesh.scripted.program("helper", Reply(gate=asyncio.Event()), Reply())
         ref = await mesh.manager.create_root("Lead.", preset="lead")
         await mesh.scripted.wait_for_call(CHILD, 1)
         sending = asyncio.create_task(mesh.manager.send_message(ref, CHILD, "stays"))
-        await store.holding.wait()
+        await held.reached.wait()
         sending.cancel()
         with pytest.raises(asyncio.CancelledError):
             await sending
-        store.unblock.set()
+        held.release.set()
         await mesh.manager.wait_until(
             lambda: any(
                 isinstance(r.entry, AgentMessageEntry)
@@ -353,7 +353,8 @@ async def test_a_notice_whose_caller_went_away_mid_append_is_still_read_once() -
     """The child's host dies while its notice is being appended at the parent's node (the
     DeliverNotice call is cancelled): the notice is durable, so the parent must read it, and
     the activation's end must not add a "lost" notice after it; a retry adds nothing."""
-    store = HoldingStore(SettlementNoticeEntry)
+    store = FaultySessionStore()
+    held = store.faults.hold("append", when=writing(SettlementNoticeEntry))
     async with in_process_mesh(presets(), store=store) as mesh:
         mesh.scripted.program("lead", tool("spawn_agent", task="t", preset="helper"), Reply())
         mesh.scripted.program("helper", Reply(gate=asyncio.Event()))
@@ -370,11 +371,11 @@ async def test_a_notice_whose_caller_went_away_mid_append_is_still_read_once() -
             terminal_output="done elsewhere",
         )
         delivering = asyncio.create_task(mesh.manager.deliver_notice(ROOT, notice))
-        await store.holding.wait()
+        await held.reached.wait()
         delivering.cancel()
         with pytest.raises(asyncio.CancelledError):
             await delivering
-        store.unblock.set()
+        held.release.set()
 
         def read_by_the_parent() -> bool:
             root = mesh.manager.agent(ROOT)
@@ -609,15 +610,16 @@ async def notices_in(store: InMemorySessionStore) -> list[SettlementNoticeEntry]
 async def test_a_root_whose_creator_went_away_mid_creation_is_made_whole() -> None:
     # Found by the wire fuzzer: CreateRootSession cut by its deadline after the header was
     # written left a root without its task, which no turn would ever read.
-    store = HoldingStore(TaskEntry)
+    store = FaultySessionStore()
+    held = store.faults.hold("append", when=writing(TaskEntry))
     async with in_process_mesh(presets(), store=store) as mesh:
         mesh.scripted.program("lead", Reply(text="read it"))
         creating = asyncio.create_task(mesh.manager.create_root("Lead.", preset="lead"))
-        await store.holding.wait()
+        await held.reached.wait()
         creating.cancel()
         with pytest.raises(asyncio.CancelledError):
             await creating
-        store.unblock.set()
+        held.release.set()
         async with asyncio.timeout(10):
             await mesh.manager.wait_until(lambda: mesh.manager.agent(ROOT) is not None)
             await mesh.manager.quiescent()
