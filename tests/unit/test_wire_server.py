@@ -26,7 +26,7 @@ from dsh_mesh.core import (
 )
 from dsh_mesh.models import Reply, tool
 from dsh_mesh.runtime import InMemorySessionStore
-from dsh_mesh.testing import InProcessMesh, in_process_mesh
+from dsh_mesh.testing import FaultySessionStore, InProcessMesh, in_process_mesh, writing
 from dsh_mesh.transport import DETAILS_METADATA_KEY, ERROR_DOMAIN, ClusterCredential
 from dsh_mesh.transport import _control as control_module
 from dsh_mesh.transport._auth import ClusterAuthInterceptor
@@ -194,21 +194,6 @@ class _StoreReads:
         raise NotImplementedError
 
 
-class _HeldTaskStore(InMemorySessionStore):
-    """Holds the append of the first TaskEntry until the test releases it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.holding = asyncio.Event()
-        self.unblock = asyncio.Event()
-
-    async def append(self, session, entry, *, writer, idempotency=None):  # type: ignore[no-untyped-def]
-        if isinstance(entry, TaskEntry) and not self.holding.is_set():
-            self.holding.set()
-            await self.unblock.wait()
-        return await super().append(session, entry, writer=writer, idempotency=idempotency)
-
-
 def control(mesh: InProcessMesh) -> MeshControlService:
     async def current(session: SessionId, *, fresh: bool = False) -> Activation | None:
         return await mesh.store.current_activation(session)
@@ -317,18 +302,19 @@ async def test_an_unknown_preset_is_invalid_argument() -> None:
 async def test_a_creation_cut_by_its_caller_keeps_its_task_and_a_retry_finds_it() -> None:
     """The caller gives up after the header is written, before the initial task: the creation
     still ends with its task, and the retry (same request_id) waits for it and returns it."""
-    store = _HeldTaskStore()
+    store = FaultySessionStore()
+    held = store.faults.hold("append", when=writing(TaskEntry))
     async with in_process_mesh(presets(), store=store) as mesh:
         service = control(mesh)
         cut = asyncio.create_task(answer(service, create()))
-        await store.holding.wait()
+        await held.reached.wait()
         cut.cancel()
         with pytest.raises(asyncio.CancelledError):
             await cut
         retry = asyncio.create_task(answer(service, create()))
         await asyncio.sleep(0.01)
         assert not retry.done()  # waits for the creation under way
-        store.unblock.set()
+        held.release.set()
         found = await retry
         assert isinstance(found, mesh_pb2.CreateRootSessionResponse)
         assert found.session_id == root_session_id("r")
