@@ -68,6 +68,7 @@ from dsh_mesh.testing._faulty_store import (
     FaultyLogStore,
     FaultySessionStore,
     Hold,
+    Proceed,
     StoreCall,
     writing,
 )
@@ -171,6 +172,7 @@ __all__ = [
     "PostgresNotFoundError",
     "PostgresServer",
     "PostgresServerError",
+    "Proceed",
     "ProxyStats",
     "RecordedRequest",
     "Reply",

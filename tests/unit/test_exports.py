@@ -474,6 +474,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "PostgresNotFoundError",
         "PostgresServer",
         "PostgresServerError",
+        "Proceed",
         "ProxyStats",
         "RecordedRequest",
         "Reply",

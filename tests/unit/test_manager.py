@@ -7,6 +7,7 @@ import dataclasses
 import json
 from collections.abc import AsyncIterator
 from datetime import timedelta
+from typing import cast
 
 import pytest
 
@@ -26,7 +27,6 @@ from dsh_mesh.core import (
     InvalidArgument,
     NodeId,
     ParentNotLive,
-    Record,
     RegistryUnavailable,
     RejectionReason,
     SequentialIds,
@@ -55,7 +55,14 @@ from dsh_mesh.models import (
     tool,
 )
 from dsh_mesh.runtime import ContinuationManager, InMemorySessionStore, ManagerConfig
-from dsh_mesh.testing import FaultySessionStore, InProcessMesh, in_process_mesh, writing
+from dsh_mesh.testing import (
+    FaultySessionStore,
+    InProcessMesh,
+    Proceed,
+    StoreCall,
+    in_process_mesh,
+    writing,
+)
 from dsh_mesh.tools import RETURN_INSTRUCTION
 from dsh_mesh.tools import tool as tool_decorator
 from tests.unit.conftest import drain_loop, of_type, presets
@@ -734,24 +741,24 @@ async def test_the_transcript_records_times_keys_and_where_each_turn_ran(
     assert any(message.idempotency_key.endswith(f".{call}") for call in child_calls), message
 
 
-class BoundedReads(InMemorySessionStore):
-    """Records the ``limit`` of every read: None is a read of a whole transcript."""
+def reads_noted(store: FaultySessionStore) -> list[int | None]:
+    """The ``limit`` of every read of ``store`` from now on: None is a read of a whole
+    transcript."""
+    limits: list[int | None] = []
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.limits: list[int | None] = []
+    async def note(call: StoreCall, proceed: Proceed) -> object:
+        limits.append(cast(int | None, call.arguments["limit"]))
+        return await proceed()
 
-    async def read(
-        self, session: SessionId, *, after_seq: int = 0, limit: int | None = None
-    ) -> list[Record]:
-        self.limits.append(limit)
-        return await super().read(session, after_seq=after_seq, limit=limit)
+    store.faults.around("read", note, times=None)
+    return limits
 
 
 async def test_a_lost_childs_last_output_is_found_from_the_end_back_in_pages() -> None:
     """The lost notice carries the child's last output; finding it reads the transcript from
     its end, a page at a time, never the whole of a long one (issue 18)."""
-    store = BoundedReads()
+    store = FaultySessionStore()
+    limits = reads_noted(store)
     async with in_process_mesh(presets(), store=store) as first_node:
         first_node.scripted.program("lead", tool("spawn_agent", task="t", preset="helper"))
         first_node.scripted.program("helper", Reply(text="the last finding"))
@@ -773,35 +780,21 @@ async def test_a_lost_childs_last_output_is_found_from_the_end_back_in_pages() -
     )
     async with second_node:
         await second_node.submit_prompt(ROOT, "Carry on.")
-        store.limits.clear()
+        limits.clear()
         await second_node.activation_ended(
             Activation(session_id=CHILD, activation_id=ActivationId("a-gone"), node_id=NodeId("n1"))
         )
         await second_node.quiescent()
-        tail_reads = [limit for limit in store.limits if limit is not None]
+        tail_reads = [limit for limit in limits if limit is not None]
     lost = [n for n in await notices_in(store) if n.outcome is SettlementOutcome.LOST]
     assert [n.terminal_output for n in lost] == ["the last finding"]
     assert len(tail_reads) == 3 and max(tail_reads) <= 100  # 250 results: three pages back
 
 
-class DownForTwoReads(BoundedReads):
-    """A log store away for the first two reads of a transcript's end."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.failing = 0
-
-    async def last(self, session: SessionId) -> Record | None:
-        if self.failing:
-            self.failing -= 1
-            raise RegistryUnavailable("the log store is away")
-        return await super().last(session)
-
-
 async def test_a_child_lost_while_the_log_store_is_away_still_gets_its_lost_notice() -> None:
     # Found by the fault run's database kill (issue 18): the read of the lost child's last
     # output met the outage and the notice was dropped; it now waits, as the notice's write does.
-    store = DownForTwoReads()
+    store = FaultySessionStore()
     async with in_process_mesh(presets(), store=store) as first_node:
         first_node.scripted.program("lead", tool("spawn_agent", task="t", preset="helper"))
         first_node.scripted.program("helper", Reply(text="the last finding"))
@@ -819,11 +812,12 @@ async def test_a_child_lost_while_the_log_store_is_away_still_gets_its_lost_noti
     )
     async with second_node:
         await second_node.submit_prompt(ROOT, "Carry on.")
-        store.failing = 2
+        away = RegistryUnavailable("the log store is away")
+        down = store.faults.fail("last", away, times=2)  # the first two reads of the end
         await second_node.activation_ended(
             Activation(session_id=CHILD, activation_id=ActivationId("a-gone"), node_id=NodeId("n1"))
         )
         await second_node.quiescent()
-    assert store.failing == 0
+    assert down.spent
     lost = [n for n in await notices_in(store) if n.outcome is SettlementOutcome.LOST]
     assert [n.terminal_output for n in lost] == ["the last finding"]
