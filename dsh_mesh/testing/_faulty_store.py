@@ -202,6 +202,13 @@ class Faults:
         plan(method, wait, when=when, times=times)
         return held
 
+    def withdraw(self, *faults: Fault) -> None:
+        """Take ``faults`` out of the plan: no call meets them any more (a spent one is out
+        already)."""
+        for fault in faults:
+            if fault in self._planned:
+                self._planned.remove(fault)
+
     async def run(self, call: StoreCall, proceed: Callable[[], Awaitable[T]]) -> T:
         """Count ``call``, and carry it out through the fault it meets, if any."""
         self.calls[call.method] += 1

@@ -1,16 +1,35 @@
-"""Shared fixtures for unit tests: an in-process mesh with a handful of presets."""
+"""Shared fixtures and helpers for unit tests: an in-process mesh with a handful of presets,
+nodes on a shared store, a host that dies at a chosen write."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import pytest
 
-from dsh_mesh.core import Entry, Record, ToolDescriptor
-from dsh_mesh.testing import InProcessMesh, in_process_mesh
-from dsh_mesh.tools import Preset, ToolIdentity, ToolInvocation, ToolOutput
+from dsh_mesh.core import (
+    Entry,
+    NodeFenced,
+    NodeId,
+    RandomIds,
+    Record,
+    SessionHeader,
+    SessionId,
+    ToolDescriptor,
+)
+from dsh_mesh.models import Action, ScriptedProvider
+from dsh_mesh.runtime import ContinuationManager, InMemorySessionStore, ManagerConfig
+from dsh_mesh.testing import (
+    FaultySessionStore,
+    InProcessMesh,
+    Proceed,
+    StoreCall,
+    in_process_mesh,
+)
+from dsh_mesh.tools import Preset, Tool, ToolIdentity, ToolInvocation, ToolOutput
 
 
 @dataclass
@@ -70,3 +89,79 @@ async def drain_loop(rounds: int = 50) -> None:
     to misbehave, never to wait for a result (those use explicit conditions)."""
     for _ in range(rounds):
         await asyncio.sleep(0)
+
+
+ROOT = SessionId("s-1")
+"""The first root an in-process mesh creates (its ids are sequential)."""
+CHILD = SessionId("s-2")
+"""That root's first child."""
+
+Programs = dict[str, Sequence[Action]]
+"""What each model answers, by model name (a :class:`ScriptedProvider`'s programs)."""
+
+
+def manager_on(
+    store: InMemorySessionStore,
+    name: str,
+    programs: Programs,
+    presets: tuple[Preset, ...],
+    *,
+    tools: Sequence[Tool] = (),
+) -> ContinuationManager:
+    """One node ``name`` on a ``store`` others may share, its model replaying ``programs``
+    from each transcript it resumes."""
+    return ContinuationManager(
+        store=store,
+        provider=ScriptedProvider(programs=programs, resume_from_transcript=True),
+        presets=presets,
+        config=ManagerConfig(node_id=NodeId(name)),
+        ids=RandomIds(),
+        tools=tools,
+    )
+
+
+class DyingHost:
+    """A store (``store``) shared by two nodes, node-1's host dying at a chosen write:
+    ``die_at(session, entry)`` picks it (``entry`` None: a child's header). That write blocks
+    (``reached`` is set), and fails (never written) once the test calls :meth:`die`; so does
+    every later write of node one. :meth:`for_node_two` takes the faults away: node two writes
+    as usual."""
+
+    def __init__(self, die_at: Callable[[SessionId, Entry | None], bool]) -> None:
+        self.store = FaultySessionStore()
+        self.reached = asyncio.Event()
+        self._die_at = die_at
+        self._dead = asyncio.Event()
+        self._dying = [
+            self.store.faults.around(method, self._dies_at, times=None)
+            for method in ("append", "create_header")
+        ]
+
+    async def _dies_at(self, call: StoreCall, proceed: Proceed) -> object:
+        if call.method == "create_header":
+            header = cast(SessionHeader, call.arguments["header"])
+            if header.parent_session is None:
+                return await proceed()
+            session, entry = header.session_id, None
+        else:
+            session = cast(SessionId, call.arguments["session"])
+            entry = cast(Entry, call.arguments["entry"])
+        if self._dead.is_set() or self._die_at(session, entry):
+            self.reached.set()
+            await self._dead.wait()
+            raise NodeFenced("the host died")
+        return await proceed()
+
+    def die(self) -> None:
+        self._dead.set()
+
+    async def lapse(self) -> None:
+        """Every activation of the dead node ends, as its lease would."""
+        for session in list(self.store._headers):
+            current = await self.store.current_activation(session)
+            if current is not None and current.node_id == "node-1":
+                await self.store.release(current)
+
+    def for_node_two(self) -> FaultySessionStore:
+        self.store.faults.withdraw(*self._dying)
+        return self.store

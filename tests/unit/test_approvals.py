@@ -47,7 +47,7 @@ from dsh_mesh.testing import (
 )
 from dsh_mesh.tools import ApprovalPolicy, Preset
 from dsh_mesh.tools import tool as tool_decorator
-from tests.unit.test_tool_answers import DyingStore, Programs, _node
+from tests.unit.conftest import DyingHost, Programs, manager_on
 
 ROOT = SessionId("s-1")
 CHILD = SessionId("s-2")
@@ -411,15 +411,16 @@ async def test_a_request_written_just_before_its_host_died_still_waits_and_runs_
     def die_at(session: SessionId, entry: object) -> bool:
         return isinstance(entry, TurnEndedEntry)  # after the request, before the turn's end
 
-    store = DyingStore(die_at)
+    host = DyingHost(die_at)
+    store = host.store
     programs: Programs = {"lead": (tool("deploy", env="prod"), Reply(text="shipped"))}
-    async with _node(store, "node-1", programs, _gated_presets(), tools=(deploy,)) as one:
+    async with manager_on(store, "node-1", programs, _gated_presets(), tools=(deploy,)) as one:
         await one.create_root("Ship it.", preset="lead", session_id=ROOT)
-        await store.reached.wait()
-        store.die()
-    await store.lapse()
-    async with _node(
-        store.for_node_two(), "node-2", programs, _gated_presets(), tools=(deploy,)
+        await host.reached.wait()
+        host.die()
+    await host.lapse()
+    async with manager_on(
+        host.for_node_two(), "node-2", programs, _gated_presets(), tools=(deploy,)
     ) as two:
         await two.resume(ROOT)
         await two.quiescent()
@@ -442,19 +443,20 @@ async def test_an_approved_call_its_host_died_running_is_never_run_twice() -> No
     def die_at(session: SessionId, entry: object) -> bool:
         return isinstance(entry, ToolResultEntry)  # the approved call ran; its result is lost
 
-    store = DyingStore(die_at)
+    host = DyingHost(die_at)
+    store = host.store
     programs: Programs = {"lead": (tool("deploy", env="prod"), Reply(text="shipped"))}
-    async with _node(store, "node-1", programs, _gated_presets(), tools=(deploy,)) as one:
+    async with manager_on(store, "node-1", programs, _gated_presets(), tools=(deploy,)) as one:
         await one.create_root("Ship it.", preset="lead", session_id=ROOT)
         await one.wait_until(lambda: bool(one.agent(ROOT) and one.agent(ROOT).waiting_request()))  # type: ignore[union-attr]
         request = one.agent(ROOT).waiting_request()  # type: ignore[union-attr]
         assert request is not None
         await one.resolve_approval(ROOT, decision(request))
-        await store.reached.wait()
-        store.die()
-    await store.lapse()
-    async with _node(
-        store.for_node_two(), "node-2", programs, _gated_presets(), tools=(deploy,)
+        await host.reached.wait()
+        host.die()
+    await host.lapse()
+    async with manager_on(
+        host.for_node_two(), "node-2", programs, _gated_presets(), tools=(deploy,)
     ) as two:
         await two.resume(ROOT)
         await two.quiescent()

@@ -80,6 +80,19 @@ async def test_a_fault_meets_only_the_calls_it_matches_and_as_many_as_planned() 
     assert len(await store.read(SESSION)) == 2
 
 
+async def test_a_withdrawn_fault_meets_no_more_calls_and_lets_a_later_one_meet_them() -> None:
+    store = FaultySessionStore()
+    await created(store)
+    every = store.faults.fail("append", RegistryUnavailable("away"), times=None)
+    held = store.faults.hold("append", landed=True)
+    with pytest.raises(RegistryUnavailable):
+        await store.append(SESSION, prompt("a"), writer=None)
+    store.faults.withdraw(every)
+    held.release.set()
+    await store.append(SESSION, prompt("b"), writer=None)
+    assert every.met == 1 and held.left == 1
+
+
 async def test_a_creations_entries_meet_the_faults_planned_for_appends() -> None:
     # As a subclass's would: the in-memory store writes a creation's entries by appending.
     store = FaultySessionStore()
