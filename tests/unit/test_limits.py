@@ -27,8 +27,7 @@ from dsh_mesh.runtime import DEFAULT_TURN_LIMITS, ManagerConfig, NamespaceLimits
 from dsh_mesh.testing import FaultySessionStore, InProcessMesh, in_process_mesh, writing
 from dsh_mesh.tools import Preset, TurnLimits
 from dsh_mesh.tools import tool as tool_decorator
-from tests.unit.conftest import of_type, presets
-from tests.unit.test_manager import CHILD, ROOT
+from tests.unit.conftest import CHILD, ROOT, of_type, presets
 
 
 async def test_a_send_past_the_inbox_depth_is_refused_until_the_target_reads() -> None:

@@ -65,10 +65,7 @@ from dsh_mesh.testing import (
 )
 from dsh_mesh.tools import RETURN_INSTRUCTION
 from dsh_mesh.tools import tool as tool_decorator
-from tests.unit.conftest import drain_loop, of_type, presets
-
-ROOT = SessionId("s-1")
-CHILD = SessionId("s-2")
+from tests.unit.conftest import CHILD, ROOT, drain_loop, of_type, presets
 
 
 async def root_with_child(mesh: InProcessMesh, *, kind: str = "spawn_agent") -> AgentRef:

@@ -24,8 +24,7 @@ from dsh_mesh.core import (
 )
 from dsh_mesh.models import Reply, tool
 from dsh_mesh.testing import Fault, FaultySessionStore, InProcessMesh, in_process_mesh, writing
-from tests.unit.conftest import presets
-from tests.unit.test_manager import CHILD, ROOT
+from tests.unit.conftest import CHILD, ROOT, presets
 
 OWN_WRITES: tuple[type[Entry], ...] = (ConsumedEntry, AssistantStepEntry, TurnEndedEntry)
 

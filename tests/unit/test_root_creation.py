@@ -57,8 +57,7 @@ from dsh_mesh.testing import (
 )
 from dsh_mesh.transport._control import MeshControlService, root_session_id
 from dsh_mesh.transport._peers import PeerPool
-from tests.unit.conftest import of_type, presets
-from tests.unit.test_wire_server import _StoreReads, answer, create
+from tests.unit.conftest import StoreReads, answer, create, of_type, presets
 
 TASK = "The first task."
 ROOT = root_session_id("r")
@@ -95,7 +94,7 @@ async def node(
         service = MeshControlService(
             lambda: manager,
             node_id=manager.node_id,
-            reads=_StoreReads(store),
+            reads=StoreReads(store),
             current_activation=current,
             peers=PeerPool(node_id=manager.node_id, credential=None, address_of=lambda _: None),
         )
