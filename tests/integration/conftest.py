@@ -5,12 +5,14 @@ share it, so each uses keys under its own unique prefix and never disturbs the p
 ``etcd_server`` is a private server per test, for tests that pause, kill or restart etcd.
 ``postgres`` is one PostgreSQL for the whole session, for the log store; each test takes a
 database of its own on it (``PostgresServer.create_database``).
-Every test under this directory is marked ``integration``.
+Every test under this directory is marked ``integration``. ``until_async`` waits for a
+condition several test modules poll.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -57,3 +59,16 @@ def postgres() -> Iterator[PostgresServer]:
     each works in a database of its own."""
     with PostgresServer() as server:
         yield server
+
+
+async def until_async(
+    predicate: Callable[[], Awaitable[bool]], *, within: float = 10.0, every: float = 0.01
+) -> None:
+    """Wait until ``predicate`` (which reads etcd or a store) holds, re-checking it ``every``
+    seconds, for at most ``within`` seconds: a bounded wait for a condition, never a fixed
+    sleep."""
+    async with asyncio.timeout(within):
+        while True:
+            if await predicate():
+                return
+            await asyncio.sleep(every)

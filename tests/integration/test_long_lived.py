@@ -29,7 +29,7 @@ from dsh_mesh.logstore import PostgresLogStore
 from dsh_mesh.runtime import Write
 from dsh_mesh.testing import EtcdAddress, LocalCluster, MeshReader, PostgresServer, create_root
 from dsh_mesh.transport import error_from_rpc
-from tests.integration.test_registry import until_async
+from tests.integration.conftest import until_async
 
 STEPS = 10_000
 OUTPUT_BYTES = 4096

@@ -24,7 +24,6 @@ from dsh_mesh.core import (
     Activation,
     ActivationId,
     ConsumedEntry,
-    HumanPromptEntry,
     NodeId,
     Record,
     RegistryUnavailable,
@@ -44,7 +43,6 @@ from dsh_mesh.runtime import (
     InMemorySessionStore,
     ManagerConfig,
     RecordingStore,
-    SessionStore,
 )
 from dsh_mesh.testing import (
     FaultySessionStore,
@@ -57,6 +55,7 @@ from dsh_mesh.testing import (
 )
 from dsh_mesh.transport._control import MeshControlService, root_session_id
 from dsh_mesh.transport._peers import PeerPool
+from tests.conftest import created_whole, root_header
 from tests.unit.conftest import StoreReads, answer, create, of_type, presets
 
 TASK = "The first task."
@@ -113,36 +112,6 @@ def ran_once(records: list[Record]) -> bool:
 
 
 # -- the store contract ---------------------------------------------------------------------------
-
-
-def root_header(session: SessionId, preset: str = "p") -> SessionHeader:
-    return SessionHeader(
-        session_id=session,
-        kind=SessionKind.ROOT,
-        parent_session=None,
-        spec=SessionSpec(preset=preset, model="m"),
-    )
-
-
-async def created_whole(store: SessionStore, session: SessionId) -> None:
-    """``create_header`` with entries stores them as seqs 1..n with the header, and the next
-    append (by the activation won after it) is seq n + 1."""
-    entries = (TaskEntry(content="Do it."), HumanPromptEntry(content="And this."))
-    await store.create_header(root_header(session), entries)
-    assert await store.get_header(session) == root_header(session)
-    assert await store.read(session) == [
-        Record(seq=1, entry=entries[0]),
-        Record(seq=2, entry=entries[1]),
-    ]
-    activation = Activation(
-        session_id=session, activation_id=ActivationId(f"a-{session}"), node_id=NodeId("n")
-    )
-    assert await store.try_activate(activation) == activation
-    later = HumanPromptEntry(content="Later.")
-    record, known = await store.append(session, later, writer=activation.activation_id)
-    assert (record.seq, known) == (3, None)
-    assert [r.seq for r in await store.read(session)] == [1, 2, 3]
-    await store.release(activation)
 
 
 async def test_the_in_memory_store_creates_a_session_with_its_first_entries() -> None:
