@@ -12,14 +12,47 @@ condition several test modules poll.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterator
+import contextlib
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
-from dsh_mesh.testing import EtcdAddress, EtcdServer, PostgresServer
+from dsh_mesh.core import (
+    Activation,
+    ActivationId,
+    Entry,
+    HumanPromptEntry,
+    NodeId,
+    Record,
+    RegistryUnavailable,
+    SessionHeader,
+    SessionId,
+    SessionKind,
+    SessionSpec,
+)
+from dsh_mesh.registry import (
+    Etcd,
+    EtcdConfig,
+    EtcdSessionStore,
+    Keys,
+    LeaseConfig,
+    LeaseKeeper,
+    RegistryReads,
+)
+from dsh_mesh.registry._reads import Listing
+from dsh_mesh.runtime import LogStore
+from dsh_mesh.testing import EtcdAddress, EtcdServer, FaultyLogStore, PostgresServer, StoreCall
 
 INTEGRATION_DIR = Path(__file__).resolve().parent
+WAIT = 10.0
+"""Upper bound of a wait of these helpers."""
+POLL = timedelta(seconds=0.05)
+"""How often the reads :func:`opened` makes poll the log store."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -72,3 +105,116 @@ async def until_async(
             if await predicate():
                 return
             await asyncio.sleep(every)
+
+
+def of_session(name: str) -> Callable[[StoreCall], bool]:
+    """Matches a log store call about the session ``name``."""
+    return lambda call: call.arguments.get("session") == SessionId(name)
+
+
+# -- a registry over one etcd, under a key prefix of its own ------------------------------
+
+
+@dataclass
+class Mesh:
+    """A registry under a key prefix of its own: an etcd client, its store over a log store
+    a test can step into, and the reads over both."""
+
+    etcd: Etcd
+    keys: Keys
+    log: FaultyLogStore
+    store: EtcdSessionStore
+    reads: RegistryReads
+
+    async def root(self, name: str) -> SessionId:
+        session = SessionId(name)
+        await self.store.create_header(
+            SessionHeader(session_id=session, kind=SessionKind.ROOT, parent_session=None, spec=SPEC)
+        )
+        return session
+
+    async def child(self, name: str, parent: SessionId, entries: Sequence[Entry] = ()) -> SessionId:
+        session = SessionId(name)
+        await self.store.create_header(
+            SessionHeader(
+                session_id=session,
+                kind=SessionKind.CONTINUABLE_CHILD,
+                parent_session=parent,
+                spec=SPEC,
+            ),
+            entries,
+        )
+        return session
+
+    async def activate(self, session: SessionId) -> Activation:
+        activation = Activation(
+            session_id=session, activation_id=ActivationId(f"a-{session}"), node_id=NODE
+        )
+        assert await self.store.try_activate(activation) == activation
+        return activation
+
+    async def append(self, activation: Activation, text: str) -> Record:
+        record, _ = await self.store.append(
+            activation.session_id, prompt(text), writer=activation.activation_id
+        )
+        return record
+
+    def reads_polling(self, every: timedelta) -> RegistryReads:
+        return RegistryReads(self.etcd, self.keys, self.log, poll=every)
+
+
+SPEC = SessionSpec(preset="p", model="m")
+NODE = NodeId("n-1")
+
+
+@asynccontextmanager
+async def opened(endpoint: str, log: LogStore) -> AsyncIterator[Mesh]:
+    """A client, a lease, a store and the reads over ``log`` (the caller's to close), under a
+    key prefix of their own (with no session in it yet)."""
+    async with Etcd(EtcdConfig(endpoint=endpoint, call_timeout=timedelta(seconds=3))) as etcd:
+        lease = LeaseKeeper(etcd, LeaseConfig())
+        await lease.grant()
+        held = FaultyLogStore(log)
+        keys = Keys(f"/lf-{secrets.token_hex(4)}/".encode())
+        store = EtcdSessionStore(etcd, keys, log=held, lease=lambda: lease.lease_id)
+        try:
+            yield Mesh(etcd, keys, held, store, RegistryReads(etcd, keys, held, poll=POLL))
+        finally:
+            await store.aclose()
+            with contextlib.suppress(RegistryUnavailable):
+                await lease.revoke()
+
+
+def prompt(text: str) -> HumanPromptEntry:
+    """A human prompt saying ``text``."""
+    return HumanPromptEntry(content=text)
+
+
+async def every_page(
+    reads: RegistryReads, *, root: SessionId | None, limit: int, resident_only: bool = False
+) -> list[Listing]:
+    """The pages of a listing, from the first until one has no next token."""
+    pages: list[Listing] = []
+    token = ""
+    async with asyncio.timeout(WAIT):
+        while True:
+            page = await reads.listing(
+                root=root, after=token, limit=limit, resident_only=resident_only
+            )
+            pages.append(page)
+            if not page.next_token:
+                return pages
+            assert len(pages) < 100, "the listing never ends"
+            token = page.next_token
+
+
+def ids(pages: Sequence[Listing]) -> list[SessionId]:
+    """The sessions ``pages`` list, in order."""
+    return [header.session_id for page in pages for header in page.headers]
+
+
+async def listed(
+    reads: RegistryReads, *, root: SessionId | None, limit: int = 2, resident_only: bool = False
+) -> list[SessionId]:
+    """Every session of a listing, read ``limit`` at a time."""
+    return ids(await every_page(reads, root=root, limit=limit, resident_only=resident_only))
