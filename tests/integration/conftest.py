@@ -23,8 +23,10 @@ from pathlib import Path
 import pytest
 
 from dsh_mesh.core import (
+    AbortSignal,
     Activation,
     ActivationId,
+    AgentRef,
     Entry,
     HumanPromptEntry,
     NodeId,
@@ -34,6 +36,7 @@ from dsh_mesh.core import (
     SessionId,
     SessionKind,
     SessionSpec,
+    ToolCall,
 )
 from dsh_mesh.registry import (
     Etcd,
@@ -47,6 +50,7 @@ from dsh_mesh.registry import (
 from dsh_mesh.registry._reads import Listing
 from dsh_mesh.runtime import LogStore
 from dsh_mesh.testing import EtcdAddress, EtcdServer, FaultyLogStore, PostgresServer, StoreCall
+from dsh_mesh.tools import Tool, ToolInvocation, ToolOutput, run_limited
 
 INTEGRATION_DIR = Path(__file__).resolve().parent
 WAIT = 10.0
@@ -218,3 +222,22 @@ async def listed(
 ) -> list[SessionId]:
     """Every session of a listing, read ``limit`` at a time."""
     return ids(await every_page(reads, root=root, limit=limit, resident_only=resident_only))
+
+
+# -- a tool called the way the agent loop calls it -------------------------------------------
+
+
+def tool_invocation(tool: Tool, call_id: str = "c-1") -> ToolInvocation:
+    """Call ``call_id`` of ``tool``, by a made-up agent's step."""
+    return ToolInvocation(
+        caller=AgentRef(session_id=SessionId("s-1"), activation_id=ActivationId("a-1")),
+        call=ToolCall(call_id=call_id, name=tool.descriptor.name, arguments_json="{}"),
+        signal=AbortSignal(),
+        step_seq=4,
+        index=0,
+    )
+
+
+async def call_tool(tool: Tool, arguments: dict[str, object], call_id: str = "c-1") -> ToolOutput:
+    """What ``tool`` answers ``arguments`` within its own limits, as the agent loop runs it."""
+    return await run_limited(tool, tool_invocation(tool, call_id), arguments, tool.limits)  # type: ignore[attr-defined]
