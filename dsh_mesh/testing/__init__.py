@@ -15,6 +15,9 @@ it judges a whole run from what the workload heard back, what the nodes wrote an
 with scripted ``Completion``, ``Failure`` and ``Stall`` replies and records every request.
 ``LlamaServer`` runs a real inference engine (llama.cpp's own server, from the ``xllamacpp``
 wheel) on the tiny model ``write_tiny_model`` writes, whose prefix cache is real.
+``FaultySessionStore`` (the in-memory session store) and ``FaultyLogStore`` (around any log store)
+run every call through a plan of ``Faults``: fail a call before or after it lands, hold it until
+the test lets it go, run a step around it, count every call.
 """
 
 from dsh_mesh.testing._approval_history import (
@@ -68,6 +71,16 @@ from dsh_mesh.testing._etcd import (
     find_etcd_binary,
 )
 from dsh_mesh.testing._faults import FAULT_KINDS, FaultDriver
+from dsh_mesh.testing._faulty_store import (
+    Fault,
+    Faults,
+    FaultyLogStore,
+    FaultySessionStore,
+    Hold,
+    Proceed,
+    StoreCall,
+    writing,
+)
 from dsh_mesh.testing._history import (
     HUMAN,
     NodeHistory,
@@ -133,8 +146,13 @@ __all__ = [
     "EtcdServer",
     "EtcdServerError",
     "Failure",
+    "Fault",
     "FaultDriver",
     "FaultRunReport",
+    "Faults",
+    "FaultyLogStore",
+    "FaultySessionStore",
+    "Hold",
     "InProcessMesh",
     "LlamaServer",
     "LlamaServerError",
@@ -151,6 +169,7 @@ __all__ = [
     "PostgresNotFoundError",
     "PostgresServer",
     "PostgresServerError",
+    "Proceed",
     "ProxyStats",
     "RecordedRequest",
     "Reply",
@@ -158,6 +177,7 @@ __all__ = [
     "ScriptedToolCall",
     "Send",
     "Stall",
+    "StoreCall",
     "TcpProxy",
     "TinyModel",
     "TlsFiles",
@@ -193,4 +213,5 @@ __all__ = [
     "web_view",
     "write_tiny_model",
     "writers_of",
+    "writing",
 ]

@@ -3,7 +3,10 @@ real gRPC, so every refusal can be provoked and its status and reason read back.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
+import time
+import uuid
 from collections.abc import Sequence
 
 import grpc
@@ -14,10 +17,12 @@ from dsh_mesh.core import (
     AgentRef,
     MeshError,
     Record,
+    Rejected,
     SessionHeader,
     SessionId,
     SessionKind,
     SettlementNoticeEntry,
+    TurnEndedEntry,
 )
 from dsh_mesh.testing import LocalCluster, MeshReader, create_root
 from dsh_mesh.transport import error_from_rpc
@@ -113,3 +118,69 @@ __all__ = [
     "send_as",
     "started_child",
 ]
+
+
+async def resolve_until_accepted(
+    cluster: LocalCluster, node: str, request: mesh_pb2.ResolveApprovalRequest
+) -> mesh_pb2.ResolveApprovalResponse:
+    """Decide through ``node``, retrying what a failover answers, for at most 60 s."""
+    deadline = time.monotonic() + 60
+    async with cluster.channel(node) as channel:
+        stub = mesh_pb2_grpc.MeshControlStub(channel)
+        while True:
+            try:
+                response: mesh_pb2.ResolveApprovalResponse = await stub.ResolveApproval(
+                    request, metadata=cluster.metadata("tester"), timeout=30
+                )
+                return response
+            except grpc.aio.AioRpcError as failure:
+                error = error_from_rpc(failure)
+                if not (isinstance(error, Rejected) and error.retryable):
+                    raise
+                assert time.monotonic() < deadline, f"never accepted: {error}"
+                await asyncio.sleep(0.2)
+
+
+async def stopped_at_the_call(reader: MeshReader, root: SessionId) -> list[Record]:
+    """``root``'s transcript once its first turn ended, waiting at its marked call."""
+    records: list[Record] = await reader.wait_for(
+        lambda: reader.transcript(root),
+        lambda rs: any(isinstance(r.entry, TurnEndedEntry) for r in rs),
+        what="the turn stopped at the call",
+    )
+    return records
+
+
+async def list_approvals(
+    cluster: LocalCluster, node: str, root: SessionId
+) -> mesh_pb2.ListApprovalsResponse:
+    """What ``node`` lists of the approvals waiting in ``root``'s tree."""
+    async with cluster.channel(node) as channel:
+        response: mesh_pb2.ListApprovalsResponse = await mesh_pb2_grpc.MeshControlStub(
+            channel
+        ).ListApprovals(
+            mesh_pb2.ListApprovalsRequest(root_session_id=root),
+            metadata=cluster.metadata("tester"),
+            timeout=30,
+        )
+        return response
+
+
+async def prompt_until_accepted(cluster: LocalCluster, node: str, session: SessionId) -> None:
+    """Submit a prompt through ``node``, retrying what a failover answers, for at most 60 s."""
+    request = mesh_pb2.SubmitPromptRequest(
+        session_id=session, text="Still there?", idempotency_key=f"long-{uuid.uuid4()}"
+    )
+    deadline = time.monotonic() + 60
+    async with cluster.channel(node) as channel:
+        stub = mesh_pb2_grpc.MeshControlStub(channel)
+        while True:
+            try:
+                await stub.SubmitPrompt(request, metadata=cluster.metadata("tester"), timeout=30)
+                return
+            except grpc.aio.AioRpcError as failure:
+                error = error_from_rpc(failure)
+                if not (isinstance(error, Rejected) and error.retryable):
+                    raise
+                assert time.monotonic() < deadline, f"never accepted: {error}"
+                await asyncio.sleep(0.2)

@@ -4,12 +4,10 @@ that resumes the agent. Every decision is in the transcript, over the wire."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,8 +19,6 @@ from dsh_mesh.core import (
     ApprovalDecisionEntry,
     ApprovalRequestEntry,
     ApprovalStale,
-    Record,
-    Rejected,
     SessionId,
     ToolResultEntry,
     TurnEndedEntry,
@@ -32,6 +28,11 @@ from dsh_mesh.core import (
 from dsh_mesh.testing import EtcdAddress, LocalCluster, MeshReader, create_root
 from dsh_mesh.testing.probe_tools import GATE_ENV, LOG_ENV, read_probe_log
 from dsh_mesh.transport import error_from_rpc
+from tests.integration.mesh_client import (
+    list_approvals,
+    resolve_until_accepted,
+    stopped_at_the_call,
+)
 from tests.integration.scenarios import PROBE_PRESETS
 
 
@@ -50,51 +51,6 @@ def gated(etcd: EtcdAddress, tmp_path: Path) -> Iterator[tuple[LocalCluster, Pat
         env={LOG_ENV: str(log), GATE_ENV: str(gate), "DSH_APPROVAL_SWEEP_INTERVAL": "0.3"},
     ) as cluster:
         yield cluster, log
-
-
-async def resolve_until_accepted(
-    cluster: LocalCluster, node: str, request: mesh_pb2.ResolveApprovalRequest
-) -> mesh_pb2.ResolveApprovalResponse:
-    """Decide through ``node``, retrying what a failover answers, for at most 60 s."""
-    deadline = time.monotonic() + 60
-    async with cluster.channel(node) as channel:
-        stub = mesh_pb2_grpc.MeshControlStub(channel)
-        while True:
-            try:
-                response: mesh_pb2.ResolveApprovalResponse = await stub.ResolveApproval(
-                    request, metadata=cluster.metadata("tester"), timeout=30
-                )
-                return response
-            except grpc.aio.AioRpcError as failure:
-                error = error_from_rpc(failure)
-                if not (isinstance(error, Rejected) and error.retryable):
-                    raise
-                assert time.monotonic() < deadline, f"never accepted: {error}"
-                await asyncio.sleep(0.2)
-
-
-async def stopped_at_the_call(reader: MeshReader, root: SessionId) -> list[Record]:
-    """``root``'s transcript once its first turn ended, waiting at its marked call."""
-    records: list[Record] = await reader.wait_for(
-        lambda: reader.transcript(root),
-        lambda rs: any(isinstance(r.entry, TurnEndedEntry) for r in rs),
-        what="the turn stopped at the call",
-    )
-    return records
-
-
-async def list_approvals(
-    cluster: LocalCluster, node: str, root: SessionId
-) -> mesh_pb2.ListApprovalsResponse:
-    async with cluster.channel(node) as channel:
-        response: mesh_pb2.ListApprovalsResponse = await mesh_pb2_grpc.MeshControlStub(
-            channel
-        ).ListApprovals(
-            mesh_pb2.ListApprovalsRequest(root_session_id=root),
-            metadata=cluster.metadata("tester"),
-            timeout=30,
-        )
-        return response
 
 
 async def test_a_pending_approval_survives_the_sigkill_of_its_host_and_runs_once(

@@ -14,7 +14,7 @@ from dsh_mesh.core import (
     TurnOutcome,
 )
 from dsh_mesh.testing import EtcdAddress, LocalCluster, MeshReader, create_root
-from tests.integration.test_long_lived import _prompt_until_accepted as prompt_until_accepted
+from tests.integration.mesh_client import prompt_until_accepted
 
 
 def of(records: list[Record], kind: type) -> list[Record]:

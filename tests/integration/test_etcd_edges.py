@@ -26,9 +26,9 @@ import contextlib
 import secrets
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -64,8 +64,8 @@ from dsh_mesh.registry import (
 from dsh_mesh.registry._etcd import MAX_REVISION, put
 from dsh_mesh.registry._group_commit import BATCH_BYTES
 from dsh_mesh.registry._reads import MAX_POSITION
-from dsh_mesh.runtime import DEFAULT_PAGE, Acceptance, IdempotencyKey, Write, Written
-from dsh_mesh.testing import EtcdAddress, EtcdServer
+from dsh_mesh.runtime import Acceptance, IdempotencyKey, Write
+from dsh_mesh.testing import EtcdAddress, EtcdServer, FaultyLogStore, Proceed, StoreCall
 
 WAIT = 10.0
 """Upper bound of any wait in this module."""
@@ -78,38 +78,44 @@ MIB = 1024 * 1024
 # -- helpers ------------------------------------------------------------------------------------
 
 
-class CountingLog(MemoryLogStore):
+@dataclass
+class Counted:
+    """What a log store was asked (:func:`counting_log`)."""
+
+    appends: list[int] = field(default_factory=list)
+    """Writes per append (one group commit each)."""
+    commits: list[list[Entry]] = field(default_factory=list)
+    """The entries of each append."""
+    reads: list[tuple[int, int]] = field(default_factory=list)
+    """(limit asked, records returned) per read."""
+
+
+def counting_log() -> tuple[FaultyLogStore, Counted]:
     """The memory log store, noting the size of every append and every read it is asked."""
+    log, counted = FaultyLogStore(MemoryLogStore()), Counted()
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.appends: list[int] = []
-        """Writes per append (one group commit each)."""
-        self.commits: list[list[Entry]] = []
-        """The entries of each append."""
-        self.reads: list[tuple[int, int]] = []
-        """(limit asked, records returned) per read."""
+    async def append(call: StoreCall, proceed: Proceed) -> object:
+        writes = cast(Sequence[Write], call.arguments["writes"])
+        counted.appends.append(len(writes))
+        counted.commits.append([write.entry for write in writes])
+        return await proceed()
 
-    async def append(
-        self, session: SessionId, writes: Sequence[Write], *, fence: int, unfenced: bool = False
-    ) -> list[Written]:
-        self.appends.append(len(writes))
-        self.commits.append([write.entry for write in writes])
-        return await super().append(session, writes, fence=fence, unfenced=unfenced)
-
-    async def read(
-        self, session: SessionId, *, after_seq: int = 0, limit: int = DEFAULT_PAGE
-    ) -> list[Record]:
-        records = await super().read(session, after_seq=after_seq, limit=limit)
-        self.reads.append((limit, len(records)))
+    async def read(call: StoreCall, proceed: Proceed) -> list[Record]:
+        records = cast(list[Record], await proceed())
+        counted.reads.append((cast(int, call.arguments["limit"]), len(records)))
         return records
+
+    log.faults.around("append", append, times=None)
+    log.faults.around("read", read, times=None)
+    return log, counted
 
 
 @dataclass
 class Registry:
     etcd: Etcd
     keys: Keys
-    log: CountingLog
+    log: FaultyLogStore
+    counted: Counted
     store: EtcdSessionStore
     reads: RegistryReads
     activation: Activation
@@ -128,7 +134,7 @@ async def opened(endpoint: str, **store_options: Any) -> AsyncIterator[Registry]
     async with Etcd(EtcdConfig(endpoint=endpoint, call_timeout=timedelta(seconds=3))) as etcd:
         lease = LeaseKeeper(etcd, LeaseConfig())
         await lease.grant()
-        log = CountingLog()
+        log, counted = counting_log()
         try:
             keys = Keys(f"/fix-{secrets.token_hex(4)}/".encode())
             store = EtcdSessionStore(
@@ -147,7 +153,7 @@ async def opened(endpoint: str, **store_options: Any) -> AsyncIterator[Registry]
             )
             await store.try_activate(activation)
             reads = RegistryReads(etcd, keys, log, poll=POLL)
-            yield Registry(etcd, keys, log, store, reads, activation)
+            yield Registry(etcd, keys, log, counted, store, reads, activation)
         finally:
             with contextlib.suppress(RegistryUnavailable):  # a test may have stopped etcd
                 await lease.revoke()
@@ -361,7 +367,7 @@ async def test_entries_of_one_group_commit_have_their_own_positions_and_a_resume
     position of its own, and a feed resumed after one of them goes on with the next, not after
     the whole commit (the event_seq of a watch must strictly increase and resume exactly)."""
     reads, store, writer = registry.reads, registry.store, registry.activation.activation_id
-    log = registry.log
+    log = registry.counted
     appended = await asyncio.gather(
         *(store.append(SESSION, prompt(f"batched {n}"), writer=writer) for n in range(8))
     )
@@ -392,7 +398,7 @@ async def test_a_page_reads_only_its_own_entries_from_the_log_store(registry: Re
     records (and one more, to know that more follow) from the log store, not the whole rest of
     the transcript, and nothing from etcd."""
     store, writer = registry.store, registry.activation.activation_id
-    log = registry.log
+    log = registry.counted
     for n in range(30):
         await store.append(SESSION, prompt(f"p{n}"), writer=writer)
     log.reads.clear()
@@ -563,7 +569,7 @@ async def test_an_entry_over_the_limit_is_refused_alone_and_commits_stay_bounded
     in order, and a group commit carries at most ``BATCH_BYTES`` beyond its first entry (two
     entries of nearly 1 MiB never share one)."""
     store, writer = registry.store, registry.activation.activation_id
-    log = registry.log
+    log = registry.counted
     with pytest.raises(InvalidArgument, match="limit is"):
         await store.append(SESSION, prompt("z" * 2 * MIB), writer=writer)
     assert await store.read(SESSION) == [] and log.appends == []

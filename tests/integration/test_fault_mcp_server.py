@@ -18,7 +18,7 @@ from dsh_mesh.testing._edges import MCP_DIE, MCP_ECHO, MCP_HUGE, MCP_MAX_OUTPUT,
 from dsh_mesh.testing._workload import FAULT_MCP
 from dsh_mesh.testing.fault_mcp_server import BUSY_ENV, forget, servers_mid_call
 from dsh_mesh.tools import ToolOutput
-from tests.integration.test_mcp_tools import call
+from tests.integration.conftest import call_tool
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -40,26 +40,30 @@ async def test_a_kill_aimed_by_the_busy_markers_lands_mid_call_and_the_server_co
         await servers.load("mcp:faults")
         tools = {t.descriptor.name: t for t in servers.select("mcp:faults")}
         assert set(tools) == {MCP_ECHO, MCP_HUGE, MCP_DIE}
-        assert await call(tools[MCP_ECHO], {"text": "first"}) == ToolOutput(content="first")
+        assert await call_tool(tools[MCP_ECHO], {"text": "first"}) == ToolOutput(content="first")
 
-        running = asyncio.ensure_future(call(tools[MCP_ECHO], {"text": "killed"}, "c-2"))
+        running = asyncio.ensure_future(call_tool(tools[MCP_ECHO], {"text": "killed"}, "c-2"))
         [pid] = await mid_call(tmp_path)
         os.kill(pid, signal.SIGKILL)
         forget(tmp_path, pid)
         killed = await running
         assert killed.is_error and "may or may not have reached the server" in killed.content
-        assert await call(tools[MCP_ECHO], {"text": "back"}, "c-3") == ToolOutput(content="back")
+        assert await call_tool(tools[MCP_ECHO], {"text": "back"}, "c-3") == ToolOutput(
+            content="back"
+        )
         assert servers.connection("faults").opened == 2
 
         for size in ("large", "oversized"):  # past the limit; past one message's bound too
-            huge = await call(tools[MCP_HUGE], {"size": size}, f"c-{size}")
+            huge = await call_tool(tools[MCP_HUGE], {"size": size}, f"c-{size}")
             assert "[output cut:" in huge.content, huge.content[-300:]
             assert len(huge.content) <= MCP_MAX_OUTPUT + NOTE_ROOM
 
-        died = await call(tools[MCP_DIE], {}, "c-die")
+        died = await call_tool(tools[MCP_DIE], {}, "c-die")
         assert died.is_error and "may or may not have reached the server" in died.content
         assert servers_mid_call(tmp_path) == []  # it left no marker behind
-        assert await call(tools[MCP_ECHO], {"text": "again"}, "c-4") == ToolOutput(content="again")
+        assert await call_tool(tools[MCP_ECHO], {"text": "again"}, "c-4") == ToolOutput(
+            content="again"
+        )
         assert servers.connection("faults").opened == 3
 
 

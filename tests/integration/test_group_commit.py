@@ -34,8 +34,7 @@ from dsh_mesh.logstore import SqliteLogStore
 from dsh_mesh.registry import Etcd, EtcdConfig, EtcdSessionStore, Keys, LeaseConfig, LeaseKeeper
 from dsh_mesh.registry._group_commit import BATCH_ENTRIES
 from dsh_mesh.runtime import Acceptance, IdempotencyKey
-from dsh_mesh.testing import EtcdAddress
-from tests.integration.test_registry import ProbedLog
+from dsh_mesh.testing import EtcdAddress, FaultyLogStore
 
 SESSION = SessionId("s-group")
 
@@ -47,7 +46,7 @@ class Bed:
     etcd: Etcd
     keys: Keys
     log_path: Path
-    log: ProbedLog
+    log: FaultyLogStore
     sessions: EtcdSessionStore
     activation: Activation
 
@@ -59,7 +58,7 @@ async def bed(etcd: EtcdAddress, tmp_path: Path) -> AsyncIterator[Bed]:
         lease = LeaseKeeper(client, LeaseConfig())
         await lease.grant()
         keys = Keys(f"/gc-{secrets.token_hex(4)}/".encode())
-        log = ProbedLog(db)
+        log = FaultyLogStore(db)
         sessions = EtcdSessionStore(client, keys, log=log, lease=lambda: lease.lease_id)
         await sessions.create_header(
             SessionHeader(
@@ -84,11 +83,11 @@ def prompt(n: int) -> HumanPromptEntry:
 
 async def test_concurrent_appends_share_transactions_and_keep_their_order(bed: Bed) -> None:
     sessions, activation = bed.sessions, bed.activation
-    requests, appends = (bed.etcd.txns, bed.etcd.reads), bed.log.calls["append"]
+    requests, appends = (bed.etcd.txns, bed.etcd.reads), bed.log.faults.calls["append"]
     results = await asyncio.gather(
         *(sessions.append(SESSION, prompt(n), writer=activation.activation_id) for n in range(100))
     )
-    used = bed.log.calls["append"] - appends
+    used = bed.log.faults.calls["append"] - appends
     assert [record.seq for record, _ in results] == list(range(1, 101))  # arrival order
     # All 100 wait while the first commit starts: full batches, one log transaction each.
     assert used == math.ceil(100 / BATCH_ENTRIES), f"{used} transactions for 100 appends"
@@ -147,7 +146,7 @@ async def test_a_retry_whose_key_was_used_for_another_request_is_refused_alone(
         )
 
     await sessions.append(SESSION, prompt(0), writer=writer, idempotency=(key, asked("f")))
-    appends = bed.log.calls["append"]
+    appends = bed.log.faults.calls["append"]
     one, conflicting, two = await asyncio.gather(
         sessions.append(SESSION, prompt(1), writer=writer),
         sessions.append(SESSION, prompt(9), writer=writer, idempotency=(key, asked("other"))),
@@ -157,7 +156,7 @@ async def test_a_retry_whose_key_was_used_for_another_request_is_refused_alone(
     assert isinstance(conflicting, IdempotencyConflict), conflicting
     assert not isinstance(one, BaseException) and not isinstance(two, BaseException)
     assert (one[0].seq, two[0].seq) == (2, 3)
-    assert bed.log.calls["append"] == appends + 1 + 3  # the batch, then each on its own
+    assert bed.log.faults.calls["append"] == appends + 1 + 3  # the batch, then each on its own
     stored = await sessions.read(SESSION)
     assert [r.entry for r in stored] == [prompt(0), prompt(1), prompt(2)]
 
@@ -173,7 +172,7 @@ async def test_a_second_decision_on_a_request_is_refused_alone(bed: Bed) -> None
     first = mesh_denial(request, "the turn was cancelled")
     await sessions.append(SESSION, request, writer=writer)
     await sessions.append(SESSION, first, writer=writer)
-    appends = bed.log.calls["append"]
+    appends = bed.log.faults.calls["append"]
     one, second, two = await asyncio.gather(
         sessions.append(SESSION, prompt(1), writer=writer),
         sessions.append(SESSION, mesh_denial(request, EXPIRED_APPROVAL_REASON), writer=writer),
@@ -183,7 +182,7 @@ async def test_a_second_decision_on_a_request_is_refused_alone(bed: Bed) -> None
     assert isinstance(second, ApprovalStale), second
     assert not isinstance(one, BaseException) and not isinstance(two, BaseException)
     assert (one[0].seq, two[0].seq) == (3, 4)
-    assert bed.log.calls["append"] == appends + 1 + 3  # the batch, then each on its own
+    assert bed.log.faults.calls["append"] == appends + 1 + 3  # the batch, then each on its own
     stored = await sessions.read(SESSION)
     assert [r.entry for r in stored] == [request, first, prompt(1), prompt(2)]
 
@@ -191,13 +190,13 @@ async def test_a_second_decision_on_a_request_is_refused_alone(bed: Bed) -> None
 async def test_a_fenced_batch_writes_nothing_and_fails_every_caller(bed: Bed) -> None:
     sessions, activation = bed.sessions, bed.activation
     await sessions.release(activation)
-    appends = bed.log.calls["append"]
+    appends = bed.log.faults.calls["append"]
     outcomes = await asyncio.gather(
         *(sessions.append(SESSION, prompt(n), writer=activation.activation_id) for n in range(10)),
         return_exceptions=True,
     )
     assert all(isinstance(o, ActivationFenced) for o in outcomes), outcomes
-    assert bed.log.calls["append"] == appends  # refused in etcd: the key is gone
+    assert bed.log.faults.calls["append"] == appends  # refused in etcd: the key is gone
     assert await sessions.read(SESSION) == []
 
 
@@ -217,7 +216,7 @@ async def test_a_batch_of_a_zombie_is_refused_whole_by_the_log_store(bed: Bed) -
         )
         assert (await successor.try_resume(new)).current == new
 
-        requests, appends = (bed.etcd.txns, bed.etcd.reads), bed.log.calls["append"]
+        requests, appends = (bed.etcd.txns, bed.etcd.reads), bed.log.faults.calls["append"]
         outcomes = await asyncio.gather(
             *(
                 sessions.append(SESSION, prompt(n), writer=activation.activation_id)
@@ -226,7 +225,7 @@ async def test_a_batch_of_a_zombie_is_refused_whole_by_the_log_store(bed: Bed) -
             return_exceptions=True,
         )
         assert all(isinstance(o, ActivationFenced) for o in outcomes), outcomes
-        assert bed.log.calls["append"] == appends + 1
+        assert bed.log.faults.calls["append"] == appends + 1
         assert (bed.etcd.txns, bed.etcd.reads) == requests
         assert [r.entry for r in await successor.read(SESSION)] == [prompt(0)]
         await successor.aclose()

@@ -38,9 +38,8 @@ from dsh_mesh.registry import (
     LeaseKeeper,
 )
 from dsh_mesh.runtime import ContinuationManager, ManagerConfig
-from dsh_mesh.testing import EtcdAddress
+from dsh_mesh.testing import EtcdAddress, FaultyLogStore
 from dsh_mesh.tools import Preset
-from tests.integration.test_registry import ProbedLog
 
 WARM_SENDS = 25
 WAIT = 10.0
@@ -64,7 +63,7 @@ async def test_a_warm_send_to_a_resident_child_costs_one_log_append_and_no_etcd_
         keeper = LeaseKeeper(client, LeaseConfig(ttl=timedelta(seconds=5)))
         await keeper.grant()
         directory = Directory(client, keys)
-        log = ProbedLog(sqlite)
+        log = FaultyLogStore(sqlite)
         store = EtcdSessionStore(
             client, keys, log=log, lease=lambda: keeper.lease_id, directory=directory
         )
@@ -105,7 +104,7 @@ async def test_a_warm_send_to_a_resident_child_costs_one_log_append_and_no_etcd_
                     assert directory.synced  # else the store would fall back to etcd reads
 
                     reads, txns = client.reads, client.txns
-                    calls = dict(log.calls)
+                    calls = dict(log.faults.calls)
                     seqs = []
                     for i in range(1, WARM_SENDS + 1):
                         delivery = await manager.send_message(
@@ -115,7 +114,7 @@ async def test_a_warm_send_to_a_resident_child_costs_one_log_append_and_no_etcd_
                         seqs.append(delivery.accepted_seq)
                         assert client.reads == reads, f"warm send {i} read etcd"
                         assert client.txns == txns, f"warm send {i} sent an etcd transaction"
-                        assert log.calls == {**calls, "append": calls["append"] + i}, (
+                        assert log.faults.calls == {**calls, "append": calls["append"] + i}, (
                             f"warm send {i}: not one log-store append and nothing else"
                         )
                     assert seqs == list(

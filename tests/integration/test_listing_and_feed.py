@@ -21,11 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
 from collections.abc import AsyncGenerator, AsyncIterator, Collection, Sequence
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -33,184 +30,32 @@ import pytest
 
 from dsh_mesh.core import (
     Activation,
-    ActivationId,
-    Entry,
-    HumanPromptEntry,
     InvalidArgument,
-    NodeId,
-    Record,
-    RegistryUnavailable,
-    SessionHeader,
     SessionId,
-    SessionKind,
-    SessionSpec,
     SessionUnknown,
 )
 from dsh_mesh.logstore import MemoryLogStore, SqliteLogStore
 from dsh_mesh.registry import (
-    Etcd,
-    EtcdConfig,
-    EtcdSessionStore,
     FeedEvent,
-    Keys,
-    LeaseConfig,
-    LeaseKeeper,
-    RegistryReads,
     _reads,
 )
-from dsh_mesh.registry._reads import MAX_POSITION, Listing
-from dsh_mesh.runtime import (
-    DEFAULT_PAGE,
-    Acceptance,
-    IdempotencyKey,
-    Logged,
-    LogStore,
-    Write,
-    Written,
-)
+from dsh_mesh.registry._reads import MAX_POSITION
 from dsh_mesh.testing import EtcdAddress
+from tests.integration.conftest import (
+    Mesh,
+    every_page,
+    ids,
+    listed,
+    of_session,
+    opened,
+    prompt,
+)
 
 WAIT = 10.0
 """Upper bound of any wait in this module."""
-POLL = timedelta(seconds=0.05)
-"""How often this module's feeds poll the log store."""
 
 
 # -- helpers ------------------------------------------------------------------------------------
-
-
-class HeldLog:
-    """A log store that can hold one session's appends after they are written (before the
-    writer goes on), so a test can act in between; otherwise it only passes calls on."""
-
-    def __init__(self, inner: LogStore) -> None:
-        self.inner = inner
-        self.hold: SessionId | None = None
-        self.reached = asyncio.Event()
-        """Set once an append of ``hold`` is written and held."""
-        self.gate = asyncio.Event()
-        """Set to let the held append return."""
-        self.condition = inner.condition
-
-    async def raise_fence(self, session: SessionId, fence: int) -> int:
-        return await self.inner.raise_fence(session, fence)
-
-    async def append(
-        self, session: SessionId, writes: Sequence[Write], *, fence: int, unfenced: bool = False
-    ) -> list[Written]:
-        written = await self.inner.append(session, writes, fence=fence, unfenced=unfenced)
-        if session == self.hold:
-            self.reached.set()
-            await self.gate.wait()
-        return written
-
-    async def read(
-        self, session: SessionId, *, after_seq: int = 0, limit: int = DEFAULT_PAGE
-    ) -> list[Record]:
-        return await self.inner.read(session, after_seq=after_seq, limit=limit)
-
-    async def horizon(self) -> int:
-        return await self.inner.horizon()
-
-    async def since(
-        self, sessions: Collection[SessionId], *, after: int, upto: int, limit: int = DEFAULT_PAGE
-    ) -> list[Logged]:
-        return await self.inner.since(sessions, after=after, upto=upto, limit=limit)
-
-    async def lookup(self, key: IdempotencyKey) -> Acceptance | None:
-        return await self.inner.lookup(key)
-
-    async def last(self, session: SessionId) -> Record | None:
-        return await self.inner.last(session)
-
-    async def last_compaction(self, session: SessionId) -> Record | None:
-        return await self.inner.last_compaction(session)
-
-    async def pending_approvals(
-        self, sessions: Collection[SessionId]
-    ) -> list[tuple[SessionId, Record]]:
-        return await self.inner.pending_approvals(sessions)
-
-    async def stranded_approvals(
-        self, now: datetime, *, limit: int
-    ) -> list[tuple[SessionId, Record, bool]]:
-        return await self.inner.stranded_approvals(now, limit=limit)
-
-    async def delete(self, session: SessionId, fence: int) -> None:
-        await self.inner.delete(session, fence)
-
-    async def expire_keys(self, before: datetime) -> int:
-        return await self.inner.expire_keys(before)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-
-@dataclass
-class Mesh:
-    etcd: Etcd
-    keys: Keys
-    log: HeldLog
-    store: EtcdSessionStore
-    reads: RegistryReads
-
-    async def root(self, name: str) -> SessionId:
-        session = SessionId(name)
-        await self.store.create_header(
-            SessionHeader(session_id=session, kind=SessionKind.ROOT, parent_session=None, spec=SPEC)
-        )
-        return session
-
-    async def child(self, name: str, parent: SessionId, entries: Sequence[Entry] = ()) -> SessionId:
-        session = SessionId(name)
-        await self.store.create_header(
-            SessionHeader(
-                session_id=session,
-                kind=SessionKind.CONTINUABLE_CHILD,
-                parent_session=parent,
-                spec=SPEC,
-            ),
-            entries,
-        )
-        return session
-
-    async def activate(self, session: SessionId) -> Activation:
-        activation = Activation(
-            session_id=session, activation_id=ActivationId(f"a-{session}"), node_id=NODE
-        )
-        assert await self.store.try_activate(activation) == activation
-        return activation
-
-    async def append(self, activation: Activation, text: str) -> Record:
-        record, _ = await self.store.append(
-            activation.session_id, prompt(text), writer=activation.activation_id
-        )
-        return record
-
-    def reads_polling(self, every: timedelta) -> RegistryReads:
-        return RegistryReads(self.etcd, self.keys, self.log, poll=every)
-
-
-SPEC = SessionSpec(preset="p", model="m")
-NODE = NodeId("n-1")
-
-
-@asynccontextmanager
-async def opened(endpoint: str, log: LogStore) -> AsyncIterator[Mesh]:
-    """A client, a lease, a store and the reads over ``log`` (the caller's to close), under a
-    key prefix of their own (with no session in it yet)."""
-    async with Etcd(EtcdConfig(endpoint=endpoint, call_timeout=timedelta(seconds=3))) as etcd:
-        lease = LeaseKeeper(etcd, LeaseConfig())
-        await lease.grant()
-        held = HeldLog(log)
-        keys = Keys(f"/lf-{secrets.token_hex(4)}/".encode())
-        store = EtcdSessionStore(etcd, keys, log=held, lease=lambda: lease.lease_id)
-        try:
-            yield Mesh(etcd, keys, held, store, RegistryReads(etcd, keys, held, poll=POLL))
-        finally:
-            await store.aclose()
-            with contextlib.suppress(RegistryUnavailable):
-                await lease.revoke()
 
 
 @pytest.fixture
@@ -234,38 +79,6 @@ async def fed(
             opened(etcd.endpoint, log) as made,
         ):
             yield made
-
-
-def prompt(text: str) -> HumanPromptEntry:
-    return HumanPromptEntry(content=text)
-
-
-async def every_page(
-    reads: RegistryReads, *, root: SessionId | None, limit: int, resident_only: bool = False
-) -> list[Listing]:
-    """The pages of a listing, from the first until one has no next token."""
-    pages: list[Listing] = []
-    token = ""
-    async with asyncio.timeout(WAIT):
-        while True:
-            page = await reads.listing(
-                root=root, after=token, limit=limit, resident_only=resident_only
-            )
-            pages.append(page)
-            if not page.next_token:
-                return pages
-            assert len(pages) < 100, "the listing never ends"
-            token = page.next_token
-
-
-def ids(pages: Sequence[Listing]) -> list[SessionId]:
-    return [header.session_id for page in pages for header in page.headers]
-
-
-async def listed(
-    reads: RegistryReads, *, root: SessionId | None, limit: int = 2, resident_only: bool = False
-) -> list[SessionId]:
-    return ids(await every_page(reads, root=root, limit=limit, resident_only=resident_only))
 
 
 async def next_event(feed: AsyncIterator[FeedEvent]) -> FeedEvent:
@@ -529,24 +342,25 @@ async def test_a_tree_feed_yields_a_childs_first_record_even_when_it_polls_durin
     creating: asyncio.Task[SessionId] | None = None
     try:
         assert (await next_event(feed)).activated == held
-        fed.log.hold = SessionId("c")  # the creation's entries are written; it has not returned
+        # The creation's entries are written; it has not returned.
+        creation = fed.log.faults.hold("append", landed=True, when=of_session("c"), times=None)
         creating = asyncio.create_task(fed.child("c", root, [prompt("task of c")]))
         async with asyncio.timeout(WAIT):
-            await fed.log.reached.wait()
+            await creation.reached.wait()
         marker = await fed.append(held, "after the child's task")
         # The child's header came first (ADR 0028), so the feed that polls now, while its
         # creation is still under way, already follows it: its task, then the marker.
         polled = await records(feed, 2)
         assert [e.record for e in polled][1] == marker
         assert seqs(polled) == [(SessionId("c"), 1), (root, 1)]
-        fed.log.gate.set()
+        creation.release.set()
         child = await asyncio.wait_for(creating, WAIT)
         child_held = await fed.activate(child)
         await fed.append(child_held, "c goes on")
         got = await next_record(feed)
         assert seqs([got]) == [(child, 2)], seqs([got])
     finally:
-        fed.log.gate.set()
+        creation.release.set()
         if creating is not None:
             await asyncio.wait_for(creating, WAIT)
         await closed(feed)

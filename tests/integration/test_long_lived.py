@@ -5,19 +5,14 @@ resumed at all past about 4 MiB of transcript."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import secrets
 import time
-import uuid
-
-import grpc
 
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
 from dsh_mesh.core import (
     AssistantStepEntry,
-    Rejected,
     SessionId,
     ToolCall,
     ToolResultEntry,
@@ -28,8 +23,8 @@ from dsh_mesh.core import (
 from dsh_mesh.logstore import PostgresLogStore
 from dsh_mesh.runtime import Write
 from dsh_mesh.testing import EtcdAddress, LocalCluster, MeshReader, PostgresServer, create_root
-from dsh_mesh.transport import error_from_rpc
-from tests.integration.test_registry import until_async
+from tests.integration.conftest import until_async
+from tests.integration.mesh_client import prompt_until_accepted
 
 STEPS = 10_000
 OUTPUT_BYTES = 4096
@@ -63,26 +58,6 @@ async def _seed(dsn: str, session: SessionId, fence: int) -> None:
     async with PostgresLogStore(dsn=dsn) as log:
         for at in range(0, len(writes), BATCH):
             await log.append(session, writes[at : at + BATCH], fence=fence)
-
-
-async def _prompt_until_accepted(cluster: LocalCluster, node: str, session: SessionId) -> None:
-    """Submit a prompt through ``node``, retrying what a failover answers, for at most 60 s."""
-    request = mesh_pb2.SubmitPromptRequest(
-        session_id=session, text="Still there?", idempotency_key=f"long-{uuid.uuid4()}"
-    )
-    deadline = time.monotonic() + 60
-    async with cluster.channel(node) as channel:
-        stub = mesh_pb2_grpc.MeshControlStub(channel)
-        while True:
-            try:
-                await stub.SubmitPrompt(request, metadata=cluster.metadata("tester"), timeout=30)
-                return
-            except grpc.aio.AioRpcError as failure:
-                error = error_from_rpc(failure)
-                if not (isinstance(error, Rejected) and error.retryable):
-                    raise
-                assert time.monotonic() < deadline, f"never accepted: {error}"
-                await asyncio.sleep(0.2)
 
 
 async def _read_back(
@@ -134,7 +109,7 @@ async def test_a_ten_thousand_step_agent_is_resumed_elsewhere_after_its_host_is_
 
             cluster["node-a"].kill()  # mid-turn, ten thousand steps in
             started = time.monotonic()
-            await _prompt_until_accepted(cluster, "node-b", root)
+            await prompt_until_accepted(cluster, "node-b", root)
             resumed_in = time.monotonic() - started
 
             async def answered() -> bool:

@@ -19,12 +19,7 @@ import pytest
 
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2
 from dsh_mesh.core import (
-    AbortSignal,
-    ActivationId,
-    AgentRef,
     ApprovalRequestEntry,
-    SessionId,
-    ToolCall,
     ToolDescriptor,
     ToolResultEntry,
     ToolsUnavailable,
@@ -40,31 +35,20 @@ from dsh_mesh.testing import (
     create_root,
     process_tree,
 )
-from dsh_mesh.tools import CallLimits, Tool, ToolInvocation, ToolOutput, run_limited
+from dsh_mesh.tools import CallLimits, Tool, ToolOutput
+from tests.integration.conftest import call_tool
 from tests.integration.mcp_test_server import Observed, build, build_faulty, serving
-from tests.integration.mesh_client import children_of, live_ref, notices, send_as
-from tests.integration.test_approvals_cluster import (
+from tests.integration.mesh_client import (
+    children_of,
     list_approvals,
+    live_ref,
+    notices,
     resolve_until_accepted,
+    send_as,
     stopped_at_the_call,
 )
 
-CALLER = AgentRef(session_id=SessionId("s-1"), activation_id=ActivationId("a-1"))
 TIME_SERVER = (sys.executable, ("-m", "mcp_server_time", "--local-timezone", "UTC"))
-
-
-def invocation(tool: Tool, call_id: str = "c-1") -> ToolInvocation:
-    return ToolInvocation(
-        caller=CALLER,
-        call=ToolCall(call_id=call_id, name=tool.descriptor.name, arguments_json="{}"),
-        signal=AbortSignal(),
-        step_seq=4,
-        index=0,
-    )
-
-
-async def call(tool: Tool, arguments: dict[str, object], call_id: str = "c-1") -> ToolOutput:
-    return await run_limited(tool, invocation(tool, call_id), arguments, tool.limits)  # type: ignore[attr-defined]
 
 
 @pytest.fixture
@@ -98,26 +82,29 @@ async def test_a_streamable_http_servers_tools_carry_the_key_and_honour_the_limi
         assert sorted(schema["properties"]) == ["beats", "seconds"]
 
         # The idempotency key travels in _meta.
-        output = await call(tools["docs__whoami"], {})
+        output = await call_tool(tools["docs__whoami"], {})
         assert output == ToolOutput(content="4.0.c-1") and observed.keys == ["4.0.c-1"]
 
         # 0.9 s of work with progress every 0.1 s: never idle 0.5 s, within the 3 s limit.
-        assert (await call(tools["docs__slow"], {"seconds": 0.9, "beats": 9})).content == (
+        assert (await call_tool(tools["docs__slow"], {"seconds": 0.9, "beats": 9})).content == (
             "slow done"
         )
         # The same without progress: idle past 0.5 s.
-        silent = await call(tools["docs__slow"], {"seconds": 0.9, "beats": 1})
+        silent = await call_tool(tools["docs__slow"], {"seconds": 0.9, "beats": 1})
         assert silent.is_error and "no progress for 0.5 s" in silent.content
 
         # Past its limit (here the idle one): answered, and the server's handler cancelled.
-        stuck = await call(tools["docs__forever"], {})
+        stuck = await call_tool(tools["docs__forever"], {})
         assert stuck.is_error and stuck.content.startswith("timed out: no progress for 0.5 s")
         await asyncio.wait_for(observed.cancelled.wait(), 5)
 
         # At most max_concurrency calls in flight on the node's one connection.
         observed.most_in_flight = 0
         outputs = await asyncio.gather(
-            *(call(tools["docs__slow"], {"seconds": 0.15, "beats": 3}, f"c-{n}") for n in range(5))
+            *(
+                call_tool(tools["docs__slow"], {"seconds": 0.15, "beats": 3}, f"c-{n}")
+                for n in range(5)
+            )
         )
         assert all(o.content == "slow done" for o in outputs)
         assert observed.most_in_flight == 2
@@ -138,7 +125,7 @@ async def test_a_stdio_server_is_one_process_shared_closed_when_idle_and_on_exit
         await servers.load("mcp:time/get_current_time")
         [tool] = servers.select("mcp:time/get_current_time")
         assert tool.descriptor.name == "time__get_current_time"
-        outputs = await asyncio.gather(*(call(tool, {"timezone": "UTC"}) for _ in range(8)))
+        outputs = await asyncio.gather(*(call_tool(tool, {"timezone": "UTC"}) for _ in range(8)))
         assert all(json.loads(o.content)["timezone"] == "UTC" for o in outputs)
         servers_running = [c for c in descendants(os.getpid()).values() if "mcp_server_time" in c]
         assert len(servers_running) == 2  # the reaper and the one server it started
@@ -147,7 +134,7 @@ async def test_a_stdio_server_is_one_process_shared_closed_when_idle_and_on_exit
             while connection.is_open:  # noqa: ASYNC110 (idle for 1 s: closed; no event to await)
                 await asyncio.sleep(0.1)
         assert not [c for c in descendants(os.getpid()).values() if "mcp_server_time" in c]
-        assert not json.loads((await call(tool, {"timezone": "UTC"})).content).get("error")
+        assert not json.loads((await call_tool(tool, {"timezone": "UTC"})).content).get("error")
         assert connection.opened == 2  # opened again by the next call
     assert not [c for c in descendants(os.getpid()).values() if "mcp_server_time" in c]
 
@@ -361,7 +348,7 @@ async def test_cancelling_a_running_call_cancels_it_on_the_server(
     async with McpServers([McpServerConfig(name="docs", url=url)]) as servers:
         await servers.load("mcp:docs/forever")
         [forever] = servers.select("mcp:docs/forever")
-        running = asyncio.create_task(call(forever, {}))
+        running = asyncio.create_task(call_tool(forever, {}))
         await asyncio.wait_for(observed.forever_started.wait(), 5)  # on the server now
         assert not running.done() and not observed.cancelled.is_set()
         running.cancel()
@@ -424,10 +411,10 @@ async def test_a_server_that_dies_mid_call_is_started_again_by_the_next_use(
     async with McpServers([config]) as servers:
         await servers.load("mcp:faulty")
         tools = {t.descriptor.name: t for t in servers.select("mcp:faulty")}
-        died = await call(tools["faulty__die"], {})
+        died = await call_tool(tools["faulty__die"], {})
         assert died.is_error and "may or may not have reached the server" in died.content
         assert "exit" in died.content  # it says the server ended, not only "Connection closed"
-        again = await call(tools["faulty__echo"], {"text": "back"}, "c-2")
+        again = await call_tool(tools["faulty__echo"], {"text": "back"}, "c-2")
         assert again == ToolOutput(content="back")
         assert len(launched(launches)) == 2
         await servers.load("mcp:faulty")  # a new session's listing: the server is back
@@ -470,7 +457,7 @@ async def test_a_server_that_keeps_crashing_is_restarted_with_back_off(
         descriptor = ToolDescriptor.of("faulty__echo", "Echo.", {"type": "object"})
         tool = servers.bind(descriptor)
         assert tool is not None
-        output = await call(tool, {"text": "hi"})
+        output = await call_tool(tool, {"text": "hi"})
         assert output.is_error and "back-off" in output.content
         assert len(launched(launches)) == 2  # no launch during the back-off
     await none_running()
@@ -479,12 +466,12 @@ async def test_a_server_that_keeps_crashing_is_restarted_with_back_off(
 async def huge_then_echo(tools: dict[str, Tool], server: str) -> None:
     """A 50 MB answer is cut to the start of its text (``max_output_chars`` 1000) with a note
     of its size; the next call on the connection is answered."""
-    output = await call(tools[f"{server}__huge"], {"megabytes": 50})
+    output = await call_tool(tools[f"{server}__huge"], {"megabytes": 50})
     assert not output.is_error, output.content
     assert output.content.startswith("x" * 100) and len(output.content) <= 1000
     size = re.search(r"output cut: the server's answer was ([\d,]+) bytes", output.content)
     assert size is not None and int(size[1].replace(",", "")) > 50 * 2**20
-    after = await call(tools[f"{server}__echo"], {"text": "next"}, "c-2")
+    after = await call_tool(tools[f"{server}__echo"], {"text": "next"}, "c-2")
     assert after == ToolOutput(content="next")
 
 
@@ -566,7 +553,7 @@ async def test_a_servers_stderr_is_kept_in_a_bounded_buffer(
     async with McpServers([config]) as servers:
         await servers.load("mcp:faulty/spew")
         [spew] = servers.select("mcp:faulty/spew")
-        assert (await call(spew, {"kilobytes": 2048})).content == "spewed"
+        assert (await call_tool(spew, {"kilobytes": 2048})).content == "spewed"
         connection = servers.connection("faulty")
         async with asyncio.timeout(10):
             while not connection.stderr_tail().endswith("the last line spewed\n"):  # noqa: ASYNC110

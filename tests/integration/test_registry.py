@@ -15,8 +15,7 @@ import asyncio
 import contextlib
 import dataclasses
 import secrets
-from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -72,12 +71,10 @@ from dsh_mesh.runtime import (
     DEFAULT_PAGE,
     Acceptance,
     IdempotencyKey,
-    Logged,
     LogStore,
-    Write,
-    Written,
 )
-from dsh_mesh.testing import EtcdAddress, EtcdServer
+from dsh_mesh.testing import EtcdAddress, EtcdServer, FaultyLogStore
+from tests.integration.conftest import until_async
 
 T = TypeVar("T")
 
@@ -152,92 +149,8 @@ def contents(records: Sequence[Record]) -> list[tuple[int, str]]:
     return [(r.seq, getattr(r.entry, "content", "")) for r in records]
 
 
-class ProbedLog:
-    """A log store that counts the calls made to the one it wraps, and lets a test step in:
-    ``before[name]`` runs once just before the next call of that method, ``after[name]`` once
-    just after it returned (either may raise, as a failing store would)."""
-
-    def __init__(self, inner: LogStore) -> None:
-        self.inner = inner
-        self.calls: Counter[str] = Counter()
-        self.before: dict[str, Callable[[], Awaitable[None]]] = {}
-        self.after: dict[str, Callable[[], Awaitable[None]]] = {}
-        self.condition = inner.condition
-
-    async def _probed(self, name: str, call: Callable[[], Awaitable[T]]) -> T:
-        self.calls[name] += 1
-        before = self.before.pop(name, None)
-        if before is not None:
-            await before()
-        result = await call()
-        after = self.after.pop(name, None)
-        if after is not None:
-            await after()
-        return result
-
-    async def raise_fence(self, session: SessionId, fence: int) -> int:
-        return await self._probed("raise_fence", lambda: self.inner.raise_fence(session, fence))
-
-    async def append(
-        self, session: SessionId, writes: Sequence[Write], *, fence: int, unfenced: bool = False
-    ) -> list[Written]:
-        return await self._probed(
-            "append",
-            lambda: self.inner.append(session, writes, fence=fence, unfenced=unfenced),
-        )
-
-    async def read(
-        self, session: SessionId, *, after_seq: int = 0, limit: int = DEFAULT_PAGE
-    ) -> list[Record]:
-        return await self._probed(
-            "read", lambda: self.inner.read(session, after_seq=after_seq, limit=limit)
-        )
-
-    async def horizon(self) -> int:
-        return await self._probed("horizon", self.inner.horizon)
-
-    async def since(
-        self, sessions: Collection[SessionId], *, after: int, upto: int, limit: int = DEFAULT_PAGE
-    ) -> list[Logged]:
-        return await self._probed(
-            "since", lambda: self.inner.since(sessions, after=after, upto=upto, limit=limit)
-        )
-
-    async def lookup(self, key: IdempotencyKey) -> Acceptance | None:
-        return await self._probed("lookup", lambda: self.inner.lookup(key))
-
-    async def last(self, session: SessionId) -> Record | None:
-        return await self._probed("last", lambda: self.inner.last(session))
-
-    async def last_compaction(self, session: SessionId) -> Record | None:
-        return await self._probed("last_compaction", lambda: self.inner.last_compaction(session))
-
-    async def pending_approvals(
-        self, sessions: Collection[SessionId]
-    ) -> list[tuple[SessionId, Record]]:
-        return await self._probed(
-            "pending_approvals", lambda: self.inner.pending_approvals(sessions)
-        )
-
-    async def stranded_approvals(
-        self, now: datetime, *, limit: int
-    ) -> list[tuple[SessionId, Record, bool]]:
-        return await self._probed(
-            "stranded_approvals", lambda: self.inner.stranded_approvals(now, limit=limit)
-        )
-
-    async def delete(self, session: SessionId, fence: int) -> None:
-        await self._probed("delete", lambda: self.inner.delete(session, fence))
-
-    async def expire_keys(self, before: datetime) -> int:
-        return await self._probed("expire_keys", lambda: self.inner.expire_keys(before))
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-
 def failure(what: str) -> Callable[[], Awaitable[None]]:
-    """A step for :attr:`ProbedLog.before`: the log store is unreachable."""
+    """A step before a log store call: the log store is unreachable."""
 
     async def fail() -> None:
         raise RegistryUnavailable(f"the log store is unreachable ({what})")
@@ -263,7 +176,7 @@ class Node:
     name: str
     etcd: Etcd
     keeper: LeaseKeeper
-    log: ProbedLog
+    log: FaultyLogStore
     store: EtcdSessionStore
 
     @property
@@ -296,7 +209,7 @@ async def node(
     async with connected(endpoint) as etcd, SqliteLogStore(log_path) as sqlite:
         keeper = LeaseKeeper(etcd, LeaseConfig(ttl=ttl))
         await keeper.grant()
-        log = ProbedLog(sqlite)
+        log = FaultyLogStore(sqlite)
         store = EtcdSessionStore(
             etcd,
             keys,
@@ -319,15 +232,6 @@ async def until(predicate: Callable[[], bool]) -> None:
     async with asyncio.timeout(WAIT):
         while True:
             if predicate():
-                return
-            await asyncio.sleep(POLL)
-
-
-async def until_async(predicate: Callable[[], Awaitable[bool]]) -> None:
-    """The same for a predicate that reads etcd."""
-    async with asyncio.timeout(WAIT):
-        while True:
-            if await predicate():
                 return
             await asyncio.sleep(POLL)
 
@@ -611,7 +515,7 @@ async def test_a_known_idempotency_key_returns_the_first_acceptance_and_writes_n
     )
 
     await node_a.store.append(session, prompt("something else"), writer=writer)
-    requests, appends = (node_a.etcd.txns, node_a.etcd.reads), node_a.log.calls["append"]
+    requests, appends = (node_a.etcd.txns, node_a.etcd.reads), node_a.log.faults.calls["append"]
     again, known = await node_a.store.append(
         session, message("s-parent", "once"), writer=writer, idempotency=(key, asked)
     )
@@ -619,7 +523,9 @@ async def test_a_known_idempotency_key_returns_the_first_acceptance_and_writes_n
     # The log store answers the known key in the append itself (it writes nothing): no etcd
     # request, no lookup first.
     assert (node_a.etcd.txns, node_a.etcd.reads) == requests
-    assert node_a.log.calls["append"] == appends + 1 and node_a.log.calls["lookup"] == 0
+    assert (
+        node_a.log.faults.calls["append"] == appends + 1 and node_a.log.faults.calls["lookup"] == 0
+    )
     # The same from another node, which has nothing cached: one etcd read, for the writer's
     # fence.
     requests = (node_b.etcd.txns, node_b.etcd.reads)
@@ -696,10 +602,10 @@ async def test_try_resume_wins_raises_the_fence_reads_and_then_appends_with_no_e
     assert await stored_activation(node_a.etcd, keys, session) == (mine, node_a.lease)
 
     # A held session: the holder comes back, and nothing is read, raised or written.
-    calls = dict(node_b.log.calls)
+    calls = dict(node_b.log.faults.calls)
     lost = await node_b.store.try_resume(node_b.activation(session))
     assert lost.current == mine and lost.records == () and lost.known is None
-    assert node_b.log.calls == calls
+    assert node_b.log.faults.calls == calls
     with pytest.raises(SessionUnknown):
         await node_b.store.try_resume(node_b.activation(SessionId("s-nobody")))
 
@@ -716,7 +622,7 @@ async def test_a_resume_whose_log_store_fails_after_the_win_releases_the_activat
         held_at_failure.append((await stored_activation(node_b.etcd, keys, session))[0])
         await failure(failing)()
 
-    node_a.log.before[failing] = fail_once_won
+    node_a.log.faults.before(failing, lambda call: fail_once_won())
     mine = node_a.activation(session)
     with pytest.raises(RegistryUnavailable):
         await node_a.store.try_resume(mine)
@@ -827,11 +733,11 @@ async def test_read_after_seq_pages_through_the_transcript(node_a: Node, node_b:
     await asyncio.gather(
         *(node_a.store.append(session, prompt(f"n{i}"), writer=writer) for i in range(DEFAULT_PAGE))
     )
-    reads = node_b.log.calls["read"]
+    reads = node_b.log.faults.calls["read"]
     whole = await node_b.store.read(session)
     assert [r.seq for r in whole] == list(range(1, DEFAULT_PAGE + 8))
     assert whole[:7] == everything
-    assert node_b.log.calls["read"] == reads + 2
+    assert node_b.log.faults.calls["read"] == reads + 2
 
 
 async def test_an_entry_larger_than_the_stores_limit_is_refused_before_anything_is_written(
@@ -851,7 +757,7 @@ async def test_an_entry_larger_than_the_stores_limit_is_refused_before_anything_
     )
     assert record.seq == 2
 
-    requests, log_calls = (node_a.etcd.txns, node_a.etcd.reads), dict(node_a.log.calls)
+    requests, log_calls = (node_a.etcd.txns, node_a.etcd.reads), dict(node_a.log.faults.calls)
     for too_big in (
         prompt("y" * MAX_ENTRY_BYTES),
         # 256 Ki characters, each escaped to 6 bytes: within a message's character limit,
@@ -861,7 +767,7 @@ async def test_an_entry_larger_than_the_stores_limit_is_refused_before_anything_
         with pytest.raises(InvalidArgument, match="limit"):
             await node_a.store.append(session, too_big, writer=writer)
     assert (node_a.etcd.txns, node_a.etcd.reads) == requests, "refused before any etcd request"
-    assert node_a.log.calls == log_calls, "an oversized entry must never reach the log store"
+    assert node_a.log.faults.calls == log_calls, "an oversized entry must never reach the log store"
     assert [r.seq for r in await node_a.store.read(session)] == [1, 2]
 
     # The limit is the store's: etcd's request limit no longer bounds an entry (none goes
@@ -878,7 +784,7 @@ async def test_an_entry_larger_than_the_stores_limit_is_refused_before_anything_
     async with node(etcd.endpoint, keys, "node-strict", log_path, max_entry_bytes=1024) as strict:
         with pytest.raises(InvalidArgument):
             await strict.store.append(session, prompt("w" * 1024), writer=writer)
-        assert strict.log.calls["append"] == 0
+        assert strict.log.faults.calls["append"] == 0
         record, _ = await strict.store.append(session, prompt("w" * 900), writer=writer)
         assert record.seq == 4
     with pytest.raises(ValueError, match="positive"):
@@ -1003,14 +909,14 @@ async def test_a_zombie_with_a_cached_fence_is_refused_by_the_log_store_after_it
     assert new_fence > old_fence
     assert await fence_of(node_b.log, session) == new_fence
 
-    requests, appends = (node_a.etcd.txns, node_a.etcd.reads), node_a.log.calls["append"]
+    requests, appends = (node_a.etcd.txns, node_a.etcd.reads), node_a.log.faults.calls["append"]
     outcomes = await asyncio.gather(  # one group commit: one refused log-store transaction
         *(node_a.store.append(session, prompt(f"a{n}"), writer=old.activation_id) for n in (2, 3)),
         return_exceptions=True,
     )
     assert all(isinstance(o, ActivationFenced) for o in outcomes), outcomes
     assert (node_a.etcd.txns, node_a.etcd.reads) == requests  # node a never asked etcd
-    assert node_a.log.calls["append"] == appends + 1  # the log store refused the batch
+    assert node_a.log.faults.calls["append"] == appends + 1  # the log store refused the batch
 
     record, _ = await node_b.store.append(session, prompt("b1"), writer=new.activation_id)
     assert record.seq == 3
@@ -1034,13 +940,13 @@ async def test_an_unfenced_write_is_refused_once_an_activation_raised_the_fence_
         assert await node_b.store.try_activate(won) == won
 
     # Between node a's etcd read (no activation at R) and its log-store write, node b wins.
-    node_a.log.before["append"] = activated_meanwhile
-    txns, appends = node_a.etcd.txns, node_a.log.calls["append"]
+    node_a.log.faults.before("append", lambda call: activated_meanwhile())
+    txns, appends = node_a.etcd.txns, node_a.log.faults.calls["append"]
     with pytest.raises(ActivationFenced):
         await node_a.store.append(session, message("s-parent", "late"), writer=None)
     # The one read (header and activation together) that found no activation.
     assert node_a.etcd.txns == txns + 1
-    assert node_a.log.calls["append"] == appends + 1  # refused by the log store's fence
+    assert node_a.log.faults.calls["append"] == appends + 1  # refused by the log store's fence
     assert await fence_of(node_a.log, session) == await create_revision(node_a.etcd, keys, session)
 
     # Looking again, the writer finds the new activation (and would deliver to it).
@@ -1076,7 +982,7 @@ async def test_a_creation_cut_after_its_task_is_invisible_and_a_replay_completes
     header, task = root_header(session), TaskEntry(content="Do it.")
     await cut_after_its_task(node_a, header, [task])
     # The task was written first, durably, under its creation keys ...
-    assert node_a.log.calls["append"] == 1
+    assert node_a.log.faults.calls["append"] == 1
     assert contents(await node_b.log.read(session)) == [(1, "Do it.")]
     # ... and is invisible: no header, no listing or tree-index key, nothing to activate or
     # deliver to.
@@ -1127,13 +1033,11 @@ async def test_a_creation_that_loses_the_session_to_another_request_leaves_nothi
 
     # Node a has read that no header exists; node b's request then creates the session whole,
     # before node a's task (another task) or after it (the same task, so its keys match).
-    if same_task:
-        node_a.log.after["append"] = theirs_first
-    else:
-        node_a.log.before["append"] = theirs_first
+    plan = node_a.log.faults.after if same_task else node_a.log.faults.before
+    other_request = plan("append", lambda call: theirs_first())
     with pytest.raises(SessionExists):
         await node_a.store.create_header(mine, [my_task])
-    assert (node_a.log.before, node_a.log.after) == ({}, {})  # the other request did run
+    assert other_request.spent  # the other request did run
     header = await node_a.store.get_header(session)
     assert header is not None and header.spec == theirs.spec
     assert await node_a.store.read(session) == [Record(seq=1, entry=their_task)]

@@ -27,8 +27,7 @@ from dsh_mesh.logstore import SqliteLogStore, open_log_store
 from dsh_mesh.registry import Etcd, EtcdConfig, EtcdSessionStore, Keys, Retention
 from dsh_mesh.runtime import Acceptance, IdempotencyKey, Write
 from dsh_mesh.testing import EtcdAddress, LocalCluster
-from tests.integration.test_listing_and_feed import Mesh, listed, opened, prompt
-from tests.integration.test_registry import until_async
+from tests.integration.conftest import Mesh, listed, opened, prompt, until_async
 
 LATER = datetime.now(UTC) + timedelta(days=40)
 """A prune's "now", 40 days on: everything made by a test is older than 30 days then."""

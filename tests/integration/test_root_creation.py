@@ -30,9 +30,8 @@ from dsh_mesh.core import (
 )
 from dsh_mesh.logstore import SqliteLogStore
 from dsh_mesh.registry import Etcd, EtcdConfig, EtcdSessionStore, Keys, LeaseConfig, LeaseKeeper
-from dsh_mesh.testing import EtcdAddress
-from tests.integration.test_registry import ProbedLog
-from tests.unit.test_root_creation import created_whole, root_header
+from dsh_mesh.testing import EtcdAddress, FaultyLogStore
+from tests.conftest import created_whole, root_header
 
 SESSION = SessionId("s-whole")
 
@@ -44,7 +43,7 @@ class Node:
 
     etcd: Etcd
     keys: Keys
-    log: ProbedLog
+    log: FaultyLogStore
     store: EtcdSessionStore
     lease: LeaseKeeper
 
@@ -52,7 +51,7 @@ class Node:
 async def opened(client: Etcd, keys: Keys, log: SqliteLogStore) -> Node:
     lease = LeaseKeeper(client, LeaseConfig())
     await lease.grant()
-    probed = ProbedLog(log)
+    probed = FaultyLogStore(log)
     store = EtcdSessionStore(client, keys, log=probed, lease=lambda: lease.lease_id)
     return Node(client, keys, probed, store, lease)
 
@@ -92,7 +91,7 @@ async def test_a_roots_task_goes_first_then_its_header_in_one_etcd_transaction(
     # One read (no header yet, at the revision the task is written under), one transaction
     # (the header and its index keys), and one log-store append (the task).
     assert (a.etcd.txns - txns, a.etcd.reads - reads) == (1, 1)
-    assert a.log.calls["append"] == 1
+    assert a.log.faults.calls["append"] == 1
     assert await b.log.read(SESSION) == [Record(seq=1, entry=task)]  # seq 1 is the task
     assert await b.store.read(SESSION) == [Record(seq=1, entry=task)]  # another node sees it
     activation = Activation(
@@ -137,12 +136,12 @@ async def test_a_task_too_large_to_store_refuses_the_creation_whole(
         Etcd(EtcdConfig(endpoint=etcd.endpoint)) as client,
         SqliteLogStore(tmp_path / "log.sqlite") as sqlite,
     ):
-        log = ProbedLog(sqlite)
+        log = FaultyLogStore(sqlite)
         store = EtcdSessionStore(client, keys, log=log, lease=lambda: 0, max_entry_bytes=64)
         txns = client.txns
         with pytest.raises(InvalidArgument):
             await store.create_header(root_header(SESSION), [TaskEntry(content="x" * 64)])
         assert client.txns == txns  # refused before anything was written: not in etcd
-        assert log.calls["append"] == 0  # nor in the log store
+        assert log.faults.calls["append"] == 0  # nor in the log store
         assert await client.get(keys.header(SESSION)) is None
         assert await log.read(SESSION) == []

@@ -46,8 +46,8 @@ from dsh_mesh.testing import (
     create_root,
 )
 from dsh_mesh.transport import TlsCredentials, error_from_rpc, secure_channel, status_of
+from tests.integration.cli_process import Cli
 from tests.integration.mesh_client import children_of, live_ref
-from tests.integration.test_cli import Cli
 
 FAST = ClientOptions(call_timeout=timedelta(seconds=10))
 

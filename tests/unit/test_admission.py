@@ -25,9 +25,8 @@ from dsh_mesh.core import (
 )
 from dsh_mesh.models import Reply
 from dsh_mesh.runtime._admission import AdmissionLedger, Reservation
-from dsh_mesh.testing import InProcessMesh, in_process_mesh
+from dsh_mesh.testing import FaultySessionStore, InProcessMesh, in_process_mesh, writing
 from tests.unit.conftest import presets
-from tests.unit.test_agent_loop import HoldingStore
 
 T = SessionId("s-9")
 
@@ -265,7 +264,8 @@ async def test_nothing_the_manager_started_runs_after_its_shutdown() -> None:
     """A running turn, a send held mid-acceptance (detached work) and an idle agent: after
     ``shutdown()`` and the end of the block, no task the manager started is left."""
     before = asyncio.all_tasks()
-    store = HoldingStore(HumanPromptEntry)
+    store = FaultySessionStore()
+    held = store.faults.hold("append", when=writing(HumanPromptEntry))
     async with in_process_mesh(presets(), store=store) as mesh:
         manager = mesh.manager
         mesh.scripted.program("lead", Reply(text="working", gate=asyncio.Event()))
@@ -274,7 +274,7 @@ async def test_nothing_the_manager_started_runs_after_its_shutdown() -> None:
         sending = asyncio.create_task(
             manager.submit_prompt(root.session_id, "more", idempotency_key="k")
         )
-        await store.holding.wait()  # the acceptance is under way, detached
+        await held.reached.wait()  # the acceptance is under way, detached
         assert manager.detached_work >= 1
         manager.shutdown()
         manager.shutdown()  # idempotent

@@ -11,7 +11,6 @@ from dsh_mesh.core import (
     AgentMessageEntry,
     ConsumedEntry,
     DeliveryKind,
-    Entry,
     HumanPromptEntry,
     Record,
     Role,
@@ -23,8 +22,7 @@ from dsh_mesh.core import (
     TurnStartedEntry,
 )
 from dsh_mesh.models import PARENT, Reply, send, tool
-from dsh_mesh.runtime import InMemorySessionStore
-from dsh_mesh.testing import InProcessMesh, in_process_mesh
+from dsh_mesh.testing import FaultySessionStore, InProcessMesh, in_process_mesh, writing
 from tests.unit.conftest import GateTool, drain_loop, of_type, presets
 
 ROOT = SessionId("s-1")
@@ -191,27 +189,12 @@ async def test_interrupt_mid_tool_call_keeps_accepted_messages_and_closes_the_ca
     assert accepted.accepted_seq in consumed  # the accepted message was read, not retracted
 
 
-class HoldingStore(InMemorySessionStore):
-    """Holds the first append of a chosen entry type until the test releases it."""
-
-    def __init__(self, held: type[Entry]) -> None:
-        super().__init__()
-        self._held = held
-        self.holding = asyncio.Event()
-        self.unblock = asyncio.Event()
-
-    async def append(self, session, entry, *, writer, idempotency=None):  # type: ignore[no-untyped-def]
-        if isinstance(entry, self._held) and not self.holding.is_set():
-            self.holding.set()
-            await self.unblock.wait()
-        return await super().append(session, entry, writer=writer, idempotency=idempotency)
-
-
 @pytest.mark.contract(4)
 async def test_target_cannot_settle_between_admission_and_inbox_insertion() -> None:
     """Force the interleaving: a send is admitted (waking counted), its durable append is held,
     and meanwhile the target finishes its only turn with an empty inbox. It must not settle."""
-    store = HoldingStore(AgentMessageEntry)
+    store = FaultySessionStore()
+    held = store.faults.hold("append", when=writing(AgentMessageEntry))
     finish = asyncio.Event()
     async with in_process_mesh(presets(), store=store) as mesh:
         mesh.scripted.program("lead", tool("spawn_agent", task="t", preset="helper"))
@@ -224,14 +207,14 @@ async def test_target_cannot_settle_between_admission_and_inbox_insertion() -> N
         activation = child.activation.activation_id
 
         send = asyncio.create_task(mesh.manager.send_message(root.ref, CHILD, "late"))
-        await store.holding.wait()
+        await held.reached.wait()
         finish.set()  # the child's turn can now end while the send is in flight
         await drain_loop()
         assert child.state is not AgentState.SETTLED
         current = await store.current_activation(CHILD)
         assert current is not None and current.activation_id == activation
 
-        store.unblock.set()
+        held.release.set()
         delivery = await send
         await mesh.manager.quiescent()
         assert delivery.target_activation == activation

@@ -38,11 +38,16 @@ from dsh_mesh.core import (
     Usage,
 )
 from dsh_mesh.models import PARENT, Call, Reply, send, tool
-from dsh_mesh.runtime import InMemorySessionStore
-from dsh_mesh.testing import InProcessMesh, approval_violations, in_process_mesh
+from dsh_mesh.testing import (
+    FaultySessionStore,
+    InProcessMesh,
+    approval_violations,
+    in_process_mesh,
+    writing,
+)
 from dsh_mesh.tools import ApprovalPolicy, Preset
 from dsh_mesh.tools import tool as tool_decorator
-from tests.unit.test_tool_answers import DyingStore, Programs, _node
+from tests.unit.conftest import DyingHost, Programs, manager_on
 
 ROOT = SessionId("s-1")
 CHILD = SessionId("s-2")
@@ -406,15 +411,16 @@ async def test_a_request_written_just_before_its_host_died_still_waits_and_runs_
     def die_at(session: SessionId, entry: object) -> bool:
         return isinstance(entry, TurnEndedEntry)  # after the request, before the turn's end
 
-    store = DyingStore(die_at)
+    host = DyingHost(die_at)
+    store = host.store
     programs: Programs = {"lead": (tool("deploy", env="prod"), Reply(text="shipped"))}
-    async with _node(store, "node-1", programs, _gated_presets(), tools=(deploy,)) as one:
+    async with manager_on(store, "node-1", programs, _gated_presets(), tools=(deploy,)) as one:
         await one.create_root("Ship it.", preset="lead", session_id=ROOT)
-        await store.reached.wait()
-        store.die()
-    await store.lapse()
-    async with _node(
-        store.for_node_two(), "node-2", programs, _gated_presets(), tools=(deploy,)
+        await host.reached.wait()
+        host.die()
+    await host.lapse()
+    async with manager_on(
+        host.for_node_two(), "node-2", programs, _gated_presets(), tools=(deploy,)
     ) as two:
         await two.resume(ROOT)
         await two.quiescent()
@@ -437,19 +443,20 @@ async def test_an_approved_call_its_host_died_running_is_never_run_twice() -> No
     def die_at(session: SessionId, entry: object) -> bool:
         return isinstance(entry, ToolResultEntry)  # the approved call ran; its result is lost
 
-    store = DyingStore(die_at)
+    host = DyingHost(die_at)
+    store = host.store
     programs: Programs = {"lead": (tool("deploy", env="prod"), Reply(text="shipped"))}
-    async with _node(store, "node-1", programs, _gated_presets(), tools=(deploy,)) as one:
+    async with manager_on(store, "node-1", programs, _gated_presets(), tools=(deploy,)) as one:
         await one.create_root("Ship it.", preset="lead", session_id=ROOT)
         await one.wait_until(lambda: bool(one.agent(ROOT) and one.agent(ROOT).waiting_request()))  # type: ignore[union-attr]
         request = one.agent(ROOT).waiting_request()  # type: ignore[union-attr]
         assert request is not None
         await one.resolve_approval(ROOT, decision(request))
-        await store.reached.wait()
-        store.die()
-    await store.lapse()
-    async with _node(
-        store.for_node_two(), "node-2", programs, _gated_presets(), tools=(deploy,)
+        await host.reached.wait()
+        host.die()
+    await host.lapse()
+    async with manager_on(
+        host.for_node_two(), "node-2", programs, _gated_presets(), tools=(deploy,)
     ) as two:
         await two.resume(ROOT)
         await two.quiescent()
@@ -485,27 +492,13 @@ async def test_stopping_the_subtree_of_a_waiting_child_denies_its_request(
         await team.manager.resolve_approval(CHILD, decision(request))
 
 
-class LostDecisionStore(InMemorySessionStore):
-    """Writes the first decision durably, then loses the answer (an etcd outage cut the call
-    after the transaction applied)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lost = False
-
-    async def append(self, session, entry, *, writer, idempotency=None):  # type: ignore[no-untyped-def]
-        result = await super().append(session, entry, writer=writer, idempotency=idempotency)
-        if isinstance(entry, ApprovalDecisionEntry) and not self.lost:
-            self.lost = True
-            raise RegistryUnavailable("etcd went away before it answered")
-        return result
-
-
 async def test_a_decision_whose_answer_was_lost_is_found_runs_once_and_stands() -> None:
     """The allow landed, its answer was lost: the agent finds it (it is in doubt), reads it
     before the call runs, and a later deny is stale, not a second decision."""
     RAN.clear()
-    store = LostDecisionStore()
+    store = FaultySessionStore()  # the first decision lands, an etcd outage cuts its answer
+    lost = RegistryUnavailable("etcd went away before it answered")
+    store.faults.fail("append", lost, landed=True, when=writing(ApprovalDecisionEntry))
     async with in_process_mesh(approving("deploy"), store=store, tools=(deploy,)) as team:
         team.scripted.program("lead", tool("deploy", env="prod"), Reply(text="shipped"))
         await team.manager.create_root("Ship it.", preset="lead")
@@ -527,36 +520,22 @@ async def test_a_decision_whose_answer_was_lost_is_found_runs_once_and_stands() 
     assert read and read[0].seq < result.seq  # read before the call ran
 
 
-class LostDenialStore(InMemorySessionStore):
-    """Writes the mesh's own denial durably, then loses its answer once (the log store
-    restarted between its commit and the reply)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lost = False
-
-    async def append(self, session, entry, *, writer, idempotency=None):  # type: ignore[no-untyped-def]
-        result = await super().append(session, entry, writer=writer, idempotency=idempotency)
-        if isinstance(entry, ApprovalDecisionEntry) and not self.lost:
-            self.lost = True
-            raise RegistryUnavailable("the log store restarted before it answered")
-        return result
-
-
 async def test_an_expiry_whose_denial_landed_with_its_answer_lost_is_decided_once() -> None:
     """The fault run's "decided again" (seed 5151): the agent's own denial of its expired
     request landed, its answer was lost; the write waited out the outage and, finding no
     record of its own (a decision is an inbound entry), wrote the denial again. The log store
     refuses a second decision; the agent reads the one that landed and goes on."""
     RAN.clear()
-    store = LostDenialStore()
+    store = FaultySessionStore()  # the log store restarts between the denial's commit and reply
+    lost = RegistryUnavailable("the log store restarted before it answered")
+    denial = store.faults.fail("append", lost, landed=True, when=writing(ApprovalDecisionEntry))
     presets = approving("deploy", timeout=timedelta(milliseconds=50))
     async with in_process_mesh(presets, store=store, tools=(deploy,)) as team:
         team.scripted.program("lead", tool("deploy", env="prod"), Reply(text="gave up"))
         await team.manager.create_root("Ship it.", preset="lead")
         await team.manager.wait_until(lambda: _ended(team))
         records = await team.transcript(ROOT)
-    assert store.lost
+    assert denial.spent
     [decided] = entries(records, ApprovalDecisionEntry)
     assert decided.by == MESH_DECIDER and decided.reason == EXPIRED_APPROVAL_REASON
     [result] = entries(records, ToolResultEntry)

@@ -8,6 +8,7 @@ import contextlib
 import itertools
 import json
 from collections.abc import AsyncIterator, Sequence
+from typing import cast
 
 import pytest
 
@@ -43,8 +44,14 @@ from dsh_mesh.models import (
     send,
     tool,
 )
-from dsh_mesh.runtime import InMemorySessionStore
-from dsh_mesh.testing import InProcessMesh, compaction_violations, in_process_mesh
+from dsh_mesh.testing import (
+    FaultySessionStore,
+    InProcessMesh,
+    StoreCall,
+    compaction_violations,
+    in_process_mesh,
+    writing,
+)
 from dsh_mesh.tools import RETURN_INSTRUCTION, ContextPolicy, Preset
 from dsh_mesh.tools import tool as tool_decorator
 from tests.unit.conftest import of_type
@@ -549,32 +556,25 @@ async def test_a_read_whose_step_never_came_is_still_shown_after_a_later_compact
         assert at > 1 and contents[-1] == "Go on."
 
 
-class LostPromptStore(InMemorySessionStore):
+def lost_prompt_store() -> FaultySessionStore:
     """Writes the first human prompt durably and loses the answer (an outage cut the call
     after the write), then fails the next read of a transcript: the boundary that would take
     the prompt in fails too."""
+    store = FaultySessionStore()
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.lost = False
-        self.fail_next_read = False
+    async def lose_it(call: StoreCall) -> None:
+        still_away = RegistryUnavailable("etcd is still away")
+        store.faults.fail(
+            "read", still_away, when=lambda c: cast(int, c.arguments["after_seq"]) > 0
+        )
+        raise RegistryUnavailable("etcd went away before it answered")
 
-    async def append(self, session, entry, *, writer, idempotency=None):  # type: ignore[no-untyped-def]
-        result = await super().append(session, entry, writer=writer, idempotency=idempotency)
-        if isinstance(entry, HumanPromptEntry) and not self.lost:
-            self.lost = self.fail_next_read = True
-            raise RegistryUnavailable("etcd went away before it answered")
-        return result
-
-    async def read(self, session, *, after_seq=0, limit=None):  # type: ignore[no-untyped-def]
-        if self.fail_next_read and after_seq > 0:
-            self.fail_next_read = False
-            raise RegistryUnavailable("etcd is still away")
-        return await super().read(session, after_seq=after_seq, limit=limit)
+    store.faults.after("append", lose_it, when=writing(HumanPromptEntry))
+    return store
 
 
 async def test_a_prompt_that_landed_unheard_is_never_passed_by_a_compaction() -> None:
-    store = LostPromptStore()
+    store = lost_prompt_store()
     async with in_process_mesh(context_presets(policy()), store=store, tools=(read_page,)) as team:
         first = asyncio.Event()
         team.scripted.program(

@@ -24,12 +24,10 @@ from dsh_mesh.core import (
 )
 from dsh_mesh.models import Reply, Stall, tool
 from dsh_mesh.runtime import DEFAULT_TURN_LIMITS, ManagerConfig, NamespaceLimits
-from dsh_mesh.testing import InProcessMesh, in_process_mesh
+from dsh_mesh.testing import FaultySessionStore, InProcessMesh, in_process_mesh, writing
 from dsh_mesh.tools import Preset, TurnLimits
 from dsh_mesh.tools import tool as tool_decorator
-from tests.unit.conftest import of_type, presets
-from tests.unit.test_agent_loop import HoldingStore
-from tests.unit.test_manager import CHILD, ROOT
+from tests.unit.conftest import CHILD, ROOT, of_type, presets
 
 
 async def test_a_send_past_the_inbox_depth_is_refused_until_the_target_reads() -> None:
@@ -67,7 +65,8 @@ async def test_a_send_past_the_inbox_depth_is_refused_until_the_target_reads() -
 
 
 async def test_sends_past_the_in_flight_limit_are_refused_while_the_node_is_busy() -> None:
-    store = HoldingStore(AgentMessageEntry)
+    store = FaultySessionStore()
+    held = store.faults.hold("append", when=writing(AgentMessageEntry))
     config = ManagerConfig(max_inflight_sends=1)
     async with in_process_mesh(presets(), store=store, config=config) as mesh:
         mesh.scripted.program("lead", tool("spawn_agent", task="t", preset="helper"))
@@ -77,14 +76,14 @@ async def test_sends_past_the_in_flight_limit_are_refused_while_the_node_is_busy
         first = asyncio.create_task(
             mesh.manager.send_message(ref, CHILD, "held", idempotency_key="k1")
         )
-        await store.holding.wait()  # the one send this node may handle is in its append
+        await held.reached.wait()  # the one send this node may handle is in its append
 
         with pytest.raises(NodeOverloaded) as busy:
             await mesh.manager.send_message(ref, CHILD, "second", idempotency_key="k2")
         assert busy.value.reason is RejectionReason.NODE_OVERLOADED and busy.value.retryable
         assert busy.value.metadata == {"limit": "inflight_sends"}
 
-        store.unblock.set()
+        held.release.set()
         assert (await first).accepted_seq > 0
         assert not (
             await mesh.manager.send_message(ref, CHILD, "second", idempotency_key="k2")

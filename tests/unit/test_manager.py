@@ -7,6 +7,7 @@ import dataclasses
 import json
 from collections.abc import AsyncIterator
 from datetime import timedelta
+from typing import cast
 
 import pytest
 
@@ -26,7 +27,6 @@ from dsh_mesh.core import (
     InvalidArgument,
     NodeId,
     ParentNotLive,
-    Record,
     RegistryUnavailable,
     RejectionReason,
     SequentialIds,
@@ -55,14 +55,17 @@ from dsh_mesh.models import (
     tool,
 )
 from dsh_mesh.runtime import ContinuationManager, InMemorySessionStore, ManagerConfig
-from dsh_mesh.testing import InProcessMesh, in_process_mesh
+from dsh_mesh.testing import (
+    FaultySessionStore,
+    InProcessMesh,
+    Proceed,
+    StoreCall,
+    in_process_mesh,
+    writing,
+)
 from dsh_mesh.tools import RETURN_INSTRUCTION
 from dsh_mesh.tools import tool as tool_decorator
-from tests.unit.conftest import drain_loop, of_type, presets
-from tests.unit.test_agent_loop import HoldingStore
-
-ROOT = SessionId("s-1")
-CHILD = SessionId("s-2")
+from tests.unit.conftest import CHILD, ROOT, drain_loop, of_type, presets
 
 
 async def root_with_child(mesh: InProcessMesh, *, kind: str = "spawn_agent") -> AgentRef:
@@ -269,18 +272,19 @@ async def test_aborted_before_acceptance_delivers_nothing(mesh: InProcessMesh) -
 
 @pytest.mark.contract(10)
 async def test_caller_cancelled_after_acceptance_began_keeps_the_message_and_the_target() -> None:
-    store = HoldingStore(AgentMessageEntry)
+    store = FaultySessionStore()
+    held = store.faults.hold("append", when=writing(AgentMessageEntry))
     async with in_process_mesh(presets(), store=store) as mesh:
         mesh.scripted.program("lead", tool("spawn_agent", task="t", preset="helper"))
         mesh.scripted.program("helper", Reply(gate=asyncio.Event()), Reply())
         ref = await mesh.manager.create_root("Lead.", preset="lead")
         await mesh.scripted.wait_for_call(CHILD, 1)
         sending = asyncio.create_task(mesh.manager.send_message(ref, CHILD, "stays"))
-        await store.holding.wait()
+        await held.reached.wait()
         sending.cancel()
         with pytest.raises(asyncio.CancelledError):
             await sending
-        store.unblock.set()
+        held.release.set()
         await mesh.manager.wait_until(
             lambda: any(
                 isinstance(r.entry, AgentMessageEntry)
@@ -353,7 +357,8 @@ async def test_a_notice_whose_caller_went_away_mid_append_is_still_read_once() -
     """The child's host dies while its notice is being appended at the parent's node (the
     DeliverNotice call is cancelled): the notice is durable, so the parent must read it, and
     the activation's end must not add a "lost" notice after it; a retry adds nothing."""
-    store = HoldingStore(SettlementNoticeEntry)
+    store = FaultySessionStore()
+    held = store.faults.hold("append", when=writing(SettlementNoticeEntry))
     async with in_process_mesh(presets(), store=store) as mesh:
         mesh.scripted.program("lead", tool("spawn_agent", task="t", preset="helper"), Reply())
         mesh.scripted.program("helper", Reply(gate=asyncio.Event()))
@@ -370,11 +375,11 @@ async def test_a_notice_whose_caller_went_away_mid_append_is_still_read_once() -
             terminal_output="done elsewhere",
         )
         delivering = asyncio.create_task(mesh.manager.deliver_notice(ROOT, notice))
-        await store.holding.wait()
+        await held.reached.wait()
         delivering.cancel()
         with pytest.raises(asyncio.CancelledError):
             await delivering
-        store.unblock.set()
+        held.release.set()
 
         def read_by_the_parent() -> bool:
             root = mesh.manager.agent(ROOT)
@@ -609,15 +614,16 @@ async def notices_in(store: InMemorySessionStore) -> list[SettlementNoticeEntry]
 async def test_a_root_whose_creator_went_away_mid_creation_is_made_whole() -> None:
     # Found by the wire fuzzer: CreateRootSession cut by its deadline after the header was
     # written left a root without its task, which no turn would ever read.
-    store = HoldingStore(TaskEntry)
+    store = FaultySessionStore()
+    held = store.faults.hold("append", when=writing(TaskEntry))
     async with in_process_mesh(presets(), store=store) as mesh:
         mesh.scripted.program("lead", Reply(text="read it"))
         creating = asyncio.create_task(mesh.manager.create_root("Lead.", preset="lead"))
-        await store.holding.wait()
+        await held.reached.wait()
         creating.cancel()
         with pytest.raises(asyncio.CancelledError):
             await creating
-        store.unblock.set()
+        held.release.set()
         async with asyncio.timeout(10):
             await mesh.manager.wait_until(lambda: mesh.manager.agent(ROOT) is not None)
             await mesh.manager.quiescent()
@@ -732,24 +738,24 @@ async def test_the_transcript_records_times_keys_and_where_each_turn_ran(
     assert any(message.idempotency_key.endswith(f".{call}") for call in child_calls), message
 
 
-class BoundedReads(InMemorySessionStore):
-    """Records the ``limit`` of every read: None is a read of a whole transcript."""
+def reads_noted(store: FaultySessionStore) -> list[int | None]:
+    """The ``limit`` of every read of ``store`` from now on: None is a read of a whole
+    transcript."""
+    limits: list[int | None] = []
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.limits: list[int | None] = []
+    async def note(call: StoreCall, proceed: Proceed) -> object:
+        limits.append(cast(int | None, call.arguments["limit"]))
+        return await proceed()
 
-    async def read(
-        self, session: SessionId, *, after_seq: int = 0, limit: int | None = None
-    ) -> list[Record]:
-        self.limits.append(limit)
-        return await super().read(session, after_seq=after_seq, limit=limit)
+    store.faults.around("read", note, times=None)
+    return limits
 
 
 async def test_a_lost_childs_last_output_is_found_from_the_end_back_in_pages() -> None:
     """The lost notice carries the child's last output; finding it reads the transcript from
     its end, a page at a time, never the whole of a long one (issue 18)."""
-    store = BoundedReads()
+    store = FaultySessionStore()
+    limits = reads_noted(store)
     async with in_process_mesh(presets(), store=store) as first_node:
         first_node.scripted.program("lead", tool("spawn_agent", task="t", preset="helper"))
         first_node.scripted.program("helper", Reply(text="the last finding"))
@@ -771,35 +777,21 @@ async def test_a_lost_childs_last_output_is_found_from_the_end_back_in_pages() -
     )
     async with second_node:
         await second_node.submit_prompt(ROOT, "Carry on.")
-        store.limits.clear()
+        limits.clear()
         await second_node.activation_ended(
             Activation(session_id=CHILD, activation_id=ActivationId("a-gone"), node_id=NodeId("n1"))
         )
         await second_node.quiescent()
-        tail_reads = [limit for limit in store.limits if limit is not None]
+        tail_reads = [limit for limit in limits if limit is not None]
     lost = [n for n in await notices_in(store) if n.outcome is SettlementOutcome.LOST]
     assert [n.terminal_output for n in lost] == ["the last finding"]
     assert len(tail_reads) == 3 and max(tail_reads) <= 100  # 250 results: three pages back
 
 
-class DownForTwoReads(BoundedReads):
-    """A log store away for the first two reads of a transcript's end."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.failing = 0
-
-    async def last(self, session: SessionId) -> Record | None:
-        if self.failing:
-            self.failing -= 1
-            raise RegistryUnavailable("the log store is away")
-        return await super().last(session)
-
-
 async def test_a_child_lost_while_the_log_store_is_away_still_gets_its_lost_notice() -> None:
     # Found by the fault run's database kill (issue 18): the read of the lost child's last
     # output met the outage and the notice was dropped; it now waits, as the notice's write does.
-    store = DownForTwoReads()
+    store = FaultySessionStore()
     async with in_process_mesh(presets(), store=store) as first_node:
         first_node.scripted.program("lead", tool("spawn_agent", task="t", preset="helper"))
         first_node.scripted.program("helper", Reply(text="the last finding"))
@@ -817,11 +809,12 @@ async def test_a_child_lost_while_the_log_store_is_away_still_gets_its_lost_noti
     )
     async with second_node:
         await second_node.submit_prompt(ROOT, "Carry on.")
-        store.failing = 2
+        away = RegistryUnavailable("the log store is away")
+        down = store.faults.fail("last", away, times=2)  # the first two reads of the end
         await second_node.activation_ended(
             Activation(session_id=CHILD, activation_id=ActivationId("a-gone"), node_id=NodeId("n1"))
         )
         await second_node.quiescent()
-    assert store.failing == 0
+    assert down.spent
     lost = [n for n in await notices_in(store) if n.outcome is SettlementOutcome.LOST]
     assert [n.terminal_output for n in lost] == ["the last finding"]

@@ -38,7 +38,7 @@ from dsh_mesh.transport import (
 )
 from dsh_mesh.transport._auth import decider
 from dsh_mesh.transport._control import root_session_id
-from tests.unit.test_tree_limits import RUNAWAY
+from tests.unit.conftest import RUNAWAY
 
 
 @pytest.mark.parametrize("name", ["default", "team-a", "a", "0", "a" * 63, "x-1-y"])

@@ -28,7 +28,7 @@ from dsh_mesh.core import (
 from dsh_mesh.logstore import MemoryLogStore
 from dsh_mesh.registry import Etcd, EtcdConfig, EtcdSessionStore, Keys
 from dsh_mesh.registry._codec import encode_header
-from dsh_mesh.runtime import Written
+from dsh_mesh.testing import FaultyLogStore, Hold
 
 SESSION = SessionId("s-1")
 
@@ -57,27 +57,14 @@ class FakeEtcd:
         )
 
 
-class BlockingLog(MemoryLogStore):
-    """A log store whose appends wait for ``gate``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate = asyncio.Event()
-        self.txns = 0
-        self.in_txn = asyncio.Event()
-        self.txn_ended = 0
-
-    async def append(self, session: SessionId, writes: Any, **kwargs: Any) -> list[Written]:
-        self.txns += 1
-        self.in_txn.set()
-        try:
-            await self.gate.wait()
-        finally:
-            self.txn_ended += 1
-        return await super().append(session, writes, **kwargs)
+def blocking_log() -> tuple[FaultyLogStore, Hold]:
+    """A log store whose appends wait for the hold's release; ``left`` counts those that left
+    it (their commit ended, or was cancelled)."""
+    log = FaultyLogStore(MemoryLogStore())
+    return log, log.faults.hold("append", times=None)
 
 
-def _store(log: BlockingLog) -> EtcdSessionStore:
+def _store(log: FaultyLogStore) -> EtcdSessionStore:
     return EtcdSessionStore(cast(Etcd, FakeEtcd()), Keys(b"/t/"), log=log, lease=lambda: 1)
 
 
@@ -86,35 +73,35 @@ async def _append(store: EtcdSessionStore, content: str) -> tuple[Record, Any]:
 
 
 async def test_aclose_fails_every_append_of_a_running_commit_and_leaves_nothing_running() -> None:
-    log = BlockingLog()
+    log, gate = blocking_log()
     store = _store(log)
     leader = asyncio.create_task(_append(store, "a"))
-    await log.in_txn.wait()  # "a" is in flight; the next two queue behind it
+    await gate.reached.wait()  # "a" is in flight; the next two queue behind it
     queued = [asyncio.create_task(_append(store, c)) for c in ("b", "c")]
     await asyncio.sleep(0)
     await store.aclose()
-    assert log.txns == 1 and log.txn_ended == 1
+    assert log.faults.calls["append"] == 1 and gate.left == 1
     for appending in (leader, *queued):
         # The leader too gets the store's answer, not the cancellation of its commit.
         with pytest.raises(RegistryUnavailable, match="interrupted"):
             await asyncio.wait_for(appending, 5)
     assert len(store._commits) == 0
     await store.aclose()  # idempotent
-    assert log.txns == 1
+    assert log.faults.calls["append"] == 1
 
 
 async def test_a_cancelled_leader_leaves_its_commit_running_for_the_others() -> None:
-    log = BlockingLog()
+    log, gate = blocking_log()
     store = _store(log)
     leader = asyncio.create_task(_append(store, "a"))
-    await log.in_txn.wait()
+    await gate.reached.wait()
     follower = asyncio.create_task(_append(store, "b"))
     await asyncio.sleep(0)
     leader.cancel()
     with pytest.raises(asyncio.CancelledError):
         await leader
     assert len(store._commits) == 1
-    log.gate.set()
+    gate.release.set()
     record, known = await asyncio.wait_for(follower, 5)
     assert record.seq == 2 and known is None  # "a" landed as 1 though its caller left
     await store.aclose()
@@ -122,9 +109,9 @@ async def test_a_cancelled_leader_leaves_its_commit_running_for_the_others() -> 
 
 
 async def test_aclose_with_nothing_running_returns() -> None:
-    log = BlockingLog()
+    log, gate = blocking_log()
     store = _store(log)
-    log.gate.set()
+    gate.release.set()
     record, _ = await _append(store, "a")
     assert record.seq == 1
     await store.aclose()

@@ -5,6 +5,7 @@ that met the outage had landed before its answer was lost."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 import pytest
 
@@ -22,37 +23,39 @@ from dsh_mesh.core import (
     TurnOutcome,
 )
 from dsh_mesh.models import Reply, tool
-from dsh_mesh.runtime import InMemorySessionStore
-from dsh_mesh.testing import InProcessMesh, in_process_mesh
-from tests.unit.conftest import presets
-from tests.unit.test_manager import CHILD, ROOT
+from dsh_mesh.testing import Fault, FaultySessionStore, InProcessMesh, in_process_mesh, writing
+from tests.unit.conftest import CHILD, ROOT, presets
 
 OWN_WRITES: tuple[type[Entry], ...] = (ConsumedEntry, AssistantStepEntry, TurnEndedEntry)
 
 
-class OutageStore(InMemorySessionStore):
+@dataclass(frozen=True)
+class Outage:
+    """A store and the outage planned in it."""
+
+    store: FaultySessionStore
+    faults: list[Fault]
+
+    def over(self) -> bool:
+        """Every write of the outage failed."""
+        return all(fault.spent for fault in self.faults)
+
+
+def outage(*landed: bool, under: tuple[type[Entry], ...] = OWN_WRITES) -> Outage:
     """etcd goes away under writes of the kinds ``under`` (the agent's own writes unless told
-    otherwise): each append in ``outage`` fails with ``RegistryUnavailable``, after landing
+    otherwise): each append in the outage fails with ``RegistryUnavailable``, after landing
     (``True``: the answer was lost) or not (``False``)."""
-
-    def __init__(self, *outage: bool, under: tuple[type[Entry], ...] = OWN_WRITES) -> None:
-        super().__init__()
-        self.outage = list(outage)
-        self.under = under
-        self.failed = 0
-
-    async def append(self, session, entry, *, writer, idempotency=None):  # type: ignore[no-untyped-def]
-        if self.outage and isinstance(entry, self.under):
-            landed = self.outage.pop(0)
-            if landed:
-                await super().append(session, entry, writer=writer, idempotency=idempotency)
-            self.failed += 1
-            raise RegistryUnavailable("etcd is away")
-        return await super().append(session, entry, writer=writer, idempotency=idempotency)
+    store = FaultySessionStore()
+    away = RegistryUnavailable("etcd is away")
+    faults = [
+        store.faults.fail("append", away, landed=lands, when=writing(*under)) for lands in landed
+    ]
+    return Outage(store, faults)
 
 
 async def test_a_turn_waits_out_an_outage_at_its_step_boundary_and_writes_each_entry_once() -> None:
-    store = OutageStore(True, False, True, False, False)
+    away = outage(True, False, True, False, False)
+    store = away.store
     async with in_process_mesh(presets(), store=store) as mesh:
         mesh.scripted.program("lead", tool("no_such_tool"), Reply(text="done"))
         ref = await mesh.manager.create_root("Lead.", preset="lead")
@@ -60,7 +63,7 @@ async def test_a_turn_waits_out_an_outage_at_its_step_boundary_and_writes_each_e
         agent = mesh.manager.agent(ref.session_id)
         assert agent is not None and agent.activation.activation_id == ref.activation_id
         kinds = [type(r.entry).__name__ for r in await mesh.transcript(ref.session_id)]
-    assert store.failed == 5
+    assert away.over()
     assert kinds == [
         "TaskEntry",
         "TurnStartedEntry",
@@ -95,7 +98,7 @@ def consumed(records: list[Record]) -> set[int]:
 async def test_a_send_whose_answer_was_lost_reaches_the_resident_target_on_its_retry() -> None:
     """The first try landed, its answer did not: the retry (same key) gets that acceptance,
     and the running target reads the message, in this activation, once."""
-    store = OutageStore(True, under=(AgentMessageEntry,))
+    store = outage(True, under=(AgentMessageEntry,)).store
     async with in_process_mesh(presets(), store=store) as mesh:
         gate = asyncio.Event()
         ref = await child_mid_step(mesh, gate)
@@ -115,7 +118,8 @@ async def test_a_settlement_notice_waits_out_an_outage_and_arrives_once() -> Non
     """The child completed; etcd is away when its notice is written (twice before landing,
     once landing with its answer lost). The parent gets one ``completed`` notice and reads
     it; no ``lost`` one follows."""
-    store = OutageStore(False, True, False, under=(SettlementNoticeEntry,))
+    away = outage(False, True, False, under=(SettlementNoticeEntry,))
+    store = away.store
     async with in_process_mesh(presets(), store=store) as mesh:
         mesh.scripted.program(
             "lead", tool("spawn_agent", task="t", preset="helper"), Reply(text="delegated"),
@@ -123,7 +127,7 @@ async def test_a_settlement_notice_waits_out_an_outage_and_arrives_once() -> Non
         )  # fmt: skip
         mesh.scripted.program("helper", Reply(text="the answer"))
         await mesh.manager.create_root("Lead.", preset="lead")
-        await mesh.manager.wait_until(lambda: store.failed == 3)
+        await mesh.manager.wait_until(away.over)
         await mesh.manager.quiescent()
         records = await mesh.transcript(ROOT)
         assert mesh.manager.agent(CHILD) is None
@@ -136,37 +140,21 @@ async def test_a_settlement_notice_waits_out_an_outage_and_arrives_once() -> Non
     assert notices[0].seq in consumed(records)
 
 
-class HeldAnswerStore(InMemorySessionStore):
-    """The first agent message lands, then its answer is held until ``answer`` is set: a retry of
-    it can find it meanwhile."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.landed = asyncio.Event()
-        self.answer = asyncio.Event()
-
-    async def append(self, session, entry, *, writer, idempotency=None):  # type: ignore[no-untyped-def]
-        result = await super().append(session, entry, writer=writer, idempotency=idempotency)
-        if isinstance(entry, AgentMessageEntry) and not self.landed.is_set():
-            self.landed.set()
-            await self.answer.wait()
-        return result
-
-
 async def test_a_retry_racing_the_answer_of_its_first_try_is_delivered_once() -> None:
     """The retry finds the first try's record before that try's answer is back: whichever
     comes first hands the record to the target, the other does not, and the target's waking
     accounting stays whole (it reads the message once, then settles)."""
-    store = HeldAnswerStore()
+    store = FaultySessionStore()
+    answer = store.faults.hold("append", landed=True, when=writing(AgentMessageEntry))
     async with in_process_mesh(presets(), store=store) as mesh:
         gate = asyncio.Event()
         ref = await child_mid_step(mesh, gate)
         first = asyncio.create_task(
             mesh.manager.send_message(ref, CHILD, "hello", idempotency_key="k1")
         )
-        await store.landed.wait()
+        await answer.reached.wait()
         retried = await mesh.manager.send_message(ref, CHILD, "hello", idempotency_key="k1")
-        store.answer.set()
+        answer.release.set()
         original = await first
         assert retried.duplicate and not original.duplicate
         assert retried.accepted_seq == original.accepted_seq

@@ -17,13 +17,13 @@ import json
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import cast
 
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2
 from dsh_mesh.core import (
     Activation,
     ActivationId,
     ConsumedEntry,
-    HumanPromptEntry,
     NodeId,
     Record,
     RegistryUnavailable,
@@ -43,35 +43,32 @@ from dsh_mesh.runtime import (
     InMemorySessionStore,
     ManagerConfig,
     RecordingStore,
-    SessionStore,
 )
-from dsh_mesh.testing import agent_sends, check, load_node_history, writers_of
+from dsh_mesh.testing import (
+    FaultySessionStore,
+    Proceed,
+    StoreCall,
+    agent_sends,
+    check,
+    load_node_history,
+    writers_of,
+)
 from dsh_mesh.transport._control import MeshControlService, root_session_id
 from dsh_mesh.transport._peers import PeerPool
-from tests.unit.conftest import of_type, presets
-from tests.unit.test_wire_server import _StoreReads, answer, create
+from tests.conftest import created_whole, root_header
+from tests.unit.conftest import StoreReads, answer, create, of_type, presets
 
 TASK = "The first task."
 ROOT = root_session_id("r")
 
 
-class DiesAfterCreation(InMemorySessionStore):
+def dies_after_creation(*, won: bool = False) -> FaultySessionStore:
     """The creating node dies once its root's creation is durable: its first ``try_activate``
     raises, before (``won=False``) or after (``won=True``) the activation was won. Later calls,
     from whichever node, behave."""
-
-    def __init__(self, *, won: bool = False) -> None:
-        super().__init__()
-        self.won = won
-        self.died = False
-
-    async def try_activate(self, activation: Activation) -> Activation:
-        if self.died:
-            return await super().try_activate(activation)
-        self.died = True
-        if self.won:
-            await super().try_activate(activation)
-        raise RegistryUnavailable("the creating node died")
+    store = FaultySessionStore()
+    store.faults.fail("try_activate", RegistryUnavailable("the creating node died"), landed=won)
+    return store
 
 
 @asynccontextmanager
@@ -96,7 +93,7 @@ async def node(
         service = MeshControlService(
             lambda: manager,
             node_id=manager.node_id,
-            reads=_StoreReads(store),
+            reads=StoreReads(store),
             current_activation=current,
             peers=PeerPool(node_id=manager.node_id, credential=None, address_of=lambda _: None),
         )
@@ -117,36 +114,6 @@ def ran_once(records: list[Record]) -> bool:
 # -- the store contract ---------------------------------------------------------------------------
 
 
-def root_header(session: SessionId, preset: str = "p") -> SessionHeader:
-    return SessionHeader(
-        session_id=session,
-        kind=SessionKind.ROOT,
-        parent_session=None,
-        spec=SessionSpec(preset=preset, model="m"),
-    )
-
-
-async def created_whole(store: SessionStore, session: SessionId) -> None:
-    """``create_header`` with entries stores them as seqs 1..n with the header, and the next
-    append (by the activation won after it) is seq n + 1."""
-    entries = (TaskEntry(content="Do it."), HumanPromptEntry(content="And this."))
-    await store.create_header(root_header(session), entries)
-    assert await store.get_header(session) == root_header(session)
-    assert await store.read(session) == [
-        Record(seq=1, entry=entries[0]),
-        Record(seq=2, entry=entries[1]),
-    ]
-    activation = Activation(
-        session_id=session, activation_id=ActivationId(f"a-{session}"), node_id=NodeId("n")
-    )
-    assert await store.try_activate(activation) == activation
-    later = HumanPromptEntry(content="Later.")
-    record, known = await store.append(session, later, writer=activation.activation_id)
-    assert (record.seq, known) == (3, None)
-    assert [r.seq for r in await store.read(session)] == [1, 2, 3]
-    await store.release(activation)
-
-
 async def test_the_in_memory_store_creates_a_session_with_its_first_entries() -> None:
     store = InMemorySessionStore()
     await created_whole(store, SessionId("s-whole"))
@@ -159,7 +126,7 @@ async def test_the_in_memory_store_creates_a_session_with_its_first_entries() ->
 
 
 async def test_a_roots_header_and_task_are_one_write() -> None:
-    store = DiesAfterCreation()
+    store = dies_after_creation()
     async with node(store, "node-1") as (manager, _, _):
         refused = await answer_of(manager.create_root(TASK, preset="lead", session_id=ROOT))
     assert isinstance(refused, RegistryUnavailable)
@@ -169,7 +136,7 @@ async def test_a_roots_header_and_task_are_one_write() -> None:
 
 
 async def test_a_root_created_with_an_empty_task_is_created_without_entries() -> None:
-    store = DiesAfterCreation()
+    store = dies_after_creation()
     async with node(store, "node-1") as (manager, _, _):
         await answer_of(manager.create_root("", preset="lead", session_id=ROOT))
     assert await store.get_header(ROOT) is not None
@@ -188,7 +155,7 @@ async def answer_of(creating: Awaitable[object]) -> object:
 
 
 async def test_a_replay_after_the_creating_node_died_runs_the_root_once() -> None:
-    store = DiesAfterCreation()
+    store = dies_after_creation()
     async with node(store, "node-1") as (_, first_node, _):
         assert await answer(first_node, create(TASK)) is RejectionReason.REGISTRY_UNAVAILABLE
     async with node(store, "node-2") as (manager, service, scripted):
@@ -211,7 +178,7 @@ async def test_a_replay_after_the_creating_node_died_runs_the_root_once() -> Non
 
 
 async def test_a_replay_resumes_a_root_whose_creator_died_holding_it_once_that_lapsed() -> None:
-    store = DiesAfterCreation(won=True)
+    store = dies_after_creation(won=True)
     async with node(store, "node-1") as (_, first_node, _):
         assert await answer(first_node, create(TASK)) is RejectionReason.REGISTRY_UNAVAILABLE
     held = await store.current_activation(ROOT)
@@ -231,7 +198,7 @@ async def test_a_replay_resumes_a_root_whose_creator_died_holding_it_once_that_l
 
 
 async def test_a_replay_that_loses_the_resume_to_another_node_reports_that_node() -> None:
-    store = DiesAfterCreation()
+    store = dies_after_creation()
     async with node(store, "node-1") as (_, first_node, _):
         assert await answer(first_node, create(TASK)) is RejectionReason.REGISTRY_UNAVAILABLE
     winner = Activation(session_id=ROOT, activation_id=ActivationId("a-3"), node_id=NodeId("n-3"))
@@ -244,21 +211,26 @@ async def test_a_replay_that_loses_the_resume_to_another_node_reports_that_node(
     assert (replay.session_id, replay.node_id, replay.activation_id) == (ROOT, "n-3", "a-3")
 
 
-class ResumedElsewhereFirst(InMemorySessionStore):
+def resumed_elsewhere_first() -> FaultySessionStore:
     """Between a creation's write and its activation, a replay on node n-3 resumes the root."""
+    store = FaultySessionStore()
 
-    async def try_activate(self, activation: Activation) -> Activation:
+    async def n3_first(call: StoreCall, proceed: Proceed) -> object:
+        activation = cast(Activation, call.arguments["activation"])
         winner = Activation(
             session_id=activation.session_id,
             activation_id=ActivationId("a-3"),
             node_id=NodeId("n-3"),
         )
-        await super().try_activate(winner)
-        return await super().try_activate(activation)
+        await store.try_activate(winner)  # the fault is spent: this call meets none
+        return await proceed()
+
+    store.faults.around("try_activate", n3_first)
+    return store
 
 
 async def test_a_creation_whose_root_another_node_resumed_first_reports_that_node() -> None:
-    store = ResumedElsewhereFirst()
+    store = resumed_elsewhere_first()
     async with node(store, "node-1") as (manager, service, scripted):
         created = await answer(service, create(TASK))
         assert manager.agent(ROOT) is None
@@ -271,7 +243,7 @@ async def test_a_creation_whose_root_another_node_resumed_first_reports_that_nod
 async def test_an_empty_task_root_replayed_with_a_task_is_still_an_idempotency_conflict() -> None:
     # The earlier fix (07b8e94, reverted) finished any root without entries with the replay's
     # task, so a root created with an empty task took the task of a replay with another one.
-    store = DiesAfterCreation()
+    store = dies_after_creation()
     async with node(store, "node-1") as (_, first_node, _):
         assert await answer(first_node, create("")) is RejectionReason.REGISTRY_UNAVAILABLE
     async with node(store, "node-2") as (manager, service, _):

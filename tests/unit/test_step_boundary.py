@@ -16,29 +16,17 @@ import pytest
 from dsh_mesh.agent import Agent
 from dsh_mesh.core import AgentMessageEntry, RegistryUnavailable, Role, SessionId
 from dsh_mesh.models import Reply, tool
-from dsh_mesh.runtime import InMemorySessionStore
-from dsh_mesh.testing import InProcessMesh, boundary_violations, in_process_mesh
+from dsh_mesh.testing import (
+    FaultySessionStore,
+    InProcessMesh,
+    boundary_violations,
+    in_process_mesh,
+    writing,
+)
 from tests.unit.conftest import GateTool, drain_loop, presets
 
 ROOT = SessionId("s-1")
 CHILD = SessionId("s-2")
-
-
-class LateAnswerStore(InMemorySessionStore):
-    """Writes the first agent message durably at once, but holds the *answer* of that append
-    until the test releases it: the record has its seq while its sender still waits."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.written = asyncio.Event()
-        self.answer = asyncio.Event()
-
-    async def append(self, session, entry, *, writer, idempotency=None):  # type: ignore[no-untyped-def]
-        result = await super().append(session, entry, writer=writer, idempotency=idempotency)
-        if isinstance(entry, AgentMessageEntry) and not self.written.is_set():
-            self.written.set()
-            await self.answer.wait()
-        return result
 
 
 async def _root_with_busy_child(mesh: InProcessMesh, gate_tool: GateTool, *, then: str) -> Agent:
@@ -56,13 +44,14 @@ async def _root_with_busy_child(mesh: InProcessMesh, gate_tool: GateTool, *, the
 async def test_messages_waiting_together_are_read_in_seq_order_when_answers_come_back_reversed(
     gate_tool: GateTool,
 ) -> None:
-    store = LateAnswerStore()
+    store = FaultySessionStore()
+    answer = store.faults.hold("append", landed=True, when=writing(AgentMessageEntry))
     async with in_process_mesh(presets(gate_tool), store=store) as mesh:
         root = await _root_with_busy_child(mesh, gate_tool, then="read them")
         first = asyncio.create_task(mesh.manager.send_message(root.ref, CHILD, "first"))
-        await store.written.wait()
+        await answer.reached.wait()
         second = await mesh.manager.send_message(root.ref, CHILD, "second")
-        store.answer.set()
+        answer.release.set()
         first_delivery = await first
         assert first_delivery.accepted_seq < second.accepted_seq
 
@@ -82,16 +71,17 @@ async def test_messages_waiting_together_are_read_in_seq_order_when_answers_come
 async def test_a_message_durable_before_a_step_boundary_is_read_at_that_boundary(
     gate_tool: GateTool,
 ) -> None:
-    store = LateAnswerStore()
+    store = FaultySessionStore()
+    answer = store.faults.hold("append", landed=True, when=writing(AgentMessageEntry))
     async with in_process_mesh(presets(gate_tool), store=store) as mesh:
         root = await _root_with_busy_child(mesh, gate_tool, then="read it")
         # The message is durable (it has its seq) but its accept has not come back yet when
         # the child's tool returns and the child reaches its step boundary.
         sending = asyncio.create_task(mesh.manager.send_message(root.ref, CHILD, "early"))
-        await store.written.wait()
+        await answer.reached.wait()
         gate_tool.gate.set()
         await drain_loop()
-        store.answer.set()
+        answer.release.set()
         await sending
         await mesh.manager.quiescent()
 
@@ -102,27 +92,13 @@ async def test_a_message_durable_before_a_step_boundary_is_read_at_that_boundary
         assert step_two[-1].content == f"Agent {ROOT} sent a message:\nearly"
 
 
-class LostAnswerStore(InMemorySessionStore):
-    """Writes the first agent message durably, then loses the answer (an etcd outage cut the
-    call after the transaction applied)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lost = False
-
-    async def append(self, session, entry, *, writer, idempotency=None):  # type: ignore[no-untyped-def]
-        result = await super().append(session, entry, writer=writer, idempotency=idempotency)
-        if isinstance(entry, AgentMessageEntry) and not self.lost:
-            self.lost = True
-            raise RegistryUnavailable("etcd went away before it answered")
-        return result
-
-
 @pytest.mark.contract(3)
 async def test_a_message_whose_accept_lost_its_answer_is_still_read_at_the_next_boundary(
     gate_tool: GateTool,
 ) -> None:
-    store = LostAnswerStore()
+    store = FaultySessionStore()
+    lost = RegistryUnavailable("etcd went away before it answered")
+    store.faults.fail("append", lost, landed=True, when=writing(AgentMessageEntry))
     async with in_process_mesh(presets(gate_tool), store=store) as mesh:
         root = await _root_with_busy_child(mesh, gate_tool, then="read it")
         with pytest.raises(RegistryUnavailable):

@@ -27,11 +27,7 @@ from dsh_mesh.core import (
     DeliveryKind,
     Entry,
     InboxFull,
-    NodeFenced,
-    NodeId,
-    RandomIds,
     Record,
-    SessionHeader,
     SessionId,
     SettlementNoticeEntry,
     SettlementOutcome,
@@ -42,70 +38,16 @@ from dsh_mesh.core import (
     TurnOutcome,
     TurnStartedEntry,
 )
-from dsh_mesh.models import PARENT, Action, Call, Reply, ScriptedProvider, Stall, send, tool
+from dsh_mesh.models import PARENT, Call, Reply, Stall, send, tool
 from dsh_mesh.runtime import (
-    Acceptance,
-    ContinuationManager,
-    IdempotencyKey,
     InMemorySessionStore,
     ManagerConfig,
 )
-from dsh_mesh.testing import calls_without_one_answer, in_process_mesh
-from dsh_mesh.tools import Preset, Tool, ToolContext, ToolIdentity, ToolInvocation, ToolOutput
+from dsh_mesh.testing import FaultySessionStore, calls_without_one_answer, in_process_mesh, writing
+from dsh_mesh.tools import Preset, ToolContext, ToolIdentity, ToolInvocation, ToolOutput
 from dsh_mesh.tools import tool as python_tool
-from tests.unit.conftest import GateTool, drain_loop
+from tests.unit.conftest import DyingHost, GateTool, Programs, drain_loop, manager_on
 from tests.unit.conftest import presets as conftest_presets
-
-
-class DyingStore(InMemorySessionStore):
-    """A store shared by two nodes. ``die_at`` picks the write at which the first node's host
-    dies: that write blocks, and fails (never written) once the test calls :meth:`die`; so does
-    every later write of that node. The second node writes through ``for_node_two``."""
-
-    def __init__(self, die_at: Callable[[SessionId, Entry | None], bool]) -> None:
-        super().__init__()
-        self._die_at = die_at
-        self.reached = asyncio.Event()
-        self._dead = asyncio.Event()
-        self._node_two = False
-
-    def die(self) -> None:
-        self._dead.set()
-
-    def for_node_two(self) -> DyingStore:
-        self._node_two = True
-        return self
-
-    async def _dying(self, session: SessionId, entry: Entry | None) -> None:
-        if self._node_two:
-            return
-        if self._dead.is_set() or self._die_at(session, entry):
-            self.reached.set()
-            await self._dead.wait()
-            raise NodeFenced("the host died")
-
-    async def append(
-        self,
-        session: SessionId,
-        entry: Entry,
-        *,
-        writer: ActivationId | None,
-        idempotency: tuple[IdempotencyKey, Acceptance] | None = None,
-    ) -> tuple[Record, Acceptance | None]:
-        await self._dying(session, entry)
-        return await super().append(session, entry, writer=writer, idempotency=idempotency)
-
-    async def create_header(self, header: SessionHeader, entries: Sequence[Entry] = ()) -> None:
-        if header.parent_session is not None:
-            await self._dying(header.session_id, None)  # None: a child's header
-        await super().create_header(header, entries)
-
-    async def lapse(self) -> None:
-        """Every activation of the dead node ends, as its lease would."""
-        for session in list(self._transcripts):
-            current = await self.current_activation(SessionId(session))
-            if current is not None and current.node_id == "node-1":
-                await self.release(current)
 
 
 @dataclass
@@ -147,27 +89,6 @@ def _presets(charge: CountingTool | None = None) -> tuple[Preset, ...]:
     )
 
 
-Programs = dict[str, Sequence[Action]]
-
-
-def _node(
-    store: InMemorySessionStore,
-    name: str,
-    programs: Programs,
-    presets: tuple[Preset, ...],
-    *,
-    tools: Sequence[Tool] = (),
-) -> ContinuationManager:
-    return ContinuationManager(
-        store=store,
-        provider=ScriptedProvider(programs=programs, resume_from_transcript=True),
-        presets=presets,
-        config=ManagerConfig(node_id=NodeId(name)),
-        ids=RandomIds(),
-        tools=tools,
-    )
-
-
 async def _children(store: InMemorySessionStore, parent: SessionId) -> list[SessionId]:
     found = []
     for session in list(store._headers):
@@ -184,19 +105,20 @@ def _results(records: Sequence[Record], name: str) -> list[ToolResultEntry]:
 
 
 async def _die_then_resume(
-    store: DyingStore,
+    host: DyingHost,
     programs: Programs,
     presets: tuple[Preset, ...],
     resume: Callable[[], Awaitable[list[SessionId]]],
 ) -> None:
     """Node one creates the root and runs until the store reaches the chosen write; its host
     dies there. Then node two activates the sessions ``resume`` names, in that order."""
-    async with _node(store, "node-1", programs, presets) as node_one:
+    store = host.store
+    async with manager_on(store, "node-1", programs, presets) as node_one:
         await node_one.create_root("Lead.", preset="lead", session_id=ROOT)
-        await store.reached.wait()
-        store.die()
-    await store.lapse()
-    async with _node(store.for_node_two(), "node-2", programs, presets) as node_two:
+        await host.reached.wait()
+        host.die()
+    await host.lapse()
+    async with manager_on(host.for_node_two(), "node-2", programs, presets) as node_two:
         for session in await resume():
             await node_two.resume(session)
         async with asyncio.timeout(10):
@@ -224,7 +146,8 @@ async def test_a_send_left_unanswered_by_its_dead_host_is_answered_exactly_and_l
             return isinstance(entry, ToolResultEntry) and entry.name == "send_message"
         return isinstance(entry, AgentMessageEntry)
 
-    store = DyingStore(die_at)
+    host = DyingHost(die_at)
+    store = host.store
     programs: Programs = {
         "lead": (tool("spawn_agent", task="Work.", preset="helper"), Reply(text="waiting")),
         "helper": (send(PARENT, "the result"), Reply(text="sent")),
@@ -234,7 +157,7 @@ async def test_a_send_left_unanswered_by_its_dead_host_is_answered_exactly_and_l
         # The parent first (so it is live to accept the repeat), then the child.
         return [ROOT, *(await _only_child(store))]
 
-    await _die_then_resume(store, programs, _presets(), both)
+    await _die_then_resume(host, programs, _presets(), both)
     [child] = await _children(store, ROOT)
     at_root = [
         r.entry.content for r in await store.read(ROOT) if isinstance(r.entry, AgentMessageEntry)
@@ -264,12 +187,13 @@ async def test_a_spawn_left_unanswered_by_its_dead_host_makes_exactly_one_whole_
             return entry is None
         return isinstance(entry, TaskEntry) and session != ROOT
 
-    store = DyingStore(die_at)
+    host = DyingHost(die_at)
+    store = host.store
     programs: Programs = {
         "lead": (tool("spawn_agent", task="Work.", preset="helper"), Reply(text="waiting")),
         "helper": (Reply(text="worked"),),
     }
-    await _die_then_resume(store, programs, _presets(), _root_only)
+    await _die_then_resume(host, programs, _presets(), _root_only)
     [child] = await _children(store, ROOT)
     records = await store.read(ROOT)
     [answer] = _results(records, "spawn_agent")
@@ -288,7 +212,8 @@ async def test_any_other_tool_left_unanswered_is_answered_unknown_and_never_run_
     def die_at(session: SessionId, entry: Entry | None) -> bool:
         return isinstance(entry, ToolResultEntry) and entry.name == "charge"
 
-    store = DyingStore(die_at)
+    host = DyingHost(die_at)
+    store = host.store
     programs: Programs = {
         "lead": (tool("spawn_agent", task="Work.", preset="helper"), Stall()),
         "helper": (Call(calls=(("charge", {}), ("charge", {}))), Reply(text="done")),
@@ -298,7 +223,7 @@ async def test_any_other_tool_left_unanswered_is_answered_unknown_and_never_run_
     async def child() -> list[SessionId]:
         return await _only_child(store)
 
-    await _die_then_resume(store, programs, _presets(charge), child)
+    await _die_then_resume(host, programs, _presets(charge), child)
     [session] = await _children(store, ROOT)
     records = await store.read(session)
     answers = _results(records, "charge")
@@ -306,24 +231,6 @@ async def test_any_other_tool_left_unanswered_is_answered_unknown_and_never_run_
     assert all(json.loads(a.content)["outcome"] == "unknown" for a in answers)
     assert charge.runs == 1  # the first ran once; neither ran again
     assert calls_without_one_answer(records) == []
-
-
-class SlowWriteStore(InMemorySessionStore):
-    """Holds the first append of ``kind`` until the test lets it go."""
-
-    def __init__(self, kind: type[Entry]) -> None:
-        super().__init__()
-        self._kind = kind
-        self.entered = asyncio.Event()
-        self.go = asyncio.Event()
-        self._held = False
-
-    async def append(self, session, entry, *, writer, idempotency=None):  # type: ignore[no-untyped-def]
-        if isinstance(entry, self._kind) and not self._held:
-            self._held = True
-            self.entered.set()
-            await self.go.wait()
-        return await super().append(session, entry, writer=writer, idempotency=idempotency)
 
 
 @pytest.mark.parametrize(
@@ -337,17 +244,18 @@ async def test_an_interrupt_while_a_step_or_result_is_written_leaves_each_call_o
     # Found in review: the interrupted turn closed its calls before the write in flight landed,
     # so a call got no answer (the step landed after the turn's end) or two (its real result
     # and a "not completed" one); every later turn then failed on the strict model.
-    store = SlowWriteStore(kind)
+    store = FaultySessionStore()
+    held = store.faults.hold("append", when=writing(kind))
     gate = GateTool()
     gate.gate.set()
     async with in_process_mesh(conftest_presets(gate), store=store) as mesh:
         mesh.scripted.program("worker", tool("wait"), Reply(text="x"))
         mesh.scripted.program("lead", tool("spawn_agent", task="t", preset="worker"), Reply())
         await mesh.manager.create_root("Lead.", preset="lead")
-        await store.entered.wait()
+        await held.reached.wait()
         assert mesh.manager.interrupt(SessionId("s-1")) is not None
         await drain_loop()
-        store.go.set()
+        held.release.set()
         await mesh.manager.quiescent()
         mesh.scripted.program("lead", Reply(text="again"))
         await mesh.manager.submit_prompt(SessionId("s-1"), "next")
@@ -365,16 +273,17 @@ async def test_an_interrupted_send_is_answered_with_what_happened_to_it() -> Non
     # The send passed its point of no return (its append at the parent is under way) when the
     # child's turn was interrupted: it lands, and the child's model is told it was delivered,
     # not "not completed" (which would invite a second copy).
-    store = SlowWriteStore(AgentMessageEntry)
+    store = FaultySessionStore()
+    held = store.faults.hold("append", when=writing(AgentMessageEntry))
     async with in_process_mesh(conftest_presets(), store=store) as mesh:
         mesh.scripted.program("helper", send(PARENT, "the result"), Reply(text="after"))
         mesh.scripted.program("lead", tool("spawn_agent", task="t", preset="helper"), Reply())
         await mesh.manager.create_root("Lead.", preset="lead")
-        await store.entered.wait()
+        await held.reached.wait()
         child = SessionId("s-2")
         assert mesh.manager.interrupt(child) is not None
         await drain_loop()
-        store.go.set()
+        held.release.set()
         await mesh.manager.quiescent()
         records = await mesh.transcript(child)
         [answer] = _results(records, "send_message")
@@ -397,7 +306,8 @@ async def test_a_child_lost_with_its_parents_host_is_reported_lost_when_it_next_
     def die_at(session: SessionId, entry: Entry | None) -> bool:
         return isinstance(entry, ToolResultEntry) and entry.name == "charge"
 
-    store = DyingStore(die_at)
+    host = DyingHost(die_at)
+    store = host.store
     programs: Programs = {
         "lead": (tool("spawn_agent", task="Work.", preset="helper"), Reply(text="waiting")),
         "helper": (tool("charge"), Reply(text="done")),
@@ -406,7 +316,7 @@ async def test_a_child_lost_with_its_parents_host_is_reported_lost_when_it_next_
     async def both() -> list[SessionId]:
         return [ROOT, *(await _only_child(store))]
 
-    await _die_then_resume(store, programs, _presets(charge), both)
+    await _die_then_resume(host, programs, _presets(charge), both)
     [child] = await _children(store, ROOT)
     first = next(r.entry for r in await store.read(child) if isinstance(r.entry, TurnStartedEntry))
     notices = [
@@ -455,55 +365,35 @@ async def test_a_spawn_never_adopts_a_session_of_another_parent_under_its_derive
         assert not [r for r in await mesh.transcript(foreign) if isinstance(r.entry, TaskEntry)]
 
 
-class RepeatHoldingStore(DyingStore):
-    """On node two, holds the first agent message's append (the left-over send, repeated under
-    its key) until the test releases it."""
-
-    def __init__(self, die_at: Callable[[SessionId, Entry | None], bool]) -> None:
-        super().__init__(die_at)
-        self.held = asyncio.Event()
-        self.go = asyncio.Event()
-
-    async def append(
-        self,
-        session: SessionId,
-        entry: Entry,
-        *,
-        writer: ActivationId | None,
-        idempotency: tuple[IdempotencyKey, Acceptance] | None = None,
-    ) -> tuple[Record, Acceptance | None]:
-        if self._node_two and isinstance(entry, AgentMessageEntry) and not self.held.is_set():
-            self.held.set()
-            await self.go.wait()
-        return await super().append(session, entry, writer=writer, idempotency=idempotency)
-
-
 async def test_a_message_that_arrives_while_left_over_calls_are_answered_starts_a_turn() -> None:
     # Found in review: while an activation answers what its dead host left open (that is no
     # turn), a message to it was reported "steered", a promise that it extends a running turn.
     def die_at(session: SessionId, entry: Entry | None) -> bool:
         return isinstance(entry, AgentMessageEntry)  # the child's send dies unsent
 
-    store = RepeatHoldingStore(die_at)
+    host = DyingHost(die_at)
+    store = host.store
     programs: Programs = {
         "lead": (tool("spawn_agent", task="Work.", preset="helper"), Reply(text="waiting")),
         "helper": (send(PARENT, "the result"), Reply(text="read it")),
     }
-    async with _node(store, "node-1", programs, _presets()) as node_one:
+    async with manager_on(store, "node-1", programs, _presets()) as node_one:
         await node_one.create_root("Lead.", preset="lead", session_id=ROOT)
-        await store.reached.wait()
-        store.die()
-    await store.lapse()
+        await host.reached.wait()
+        host.die()
+    await host.lapse()
     [child] = await _only_child(store)
-    async with _node(store.for_node_two(), "node-2", programs, _presets()) as node_two:
+    # On node two, the left-over send (repeated under its key) is held in its append.
+    held = store.faults.hold("append", when=writing(AgentMessageEntry))
+    async with manager_on(host.for_node_two(), "node-2", programs, _presets()) as node_two:
         await node_two.resume(ROOT)
         await node_two.resume(child)
-        await store.held.wait()
+        await held.reached.wait()
         root = node_two.agent(ROOT)
         assert root is not None
         delivery = await node_two.send_message(root.ref, child, "hello")
         assert delivery.kind is DeliveryKind.STARTED_TURN
-        store.go.set()
+        held.release.set()
         async with asyncio.timeout(10):
             await node_two.quiescent()
     records = await store.read(child)
@@ -556,7 +446,8 @@ async def test_a_python_tool_left_unanswered_runs_again_only_if_declared_safe(
     def die_at(session: SessionId, entry: Entry | None) -> bool:
         return isinstance(entry, ToolResultEntry) and entry.name == "charge"
 
-    store = DyingStore(die_at)
+    host = DyingHost(die_at)
+    store = host.store
     programs: Programs = {
         "lead": (tool("spawn_agent", task="Work.", preset="helper"), Stall()),
         "helper": (Call(calls=(("charge", {"amount": "5"}),)), Reply(text="done")),
@@ -569,7 +460,7 @@ async def test_a_python_tool_left_unanswered_runs_again_only_if_declared_safe(
     async def child() -> list[SessionId]:
         return await _only_child(store)
 
-    await _die_then_resume(store, programs, presets, child)
+    await _die_then_resume(host, programs, presets, child)
     [session] = await _children(store, ROOT)
     records = await store.read(session)
     [answer] = _results(records, "charge")

@@ -30,15 +30,9 @@ from dsh_mesh.runtime import (
 )
 from dsh_mesh.runtime._limits import CreationGuard, Limits
 from dsh_mesh.testing import InProcessMesh, in_process_mesh
-from dsh_mesh.tools import ChildKind, Preset
+from dsh_mesh.tools import ChildKind
 from dsh_mesh.transport import status_of, to_rpc_status
-from tests.unit.conftest import of_type
-
-RUNAWAY = (
-    Preset(name="lead", system_prompt="You lead.", model="runaway"),
-    Preset(name="runaway", system_prompt="Every one of you spawns one more.", model="runaway"),
-    Preset(name="sitter", system_prompt="You wait.", model="sitter"),
-)
+from tests.unit.conftest import RUNAWAY, of_type
 
 
 def limited(**limits: int) -> ManagerConfig:

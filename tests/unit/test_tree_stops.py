@@ -20,8 +20,7 @@ from dsh_mesh.core import (
 from dsh_mesh.models import Reply, Stall, tool
 from dsh_mesh.testing import InProcessMesh, in_process_mesh
 from dsh_mesh.tools import ChildKind
-from tests.unit.conftest import of_type, presets
-from tests.unit.test_manager import CHILD, ROOT
+from tests.unit.conftest import CHILD, ROOT, of_type, presets
 
 GRANDCHILD = SessionId("s-3")
 

@@ -33,8 +33,7 @@ from dsh_mesh.transport._convert import (
     check_bounds,
     json_fields,
 )
-from tests.unit.conftest import presets
-from tests.unit.test_wire_server import _Aborted, _Context, control
+from tests.unit.conftest import Aborted, ServicerContext, control, presets
 
 TRAILERS_MAX = 8 * 1024
 """What gRPC peers accept of trailers by default."""
@@ -252,8 +251,8 @@ async def test_each_control_handler_refuses_a_megabyte_field_as_invalid_argument
         setattr(request_, field, "x" * MB)
     async with in_process_mesh(presets()) as mesh:
         service: MeshControlService = control(mesh)
-        with pytest.raises(_Aborted) as aborted:
-            await getattr(service, method)(request_, _Context())
+        with pytest.raises(Aborted) as aborted:
+            await getattr(service, method)(request_, ServicerContext())
     code, info = reason_and_info(aborted.value.status)
     assert code is grpc.StatusCode.INVALID_ARGUMENT
     assert (info.reason, info.metadata["field"]) == (RejectionReason.INVALID_ARGUMENT.value, field)
@@ -262,9 +261,9 @@ async def test_each_control_handler_refuses_a_megabyte_field_as_invalid_argument
 async def test_watch_session_refuses_a_megabyte_session_id_naming_it() -> None:
     async with in_process_mesh(presets()) as mesh:
         service = control(mesh)
-        with pytest.raises(_Aborted) as aborted:
+        with pytest.raises(Aborted) as aborted:
             async for _ in service.WatchSession(
-                mesh_pb2.WatchSessionRequest(session_id="x" * MB), _Context()
+                mesh_pb2.WatchSessionRequest(session_id="x" * MB), ServicerContext()
             ):
                 pass
     code, info = reason_and_info(aborted.value.status)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -16,7 +16,6 @@ from google.rpc import error_details_pb2, status_pb2
 
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
 from dsh_mesh.core import (
-    Activation,
     NodeId,
     Record,
     RejectionReason,
@@ -26,19 +25,22 @@ from dsh_mesh.core import (
 )
 from dsh_mesh.models import Reply, tool
 from dsh_mesh.runtime import InMemorySessionStore
-from dsh_mesh.testing import InProcessMesh, in_process_mesh
+from dsh_mesh.testing import FaultySessionStore, InProcessMesh, in_process_mesh, writing
 from dsh_mesh.transport import DETAILS_METADATA_KEY, ERROR_DOMAIN, ClusterCredential
 from dsh_mesh.transport import _control as control_module
 from dsh_mesh.transport._auth import ClusterAuthInterceptor
 from dsh_mesh.transport._control import (
-    AgentListing,
-    MeshControlService,
-    WatchEvent,
     root_session_id,
 )
 from dsh_mesh.transport._convert import MAX_NAME_CHARS
-from dsh_mesh.transport._peers import PeerPool
-from tests.unit.conftest import presets
+from tests.unit.conftest import (
+    ServicerContext,
+    StoreReads,
+    answer,
+    control,
+    create,
+    presets,
+)
 
 TOKEN = "t" * 32
 GET = "/dsh.mesh.v1.MeshControl/GetSession"
@@ -141,111 +143,6 @@ async def test_undecodable_bytes_without_the_credential_are_unauthenticated() ->
 # -- CreateRootSession --------------------------------------------------------------------
 
 
-class _Aborted(Exception):
-    def __init__(self, status: Any) -> None:
-        super().__init__(status.code)
-        self.status = status
-
-
-class _Context:
-    """The part of a grpc.aio servicer context the control service uses."""
-
-    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        return ()
-
-    async def abort_with_status(self, status: Any) -> None:
-        raise _Aborted(status)
-
-
-class _StoreReads:
-    """``ControlReads`` over an in-memory store (only ``page`` is used here)."""
-
-    def __init__(self, store: InMemorySessionStore) -> None:
-        self._store = store
-
-    async def listing(
-        self,
-        *,
-        root: SessionId | None,
-        after: str,
-        limit: int,
-        resident_only: bool = False,
-        namespaces: frozenset[str] | None = None,
-    ) -> AgentListing:
-        raise NotImplementedError
-
-    async def activations(self) -> dict[SessionId, Activation]:
-        raise NotImplementedError
-
-    async def pending_approvals(
-        self, sessions: Collection[SessionId]
-    ) -> list[tuple[SessionId, Record]]:
-        raise NotImplementedError
-
-    async def page(
-        self, session: SessionId, *, after_seq: int, limit: int
-    ) -> tuple[list[Record], bool]:
-        records = await self._store.read(session, after_seq=after_seq)
-        return records[:limit], len(records) > limit
-
-    def follow(
-        self, root: SessionId, *, tree: bool, after_position: int = 0, after_seq: int = 0
-    ) -> AsyncIterator[WatchEvent]:
-        raise NotImplementedError
-
-
-class _HeldTaskStore(InMemorySessionStore):
-    """Holds the append of the first TaskEntry until the test releases it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.holding = asyncio.Event()
-        self.unblock = asyncio.Event()
-
-    async def append(self, session, entry, *, writer, idempotency=None):  # type: ignore[no-untyped-def]
-        if isinstance(entry, TaskEntry) and not self.holding.is_set():
-            self.holding.set()
-            await self.unblock.wait()
-        return await super().append(session, entry, writer=writer, idempotency=idempotency)
-
-
-def control(mesh: InProcessMesh) -> MeshControlService:
-    async def current(session: SessionId, *, fresh: bool = False) -> Activation | None:
-        return await mesh.store.current_activation(session)
-
-    return MeshControlService(
-        lambda: mesh.manager,
-        node_id=mesh.manager.node_id,
-        reads=_StoreReads(mesh.store),
-        current_activation=current,
-        peers=PeerPool(node_id=mesh.manager.node_id, credential=None, address_of=lambda _: None),
-    )
-
-
-def create(
-    task: str = "The first task.", *, preset: str = "lead", model: str = "", request_id: str = "r"
-) -> mesh_pb2.CreateRootSessionRequest:
-    return mesh_pb2.CreateRootSessionRequest(
-        preset=preset, model=model, initial_task=task, request_id=request_id
-    )
-
-
-async def answer(
-    service: MeshControlService, request: mesh_pb2.CreateRootSessionRequest
-) -> mesh_pb2.CreateRootSessionResponse | RejectionReason:
-    try:
-        return await service.CreateRootSession(request, _Context())
-    except _Aborted as aborted:
-        return RejectionReason(reason_of_status(aborted.status))
-
-
-def reason_of_status(status: Any) -> str:
-    [value] = [v for k, v in status.trailing_metadata if k == DETAILS_METADATA_KEY]
-    info = error_details_pb2.ErrorInfo()
-    assert status_pb2.Status.FromString(value).details[0].Unpack(info)
-    return str(info.reason)
-
-
 async def tasks_of(mesh: InProcessMesh, session: str) -> list[str]:
     return [
         r.entry.content
@@ -317,18 +214,19 @@ async def test_an_unknown_preset_is_invalid_argument() -> None:
 async def test_a_creation_cut_by_its_caller_keeps_its_task_and_a_retry_finds_it() -> None:
     """The caller gives up after the header is written, before the initial task: the creation
     still ends with its task, and the retry (same request_id) waits for it and returns it."""
-    store = _HeldTaskStore()
+    store = FaultySessionStore()
+    held = store.faults.hold("append", when=writing(TaskEntry))
     async with in_process_mesh(presets(), store=store) as mesh:
         service = control(mesh)
         cut = asyncio.create_task(answer(service, create()))
-        await store.holding.wait()
+        await held.reached.wait()
         cut.cancel()
         with pytest.raises(asyncio.CancelledError):
             await cut
         retry = asyncio.create_task(answer(service, create()))
         await asyncio.sleep(0.01)
         assert not retry.done()  # waits for the creation under way
-        store.unblock.set()
+        held.release.set()
         found = await retry
         assert isinstance(found, mesh_pb2.CreateRootSessionResponse)
         assert found.session_id == root_session_id("r")
@@ -336,7 +234,7 @@ async def test_a_creation_cut_by_its_caller_keeps_its_task_and_a_retry_finds_it(
         assert await tasks_of(mesh, found.session_id) == ["The first task."]
 
 
-class _CountingReads(_StoreReads):
+class _CountingReads(StoreReads):
     def __init__(self, store: InMemorySessionStore) -> None:
         super().__init__(store)
         self.pages = 0
@@ -374,7 +272,7 @@ async def test_a_resident_sessions_usage_comes_from_its_agent_and_an_absent_ones
         assert len(records) > 2 * 2  # longer than two chunks
 
         resident = await service.GetSession(
-            mesh_pb2.GetSessionRequest(session_id=root.session_id, page_size=1), _Context()
+            mesh_pb2.GetSessionRequest(session_id=root.session_id, page_size=1), ServicerContext()
         )
         assert reads.pages == 1
         expected = session_usage(r.entry for r in records)
@@ -385,7 +283,7 @@ async def test_a_resident_sessions_usage_comes_from_its_agent_and_an_absent_ones
         assert mesh.manager.agent(child) is None  # the one-shot settled: absent
         reads.pages = 0
         absent = await service.GetSession(
-            mesh_pb2.GetSessionRequest(session_id=child, page_size=1), _Context()
+            mesh_pb2.GetSessionRequest(session_id=child, page_size=1), ServicerContext()
         )
         child_records = await mesh.transcript(child)
         chunks = -(-len(child_records) // 2)
@@ -403,7 +301,7 @@ async def test_a_resident_sessions_usage_comes_from_its_agent_and_an_absent_ones
             mesh_pb2.GetSessionRequest(
                 session_id=child, page_size=1, page_token=absent.next_page_token
             ),
-            _Context(),
+            ServicerContext(),
         )
         assert reads.pages == 3
         assert [e.seq for e in second.transcript] == [2] and second.usage == absent.usage
@@ -429,7 +327,7 @@ async def test_a_page_of_large_entries_is_cut_short_under_grpcs_limit_and_its_to
         while True:
             page = await service.GetSession(
                 mesh_pb2.GetSessionRequest(session_id=root.session_id, page_token=token),
-                _Context(),
+                ServicerContext(),
             )
             assert page.ByteSize() < 4 * 1024 * 1024
             assert len(page.transcript) >= 1
