@@ -119,8 +119,9 @@ class AgentHost(Protocol):
         it must stay available for is live). Called synchronously right before settling."""
         ...
 
-    async def inflight_settled(self, agent: Agent) -> None:
-        """Return once no send reserved for the agent is still on its way to the inbox."""
+    async def sends_in_inbox(self, agent: Agent) -> None:
+        """Return once every send reserved for the agent has its record in the inbox (none is
+        still on its way)."""
         ...
 
     async def left_over_turn_lost(self, agent: Agent, activation: Activation) -> None:
@@ -396,7 +397,7 @@ class Agent:
             waiting = self._waiting_call()
             if waiting is not None:
                 if self._in_doubt:
-                    await self._settle_doubt()
+                    await self._resolve_doubt()
                     continue
                 if self._approval_wait.cancel_reason is not None or self._halted:
                     await self._cancel_waiting(
@@ -474,7 +475,7 @@ class Agent:
         finally:
             self._approval_wait.cancel_reason = None
 
-    async def _settle_doubt(self) -> None:
+    async def _resolve_doubt(self) -> None:
         """While a call waits: take what landed unseen (a decision may be among it)."""
         with await self._gate.held():
             await self._take_landed()
@@ -789,7 +790,7 @@ class Agent:
         if not asked:
             # Before the turn ends, let sends admitted while it ran land: they were told
             # "steered", so they extend this turn rather than start another.
-            await self._host.inflight_settled(self)
+            await self._host.sends_in_inbox(self)
         if not await self._read_waiting() and not asked:
             return TurnOutcome.COMPLETED
         return None

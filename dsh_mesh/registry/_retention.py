@@ -185,7 +185,7 @@ class Retention:
         Each transaction's sessions are checked again just before it: nothing newer than
         ``cutoff`` in the log store (a turn that ran and settled since the tree was judged
         old, or was archived), and, in the transaction, no activation. What is left between
-        the two is a turn that both begins and settles within that one round trip."""
+        the two is a turn that both begins and ends within that one round trip."""
         deleted = 0
         namespace = await self._namespace_of(root)
         ordered = list(reversed(members))

@@ -474,7 +474,7 @@ class ContinuationManager:
         """Whether ``agent``'s activation may end now (no waking send, no live child)."""
         return self._settlements.may_settle(agent)
 
-    async def inflight_settled(self, agent: Agent) -> None:
+    async def sends_in_inbox(self, agent: Agent) -> None:
         """Return once every send holding ``agent`` has its record in its inbox."""
         session = agent.session_id
         await self.wait_until(lambda: self._admission.only_awaiting_admission(session))

@@ -106,7 +106,7 @@ class Outcome(enum.Enum):
     ACKED = "acked"
     REJECTED = "rejected"
     UNKNOWN = "unknown"
-    """No answer that settles it (the call or the asker's host died): landed once or not at all."""
+    """No answer that decides it (the call or the asker's host died): landed once or not at all."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -310,7 +310,7 @@ def _sends_of(
     sends: list[Send] = []
     asked: dict[str, tuple[Record, int, dict[str, object]]] = {}
 
-    def settle(call_id: str, result: Record | None) -> None:
+    def answered(call_id: str, result: Record | None) -> None:
         step, index, arguments = asked.pop(call_id)
         outcome, reason = _tool_outcome(result)
         sends.append(
@@ -332,12 +332,12 @@ def _sends_of(
                 if call.name != SEND_TOOL:
                     continue
                 if call.call_id in asked:
-                    settle(call.call_id, None)
+                    answered(call.call_id, None)
                 asked[call.call_id] = (record, index, _arguments(call.arguments_json))
         elif isinstance(record.entry, ToolResultEntry) and record.entry.call_id in asked:
-            settle(record.entry.call_id, record)
+            answered(record.entry.call_id, record)
     for call_id in list(asked):
-        settle(call_id, None)
+        answered(call_id, None)
     return sends
 
 

@@ -295,5 +295,5 @@ async def _drive(
     finally:
         await driver.heal()
     say(f"{rounds} rounds done; draining every inbox")
-    woken = await workload.settle()
+    woken = await workload.quiesce()
     return rounds, woken

@@ -18,7 +18,7 @@ what the transcript shows, not from a step count, so a turn cut short by a fault
 it stood, and nothing ping-pongs: only a round opens work.
 
 :class:`Workload` is the driver's side: it creates the roots, prompts the rounds through any
-live node (retrying under one idempotency key until the answer settles it), decides the calls
+live node (retrying under one idempotency key until an answer decides it), decides the calls
 waiting for approval, probes that refusals carry the right reason, and records every prompt as a
 :class:`~dsh_mesh.testing.Send`.
 """
@@ -639,7 +639,7 @@ class Workload:
             *(self.prompt(root, f"{text} {secrets.token_hex(4)}") for root in self.roots)
         )
 
-    async def settle(self, *, within: float = 120.0) -> int:
+    async def quiesce(self, *, within: float = 120.0) -> int:
         """Until the cluster is still: every session's inbound entries consumed, every call
         that waited for approval answered, and no transcript growing for three reads in a row
         (deciding what waits meanwhile; what the driver leaves alone expires). A session

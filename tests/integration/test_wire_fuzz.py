@@ -942,10 +942,10 @@ def send_expectation(
     return ACCEPT
 
 
-async def send_and_settle(
+async def send_and_resolve(
     wire: Wire, journal: Journal, cluster: LocalCluster, request: SendRequest, what: str
 ) -> Answer:
-    """Make the call, judge the answer, settle any doubt (a deadline cut an acceptable send:
+    """Make the call, judge the answer, resolve any doubt (a deadline cut an acceptable send:
     the same key with a fresh deadline tells) and journal the outcome."""
     answer = await wire.unary(
         request.node, SEND, request.payload(), request.metadata, request.timeout
@@ -993,7 +993,7 @@ async def test_fuzzed_send_message_gets_exactly_the_answer_its_fields_call_for(
     cluster: LocalCluster, world: World, wire: Wire, journal: Journal, case: SendCase
 ) -> None:
     request = plan_send(case, world, cluster, journal)
-    await send_and_settle(wire, journal, cluster, request, f"SendMessage {case!r}")
+    await send_and_resolve(wire, journal, cluster, request, f"SendMessage {case!r}")
 
 
 # -- raw bytes on every method path ---------------------------------------------------------
@@ -1708,7 +1708,7 @@ async def sent(
         expect=expect,
         oversize=False,
     )
-    return await send_and_settle(wire, journal, cluster, request, f"{sender} -> {target}")
+    return await send_and_resolve(wire, journal, cluster, request, f"{sender} -> {target}")
 
 
 def acceptance(answer: Answer) -> mesh_pb2.SendMessageResponse:
@@ -1970,7 +1970,7 @@ async def test_a_senders_trace_context_never_changes_acceptance(
             expect=ACCEPT,
             oversize=False,
         )
-        await send_and_settle(wire, journal, cluster, request, f"a send with baggage {value!r}")
+        await send_and_resolve(wire, journal, cluster, request, f"a send with baggage {value!r}")
 
 
 async def test_a_hop_count_beyond_any_integer_is_not_a_crash(
@@ -1989,7 +1989,7 @@ async def test_a_hop_count_beyond_any_integer_is_not_a_crash(
         expect=ACCEPT.or_refused(R.INVALID_ARGUMENT),
         oversize=False,
     )
-    await send_and_settle(wire, journal, cluster, request, "a send with x-dsh-hops 9*5000")
+    await send_and_resolve(wire, journal, cluster, request, "a send with x-dsh-hops 9*5000")
 
 
 @pytest.mark.parametrize("token", ["²", "٣", "9" * 5000, "1" * 4301])
