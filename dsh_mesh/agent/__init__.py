@@ -1,6 +1,6 @@
 """The agent loop: inbox, turns, steps, Steer and Queue delivery, interrupt, settlement."""
 
-from dsh_mesh.agent._agent import Agent, AgentHost, AgentState, Settlement
+from dsh_mesh.agent._agent import Agent, AgentHost, AgentState
 from dsh_mesh.agent._context import SUMMARY_INSTRUCTION
 from dsh_mesh.agent._inbox import Inbox
 from dsh_mesh.agent._render import (
@@ -11,6 +11,7 @@ from dsh_mesh.agent._render import (
     render,
     render_inbound,
 )
+from dsh_mesh.agent._settlement import Settlement
 
 __all__ = [
     "SUMMARY_FRAME",

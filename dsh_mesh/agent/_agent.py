@@ -8,70 +8,50 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import enum
-import itertools
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 from dsh_mesh import telemetry
 from dsh_mesh.agent._approval_wait import ApprovalWait, AwaitingApproval, DecisionWrites
-from dsh_mesh.agent._approvals import (
-    denied,
-    edited,
-)
-from dsh_mesh.agent._gate import BoundaryGate
-from dsh_mesh.agent._inbox import Inbox
+from dsh_mesh.agent._boundary import Boundary, HostCalls
+from dsh_mesh.agent._settlement import RunRecord, Settlement
+from dsh_mesh.agent._steps import Steps
 from dsh_mesh.agent._tool_calls import ToolCalls
 from dsh_mesh.agent._transcript import LocalTranscript
 from dsh_mesh.agent._turn import Turn
 from dsh_mesh.agent._window import ContextWindow, Writes
 from dsh_mesh.core import (
     EXPIRED_APPROVAL_REASON,
-    INBOUND_TYPES,
-    AbortSignal,
     Activation,
     AgentRef,
-    ApprovalDecision,
     ApprovalDecisionEntry,
     ApprovalRequestEntry,
-    ConsumedEntry,
     DeliveryKind,
-    DetachedWork,
     Entry,
     IdFactory,
     Record,
     SessionHeader,
     SessionId,
     SessionKind,
-    SettlementOutcome,
     TokensExhausted,
     ToolCall,
     TurnEndedEntry,
     TurnId,
     TurnOutcome,
     TurnStartedEntry,
-    recorded_step,
     unended_turn,
 )
 from dsh_mesh.models import (
-    FinishReason,
     ModelProvider,
 )
 from dsh_mesh.tools import (
     ApprovalPolicy,
     ContextPolicy,
-    ToolOutput,
     ToolSet,
     TurnLimits,
-    is_idempotent_by_key,
-    outcome_unknown,
 )
-
-T = TypeVar("T")
 
 
 class AgentState(enum.Enum):
@@ -82,29 +62,6 @@ class AgentState(enum.Enum):
     RUNNING = "running"
     SETTLED = "settled"
     """The activation has ended (or is ending); nothing more is admitted to this object."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Settlement:
-    """How an Activation's run ended, as the manager reports it to the parent."""
-
-    outcome: SettlementOutcome
-    terminal_output: str
-    detail: str = ""
-    trace: str = ""
-    """The ``traceparent`` of the final turn's span ("" when tracing is off)."""
-
-
-_SETTLEMENT_OF_TURN = {
-    TurnOutcome.COMPLETED: SettlementOutcome.COMPLETED,
-    TurnOutcome.ERROR: SettlementOutcome.ERROR,
-    TurnOutcome.CANCELLED: SettlementOutcome.CANCELLED,
-    TurnOutcome.TOKEN_EXHAUSTION: SettlementOutcome.TOKEN_EXHAUSTION,
-    TurnOutcome.LOST: SettlementOutcome.LOST,
-    # Only a root's run may end while a call waits for approval (passivated): it sends no
-    # notice. A child's run goes on until the call is decided.
-    TurnOutcome.AWAITING_APPROVAL: SettlementOutcome.COMPLETED,
-}
 
 
 class AgentHost(Protocol):
@@ -182,39 +139,34 @@ class Agent:
         self.context = context or ContextPolicy()
         self.approvals = approvals or ApprovalPolicy()
         self._transcript = LocalTranscript(records)
-        self._in_doubt = False
-        self._doubts = 0
-        """How often :meth:`doubt` was called: a read clears the doubt only if none came
-        while it read (its snapshot may predate that accept's record)."""
-        self._writes = DetachedWork()
-        """Writes started by a turn: each runs to its end even if the turn is interrupted
-        meanwhile, and the turn's close waits for them (:meth:`_finish_writes`), so nothing
-        lands after the turn's end."""
         self._recovering = False
         """Answering what an earlier activation left open (no turn: see steers_into_a_turn)."""
         self._provider = provider
         self._host = host
         self._ids = ids
-        self._inbox = Inbox()
-        self._gate = BoundaryGate()
         self._state = AgentState.IDLE
         self._work = asyncio.Event()
         self._released = asyncio.Event()
         self._turn: Turn | None = None
         """The running turn's own state (None between turns)."""
-        self._turns_run = 0
-        self._last_outcome = TurnOutcome.COMPLETED
-        self._last_turn_trace = ""
-        self._links: list[str] = []
-        self._last_detail = ""
+        self._run = RunRecord()
         self._passivating = False
         self._halted = False
         """Its subtree was stopped and closed: no turn starts; the activation ends."""
+        self._boundary = Boundary(
+            transcript=self._transcript,
+            host=HostCalls(
+                append=lambda entry: host.append(self, entry),
+                read_after=lambda seq: host.read_after(self, seq),
+                admitted=lambda records: host.admitted(self, records),
+                deliver=self.deliver,
+            ),
+        )
         self._calls = ToolCalls(
             caller=AgentRef(session_id=header.session_id, activation_id=activation.activation_id),
             tools=tools,
             transcript=self._transcript,
-            append=self._append,
+            append=self._boundary.append,
             executor=tool_executor,
         )
         self._approval_wait = ApprovalWait(
@@ -222,11 +174,11 @@ class Agent:
             policy=self.approvals,
             transcript=self._transcript,
             writes=DecisionWrites(
-                append=self._append,
-                append_durable=lambda entry: self._writes.run(self._host.append(self, entry)),
+                append=self._boundary.append,
+                append_durable=self._boundary.append_shielded,
                 deliver=self.deliver,
-                accepting=self._gate.accepting,
-                catch_up=lambda: self._catch_up(0),
+                accepting=self._boundary.accepting,
+                catch_up=lambda: self._boundary.catch_up(0),
                 doubt=self.doubt,
             ),
         )
@@ -240,11 +192,20 @@ class Agent:
             provider=provider,
             transcript=self._transcript,
             writes=Writes(
-                append=self._append,
-                at_boundary=self._at_boundary,
-                catch_up=self._catch_up,
+                append=self._boundary.append,
+                at_boundary=self._boundary.at_boundary,
+                catch_up=self._boundary.catch_up,
                 append_durable=lambda entry: self._host.append(self, entry),
             ),
+        )
+        self._steps = Steps(
+            session_id=header.session_id,
+            transcript=self._transcript,
+            window=self._window,
+            calls=self._calls,
+            approvals=self._approval_wait,
+            boundary=self._boundary,
+            sends_in_inbox=lambda: host.sends_in_inbox(self),
         )
 
     # -- identity and state -------------------------------------------------------------------
@@ -280,11 +241,11 @@ class Agent:
 
     @property
     def inbox_depth(self) -> int:
-        return len(self._inbox)
+        return len(self._boundary.inbox)
 
     @property
     def turns_run(self) -> int:
-        return self._turns_run
+        return self._run.turns_run
 
     @property
     def at_rest(self) -> bool:
@@ -318,8 +279,7 @@ class Agent:
         """An accept to this agent failed without knowing whether its append landed (its
         answer was lost): the next step boundary reads the transcript past what it holds and
         takes any inbound record it finds, so it leaves none behind (docs/adr/0007)."""
-        self._in_doubt = True
-        self._doubts += 1
+        self._boundary.doubt()
         self._work.set()  # a call waiting for approval may have its decision among what landed
 
     @contextlib.asynccontextmanager
@@ -327,7 +287,7 @@ class Agent:
         """Hold off this agent's step boundary while one inbound record is appended and
         delivered: the host wraps every accept in it, so a ``ConsumedEntry`` never has a lower
         seq than a Steer record it did not read (docs/adr/0007)."""
-        async with self._gate.accepting():
+        async with self._boundary.accepting():
             yield
 
     def deliver(self, record: Record) -> DeliveryKind:
@@ -338,7 +298,7 @@ class Agent:
         if self._state is AgentState.SETTLED:
             raise RuntimeError(f"{self.session_id}: delivery to a settled activation")
         self.record(record)
-        self._inbox.put(record)
+        self._boundary.inbox.put(record)
         self._work.set()
         return DeliveryKind.STEERED if self.steers_into_a_turn else DeliveryKind.STARTED_TURN
 
@@ -396,8 +356,8 @@ class Agent:
         while True:
             waiting = self._waiting_call()
             if waiting is not None:
-                if self._in_doubt:
-                    await self._resolve_doubt()
+                if self._boundary.in_doubt:
+                    await self._boundary.resolve_doubt()
                     continue
                 if self._approval_wait.cancel_reason is not None or self._halted:
                     await self._cancel_waiting(
@@ -406,19 +366,19 @@ class Agent:
                     continue
                 if await self._approval_wait.deny_if_expired(waiting, EXPIRED_APPROVAL_REASON):
                     continue
-            if len(self._inbox) and not self._halted and waiting is None:
+            if len(self._boundary.inbox) and not self._halted and waiting is None:
                 if await self._host.closed(self):  # closed before this turn (or activation)
                     self._halted = True
                     continue
-                await self._take_turn(self._inbox.take_turn_input())
+                await self._take_turn(self._boundary.inbox.take_turn_input())
                 continue
-            if waiting is not None and self._inbox.has_decision(waiting.call_id):
-                await self._take_turn(self._inbox.take_decisions(), going_on=True)
+            if waiting is not None and self._boundary.inbox.has_decision(waiting.call_id):
+                await self._take_turn(self._boundary.inbox.take_decisions(), going_on=True)
                 continue
-            if self._halted and len(self._inbox):
+            if self._halted and len(self._boundary.inbox):
                 # Nothing here reads them: their holds end, and they stay durable, unread, for
                 # the first activation after the subtree is reopened.
-                self._host.admitted(self, self._inbox.take_all())
+                self._host.admitted(self, self._boundary.inbox.take_all())
             may_end = self.header.kind is not SessionKind.ROOT or self._passivating or self._halted
             if waiting is not None and self.header.kind is not SessionKind.ROOT:
                 may_end = False  # a child's run goes on once the call is decided
@@ -426,7 +386,9 @@ class Agent:
                 self._state = AgentState.SETTLED
                 self._host.changed()
                 try:
-                    await self._host.settled(self, self._settlement())
+                    await self._host.settled(
+                        self, self._run.settlement(self._transcript.terminal_output())
+                    )
                 finally:
                     self._released.set()
                 return
@@ -471,26 +433,17 @@ class Agent:
         "not run". Another interrupt meanwhile changes nothing (see :meth:`interrupt`)."""
         await self._approval_wait.deny(call, f"the turn was cancelled ({detail})")
         try:
-            await self._take_turn(self._inbox.take_decisions(), going_on=True, interrupted=detail)
+            await self._take_turn(
+                self._boundary.inbox.take_decisions(), going_on=True, interrupted=detail
+            )
         finally:
             self._approval_wait.cancel_reason = None
 
-    async def _resolve_doubt(self) -> None:
-        """While a call waits: take what landed unseen (a decision may be among it)."""
-        with await self._gate.held():
-            await self._take_landed()
-
     async def _finish_left_over_turn(self) -> None:
         """Answer, durably, every call of the last step that an earlier activation left without
-        a result (its host died, was fenced or cut off mid-step), then end that activation's
-        unended turn as ``lost``. A call of a tool that is idempotent by key (the standard
-        tools) is carried out again under the call's own key: the repeat finds what the first
-        try did (the acceptance, the child) or does it now, so the answer is exact and the
-        effect happens once. Any other call is answered "outcome unknown", never run again.
-
-        A call that waits for approval stays open, and so do the calls after it: the turn
-        goes on from there once it is decided. A call that needed approval and never had a
-        decision read never ran: it is answered "not run" if no request was written for it."""
+        a result (:meth:`ToolCalls.answer_left_over`), then end that activation's unended turn
+        as ``lost`` and tell the parent. A call waiting for approval stays open: the turn goes
+        on from it once it is decided."""
         open_turn = unended_turn(self._transcript.records)
         step_seq, open_calls = self._transcript.last_step()
         if not open_calls and open_turn is None:
@@ -501,35 +454,9 @@ class Agent:
         self._state = AgentState.RUNNING
         self._recovering = True
         self._host.changed()
-        signal = AbortSignal()
-        never_ran = False
-        for index, call in open_calls:
-            tool = self.tools.get(call.name)
-            started: float | None = None
-            if call.refused:
-                output = ToolOutput(content=call.refused, is_error=True)
-            elif never_ran:
-                output = ToolOutput(
-                    content="not run: its host stopped before this call started", is_error=True
-                )
-            elif self.needs_approval(call) and not self._transcript.decision_read(call.call_id):
-                if self._transcript.asked(call.call_id) is not None:
-                    break  # it waits for (or has) a decision: the turn goes on from it
-                # Asked for by no request: its host stopped before it; the calls after it in
-                # the step run only after it, so none of them ran either.
-                never_ran = True
-                output = ToolOutput(
-                    content="not run: its host stopped before this call was approved",
-                    is_error=True,
-                )
-            elif tool is not None and is_idempotent_by_key(tool):
-                started = time.monotonic()
-                output = await self._calls.invoke(call, signal, step_seq=step_seq, index=index)
-            else:
-                output = outcome_unknown(call)
-            await self._calls.answer(call, output, started=started)
+        await self._calls.answer_left_over(step_seq, open_calls, self.needs_approval)
         if open_turn is not None:
-            await self._append(
+            await self._boundary.append(
                 TurnEndedEntry(
                     turn_id=open_turn.turn_id,
                     outcome=TurnOutcome.LOST,
@@ -550,90 +477,6 @@ class Agent:
         self._recovering = False
         self._host.changed()
 
-    def _settlement(self) -> Settlement | None:
-        if self._turns_run == 0:
-            return None
-        return Settlement(
-            outcome=_SETTLEMENT_OF_TURN[self._last_outcome],
-            terminal_output=self._transcript.terminal_output(),
-            detail=self._last_detail,
-            trace=self._last_turn_trace,
-        )
-
-    async def _append(self, entry: Entry) -> Record:
-        # Shielded: once a write starts it finishes and is kept locally, even if the turn is
-        # interrupted meanwhile. So the local transcript never lags the durable one.
-        async def write() -> Record:
-            record = await self._host.append(self, entry)
-            self.record(record)
-            return record
-
-        return await self._writes.run(write())
-
-    async def _finish_writes(self) -> None:
-        """Wait for every write an interrupted turn left running: the step or result being
-        written must be in the local transcript before the turn's open calls are closed."""
-        await self._writes.wait()
-
-    async def _read_waiting(self, first: Sequence[Record] = (), *, steered: bool = True) -> bool:
-        """The read of a step boundary (or of a turn's start, with the turn's ``first``
-        records): every Steer record waiting, in seq order, made durable as one
-        ``ConsumedEntry``. It holds the gate against accepts, so no Steer record durable before
-        that entry is left unread. False when there was nothing to read."""
-
-        async def read() -> list[Record]:
-            if self._in_doubt:
-                await self._take_landed()
-            # Going on from a call waiting for approval reads only decisions (a decision that
-            # landed unseen, just taken, among them); the rest waits for the boundary.
-            waiting = self._inbox.take_steered() if steered else self._inbox.take_decisions()
-            records = sorted([*first, *waiting], key=lambda r: r.seq)
-            if records:
-                record = await self._host.append(
-                    self, ConsumedEntry(seqs=tuple(r.seq for r in records))
-                )
-                self.record(record)
-                self._host.admitted(self, records)
-            return records
-
-        records = await self._at_boundary(read)
-        # The next step reads these: its span links to the spans that sent them.
-        self._links.extend(getattr(r.entry, "trace", "") for r in records)
-        return bool(records)
-
-    async def _at_boundary(self, write: Callable[[], Awaitable[T]]) -> T:
-        """Run ``write`` with the gate held against accepts: every inbound record durable
-        before what it writes is then in the inbox (docs/adr/0007). Shielded like any write
-        (see :meth:`_append`); the gate opens when its entry is durable, or failed."""
-        held = await self._gate.held()
-
-        async def written() -> T:
-            with held:
-                return await write()
-
-        return await self._writes.run(written())
-
-    async def _catch_up(self, through: int) -> None:
-        """Take what landed unseen, when in doubt or when a seq up to ``through`` is missing."""
-        if self._in_doubt or self._transcript.held_through < through:
-            await self._take_landed()
-
-    async def _take_landed(self) -> None:
-        """Deliver to this agent every inbound record that landed without its accept knowing
-        (the answer was lost). The doubt ends only once the read succeeded, and only if no
-        other doubt came while it read: a decision takes what landed with other accepts still
-        appending (:meth:`deciding`), and their lost answers are read next time."""
-        doubts = self._doubts
-        for record in await self._host.read_after(self, self._transcript.held_through):
-            if self.holds(record.seq):
-                continue
-            if isinstance(record.entry, INBOUND_TYPES):
-                self.deliver(record)
-            else:
-                self.record(record)
-        if self._doubts == doubts:
-            self._in_doubt = False
-
     async def _take_turn(
         self, first: list[Record], *, going_on: bool = False, interrupted: str | None = None
     ) -> None:
@@ -646,7 +489,7 @@ class Agent:
                 "dsh.turn.id": turn_id,
             },
         ) as turn_span:
-            self._last_turn_trace = turn_span.traceparent
+            self._run.started(turn_span.traceparent)
             turn = Turn(turn_id=turn_id, limits=self.limits)
             if interrupted is not None:
                 turn.interrupt(interrupted)  # its steps are cancelled as soon as they start
@@ -664,7 +507,7 @@ class Agent:
         self._turn = turn
         self._state = AgentState.RUNNING
         self._host.changed()
-        await self._append(
+        await self._boundary.append(
             TurnStartedEntry(
                 turn_id=turn.turn_id,
                 node_id=self.activation.node_id,
@@ -672,9 +515,9 @@ class Agent:
                 trace=trace,
             )
         )
-        await self._read_waiting(first, steered=not going_on)
+        await self._boundary.read_waiting(first, steered=not going_on)
         turn.steps = asyncio.create_task(
-            self._steps(turn, going_on=going_on), name=f"turn {turn.turn_id}"
+            self._steps.run(turn, going_on=going_on), name=f"turn {turn.turn_id}"
         )
         if turn.interrupting:
             turn.steps.cancel()  # interrupted while the turn was starting
@@ -696,101 +539,14 @@ class Agent:
         finally:
             turn.signal.abort("turn ended")
             turn.cancellable = False
-        await self._finish_writes()
+        await self._boundary.finish_writes()
         if outcome is not TurnOutcome.AWAITING_APPROVAL:
             await self._calls.close_open(turn, outcome)
-        await self._append(TurnEndedEntry(turn_id=turn.turn_id, outcome=outcome, detail=detail))
-        self._turns_run += 1
-        self._last_outcome, self._last_detail = outcome, detail
+        await self._boundary.append(
+            TurnEndedEntry(turn_id=turn.turn_id, outcome=outcome, detail=detail)
+        )
+        self._run.ended(outcome, detail)
         self._turn = None
         self._state = AgentState.IDLE
         self._host.changed()
         return outcome
-
-    async def _steps(self, turn: Turn, *, going_on: bool = False) -> TurnOutcome:
-        if going_on:
-            step_seq, open_calls = self._transcript.last_step()
-            with telemetry.span("dsh.step", attributes={"dsh.session.id": self.session_id}):
-                outcome = await self._calls_and_boundary(turn, step_seq, open_calls, asked=True)
-            if outcome is not None:
-                return outcome
-        for index in itertools.count():
-            links, self._links = self._links, []
-            with telemetry.span(
-                "dsh.step",
-                attributes={"dsh.session.id": self.session_id, "dsh.step.index": index},
-                links=links,
-            ):
-                outcome = await self._step(turn)
-            if outcome is not None:
-                return outcome
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    async def _step(self, turn: Turn) -> TurnOutcome | None:
-        """One model call and the tool calls it asked for, then the step boundary. Returns the
-        turn's outcome when the turn is over, None when another step follows. First, if the
-        context has reached its policy's mark, room is made (docs/context.md)."""
-        turn.count_model_call()
-        window = self._window
-        response = await window.call(await window.make_room(turn.count_tokens), turn.count_tokens)
-        # Recorded bounded and with one id per call (ADR 0038): what runs, is asked for
-        # approval and is answered below is the step as recorded, never the raw answer.
-        recorded = recorded_step(response.text, response.tool_calls, response.usage)
-        step = await self._append(recorded)
-        if response.finish_reason is FinishReason.LENGTH:
-            raise TokensExhausted("the model stopped at its token limit")
-        turn.count_tokens(response.usage)
-        turn.check_budget()
-        calls = list(enumerate(recorded.tool_calls))
-        return await self._calls_and_boundary(
-            turn, step.seq, calls, asked=bool(recorded.tool_calls)
-        )
-
-    async def _calls_and_boundary(
-        self,
-        turn: Turn,
-        step_seq: int,
-        calls: Sequence[tuple[int, ToolCall]],
-        *,
-        asked: bool,
-    ) -> TurnOutcome | None:
-        """Run ``calls`` of the step ``step_seq`` in order, each answered once, then the step
-        boundary. Raises :class:`AwaitingApproval` at a call that waits for a decision."""
-        for index, call in calls:
-            if call.refused:  # never run, never asked for (ADR 0038)
-                await self._calls.answer(call, ToolOutput(content=call.refused, is_error=True))
-                continue
-            decision = await self._approval_wait.decision_for(call, step_seq)
-            if decision is not None and decision.decision is ApprovalDecision.DENY:
-                await self._calls.answer(call, denied(decision))
-                continue
-            ran = call
-            if decision is not None and decision.decision is ApprovalDecision.EDIT:
-                ran = dataclasses.replace(call, arguments_json=decision.arguments_json)
-            with telemetry.span(
-                f"execute_tool {call.name}",
-                attributes={
-                    "gen_ai.operation.name": "execute_tool",
-                    "gen_ai.tool.name": call.name,
-                    "gen_ai.tool.call.id": call.call_id,
-                },
-            ) as tool_span:
-                turn.running_call = call.call_id
-                started = time.monotonic()
-                output = await self._calls.invoke(
-                    ran, turn.signal, step_seq=step_seq, index=index, turn=turn
-                )
-                turn.running_call = None
-                tool_span.set("dsh.tool.error", output.is_error)
-            if ran is not call:
-                assert decision is not None
-                output = edited(decision, output)
-            await self._calls.answer(call, output, started=started)
-        # Step boundary: every tool result of this step is recorded.
-        if not asked:
-            # Before the turn ends, let sends admitted while it ran land: they were told
-            # "steered", so they extend this turn rather than start another.
-            await self._host.sends_in_inbox(self)
-        if not await self._read_waiting() and not asked:
-            return TurnOutcome.COMPLETED
-        return None

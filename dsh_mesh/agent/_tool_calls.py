@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 
 from dsh_mesh.agent._transcript import LocalTranscript
@@ -34,8 +34,10 @@ from dsh_mesh.tools import (
     ToolInvocation,
     ToolOutput,
     ToolSet,
+    is_idempotent_by_key,
     is_standard_tool,
     limits_of,
+    outcome_unknown,
     run_limited,
 )
 
@@ -123,6 +125,50 @@ class ToolCalls:
                 duration_ms=elapsed,
             )
         )
+
+    async def answer_left_over(
+        self,
+        step_seq: int,
+        open_calls: Sequence[tuple[int, ToolCall]],
+        needs_approval: Callable[[ToolCall], bool],
+    ) -> None:
+        """Answer, durably, each of ``open_calls`` of the step ``step_seq`` that an earlier
+        activation left without a result (its host died, was fenced or cut off mid-step). A
+        call of a tool that is idempotent by key (the standard tools, a user tool declared
+        safe to replay) is carried out again under the call's own key: the repeat finds what
+        the first try did or does it now, so the answer is exact and the effect happens once.
+        Any other call is answered "outcome unknown", never run again.
+
+        A call that waits for approval stays open, and so do the calls after it: the turn
+        goes on from there once it is decided. A call that needed approval and never had a
+        decision read never ran: it is answered "not run" if no request was written for it."""
+        signal = AbortSignal()
+        never_ran = False
+        for index, call in open_calls:
+            tool = self._tools.get(call.name)
+            started: float | None = None
+            if call.refused:
+                output = ToolOutput(content=call.refused, is_error=True)
+            elif never_ran:
+                output = ToolOutput(
+                    content="not run: its host stopped before this call started", is_error=True
+                )
+            elif needs_approval(call) and not self._transcript.decision_read(call.call_id):
+                if self._transcript.asked(call.call_id) is not None:
+                    break  # it waits for (or has) a decision: the turn goes on from it
+                # Asked for by no request: its host stopped before it; the calls after it in
+                # the step run only after it, so none of them ran either.
+                never_ran = True
+                output = ToolOutput(
+                    content="not run: its host stopped before this call was approved",
+                    is_error=True,
+                )
+            elif tool is not None and is_idempotent_by_key(tool):
+                started = time.monotonic()
+                output = await self.invoke(call, signal, step_seq=step_seq, index=index)
+            else:
+                output = outcome_unknown(call)
+            await self.answer(call, output, started=started)
 
     async def close_open(self, turn: Turn, outcome: TurnOutcome) -> None:
         """Give every tool call of an ended turn a result, so the transcript stays renderable.
