@@ -1,7 +1,10 @@
-"""The agent loop: turns, steps, step boundaries, Steer, Queue, interrupt and settlement.
+"""The driver of one agent: its run loop, turns, interrupt, halt and settlement.
 
 One :class:`Agent` is the in-memory object of one Activation. Its driver (:meth:`Agent.run`)
-takes turns while its inbox has work and settles when its host says it may.
+takes turns while its inbox has work and settles when its host says it may. It composes the
+owners of its state (ADR 0042): the local transcript, what comes in and the step boundary, one
+object per turn, the steps, the tool calls, the approval wait, the context window and the run's
+record. None of them is handed the agent, and only the run loop changes the agent's own state.
 """
 
 from __future__ import annotations
