@@ -166,7 +166,7 @@ class Agent:
             ),
         )
         self._calls = ToolCalls(
-            caller=AgentRef(session_id=header.session_id, activation_id=activation.activation_id),
+            caller=lambda: self.ref,
             tools=tools,
             transcript=self._transcript,
             append=self._boundary.append,

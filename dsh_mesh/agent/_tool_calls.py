@@ -48,13 +48,14 @@ class ToolCalls:
     def __init__(
         self,
         *,
-        caller: AgentRef,
+        caller: Callable[[], AgentRef],
         tools: ToolSet,
         transcript: LocalTranscript,
         append: Callable[[Entry], Awaitable[Record]],
         executor: Executor | None = None,
     ) -> None:
         self._caller = caller
+        """The agent as a tool's caller now (its exact live activation)."""
         self._tools = tools
         self._transcript = transcript
         self._append = append
@@ -86,7 +87,7 @@ class ToolCalls:
         if not isinstance(arguments, dict):
             return ToolOutput(content="arguments must be a JSON object", is_error=True)
         invocation = ToolInvocation(
-            caller=self._caller,
+            caller=self._caller(),
             call=call,
             signal=signal,
             step_seq=step_seq,
