@@ -46,15 +46,8 @@ from dsh_mesh.core import (
     TurnStartedEntry,
     unended_turn,
 )
-from dsh_mesh.models import (
-    ModelProvider,
-)
-from dsh_mesh.tools import (
-    ApprovalPolicy,
-    ContextPolicy,
-    ToolSet,
-    TurnLimits,
-)
+from dsh_mesh.models import ModelProvider
+from dsh_mesh.tools import ApprovalPolicy, ContextPolicy, ToolSet, TurnLimits
 
 
 class AgentState(enum.Enum):
