@@ -11,6 +11,7 @@ from dsh_mesh.transport._auth import (
     ClusterCredential,
     caller_identity,
     caller_node,
+    token_identity,
 )
 from dsh_mesh.transport._certs import (
     CA_CERT_FILE,
@@ -111,5 +112,6 @@ __all__ = [
     "status_of",
     "to_rpc_status",
     "token_digest",
+    "token_identity",
     "wire_reason",
 ]

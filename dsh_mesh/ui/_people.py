@@ -30,6 +30,7 @@ from datetime import timedelta
 from enum import StrEnum
 
 from dsh_mesh.client import MeshClient
+from dsh_mesh.transport import token_identity
 
 MAX_SIGN_INS = 10_000
 """Signed-in browsers one view remembers; past it the longest idle is signed out."""
@@ -70,9 +71,8 @@ class Person:
 
     def shown(self) -> dict[str, str]:
         """What the page shows of who is signed in (never the token itself)."""
-        if self.by is SignedInBy.TOKEN:
-            digest = hashlib.sha256(self.token.encode()).hexdigest()[:12]
-            return {"by": self.by.value, "name": f"token:{digest}"}
+        if self.by is SignedInBy.TOKEN:  # as the node records the person's decisions
+            return {"by": self.by.value, "name": token_identity(self.token)}
         return {"by": self.by.value, "name": self.name or "the view's credential"}
 
 

@@ -583,6 +583,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "status_of",
         "to_rpc_status",
         "token_digest",
+        "token_identity",
         "wire_reason",
     ],
 }
