@@ -11,7 +11,7 @@ from dsh_mesh.agent._render import (
     render,
     render_inbound,
 )
-from dsh_mesh.agent._settlement import Settlement
+from dsh_mesh.agent._settlement import Settlement, settlement_outcome
 
 __all__ = [
     "SUMMARY_FRAME",
@@ -26,4 +26,5 @@ __all__ = [
     "frame_summary",
     "render",
     "render_inbound",
+    "settlement_outcome",
 ]

@@ -36,6 +36,11 @@ _SETTLEMENT_OF_TURN = {
 }
 
 
+def settlement_outcome(turn: TurnOutcome) -> SettlementOutcome:
+    """What a run whose last turn ended with ``turn`` reports."""
+    return _SETTLEMENT_OF_TURN[turn]
+
+
 class RunRecord:
     """The turns of one activation's run, as its settlement reports them."""
 
@@ -59,7 +64,7 @@ class RunRecord:
         if self.turns_run == 0:
             return None
         return Settlement(
-            outcome=_SETTLEMENT_OF_TURN[self._outcome],
+            outcome=settlement_outcome(self._outcome),
             terminal_output=terminal_output,
             detail=self._detail,
             trace=self._trace,

@@ -122,6 +122,10 @@ class NodeConfig:
     approval_sweep_interval: timedelta = timedelta(seconds=5)
     """How often the node looks for expired approval requests of absent agents and resumes
     them, so that they answer them as denied (docs/approvals.md)."""
+    sweep_interval: timedelta = timedelta(seconds=2)
+    """How often the node finishes what ended activations left (ADR 0043): the notices still
+    owed and the sessions left with unread entries, of its own released activations and of
+    the leases that died (each dead lease is swept by one live node, chosen by its id)."""
     history_file: Path | None = None
     """Where to append the node's store history (one JSON line per activation and durable
     write) for the history checker of ``dsh_mesh.testing``; ``None``: no history. For test
@@ -198,6 +202,8 @@ class NodeConfig:
             raise ValueError("retention_interval must be positive")
         if self.approval_sweep_interval <= timedelta(0):
             raise ValueError("approval_sweep_interval must be positive")
+        if self.sweep_interval <= timedelta(0):
+            raise ValueError("sweep_interval must be positive")
         if self.memory_high_water_mb is not None and self.memory_high_water_mb < 0:
             raise ValueError("memory_high_water_mb must not be negative (0: never passivate)")
         if self.plaintext:
@@ -297,6 +303,11 @@ _SETTINGS: tuple[tuple[str, str, str], ...] = (
         "approval_sweep_interval",
         "--approval-sweep-interval",
         "seconds between two looks for expired approval requests",
+    ),
+    (
+        "sweep_interval",
+        "--sweep-interval",
+        "seconds between two sweeps for what ended activations left",
     ),
     ("history_file", "--history-file", "append the store's history here (test runs)"),
 )
@@ -444,7 +455,7 @@ def _build(values: Mapping[str, Any]) -> NodeConfig:
     for name in ("retention_days", "idempotency_days"):
         if values.get(name) is not None:
             kwargs[name] = float(values[name])
-    for name in ("retention_interval", "approval_sweep_interval"):
+    for name in ("retention_interval", "approval_sweep_interval", "sweep_interval"):
         if values.get(name) is not None:
             kwargs[name] = timedelta(seconds=float(values[name]))
     if values.get("retention_archive_dir"):

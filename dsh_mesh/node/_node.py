@@ -34,6 +34,7 @@ from dsh_mesh.node._config import NodeConfig
 from dsh_mesh.node._expiry import ApprovalExpiry
 from dsh_mesh.node._router import ClusterRouter
 from dsh_mesh.node._scenario import Scenario
+from dsh_mesh.node._sweep import Sweep
 from dsh_mesh.node._threads import ToolThreads
 from dsh_mesh.registry import (
     ActivationEnded,
@@ -41,6 +42,7 @@ from dsh_mesh.registry import (
     DirectoryEvent,
     Etcd,
     EtcdSessionStore,
+    HeldIndex,
     Keys,
     LeaseKeeper,
     LeaseLost,
@@ -238,6 +240,9 @@ class Node:
         while not self._stopping.is_set():
             try:
                 await lease.grant()
+                # Among the holders before anything is won under it: once it dies, a sweep
+                # finds what it held (ADR 0043).
+                await HeldIndex(etcd, keys).register(lease.lease_id, self.config.node_id)
                 await self._register(etcd, keys, lease.lease_id, load=0)
             except MeshError as unreachable:
                 # etcd is away: stay fenced (NOT_SERVING, accepting nothing) and try again.
@@ -297,7 +302,14 @@ class Node:
         guarding = asyncio.create_task(self._guard_memory(manager), name="memory")
         retaining = asyncio.create_task(self._retain(retention, directory), name="retention")
         expiring = asyncio.create_task(self._expire(expiry, manager), name="approval expiry")
-        tasks = (keeping, stopping, publishing, guarding, retaining, expiring)
+        sweep = Sweep(
+            HeldIndex(etcd, keys),
+            node_id=self.config.node_id,
+            interval=self.config.sweep_interval,
+            live_nodes=lambda: directory.nodes().keys(),
+        )
+        sweeping = asyncio.create_task(sweep.run(manager, lease.lease_id), name="sweep")
+        tasks = (keeping, stopping, publishing, guarding, retaining, expiring, sweeping)
         try:
             await asyncio.wait((keeping, stopping), return_when=asyncio.FIRST_COMPLETED)
         finally:

@@ -24,6 +24,7 @@ from dsh_mesh.registry._directory import (
     TreeStopped,
 )
 from dsh_mesh.registry._etcd import Etcd, EtcdConfig, EtcdTls
+from dsh_mesh.registry._held import HeldIndex, Holder, Marker
 from dsh_mesh.registry._keys import Keys
 from dsh_mesh.registry._lease import LeaseConfig, LeaseKeeper, LeaseLost
 from dsh_mesh.registry._reads import FeedEvent, RegistryReads
@@ -42,10 +43,13 @@ __all__ = [
     "EtcdSessionStore",
     "EtcdTls",
     "FeedEvent",
+    "HeldIndex",
+    "Holder",
     "Keys",
     "LeaseConfig",
     "LeaseKeeper",
     "LeaseLost",
+    "Marker",
     "NodeInfo",
     "Pruned",
     "RegistryReads",

@@ -143,9 +143,12 @@ def compare(key: bytes, target: Target, result: Result, value: int | bytes) -> A
     return guard
 
 
-def put(key: bytes, value: bytes, *, lease: int = 0) -> Any:
-    """A put operation for a transaction."""
-    return rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value, lease=lease))
+def put(key: bytes, value: bytes, *, lease: int = 0, keep_lease: bool = False) -> Any:
+    """A put operation for a transaction. ``keep_lease`` keeps the key's own lease (whoever
+    holds it): the value changes, the key still ends with its holder."""
+    return rpc.RequestOp(
+        request_put=rpc.PutRequest(key=key, value=value, lease=lease, ignore_lease=keep_lease)
+    )
 
 
 def get(key: bytes) -> Any:
@@ -343,6 +346,12 @@ class Etcd:
         async with self._errors():
             reply = await self._client.refresh_lease(lease)
         return 0 if reply is None else int(reply.TTL)
+
+    async def lease_alive(self, lease: int) -> bool:
+        """Whether etcd still knows ``lease`` (granted, neither expired nor revoked)."""
+        async with self._errors():
+            info = await self._client.get_lease_info(lease)
+        return int(info.TTL) > 0
 
     async def revoke(self, lease: int) -> None:
         """Revoke ``lease``: every key bound to it is deleted at once. Idempotent: a lease etcd

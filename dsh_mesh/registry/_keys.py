@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from dsh_mesh.core import NodeId, SessionId
+from dsh_mesh.core import ActivationId, NodeId, SessionId
 
 _STAMP_DIGITS = 20
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -114,6 +114,29 @@ class Keys:
         return SessionId(key[len(self.activations) :].decode())
 
     @property
+    def holders(self) -> bytes:
+        """Prefix of every lease that ever held an activation and was not swept yet (durable:
+        no lease), valued with the node id that holds or held it (ADR 0043)."""
+        return self.prefix + b"holders/"
+
+    def holder(self, lease: int) -> bytes:
+        """``lease``'s key among the holders, written when its node registers with it."""
+        return self.holders + _lease_hex(lease)
+
+    def lease_of_holder(self, key: bytes) -> int:
+        """The lease a holder key names."""
+        return int(key[len(self.holders) :], 16)
+
+    def held(self, lease: int) -> bytes:
+        """Prefix of the held markers of ``lease``: one durable key per activation won under
+        it and not yet ended cleanly (ADR 0043)."""
+        return self.prefix + b"held/" + _lease_hex(lease) + b"/"
+
+    def held_marker(self, lease: int, session: SessionId, activation: ActivationId) -> bytes:
+        """The held marker of ``session``'s ``activation``, won under ``lease``."""
+        return self.held(lease) + session.encode() + b"/" + activation.encode()
+
+    @property
     def stops(self) -> bytes:
         """Prefix of the stops of subtrees (``TreeStop``, durable: no lease)."""
         return self.prefix + b"stops/"
@@ -148,6 +171,11 @@ def session_of_index_key(key: bytes) -> SessionId:
 def stamp_time(stamp: bytes) -> datetime:
     """The creation time an index key's stamp names (the inverse of the stamp)."""
     return _EPOCH + timedelta(microseconds=int(stamp))
+
+
+def _lease_hex(lease: int) -> bytes:
+    """A lease id as 16 hex digits: fixed width, so key order is lease order."""
+    return f"{lease:016x}".encode()
 
 
 def _stamp(created: datetime) -> bytes:

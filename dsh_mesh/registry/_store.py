@@ -139,6 +139,8 @@ class EtcdSessionStore:
         """Stops this store wrote, for a store without a directory (one that does see every
         node's: it follows them on its watch)."""
         self._fences: dict[ActivationId, int] = {}
+        self._markers: dict[ActivationId, bytes] = {}
+        """The held marker of each activation won here and not yet released (ADR 0043)."""
         self._commits = GroupCommit(log.append)
         """The appends waiting per session and the group commits running (ADR 0022)."""
 
@@ -331,13 +333,17 @@ class EtcdSessionStore:
             compare(header, Target.CREATE, Result.GREATER, 0),
         ]
         lease = self._lease()
-        success = [put(key, encode_activation(activation), lease=lease)]
-        # The tree's and the namespace's census of live members, kept with the activation.
+        value = encode_activation(activation)
+        marker = self._keys.held_marker(lease, session, activation.activation_id)
+        # Its held marker (durable: it outlives the lease, ADR 0043), and the tree's and the
+        # namespace's census of live members, kept with the activation.
+        success = [put(key, value, lease=lease), put(marker, value)]
         success += [put(live, b"", lease=lease) for live in await self._live_keys(session)]
         failure = [get(key), get(header)]
         for _ in range(_ACTIVATE_ATTEMPTS):
             response = await self._etcd.txn(compares, success, failure)
             if response.succeeded:
+                self._markers[activation.activation_id] = marker
                 fence = int(response.header.revision)
                 won = await self._fenced(activation, fence, read)
                 if won is not None:
@@ -351,6 +357,9 @@ class EtcdSessionStore:
                 if current.activation_id == activation.activation_id:
                     # Our own key: an earlier try won it and lost the answer, or passed the
                     # fence and failed to let go. Won either way only once the fence is up.
+                    self._markers[activation.activation_id] = self._keys.held_marker(
+                        int(current_kv.lease), session, activation.activation_id
+                    )
                     won = await self._fenced(activation, int(current_kv.create_revision), read)
                     if won is not None:
                         return won
@@ -400,15 +409,16 @@ class EtcdSessionStore:
         self._note(rebound)
         return rebound
 
-    async def release(self, activation: Activation) -> None:
+    async def release(self, activation: Activation, *, clean: bool = True) -> None:
         fence = self._fences.pop(activation.activation_id, None)
+        marker = self._markers.pop(activation.activation_id, None)
         if fence is None:
             return
         key = self._keys.activation(activation.session_id)
-        await self._etcd.txn(
-            [compare(key, Target.CREATE, Result.EQUAL, fence)],
-            await self._ending(activation.session_id, key),
-        )
+        ending = await self._ending(activation.session_id, key)
+        if clean and marker is not None:
+            ending.append(delete(marker))
+        await self._etcd.txn([compare(key, Target.CREATE, Result.EQUAL, fence)], ending)
         if self._directory is not None:
             self._directory.forget(activation)
 
@@ -416,18 +426,74 @@ class EtcdSessionStore:
         """Delete the activation key won at ``fence`` if it is still that one. A failure is
         logged, not raised: the caller is already failing, and the key ends with the lease."""
         self._fences.pop(activation.activation_id, None)
+        marker = self._markers.pop(activation.activation_id, None)
         key = self._keys.activation(activation.session_id)
         try:
+            # Nothing ran under it: its marker goes with it.
+            ending = await self._ending(activation.session_id, key)
+            if marker is not None:
+                ending.append(delete(marker))
             await asyncio.shield(
-                self._etcd.txn(
-                    [compare(key, Target.CREATE, Result.EQUAL, fence)],
-                    await self._ending(activation.session_id, key),
-                )
+                self._etcd.txn([compare(key, Target.CREATE, Result.EQUAL, fence)], ending)
             )
         except Exception as failure:  # the lease ends it, as it ends any key of a dead node
             _log.warning("%s: could not release a failed resume (%s)", activation, failure)
         if self._directory is not None:
             self._directory.forget(activation)
+
+    async def live_children(self, session: SessionId) -> list[Activation]:
+        return [child for child, _ in await self._live_children(session)]
+
+    async def adopt_children(self, parent: Activation) -> list[Activation]:
+        """Re-bind every live child of ``parent``'s session to ``parent``, each in a transaction
+        that holds only while ``parent`` is still its session's activation (its own authority,
+        ADR 0043) and the child's activation is still the one read. The child's key keeps its
+        own lease: it still ends with the child's node."""
+        fence = self._fences.get(parent.activation_id)
+        if fence is None:
+            raise ActivationFenced(f"{parent.session_id}: {parent.activation_id} is not held here")
+        parent_key = self._keys.activation(parent.session_id)
+        adopted: list[Activation] = []
+        for child, revision in await self._live_children(parent.session_id):
+            if child.parent_activation == parent.activation_id:
+                continue
+            key = self._keys.activation(child.session_id)
+            rebound = child.rebound(parent.activation_id)
+            response = await self._etcd.txn(
+                [
+                    compare(parent_key, Target.CREATE, Result.EQUAL, fence),
+                    compare(key, Target.MOD, Result.EQUAL, revision),
+                ],
+                [put(key, encode_activation(rebound), keep_lease=True)],
+            )
+            if response.succeeded:
+                adopted.append(rebound)
+        return adopted
+
+    async def _live_children(self, session: SessionId) -> list[tuple[Activation, int]]:
+        """The current activations of ``session``'s children with their keys' mod revisions,
+        found among its tree's live members (bounded by the tree's limits, ADR 0030)."""
+        header = await self.get_header(session)
+        if header is None:
+            raise SessionUnknown(session)
+        prefix = self._keys.live(await self._root_of(header))
+        members: list[SessionId] = []
+        start: bytes | None = None
+        while True:
+            response = await self._etcd.get_prefix(prefix, start=start, limit=1000, keys_only=True)
+            members += [SessionId(kv.key[len(prefix) :].decode()) for kv in response.kvs]
+            if not response.more:
+                break
+            start = response.kvs[-1].key + b"\0"
+        found: list[tuple[Activation, int]] = []
+        for member in members:
+            member_header = await self.get_header(member)
+            if member_header is None or member_header.parent_session != session:
+                continue
+            kv = await self._etcd.get(self._keys.activation(member))
+            if kv is not None:
+                found.append((decode_activation(kv.value), int(kv.mod_revision)))
+        return found
 
     async def _live_keys(self, session: SessionId) -> list[bytes]:
         """``session``'s keys among its namespace's live sessions and, for a child, among its

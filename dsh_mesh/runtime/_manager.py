@@ -50,6 +50,7 @@ from dsh_mesh.runtime._creation import Creations
 from dsh_mesh.runtime._delivery import Deliveries
 from dsh_mesh.runtime._limits import CreationGuard
 from dsh_mesh.runtime._placement import ClusterForwarder, LocalPlacement, Placement
+from dsh_mesh.runtime._recovery import Recovery
 from dsh_mesh.runtime._residency import Residency
 from dsh_mesh.runtime._router import Router
 from dsh_mesh.runtime._settlement import Settlements
@@ -145,6 +146,13 @@ class ContinuationManager:
             changes=self._changes,
             attempts=config.notice_attempts,
             backoff=config.notice_backoff,
+        )
+        self._recovery = Recovery(
+            store=store,
+            settlements=self._settlements,
+            residency=self._residency,
+            children=children,
+            placement=placement,
         )
         self._deliveries = Deliveries(
             store=store,
@@ -461,8 +469,23 @@ class ContinuationManager:
 
     async def activation_ended(self, ended: Activation) -> None:
         """React to an activation key vanishing from the registry: a child of a parent resident
-        here whose notice never came was lost with its host; the parent hears so."""
-        await self._settlements.activation_ended(ended)
+        here whose notice never came was lost with its host (or its notice failed); the parent
+        gets the notice its transcript tells at once."""
+        await self._recovery.activation_ended(ended)
+
+    async def recover(self, ended: Activation) -> bool:
+        """Finish what ``ended``, an activation that ended without a clean release, left: its
+        notice, and a resume of its session if that still needs a reader (ADR 0043). False
+        when ``ended`` is still current (nothing ended yet). Safe to repeat."""
+        return await self._recovery.recover(ended)
+
+    def unfinished(self) -> list[Activation]:
+        """Activations this manager released without a clean end, not yet finished."""
+        return self._residency.unfinished()
+
+    def finished(self, ended: Activation) -> None:
+        """What ``ended`` left is done (:meth:`recover` returned True and its marker went)."""
+        self._residency.finished(ended)
 
     # -- AgentHost ------------------------------------------------------------------------------
 

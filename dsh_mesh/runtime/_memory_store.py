@@ -90,10 +90,25 @@ class InMemorySessionStore:
         self._activations[activation.session_id] = rebound
         return rebound
 
-    async def release(self, activation: Activation) -> None:
+    async def release(self, activation: Activation, *, clean: bool = True) -> None:
         current = self._activations.get(activation.session_id)
         if current is not None and current.activation_id == activation.activation_id:
             del self._activations[activation.session_id]
+
+    async def live_children(self, session: SessionId) -> list[Activation]:
+        return [
+            activation
+            for child, activation in self._activations.items()
+            if self._headers[child].parent_session == session
+        ]
+
+    async def adopt_children(self, parent: Activation) -> list[Activation]:
+        self._fence(parent.session_id, parent.activation_id)
+        adopted = []
+        for child in await self.live_children(parent.session_id):
+            if child.parent_activation != parent.activation_id:
+                adopted.append(await self.rebind(child, parent.activation_id))
+        return adopted
 
     async def append(
         self,

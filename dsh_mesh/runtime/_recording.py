@@ -124,8 +124,14 @@ class RecordingStore:
     async def rebind(self, activation: Activation, parent_activation: ActivationId) -> Activation:
         return await self._store.rebind(activation, parent_activation)
 
-    async def release(self, activation: Activation) -> None:
-        await self._store.release(activation)
+    async def live_children(self, session: SessionId) -> list[Activation]:
+        return await self._store.live_children(session)
+
+    async def adopt_children(self, parent: Activation) -> list[Activation]:
+        return await self._store.adopt_children(parent)
+
+    async def release(self, activation: Activation, *, clean: bool = True) -> None:
+        await self._store.release(activation, clean=clean)
         self._log.event(
             "released", session=activation.session_id, activation=activation.activation_id
         )

@@ -106,6 +106,8 @@ class Residency:
         self._drivers: dict[SessionId, asyncio.Task[None]] = {}
         self._resuming: dict[SessionId, asyncio.Task[Agent]] = {}
         self._activating: set[ActivationId] = set()
+        self._unfinished: dict[ActivationId, Activation] = {}
+        """Activations released here without a clean end (ADR 0043)."""
         """Activations of new sessions won here whose agent is not started yet."""
         self._group: asyncio.TaskGroup | None = None
         self._stack = contextlib.AsyncExitStack()
@@ -153,7 +155,9 @@ class Residency:
         held = [agent.activation for agent in self._agents.values()]
         self.shutdown()
         for activation in held:
-            await self._store.release(activation)
+            # Not clean: a drained child's notice and a drained agent's unread entries are
+            # the sweep's to finish once this node's lease is gone (ADR 0043).
+            await self._store.release(activation, clean=False)
 
     def passivate_idle(self, limit: int, *, may_settle: Callable[[Agent], bool]) -> int:
         """Ask up to ``limit`` idle agents that ``may_settle`` to end, longest resident first;
@@ -303,6 +307,21 @@ class Residency:
         )
         self._changes.changed()
 
+    async def release(self, activation: Activation, *, clean: bool) -> None:
+        """End ``activation`` in the store. Unless ``clean``, it is also kept among the
+        :meth:`unfinished` ones, for this node to finish what it left (ADR 0043)."""
+        if not clean:
+            self._unfinished[activation.activation_id] = activation
+        await self._store.release(activation, clean=clean)
+
+    def unfinished(self) -> list[Activation]:
+        """The activations released here without a clean end, not yet :meth:`finished`."""
+        return list(self._unfinished.values())
+
+    def finished(self, activation: Activation) -> None:
+        """What ``activation`` left is done: it is unfinished no more."""
+        self._unfinished.pop(activation.activation_id, None)
+
     def forget(self, agent: Agent) -> None:
         """``agent`` is resident here no more (settled, fenced or failed)."""
         if self._agents.get(agent.session_id) is agent:
@@ -395,7 +414,7 @@ class Residency:
             # every send to the session would be routed here and back for ever. Only this
             # node can end it (fenced by its create revision), then win the session anew.
             _log.warning("%s: releasing %s, held here by no agent", target, held.activation_id)
-            await self._store.release(held)
+            await self.release(held, clean=False)
             resumption = await self._store.try_resume(activation, unless_known=key)
         if key is not None and resumption.known is not None:
             raise AlreadyAccepted(key, resumption.known)
@@ -410,6 +429,9 @@ class Residency:
         )
         try:
             agent = self.make_agent(header, activation, records, self._resume_filter)
+            # Its live children answer to this activation from now on, without waiting for
+            # it to speak to them first (ADR 0043).
+            await self._store.adopt_children(activation)
         except MeshError:
             await self._store.release(activation)  # won, but nothing will run it here
             raise
@@ -447,4 +469,4 @@ class Residency:
                 _log.exception("%s: driver failed, releasing", agent.session_id)
             self.forget(agent)
             with contextlib.suppress(MeshError):
-                await self._store.release(agent.activation)
+                await self.release(agent.activation, clean=False)

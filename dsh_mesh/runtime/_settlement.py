@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
+from typing import TypeVar
 
 from dsh_mesh import telemetry
 from dsh_mesh.agent import Agent, AgentState, Settlement
@@ -14,29 +15,28 @@ from dsh_mesh.core import (
     Activation,
     ActivationFenced,
     ActivationId,
-    AssistantStepEntry,
     DeadlineExceeded,
     DeliveryKind,
     DetachedWork,
     NodeId,
     PeerUnavailable,
-    Record,
-    SessionHeader,
     SessionId,
     SettlementNoticeEntry,
-    SettlementOutcome,
     TargetElsewhere,
+    TreeClosed,
 )
 from dsh_mesh.runtime._acceptance import Acceptor
 from dsh_mesh.runtime._admission import AdmissionLedger, Reservation
 from dsh_mesh.runtime._changes import ChangeSignal
 from dsh_mesh.runtime._children import ChildLedger
+from dsh_mesh.runtime._notices import derived_notice
 from dsh_mesh.runtime._placement import Placement
-from dsh_mesh.runtime._residency import Residency
+from dsh_mesh.runtime._residency import AlreadyAccepted, Residency
 from dsh_mesh.runtime._store import Acceptance, IdempotencyKey, SessionStore
 from dsh_mesh.runtime._writes import WAITED_OUT, OutageTolerantWriter
 
 _log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class Settlements:
@@ -89,6 +89,7 @@ class Settlements:
         notice knows the host went away)."""
         session = agent.session_id
         parent = agent.header.parent_session
+        clean = False
         try:
             if settlement is not None and parent is not None:
                 notice = SettlementNoticeEntry(
@@ -102,31 +103,14 @@ class Settlements:
                 )
                 telemetry.settled(notice.outcome.value, notice.child_kind.value)
                 await self.notify(parent, notice)
+            clean = True
         finally:
-            await self._store.release(agent.activation)
+            # A notice that could not be delivered stays owed: the activation's held marker
+            # stays, and whoever finishes it (this node, or a sweep) delivers it (ADR 0043).
+            await self._residency.release(agent.activation, clean=clean)
             self._residency.forget(agent)
             if parent is not None:
                 self._child_settled(parent, session, agent.activation.activation_id)
-
-    async def activation_ended(self, ended: Activation) -> None:
-        """An activation key vanished from the registry. If it was a child of a parent resident
-        here and no notice was delivered for it, its host went away: the parent gets the
-        ``lost`` notice with the child's last durable output."""
-        if self._children.noticed(ended.activation_id):
-            return
-        own = self._residency.agent(ended.session_id)
-        if own is not None and own.activation.activation_id == ended.activation_id:
-            return  # settling here; it sends its notice itself
-        header = await self._store.get_header(ended.session_id)
-        if header is None or header.parent_session is None:
-            return
-        if self._residency.live(header.parent_session) is None:
-            return
-        output = await self._waiting_out_outages(
-            lambda: self._last_output_of(ended.session_id), f"the output of {ended.session_id}"
-        )
-        if not self._children.noticed(ended.activation_id):
-            await self._notify_lost(header.parent_session, header, ended, output)
 
     async def left_over_turn_lost(self, agent: Agent, activation: Activation) -> None:
         """``agent`` found a turn of its earlier ``activation`` unended: that activation was
@@ -134,10 +118,14 @@ class Settlements:
         parent = agent.header.parent_session
         if parent is None or self._children.noticed(activation.activation_id):
             return
-        await self._notify_lost(parent, agent.header, activation, _last_output(agent.records))
+        notice = derived_notice(agent.header, activation, agent.records)
+        if notice is None:
+            return
+        telemetry.settled(notice.outcome.value, notice.child_kind.value)
+        await self.notify(parent, notice)
         self._children.note_noticed((activation.activation_id,))
 
-    async def _waiting_out_outages(self, read: Callable[[], Awaitable[str]], what: str) -> str:
+    async def waiting_out_outages(self, read: Callable[[], Awaitable[T]], what: str) -> T:
         """``read()``, again after each registry or log-store outage until it answers, as the
         notice's own write waits: a host lost during an outage still gets its ``lost`` notice
         (found by the fault run's database kill, issue 18). Ends when this node stops."""
@@ -148,39 +136,6 @@ class Settlements:
             except WAITED_OUT as away:
                 _log.warning("reading %s waits: %s", what, away)
             delay = await self._writer.pause(delay, f"reading {what} waited")
-
-    async def _last_output_of(self, session: SessionId) -> str:
-        """The last assistant text ``session`` made durable, read from the end back a page at
-        a time (its last step is usually in the last page, however long the transcript)."""
-        last = await self._store.last(session)
-        end = 0 if last is None else last.seq
-        while end > 0:
-            start = max(0, end - _TAIL_PAGE)
-            output = _last_output(
-                await self._store.read(session, after_seq=start, limit=end - start)
-            )
-            if output:
-                return output
-            end = start
-        return ""
-
-    async def _notify_lost(
-        self,
-        parent: SessionId,
-        child: SessionHeader,
-        activation: Activation,
-        output: str,
-    ) -> None:
-        notice = SettlementNoticeEntry(
-            child_session=child.session_id,
-            child_activation=activation.activation_id,
-            child_kind=child.kind,
-            outcome=SettlementOutcome.LOST,
-            terminal_output=output,
-            detail=f"host {activation.node_id} went away",
-        )
-        telemetry.settled(notice.outcome.value, notice.child_kind.value)
-        await self.notify(parent, notice)
 
     async def notify(self, parent: SessionId, notice: SettlementNoticeEntry) -> None:
         """Deliver ``notice`` to ``parent`` wherever it is: durable at the parent either way; a
@@ -219,7 +174,7 @@ class Settlements:
             if agent is not None:
                 await agent.wait_released()
                 continue
-            elsewhere = await self._placement.elsewhere(parent, place=False, fresh=attempt > 0)
+            elsewhere = await self._placement.elsewhere(parent, place=True, fresh=attempt > 0)
             if elsewhere is not None:
                 hand_off = functools.partial(self._hand_notice, parent=parent, notice=notice)
 
@@ -231,14 +186,34 @@ class Settlements:
                 except (PeerUnavailable, ActivationFenced, TargetElsewhere, DeadlineExceeded):
                     continue  # that node no longer hosts the parent: look again
                 return
+            # Absent, and placed here: it is woken to read the notice now, not left for
+            # whoever speaks to it next (nobody might: ADR 0043).
             try:
-                await self._store.append(
-                    parent, notice, writer=None, idempotency=(key, _notice_acceptance(key, None))
-                )
-            except ActivationFenced:
-                continue  # the parent became resident meanwhile: deliver to that activation
+                with self._admission.reserve(parent) as reservation:
+                    woken, _ = await self._residency.resident(parent, None, key)
+                    await reservation.hand_to(
+                        self._work, functools.partial(self._accept, woken, notice, key)
+                    )
+            except AlreadyAccepted:
+                return  # accepted already (by an earlier try whose answer was lost)
+            except TargetElsewhere:
+                continue  # another node won the parent meanwhile: deliver there
+            except TreeClosed:
+                # Its subtree is stopped: durable, unread, for its first activation after
+                # the subtree is reopened.
+                await self._append_absent(parent, notice, key)
             return
         raise ActivationFenced(f"{parent}: kept changing residency while a notice was delivered")
+
+    async def _append_absent(
+        self, parent: SessionId, notice: SettlementNoticeEntry, key: IdempotencyKey
+    ) -> None:
+        try:
+            await self._store.append(
+                parent, notice, writer=None, idempotency=(key, _notice_acceptance(key, None))
+            )
+        except ActivationFenced:
+            return  # resident again meanwhile: it reads the notice once reopened and written
 
     async def _hand_notice(
         self, node: NodeId, *, parent: SessionId, notice: SettlementNoticeEntry
@@ -277,15 +252,3 @@ def _notice_acceptance(key: IdempotencyKey, parent: Agent | None) -> Acceptance:
         kind=DeliveryKind.STEERED,
         fingerprint=f"notice {key.key}",
     )
-
-
-_TAIL_PAGE = 100
-"""Records read at a time, from the end back, to find a lost child's last output."""
-
-
-def _last_output(records: Sequence[Record]) -> str:
-    """The last assistant text a session made durable: a lost child's terminal output."""
-    for record in reversed(records):
-        if isinstance(record.entry, AssistantStepEntry) and record.entry.text:
-            return record.entry.text
-    return ""

@@ -136,8 +136,21 @@ class SessionStore(Protocol):
         ``ActivationFenced`` if ``activation`` is no longer current."""
         ...
 
-    async def release(self, activation: Activation) -> None:
-        """End ``activation`` if it is still current; a no-op otherwise (idempotent)."""
+    async def release(self, activation: Activation, *, clean: bool = True) -> None:
+        """End ``activation`` if it is still current; a no-op otherwise (idempotent). Unless
+        ``clean`` (its notice is still owed, or it may leave entries unread), its held marker
+        stays for the sweep to finish what it left (ADR 0043)."""
+        ...
+
+    async def live_children(self, session: SessionId) -> list[Activation]:
+        """The current activations of ``session``'s children that are resident somewhere."""
+        ...
+
+    async def adopt_children(self, parent: Activation) -> list[Activation]:
+        """Re-bind each live child of ``parent``'s session to ``parent``, by ``parent``'s own
+        authority (only while it is current), so that its children may message it at once
+        (ADR 0043). Returns the children re-bound. Raises ``ActivationFenced`` when
+        ``parent`` is not held here."""
         ...
 
     async def append(

@@ -275,10 +275,16 @@ class FaultySessionStore(InMemorySessionStore):
             lambda: InMemorySessionStore.rebind(self, activation, parent_activation),
         )
 
-    async def release(self, activation: Activation) -> None:
+    async def release(self, activation: Activation, *, clean: bool = True) -> None:
         await self.faults.run(
-            StoreCall("release", {"activation": activation}),
-            lambda: InMemorySessionStore.release(self, activation),
+            StoreCall("release", {"activation": activation, "clean": clean}),
+            lambda: InMemorySessionStore.release(self, activation, clean=clean),
+        )
+
+    async def adopt_children(self, parent: Activation) -> list[Activation]:
+        return await self.faults.run(
+            StoreCall("adopt_children", {"parent": parent}),
+            lambda: InMemorySessionStore.adopt_children(self, parent),
         )
 
     async def append(

@@ -38,6 +38,7 @@ from dsh_mesh.core import (
     TargetUnknown,
     TaskEntry,
     ToolResultEntry,
+    TurnId,
     TurnStartedEntry,
     canonical_json,
 )
@@ -751,6 +752,13 @@ def reads_noted(store: FaultySessionStore) -> list[int | None]:
     return limits
 
 
+def gone_turn() -> TurnStartedEntry:
+    """The start of a turn of activation ``a-gone`` on ``n1``, a host that then died."""
+    return TurnStartedEntry(
+        turn_id=TurnId("t-gone"), node_id=NodeId("n1"), activation_id=ActivationId("a-gone")
+    )
+
+
 async def test_a_lost_childs_last_output_is_found_from_the_end_back_in_pages() -> None:
     """The lost notice carries the child's last output; finding it reads the transcript from
     its end, a page at a time, never the whole of a long one (issue 18)."""
@@ -761,6 +769,7 @@ async def test_a_lost_childs_last_output_is_found_from_the_end_back_in_pages() -
         first_node.scripted.program("helper", Reply(text="the last finding"))
         await first_node.manager.create_root("Lead.", preset="lead")
         await first_node.manager.quiescent()
+    await store.append(CHILD, gone_turn(), writer=None)  # then a host that died mid-turn
     for n in range(250):  # a long tail after it with no text of its own
         await store.append(
             CHILD, ToolResultEntry(call_id=f"c{n}", name="search", content="x"), writer=None
@@ -797,6 +806,7 @@ async def test_a_child_lost_while_the_log_store_is_away_still_gets_its_lost_noti
         first_node.scripted.program("helper", Reply(text="the last finding"))
         await first_node.manager.create_root("Lead.", preset="lead")
         await first_node.manager.quiescent()
+    await store.append(CHILD, gone_turn(), writer=None)  # a host that died mid-turn
     parent = await store.current_activation(ROOT)
     if parent is not None:
         await store.release(parent)

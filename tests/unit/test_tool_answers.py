@@ -111,13 +111,16 @@ async def _die_then_resume(
     resume: Callable[[], Awaitable[list[SessionId]]],
 ) -> None:
     """Node one creates the root and runs until the store reaches the chosen write; its host
-    dies there. Then node two activates the sessions ``resume`` names, in that order."""
+    dies there. Then node two activates the sessions ``resume`` names, in that order. A root
+    that died with them is woken on node two by its child's notice (ADR 0043): there it only
+    reads it."""
     store = host.store
     async with manager_on(store, "node-1", programs, presets) as node_one:
         await node_one.create_root("Lead.", preset="lead", session_id=ROOT)
         await host.reached.wait()
         host.die()
     await host.lapse()
+    programs = {**programs, "lead": (Reply(text="noted"),) * 4}
     async with manager_on(host.for_node_two(), "node-2", programs, presets) as node_two:
         for session in await resume():
             await node_two.resume(session)
