@@ -25,8 +25,10 @@ test: $(STAMP) check unit
 bench: $(STAMP)
 	$(PY) -m bench
 
-# The long fault run: 30 minutes on the multi-host test bed (root), then the history checker's
-# verdict. SOAK_ARGS passes options, for example SOAK_ARGS="--seed 7 --minutes 5".
+# The long fault run: 30 minutes on the multi-host test bed (root), lease TTL 2 s, every fault
+# (etcd outages among them), nothing nudging the trees; then up to TTL + sweep + 30 s for every
+# tree to finish its round, and the history checker's verdict, liveness counts included
+# (docs/faults.md). SOAK_ARGS passes options, for example SOAK_ARGS="--seed 7 --minutes 5".
 soak: $(STAMP)
 	$(PY) -m dsh_mesh.testing.soak $(SOAK_ARGS)
 

@@ -23,6 +23,8 @@ class Sizes:
     levels: tuple[int, ...] = (1, 16, 64)
     cold_resumes: int
     crashes: int
+    root_failovers: int
+    """Kills of a root's host while a client retries its prompt (the ``crash`` section)."""
     agents: tuple[int, ...]
     """Idle resident agents on one node, cumulative steps."""
     sessions: tuple[int, ...]
@@ -67,6 +69,7 @@ FULL = Sizes(
     warmup=100,
     cold_resumes=20,
     crashes=3,
+    root_failovers=10,
     agents=(1_000, 10_000, 50_000),
     sessions=(100, 10_000, 100_000),
     session_calls=2000,
@@ -92,6 +95,7 @@ QUICK = Sizes(
     warmup=5,
     cold_resumes=2,
     crashes=1,
+    root_failovers=2,
     agents=(50, 100, 200),
     sessions=(100, 300, 1_000),
     session_calls=40,

@@ -19,6 +19,7 @@ from bench._cluster import (
 from bench._common import SQLITE, Bed
 from bench._measure import percentile
 from bench._report import Figure
+from bench.failover import measure_root_failover
 from bench.floors import hop_and_append
 from dsh_mesh.core import ActivationId, AgentMessageEntry, DeliveryKind, MeshError, SessionId
 from dsh_mesh.testing import MeshReader
@@ -91,7 +92,8 @@ async def measure_crash_resume(bed: Bed) -> None:
     """SIGKILL of the node hosting a child in mid-turn; from the kill, its parent's node keeps
     sending to it (one retry every 10 ms, the same idempotency key) until the message is
     accepted, which cold-resumes the child on a live node. Also timed: the kill until the dead
-    activation is gone from etcd (the lease expired)."""
+    activation is gone from etcd (the lease expired). Then a root's host killed while a client
+    retries its prompt (:mod:`bench.failover`)."""
     to_live: list[float] = []
     to_expiry: list[float] = []
     ttl = 0.0
@@ -119,6 +121,7 @@ async def measure_crash_resume(bed: Bed) -> None:
         curve.add("kill -> activation gone", index, gone)
         curve.add(f"floor: lease TTL + 0.5 s = {target:g} s", index, target)
     report.run["crash_runs"] = [round(v, 3) for v in to_live]
+    await measure_root_failover(bed)
 
 
 async def _crash_once(bed: Bed, rep: int) -> tuple[float, float, float]:

@@ -75,6 +75,13 @@ CRASHING_CHILD = Scenario(
     },
 )
 
+# A root that answers every prompt at once (past its program: an empty reply) and stays idle
+# and resident on its node: a client's prompt after its host died needs a cold resume.
+ANSWERING_ROOT = Scenario(
+    presets=(LEAD,),
+    programs={"lead": (Reply(text="Ready."),)},
+)
+
 # Roots created with an empty task stay idle and resident: no model call, no transcript.
 IDLE_ROOTS = Scenario(presets=(LEAD,), programs={"lead": (Stall(),)})
 

@@ -98,6 +98,7 @@ from dsh_mesh.testing._history import (
     writers_of,
 )
 from dsh_mesh.testing._in_process import InProcessMesh, in_process_mesh
+from dsh_mesh.testing._liveness import EndState, settle_bound
 from dsh_mesh.testing._llama import LlamaServer, LlamaServerError
 from dsh_mesh.testing._otlp import (
     AttributeValue,
@@ -140,6 +141,7 @@ __all__ = [
     "CollectedPoint",
     "CollectedSpan",
     "Completion",
+    "EndState",
     "EtcdAddress",
     "EtcdMember",
     "EtcdNotFoundError",
@@ -207,6 +209,7 @@ __all__ = [
     "patiently",
     "process_tree",
     "render_trace_tree",
+    "settle_bound",
     "sweep_stale_beds",
     "tree_rows",
     "until_shown",

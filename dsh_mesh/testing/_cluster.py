@@ -38,7 +38,7 @@ from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
 from dsh_mesh.core import Activation, Record, RegistryUnavailable, SessionHeader, SessionId
 from dsh_mesh.logstore import open_log_store
 from dsh_mesh.registry import ROOT_USER, Etcd, EtcdConfig, EtcdSessionStore, Keys, grant_mesh_access
-from dsh_mesh.registry._codec import decode_header
+from dsh_mesh.registry._codec import decode_activation, decode_header
 from dsh_mesh.testing._pki import LocalPki, TlsFiles
 from dsh_mesh.transport import secure_channel
 
@@ -462,6 +462,14 @@ class MeshReader:
         response = await self._etcd.get_prefix(self.keys.prefix + b"headers/")
         return [decode_header(kv.value) for kv in response.kvs]
 
+    async def activations(self) -> dict[SessionId, Activation]:
+        """Every current activation of the cluster, by session (one range read)."""
+        response = await self._etcd.get_prefix(self.keys.activations)
+        return {
+            self.keys.session_of_activation(kv.key): decode_activation(kv.value)
+            for kv in response.kvs
+        }
+
     async def wait_for(
         self,
         read: Callable[[], Awaitable[T]],
@@ -507,6 +515,11 @@ class PatientReader(MeshReader):
 
     async def sessions(self) -> list[SessionHeader]:
         return await patiently(lambda: super(PatientReader, self).sessions(), within=self.patience)
+
+    async def activations(self) -> dict[SessionId, Activation]:
+        return await patiently(
+            lambda: super(PatientReader, self).activations(), within=self.patience
+        )
 
 
 async def patiently(read: Callable[[], Awaitable[T]], *, within: float = 10.0) -> T:

@@ -52,7 +52,10 @@ can fake for another:
   other than promised: invalid characters not replaced with their note, a huge output not cut at
   its limit, an echo changed, a call of a server that died mid-call answered as done
   (:mod:`dsh_mesh.testing._edges`);
-- *unexpected deaths* (issue 30): a node process that ended without the fault driver ending it.
+- *unexpected deaths* (issue 30): a node process that ended without the fault driver ending it;
+- the liveness counts (issue 33), given the run's :class:`~dsh_mesh.testing.EndState`:
+  *unnoticed activations*, *stalled trees*, *unread sessions* and *rebound replies lost*
+  (:mod:`dsh_mesh.testing._liveness`).
 
 A message whose outcome the asker never learned (its node died mid-call) may have landed once or
 not at all; it is never counted lost, but a second copy is still a duplicate.
@@ -93,6 +96,13 @@ from dsh_mesh.testing._edges import (
     StoredEntry,
     edge_violations,
     stored_text_violations,
+)
+from dsh_mesh.testing._liveness import (
+    EndState,
+    rebound_replies_lost,
+    unfinished_trees,
+    unnoticed_activations,
+    unread_sessions,
 )
 from dsh_mesh.testing.probe_tools import ProbeRun
 
@@ -197,6 +207,16 @@ class Verdict:
     never held against the run."""
     activations: int = 0
     fenced_writes: int = 0
+    unnoticed_activations: int = 0
+    """Child activations that ran a turn without exactly one notice at their parent."""
+    stalled_trees: int = 0
+    """Trees whose round did not finish within the bound after the faults."""
+    unread_sessions: int = 0
+    """Sessions no activation holds that hold inbound entries no turn read."""
+    rebound_replies_lost: int = 0
+    """Children's replies refused ``PARENT_REBOUND`` whose content never reached the parent."""
+    settle_bound: float | None = None
+    """The bound (seconds) the run waited after its faults; ``None``: liveness not checked."""
     violations: list[str] = field(default_factory=list)
 
     @property
@@ -255,6 +275,14 @@ class Verdict:
             f" answered with an error {edges.mcp_errors}; invalid texts {self.invalid_texts}"
         )
         lines.append(f"  node processes that died unbidden {self.unexpected_deaths}")
+        if self.settle_bound is not None:
+            lines.append(
+                f"  liveness, no outside nudge, within {self.settle_bound:g} s of the faults' end:"
+                f" activations without exactly one notice {self.unnoticed_activations},"
+                f" stalled trees {self.stalled_trees},"
+                f" sessions left with unread entries {self.unread_sessions},"
+                f" replies refused PARENT_REBOUND that never landed {self.rebound_replies_lost}"
+            )
         lines.append(
             f"  activations {self.activations}, writes refused by the fence {self.fenced_writes},"
             f" unattributed writes {self.unattributed_writes}"
@@ -418,12 +446,15 @@ def check(
     refusals: Sequence[str] = (),
     stored: Iterable[StoredEntry] = (),
     deaths: Sequence[str] = (),
+    end: EndState | None = None,
 ) -> Verdict:
     """Judge a whole run; see the module docstring for what is counted. ``tool_runs`` are the
     probe tools' executions (their log); ``gated`` the tools whose calls wait for approval;
     ``refusals`` the driver's own requests (decisions) refused with a reason they could not
     have earned, one line each; ``stored`` the log store's entries as it holds them (bytes);
-    ``deaths`` the node processes that ended without the driver ending them, one line each."""
+    ``deaths`` the node processes that ended without the driver ending them, one line each;
+    ``end`` the mesh's end state, read after the run waited its bound (``None``: the liveness
+    counts are not taken)."""
     verdict = Verdict(operations=len(sends))
     verdict.activations = history.activations
     verdict.fenced_writes = history.fenced_writes
@@ -473,7 +504,33 @@ def check(
         verdict._violate("invalid_texts", text)
     for text in deaths:
         verdict._violate("unexpected_deaths", text)
+    if end is not None:
+        _check_liveness(sends, transcripts, end, verdict)
     return verdict
+
+
+def _check_liveness(
+    sends: Sequence[Send],
+    transcripts: Mapping[SessionId, Sequence[Record]],
+    end: EndState,
+    verdict: Verdict,
+) -> None:
+    """The liveness counts of :mod:`dsh_mesh.testing._liveness` on the run's end state."""
+    verdict.settle_bound = end.bound
+    for text in unnoticed_activations(transcripts, end.parents, end.held):
+        verdict._violate("unnoticed_activations", text)
+    for root, waits in sorted(unfinished_trees(transcripts, end.parents, end.held).items()):
+        shown = "; ".join(waits[:3]) + (f"; and {len(waits) - 3} more" if len(waits) > 3 else "")
+        verdict._violate("stalled_trees", f"the tree of {root}: {shown}")
+    for text in unread_sessions(transcripts, end.held):
+        verdict._violate("unread_sessions", text)
+    refused = [
+        (send.sender, send.target, send.content)
+        for send in sends
+        if send.outcome is Outcome.REJECTED and send.reason is RejectionReason.PARENT_REBOUND
+    ]
+    for text in rebound_replies_lost(refused, transcripts, end.parents):
+        verdict._violate("rebound_replies_lost", text)
 
 
 def check_tool_runs(

@@ -4,9 +4,12 @@
 node fronted by a TCP proxy for slow-link faults, every node keeping a store history, the log
 store a fresh database on the bed's PostgreSQL host, which the checker reads too), makes
 trees, prompts rounds while the :class:`~dsh_mesh.testing.FaultDriver` breaks things, then heals
-everything, lets every accepted message be consumed, reads the durable state and runs the
-checker (which also reads the log store's entries as bytes, and counts any node process that
-died without the driver killing it). ``make test`` runs a short one
+everything and waits, nudging nothing, up to :func:`~dsh_mesh.testing.settle_bound` (lease TTL
++ sweep interval + a round's margin) for every tree to finish its round, reads the durable
+state and runs the checker (which also reads the log store's entries as bytes, counts any node
+process that died without the driver killing it, and takes the liveness counts of issue 33).
+Only the workload's round prompts to roots open work, as a user's would: no session is
+prompted awake, no stalled agent pinged. ``make test`` runs a short one
 (tests/integration/test_faults.py), ``make soak`` a long one
 (``python -m dsh_mesh.testing.soak``). A seed makes the run's choices repeatable (which
 fault, which node, when); the cluster's own timing still varies.
@@ -28,6 +31,7 @@ from dsh_mesh.testing._cluster import PatientReader
 from dsh_mesh.testing._edges import stored_entries
 from dsh_mesh.testing._faults import FAULT_KINDS, FaultDriver
 from dsh_mesh.testing._history import Verdict, agent_sends, check, load_node_history, writers_of
+from dsh_mesh.testing._liveness import ROUND_MARGIN, SWEEP_INTERVAL, settle_bound
 from dsh_mesh.testing._proxy import TcpProxy
 from dsh_mesh.testing._testbed import BedCluster, MultiHostBed
 from dsh_mesh.testing._workload import (
@@ -55,7 +59,11 @@ class FaultRunReport:
     failovers: list[float]
     rounds: int
     trees: int
-    woken: int
+    bound: float
+    """Seconds the run waited after its faults for every tree to finish its round."""
+    settled: float | None
+    """Seconds after the faults until every tree had finished its round; ``None``: some tree
+    had not within :attr:`bound`."""
     stuck: int = 0
     mcp_kills_mid_call: int = 0
     fenced_nodes: list[str] = field(default_factory=list)
@@ -68,13 +76,22 @@ class FaultRunReport:
         fenced = ", ".join(self.fenced_nodes) or "none"
         head = (
             f"fault run: seed {self.seed}, {self.seconds:.0f} s, {self.rounds} rounds over"
-            f" {self.trees} trees, {self.woken} sessions woken to drain their inbox at the end,"
+            f" {self.trees} trees, {self._settling()},"
             f" nodes that fenced themselves at least once: {fenced},"
             f" tree replacements that found no node to make a root in two minutes: {self.stuck},"
             f" fault MCP servers killed mid-call: {self.mcp_kills_mid_call}"
         )
         body = self.verdict.summary(faults=self.faults, failovers=self.failovers, ttl=self.ttl)
         return f"{head}\n{body}"
+
+    def _settling(self) -> str:
+        bound = (
+            f"bound {self.bound:g} s = lease TTL {self.ttl:g} s + sweep interval"
+            f" {SWEEP_INTERVAL:g} s + round margin {ROUND_MARGIN:g} s; nothing prompted awake"
+        )
+        if self.settled is None:
+            return f"some tree had not finished its round within the bound ({bound})"
+        return f"every tree finished its round {self.settled:.1f} s after the faults ({bound})"
 
 
 NAMESPACES_FILE = f"""\
@@ -123,7 +140,8 @@ async def fault_run(
                     bed, cluster, workload, ttl=ttl, proxy=proxy, mcp_busy=_busy_dir(probe_log)
                 )
                 try:
-                    rounds, woken = await _drive(
+                    bound = settle_bound(ttl)
+                    rounds, settled = await _drive(
                         workload,
                         driver,
                         seconds=seconds,
@@ -133,9 +151,11 @@ async def fault_run(
                         rounds_per_tree=rounds_per_tree,
                         round_interval=round_interval,
                         quiet=quiet,
+                        bound=bound,
                         say=say,
                     )
                     say("reading the durable state")
+                    end = await workload.end_state(bound=bound)
                     transcripts = await workload.transcripts()
                     stored = await stored_entries(cluster.settings.log_store)
                     driver.check_nodes()
@@ -155,6 +175,7 @@ async def fault_run(
                 refusals=workload.refusals,
                 stored=stored,
                 deaths=driver.deaths,
+                end=end,
             )
             fenced = sorted(node.node_id for node in cluster if "lost its lease" in node.log())
         finally:
@@ -169,7 +190,8 @@ async def fault_run(
         failovers=driver.failovers,
         rounds=rounds,
         trees=len(workload.roots),
-        woken=woken,
+        bound=bound,
+        settled=settled,
         stuck=driver.stuck,
         mcp_kills_mid_call=driver.mcp_kills_mid_call,
         fenced_nodes=fenced,
@@ -229,8 +251,9 @@ async def _drive(
     rounds_per_tree: int,
     round_interval: float,
     quiet: tuple[float, float],
+    bound: float,
     say: Callable[[str], None],
-) -> tuple[int, int]:
+) -> tuple[int, float | None]:
     rng = workload.rng
     nodes = sorted(node.node_id for node in workload.cluster)
     for index in range(trees):
@@ -294,6 +317,11 @@ async def _drive(
         )
     finally:
         await driver.heal()
-    say(f"{rounds} rounds done; draining every inbox")
-    woken = await workload.quiesce()
-    return rounds, woken
+    say(f"{rounds} rounds done; waiting up to {bound:g} s for every tree to finish its round")
+    settled = await workload.settle(within=bound)
+    say(
+        f"every tree finished its round in {settled:.1f} s"
+        if settled is not None
+        else f"some tree had not finished its round in {bound:g} s"
+    )
+    return rounds, settled

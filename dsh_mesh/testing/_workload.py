@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import random
 import re
 import secrets
@@ -48,8 +49,6 @@ from dsh_mesh.core import (
     RejectionReason,
     Role,
     SessionId,
-    pending_inbound,
-    unended_turn,
 )
 from dsh_mesh.mcp import McpServerConfig
 from dsh_mesh.models import (
@@ -62,7 +61,6 @@ from dsh_mesh.models import (
     child,
 )
 from dsh_mesh.node import Scenario
-from dsh_mesh.testing._approval_history import open_requests
 from dsh_mesh.testing._cluster import LocalCluster, MeshReader
 from dsh_mesh.testing._edges import (
     EDGE_KINDS,
@@ -76,6 +74,7 @@ from dsh_mesh.testing._edges import (
     edge_text,
 )
 from dsh_mesh.testing._history import HUMAN, Outcome, Send
+from dsh_mesh.testing._liveness import EndState, unfinished_trees
 from dsh_mesh.testing.fault_mcp_server import SCRIPT
 from dsh_mesh.testing.probe_tools import probe_safe, probe_unsafe
 from dsh_mesh.tools import ApprovalPolicy, CallLimits, ContextPolicy, Preset, tool
@@ -175,6 +174,58 @@ def _sent(messages: Sequence[ChatMessage], label: str) -> bool:
     )
 
 
+REBOUND_RETRY = 0.5
+"""Seconds a child's model takes before it sends again a reply refused ``PARENT_REBOUND``."""
+
+
+def _rebound_words(context: ScriptContext) -> str | None:
+    """The words of this child's last reply to its parent if the mesh refused it
+    ``PARENT_REBOUND`` (the parent has a newer activation the child is not bound to yet), else
+    ``None``. A model told so sends the same words again; the checker counts a refused reply
+    whose words never reach the parent (issue 33)."""
+    messages = context.request.messages
+    last = max((i for i, m in enumerate(messages) if m.role is Role.ASSISTANT), default=None)
+    if last is None:
+        return None
+    calls = {c.call_id: c for c in messages[last].tool_calls if c.name == "send_message"}
+    for message in messages[last + 1 :]:
+        call = calls.get(message.tool_call_id or "")
+        if message.role is not Role.TOOL or call is None:
+            continue
+        refusal = _arguments(message.content)
+        if refusal.get("rejected") == RejectionReason.PARENT_REBOUND.value:
+            words = _arguments(call.arguments_json).get("message")
+            return words if isinstance(words, str) else None
+    return None
+
+
+def _refused_rebound(context: ScriptContext) -> bool:
+    return _rebound_words(context) is not None
+
+
+def _resend(context: ScriptContext) -> str:
+    words = _rebound_words(context)
+    if words is None:
+        raise ScriptError(f"{context.request.session_id} has no refused reply to send again")
+    return words
+
+
+_SEND_AGAIN = (
+    _refused_rebound,
+    Call(calls=(("send_message", {"agent_id": PARENT, "message": _resend}),), delay=REBOUND_RETRY),
+)
+"""Every child's first case: a reply refused ``PARENT_REBOUND`` is sent again, same words."""
+
+
+def _arguments(text: str) -> dict[str, object]:
+    """A JSON object's fields, or ``{}`` for anything else (a tool's text, a model's garble)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def _worker_next(context: ScriptContext) -> str:
     """Where the worker stands in the round its parent's latest ping opened: ``progress``,
     ``leaf``, ``result``, or ``idle`` (no ping, or the round is done). A leaf's answer arriving
@@ -201,6 +252,7 @@ def _to(target: str | Callable[[ScriptContext], str], label: str) -> Call:
 
 _WORKER_STEP = Branch(
     cases=(
+        _SEND_AGAIN,
         (_worker_is("progress"), _to(PARENT, "progress")),
         (lambda c: _worker_is("leaf")(c) and _has_leaf(c), _to(child(0), "leaf-ping")),
         (
@@ -265,6 +317,7 @@ def _leaf_owes_with(fate: str) -> Callable[[ScriptContext], bool]:
 
 _LEAF_STEP = Branch(
     cases=(
+        _SEND_AGAIN,
         (_leaf_owes_with("die"), _answer((MCP_DIE, {}))),
         (
             _leaf_owes_with("huge"),
@@ -331,6 +384,7 @@ def _next_page(context: ScriptContext) -> str:
 
 _READER_STEP = Branch(
     cases=(
+        _SEND_AGAIN,
         (_reader_pinged, Call(calls=(("soak_page", {"number": "1"}),))),
         (
             lambda c: 0 < _page_read(c) < READER_PAGES,
@@ -639,40 +693,34 @@ class Workload:
             *(self.prompt(root, f"{text} {secrets.token_hex(4)}") for root in self.roots)
         )
 
-    async def quiesce(self, *, within: float = 120.0) -> int:
-        """Until the cluster is still: every session's inbound entries consumed, every call
-        that waited for approval answered, and no transcript growing for three reads in a row
-        (deciding what waits meanwhile; what the driver leaves alone expires). A session
-        holding pending entries, a call that waits, or a turn its host left unended (every node
-        fenced at once mid-step: nobody writes its calls' results until it runs again) that no
-        node hosts is woken with a prompt (nothing else would read them: there is no offline
-        mailbox reader, nothing resumes an absent agent by itself yet (issue 33), and the
-        nodes' sweep of expired requests may be backing off). Returns how many wake-ups it
-        took; gives up after ``within`` seconds."""
-        deadline = time.monotonic() + within
-        woken = 0
-        still = 0
-        sizes: dict[SessionId, int] = {}
-        while time.monotonic() < deadline and still < 3:
-            await asyncio.sleep(1.0)
+    async def settle(self, *, within: float) -> float | None:
+        """Wait, nudging nothing, until every tree (the current ones and the replaced) has
+        finished its round (:func:`~dsh_mesh.testing._liveness.unfinished_trees`), deciding what
+        waits for approval meanwhile as the person at the page would (what the driver leaves
+        alone expires). Returns the seconds it took, or ``None`` when some tree had not
+        finished within ``within`` seconds. No session is prompted: a tree that stalls stays
+        stalled, for the checker to count (issue 33)."""
+        started = time.monotonic()
+        deadline = started + within
+        while True:
             await self.decide_waiting()
+            end = await self.end_state(bound=within)
             transcripts = await self.transcripts()
-            waiting = [s for s, records in transcripts.items() if pending_inbound(records)]
-            asleep = [
-                s
-                for s, records in transcripts.items()
-                if open_requests(records) or unended_turn(records) is not None
-            ]
-            now = {session: len(records) for session, records in transcripts.items()}
-            still = still + 1 if not waiting and not asleep and now == sizes else 0
-            sizes = now
-            # Absent, with unread entries or a call still waiting: a resumed agent reads them,
-            # and denies an expired request itself (the node's sweep may be backing off).
-            for session in dict.fromkeys([*waiting, *asleep]):
-                if await self.reader.activation(session) is None:
-                    await self.prompt(session, _token("Wake up"), within=20.0)
-                    woken += 1
-        return woken
+            if not unfinished_trees(transcripts, end.parents, end.held):
+                return time.monotonic() - started
+            if time.monotonic() >= deadline:
+                return None
+            await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+
+    async def end_state(self, *, bound: float) -> EndState:
+        """Each session's parent and each current activation, as the checker reads them."""
+        headers = await self.reader.sessions()
+        activations = await self.reader.activations()
+        return EndState(
+            parents={h.session_id: h.parent_session for h in headers},
+            held={session: a.activation_id for session, a in activations.items()},
+            bound=bound,
+        )
 
     async def transcripts(self) -> dict[SessionId, list[Record]]:
         """Every session's durable transcript."""

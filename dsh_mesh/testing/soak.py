@@ -2,9 +2,11 @@
 
 Makes a multi-host bed (root only; its log store in PostgreSQL on a host of its own), runs the
 mixed workload on it for ``--minutes`` while injecting every kind of fault (the database's among
-them: ``db-kill``, ``etcd-cut``, ``db-read-only``; and ``mcp-kill``), then prints the history
-checker's verdict and figures and exits non-zero unless the history checks clean. ``--seed``
-repeats a run's choices.
+them: ``db-kill``, ``etcd-cut``, ``db-read-only``; and ``mcp-kill``), nudging no tree, waits up
+to lease TTL + sweep interval + a round's margin for every tree to finish its round, then prints
+the history checker's verdict and figures (its liveness counts among them, docs/faults.md) and
+exits non-zero unless the history checks clean. ``--ttl`` is the nodes' lease TTL (at 2 s an
+etcd outage fences every node); ``--seed`` repeats a run's choices.
 """
 
 from __future__ import annotations

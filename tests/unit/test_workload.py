@@ -3,6 +3,7 @@ bounded amount of work and then the tree goes quiet, so a run can be drained and
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 from dsh_mesh.core import (
@@ -11,13 +12,18 @@ from dsh_mesh.core import (
     ApprovalDecisionEntry,
     ApprovalRequestEntry,
     AssistantStepEntry,
+    ChatMessage,
     CompactionEntry,
+    RejectionReason,
+    Role,
+    SessionId,
     SessionKind,
     SettlementNoticeEntry,
+    ToolCall,
     ToolDescriptor,
     ToolResultEntry,
 )
-from dsh_mesh.models import Call, Reply, ScriptedProvider
+from dsh_mesh.models import Branch, Call, ModelRequest, Reply, ScriptContext, ScriptedProvider
 from dsh_mesh.testing import (
     WORKLOAD,
     InProcessMesh,
@@ -217,3 +223,46 @@ async def test_the_edge_tools_answers_are_stored_replaced_and_cut_as_the_checker
     tally, wrong = edge_violations(records)
     assert wrong == []
     assert (tally.replaced, tally.cut, tally.mcp_calls, tally.mcp_errors) == (1, 2, 3, 1)
+
+
+def _after_reply(result: str) -> ScriptContext:
+    """A worker's request after its progress reply to its parent was answered ``result``."""
+    sent = ToolCall(
+        call_id="c1",
+        name="send_message",
+        arguments_json=json.dumps({"agent_id": "root", "message": "progress 5eed"}),
+    )
+    messages = (
+        ChatMessage(role=Role.USER, content="Work rounds.\nping 1234"),
+        ChatMessage(role=Role.ASSISTANT, content="", tool_calls=(sent,)),
+        ChatMessage(role=Role.TOOL, content=result, tool_call_id="c1"),
+    )
+    request = ModelRequest(
+        session_id=SessionId("worker"),
+        model="soak-worker",
+        system_prompt="You work rounds.",
+        tools=(),
+        messages=messages,
+    )
+    return ScriptContext(request=request)
+
+
+def test_a_child_sends_a_reply_refused_parent_rebound_again_with_the_same_words() -> None:
+    """A model told its parent moved sends the same words again (issue 33: the checker counts
+    a refused reply whose words never reach the parent); any other answer moves it on."""
+    refused = json.dumps({"rejected": RejectionReason.PARENT_REBOUND.value, "detail": "moved"})
+    context = _after_reply(refused)
+    for program in ("soak-worker", "soak-leaf", "soak-reader"):
+        action = WORKLOAD.programs[program][0]
+        assert isinstance(action, Branch)
+        again = action.choose(context)
+        assert isinstance(again, Call) and again.delay > 0
+        [(name, arguments)] = again.calls
+        message = arguments["message"]
+        assert name == "send_message"
+        assert callable(message) and message(context) == "progress 5eed"
+    delivered = _after_reply(json.dumps({"delivered": "steer-running", "agent_id": "root"}))
+    moved_on = WORKLOAD.programs["soak-worker"][0]
+    assert isinstance(moved_on, Branch)
+    step = moved_on.choose(delivered)
+    assert not (isinstance(step, Call) and step.delay > 0), step

@@ -1,0 +1,190 @@
+"""The history checker's liveness counts: did every tree heal itself, with no outside nudge?
+
+A fault run (issue 33, point 6) opens a tree's rounds only by prompting its root, as a user
+would: nothing prompts a stalled agent awake. After the faults stop it waits a stated bound
+(:func:`settle_bound`) for every tree to finish its round, then reads the mesh's
+:class:`EndState` and counts, beside the safety counts:
+
+- *activations without exactly one notice*: a child activation that ran at least one turn (a
+  ``TurnStartedEntry`` carries its id) without exactly one settlement notice for it at its
+  parent (contract rule 8). An activation that ran no turn owes none; the activation that still
+  holds its session at the end owes none yet (:func:`unnoticed_activations`);
+- *stalled trees*: a tree whose round did not finish within the bound: one of its sessions left
+  a turn open, holds an entry no turn read, has a call still waiting for a decision, or one of
+  its child activations has no notice yet (:func:`unfinished_trees`);
+- *sessions left with unread entries*: an inbound entry (agent message, settlement notice,
+  human prompt, approval decision, task) that no turn consumed, at a session no activation
+  holds (:func:`unread_sessions`);
+- *replies refused PARENT_REBOUND that never landed*: a child's ``send_message`` to its parent
+  refused ``PARENT_REBOUND`` whose content never reached the parent, then or later
+  (:func:`rebound_replies_lost`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from dsh_mesh.core import (
+    ActivationId,
+    AgentMessageEntry,
+    Record,
+    SessionId,
+    SettlementNoticeEntry,
+    TurnStartedEntry,
+    pending_inbound,
+    unended_turn,
+)
+from dsh_mesh.testing._approval_history import open_requests
+
+
+@dataclass(frozen=True, kw_only=True)
+class EndState:
+    """What the mesh holds when a run is read, beside the transcripts: each session's parent
+    (``None`` for a root), the activation that holds each session still held, and the bound
+    (seconds) the run waited after its faults for every tree to finish its round."""
+
+    parents: Mapping[SessionId, SessionId | None]
+    held: Mapping[SessionId, ActivationId]
+    bound: float
+
+
+SWEEP_INTERVAL = 2.0
+"""Seconds between two sweeps of a dead lease's activations by a live node (the nodes'
+``sweep_interval`` default, ADR 0043)."""
+ROUND_MARGIN = 30.0
+"""Seconds a tree's round takes on a loaded machine once nothing fails, with room: a round is
+a few dozen scripted steps across three nodes, and a leaf's call left undecided waits out its
+approval timeout (5 s) before the mesh denies it."""
+
+
+def settle_bound(ttl: float) -> float:
+    """How long a fault run waits after its faults for every tree to finish its round: a dead
+    node's lease lapses (``ttl``), a live node sweeps what it held (:data:`SWEEP_INTERVAL`),
+    and the round runs (:data:`ROUND_MARGIN`)."""
+    return ttl + SWEEP_INTERVAL + ROUND_MARGIN
+
+
+def root_of(session: SessionId, parents: Mapping[SessionId, SessionId | None]) -> SessionId:
+    """The root of ``session``'s tree (a session with no known parent is its own)."""
+    seen = {session}
+    while (parent := parents.get(session)) is not None and parent not in seen:
+        seen.add(parent)
+        session = parent
+    return session
+
+
+def _notices(
+    transcripts: Mapping[SessionId, Sequence[Record]],
+) -> Counter[tuple[SessionId, SessionId, ActivationId]]:
+    """``(parent, child, child activation) -> notices`` over every transcript."""
+    found: Counter[tuple[SessionId, SessionId, ActivationId]] = Counter()
+    for parent, records in transcripts.items():
+        for record in records:
+            if isinstance(record.entry, SettlementNoticeEntry):
+                found[parent, record.entry.child_session, record.entry.child_activation] += 1
+    return found
+
+
+def _owed(
+    session: SessionId, records: Sequence[Record], held: Mapping[SessionId, ActivationId]
+) -> list[ActivationId]:
+    """The activations of ``session`` that ran a turn and owe their notice: all but the one
+    holding it still."""
+    ran = {
+        r.entry.activation_id
+        for r in records
+        if isinstance(r.entry, TurnStartedEntry) and r.entry.activation_id
+    }
+    return sorted(a for a in ran if a != held.get(session))
+
+
+def unnoticed_activations(
+    transcripts: Mapping[SessionId, Sequence[Record]],
+    parents: Mapping[SessionId, SessionId | None],
+    held: Mapping[SessionId, ActivationId],
+) -> list[str]:
+    """Each child activation that ran a turn, no longer holds its session and has not exactly
+    one notice at its parent, one line each."""
+    notices = _notices(transcripts)
+    violations: list[str] = []
+    for child, records in transcripts.items():
+        parent = parents.get(child)
+        if parent is None:
+            continue
+        for activation in _owed(child, records, held):
+            count = notices[parent, child, activation]
+            if count != 1:
+                violations.append(
+                    f"{child} activation {activation} ran a turn; {parent} holds {count} notices"
+                    " for it"
+                )
+    return violations
+
+
+def unread_sessions(
+    transcripts: Mapping[SessionId, Sequence[Record]], held: Mapping[SessionId, ActivationId]
+) -> list[str]:
+    """Each session no activation holds that holds inbound entries no turn consumed."""
+    violations: list[str] = []
+    for session, records in transcripts.items():
+        unread = pending_inbound(records)
+        if unread and session not in held:
+            kinds = ", ".join(f"{r.seq} {type(r.entry).__name__}" for r in unread[:5])
+            violations.append(f"{session}, absent, never read {len(unread)} entries: {kinds}")
+    return violations
+
+
+def unfinished_trees(
+    transcripts: Mapping[SessionId, Sequence[Record]],
+    parents: Mapping[SessionId, SessionId | None],
+    held: Mapping[SessionId, ActivationId],
+) -> dict[SessionId, list[str]]:
+    """The trees whose round has not finished, by root, with what each still waits for: a
+    turn left open, an entry no turn read, a call waiting for a decision, a child activation's
+    notice. A fault run polls it until it is empty or its bound passes."""
+    notices = _notices(transcripts)
+    waiting: dict[SessionId, list[str]] = {}
+    for session, records in transcripts.items():
+        reasons: list[str] = []
+        turn = unended_turn(records)
+        if turn is not None:
+            reasons.append(f"{session} left turn {turn.turn_id} open")
+        unread = pending_inbound(records)
+        if unread:
+            reasons.append(f"{session} has {len(unread)} entries unread")
+        asking = open_requests(records)
+        if asking:
+            reasons.append(f"{session} has calls {asking} waiting for a decision")
+        parent = parents.get(session)
+        if parent is not None:
+            reasons.extend(
+                f"{parent} has no notice for {session} activation {activation}"
+                for activation in _owed(session, records, held)
+                if notices[parent, session, activation] == 0
+            )
+        if reasons:
+            waiting.setdefault(root_of(session, parents), []).extend(reasons)
+    return waiting
+
+
+def rebound_replies_lost(
+    refused: Iterable[tuple[str, SessionId, str]],
+    transcripts: Mapping[SessionId, Sequence[Record]],
+    parents: Mapping[SessionId, SessionId | None],
+) -> list[str]:
+    """Each reply of a child to its parent refused ``PARENT_REBOUND`` (``refused``: each such
+    send's sender, target and content) whose content is nowhere in the parent's transcript:
+    neither that send nor a later one of the same words landed."""
+    landed = {
+        (parent, r.entry.source.sender_session_id, r.entry.content)
+        for parent, records in transcripts.items()
+        for r in records
+        if isinstance(r.entry, AgentMessageEntry)
+    }
+    return [
+        f"{sender} -> {target} {content!r}: refused PARENT_REBOUND, never landed"
+        for sender, target, content in refused
+        if parents.get(SessionId(sender)) == target and (target, sender, content) not in landed
+    ]
