@@ -6,7 +6,8 @@ node killed, fenced or drained). Every ``sweep_interval`` the node finishes its 
 markers of each dead lease for which it is the chosen live node (the highest hash of lease
 and node id among the nodes its directory lists: one node sweeps a lease, another takes over
 if it dies). Finishing one is :meth:`ContinuationManager.recover`: the notice, then a resume
-if the session needs a reader. A marker goes only once that is done.
+if the session needs a reader. A marker goes only once that is done. Sessions created and
+never activated are started the same way once two sweeps in a row found them so.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ class Sweep:
         self._node_id = node_id
         self._interval = interval.total_seconds()
         self._live_nodes = live_nodes
+        self._unstarted: dict[bytes, int] = {}
+        """Unstarted sessions seen by the last sweep, by key, with their revisions."""
 
     async def run(self, manager: ContinuationManager, lease: int) -> None:
         """Sweep every interval until cancelled; a sweep that fails is tried again next time."""
@@ -60,14 +63,37 @@ class Sweep:
                 manager.finished(ended)
                 finished += 1
         for holder in await self._held.holders():
-            if holder.lease != lease and self._chosen_for(holder):
+            if holder.lease != lease and self._chosen(f"{holder.lease:x}"):
                 finished += await self._sweep_dead(manager, holder)
-        return finished
+        return finished + await self._start_unstarted(manager)
 
-    def _chosen_for(self, holder: Holder) -> bool:
-        """Whether this node sweeps ``holder``'s lease: the live node ranked first for it."""
+    async def _start_unstarted(self, manager: ContinuationManager) -> int:
+        """Start the sessions found unstarted by two sweeps in a row, unchanged (the one
+        before gave their creator a sweep interval to activate them)."""
+        seen, self._unstarted = self._unstarted, {}
+        started = 0
+        for unstarted in await self._held.unstarted():
+            if not self._chosen(unstarted.session):
+                continue
+            if seen.get(unstarted.key) != unstarted.revision:
+                self._unstarted[unstarted.key] = unstarted.revision
+                continue
+            try:
+                done = await manager.start_unstarted(unstarted.session)
+            except MeshError as failure:
+                _log.warning("sweep: %s not started yet: %s", unstarted.session, failure)
+                done = False
+            if done:
+                await self._held.forget(unstarted)
+                started += 1
+            else:
+                self._unstarted[unstarted.key] = unstarted.revision
+        return started
+
+    def _chosen(self, name: str) -> bool:
+        """Whether this node sweeps what ``name`` names: the live node ranked first for it."""
         live = set(self._live_nodes()) | {self._node_id}
-        return max(live, key=lambda node: _rank(holder.lease, node)) == self._node_id
+        return max(live, key=lambda node: _rank(name, node)) == self._node_id
 
     async def _sweep_dead(self, manager: ContinuationManager, holder: Holder) -> int:
         if await self._held.alive(holder.lease):
@@ -100,6 +126,6 @@ class Sweep:
             return False
 
 
-def _rank(lease: int, node: NodeId) -> bytes:
-    """Rendezvous hashing: each (lease, node) pair's rank, the same on every node."""
-    return hashlib.sha256(f"{lease:x}/{node}".encode()).digest()
+def _rank(name: str, node: NodeId) -> bytes:
+    """Rendezvous hashing: each (name, node) pair's rank, the same on every node."""
+    return hashlib.sha256(f"{name}/{node}".encode()).digest()

@@ -24,7 +24,7 @@ from dsh_mesh.registry._directory import (
     TreeStopped,
 )
 from dsh_mesh.registry._etcd import Etcd, EtcdConfig, EtcdTls
-from dsh_mesh.registry._held import HeldIndex, Holder, Marker
+from dsh_mesh.registry._held import HeldIndex, Holder, Marker, Unstarted
 from dsh_mesh.registry._keys import Keys
 from dsh_mesh.registry._lease import LeaseConfig, LeaseKeeper, LeaseLost
 from dsh_mesh.registry._reads import FeedEvent, RegistryReads
@@ -55,6 +55,7 @@ __all__ = [
     "RegistryReads",
     "Retention",
     "TreeStopped",
+    "Unstarted",
     "decode_acceptance",
     "decode_record",
     "encode_acceptance",

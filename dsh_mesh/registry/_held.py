@@ -4,7 +4,8 @@ Every activation is won with a durable marker, ``held/<lease>/<session>/<activat
 the same transaction as its lease-bound key; a clean release deletes both. A lease that died
 (its node killed, fenced or drained) leaves the markers of what it held; a node registering
 with a lease first records it among the ``holders/``. A sweep lists the holders, asks etcd
-which of their leases are gone, and finishes each marker of those (:class:`Marker`).
+which of their leases are gone, and finishes each marker of those (:class:`Marker`). Every
+session is also ``unstarted/`` from its creation to its first activation (:class:`Unstarted`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dsh_mesh.core import Activation, NodeId
+from dsh_mesh.core import Activation, NodeId, SessionId
 from dsh_mesh.registry._codec import CodecError, decode_activation
 from dsh_mesh.registry._etcd import Etcd, Result, Target, compare, delete, put
 from dsh_mesh.registry._keys import Keys
@@ -30,6 +31,15 @@ class Marker:
     """The marker's mod revision: it is deleted only while unchanged."""
     activation: Activation | None
     """None when the marker's value does not decode (it is dropped, with a warning)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Unstarted:
+    """A session created and never activated."""
+
+    session: SessionId
+    key: bytes
+    revision: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,7 +85,19 @@ class HeldIndex:
         )
         return None if kv is None else _marker(kv)
 
-    async def forget(self, marker: Marker) -> None:
+    async def unstarted(self) -> list[Unstarted]:
+        """The first sessions created and never activated (at most a page)."""
+        response = await self._etcd.get_prefix(self._keys.unstarted, limit=_PAGE)
+        return [
+            Unstarted(
+                session=SessionId(kv.key[len(self._keys.unstarted) :].decode()),
+                key=kv.key,
+                revision=int(kv.mod_revision),
+            )
+            for kv in response.kvs
+        ]
+
+    async def forget(self, marker: Marker | Unstarted) -> None:
         """Delete ``marker`` if it is unchanged: what it stood for is finished."""
         await self._etcd.txn(
             [compare(marker.key, Target.MOD, Result.EQUAL, marker.revision)], [delete(marker.key)]

@@ -137,6 +137,16 @@ class Keys:
         return self.held(lease) + session.encode() + b"/" + activation.encode()
 
     @property
+    def unstarted(self) -> bytes:
+        """Prefix of the sessions created and never activated yet (durable: no lease): one key
+        per session, written with its header and deleted by its first activation (ADR 0043)."""
+        return self.prefix + b"unstarted/"
+
+    def unstarted_session(self, session: SessionId) -> bytes:
+        """``session``'s key among the unstarted ones."""
+        return self.unstarted + session.encode()
+
+    @property
     def stops(self) -> bytes:
         """Prefix of the stops of subtrees (``TreeStop``, durable: no lease)."""
         return self.prefix + b"stops/"

@@ -221,6 +221,9 @@ class EtcdSessionStore:
             writes.append(put(self._keys.namespace_root(namespace, created, session), b""))
         parent_id = (header.parent_session or "").encode()
         writes.append(put(self._keys.member(root, created, session), parent_id))
+        # Unstarted until its first activation: if that never comes (its creator died, or
+        # the activation failed), a sweep starts it (ADR 0043).
+        writes.append(put(self._keys.unstarted_session(session), b""))
         compares = [compare(key, Target.CREATE, Result.EQUAL, 0)]
         if parent is not None:  # not under a parent deleted meanwhile (retention)
             compares.append(
@@ -337,7 +340,11 @@ class EtcdSessionStore:
         marker = self._keys.held_marker(lease, session, activation.activation_id)
         # Its held marker (durable: it outlives the lease, ADR 0043), and the tree's and the
         # namespace's census of live members, kept with the activation.
-        success = [put(key, value, lease=lease), put(marker, value)]
+        success = [
+            put(key, value, lease=lease),
+            put(marker, value),
+            delete(self._keys.unstarted_session(session)),
+        ]
         success += [put(live, b"", lease=lease) for live in await self._live_keys(session)]
         failure = [get(key), get(header)]
         for _ in range(_ACTIVATE_ATTEMPTS):

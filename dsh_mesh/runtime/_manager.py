@@ -479,6 +479,11 @@ class ContinuationManager:
         when ``ended`` is still current (nothing ended yet). Safe to repeat."""
         return await self._recovery.recover(ended)
 
+    async def start_unstarted(self, session: SessionId) -> bool:
+        """Resume ``session``, created and never activated, if it holds work (ADR 0043).
+        False while it is resident (or has no header): nothing to do."""
+        return await self._recovery.start(session)
+
     def unfinished(self) -> list[Activation]:
         """Activations this manager released without a clean end, not yet finished."""
         return self._residency.unfinished()

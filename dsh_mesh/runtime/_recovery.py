@@ -85,6 +85,18 @@ class Recovery:
             await self._wake(session)
         return True
 
+    async def start(self, session: SessionId) -> bool:
+        """A session created and never activated (its creator died, or activating it failed):
+        it is resumed if it holds work (its task). False while it has no header yet or is
+        resident now: nothing to do yet."""
+        header = await self._store.get_header(session)
+        current = await self._store.current_activation(session, fresh=True)
+        if header is None or current is not None:
+            return False
+        if await self._needs_reader(session):
+            await self._wake(session)
+        return True
+
     async def activation_ended(self, ended: Activation) -> None:
         """An activation key vanished from the registry. If it was a child of a parent resident
         here and no notice was delivered for it, its host went away (or its notice failed):

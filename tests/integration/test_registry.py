@@ -57,6 +57,7 @@ from dsh_mesh.registry import (
     Etcd,
     EtcdConfig,
     EtcdSessionStore,
+    HeldIndex,
     Keys,
     LeaseConfig,
     LeaseKeeper,
@@ -464,8 +465,9 @@ async def test_appends_take_consecutive_seqs_in_order(
     )
     assert sorted(r.seq for r, _ in written) == list(range(1, 11))
     assert [s for s, _ in contents(await node_a.store.read(absent))] == list(range(1, 11))
-    # The second header and its index keys: created/, trees/, ns/ and ns-roots/.
-    assert await etcd_keys(node_a.etcd, keys) == in_etcd + 5
+    # The second header and its index keys: created/, trees/, ns/ and ns-roots/, and its
+    # unstarted/ key (it was never activated, ADR 0043).
+    assert await etcd_keys(node_a.etcd, keys) == in_etcd + 6
 
 
 async def test_an_append_by_a_writer_that_is_not_current_is_fenced_and_writes_nothing(
@@ -1294,3 +1296,87 @@ async def test_a_trees_census_counts_live_children_with_their_activations_and_re
     await node_b.keeper.revoke()  # node b dies: its lease takes both of its keys
     assert await census(node_a.store) == (root, 0, 3)
     assert await node_a.etcd.get(keys.live_member(root, grandkid)) is None
+
+
+# -- the held index (ADR 0043) ------------------------------------------------------------------
+
+
+async def held_markers(node: Node, keys: Keys, lease: int) -> list[Activation | None]:
+    return [m.activation for m in await HeldIndex(node.etcd, keys).markers(lease)]
+
+
+async def test_an_activation_is_held_until_it_ends_cleanly_and_a_session_unstarted_until_won(
+    node_a: Node, keys: Keys
+) -> None:
+    held = HeldIndex(node_a.etcd, keys)
+    settles, drains = SessionId("s-settles"), SessionId("s-drains")
+    for session in (settles, drains):
+        await node_a.store.create_header(root_header(session))
+    assert sorted(u.session for u in await held.unstarted()) == [drains, settles]
+    first = await node_a.store.try_activate(node_a.activation(settles))
+    second = await node_a.store.try_activate(node_a.activation(drains))
+    assert [u.session for u in await held.unstarted()] == []
+    assert sorted(
+        (a.activation_id for a in await held_markers(node_a, keys, node_a.lease) if a),
+    ) == sorted([first.activation_id, second.activation_id])
+    await node_a.store.release(first)  # settled, its notice delivered
+    await node_a.store.release(second, clean=False)  # drained: what it left is owed
+    assert await held_markers(node_a, keys, node_a.lease) == [second]
+    marker = await held.marker_of(node_a.lease, second)
+    assert marker is not None
+    await held.forget(marker)
+    assert await held_markers(node_a, keys, node_a.lease) == []
+
+
+async def test_a_dead_leases_markers_outlive_it_and_its_holder_retires_once_they_are_swept(
+    etcd: EtcdAddress, keys: Keys, log_path: Path
+) -> None:
+    async with node(etcd.endpoint, keys, "n-dies", log_path) as dying:
+        held = HeldIndex(dying.etcd, keys)
+        await held.register(dying.lease, NodeId("n-dies"))
+        session = SessionId("s-orphan")
+        await dying.store.create_header(root_header(session))
+        won = await dying.store.try_activate(dying.activation(session))
+        assert await held.alive(dying.lease)
+        lease = dying.lease
+    # The node is gone (its lease revoked): the activation went with it, the marker did not.
+    async with connected(etcd.endpoint) as client:
+        held = HeldIndex(client, keys)
+        assert await client.get(keys.activation(session)) is None
+        assert not await held.alive(lease)
+        (holder,) = await held.holders()
+        assert (holder.lease, holder.node_id) == (lease, "n-dies")
+        assert not await held.retire(holder)  # its marker is not swept yet
+        (marker,) = await held.markers(lease)
+        assert marker.activation == won
+        await held.forget(marker)
+        assert await held.retire(holder)
+        assert await held.holders() == []
+
+
+async def test_a_parent_adopts_its_live_children_by_its_own_activation_only_while_current(
+    node_a: Node, node_b: Node, keys: Keys
+) -> None:
+    parent, child, other = SessionId("s-p"), SessionId("s-c"), SessionId("s-o")
+    await node_a.store.create_header(root_header(parent))
+    await node_a.store.create_header(child_header(child, parent))
+    await node_a.store.create_header(child_header(other, parent))
+    old = await node_a.store.try_activate(node_a.activation(parent))
+    on_b = await node_b.store.try_activate(node_b.activation(child, parent=old.activation_id))
+    await node_a.store.release(old, clean=False)  # the parent's host went away
+    new = await node_a.store.try_activate(node_a.activation(parent))
+    assert await node_a.store.live_children(parent) == [on_b]
+    (adopted,) = await node_a.store.adopt_children(new)
+    assert adopted == on_b.rebound(new.activation_id)
+    stored, lease = await stored_activation(node_b.etcd, keys, child)
+    assert stored == adopted and lease == node_b.lease  # it still ends with the child's node
+    assert await node_a.store.adopt_children(new) == []  # nothing left to re-bind
+    # A parent activation that is no longer current re-binds nothing.
+    await node_a.store.release(new)
+    with pytest.raises(ActivationFenced):
+        await node_a.store.adopt_children(new)
+    newest = await node_b.store.try_activate(node_b.activation(parent))
+    stale = dataclasses.replace(newest, activation_id=ActivationId("a-stale"))
+    with pytest.raises(ActivationFenced):
+        await node_b.store.adopt_children(stale)
+    assert (await stored_activation(node_b.etcd, keys, child))[0] == adopted

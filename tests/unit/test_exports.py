@@ -369,6 +369,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "RegistryReads",
         "Retention",
         "TreeStopped",
+        "Unstarted",
         "decode_acceptance",
         "decode_record",
         "encode_acceptance",
