@@ -39,6 +39,8 @@ async def unless_departed(
     and :class:`Departed` raised. A check that fails (the registry is away too) counts as
     still there: only a positive sign of departure cancels."""
     task = asyncio.ensure_future(call)
+    # A call left behind (its caller cancelled) may still end in an error nobody awaits.
+    task.add_done_callback(_retrieved)
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=every)
@@ -55,3 +57,10 @@ async def unless_departed(
     finally:
         if not task.done():
             task.cancel()
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    """Take ``task``'s outcome, so that an error of a call nobody waits for is not logged as
+    never retrieved."""
+    if not task.cancelled():
+        task.exception()

@@ -463,9 +463,9 @@ class ContinuationManager:
         return await self._residency.resume(session, parent_activation)
 
     async def deliver_notice(self, parent: SessionId, notice: SettlementNoticeEntry) -> None:
-        """Deliver a manager-owned settlement notice to ``parent`` wherever it is: steered into
-        it when resident, appended durably for its next activation when absent."""
-        await self._settlements.notify(parent, notice)
+        """Deliver a settlement notice another node handed here: steered into ``parent`` where
+        it is resident, or (absent) here, waking it to read the notice (ADR 0043)."""
+        await self._settlements.notify(parent, notice, handed=True)
 
     async def activation_ended(self, ended: Activation) -> None:
         """React to an activation key vanishing from the registry: a child of a parent resident

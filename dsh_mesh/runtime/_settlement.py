@@ -137,7 +137,9 @@ class Settlements:
                 _log.warning("reading %s waits: %s", what, away)
             delay = await self._writer.pause(delay, f"reading {what} waited")
 
-    async def notify(self, parent: SessionId, notice: SettlementNoticeEntry) -> None:
+    async def notify(
+        self, parent: SessionId, notice: SettlementNoticeEntry, *, handed: bool = False
+    ) -> None:
         """Deliver ``notice`` to ``parent`` wherever it is: durable at the parent either way; a
         live parent is steered with it, an absent one reads it on its next activation
         (docs/adr/0003). A second notice of the same child activation writes nothing.
@@ -149,12 +151,14 @@ class Settlements:
         delay = self._writer.first_delay
         while True:
             try:
-                return await self._deliver(parent, notice)
+                return await self._deliver(parent, notice, handed=handed)
             except WAITED_OUT as away:
                 _log.warning("%s: notice of %s waits: %s", parent, notice.child_session, away)
             delay = await self._writer.pause(delay, f"the notice of {notice.child_session} waited")
 
-    async def _deliver(self, parent: SessionId, notice: SettlementNoticeEntry) -> None:
+    async def _deliver(
+        self, parent: SessionId, notice: SettlementNoticeEntry, *, handed: bool
+    ) -> None:
         key = IdempotencyKey(principal=f"notice:{parent}", key=notice.child_activation)
         for attempt in range(self._attempts):
             if attempt:
@@ -174,7 +178,9 @@ class Settlements:
             if agent is not None:
                 await agent.wait_released()
                 continue
-            elsewhere = await self._placement.elsewhere(parent, place=True, fresh=attempt > 0)
+            # A notice handed here by another node's placement is taken here if the parent is
+            # absent: placed again, it could be handed on for ever.
+            elsewhere = await self._placement.elsewhere(parent, place=not handed, fresh=attempt > 0)
             if elsewhere is not None:
                 hand_off = functools.partial(self._hand_notice, parent=parent, notice=notice)
 

@@ -460,3 +460,57 @@ system_prompt = "You never stop."
 model = "runaway-worker"
 tools = ["send_message", "pause"]
 """
+
+
+# Trees that heal themselves (ADR 0043), each with nobody prompting after the fault:
+# - MENDING: a mender reports, takes a slow step that reports its result, finishes; its lead only
+#   waits (each turn of it answers what arrived). For a host lost with both in it, a parent
+#   host lost under a live child, and a child settling while etcd is away.
+# - DEAF: a worker in a step that never ends in time: what its parent sends it waits unread.
+MENDING = Scenario(
+    presets=(LEAD, Preset(name="mender", system_prompt="You mend.", model="mender")),
+    programs={
+        "lead": (
+            tool("spawn_agent", task="Mend slowly.", preset="mender"),
+            *(Reply(text="Noted.") for _ in range(8)),
+        ),
+        "mender": (
+            send(PARENT, "Started."),
+            Call(
+                calls=(("send_message", {"agent_id": PARENT, "message": "Result: mended."}),),
+                text="Slow mend.",
+                delay=6.0,
+            ),
+            Reply(text="Mended."),
+            *(Reply(text="Mended again.") for _ in range(4)),
+        ),
+    },
+)
+
+DEAF = Scenario(
+    presets=(LEAD, Preset(name="deaf", system_prompt="You hear late.", model="deaf")),
+    programs={
+        "lead": (
+            tool("spawn_agent", task="Listen.", preset="deaf"),
+            *(Reply(text="Noted.") for _ in range(8)),
+        ),
+        "deaf": (
+            send(PARENT, "Listening."),
+            Reply(text="Long step.", delay=60.0),
+            *(Reply(text="Read it.") for _ in range(4)),
+        ),
+    },
+)
+
+# A worker whose last step ends while etcd is away: it settles with nobody able to route its
+# notice until etcd answers again.
+QUIET = Scenario(
+    presets=(LEAD, Preset(name="quiet", system_prompt="You work quietly.", model="quiet")),
+    programs={
+        "lead": (
+            tool("spawn_agent", task="Work quietly.", preset="quiet"),
+            *(Reply(text="Noted.") for _ in range(8)),
+        ),
+        "quiet": (send(PARENT, "Started."), Reply(text="Done quietly.", delay=0.3)),
+    },
+)
