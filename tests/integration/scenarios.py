@@ -460,3 +460,10 @@ system_prompt = "You never stop."
 model = "runaway-worker"
 tools = ["send_message", "pause"]
 """
+
+
+# A root that answers each prompt and then has nothing to do: for idle passivation (ADR 0044).
+IDLE = Scenario(
+    presets=(Preset(name="answer", system_prompt="You answer.", model="answer"),),
+    programs={"answer": (Reply(text="Answered."),) * 8},
+)
