@@ -17,11 +17,12 @@ from dsh_mesh.core import (
     AssistantStepEntry,
     DeliveryKind,
     Record,
+    RegistryUnavailable,
     SessionId,
 )
 from dsh_mesh.models import Reply, Stall, tool
 from dsh_mesh.runtime import ContinuationManager, ManagerConfig
-from dsh_mesh.testing import InProcessMesh, in_process_mesh
+from dsh_mesh.testing import FaultySessionStore, InProcessMesh, in_process_mesh
 from dsh_mesh.tools import ApprovalPolicy, Preset
 from dsh_mesh.tools import tool as tool_decorator
 from tests.unit.conftest import CHILD, ROOT, presets
@@ -185,3 +186,30 @@ async def test_an_agent_in_doubt_about_an_answer_that_may_have_landed_stays_resi
         agent.doubt()
         assert agent.idle_since is None
         assert _check(mesh.manager, since + 3600) == 0
+
+
+async def test_etcd_away_when_an_idle_root_passivates_loses_nothing_and_its_prompt_resumes_it() -> (
+    None
+):
+    """The release fails (etcd away): the agent leaves memory, its activation stays in etcd
+    bound to this node's lease. The next prompt finds it held here by no agent, releases it,
+    resumes the session and reads the prompt: nothing unread is left behind."""
+    store = FaultySessionStore()
+    store.faults.fail("release", RegistryUnavailable("etcd is away"), times=2)
+    config = ManagerConfig(idle_passivate_after=HOUR)
+    async with in_process_mesh(presets(), store=store, config=config) as mesh:
+        mesh.scripted.program("solo", Reply(text="first"), Reply(text="second"))
+        await mesh.manager.create_root("Answer.", preset="solo")
+        await mesh.manager.quiescent()
+        assert _check(mesh.manager, _idle_since(mesh.manager, ROOT) + 3600) == 1
+        await mesh.manager.wait_until(lambda: mesh.manager.agent(ROOT) is None)
+        held = await mesh.store.current_activation(ROOT)
+        assert held is not None  # released by nobody yet
+
+        delivery = await mesh.manager.submit_prompt(ROOT, "Again.")
+        assert delivery.kind is DeliveryKind.COLD_RESUMED
+        await mesh.manager.quiescent()
+        records = await mesh.transcript(ROOT)
+        assert [e.text for e in entries(records, AssistantStepEntry)] == ["first", "second"]
+        resumed = await mesh.store.current_activation(ROOT)
+        assert resumed is not None and resumed.activation_id != held.activation_id
