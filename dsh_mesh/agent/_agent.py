@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import time
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Executor
 from typing import Protocol
@@ -141,6 +142,8 @@ class Agent:
         self._host = host
         self._ids = ids
         self._state = AgentState.IDLE
+        self._idle_since = time.monotonic()
+        """When the agent last became idle (``time.monotonic``): made, or its last turn ended."""
         self._work = asyncio.Event()
         self._released = asyncio.Event()
         self._turn: Turn | None = None
@@ -242,6 +245,24 @@ class Agent:
     @property
     def turns_run(self) -> int:
         return self._run.turns_run
+
+    @property
+    def idle_since(self) -> float | None:
+        """The ``time.monotonic()`` since which this agent has been idle with nothing unread:
+        no turn running, an empty inbox, no doubt about an answer that may have landed, no
+        call waiting for a person's decision, no interrupt to carry out, not halted. ``None``
+        while any of that is not so. The node passivates an agent idle past its
+        ``idle_passivate_after`` (docs/adr/0044); waking sends are the host's to count."""
+        if (
+            self._state is not AgentState.IDLE
+            or self.inbox_depth
+            or self._boundary.in_doubt
+            or self._approval_wait.cancel_reason is not None
+            or self._halted
+            or self._waiting_call() is not None
+        ):
+            return None
+        return self._idle_since
 
     @property
     def at_rest(self) -> bool:
@@ -470,6 +491,7 @@ class Agent:
                     ),
                 )
         self._state = AgentState.IDLE
+        self._idle_since = time.monotonic()
         self._recovering = False
         self._host.changed()
 
@@ -502,6 +524,9 @@ class Agent:
         read now, and what else waits is read at the step's boundary, after its results."""
         self._turn = turn
         self._state = AgentState.RUNNING
+        # A request to passivate was for the idle agent it saw: this one has work again, and
+        # is asked anew once it has been idle long enough (or the memory is short again).
+        self._passivating = False
         self._host.changed()
         await self._boundary.append(
             TurnStartedEntry(
@@ -544,5 +569,6 @@ class Agent:
         self._run.ended(outcome, detail)
         self._turn = None
         self._state = AgentState.IDLE
+        self._idle_since = time.monotonic()
         self._host.changed()
         return outcome

@@ -21,7 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from dsh_mesh.core import NodeId
+from dsh_mesh.core import NodeId, bounded_quote
 from dsh_mesh.logstore import check_log_store
 from dsh_mesh.node._namespaces import Namespaces, load_namespaces
 from dsh_mesh.registry import EtcdConfig, EtcdTls, LeaseConfig
@@ -105,6 +105,11 @@ class NodeConfig:
     instead of growing until it is killed; they cold-resume on their next message. ``None``:
     80% of the memory limit of the node's cgroup when it runs under one, else no limit;
     ``0``: never."""
+    idle_passivate_after: timedelta | None = ManagerConfig.idle_passivate_after
+    """An agent idle this long with nothing unread (no turn, an empty inbox, nothing on its way
+    to it, no call waiting for a decision, no live child) ends its activation; its next
+    message, prompt or decision cold-resumes it (ADR 0044). ``None`` (``0`` or ``off`` in a
+    file, the environment or a flag): never."""
     presets_file: Path | None = None
     """A TOML file of agent presets and model endpoints (docs/presets.md), read on top of the
     scenario's presets; ``None``: the scenario's presets, and the ``openai`` endpoint from
@@ -152,6 +157,7 @@ class NodeConfig:
             max_inbox_depth=self.max_inbox_depth,
             max_inflight_sends=self.max_inflight_sends,
             max_resident_sessions=self.max_resident_sessions,
+            idle_passivate_after=self.idle_passivate_after,
             tree_limits=tree,
             namespace_limits=namespace,
             namespaces=(namespaces or Namespaces()).limits,
@@ -289,6 +295,11 @@ _SETTINGS: tuple[tuple[str, str, str], ...] = (
         "memory_high_water_mb",
         "--memory-high-water-mb",
         "RSS (MiB) past which idle agents are passivated",
+    ),
+    (
+        "idle_passivate_after",
+        "--idle-passivate-after",
+        "seconds an idle agent stays resident (0 or off: for ever)",
     ),
     ("presets_file", "--presets-file", "TOML file of presets and model endpoints"),
     ("retention_days", "--retention-days", "delete settled trees idle this many days (0: never)"),
@@ -448,6 +459,8 @@ def _build(values: Mapping[str, Any]) -> NodeConfig:
     ):
         if values.get(name) is not None:
             kwargs[name] = int(values[name])
+    if values.get("idle_passivate_after") is not None:
+        kwargs["idle_passivate_after"] = _idle_after(values["idle_passivate_after"])
     if values.get("presets_file"):
         kwargs["presets_file"] = Path(str(values["presets_file"])).expanduser()
     if values.get("namespaces_file"):
@@ -463,6 +476,22 @@ def _build(values: Mapping[str, Any]) -> NodeConfig:
     if values.get("history_file"):
         kwargs["history_file"] = Path(str(values["history_file"])).expanduser()
     return NodeConfig(**kwargs)
+
+
+def _idle_after(value: Any) -> timedelta | None:
+    """``idle_passivate_after`` in seconds; ``0`` or ``off``: ``None`` (never)."""
+    text = str(value).strip().lower()
+    if text in ("off", "never"):
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise ValueError(
+            f"idle_passivate_after must be seconds, 0 or off, not {bounded_quote(str(value))}"
+        ) from None
+    if seconds < 0 or seconds != seconds or seconds == float("inf"):
+        raise ValueError("idle_passivate_after must not be negative (0 or off: never)")
+    return None if seconds == 0 else timedelta(seconds=seconds)
 
 
 def _cgroup_memory_limit() -> int | None:

@@ -52,9 +52,11 @@ from dsh_mesh.registry._group_commit import GroupCommit
 from dsh_mesh.registry._keys import Keys, session_of_index_key
 from dsh_mesh.runtime import (
     DEFAULT_PAGE,
+    HEADER_CACHE_SIZE,
     Acceptance,
     IdempotencyKey,
     LogStore,
+    LruCache,
     NamespaceCensus,
     Resumption,
     TreeCensus,
@@ -108,11 +110,12 @@ class EtcdSessionStore:
     """Durable session state for one node: coordination in etcd, transcripts in ``log``.
 
     ``lease`` returns the node's current lease id (it raises when the node is fenced); every
-    activation this store wins is bound to it. Headers are cached forever (they never change),
-    and so is each activation's fence. An entry whose encoding exceeds ``max_entry_bytes`` is
-    refused with :class:`InvalidArgument` before anything is written. Every method is safe to
-    call concurrently from one event loop. :meth:`aclose` ends the group commits still
-    running; the log store is the caller's to close.
+    activation this store wins is bound to it. Headers never change: the last
+    ``cached_headers`` read (and their roots) are kept, an LRU (ADR 0044); each activation's
+    fence is cached too. An entry whose encoding exceeds ``max_entry_bytes`` is refused with
+    :class:`InvalidArgument` before anything is written. Every method is safe to call
+    concurrently from one event loop. :meth:`aclose` ends the group commits still running; the
+    log store is the caller's to close.
     """
 
     def __init__(
@@ -124,6 +127,7 @@ class EtcdSessionStore:
         lease: Callable[[], int],
         directory: ActivationView | None = None,
         max_entry_bytes: int = MAX_ENTRY_BYTES,
+        cached_headers: int = HEADER_CACHE_SIZE,
     ) -> None:
         if max_entry_bytes <= 0:
             raise ValueError("max_entry_bytes must be positive")
@@ -133,8 +137,8 @@ class EtcdSessionStore:
         self._log = log
         self._lease = lease
         self._directory = directory
-        self._headers: dict[SessionId, SessionHeader] = {}
-        self._roots: dict[SessionId, SessionId] = {}
+        self._headers: LruCache[SessionId, SessionHeader] = LruCache(cached_headers)
+        self._roots: LruCache[SessionId, SessionId] = LruCache(cached_headers)
         self._stops: dict[SessionId, TreeStop] = {}
         """Stops this store wrote, for a store without a directory (one that does see every
         node's: it follows them on its watch)."""

@@ -1,5 +1,6 @@
 """The runtime: the continuation manager and the session store it runs on."""
 
+from dsh_mesh.runtime._cache import ANCESTRY_CACHE_SIZE, HEADER_CACHE_SIZE, LruCache
 from dsh_mesh.runtime._condition import DEGRADED_FOR, StoreCondition
 from dsh_mesh.runtime._config import ManagerConfig
 from dsh_mesh.runtime._denials import deny_absent
@@ -28,9 +29,11 @@ from dsh_mesh.runtime._store import (
 )
 
 __all__ = [
+    "ANCESTRY_CACHE_SIZE",
     "DEFAULT_PAGE",
     "DEFAULT_TURN_LIMITS",
     "DEGRADED_FOR",
+    "HEADER_CACHE_SIZE",
     "MAX_HOPS",
     "SPAWN_WINDOW",
     "Acceptance",
@@ -42,6 +45,7 @@ __all__ = [
     "Limits",
     "LogStore",
     "Logged",
+    "LruCache",
     "ManagerConfig",
     "NamespaceCensus",
     "NamespaceLimits",

@@ -12,6 +12,12 @@ from dsh_mesh.tools import MAX_MESSAGE_CHARS, DescriptorFilter
 
 _LOCAL_NODE = NodeId("local")
 
+IDLE_PASSIVATE_AFTER = timedelta(minutes=15)
+"""The default ``idle_passivate_after`` (ADR 0044): past the minutes a person takes to read an
+answer and reply, so a conversation does not pay a cold resume per prompt; far below Dapr's 60
+minutes, since a cold resume here reads only the session's context and an idle agent is memory
+every node pays for."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class ManagerConfig:
@@ -45,6 +51,11 @@ class ManagerConfig:
     """The quotas of a namespace without quotas of its own (ADR 0033)."""
     namespaces: Mapping[str, NamespaceLimits] = field(default_factory=dict)
     """Namespaces with quotas (and tree limits) of their own."""
+    idle_passivate_after: timedelta | None = IDLE_PASSIVATE_AFTER
+    """How long an agent stays resident idle with nothing unread (no turn, an empty inbox,
+    nothing on its way to it, no call waiting for a decision, no live child) before its
+    activation ends; its next message, prompt or decision cold-resumes it (ADR 0044).
+    ``None``: never (it stays until the node drains or runs short of memory)."""
 
     @property
     def limits(self) -> Limits:
@@ -66,5 +77,7 @@ class ManagerConfig:
         for name in ("outage_backoff", "outage_backoff_max", "notice_backoff"):
             if getattr(self, name) <= timedelta(0):
                 raise ValueError(f"{name} must be positive")
+        if self.idle_passivate_after is not None and self.idle_passivate_after <= timedelta(0):
+            raise ValueError("idle_passivate_after must be positive (None: never)")
         if self.outage_backoff_max < self.outage_backoff:
             raise ValueError("outage_backoff_max must not be below outage_backoff")

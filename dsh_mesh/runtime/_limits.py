@@ -28,6 +28,7 @@ from dsh_mesh.core import (
     SessionUnknown,
     TreeLimitReached,
 )
+from dsh_mesh.runtime._cache import ANCESTRY_CACHE_SIZE, LruCache
 from dsh_mesh.runtime._store import SessionStore
 from dsh_mesh.tools import TurnLimits
 
@@ -109,12 +110,15 @@ class CreationGuard:
     namespace's :class:`NamespaceLimits`, a root against its namespace's. Owns a cache of
     session depths (a header never changes, so neither does a depth). Safe to call
     concurrently; the censuses a decision reads may miss creations decided at the same
-    moment, so a limit may be passed by at most the creations in flight at once."""
+    moment, so a limit may be passed by at most the creations in flight at once. It keeps
+    the depths of the last ``cached`` sessions it walked (an LRU, ADR 0044)."""
 
-    def __init__(self, store: SessionStore, limits: Limits) -> None:
+    def __init__(
+        self, store: SessionStore, limits: Limits, *, cached: int = ANCESTRY_CACHE_SIZE
+    ) -> None:
         self._store = store
         self._limits = limits
-        self._depths: dict[SessionId, int] = {}
+        self._depths: LruCache[SessionId, int] = LruCache(cached)
 
     @property
     def limits(self) -> Limits:
@@ -198,7 +202,7 @@ class CreationGuard:
             if parent is None:
                 raise SessionUnknown(current.parent_session)
             current = parent
-        depth = self._depths.get(current.session_id, 0)
+        depth = self._depths.get(current.session_id) or 0
         for session in reversed(chain):
             depth += 1
             self._depths[session] = depth

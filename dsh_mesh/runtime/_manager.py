@@ -48,6 +48,7 @@ from dsh_mesh.runtime._children import ChildLedger
 from dsh_mesh.runtime._config import ManagerConfig
 from dsh_mesh.runtime._creation import Creations
 from dsh_mesh.runtime._delivery import Deliveries
+from dsh_mesh.runtime._idle import IdlePassivation
 from dsh_mesh.runtime._limits import CreationGuard
 from dsh_mesh.runtime._placement import ClusterForwarder, LocalPlacement, Placement
 from dsh_mesh.runtime._recovery import Recovery
@@ -154,6 +155,15 @@ class ContinuationManager:
             children=children,
             placement=placement,
         )
+        self._idle = (
+            None
+            if config.idle_passivate_after is None
+            else IdlePassivation(
+                residency=self._residency,
+                may_settle=self._settlements.may_settle,
+                after=config.idle_passivate_after,
+            )
+        )
         self._deliveries = Deliveries(
             store=store,
             residency=self._residency,
@@ -184,6 +194,9 @@ class ContinuationManager:
 
     async def __aenter__(self) -> Self:
         await self._stack.enter_async_context(self._residency)
+        idle = self.idle_passivation
+        if idle is not None:
+            self._residency.run_beside(idle.run(), name="idle passivation")
         return self
 
     async def __aexit__(
@@ -206,6 +219,13 @@ class ContinuationManager:
         longest resident first. Their sessions stay durable and cold-resume on their next
         message. Returns how many were asked to end."""
         return self._residency.passivate_idle(limit, may_settle=self._settlements.may_settle)
+
+    @property
+    def idle_passivation(self) -> IdlePassivation | None:
+        """The check that passivates agents idle past ``idle_passivate_after`` (ADR 0044),
+        run every :attr:`IdlePassivation.interval` while this manager runs; ``None`` when
+        that setting is off."""
+        return self._idle
 
     def shutdown(self) -> None:
         """Stop every driver and every piece of detached work. Idempotent. Durable state is

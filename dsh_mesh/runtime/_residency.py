@@ -7,11 +7,11 @@ import contextlib
 import contextvars
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from datetime import timedelta
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
 from dsh_mesh import telemetry
 from dsh_mesh.agent import Agent, AgentHost, AgentState
@@ -110,6 +110,8 @@ class Residency:
         """Activations released here without a clean end (ADR 0043)."""
         """Activations of new sessions won here whose agent is not started yet."""
         self._group: asyncio.TaskGroup | None = None
+        self._loops: list[asyncio.Task[None]] = []
+        """The node-wide loops run beside the drivers (:meth:`run_beside`)."""
         self._stack = contextlib.AsyncExitStack()
         self.closed = False
         self.draining = False
@@ -136,7 +138,7 @@ class Residency:
         """Stop every driver and cancel the detached work. Idempotent. Durable state is
         untouched: activations stay in the store until released, as if this node had died."""
         self.closed = True
-        for task in self._drivers.values():
+        for task in (*self._loops, *self._drivers.values()):
             task.cancel()
         self._work.cancel()
 
@@ -170,8 +172,31 @@ class Residency:
                 agent.passivate()
                 chosen += 1
         if chosen:
-            telemetry.passivated(chosen)
+            telemetry.passivated(chosen, reason="memory")
         return chosen
+
+    def passivate_idle_since(self, cutoff: float, *, may_settle: Callable[[Agent], bool]) -> int:
+        """Ask every agent idle with nothing unread since ``cutoff`` or earlier
+        (:attr:`Agent.idle_since`, ``time.monotonic``) that ``may_settle`` to end; returns how
+        many were asked (docs/adr/0044). A message that reaches one before it settles holds it
+        (``may_settle`` turns false) and it takes that turn instead."""
+        chosen = 0
+        for agent in self._agents.values():
+            since = agent.idle_since
+            if since is not None and since <= cutoff and may_settle(agent):
+                agent.passivate()
+                chosen += 1
+        if chosen:
+            telemetry.passivated(chosen, reason="idle")
+        return chosen
+
+    def run_beside(self, loop: Coroutine[Any, Any, None], *, name: str) -> None:
+        """Run ``loop`` (a node-wide check that never ends by itself) in the drivers' task group,
+        until :meth:`shutdown`."""
+        if self._group is None or self.closed:
+            loop.close()
+            raise RuntimeError("the manager is not running: use `async with`")
+        self._loops.append(self._group.create_task(loop, name=name))
 
     def check_open(self) -> None:
         """Refuse new work (``PeerUnavailable``, retryable elsewhere) once draining or shut."""

@@ -24,6 +24,7 @@ from dsh_mesh.core import (
     TreeStop,
     TurnId,
 )
+from dsh_mesh.runtime._cache import ANCESTRY_CACHE_SIZE, LruCache
 from dsh_mesh.runtime._denials import deny_absent
 from dsh_mesh.runtime._residency import Residency
 from dsh_mesh.runtime._store import SessionStore
@@ -36,11 +37,19 @@ class Stops:
     session's chain of ancestors (headers never change, so neither do chains). Every method is
     safe to call concurrently from one event loop."""
 
-    def __init__(self, *, store: SessionStore, residency: Residency, ids: IdFactory) -> None:
+    def __init__(
+        self,
+        *,
+        store: SessionStore,
+        residency: Residency,
+        ids: IdFactory,
+        cached: int = ANCESTRY_CACHE_SIZE,
+    ) -> None:
         self._store = store
         self._residency = residency
         self._ids = ids
-        self._lineages: dict[SessionId, tuple[SessionId, ...]] = {}
+        self._lineages: LruCache[SessionId, tuple[SessionId, ...]] = LruCache(cached)
+        """The chains of the last ``cached`` sessions walked (an LRU, ADR 0044)."""
         self._applied: set[str] = set()
 
     async def stop(

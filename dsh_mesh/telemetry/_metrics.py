@@ -36,7 +36,10 @@ _lease_losses = _METER.create_counter(
 _passivations = _METER.create_counter(
     "dsh.passivations",
     unit="{activation}",
-    description="Idle activations ended to free memory (they cold-resume on their next message).",
+    description=(
+        "Idle activations ended, under memory pressure or idle past idle_passivate_after"
+        " (they cold-resume on their next message)."
+    ),
 )
 _spawns_refused = _METER.create_counter(
     "dsh.tree.spawns_refused",
@@ -84,9 +87,10 @@ def lease_lost() -> None:
     _lease_losses.add(1)
 
 
-def passivated(count: int) -> None:
-    """Count idle activations ended under memory pressure."""
-    _passivations.add(count)
+def passivated(count: int, *, reason: str = "memory") -> None:
+    """Count idle activations asked to end: under memory pressure (``reason`` ``memory``) or
+    idle past ``idle_passivate_after`` (``idle``)."""
+    _passivations.add(count, {"dsh.passivation.reason": reason})
 
 
 def spawn_refused(limit: str) -> None:

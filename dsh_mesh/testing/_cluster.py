@@ -29,15 +29,32 @@ import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar
 
 import grpc
 
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
-from dsh_mesh.core import Activation, Record, RegistryUnavailable, SessionHeader, SessionId
+from dsh_mesh.core import (
+    DEFAULT_NAMESPACE,
+    Activation,
+    NodeId,
+    Record,
+    RegistryUnavailable,
+    SessionHeader,
+    SessionId,
+)
 from dsh_mesh.logstore import open_log_store
-from dsh_mesh.registry import ROOT_USER, Etcd, EtcdConfig, EtcdSessionStore, Keys, grant_mesh_access
+from dsh_mesh.registry import (
+    ROOT_USER,
+    Etcd,
+    EtcdConfig,
+    EtcdSessionStore,
+    Keys,
+    NodeInfo,
+    grant_mesh_access,
+)
 from dsh_mesh.registry._codec import decode_activation, decode_header
 from dsh_mesh.testing._pki import LocalPki, TlsFiles
 from dsh_mesh.transport import secure_channel
@@ -469,6 +486,18 @@ class MeshReader:
             self.keys.session_of_activation(kv.key): decode_activation(kv.value)
             for kv in response.kvs
         }
+
+    async def node_load(self, node: str) -> int | None:
+        """The load ``node`` last published: how many agents it holds in memory (``None`` while
+        it is not registered)."""
+        kv = await self._etcd.get(self.keys.node(NodeId(node)))
+        return None if kv is None else NodeInfo.decode(kv.value).load
+
+    async def live_sessions(self, namespace: str = DEFAULT_NAMESPACE) -> int:
+        """How many sessions of ``namespace`` hold an activation: what its ``max_live_sessions``
+        quota counts (ADR 0033)."""
+        census = await self._store.namespace_census(namespace, since=datetime.now(UTC))
+        return census.live_sessions
 
     async def wait_for(
         self,

@@ -514,3 +514,9 @@ QUIET = Scenario(
         "quiet": (send(PARENT, "Started."), Reply(text="Done quietly.", delay=0.3)),
     },
 )
+
+# A root that answers each prompt and then has nothing to do: for idle passivation (ADR 0044).
+IDLE = Scenario(
+    presets=(Preset(name="answer", system_prompt="You answer.", model="answer"),),
+    programs={"answer": (Reply(text="Answered."),) * 8},
+)

@@ -84,6 +84,30 @@ def test_the_memory_high_water_mark_is_set_off_or_taken_from_the_cgroup(
     assert high_water("--memory-high-water-mb", "0") is None
 
 
+def test_idle_passivate_after_comes_from_file_environment_and_flags_or_is_off(
+    tmp_path: Path,
+) -> None:
+    def after(file: str = "", environ: dict[str, str] | None = None, *flags: str) -> object:
+        config_file = tmp_path / "node.toml"
+        config_file.write_text(f"[node]\n{file}")
+        args = parse_args([*STORE, "--config", str(config_file), *flags])
+        env = {"DSH_CLUSTER_TOKEN": TOKEN, "DSH_PLAINTEXT": "1", **(environ or {})}
+        return load_config(args, env).manager_config().idle_passivate_after
+
+    assert after() == timedelta(minutes=15)  # the default (ADR 0044)
+    assert after("idle_passivate_after = 90\n") == timedelta(seconds=90)
+    assert after("idle_passivate_after = 90\n", {"DSH_IDLE_PASSIVATE_AFTER": "0.5"}) == timedelta(
+        seconds=0.5
+    )
+    assert after("", {}, "--idle-passivate-after", "off") is None
+    assert after("idle_passivate_after = 0\n") is None
+    assert after('idle_passivate_after = "off"\n') is None
+    with pytest.raises(ValueError, match="idle_passivate_after"):
+        after("", {}, "--idle-passivate-after", "-3")
+    with pytest.raises(ValueError, match="idle_passivate_after"):
+        after("", {}, "--idle-passivate-after", "soon")
+
+
 @pytest.mark.parametrize(
     ("flags", "problem"),
     [
