@@ -352,6 +352,7 @@ class Residency:
         if self._agents.get(agent.session_id) is agent:
             del self._agents[agent.session_id]
             self._drivers.pop(agent.session_id, None)
+            self._children.forget(agent.session_id)
         self._changes.changed()
 
     async def resume(
@@ -449,9 +450,9 @@ class Residency:
         records = resumption.records
         # Notices this session already holds were delivered (perhaps to an earlier activation
         # on another node): the end of those children's activations must not add "lost" ones.
-        self._children.note_noticed(
+        noticed = [
             r.entry.child_activation for r in records if isinstance(r.entry, SettlementNoticeEntry)
-        )
+        ]
         try:
             agent = self.make_agent(header, activation, records, self._resume_filter)
             # Its live children answer to this activation from now on, without waiting for
@@ -463,6 +464,7 @@ class Residency:
         for record in pending_inbound(records):
             agent.deliver(record)
         self.start(agent)
+        self._children.note_noticed(target, noticed)
         return agent
 
     def _leaked_here(self, held: Activation) -> bool:

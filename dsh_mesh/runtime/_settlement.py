@@ -123,7 +123,7 @@ class Settlements:
             return
         telemetry.settled(notice.outcome.value, notice.child_kind.value)
         await self.notify(parent, notice)
-        self._children.note_noticed((activation.activation_id,))
+        self._children.note_noticed(parent, (activation.activation_id,))
 
     async def waiting_out_outages(self, read: Callable[[], Awaitable[T]], what: str) -> T:
         """``read()``, again after each registry or log-store outage until it answers, as the
