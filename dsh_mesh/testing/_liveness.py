@@ -36,6 +36,7 @@ from dsh_mesh.core import (
     pending_inbound,
     unended_turn,
 )
+from dsh_mesh.node import NodeConfig
 from dsh_mesh.testing._approval_history import open_requests
 
 
@@ -50,7 +51,7 @@ class EndState:
     bound: float
 
 
-SWEEP_INTERVAL = 2.0
+SWEEP_INTERVAL = NodeConfig.sweep_interval.total_seconds()
 """Seconds between two sweeps of a dead lease's activations by a live node (the nodes'
 ``sweep_interval`` default, ADR 0043)."""
 ROUND_MARGIN = 30.0

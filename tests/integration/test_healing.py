@@ -83,6 +83,7 @@ def first_activation(records: list[Record]) -> str:
     return next(r.entry.activation_id for r in records if isinstance(r.entry, TurnStartedEntry))
 
 
+@pytest.mark.contract(8)
 async def test_a_parent_and_child_lost_together_hear_of_it_with_nobody_prompting(
     start_cluster: ClusterFactory,
 ) -> None:
@@ -164,6 +165,7 @@ async def test_a_message_accepted_by_a_child_whose_host_died_is_read_with_nobody
         assert readers  # read on another node
 
 
+@pytest.mark.contract(8)
 async def test_a_child_that_settles_while_etcd_is_away_gets_its_notice_once_etcd_is_back(
     etcd_server: EtcdServer,
 ) -> None:
