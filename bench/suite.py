@@ -48,11 +48,12 @@ from bench.warm import (
 from dsh_mesh.testing import EtcdServer
 
 HERE = Path(__file__).resolve().parent
-TARGETS = 17
+TARGETS = 19
 """Figures with a target in a complete report (one per target of the issue): six for the warm
 sends, the resumes and idle memory, one for long transcripts' resume (``long-resume``), three
-for the control plane's reads (``control``), five for the tools (``tools``) and two for the web
-view's render time and event latency (``view``)."""
+for the control plane's reads (``control``), five for the tools (``tools``), two for the web
+view's render time and event latency (``view``) and two for a root's fail-over where a client
+waits, median and slowest (``crash``, ADR 0043)."""
 
 SECTIONS: dict[str, Callable[[Bed], Awaitable[None]]] = {
     "same-node": measure_same_node,
