@@ -38,6 +38,8 @@ def a_report() -> Report:
         Figure("server processes for 1000 agents", 1.0, "processes", None, 1.0, "lower"),
         Figure("web view: a 100-agent tree rendered", 700.0, "ms", None, 2000.0, "lower"),
         Figure("web view: an event reaches the page, p99", 80.0, "ms", None, 1000.0, "lower"),
+        Figure("root fail-over, median", 1.7, "s", None, 2.5, "lower"),
+        Figure("root fail-over, slowest", 2.2, "s", None, 3.5, "lower"),
         Figure("bare echo p50", 0.6, "ms"),
         Figure("warm same-node send throughput", 5000.0, "calls/s", 4000.0, better="higher"),
     )
@@ -52,8 +54,9 @@ def a_document() -> dict[str, Any]:
 
 def test_a_complete_report_conforms_and_lists_only_targets_as_figures() -> None:
     document = a_document()
-    # Six of the first suite, long-resume's one, control's three, tools' five, the view's two.
-    assert TARGETS == 17
+    # Six of the first suite, long-resume's one, control's three, tools' five, the view's two,
+    # the crash section's root fail-over two.
+    assert TARGETS == 19
     assert check_report(document, expected_targets=TARGETS) == []
     assert len(document["figures"]) == TARGETS
     assert all(sorted(f) == sorted(FIGURE_KEYS) for f in document["figures"])
