@@ -73,9 +73,11 @@ class HeldIndex:
         """Whether ``lease`` is still granted (its markers may be live activations)."""
         return await self._etcd.lease_alive(lease)
 
-    async def markers(self, lease: int) -> list[Marker]:
-        """The first markers left under ``lease`` (at most a page)."""
-        response = await self._etcd.get_prefix(self._keys.held(lease), limit=_PAGE)
+    async def markers(self, lease: int, *, after: bytes | None = None) -> list[Marker]:
+        """The markers left under ``lease`` (at most a page), after the key ``after``."""
+        response = await self._etcd.get_prefix(
+            self._keys.held(lease), start=None if after is None else after + b"\0", limit=_PAGE
+        )
         return [_marker(kv) for kv in response.kvs]
 
     async def marker_of(self, lease: int, activation: Activation) -> Marker | None:
@@ -85,9 +87,11 @@ class HeldIndex:
         )
         return None if kv is None else _marker(kv)
 
-    async def unstarted(self) -> list[Unstarted]:
-        """The first sessions created and never activated (at most a page)."""
-        response = await self._etcd.get_prefix(self._keys.unstarted, limit=_PAGE)
+    async def unstarted(self, *, after: bytes | None = None) -> list[Unstarted]:
+        """Sessions created and never activated (at most a page), after the key ``after``."""
+        response = await self._etcd.get_prefix(
+            self._keys.unstarted, start=None if after is None else after + b"\0", limit=_PAGE
+        )
         return [
             Unstarted(
                 session=SessionId(kv.key[len(self._keys.unstarted) :].decode()),

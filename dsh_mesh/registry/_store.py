@@ -245,22 +245,27 @@ class EtcdSessionStore:
         self._roots[session] = root
 
     async def waiting_in_subtree(self, session: SessionId) -> list[tuple[SessionId, Record]]:
+        return await self._log.pending_approvals(set(await self.subtree(session)))
+
+    async def subtree(self, session: SessionId) -> list[SessionId]:
         header = await self.get_header(session)
         if header is None:
             raise SessionUnknown(session)
         prefix = self._keys.tree(await self._root_of(header))
-        below = {session}
+        below, members = [session], {session}
         start: bytes | None = None
         while True:
             response = await self._etcd.get_prefix(prefix, start=start, limit=1000)
             for kv in response.kvs:
                 parent = SessionId(kv.value.decode()) if kv.value else None
-                if parent in below:  # the index holds parents before their children
-                    below.add(session_of_index_key(kv.key))
+                if parent in members:  # the index holds parents before their children
+                    member = session_of_index_key(kv.key)
+                    below.append(member)
+                    members.add(member)
             if not response.more:
                 break
             start = response.kvs[-1].key + b"\0"
-        return await self._log.pending_approvals(below)
+        return below
 
     async def _root_of(self, header: SessionHeader) -> SessionId:
         """The root of the tree ``header``'s session belongs to."""
@@ -349,10 +354,10 @@ class EtcdSessionStore:
             put(marker, value),
             delete(self._keys.unstarted_session(session)),
         ]
-        success += [put(live, b"", lease=lease) for live in await self._live_keys(session)]
+        success += await self._live_puts(session, lease)
         failure = [get(key), get(header)]
         for _ in range(_ACTIVATE_ATTEMPTS):
-            response = await self._etcd.txn(compares, success, failure)
+            response = await self._ambiguous_txn(compares, success, failure)
             if response.succeeded:
                 self._markers[activation.activation_id] = marker
                 fence = int(response.header.revision)
@@ -379,6 +384,17 @@ class EtcdSessionStore:
                 return Resumption(current=current)
             # The holder let go between our compare and our read: race again.
         raise RegistryUnavailable(f"{session}: activation kept changing hands")
+
+    async def _ambiguous_txn(
+        self, compares: Sequence[Any], success: Sequence[Any], failure: Sequence[Any]
+    ) -> Any:
+        """The activation's transaction, sent again once if its answer was lost: it may have
+        won, and the second try's compare then fails and reads this activation back (the
+        own-key path), instead of leaving a key held by nothing until the lease ends."""
+        try:
+            return await self._etcd.txn(compares, success, failure)
+        except RegistryUnavailable:
+            return await self._etcd.txn(compares, success, failure)
 
     async def _fenced(self, activation: Activation, fence: int, read: bool) -> Resumption | None:
         """Raise the log store's fence to the won key's ``fence``, then read the transcript.
@@ -421,15 +437,19 @@ class EtcdSessionStore:
         return rebound
 
     async def release(self, activation: Activation, *, clean: bool = True) -> None:
-        fence = self._fences.pop(activation.activation_id, None)
-        marker = self._markers.pop(activation.activation_id, None)
+        fence = self._fences.get(activation.activation_id)
         if fence is None:
             return
+        marker = self._markers.get(activation.activation_id)
         key = self._keys.activation(activation.session_id)
         ending = await self._ending(activation.session_id, key)
         if clean and marker is not None:
             ending.append(delete(marker))
+        # The fence is forgotten only once the release is done: a release that failed (etcd
+        # away) can be tried again, and must be while the lease lives (ADR 0043).
         await self._etcd.txn([compare(key, Target.CREATE, Result.EQUAL, fence)], ending)
+        self._fences.pop(activation.activation_id, None)
+        self._markers.pop(activation.activation_id, None)
         if self._directory is not None:
             self._directory.forget(activation)
 
@@ -456,7 +476,8 @@ class EtcdSessionStore:
         return [child for child, _ in await self._live_children(session)]
 
     async def adopt_children(self, parent: Activation) -> list[Activation]:
-        """Re-bind every live child of ``parent``'s session to ``parent``, each in a transaction
+        """Re-bind every live child of ``parent``'s session to ``parent`` and return every live
+        child bound to it (re-bound or already so). Each is re-bound in a transaction
         that holds only while ``parent`` is still its session's activation (its own authority,
         ADR 0043) and the child's activation is still the one read. The child's key keeps its
         own lease: it still ends with the child's node."""
@@ -467,6 +488,7 @@ class EtcdSessionStore:
         adopted: list[Activation] = []
         for child, revision in await self._live_children(parent.session_id):
             if child.parent_activation == parent.activation_id:
+                adopted.append(child)
                 continue
             key = self._keys.activation(child.session_id)
             rebound = child.rebound(parent.activation_id)
@@ -491,20 +513,39 @@ class EtcdSessionStore:
         members: list[SessionId] = []
         start: bytes | None = None
         while True:
-            response = await self._etcd.get_prefix(prefix, start=start, limit=1000, keys_only=True)
-            members += [SessionId(kv.key[len(prefix) :].decode()) for kv in response.kvs]
+            response = await self._etcd.get_prefix(prefix, start=start, limit=1000)
+            for kv in response.kvs:
+                member = SessionId(kv.key[len(prefix) :].decode())
+                if kv.value:  # the member's parent
+                    if kv.value.decode() == session:
+                        members.append(member)
+                    continue
+                # Written before its key carried the parent: its header says.
+                member_header = await self.get_header(member)
+                if member_header is not None and member_header.parent_session == session:
+                    members.append(member)
             if not response.more:
                 break
             start = response.kvs[-1].key + b"\0"
         found: list[tuple[Activation, int]] = []
         for member in members:
-            member_header = await self.get_header(member)
-            if member_header is None or member_header.parent_session != session:
-                continue
             kv = await self._etcd.get(self._keys.activation(member))
             if kv is not None:
                 found.append((decode_activation(kv.value), int(kv.mod_revision)))
         return found
+
+    async def _live_puts(self, session: SessionId, lease: int) -> list[Any]:
+        """The puts of ``session``'s places among the live sessions, under ``lease``: its
+        namespace's (empty), and for a child its tree's, valued with its parent's id (so a
+        parent's live children are one range read, ADR 0043)."""
+        header = await self.get_header(session)
+        if header is None:
+            raise SessionUnknown(session)
+        puts = [put(self._keys.namespace_live_member(header.namespace, session), b"", lease=lease)]
+        if header.parent_session is not None:
+            member = self._keys.live_member(await self._root_of(header), session)
+            puts.append(put(member, header.parent_session.encode(), lease=lease))
+        return puts
 
     async def _live_keys(self, session: SessionId) -> list[bytes]:
         """``session``'s keys among its namespace's live sessions and, for a child, among its

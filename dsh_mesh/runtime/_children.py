@@ -32,6 +32,10 @@ class ChildLedger:
     def settled(self, parent: SessionId, child: SessionId, activation: ActivationId) -> None:
         """The notice of ``child``'s ``activation`` was delivered: it is live no more."""
         self.note_noticed(parent, (activation,))
+        self.ended(parent, child, activation)
+
+    def ended(self, parent: SessionId, child: SessionId, activation: ActivationId) -> None:
+        """``child``'s ``activation`` ended (its notice perhaps still owed): live no more."""
         children = self._live.get(parent)
         if children is not None and children.get(child) == activation:
             del children[child]

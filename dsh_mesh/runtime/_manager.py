@@ -10,6 +10,7 @@ owners.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from datetime import timedelta
@@ -28,6 +29,7 @@ from dsh_mesh.core import (
     DetachedWork,
     Entry,
     IdFactory,
+    MeshError,
     NodeId,
     NotResident,
     RandomIds,
@@ -59,6 +61,8 @@ from dsh_mesh.runtime._stops import Stops
 from dsh_mesh.runtime._store import SessionStore
 from dsh_mesh.runtime._writes import OutageTolerantWriter
 from dsh_mesh.tools import ChildKind, Preset, Tool, ToolRegistry, ToolSource, standard_tools
+
+_log = logging.getLogger(__name__)
 
 
 class ContinuationManager:
@@ -400,9 +404,22 @@ class ContinuationManager:
         return await self._stops.stop(session, close=close, reason=reason)
 
     async def reopen_tree(self, session: SessionId) -> bool:
-        """Clear the stop of the subtree under ``session``; True when there was one.
-        Idempotent. Raises :class:`SessionUnknown`."""
-        return await self._stops.reopen(session)
+        """Clear the stop of the subtree under ``session``; True when there was one. Its
+        absent sessions that hold what the stop left unread are then resumed to read it, in
+        the background (ADR 0043). Idempotent. Raises :class:`SessionUnknown`."""
+        reopened = await self._stops.reopen(session)
+        if reopened:
+            self._work.start(self._read_reopened(session))
+        return reopened
+
+    async def _read_reopened(self, session: SessionId) -> None:
+        try:
+            woken = await self._recovery.reopened(session)
+        except MeshError as failure:
+            _log.warning("%s: reopened, its unread entries wait: %s", session, failure)
+            return
+        if woken:
+            _log.info("%s: reopened; %d absent session(s) resumed to read", session, woken)
 
     def stop_seen(self, stop: TreeStop) -> None:
         """A stop this node learned from the registry (another node made it, or it was made
@@ -503,6 +520,12 @@ class ContinuationManager:
         """Resume ``session``, created and never activated, if it holds work (ADR 0043).
         False while it is resident (or has no header): nothing to do."""
         return await self._recovery.start(session)
+
+    async def finish(self, ended: Activation) -> bool:
+        """:meth:`recover` one of this node's :meth:`unfinished` activations, releasing it
+        first in case its release failed (etcd was away): its node still holds its fence."""
+        await self._residency.release_again(ended)
+        return await self._recovery.recover(ended)
 
     def unfinished(self) -> list[Activation]:
         """Activations this manager released without a clean end, not yet finished."""

@@ -107,7 +107,8 @@ class InMemorySessionStore:
         adopted = []
         for child in await self.live_children(parent.session_id):
             if child.parent_activation != parent.activation_id:
-                adopted.append(await self.rebind(child, parent.activation_id))
+                child = await self.rebind(child, parent.activation_id)
+            adopted.append(child)
         return adopted
 
     async def append(
@@ -137,6 +138,12 @@ class InMemorySessionStore:
             self._idempotency[key] = dataclasses.replace(acceptance, seq=record.seq)
         self.writes += 1
         return record, None
+
+    async def read_context(self, session: SessionId) -> list[Record]:
+        transcript = self._transcripts.get(session)
+        if transcript is None:
+            raise SessionUnknown(session)
+        return context_of(transcript)
 
     async def lookup(self, key: IdempotencyKey) -> Acceptance | None:
         return self._idempotency.get(key)
@@ -169,6 +176,11 @@ class InMemorySessionStore:
                 if h.parent_session is None and h.created_at is not None and h.created_at >= since
             ),
         )
+
+    async def subtree(self, session: SessionId) -> list[SessionId]:
+        if session not in self._headers:
+            raise SessionUnknown(session)
+        return [s for s in self._headers if session in self._lineage(s)]
 
     async def waiting_in_subtree(self, session: SessionId) -> list[tuple[SessionId, Record]]:
         if session not in self._headers:

@@ -167,6 +167,9 @@ class RecordingStore:
     async def namespace_census(self, namespace: str, *, since: datetime) -> NamespaceCensus:
         return await self._store.namespace_census(namespace, since=since)
 
+    async def subtree(self, session: SessionId) -> list[SessionId]:
+        return await self._store.subtree(session)
+
     async def waiting_in_subtree(self, session: SessionId) -> list[tuple[SessionId, Record]]:
         return await self._store.waiting_in_subtree(session)
 
@@ -186,6 +189,9 @@ class RecordingStore:
         self, session: SessionId, *, after_seq: int = 0, limit: int | None = None
     ) -> list[Record]:
         return await self._store.read(session, after_seq=after_seq, limit=limit)
+
+    async def read_context(self, session: SessionId) -> list[Record]:
+        return await self._store.read_context(session)
 
     def _activated(self, asked: Activation, current: Activation | None) -> None:
         if current is not None and current.activation_id == asked.activation_id:

@@ -11,6 +11,7 @@ notice is keyed by the child activation, and a resume races for the session's le
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 from dsh_mesh.core import (
@@ -29,6 +30,7 @@ from dsh_mesh.core import (
     pending_inbound,
     unended_turn,
 )
+from dsh_mesh.runtime._cache import LruCache
 from dsh_mesh.runtime._children import ChildLedger
 from dsh_mesh.runtime._notices import derived_notice
 from dsh_mesh.runtime._placement import Placement
@@ -43,8 +45,12 @@ _PAGE = 100
 _PAGES = 20
 """Pages read back at most: an activation whose turn is not among the last 2,000 records ran
 none (its successor would have to write that many in the seconds a sweep takes to come)."""
-_UNREAD_PAGES = 2
-"""Pages read back to find entries an ended activation left unread."""
+_WAKE_BACKOFF = (2.0, 300.0)
+"""Seconds before a session this node woke is woken again, doubling from the first up to the
+second: a session whose every activation fails (a defect, a tool that crashes its driver)
+is retried, never resumed in a loop."""
+_WAKES_KEPT = 4096
+"""Sessions whose wake-ups are remembered for their back-off (least recent forgotten)."""
 
 
 class Recovery:
@@ -64,6 +70,8 @@ class Recovery:
         self._residency = residency
         self._children = children
         self._placement = placement
+        self._woken: LruCache[SessionId, tuple[float, float]] = LruCache(_WAKES_KEPT)
+        """Per session woken here: its last back-off and when it may be woken again."""
 
     async def recover(self, ended: Activation) -> bool:
         """Finish what ``ended`` left: its parent gets its notice (if it ran a turn), and its
@@ -82,20 +90,33 @@ class Recovery:
             if notice is not None:
                 await self._settlements.notify(header.parent_session, notice)
         if current is None and await self._needs_reader(session):
-            await self._wake(session)
+            return await self._wake(session)
         return True
 
     async def start(self, session: SessionId) -> bool:
         """A session created and never activated (its creator died, or activating it failed):
-        it is resumed if it holds work (its task). False while it has no header yet or is
-        resident now: nothing to do yet."""
-        header = await self._store.get_header(session)
-        current = await self._store.current_activation(session, fresh=True)
-        if header is None or current is not None:
+        it is resumed if it holds work (its task). False while it is resident now (nothing to
+        do yet) or its wake is backing off; True once done, or when it has no header (deleted:
+        nothing is owed)."""
+        if await self._store.get_header(session) is None:
+            return True
+        if await self._store.current_activation(session, fresh=True) is not None:
             return False
         if await self._needs_reader(session):
-            await self._wake(session)
+            return await self._wake(session)
         return True
+
+    async def reopened(self, session: SessionId) -> int:
+        """The subtree under ``session`` was reopened: each of its absent sessions holding
+        what its stop left unread is resumed to read it. Returns how many were."""
+        woken = 0
+        for member in await self._store.subtree(session):
+            if await self._store.current_activation(member, fresh=True) is not None:
+                continue
+            if await self._needs_reader(member):
+                await self._resume_somewhere(member)
+                woken += 1
+        return woken
 
     async def activation_ended(self, ended: Activation) -> None:
         """An activation key vanished from the registry. If it was a child of a parent resident
@@ -160,17 +181,29 @@ class Recovery:
 
     async def _needs_reader(self, session: SessionId) -> bool:
         """Whether ``session`` holds what only a resident agent reads: entries no step read, a
-        turn that never ended, or a live child (it stays available to it, ADR 0004). Entries
-        are looked for among its last records (an entry is read at the next step boundary
-        after it is accepted, so an unread one is among the last ones)."""
-        tail = await self._read_back(session, lambda _: False, pages=_UNREAD_PAGES)
-        if pending_inbound(tail) or unended_turn(tail) is not None:
+        turn that never ended, or a live child (it stays available to it, ADR 0004). Read
+        from its context, as a cold resume reads it (bounded by compaction)."""
+        context = await self._store.read_context(session)
+        if pending_inbound(context) or unended_turn(context) is not None:
             return True
         return bool(await self._store.live_children(session))
 
-    async def _wake(self, session: SessionId) -> None:
+    async def _wake(self, session: SessionId) -> bool:
         """Resume ``session`` where placement puts it (here when that node cannot be reached).
-        Another node winning the race resumed it: that is as good."""
+        Another node winning the race resumed it: that is as good. False (nothing done) while
+        the session's last wake from here is too recent (:data:`_WAKE_BACKOFF`)."""
+        now = time.monotonic()
+        woken = self._woken.get(session)
+        if woken is not None and now < woken[1]:
+            return False
+        delay = _WAKE_BACKOFF[0] if woken is None else min(woken[0] * 2, _WAKE_BACKOFF[1])
+        if woken is not None and now > woken[1] + _WAKE_BACKOFF[1]:
+            delay = _WAKE_BACKOFF[0]  # quiet for long: start over
+        self._woken[session] = (delay, now + delay)
+        await self._resume_somewhere(session)
+        return True
+
+    async def _resume_somewhere(self, session: SessionId) -> None:
         try:
             elsewhere = await self._placement.elsewhere(session, place=True, fresh=True)
             if elsewhere is not None and elsewhere.activation_id:
@@ -185,5 +218,5 @@ class Recovery:
         except TargetElsewhere:
             return
         except TreeClosed:
-            return  # its subtree is stopped: what it holds waits for the subtree to reopen
+            return  # its subtree is stopped: reopening it reads what it holds
         _log.info("%s: resumed to read what its last activation left", session)

@@ -333,11 +333,21 @@ class Residency:
         self._changes.changed()
 
     async def release(self, activation: Activation, *, clean: bool) -> None:
-        """End ``activation`` in the store. Unless ``clean``, it is also kept among the
-        :meth:`unfinished` ones, for this node to finish what it left (ADR 0043)."""
+        """End ``activation`` in the store. Unless ``clean``, or when the release fails (etcd
+        away: it is tried again), it is kept among the :meth:`unfinished` ones, for this node
+        to finish what it left (ADR 0043)."""
         if not clean:
             self._unfinished[activation.activation_id] = activation
-        await self._store.release(activation, clean=clean)
+        try:
+            await self._store.release(activation, clean=clean)
+        except MeshError:
+            self._unfinished[activation.activation_id] = activation
+            raise
+
+    async def release_again(self, activation: Activation) -> None:
+        """Release ``activation`` (unfinished here) once more, in case its release failed; a
+        no-op once it is released."""
+        await self._store.release(activation, clean=False)
 
     def unfinished(self) -> list[Activation]:
         """The activations released here without a clean end, not yet :meth:`finished`."""
@@ -455,17 +465,28 @@ class Residency:
         ]
         try:
             agent = self.make_agent(header, activation, records, self._resume_filter)
-            # Its live children answer to this activation from now on, without waiting for
-            # it to speak to them first (ADR 0043).
-            await self._store.adopt_children(activation)
         except MeshError:
             await self._store.release(activation)  # won, but nothing will run it here
             raise
+        children = await self._adopt_children(activation)
         for record in pending_inbound(records):
             agent.deliver(record)
         self.start(agent)
         self._children.note_noticed(target, noticed)
+        for child in children:  # it stays available to them (ADR 0004)
+            self._children.track(target, child.session_id, child.activation_id)
         return agent
+
+    async def _adopt_children(self, activation: Activation) -> list[Activation]:
+        """Re-bind the session's live children to ``activation``, so that they answer to it
+        from now on without waiting for it to speak to them first (ADR 0043); returns them.
+        Best effort: when etcd fails it here, a child is re-bound when its parent next
+        messages it, as before."""
+        try:
+            return await self._store.adopt_children(activation)
+        except MeshError as failure:
+            _log.warning("%s: its live children not adopted now: %s", activation, failure)
+            return []
 
     def _leaked_here(self, held: Activation) -> bool:
         """Whether ``held``, the current activation of a session being resumed here, is this

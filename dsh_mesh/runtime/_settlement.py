@@ -110,7 +110,7 @@ class Settlements:
             await self._residency.release(agent.activation, clean=clean)
             self._residency.forget(agent)
             if parent is not None:
-                self._child_settled(parent, session, agent.activation.activation_id)
+                self._child_settled(parent, session, agent.activation.activation_id, noticed=clean)
 
     async def left_over_turn_lost(self, agent: Agent, activation: Activation) -> None:
         """``agent`` found a turn of its earlier ``activation`` unended: that activation was
@@ -239,8 +239,15 @@ class Settlements:
         )
         self._child_settled(parent.session_id, notice.child_session, notice.child_activation)
 
-    def _child_settled(self, parent: SessionId, child: SessionId, activation: ActivationId) -> None:
-        self._children.settled(parent, child, activation)
+    def _child_settled(
+        self, parent: SessionId, child: SessionId, activation: ActivationId, *, noticed: bool = True
+    ) -> None:
+        """``child``'s ``activation`` ended: live no more; ``noticed`` when its notice was
+        delivered (else it is still owed, and whoever finishes the activation delivers it)."""
+        if noticed:
+            self._children.settled(parent, child, activation)
+        else:
+            self._children.ended(parent, child, activation)
         parent_agent = self._residency.agent(parent)
         if parent_agent is not None:
             parent_agent.poke()

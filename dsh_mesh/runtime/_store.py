@@ -149,8 +149,8 @@ class SessionStore(Protocol):
     async def adopt_children(self, parent: Activation) -> list[Activation]:
         """Re-bind each live child of ``parent``'s session to ``parent``, by ``parent``'s own
         authority (only while it is current), so that its children may message it at once
-        (ADR 0043). Returns the children re-bound. Raises ``ActivationFenced`` when
-        ``parent`` is not held here."""
+        (ADR 0043). Returns every live child bound to ``parent`` (re-bound or already so).
+        Raises ``ActivationFenced`` when ``parent`` is not held here."""
         ...
 
     async def append(
@@ -196,6 +196,11 @@ class SessionStore(Protocol):
         ``since``. A namespace nothing was created in counts zero."""
         ...
 
+    async def subtree(self, session: SessionId) -> list[SessionId]:
+        """``session`` and its descendants, parents before their children, from the tree's
+        index. Raises ``SessionUnknown``."""
+        ...
+
     async def waiting_in_subtree(self, session: SessionId) -> list[tuple[SessionId, Record]]:
         """The approval requests no decision answered yet of ``session`` and its descendants,
         each with its session (docs/approvals.md): read from the tree's index and the log
@@ -230,6 +235,11 @@ class SessionStore(Protocol):
         """``session``'s durable records after ``after_seq``, in seq order, at most ``limit``
         of them (None: all, read in bounded pages). Raises ``SessionUnknown`` for a session
         that does not exist."""
+        ...
+
+    async def read_context(self, session: SessionId) -> list[Record]:
+        """What an agent of ``session`` needs of its transcript (``context_of``): from its
+        last compaction on, the entries that compaction kept pending among them."""
         ...
 
 

@@ -1370,7 +1370,8 @@ async def test_a_parent_adopts_its_live_children_by_its_own_activation_only_whil
     assert adopted == on_b.rebound(new.activation_id)
     stored, lease = await stored_activation(node_b.etcd, keys, child)
     assert stored == adopted and lease == node_b.lease  # it still ends with the child's node
-    assert await node_a.store.adopt_children(new) == []  # nothing left to re-bind
+    assert await node_a.store.adopt_children(new) == [adopted]  # bound already: unchanged
+    assert (await stored_activation(node_b.etcd, keys, child))[0] == adopted
     # A parent activation that is no longer current re-binds nothing.
     await node_a.store.release(new)
     with pytest.raises(ActivationFenced):

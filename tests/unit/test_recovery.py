@@ -5,6 +5,10 @@ node's ledger of notices forgetting a parent that left."""
 
 from __future__ import annotations
 
+from collections import Counter
+from datetime import timedelta
+from typing import cast
+
 from dsh_mesh.core import (
     Activation,
     ActivationId,
@@ -30,6 +34,8 @@ from dsh_mesh.core import (
     Usage,
 )
 from dsh_mesh.models import Reply, tool
+from dsh_mesh.node._sweep import Sweep
+from dsh_mesh.registry import HeldIndex
 from dsh_mesh.runtime import InMemorySessionStore
 from dsh_mesh.runtime._children import ChildLedger
 from dsh_mesh.runtime._notices import derived_notice
@@ -187,3 +193,50 @@ async def test_an_absent_session_left_with_an_unread_prompt_is_resumed_and_reads
     prompt = next(r.seq for r in transcript if isinstance(r.entry, HumanPromptEntry))
     read = {s for r in transcript if isinstance(r.entry, ConsumedEntry) for s in r.entry.seqs}
     assert prompt in read
+
+
+def test_one_live_node_and_only_one_sweeps_each_dead_lease() -> None:
+    nodes = [NodeId(f"node-{n}") for n in "abc"]
+    sweeps = [
+        Sweep(
+            cast(HeldIndex, None),
+            node_id=node,
+            interval=timedelta(seconds=2),
+            live_nodes=lambda: nodes,
+        )
+        for node in nodes
+    ]
+    chosen: Counter[NodeId] = Counter()
+    for lease in range(0x1000, 0x1000 + 60):
+        (sweeper,) = [
+            node for node, s in zip(nodes, sweeps, strict=True) if s.chooses(f"{lease:x}")
+        ]
+        chosen[sweeper] += 1
+    assert set(chosen) == set(nodes)  # spread over the nodes, each lease to one of them
+    # A node that does not see the others yet sweeps what it ranks first for (harmless twice).
+    alone = Sweep(
+        cast(HeldIndex, None), node_id=nodes[0], interval=timedelta(1), live_nodes=lambda: ()
+    )
+    assert all(alone.chooses(f"{lease:x}") for lease in range(10))
+
+
+async def test_a_session_woken_again_and_again_is_backed_off_not_resumed_in_a_loop() -> None:
+    store = InMemorySessionStore()
+    async with in_process_mesh(presets(), store=store) as mesh:
+        mesh.scripted.program("lead", Reply(text="first"))
+        await mesh.manager.create_root("Lead.", preset="lead")
+        await mesh.manager.quiescent()
+        gone = await store.current_activation(ROOT)
+        assert gone is not None
+        await store.append(ROOT, HumanPromptEntry(content="unread"), writer=gone.activation_id)
+    await store.release(gone, clean=False)
+    async with in_process_mesh(presets(), store=store) as other:
+        other.scripted.program("lead", Reply(text="read"))
+        assert await other.manager.recover(gone)  # woken at once
+        await other.manager.quiescent()
+        again = await store.current_activation(ROOT)
+        assert again is not None
+        await store.append(ROOT, HumanPromptEntry(content="unread too"), writer=again.activation_id)
+        await store.release(again, clean=False)
+        # Its next end, moments later, waits out the back-off: the marker stays for later.
+        assert not await other.manager.recover(again)
