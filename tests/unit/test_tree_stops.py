@@ -4,12 +4,15 @@ or message: TREE_CLOSED) until it is reopened, and what was accepted before is k
 
 from __future__ import annotations
 
+import asyncio
 from functools import partial
 
 import pytest
 
 from dsh_mesh.core import (
+    ConsumedEntry,
     HumanPromptEntry,
+    Record,
     RejectionReason,
     SessionId,
     SessionUnknown,
@@ -133,3 +136,25 @@ async def test_work_for_a_halted_agent_after_a_reopen_waits_for_its_next_activat
         mesh.scripted.program("lead", Reply(text="Back."))
         await mesh.manager.submit_prompt(ROOT, "Carry on.", idempotency_key="p1")
         await mesh.scripted.wait_for_call(ROOT, 3)  # spawn, the stopped stall, the prompt
+
+
+async def test_what_a_closed_subtree_left_unread_is_read_once_it_is_reopened() -> None:
+    async with in_process_mesh(presets()) as mesh:
+        mesh.scripted.program("lead", Stall(), Reply(text="Read it."))
+        await mesh.manager.create_root("Lead.", preset="lead")
+        await mesh.scripted.wait_for_call(ROOT, 1)
+        await mesh.manager.submit_prompt(ROOT, "Later, please.", idempotency_key="p1")
+        await mesh.manager.stop_tree(ROOT, close=True)
+        await mesh.manager.wait_until(lambda: not mesh.manager.agents)
+        [prompt] = of_type(await mesh.transcript(ROOT), HumanPromptEntry)
+        assert prompt.seq not in consumed(await mesh.transcript(ROOT))  # kept, unread
+
+        assert await mesh.manager.reopen_tree(ROOT)
+        # Nobody prompts it again: the reopening resumes it to read what the stop left.
+        async with asyncio.timeout(10):
+            await mesh.scripted.wait_for_call(ROOT, 2)
+        assert prompt.seq in consumed(await mesh.transcript(ROOT))
+
+
+def consumed(records: list[Record]) -> set[int]:
+    return {s for r in records if isinstance(r.entry, ConsumedEntry) for s in r.entry.seqs}
