@@ -261,9 +261,10 @@ async def test_a_call_its_killed_host_left_open_is_answered_once_before_the_next
         parent, root_host = await live_ref(reader, root)
         _, child_host = await live_ref(reader, child)
         cluster[child_host].kill()
-        await reader.wait_for(
+        at_root = await reader.wait_for(
             lambda: reader.transcript(root), lambda r: bool(notices(r)), what="lost notice"
         )
+        [noticed] = [r for r in at_root if isinstance(r.entry, SettlementNoticeEntry)]
         after = await send_as(
             cluster, via=root_host, caller=root_host, sender=parent, target=child,
             message="Carry on.", key="after-kill",
@@ -280,6 +281,15 @@ async def test_a_call_its_killed_host_left_open_is_answered_once_before_the_next
             if isinstance(r.entry, ToolResultEntry) and r.entry.name == "hang"
         ]
         assert hang.is_error and json.loads(hang.content)["outcome"] == "unknown"
+        # A lost run's leftovers are announced or ordered (ADR 0043): the notice names the call
+        # left open, unless the resumed child had answered it before the notice was written.
+        [answered] = [r for r in records if r.entry == hang]
+        assert noticed.recorded_at is not None and answered.recorded_at is not None
+        lost = noticed.entry
+        assert isinstance(lost, SettlementNoticeEntry)
+        assert "left 1 call(s) open (hang)" in lost.detail or (
+            answered.recorded_at <= noticed.recorded_at
+        ), (lost.detail, answered.recorded_at, noticed.recorded_at)
         ended = [r.entry.outcome for r in records if isinstance(r.entry, TurnEndedEntry)]
         assert ended == [TurnOutcome.LOST, TurnOutcome.COMPLETED]
         consumed = {s for r in records if isinstance(r.entry, ConsumedEntry) for s in r.entry.seqs}
