@@ -401,10 +401,11 @@ class EtcdSessionStore:
         None when the fence was already higher: the key had ended before the raise (a writer
         that saw the session absent later wrote meanwhile). Releases the key on any failure."""
         session = activation.session_id
-        resumed = False
+        resumed = superseded = False
         try:
             current = await self._log.raise_fence(session, fence)
             if current != fence:
+                superseded = True
                 return None
             self._fences[activation.activation_id] = fence
             self._note(activation)
@@ -413,7 +414,10 @@ class EtcdSessionStore:
             return Resumption(current=activation, records=tuple(records))
         finally:
             if not resumed:
-                await self._let_go(activation, fence)
+                # Superseded, it races again under the same marker. Failed (the log store
+                # away), its marker stays: whatever the session holds is still owed a reader,
+                # and its first activation's `unstarted/` key is gone (ADR 0043).
+                await self._let_go(activation, fence, keep_marker=not superseded)
 
     async def current_activation(
         self, session: SessionId, *, fresh: bool = False
@@ -453,20 +457,24 @@ class EtcdSessionStore:
         if self._directory is not None:
             self._directory.forget(activation)
 
-    async def _let_go(self, activation: Activation, fence: int) -> None:
-        """Delete the activation key won at ``fence`` if it is still that one. A failure is
-        logged, not raised: the caller is already failing, and the key ends with the lease."""
-        self._fences.pop(activation.activation_id, None)
-        marker = self._markers.pop(activation.activation_id, None)
+    async def _let_go(self, activation: Activation, fence: int, *, keep_marker: bool) -> None:
+        """Delete the activation key won at ``fence`` if it is still that one, and its marker
+        unless ``keep_marker``. A failure is logged, not raised: the caller is already
+        failing, and the key ends with the lease."""
+        # Its fence is kept until the key is gone: a node that still holds it may release it
+        # again (its sweep does, ADR 0043).
+        self._fences[activation.activation_id] = fence
+        marker = self._markers.get(activation.activation_id)
         key = self._keys.activation(activation.session_id)
         try:
-            # Nothing ran under it: its marker goes with it.
             ending = await self._ending(activation.session_id, key)
-            if marker is not None:
+            if marker is not None and not keep_marker:
                 ending.append(delete(marker))
             await asyncio.shield(
                 self._etcd.txn([compare(key, Target.CREATE, Result.EQUAL, fence)], ending)
             )
+            self._fences.pop(activation.activation_id, None)
+            self._markers.pop(activation.activation_id, None)
         except Exception as failure:  # the lease ends it, as it ends any key of a dead node
             _log.warning("%s: could not release a failed resume (%s)", activation, failure)
         if self._directory is not None:

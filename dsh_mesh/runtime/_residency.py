@@ -439,10 +439,16 @@ class Residency:
         # refuses without ever holding it.
         self.resolve_tools(header, self._resume_filter)
         if parent_activation is None and header.parent_session is not None:
-            parent = await self._store.current_activation(header.parent_session)
+            parent = await self._store.current_activation(header.parent_session, fresh=True)
             parent_activation = None if parent is None else parent.activation_id
         activation = self.new_activation(target, parent_activation)
-        resumption = await self._store.try_resume(activation, unless_known=key)
+        try:
+            resumption = await self._store.try_resume(activation, unless_known=key)
+        except MeshError:
+            # It may have won and then failed (the log store away): what the session holds
+            # is then owed a reader, and this node's sweep looks (ADR 0043).
+            self._unfinished[activation.activation_id] = activation
+            raise
         held = resumption.current
         if held is not None and held != activation and self._leaked_here(held):
             # An activation of this node that no agent of it holds (its release was cut by an
@@ -466,8 +472,11 @@ class Residency:
         try:
             agent = self.make_agent(header, activation, records, self._resume_filter)
         except MeshError:
-            await self._store.release(activation)  # won, but nothing will run it here
+            # Won, but nothing will run it here: what it holds is owed (ADR 0043).
+            await self.release(activation, clean=False)
             raise
+        activation = await self._bound_to_current_parent(header, activation)
+        agent.activation = activation
         children = await self._adopt_children(activation)
         for record in pending_inbound(records):
             agent.deliver(record)
@@ -476,6 +485,24 @@ class Residency:
         for child in children:  # it stays available to them (ADR 0004)
             self._children.track(target, child.session_id, child.activation_id)
         return agent
+
+    async def _bound_to_current_parent(
+        self, header: SessionHeader, activation: Activation
+    ) -> Activation:
+        """``activation``, re-bound to its parent's current activation if that changed while
+        it was won (its parent resumed meanwhile, and adopted its live children before this
+        one was live): its replies would be refused ``PARENT_REBOUND`` until the parent spoke
+        first. Best effort, as adoption is."""
+        if header.parent_session is None:
+            return activation
+        try:
+            parent = await self._store.current_activation(header.parent_session, fresh=True)
+            if parent is None or parent.activation_id == activation.parent_activation:
+                return activation
+            return await self._store.rebind(activation, parent.activation_id)
+        except MeshError as failure:
+            _log.warning("%s: not re-bound to its parent now: %s", activation, failure)
+            return activation
 
     async def _adopt_children(self, activation: Activation) -> list[Activation]:
         """Re-bind the session's live children to ``activation``, so that they answer to it
