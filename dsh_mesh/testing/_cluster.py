@@ -444,6 +444,10 @@ def _reap_leftovers() -> None:
         node.kill()
 
 
+_HEADER_PAGE = 500
+"""Headers a reader takes per etcd range (about 1 MB: under gRPC's 4 MiB message limit)."""
+
+
 class MeshReader:
     """Reads a cluster's durable state straight from etcd (never through a node), so tests
     check what is really stored. ``async with MeshReader(settings) as reader``."""
@@ -475,9 +479,17 @@ class MeshReader:
         return await self._store.current_activation(session, fresh=True)
 
     async def sessions(self) -> list[SessionHeader]:
-        """Every session header of the cluster."""
-        response = await self._etcd.get_prefix(self.keys.prefix + b"headers/")
-        return [decode_header(kv.value) for kv in response.kvs]
+        """Every session header of the cluster, read a page at a time (a long fault run's
+        headers outgrow one gRPC message)."""
+        prefix = self.keys.prefix + b"headers/"
+        headers: list[SessionHeader] = []
+        start: bytes | None = None
+        while True:
+            response = await self._etcd.get_prefix(prefix, start=start, limit=_HEADER_PAGE)
+            headers += [decode_header(kv.value) for kv in response.kvs]
+            if not response.more:
+                return headers
+            start = response.kvs[-1].key + b"\0"
 
     async def activations(self) -> dict[SessionId, Activation]:
         """Every current activation of the cluster, by session (one range read)."""
