@@ -8,7 +8,6 @@ import statistics
 import time
 
 from bench._cluster import (
-    SENDER,
     absent,
     children,
     create_root,
@@ -26,6 +25,9 @@ from dsh_mesh.testing import MeshReader
 
 _RETRY_SECONDS = 0.01
 _CRASH_DEADLINE = 30.0
+_AFTER_THE_KILL = frozenset(
+    {DeliveryKind.COLD_RESUMED, DeliveryKind.STEERED, DeliveryKind.STARTED_TURN}
+)
 _SETTLE_MARGIN = 0.05
 """After etcd shows the child absent: time for the sender node's directory to see it too."""
 
@@ -91,9 +93,10 @@ async def measure_clean_resume(bed: Bed) -> None:
 async def measure_crash_resume(bed: Bed) -> None:
     """SIGKILL of the node hosting a child in mid-turn; from the kill, its parent's node keeps
     sending to it (one retry every 10 ms, the same idempotency key) until the message is
-    accepted, which cold-resumes the child on a live node. Also timed: the kill until the dead
-    activation is gone from etcd (the lease expired). Then a root's host killed while a client
-    retries its prompt (:mod:`bench.failover`)."""
+    accepted by a new activation of the child on a live node: the send's own cold resume, or
+    the sweep's that came first (an unended turn needs a reader, ADR 0043). Also timed: the
+    kill until the dead activation is gone from etcd (the lease expired). Then a root's host
+    killed while a client retries its prompt (:mod:`bench.failover`)."""
     to_live: list[float] = []
     to_expiry: list[float] = []
     ttl = 0.0
@@ -163,13 +166,16 @@ async def _crash_once(bed: Bed, rep: int) -> tuple[float, float, float]:
             finally:
                 expiry.cancel()
             now = await resident(reader, child)
-            if delivery.kind is not DeliveryKind.COLD_RESUMED or now.node_id in (
-                doomed.node_id,
-                SENDER,
+            # The parent's send cold-resumes the child, or a live node's sweep did first
+            # (ADR 0043: an unended turn needs a reader) and the send steered into it.
+            if (
+                delivery.kind not in _AFTER_THE_KILL
+                or now.node_id == doomed.node_id
+                or now.activation_id == doomed.activation_id
             ):
                 raise RuntimeError(
                     f"after the kill: {delivery.kind.value} on {now.node_id}, "
-                    "not a cold resume on a live node process"
+                    "not a new activation on a live node"
                 )
         return cluster.settings.lease_ttl, live, gone
 

@@ -46,7 +46,9 @@ APPROVING = (
 )
 
 HOUR = timedelta(hours=1)
-"""An ``idle_passivate_after`` no test waits out: each asks the check itself, at a given now."""
+"""An ``idle_passivate_after`` no test waits out: each asks the check itself, at a given now.
+Each asks a second past the hour (``since + 3601``): at exactly ``since + 3600`` the float sum
+may fall a hair short, depending on how long the machine has been up."""
 
 
 def entries(records: list[Record], kind: type[T]) -> list[T]:
@@ -81,7 +83,7 @@ async def test_an_idle_root_passivates_once_idle_that_long_and_its_next_prompt_r
         assert await _live(mesh) == 1
 
         assert _check(mesh.manager, since + 3599) == 0  # idle, but not for long enough
-        assert _check(mesh.manager, since + 3600) == 1
+        assert _check(mesh.manager, since + 3601) == 1
         await mesh.manager.wait_until(lambda: mesh.manager.agent(ROOT) is None)
         assert await mesh.store.current_activation(ROOT) is None
         assert await _live(mesh) == 0  # the quota counts it no more
@@ -132,7 +134,7 @@ async def test_an_agent_waiting_for_a_decision_stays_resident() -> None:
         )
         await team.manager.resolve_approval(ROOT, allow)
         await team.manager.quiescent()
-        assert _check(team.manager, _idle_since(team.manager, ROOT) + 3600) == 1
+        assert _check(team.manager, _idle_since(team.manager, ROOT) + 3601) == 1
 
 
 async def test_a_send_on_its_way_holds_an_idle_agent() -> None:
@@ -142,8 +144,8 @@ async def test_a_send_on_its_way_holds_an_idle_agent() -> None:
         await mesh.manager.quiescent()
         since = _idle_since(mesh.manager, ROOT)
         with mesh.manager._admission.reserve(ROOT):  # a send accepted, not yet in the inbox
-            assert _check(mesh.manager, since + 3600) == 0
-        assert _check(mesh.manager, since + 3600) == 1
+            assert _check(mesh.manager, since + 3601) == 0
+        assert _check(mesh.manager, since + 3601) == 1
 
 
 async def test_the_check_runs_by_itself_while_the_manager_runs() -> None:
@@ -185,7 +187,7 @@ async def test_an_agent_in_doubt_about_an_answer_that_may_have_landed_stays_resi
         assert agent is not None
         agent.doubt()
         assert agent.idle_since is None
-        assert _check(mesh.manager, since + 3600) == 0
+        assert _check(mesh.manager, since + 3601) == 0
 
 
 async def test_etcd_away_when_an_idle_root_passivates_loses_nothing_and_its_prompt_resumes_it() -> (
@@ -201,7 +203,7 @@ async def test_etcd_away_when_an_idle_root_passivates_loses_nothing_and_its_prom
         mesh.scripted.program("solo", Reply(text="first"), Reply(text="second"))
         await mesh.manager.create_root("Answer.", preset="solo")
         await mesh.manager.quiescent()
-        assert _check(mesh.manager, _idle_since(mesh.manager, ROOT) + 3600) == 1
+        assert _check(mesh.manager, _idle_since(mesh.manager, ROOT) + 3601) == 1
         await mesh.manager.wait_until(lambda: mesh.manager.agent(ROOT) is None)
         held = await mesh.store.current_activation(ROOT)
         assert held is not None  # released by nobody yet
