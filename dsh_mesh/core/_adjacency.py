@@ -126,9 +126,9 @@ def authorize(
             return Refused(
                 reason=RejectionReason.PARENT_REBOUND,
                 detail=(
-                    f"your parent {target_id} has restarted since it last messaged you, and it "
-                    "takes your messages again only after it has messaged you, so nothing was "
-                    f"delivered; send the message again after {target_id} messages you; "
+                    f"your parent {target_id} has restarted and has not taken you back yet, so "
+                    "nothing was delivered; send the message again in a few seconds (it takes "
+                    f"you back by itself) or after {target_id} messages you; "
                     + _FINAL_ANSWER.format(parent=target_id)
                 ),
             )

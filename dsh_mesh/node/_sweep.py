@@ -7,7 +7,8 @@ markers of each dead lease for which it is the chosen live node (the highest has
 and node id among the nodes its directory lists: one node sweeps a lease, another takes over
 if it dies). Finishing one is :meth:`ContinuationManager.recover`: the notice, then a resume
 if the session needs a reader. A marker goes only once that is done. Sessions created and
-never activated are started the same way once two sweeps in a row found them so.
+never activated are started the same way once two sweeps in a row found them so. A resumed
+activation whose adoption of its live children failed (etcd away) adopts them again.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class Sweep:
         """One sweep; returns how many ended activations (and unstarted sessions) it
         finished."""
         finished = 0
+        await manager.adopt_again()
         for ended in manager.unfinished():
             if await self._item(manager.finish(ended), ended):
                 marker = await self._held.marker_of(lease, ended)

@@ -527,6 +527,11 @@ class ContinuationManager:
         await self._residency.release_again(ended)
         return await self._recovery.recover(ended)
 
+    async def adopt_again(self) -> int:
+        """Adopt the live children of each resident activation whose adoption failed at its
+        resume (etcd away); returns how many activations now have (ADR 0043)."""
+        return await self._residency.adopt_again()
+
     def unfinished(self) -> list[Activation]:
         """Activations this manager released without a clean end, not yet finished."""
         return self._residency.unfinished()

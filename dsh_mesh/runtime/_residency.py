@@ -106,9 +106,12 @@ class Residency:
         self._drivers: dict[SessionId, asyncio.Task[None]] = {}
         self._resuming: dict[SessionId, asyncio.Task[Agent]] = {}
         self._activating: set[ActivationId] = set()
+        """Activations of new sessions won here whose agent is not started yet."""
         self._unfinished: dict[ActivationId, Activation] = {}
         """Activations released here without a clean end (ADR 0043)."""
-        """Activations of new sessions won here whose agent is not started yet."""
+        self._unadopted: dict[SessionId, Activation] = {}
+        """Resumed activations here whose adoption of their live children failed (ADR 0043):
+        the sweep tries again (:meth:`adopt_again`)."""
         self._group: asyncio.TaskGroup | None = None
         self._loops: list[asyncio.Task[None]] = []
         """The node-wide loops run beside the drivers (:meth:`run_beside`)."""
@@ -507,13 +510,34 @@ class Residency:
     async def _adopt_children(self, activation: Activation) -> list[Activation]:
         """Re-bind the session's live children to ``activation``, so that they answer to it
         from now on without waiting for it to speak to them first (ADR 0043); returns them.
-        Best effort: when etcd fails it here, a child is re-bound when its parent next
-        messages it, as before."""
+        When etcd fails it here, the resume goes on, and the sweep tries again while the
+        activation lasts (:meth:`adopt_again`), as does its next message to a child."""
         try:
-            return await self._store.adopt_children(activation)
+            children = await self._store.adopt_children(activation)
         except MeshError as failure:
-            _log.warning("%s: its live children not adopted now: %s", activation, failure)
+            _log.warning("%s: its live children not adopted yet: %s", activation, failure)
+            self._unadopted[activation.session_id] = activation
             return []
+        self._unadopted.pop(activation.session_id, None)
+        return children
+
+    async def adopt_again(self) -> int:
+        """Adopt the live children of each resident activation whose adoption failed, and track
+        them; returns how many activations now have. One that ended meanwhile is dropped: its
+        session's next activation adopts them."""
+        adopted = 0
+        for session, failed in list(self._unadopted.items()):
+            agent = self._agents.get(session)
+            if agent is None or agent.activation.activation_id != failed.activation_id:
+                del self._unadopted[session]
+                continue
+            children = await self._adopt_children(agent.activation)
+            if session in self._unadopted:
+                continue
+            for child in children:
+                self._children.track(session, child.session_id, child.activation_id)
+            adopted += 1
+        return adopted
 
     def _leaked_here(self, held: Activation) -> bool:
         """Whether ``held``, the current activation of a session being resumed here, is this

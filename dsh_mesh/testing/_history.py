@@ -525,7 +525,7 @@ def _check_liveness(
     for text in unread_sessions(transcripts, end.held):
         verdict._violate("unread_sessions", text)
     refused = [
-        (send.sender, send.target, send.content)
+        (send.sender, send.target, send.content, int(send.position) // _CALLS_PER_STEP)
         for send in sends
         if send.outcome is Outcome.REJECTED and send.reason is RejectionReason.PARENT_REBOUND
     ]

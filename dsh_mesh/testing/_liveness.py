@@ -16,7 +16,9 @@ would: nothing prompts a stalled agent awake. After the faults stop it waits a s
   human prompt, approval decision, task) that no turn consumed, at a session no activation
   holds (:func:`unread_sessions`);
 - *replies refused PARENT_REBOUND that never landed*: a child's ``send_message`` to its parent
-  refused ``PARENT_REBOUND`` whose content never reached the parent, then or later
+  refused ``PARENT_REBOUND`` whose content never reached the parent, then or later, unless the
+  refusal was the last thing its turn saw before it ended ``lost`` (the sender's host died
+  before its model could send again; the parent's ``lost`` notice says so)
   (:func:`rebound_replies_lost`).
 """
 
@@ -29,9 +31,12 @@ from dataclasses import dataclass
 from dsh_mesh.core import (
     ActivationId,
     AgentMessageEntry,
+    AssistantStepEntry,
     Record,
     SessionId,
     SettlementNoticeEntry,
+    TurnEndedEntry,
+    TurnOutcome,
     TurnStartedEntry,
     pending_inbound,
     unended_turn,
@@ -171,13 +176,14 @@ def unfinished_trees(
 
 
 def rebound_replies_lost(
-    refused: Iterable[tuple[str, SessionId, str]],
+    refused: Iterable[tuple[str, SessionId, str, int]],
     transcripts: Mapping[SessionId, Sequence[Record]],
     parents: Mapping[SessionId, SessionId | None],
 ) -> list[str]:
     """Each reply of a child to its parent refused ``PARENT_REBOUND`` (``refused``: each such
-    send's sender, target and content) whose content is nowhere in the parent's transcript:
-    neither that send nor a later one of the same words landed."""
+    send's sender, target, content and the seq of the step that asked it) whose content is
+    nowhere in the parent's transcript: neither that send nor a later one of the same words
+    landed, and the sender's model had its chance to send again (:func:`_lost_after`)."""
     landed = {
         (parent, r.entry.source.sender_session_id, r.entry.content)
         for parent, records in transcripts.items()
@@ -186,6 +192,22 @@ def rebound_replies_lost(
     }
     return [
         f"{sender} -> {target} {content!r}: refused PARENT_REBOUND, never landed"
-        for sender, target, content in refused
-        if parents.get(SessionId(sender)) == target and (target, sender, content) not in landed
+        for sender, target, content, step in refused
+        if parents.get(SessionId(sender)) == target
+        and (target, sender, content) not in landed
+        and not _lost_after(transcripts.get(SessionId(sender), ()), step)
     ]
+
+
+def _lost_after(records: Sequence[Record], step: int) -> bool:
+    """Whether the turn of the step at seq ``step`` ended ``lost`` before its model stepped
+    again: its host died first, so what the model would have sent again is lost with the run,
+    and its parent's ``lost`` notice says so (contract rule 8)."""
+    for record in records:
+        if record.seq <= step:
+            continue
+        if isinstance(record.entry, AssistantStepEntry):
+            return False
+        if isinstance(record.entry, TurnEndedEntry):
+            return record.entry.outcome is TurnOutcome.LOST
+    return False

@@ -8,6 +8,7 @@ promise and checks that the count it breaks goes to 1.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 from dsh_mesh.core import (
@@ -265,6 +266,44 @@ def test_a_reply_refused_parent_rebound_that_never_landed_is_counted() -> None:
     verdict = judge(root_reads(notice()), child)
     assert verdict.rebound_replies_lost == 1, verdict.summary()
     assert not verdict.clean
+
+
+def lost_notice() -> SettlementNoticeEntry:
+    return dataclasses.replace(notice(), outcome=SettlementOutcome.LOST, terminal_output="")
+
+
+def lost(turn: str) -> TurnEndedEntry:
+    return TurnEndedEntry(turn_id=TurnId(turn), outcome=TurnOutcome.LOST, detail="host went away")
+
+
+def test_a_reply_refused_parent_rebound_as_its_host_died_is_the_lost_runs_not_counted() -> None:
+    # From the 30-minute soak: the refusal was the last thing the turn saw; its host was
+    # killed before the model's resend; the next activation closed the turn lost.
+    child = records(
+        TaskEntry(content="work"),
+        started(A1, "t1"),
+        ConsumedEntry(seqs=(1,)),
+        send_step("c1", "m1"),
+        refused("c1", RejectionReason.PARENT_REBOUND),
+        lost("t1"),
+    )
+    verdict = judge(root_reads(lost_notice()), child)
+    assert verdict.rebound_replies_lost == 0, verdict.summary()
+    assert verdict.clean, verdict.summary()
+
+
+def test_a_reply_refused_parent_rebound_then_dropped_by_its_model_is_counted_even_if_lost() -> None:
+    child = records(
+        TaskEntry(content="work"),
+        started(A1, "t1"),
+        ConsumedEntry(seqs=(1,)),
+        send_step("c1", "m1"),
+        refused("c1", RejectionReason.PARENT_REBOUND),
+        reply(),  # the model stepped again and did not send it
+        lost("t1"),
+    )
+    verdict = judge(root_reads(lost_notice()), child)
+    assert verdict.rebound_replies_lost == 1, verdict.summary()
 
 
 def test_a_reply_refused_parent_rebound_and_sent_again_until_it_landed_is_fine() -> None:

@@ -35,6 +35,7 @@ from dsh_mesh.core import (
     SettlementNoticeEntry,
     SettlementOutcome,
     StaleSender,
+    TargetElsewhere,
     TargetUnknown,
     TaskEntry,
     ToolResultEntry,
@@ -253,6 +254,37 @@ async def test_child_to_absent_or_rebound_parent_is_rejected_until_the_parent_me
     assert current is not None and current.parent_activation == newer.activation_id
     nothing = [r for r in of_type(await mesh.transcript(ROOT), AgentMessageEntry)]
     assert nothing == []  # no offline mailbox: the rejected sends left no trace
+
+
+@pytest.mark.contract(2)
+async def test_a_reply_sent_as_the_parent_resumes_waits_for_its_adoption_and_lands(
+    mesh: InProcessMesh,
+) -> None:
+    # Found by the 30-minute soak: a child's reply met its parent's new activation in the
+    # moment between its win and its adoption of the child (ADR 0043), was refused
+    # PARENT_REBOUND, and its host died before the model could send it again.
+    mesh.scripted.program("helper", Reply(gate=asyncio.Event()))
+    await root_with_child(mesh)
+    child = mesh.manager.agent(CHILD)
+    root = mesh.manager.agent(ROOT)
+    assert child is not None and root is not None
+    await mesh.store.release(root.activation)  # the parent's host is gone
+    newer = Activation(session_id=ROOT, activation_id=ActivationId("a-new"), node_id=NodeId("n2"))
+    assert await mesh.store.try_activate(newer) == newer  # it resumed elsewhere: not yet adopted
+
+    async def adopt() -> None:
+        await asyncio.sleep(0.05)
+        bound = await mesh.store.current_activation(CHILD)
+        assert bound is not None
+        await mesh.store.rebind(bound, newer.activation_id)
+
+    adoption = asyncio.create_task(adopt())
+    # The edge is authorized once adopted: the send goes on to n2, the node now hosting the
+    # parent, which this one-node mesh cannot reach (without the wait: PARENT_REBOUND).
+    with pytest.raises(TargetElsewhere) as elsewhere:
+        await mesh.manager.send_message(child.ref, ROOT, "my result")
+    await adoption
+    assert (elsewhere.value.node_id, elsewhere.value.activation_id) == ("n2", "a-new")
 
 
 @pytest.mark.contract(10)

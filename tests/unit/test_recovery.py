@@ -18,6 +18,7 @@ from dsh_mesh.core import (
     HumanPromptEntry,
     NodeId,
     Record,
+    RegistryUnavailable,
     SessionHeader,
     SessionId,
     SessionKind,
@@ -33,13 +34,13 @@ from dsh_mesh.core import (
     TurnStartedEntry,
     Usage,
 )
-from dsh_mesh.models import Reply, tool
+from dsh_mesh.models import Reply, Stall, tool
 from dsh_mesh.node._sweep import Sweep
 from dsh_mesh.registry import HeldIndex
 from dsh_mesh.runtime import InMemorySessionStore
 from dsh_mesh.runtime._children import ChildLedger
 from dsh_mesh.runtime._notices import derived_notice
-from dsh_mesh.testing import in_process_mesh
+from dsh_mesh.testing import FaultySessionStore, in_process_mesh
 from tests.unit.conftest import CHILD, ROOT, presets
 
 CHILD_HEADER = SessionHeader(
@@ -193,6 +194,35 @@ async def test_an_absent_session_left_with_an_unread_prompt_is_resumed_and_reads
     prompt = next(r.seq for r in transcript if isinstance(r.entry, HumanPromptEntry))
     read = {s for r in transcript if isinstance(r.entry, ConsumedEntry) for s in r.entry.seqs}
     assert prompt in read
+
+
+async def test_a_resumed_parent_whose_adoption_failed_adopts_its_children_at_the_next_sweep() -> (
+    None
+):
+    store = FaultySessionStore()
+    async with in_process_mesh(presets(), store=store) as mesh:
+        mesh.scripted.program("lead", tool("spawn_agent", task="t", preset="helper"))
+        mesh.scripted.program("helper", Stall())
+        await mesh.manager.create_root("Delegate.", preset="lead")
+        await mesh.manager.wait_until(lambda: mesh.manager.running(CHILD) is True)
+        gone = await store.current_activation(ROOT)
+        assert gone is not None
+    # The root's host died; its child lives on (its own host); etcd fails the adoption once.
+    await store.release(gone, clean=False)
+    store.faults.fail("adopt_children", RegistryUnavailable("etcd went away"), times=1)
+    async with in_process_mesh(presets(), store=store) as other:
+        other.scripted.program("lead", Reply(text="waiting for my helper"))
+        assert await other.manager.recover(gone)  # it needs a reader: its live child
+        await other.manager.quiescent()
+        moved = await store.current_activation(ROOT)
+        child = await store.current_activation(CHILD)
+        assert moved is not None and child is not None
+        assert child.parent_activation == gone.activation_id  # not adopted: etcd failed it
+
+        assert await other.manager.adopt_again() == 1  # what the next sweep does
+        child = await store.current_activation(CHILD)
+        assert child is not None and child.parent_activation == moved.activation_id
+        assert await other.manager.adopt_again() == 0  # nothing left to adopt
 
 
 def test_one_live_node_and_only_one_sweeps_each_dead_lease() -> None:
