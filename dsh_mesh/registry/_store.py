@@ -66,6 +66,8 @@ from dsh_mesh.runtime import (
 _log = logging.getLogger(__name__)
 
 _ACTIVATE_ATTEMPTS = 8
+SEEN_FENCES = 4096
+"""Fences of activations not won here that a store remembers (read again once dropped)."""
 MAX_ENTRY_BYTES = 1024 * 1024 + 64 * 1024
 """The default largest encoded transcript entry: a message of the full 256 Ki characters, each
 4 bytes of UTF-8, with its entry's other fields (found by the wire fuzzer: at exactly 1 MiB such
@@ -143,6 +145,10 @@ class EtcdSessionStore:
         """Stops this store wrote, for a store without a directory (one that does see every
         node's: it follows them on its watch)."""
         self._fences: dict[ActivationId, int] = {}
+        """The fence (create revision) of each activation won here and not yet released."""
+        self._seen_fences: LruCache[ActivationId, int] = LruCache(SEEN_FENCES)
+        """Fences of activations read, not won here (a lost race, a writer's key): a node
+        may release one it leaked, or append as one; bounded, as races never end."""
         self._markers: dict[ActivationId, bytes] = {}
         """The held marker of each activation won here and not yet released (ADR 0043)."""
         self._commits = GroupCommit(log.append)
@@ -380,7 +386,7 @@ class EtcdSessionStore:
                     if won is not None:
                         return won
                     continue
-                self._fences[current.activation_id] = current_kv.create_revision
+                self._seen_fences[current.activation_id] = current_kv.create_revision
                 return Resumption(current=current)
             # The holder let go between our compare and our read: race again.
         raise RegistryUnavailable(f"{session}: activation kept changing hands")
@@ -441,7 +447,7 @@ class EtcdSessionStore:
         return rebound
 
     async def release(self, activation: Activation, *, clean: bool = True) -> None:
-        fence = self._fences.get(activation.activation_id)
+        fence = self._known_fence(activation.activation_id)
         if fence is None:
             return
         marker = self._markers.get(activation.activation_id)
@@ -452,7 +458,7 @@ class EtcdSessionStore:
         # The fence is forgotten only once the release is done: a release that failed (etcd
         # away) can be tried again, and must be while the lease lives (ADR 0043).
         await self._etcd.txn([compare(key, Target.CREATE, Result.EQUAL, fence)], ending)
-        self._fences.pop(activation.activation_id, None)
+        self._forget_fence(activation.activation_id)
         self._markers.pop(activation.activation_id, None)
         if self._directory is not None:
             self._directory.forget(activation)
@@ -733,14 +739,23 @@ class EtcdSessionStore:
         return int(response.header.revision)
 
     async def _fence_of(self, session: SessionId, writer: ActivationId) -> int:
-        fence = self._fences.get(writer)
+        fence = self._known_fence(writer)
         if fence is not None:
             return fence
         kv = await self._etcd.get(self._keys.activation(session))
         if kv is None or decode_activation(kv.value).activation_id != writer:
             raise ActivationFenced(f"{session}: writer {writer} is not the current activation")
-        self._fences[writer] = kv.create_revision
+        self._seen_fences[writer] = int(kv.create_revision)
         return int(kv.create_revision)
+
+    def _known_fence(self, activation: ActivationId) -> int | None:
+        """The fence of ``activation`` if won here or read lately, else None."""
+        fence = self._fences.get(activation)
+        return fence if fence is not None else self._seen_fences.get(activation)
+
+    def _forget_fence(self, activation: ActivationId) -> None:
+        self._fences.pop(activation, None)
+        self._seen_fences.pop(activation)
 
     def _note(self, activation: Activation) -> None:
         if self._directory is not None:

@@ -73,6 +73,7 @@ from dsh_mesh.runtime import (
     Acceptance,
     IdempotencyKey,
     LogStore,
+    LruCache,
 )
 from dsh_mesh.testing import EtcdAddress, EtcdServer, FaultyLogStore
 from tests.integration.conftest import until_async
@@ -427,6 +428,24 @@ async def test_racing_activations_have_exactly_one_winner_and_the_loser_learns_i
         with pytest.raises(ActivationFenced):
             await loser.store.append(session, prompt("l"), writer=lost.activation_id)
         assert contents(await loser.store.read(session)) == [(1, "w")]
+
+
+async def test_a_node_that_keeps_losing_races_keeps_a_bounded_memory_of_their_fences(
+    node_a: Node, node_b: Node
+) -> None:
+    node_b.store._seen_fences = LruCache(3)  # SEEN_FENCES, made small to be reached
+    winners = []
+    for round_ in range(8):
+        session = SessionId(f"s-lost-{round_}")
+        await node_a.store.create_header(root_header(session))
+        won = await node_a.store.try_activate(node_a.activation(session))
+        assert await node_b.store.try_activate(node_b.activation(session)) == won
+        winners.append(won)
+    assert not node_b.store._fences  # its own: it won none
+    assert len(node_b.store._seen_fences) == 3
+    assert [w.activation_id in node_b.store._seen_fences for w in winners] == [False] * 5 + [
+        True
+    ] * 3
 
 
 async def test_appends_take_consecutive_seqs_in_order(
