@@ -347,6 +347,8 @@ class Node:
                     await retention.expire_keys(older_than=timedelta(days=config.idempotency_days))
             except (MeshError, OSError) as failure:
                 _log.warning("retention: not run this time (%s)", failure)
+            except Exception:  # a defect: logged with its trace, and tried again next time
+                _log.exception("retention: not run this time")
 
     async def _expire(self, expiry: ApprovalExpiry, manager: ContinuationManager) -> None:
         """Every ``approval_sweep_interval``: wake the absent agents whose approval requests
@@ -357,6 +359,9 @@ class Node:
                 woken = await expiry.sweep(manager)
             except MeshError as failure:
                 _log.warning("approval expiry: not run this time (%s)", failure)
+                continue
+            except Exception:  # a defect: logged with its trace, and tried again next time
+                _log.exception("approval expiry: not run this time")
                 continue
             if woken:
                 _log.info("approval expiry: resumed %d absent agent(s)", len(woken))
@@ -413,10 +418,15 @@ class Node:
             self._group.create_task(self._activation_ended(self._manager, event.activation))
 
     async def _activation_ended(self, manager: ContinuationManager, ended: Activation) -> None:
+        """The manager's reaction to ``ended``; its failure is logged, never the node's (it
+        runs in the node's task group, where an exception would end the node): the sweep
+        finishes what it left (ADR 0043)."""
         try:
             await manager.activation_ended(ended)
         except MeshError as error:
             _log.warning("could not settle lost activation %s: %s", ended.activation_id, error)
+        except Exception:
+            _log.exception("could not settle lost activation %s", ended.activation_id)
 
 
 def _address(directory: Directory, node: str) -> str | None:
