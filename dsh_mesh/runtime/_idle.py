@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from datetime import timedelta
 
 from dsh_mesh.agent import Agent
 from dsh_mesh.runtime._residency import Residency
+
+_log = logging.getLogger(__name__)
 
 _MAX_CHECK_INTERVAL = timedelta(minutes=1)
 
@@ -54,7 +57,12 @@ class IdlePassivation:
         )
 
     async def run(self) -> None:
-        """Check every :attr:`interval` until cancelled."""
+        """Check every :attr:`interval` until cancelled. A defect in one check is logged with
+        its trace, and the next check runs: this loop shares the drivers' task group, which an
+        exception would end."""
         while True:
             await asyncio.sleep(self.interval.total_seconds())
-            self.check()
+            try:
+                self.check()
+            except Exception:
+                _log.exception("idle passivation: not checked this time")

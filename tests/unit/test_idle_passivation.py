@@ -10,6 +10,7 @@ from typing import TypeVar
 
 import pytest
 
+from dsh_mesh.agent import Agent
 from dsh_mesh.core import (
     ApprovalDecision,
     ApprovalDecisionEntry,
@@ -157,6 +158,29 @@ async def test_the_check_runs_by_itself_while_the_manager_runs() -> None:
         assert await mesh.store.current_activation(ROOT) is None
         steps = entries(await mesh.transcript(ROOT), AssistantStepEntry)
         assert [e.text for e in steps] == ["first"]
+
+
+async def test_a_defect_in_one_check_is_logged_and_the_next_check_runs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    config = ManagerConfig(idle_passivate_after=timedelta(milliseconds=20))
+    async with in_process_mesh(presets(), config=config) as mesh:
+        idle = mesh.manager.idle_passivation
+        assert idle is not None
+        may_settle, asked = idle._may_settle, []
+
+        def defective_once(agent: Agent) -> bool:
+            asked.append(agent.session_id)
+            if len(asked) == 1:
+                raise RuntimeError("a defect")
+            return may_settle(agent)
+
+        idle._may_settle = defective_once
+        mesh.scripted.program("solo", Reply(text="first"))
+        await mesh.manager.create_root("Answer.", preset="solo")
+        await mesh.manager.wait_until(lambda: not mesh.manager.agents)
+    assert len(asked) >= 2  # the loop, and the drivers' task group, lived on
+    assert "idle passivation: not checked this time" in caplog.text
 
 
 async def test_off_there_is_no_check_and_an_idle_root_stays() -> None:
