@@ -15,11 +15,13 @@ the HTTP request.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import email.utils
 import logging
 import os
 import random
+import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -245,11 +247,14 @@ class OpenAIProvider:
             ) as response:
                 answered = True
                 if response.status_code != 200:
-                    raise self._refusal(response, await response.aread())
+                    raise self._refusal(response, await _body(response) or b"")
                 assembler = StreamAssembler()
                 if response.headers.get("content-type", "").startswith("application/json"):
                     # A server that ignores "stream": the whole completion at once.
-                    payloads: AsyncIterator[Any] = _whole(await response.aread())
+                    whole = await _body(response)
+                    if whole is None:
+                        raise _too_large("a completion")
+                    payloads: AsyncIterator[Any] = _whole(whole)
                 else:
                     payloads = _server_sent_data(response)
                 async for payload in payloads:
@@ -291,23 +296,76 @@ async def _server_sent_data(response: httpx.Response) -> AsyncIterator[Any]:
     is read to its end even after ``[DONE]``: a connection whose response was not read whole
     cannot go back to the pool."""
     lines: list[str] = []
+    size = 0
     done = False
-    async for line in response.aiter_lines():
+    async for line in _lines(response):
         if done:
             continue
         if line:
             if line.startswith("data:"):
                 lines.append(line[5:].removeprefix(" "))
+                size += len(lines[-1]) + 1
+                if size > _MAX_CHUNK_BYTES:
+                    raise _too_large("an event")
             continue
         if not lines:
             continue
-        data, lines = "\n".join(lines), []
+        data, lines, size = "\n".join(lines), [], 0
         if data.strip() == "[DONE]":
             done = True
             continue
         yield _parse(data)
     if lines and not done and (data := "\n".join(lines)).strip() != "[DONE]":
         yield _parse(data)
+
+
+_LINE_BREAK = re.compile(r"\r\n|\r|\n")
+
+
+async def _lines(response: httpx.Response) -> AsyncIterator[str]:
+    """The body's lines, split at CRLF, LF or CR as server-sent events are (a CR at the end
+    of a read waits for the next: it may be half a CRLF). A line longer than
+    :data:`_MAX_CHUNK_BYTES` is refused as it arrives, never held whole: a server that sends
+    no line break must not fill the node's memory."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    pending = ""
+    async for raw in response.aiter_bytes():
+        text = pending + decoder.decode(raw)
+        held = text.endswith("\r")
+        *whole, pending = _LINE_BREAK.split(text[:-1] if held else text)
+        for line in whole:
+            yield line
+        if held:
+            pending += "\r"
+        if len(pending) > _MAX_CHUNK_BYTES:
+            raise _too_large("a line")
+    *whole, last = _LINE_BREAK.split(pending + decoder.decode(b"", final=True))
+    for line in whole:
+        yield line
+    if last:
+        yield last
+
+
+async def _body(response: httpx.Response) -> bytes | None:
+    """The whole body, or None once it passed :data:`_MAX_CHUNK_BYTES` (nothing more is
+    read: the connection is closed, not pooled)."""
+    parts: list[bytes] = []
+    size = 0
+    async for raw in response.aiter_bytes():
+        size += len(raw)
+        if size > _MAX_CHUNK_BYTES:
+            return None
+        parts.append(raw)
+    return b"".join(parts)
+
+
+def _too_large(what: str) -> StreamError:
+    return StreamError(
+        ErrorReport(
+            message=f"the endpoint sent {what} larger than {_MAX_CHUNK_BYTES >> 20} MiB, "
+            "which is more than any completion needs; nothing of it was kept"
+        )
+    )
 
 
 async def _whole(raw: bytes) -> AsyncIterator[Any]:

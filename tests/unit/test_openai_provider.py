@@ -24,6 +24,7 @@ from dsh_mesh.models import (
     TextDelta,
     complete,
 )
+from dsh_mesh.models import _openai as openai_module
 
 REQUEST = ModelRequest(
     session_id=SessionId("s-1"),
@@ -222,3 +223,78 @@ def test_endpoint_settings_are_validated_and_read_from_the_standard_variables() 
     configured = env({"OPENAI_BASE_URL": "http://127.0.0.1:8000/v1", "OPENAI_API_KEY": "sk-9"})
     assert (configured.base_url, configured.api_key) == ("http://127.0.0.1:8000/v1", "sk-9")
     assert "sk-9" not in repr(configured)
+
+
+# -- a hostile endpoint's body is bounded -------------------------------------------------------
+
+LIMIT = 1024
+"""``_MAX_CHUNK_BYTES`` made small, for a test to pass it cheaply."""
+
+
+class Parts(httpx.AsyncByteStream):
+    """A response body sent in the given reads; ``forever`` keeps sending its last one."""
+
+    def __init__(self, *parts: bytes, forever: bool = False) -> None:
+        self.parts, self.forever, self.sent = parts, forever, 0
+
+    async def __aiter__(self):  # type: ignore[no-untyped-def]
+        for part in self.parts:
+            self.sent += len(part)
+            yield part
+        while self.forever:
+            self.sent += len(self.parts[-1])
+            yield self.parts[-1]
+
+
+def streaming(body: Parts, status: int = 200, kind: str = "text/event-stream") -> OpenAIProvider:
+    return OpenAIProvider(
+        OpenAIEndpoint(base_url="http://model.test/v1", retry=FAST),
+        transport=httpx.MockTransport(
+            lambda request: httpx.Response(status, stream=body, headers={"content-type": kind})
+        ),
+    )
+
+
+@pytest.fixture
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(openai_module, "_MAX_CHUNK_BYTES", LIMIT)
+
+
+@pytest.mark.usefixtures("small_chunks")
+@pytest.mark.parametrize(
+    ("parts", "what"),
+    [
+        ((b"data: {", b"x" * 100), "a line"),  # no line break, ever
+        ((b"data: {}\n", b"data: " + b"x" * 100 + b"\n"), "an event"),  # no blank line, ever
+        ((b"x" * 100,), "a completion"),  # the whole-JSON answer of a server ignoring stream
+    ],
+)
+async def test_a_body_without_end_is_refused_once_past_the_limit_never_held_whole(
+    parts: tuple[bytes, ...], what: str
+) -> None:
+    body = Parts(*parts, forever=True)
+    kind = "application/json" if what == "a completion" else "text/event-stream"
+    with pytest.raises(ProviderError, match=f"sent {what} larger than"):
+        await complete(streaming(body, kind=kind), REQUEST)
+    assert body.sent < 3 * LIMIT  # read only a little past the limit
+
+
+@pytest.mark.usefixtures("small_chunks")
+async def test_an_endless_refusal_body_is_cut_and_the_status_still_reported() -> None:
+    body = Parts(b'{"error": {"message": "' + b"x" * 100, forever=True)
+    with pytest.raises(ProviderError, match="HTTP 400") as raised:
+        await complete(streaming(body, status=400, kind="application/json"), REQUEST)
+    assert raised.value.status == 400 and body.sent < 3 * LIMIT
+
+
+async def test_line_breaks_split_across_reads_keep_an_event_whole() -> None:
+    first = {"choices": [{"index": 0, "delta": {"content": "hel"}, "finish_reason": None}]}
+    second = {"choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": "stop"}]}
+    body = Parts(
+        b"data: " + json.dumps(first).encode() + b"\r",
+        b"\n\r",
+        b"\n" + b"data: " + json.dumps(second).encode()[:10],
+        json.dumps(second).encode()[10:] + b"\r\r",
+        b"data: [DONE]\r\n\r\n",
+    )
+    assert (await complete(streaming(body), REQUEST)).text == "hello"
