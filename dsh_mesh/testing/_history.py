@@ -213,8 +213,13 @@ class Verdict:
     """Trees whose round did not finish within the bound after the faults."""
     unread_sessions: int = 0
     """Sessions no activation holds that hold inbound entries no turn read."""
+    rebound_refusals: int = 0
+    """Children's replies refused ``PARENT_REBOUND`` (each send, landed later or not)."""
     rebound_replies_lost: int = 0
     """Children's replies refused ``PARENT_REBOUND`` whose content never reached the parent."""
+    rebound_replies_lost_with_their_run: int = 0
+    """Such replies whose turn ended ``lost`` before its model stepped again: the run's loss,
+    told by its ``lost`` notice; counted, not held against the run."""
     settle_bound: float | None = None
     """The bound (seconds) the run waited after its faults; ``None``: liveness not checked."""
     violations: list[str] = field(default_factory=list)
@@ -282,6 +287,8 @@ class Verdict:
                 f" stalled trees {self.stalled_trees},"
                 f" sessions left with unread entries {self.unread_sessions},"
                 f" replies refused PARENT_REBOUND that never landed {self.rebound_replies_lost}"
+                f" (of {self.rebound_refusals} refused; lost with their run, told by its lost"
+                f" notice: {self.rebound_replies_lost_with_their_run})"
             )
         lines.append(
             f"  activations {self.activations}, writes refused by the fence {self.fenced_writes},"
@@ -529,7 +536,11 @@ def _check_liveness(
         for send in sends
         if send.outcome is Outcome.REJECTED and send.reason is RejectionReason.PARENT_REBOUND
     ]
-    for text in rebound_replies_lost(refused, transcripts, end.parents):
+    lost, verdict.rebound_replies_lost_with_their_run = rebound_replies_lost(
+        refused, transcripts, end.parents
+    )
+    verdict.rebound_refusals = len(refused)
+    for text in lost:
         verdict._violate("rebound_replies_lost", text)
 
 

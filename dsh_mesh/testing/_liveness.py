@@ -179,24 +179,29 @@ def rebound_replies_lost(
     refused: Iterable[tuple[str, SessionId, str, int]],
     transcripts: Mapping[SessionId, Sequence[Record]],
     parents: Mapping[SessionId, SessionId | None],
-) -> list[str]:
+) -> tuple[list[str], int]:
     """Each reply of a child to its parent refused ``PARENT_REBOUND`` (``refused``: each such
     send's sender, target, content and the seq of the step that asked it) whose content is
     nowhere in the parent's transcript: neither that send nor a later one of the same words
-    landed, and the sender's model had its chance to send again (:func:`_lost_after`)."""
+    landed, and the sender's model had its chance to send again. Also returns how many such
+    replies were lost with their run instead (:func:`_lost_after`): counted, not held
+    against the run."""
     landed = {
         (parent, r.entry.source.sender_session_id, r.entry.content)
         for parent, records in transcripts.items()
         for r in records
         if isinstance(r.entry, AgentMessageEntry)
     }
-    return [
-        f"{sender} -> {target} {content!r}: refused PARENT_REBOUND, never landed"
-        for sender, target, content, step in refused
-        if parents.get(SessionId(sender)) == target
-        and (target, sender, content) not in landed
-        and not _lost_after(transcripts.get(SessionId(sender), ()), step)
-    ]
+    lost: list[str] = []
+    with_their_run = 0
+    for sender, target, content, step in refused:
+        if parents.get(SessionId(sender)) != target or (target, sender, content) in landed:
+            continue
+        if _lost_after(transcripts.get(SessionId(sender), ()), step):
+            with_their_run += 1
+        else:
+            lost.append(f"{sender} -> {target} {content!r}: refused PARENT_REBOUND, never landed")
+    return lost, with_their_run
 
 
 def _lost_after(records: Sequence[Record], step: int) -> bool:

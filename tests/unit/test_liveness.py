@@ -290,6 +290,8 @@ def test_a_reply_refused_parent_rebound_as_its_host_died_is_the_lost_runs_not_co
     verdict = judge(root_reads(lost_notice()), child)
     assert verdict.rebound_replies_lost == 0, verdict.summary()
     assert verdict.clean, verdict.summary()
+    assert (verdict.rebound_refusals, verdict.rebound_replies_lost_with_their_run) == (1, 1)
+    assert "(of 1 refused; lost with their run, told by its lost notice: 1)" in verdict.summary()
 
 
 def test_a_reply_refused_parent_rebound_then_dropped_by_its_model_is_counted_even_if_lost() -> None:
