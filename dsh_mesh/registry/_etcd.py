@@ -161,6 +161,14 @@ def scan(prefix: bytes) -> Any:
     return rpc.RequestOp(request_range=rpc.RangeRequest(key=prefix, range_end=prefix_end(prefix)))
 
 
+def scan_first(prefix: bytes, limit: int) -> Any:
+    """A read of the first ``limit`` keys starting with ``prefix``, for a transaction (its
+    response's ``more`` says whether others follow)."""
+    return rpc.RequestOp(
+        request_range=rpc.RangeRequest(key=prefix, range_end=prefix_end(prefix), limit=limit)
+    )
+
+
 def delete(key: bytes) -> Any:
     """A single-key delete operation for a transaction."""
     return rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key))

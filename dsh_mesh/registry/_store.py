@@ -47,13 +47,23 @@ from dsh_mesh.registry._codec import (
     encode_header,
     encode_stop,
 )
-from dsh_mesh.registry._etcd import Etcd, Result, Target, compare, delete, get, put
+from dsh_mesh.registry._etcd import (
+    Etcd,
+    Result,
+    Target,
+    compare,
+    delete,
+    get,
+    put,
+    scan_first,
+)
 from dsh_mesh.registry._group_commit import GroupCommit
 from dsh_mesh.registry._keys import Keys, session_of_index_key
 from dsh_mesh.runtime import (
     DEFAULT_PAGE,
     HEADER_CACHE_SIZE,
     Acceptance,
+    AtWin,
     IdempotencyKey,
     LogStore,
     LruCache,
@@ -66,6 +76,9 @@ from dsh_mesh.runtime import (
 _log = logging.getLogger(__name__)
 
 _ACTIVATE_ATTEMPTS = 8
+_CHILDREN_AT_WIN = 1000
+"""The most live members of a tree a resume's winning transaction reads to find its session's
+live children; a bigger tree's are read apart (ADR 0043)."""
 SEEN_FENCES = 4096
 """Fences of activations not won here that a store remembers (read again once dropped)."""
 MAX_ENTRY_BYTES = 1024 * 1024 + 64 * 1024
@@ -361,6 +374,11 @@ class EtcdSessionStore:
             delete(self._keys.unstarted_session(session)),
         ]
         success += await self._live_puts(session, lease)
+        writes = len(success)
+        if read:
+            # A resume reads, with its win, what binds it to its tree: its parent's current
+            # activation and its tree's live members (ADR 0043). No round trip of its own.
+            success += await self._reads_at_win(session)
         failure = [get(key), get(header)]
         for _ in range(_ACTIVATE_ATTEMPTS):
             response = await self._ambiguous_txn(compares, success, failure)
@@ -369,6 +387,9 @@ class EtcdSessionStore:
                 fence = int(response.header.revision)
                 won = await self._fenced(activation, fence, read)
                 if won is not None:
+                    if read:
+                        at_win = self._at_win(session, response.responses[writes:])
+                        return dataclasses.replace(won, at_win=at_win)
                     return won
                 continue  # our key had already ended when the fence went up: race again
             current_kv, header_kv = (_only(r) for r in response.responses)
@@ -560,6 +581,30 @@ class EtcdSessionStore:
             member = self._keys.live_member(await self._root_of(header), session)
             puts.append(put(member, header.parent_session.encode(), lease=lease))
         return puts
+
+    async def _reads_at_win(self, session: SessionId) -> list[Any]:
+        """The reads a resume's winning transaction makes (see :meth:`_at_win`)."""
+        header = await self.get_header(session)
+        if header is None:
+            raise SessionUnknown(session)
+        reads = [scan_first(self._keys.live(await self._root_of(header)), _CHILDREN_AT_WIN)]
+        if header.parent_session is not None:
+            reads.append(get(self._keys.activation(header.parent_session)))
+        return reads
+
+    def _at_win(self, session: SessionId, responses: Sequence[Any]) -> AtWin:
+        """What :meth:`_reads_at_win` read: whether a child of ``session`` is among its
+        tree's live members (unknown when the tree had more than it read, or a member's key
+        predates its parent's id in the value) and its parent's activation then."""
+        members = responses[0].response_range
+        live_children: bool | None = any(kv.value == session.encode() for kv in members.kvs)
+        if not live_children and (members.more or any(not kv.value for kv in members.kvs)):
+            live_children = None
+        parent = _only(responses[1]) if len(responses) > 1 else None
+        return AtWin(
+            parent=None if parent is None else decode_activation(parent.value),
+            live_children=live_children,
+        )
 
     async def _live_keys(self, session: SessionId) -> list[bytes]:
         """``session``'s keys among its namespace's live sessions and, for a child, among its

@@ -19,6 +19,7 @@ from dsh_mesh.runtime._recording import HistoryLog, RecordingStore
 from dsh_mesh.runtime._router import MAX_HOPS, Router
 from dsh_mesh.runtime._store import (
     Acceptance,
+    AtWin,
     IdempotencyKey,
     NamespaceCensus,
     Resumption,
@@ -37,6 +38,7 @@ __all__ = [
     "MAX_HOPS",
     "SPAWN_WINDOW",
     "Acceptance",
+    "AtWin",
     "ContinuationManager",
     "Departed",
     "HistoryLog",

@@ -41,7 +41,7 @@ from dsh_mesh.runtime._admission import AdmissionLedger
 from dsh_mesh.runtime._changes import ChangeSignal
 from dsh_mesh.runtime._children import ChildLedger
 from dsh_mesh.runtime._limits import Limits
-from dsh_mesh.runtime._store import Acceptance, IdempotencyKey, SessionStore
+from dsh_mesh.runtime._store import Acceptance, AtWin, IdempotencyKey, SessionStore
 from dsh_mesh.tools import DescriptorFilter, Preset, ToolRegistry, ToolSet
 
 _log = logging.getLogger(__name__)
@@ -478,9 +478,13 @@ class Residency:
             # Won, but nothing will run it here: what it holds is owed (ADR 0043).
             await self.release(activation, clean=False)
             raise
-        activation = await self._bound_to_current_parent(header, activation)
+        at_win = resumption.at_win
+        activation = await self._bound_to_current_parent(header, activation, at_win)
         agent.activation = activation
-        children = await self._adopt_children(activation)
+        if at_win is not None and at_win.live_children is False:
+            children = []  # none to adopt, as the win read
+        else:
+            children = await self._adopt_children(activation)
         for record in pending_inbound(records):
             agent.deliver(record)
         self.start(agent)
@@ -490,16 +494,20 @@ class Residency:
         return agent
 
     async def _bound_to_current_parent(
-        self, header: SessionHeader, activation: Activation
+        self, header: SessionHeader, activation: Activation, at_win: AtWin | None
     ) -> Activation:
         """``activation``, re-bound to its parent's current activation if that changed while
         it was won (its parent resumed meanwhile, and adopted its live children before this
         one was live): its replies would be refused ``PARENT_REBOUND`` until the parent spoke
-        first. Best effort, as adoption is."""
+        first. The parent's activation is the one the win read (``at_win``), else read now.
+        Best effort, as adoption is."""
         if header.parent_session is None:
             return activation
         try:
-            parent = await self._store.current_activation(header.parent_session, fresh=True)
+            if at_win is not None:
+                parent = at_win.parent
+            else:
+                parent = await self._store.current_activation(header.parent_session, fresh=True)
             if parent is None or parent.activation_id == activation.parent_activation:
                 return activation
             return await self._store.rebind(activation, parent.activation_id)

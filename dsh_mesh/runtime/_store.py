@@ -66,6 +66,19 @@ class Resumption:
     current: Activation | None
     records: tuple[Record, ...] = ()
     known: Acceptance | None = None
+    at_win: AtWin | None = None
+    """What the winning transaction read with the win, if the store read it there."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AtWin:
+    """What a store read in the same transaction that won an activation (ADR 0043), so that
+    the resume needs no read of its own to bind to its parent and to adopt its children: the
+    parent's current activation (``None`` for a root or an absent parent) and whether any
+    child of the session holds an activation (``None``: not known from that read)."""
+
+    parent: Activation | None
+    live_children: bool | None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -71,6 +71,7 @@ from dsh_mesh.registry._store import MAX_ENTRY_BYTES
 from dsh_mesh.runtime import (
     DEFAULT_PAGE,
     Acceptance,
+    AtWin,
     IdempotencyKey,
     LogStore,
     LruCache,
@@ -1400,3 +1401,22 @@ async def test_a_parent_adopts_its_live_children_by_its_own_activation_only_whil
     with pytest.raises(ActivationFenced):
         await node_b.store.adopt_children(stale)
     assert (await stored_activation(node_b.etcd, keys, child))[0] == adopted
+
+
+async def test_a_resume_reads_its_parent_and_whether_it_has_live_children_with_its_win(
+    node_a: Node, node_b: Node
+) -> None:
+    parent, child, leaf = SessionId("s-p"), SessionId("s-c"), SessionId("s-l")
+    await node_a.store.create_header(root_header(parent))
+    await node_a.store.create_header(child_header(child, parent))
+    await node_a.store.create_header(child_header(leaf, child))
+    first = await node_a.store.try_activate(node_a.activation(parent))
+    await node_a.store.release(first)
+    # A root with no child live: no parent, none to adopt, known from the win alone.
+    resumed = await node_a.store.try_resume(node_a.activation(parent))
+    assert resumed.at_win == AtWin(parent=None, live_children=False)
+    # A child: its parent's activation at the win; its own child live on another node.
+    on_b = await node_b.store.try_activate(node_b.activation(leaf))
+    assert on_b.session_id == leaf
+    resumed_child = await node_a.store.try_resume(node_a.activation(child))
+    assert resumed_child.at_win == AtWin(parent=resumed.current, live_children=True)

@@ -380,6 +380,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
     "dsh_mesh.runtime": [
         "ANCESTRY_CACHE_SIZE",
         "Acceptance",
+        "AtWin",
         "ContinuationManager",
         "DEFAULT_PAGE",
         "DEFAULT_TURN_LIMITS",
