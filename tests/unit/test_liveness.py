@@ -276,18 +276,23 @@ def lost(turn: str) -> TurnEndedEntry:
     return TurnEndedEntry(turn_id=TurnId(turn), outcome=TurnOutcome.LOST, detail="host went away")
 
 
-def test_a_reply_refused_parent_rebound_as_its_host_died_is_the_lost_runs_not_counted() -> None:
-    # From the 30-minute soak: the refusal was the last thing the turn saw; its host was
-    # killed before the model's resend; the next activation closed the turn lost.
-    child = records(
+def refused_then_lost(*after_refusal: Entry) -> list[Record]:
+    """The child: its reply refused PARENT_REBOUND, ``after_refusal``, then its turn lost."""
+    return records(
         TaskEntry(content="work"),
         started(A1, "t1"),
         ConsumedEntry(seqs=(1,)),
         send_step("c1", "m1"),
         refused("c1", RejectionReason.PARENT_REBOUND),
+        *after_refusal,
         lost("t1"),
     )
-    verdict = judge(root_reads(lost_notice()), child)
+
+
+def test_a_reply_refused_parent_rebound_as_its_host_died_is_the_lost_runs_not_counted() -> None:
+    # From the 30-minute soak: the refusal was the last thing the turn saw; its host was
+    # killed before the model's resend; the next activation closed the turn lost.
+    verdict = judge(root_reads(lost_notice()), refused_then_lost())
     assert verdict.rebound_replies_lost == 0, verdict.summary()
     assert verdict.clean, verdict.summary()
     assert (verdict.rebound_refusals, verdict.rebound_replies_lost_with_their_run) == (1, 1)
@@ -295,16 +300,8 @@ def test_a_reply_refused_parent_rebound_as_its_host_died_is_the_lost_runs_not_co
 
 
 def test_a_reply_refused_parent_rebound_then_dropped_by_its_model_is_counted_even_if_lost() -> None:
-    child = records(
-        TaskEntry(content="work"),
-        started(A1, "t1"),
-        ConsumedEntry(seqs=(1,)),
-        send_step("c1", "m1"),
-        refused("c1", RejectionReason.PARENT_REBOUND),
-        reply(),  # the model stepped again and did not send it
-        lost("t1"),
-    )
-    verdict = judge(root_reads(lost_notice()), child)
+    # The model stepped again after the refusal and did not send it.
+    verdict = judge(root_reads(lost_notice()), refused_then_lost(reply()))
     assert verdict.rebound_replies_lost == 1, verdict.summary()
 
 

@@ -11,6 +11,7 @@ from typing import cast
 
 import pytest
 
+from dsh_mesh.agent import Agent
 from dsh_mesh.core import (
     Aborted,
     AbortSignal,
@@ -226,32 +227,40 @@ async def test_stale_agent_object_cannot_send(mesh: InProcessMesh) -> None:
     assert raised.value.reason is RejectionReason.STALE_SENDER
 
 
-@pytest.mark.contract(2)
-async def test_child_to_absent_or_rebound_parent_is_rejected_until_the_parent_messages_it(
-    mesh: InProcessMesh,
-) -> None:
+NEWER = Activation(session_id=ROOT, activation_id=ActivationId("a-new"), node_id=NodeId("n2"))
+"""The root's activation on another node once its first host is gone."""
+
+
+async def child_whose_parent_left(mesh: InProcessMesh) -> Agent:
+    """A running child (its model held) whose parent's host is gone: the root is absent."""
     mesh.scripted.program("helper", Reply(gate=asyncio.Event()))
     await root_with_child(mesh)
     child = mesh.manager.agent(CHILD)
     root = mesh.manager.agent(ROOT)
     assert child is not None and root is not None
-    await mesh.store.release(root.activation)  # the parent's host is gone
+    await mesh.store.release(root.activation)
+    return child
 
+
+@pytest.mark.contract(2)
+async def test_child_to_absent_or_rebound_parent_is_rejected_until_the_parent_messages_it(
+    mesh: InProcessMesh,
+) -> None:
+    child = await child_whose_parent_left(mesh)
     with pytest.raises(ParentNotLive) as absent:
         await mesh.manager.send_message(child.ref, ROOT, "anyone?")
     assert absent.value.reason is RejectionReason.PARENT_NOT_LIVE
 
-    newer = Activation(session_id=ROOT, activation_id=ActivationId("a-new"), node_id=NodeId("n2"))
-    assert await mesh.store.try_activate(newer) == newer
+    assert await mesh.store.try_activate(NEWER) == NEWER
     with pytest.raises(ParentNotLive) as rebound:
         await mesh.manager.send_message(child.ref, ROOT, "anyone?")
     assert rebound.value.reason is RejectionReason.PARENT_REBOUND
 
     await mesh.manager.send_message(
-        AgentRef(session_id=ROOT, activation_id=newer.activation_id), CHILD, "I am back"
+        AgentRef(session_id=ROOT, activation_id=NEWER.activation_id), CHILD, "I am back"
     )
     current = await mesh.store.current_activation(CHILD)
-    assert current is not None and current.parent_activation == newer.activation_id
+    assert current is not None and current.parent_activation == NEWER.activation_id
     nothing = [r for r in of_type(await mesh.transcript(ROOT), AgentMessageEntry)]
     assert nothing == []  # no offline mailbox: the rejected sends left no trace
 
@@ -263,20 +272,14 @@ async def test_a_reply_sent_as_the_parent_resumes_waits_for_its_adoption_and_lan
     # Found by the 30-minute soak: a child's reply met its parent's new activation in the
     # moment between its win and its adoption of the child (ADR 0043), was refused
     # PARENT_REBOUND, and its host died before the model could send it again.
-    mesh.scripted.program("helper", Reply(gate=asyncio.Event()))
-    await root_with_child(mesh)
-    child = mesh.manager.agent(CHILD)
-    root = mesh.manager.agent(ROOT)
-    assert child is not None and root is not None
-    await mesh.store.release(root.activation)  # the parent's host is gone
-    newer = Activation(session_id=ROOT, activation_id=ActivationId("a-new"), node_id=NodeId("n2"))
-    assert await mesh.store.try_activate(newer) == newer  # it resumed elsewhere: not yet adopted
+    child = await child_whose_parent_left(mesh)
+    assert await mesh.store.try_activate(NEWER) == NEWER  # it resumed elsewhere: not adopted yet
 
     async def adopt() -> None:
         await asyncio.sleep(0.05)
         bound = await mesh.store.current_activation(CHILD)
         assert bound is not None
-        await mesh.store.rebind(bound, newer.activation_id)
+        await mesh.store.rebind(bound, NEWER.activation_id)
 
     adoption = asyncio.create_task(adopt())
     # The edge is authorized once adopted: the send goes on to n2, the node now hosting the
@@ -723,8 +726,7 @@ async def test_a_retry_of_an_accepted_send_gets_its_acceptance_even_after_the_pa
     await mesh.store.release(root.activation)  # the parent's host is gone
     retry = await mesh.manager.send_message(child.ref, ROOT, "result", idempotency_key="k-1")
     assert retry.duplicate and retry.accepted_seq == first.accepted_seq
-    newer = Activation(session_id=ROOT, activation_id=ActivationId("a-new"), node_id=NodeId("n2"))
-    assert await mesh.store.try_activate(newer) == newer
+    assert await mesh.store.try_activate(NEWER) == NEWER
     retry = await mesh.manager.send_message(child.ref, ROOT, "result", idempotency_key="k-1")
     assert retry.duplicate and retry.accepted_seq == first.accepted_seq
     # A new message is still refused, and so is another message under the same key.
