@@ -9,8 +9,8 @@ import asyncio
 import contextlib
 import heapq
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -34,8 +34,8 @@ from dsh_mesh.runtime import DEFAULT_PAGE, LogStore
 
 MAX_POSITION = (1 << 63) - 1
 """The largest position a feed can name (a signed 64-bit integer)."""
-_HEADERS_PER_TXN = 100
-"""Header reads per etcd transaction (etcd allows 128 operations in one by default)."""
+_READS_PER_TXN = 100
+"""Key reads per etcd transaction (etcd allows 128 operations in one by default)."""
 _INDEX_PAGE = 1000
 """Index keys per etcd range when a read walks a whole index."""
 _TOKEN = re.compile(rb"[0-9]{20}/[A-Za-z0-9_-]{1,128}")
@@ -65,6 +65,9 @@ class Listing:
 
     headers: list[SessionHeader]
     next_token: str
+    activations: Mapping[SessionId, Activation] = field(default_factory=dict)
+    """The current activation of each listed session that holds one (read with the
+    headers, when the listing was asked for residency)."""
 
 
 class RegistryReads:
@@ -89,13 +92,16 @@ class RegistryReads:
         limit: int,
         resident_only: bool = False,
         namespaces: frozenset[str] | None = None,
+        residency: bool = False,
     ) -> Listing:
         """Up to ``limit`` headers after the page token ``after`` ('' for the first page): of
         every session, or (``root`` given) of ``root`` and its descendants, or (``namespaces``
         given, no ``root``) of the sessions of those namespaces, merged from their indexes in
-        creation order. With ``resident_only``, only sessions that hold an activation. Raises
-        :class:`SessionUnknown` for an unknown ``root`` and :class:`InvalidArgument` for a
-        token this server did not issue."""
+        creation order. With ``resident_only``, only sessions that hold an activation; with
+        ``residency``, each listed session's activation too, read with its header. Either
+        reads the residency of what the listing covers (the tree's or the namespaces' census
+        of live sessions), never the mesh's. Raises :class:`SessionUnknown` for an unknown
+        ``root`` and :class:`InvalidArgument` for a token this server did not issue."""
         members = None if root is None else await self.members(root)  # an unknown root first
         if after and not _TOKEN.fullmatch(after.encode()):
             raise InvalidArgument(
@@ -121,7 +127,7 @@ class RegistryReads:
                 for token, session in members
                 if token.decode() > after  # token order is the index's key order
             )
-        resident = set(await self.activations()) if resident_only else None
+        resident = await self._resident(root, namespaces) if resident_only else None
         page: list[SessionId] = []
         tokens: list[bytes] = []
         more = False
@@ -133,8 +139,37 @@ class RegistryReads:
                 break
             page.append(session)
             tokens.append(token)
-        headers = await self._headers(page)
-        return Listing(headers=headers, next_token=tokens[-1].decode() if more else "")
+        headers, activations = await self._headers(page, residency=residency)
+        next_token = tokens[-1].decode() if more else ""
+        return Listing(headers=headers, next_token=next_token, activations=activations)
+
+    async def _resident(
+        self, root: SessionId | None, namespaces: frozenset[str] | None
+    ) -> set[SessionId]:
+        """The sessions that hold an activation among those a listing covers: a tree's (its
+        ``live/`` census and its root's key), some namespaces' (their ``live-ns/`` census),
+        or every session's (the activation keys themselves)."""
+        if root is not None:
+            tree_root = await self._root_id(root)
+            prefix = self._keys.live(tree_root)
+            resident = {
+                SessionId(kv.key[len(prefix) :].decode())
+                async for kv in self._range(prefix, keys_only=True)
+            }
+            if await self._etcd.get(self._keys.activation(tree_root)) is not None:
+                resident.add(tree_root)
+            return resident
+        if namespaces is not None:
+            resident = set()
+            for namespace in namespaces:
+                prefix = self._keys.namespace_live(namespace)
+                async for kv in self._range(prefix, keys_only=True):
+                    resident.add(SessionId(kv.key[len(prefix) :].decode()))
+            return resident
+        return {
+            self._keys.session_of_activation(kv.key)
+            async for kv in self._range(self._keys.activations, keys_only=True)
+        }
 
     async def members(self, session: SessionId) -> list[tuple[bytes, SessionId]]:
         """``session`` and its descendants in creation order, each with its index token.
@@ -144,16 +179,19 @@ class RegistryReads:
 
     async def _tree_of(self, session: SessionId) -> bytes:
         """The index prefix of the tree ``session`` belongs to."""
+        return self._keys.tree(await self._root_id(session))
+
+    async def _root_id(self, session: SessionId) -> SessionId:
+        """The root of the tree ``session`` belongs to."""
         header_kv = await self._etcd.get(self._keys.header(session))
         if header_kv is None:
             raise SessionUnknown(session)
-        root = session
-        if decode_header(header_kv.value).parent_session is not None:
-            root_kv = await self._etcd.get(self._keys.root_of(session))
-            if root_kv is None:
-                raise SessionUnknown(f"{session}: no root recorded")
-            root = SessionId(root_kv.value.decode())
-        return self._keys.tree(root)
+        if decode_header(header_kv.value).parent_session is None:
+            return session
+        root_kv = await self._etcd.get(self._keys.root_of(session))
+        if root_kv is None:
+            raise SessionUnknown(f"{session}: no root recorded")
+        return SessionId(root_kv.value.decode())
 
     async def _members(self, session: SessionId, prefix: bytes) -> list[tuple[bytes, SessionId]]:
         found: set[SessionId] = {session}
@@ -214,7 +252,7 @@ class RegistryReads:
             )
         members = _Members(self._etcd, lambda: self._members(root, index), root, index, tree=tree)
         await members.refresh()
-        residency = _Residency(self._etcd, self._keys)
+        residency = _Residency(self._etcd, self._keys, lambda: members.watched)
         cursor = after_position
         async with residency.watching():
             for session, activation in await residency.snapshot(members.watched):
@@ -237,9 +275,10 @@ class RegistryReads:
                             activated=activated,
                             deactivated=deactivated,
                         )
+                # A member found since: its activation may be older than this feed's watch
+                # (won between the first look and the snapshot). Read it, and tell it now.
+                await residency.look(joined)
                 for session in sorted(joined):
-                    # A member found since: its activation may be older than this feed's
-                    # watch (won between the first look and the snapshot). Tell it now.
                     current = residency.current(session)
                     if current is not None:
                         yield FeedEvent(session=session, position=cursor, activated=current)
@@ -286,18 +325,30 @@ class RegistryReads:
                 return
             start = response.kvs[-1].key + b"\0"
 
-    async def _headers(self, sessions: list[SessionId]) -> list[SessionHeader]:
-        """The headers of ``sessions``, in that order, read a transaction's worth at a time
-        (a session deleted meanwhile is left out)."""
+    async def _headers(
+        self, sessions: list[SessionId], *, residency: bool = False
+    ) -> tuple[list[SessionHeader], dict[SessionId, Activation]]:
+        """The headers of ``sessions``, in that order (a session deleted meanwhile is left
+        out), and with ``residency`` the activation of each that holds one, each session's
+        keys read in the same transaction, a transaction's worth at a time."""
         headers: list[SessionHeader] = []
-        for at in range(0, len(sessions), _HEADERS_PER_TXN):
-            chunk = sessions[at : at + _HEADERS_PER_TXN]
-            response = await self._etcd.txn([], [get(self._keys.header(s)) for s in chunk])
-            for answer in response.responses:
-                kvs = answer.response_range.kvs
-                if kvs:
-                    headers.append(decode_header(kvs[0].value))
-        return headers
+        activations: dict[SessionId, Activation] = {}
+        per_session = 2 if residency else 1
+        step = _READS_PER_TXN // per_session
+        for at in range(0, len(sessions), step):
+            chunk = sessions[at : at + step]
+            reads = [get(self._keys.header(s)) for s in chunk]
+            if residency:
+                reads += [get(self._keys.activation(s)) for s in chunk]
+            answers = (await self._etcd.txn([], reads)).responses
+            for n, session in enumerate(chunk):
+                header = answers[n].response_range.kvs
+                if not header:
+                    continue
+                headers.append(decode_header(header[0].value))
+                if residency and (held := answers[len(chunk) + n].response_range.kvs):
+                    activations[session] = decode_activation(held[0].value)
+        return headers, activations
 
 
 class _Members:
@@ -333,37 +384,60 @@ class _Members:
 
 
 class _Residency:
-    """Who is resident, for one feed: a snapshot, then etcd's watch of activations, resumed
-    after a broken stream; after a compaction, the next snapshot tells the current state."""
+    """Who is resident among the sessions a feed watches: a snapshot of their activation keys
+    (never the mesh's), then etcd's watch of activations, resumed after a broken stream;
+    after a compaction, the watched sessions are read again. It keeps the activations of the
+    sessions it watches only."""
 
-    def __init__(self, etcd: Etcd, keys: Keys) -> None:
+    def __init__(
+        self, etcd: Etcd, keys: Keys, watched: Callable[[], Collection[SessionId]]
+    ) -> None:
         self._etcd = etcd
         self._keys = keys
+        self._watched = watched
         self._changes: list[tuple[SessionId, Activation | None, Activation | None]] = []
         self._wake = asyncio.Event()
         self._revision = 0
         self._known: dict[SessionId, Activation] = {}
 
     async def snapshot(self, watched: Collection[SessionId]) -> list[tuple[SessionId, Activation]]:
-        """The current activation of each of ``watched``; the watch continues after it."""
-        current: dict[SessionId, Activation] = {}
-        start: bytes | None = None
-        at = 0  # every page at the first one's revision: one consistent snapshot
-        while True:
-            response = await self._etcd.get_prefix(
-                self._keys.activations, start=start, limit=_INDEX_PAGE, revision=at
-            )
-            at = at or int(response.header.revision)
-            if not self._revision:
-                self._revision = at
-            for kv in response.kvs:
-                current[self._keys.session_of_activation(kv.key)] = decode_activation(kv.value)
-            if not response.more:
-                break
-            start = response.kvs[-1].key + b"\0"
-        self._known = current
+        """The current activation of each of ``watched``; the watch continues after the
+        first read's revision (a change after it is told again by the watch: residency is
+        state, so the last word is the current one)."""
+        current, revision = await self._read(watched)
+        if not self._revision:
+            self._revision = revision
+        self._known.update(current)
         self._ready.set()
-        return sorted((s, a) for s, a in current.items() if s in watched)
+        return sorted(current.items())
+
+    async def look(self, sessions: Collection[SessionId]) -> None:
+        """Read the activations of ``sessions`` (members found since the snapshot) that no
+        change has told yet."""
+        unknown = [s for s in sessions if s not in self._known]
+        if unknown:
+            current, _ = await self._read(unknown)
+            for session, activation in current.items():
+                self._known.setdefault(session, activation)
+
+    async def _read(
+        self, sessions: Collection[SessionId]
+    ) -> tuple[dict[SessionId, Activation], int]:
+        """The activations of ``sessions`` that hold one, a transaction's worth of keys at a
+        time, and the first transaction's revision."""
+        ordered = sorted(sessions)
+        current: dict[SessionId, Activation] = {}
+        revision = 0
+        for at in range(0, len(ordered), _READS_PER_TXN):
+            chunk = ordered[at : at + _READS_PER_TXN]
+            response = await self._etcd.txn([], [get(self._keys.activation(s)) for s in chunk])
+            revision = revision or int(response.header.revision)
+            for session, answer in zip(chunk, response.responses, strict=True):
+                if kvs := answer.response_range.kvs:
+                    current[session] = decode_activation(kvs[0].value)
+        if not ordered:
+            revision = int((await self._etcd.txn([], [])).header.revision)
+        return current, revision
 
     @contextlib.asynccontextmanager
     async def watching(self) -> AsyncIterator[None]:
@@ -421,7 +495,9 @@ class _Residency:
         self._revision = int(change.kv.mod_revision)
         if change.kind == "PUT":
             activation = decode_activation(change.kv.value)
-            self._known[session] = activation
+            if session in self._watched():
+                self._known[session] = activation
+            # Told even when not watched (yet): the feed looks whether a child appeared.
             self._changes.append((session, activation, None))
         else:
             ended = self._known.pop(session, None)
@@ -433,7 +509,7 @@ class _Residency:
 
     async def _resnapshot(self) -> None:
         before = dict(self._known)
-        await self.snapshot(())
+        self._known, self._revision = await self._read(set(before) | set(self._watched()))
         for session, ended in before.items():
             if self._known.get(session) != ended:
                 self._changes.append((session, None, ended))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator, Collection, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 import grpc
@@ -98,6 +98,8 @@ class AgentListing(Protocol):
     def headers(self) -> list[SessionHeader]: ...
     @property
     def next_token(self) -> str: ...
+    @property
+    def activations(self) -> Mapping[SessionId, Activation]: ...
 
 
 class ControlReads(Protocol):
@@ -111,8 +113,8 @@ class ControlReads(Protocol):
         limit: int,
         resident_only: bool = False,
         namespaces: frozenset[str] | None = None,
+        residency: bool = False,
     ) -> AgentListing: ...
-    async def activations(self) -> dict[SessionId, Activation]: ...
     async def pending_approvals(
         self, sessions: Collection[SessionId]
     ) -> list[tuple[SessionId, Record]]: ...
@@ -470,11 +472,11 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
             limit=min(request.page_size or DEFAULT_PAGE, MAX_PAGE),
             resident_only=request.resident_only,
             namespaces=namespaces,
+            residency=True,
         )
-        activations = await self._reads.activations()
         reply = mesh_pb2.ListAgentsResponse(next_page_token=listing.next_token)
         for header in listing.headers:
-            current = activations.get(header.session_id)
+            current = listing.activations.get(header.session_id)
             summary = reply.agents.add(
                 header=header_to_wire(header), state=self._state(header.session_id, current)
             )

@@ -235,6 +235,47 @@ async def test_a_page_of_a_small_tree_costs_the_same_however_many_other_sessions
     assert alone[root][1:3] == (2, 1)  # the root's header and the tree index; one txn of headers
 
 
+async def test_a_trees_residency_costs_the_same_however_many_other_sessions_are_resident(
+    mesh: Mesh,
+) -> None:
+    """Issue 34: a listing reads the residency of what it lists (its page's activation keys,
+    with their headers) and a resident-only one its tree's census, never the mesh's."""
+    root = await mesh.root("t-0")
+    first = await mesh.child("t-1", root)
+    await mesh.child("t-2", root)
+    held = {s: await mesh.activate(s) for s in (root, first)}
+    fetched: list[int] = []
+    original = mesh.etcd.range
+
+    async def counting(*args: Any, **kwargs: Any) -> Any:
+        response = await original(*args, **kwargs)
+        fetched.append(len(response.kvs))
+        return response
+
+    mesh.etcd.range = counting  # type: ignore[method-assign]
+
+    async def cost(resident_only: bool) -> tuple[dict[SessionId, Activation], int, int, int]:
+        reads, txns = mesh.etcd.reads, mesh.etcd.txns
+        fetched.clear()
+        page = await mesh.reads.listing(
+            root=root, after="", limit=10, residency=True, resident_only=resident_only
+        )
+        return dict(page.activations), mesh.etcd.reads - reads, mesh.etcd.txns - txns, sum(fetched)
+
+    alone = {only: await cost(only) for only in (False, True)}
+    assert alone[False][0] == held and alone[True][0] == held
+    for n in range(0, 300, 50):  # 300 unrelated roots resident, some with a resident child
+        made = await asyncio.gather(*(mesh.root(f"x-{m}") for m in range(n, n + 50)))
+        await asyncio.gather(*(mesh.activate(r) for r in made))
+        children = await asyncio.gather(
+            *(mesh.child(f"y-{m}", made[m - n]) for m in range(n, n + 50, 5))
+        )
+        await asyncio.gather(*(mesh.activate(c) for c in children))
+    crowded = {only: await cost(only) for only in (False, True)}
+    assert crowded == alone
+    assert alone[False][1:3] == (2, 1)  # the root's header and the tree index; one txn
+
+
 # -- the feed -----------------------------------------------------------------------------------
 
 
@@ -417,6 +458,41 @@ async def test_a_tree_feed_starts_with_the_residency_of_every_member(fed: Mesh) 
             (a.session_id, resumed_at) for a in activations
         )
         assert {e.activated for e in told[:-1]} == set(activations)
+
+
+async def test_a_tree_feeds_first_residency_costs_the_same_however_many_others_are_resident(
+    fed: Mesh,
+) -> None:
+    """Issue 34: a feed reads the activation keys of the sessions it watches, never the
+    mesh's, before it tells their residency."""
+    root = await fed.root("r")
+    child = await fed.child("c", root)
+    held = {await fed.activate(s) for s in (root, child)}
+    fetched: list[int] = []
+    original = fed.etcd.range
+
+    async def counting(*args: Any, **kwargs: Any) -> Any:
+        response = await original(*args, **kwargs)
+        fetched.append(len(response.kvs))
+        return response
+
+    fed.etcd.range = counting  # type: ignore[method-assign]
+
+    async def first_residency() -> tuple[set[Activation | None], int, int]:
+        txns = fed.etcd.txns
+        fetched.clear()
+        feed = fed.reads.follow(root, tree=True)
+        try:
+            told = {(await next_event(feed)).activated, (await next_event(feed)).activated}
+        finally:
+            await closed(feed)
+        return told, fed.etcd.txns - txns, sum(fetched)
+
+    alone = await first_residency()
+    assert alone[0] == held
+    others = await asyncio.gather(*(fed.root(f"x-{m}") for m in range(300)))
+    await asyncio.gather(*(fed.activate(other) for other in others))
+    assert await first_residency() == alone
 
 
 async def test_a_tree_feed_tells_the_activation_of_a_child_created_while_it_follows(

@@ -216,10 +216,8 @@ class StoreReads:
         limit: int,
         resident_only: bool = False,
         namespaces: frozenset[str] | None = None,
+        residency: bool = False,
     ) -> AgentListing:
-        raise NotImplementedError
-
-    async def activations(self) -> dict[SessionId, Activation]:
         raise NotImplementedError
 
     async def pending_approvals(
