@@ -244,7 +244,8 @@ class RegistryReads:
         records, so every session with a record at or below the horizon is watched by then.
         An unknown ``root`` is refused with :class:`SessionUnknown` first, as a listing is;
         then an ``after_position`` above 2**63 - 1 with :class:`InvalidArgument`."""
-        index = await self._tree_of(root)  # raises SessionUnknown
+        tree_root = await self._root_id(root)  # raises SessionUnknown
+        index = self._keys.tree(tree_root)
         if not 0 <= after_position <= MAX_POSITION:
             raise InvalidArgument(
                 f"after_event_seq {after_position}: no event can follow it (an event_seq is at"
@@ -252,7 +253,13 @@ class RegistryReads:
             )
         members = _Members(self._etcd, lambda: self._members(root, index), root, index, tree=tree)
         await members.refresh()
-        residency = _Residency(self._etcd, self._keys, lambda: members.watched)
+        residency = _Residency(
+            self._etcd,
+            self._keys,
+            lambda: members.watched,
+            own=None if tree and root != tree_root else root,
+            tree_root=tree_root if tree else None,
+        )
         cursor = after_position
         async with residency.watching():
             for session, activation in await residency.snapshot(members.watched):
@@ -385,16 +392,27 @@ class _Members:
 
 class _Residency:
     """Who is resident among the sessions a feed watches: a snapshot of their activation keys
-    (never the mesh's), then etcd's watch of activations, resumed after a broken stream;
-    after a compaction, the watched sessions are read again. It keeps the activations of the
-    sessions it watches only."""
+    (never the mesh's), then etcd's watches of what can change it, resumed after a broken
+    stream: the activation key of ``own`` (the feed's root, unless a tree's census covers it)
+    and, for a tree feed, the tree's census of live children (``live/<tree_root>/``, put and
+    deleted with each child's activation; a put is read back as the activation at its
+    revision). After a compaction the watched sessions are read again. What it keeps and
+    what its watches carry grow with the feed's tree, never with the mesh."""
 
     def __init__(
-        self, etcd: Etcd, keys: Keys, watched: Callable[[], Collection[SessionId]]
+        self,
+        etcd: Etcd,
+        keys: Keys,
+        watched: Callable[[], Collection[SessionId]],
+        *,
+        own: SessionId | None,
+        tree_root: SessionId | None,
     ) -> None:
         self._etcd = etcd
         self._keys = keys
         self._watched = watched
+        self._own = own
+        self._tree_root = tree_root
         self._changes: list[tuple[SessionId, Activation | None, Activation | None]] = []
         self._wake = asyncio.Event()
         self._revision = 0
@@ -477,39 +495,74 @@ class _Residency:
 
     async def _follow(self) -> None:
         await self._ready.wait()
+        sources = []
+        if self._own is not None:
+            key = self._keys.activation(self._own)
+            sources.append(self._follow_one(key, lambda change: self._apply(change, exact=key)))
+        if self._tree_root is not None:
+            census = self._keys.live(self._tree_root)
+            sources.append(self._follow_one(census, lambda change: self._apply_live(change)))
+        await asyncio.gather(*sources)
+
+    async def _follow_one(self, prefix: bytes, apply: Callable[[Any], Awaitable[None]]) -> None:
+        """Follow one watch from the snapshot's revision on, resumed where it broke."""
+        revision = self._revision
         while True:
             try:
-                async for response in self._etcd.watch_prefix(
-                    self._keys.activations, start_revision=self._revision + 1
-                ):
-                    self._apply(response)
+                async for change in self._etcd.watch_prefix(prefix, start_revision=revision + 1):
+                    revision = int(change.kv.mod_revision)
+                    await apply(change)
             except aetcd.exceptions.RevisionCompactedError:
                 # The history between is gone: what matters is who is resident now.
-                self._revision = 0
-                await self._resnapshot()
+                revision = await self._resnapshot()
             except MeshError:
                 await asyncio.sleep(0.5)  # etcd away: resume from the last revision seen
 
-    def _apply(self, change: Any) -> None:
+    async def _apply(self, change: Any, *, exact: bytes) -> None:
+        """A change of the watched activation key ``exact`` (the watch is of its prefix)."""
+        if change.kv.key != exact:
+            return
         session = self._keys.session_of_activation(change.kv.key)
-        self._revision = int(change.kv.mod_revision)
         if change.kind == "PUT":
-            activation = decode_activation(change.kv.value)
-            if session in self._watched():
-                self._known[session] = activation
-            # Told even when not watched (yet): the feed looks whether a child appeared.
-            self._changes.append((session, activation, None))
+            self._activated(session, decode_activation(change.kv.value))
         else:
             ended = self._known.pop(session, None)
             if change.prev_kv is not None:
                 ended = decode_activation(change.prev_kv.value)
-            if ended is not None:
-                self._changes.append((session, None, ended))
+            self._ended(session, ended)
+
+    async def _apply_live(self, change: Any) -> None:
+        """A change of the tree's census: a child won (its activation read back as of that
+        revision) or its activation ended."""
+        assert self._tree_root is not None
+        session = SessionId(change.kv.key[len(self._keys.live(self._tree_root)) :].decode())
+        if change.kind == "PUT":
+            key = self._keys.activation(session)
+            try:
+                response = await self._etcd.range(key, revision=int(change.kv.mod_revision))
+            except Exception:  # compacted since: what holds now
+                response = await self._etcd.range(key)
+            if response.kvs:
+                self._activated(session, decode_activation(response.kvs[0].value))
+        else:
+            self._ended(session, self._known.pop(session, None))
+
+    def _activated(self, session: SessionId, activation: Activation) -> None:
+        # Kept and told even when not watched yet (the watches cover the feed's tree only):
+        # the feed looks whether a child appeared.
+        self._known[session] = activation
+        self._changes.append((session, activation, None))
         self._wake.set()
 
-    async def _resnapshot(self) -> None:
+    def _ended(self, session: SessionId, ended: Activation | None) -> None:
+        if ended is not None:
+            self._changes.append((session, None, ended))
+            self._wake.set()
+
+    async def _resnapshot(self) -> int:
+        """Read the watched sessions again; returns the revision read at."""
         before = dict(self._known)
-        self._known, self._revision = await self._read(set(before) | set(self._watched()))
+        self._known, revision = await self._read(set(before) | set(self._watched()))
         for session, ended in before.items():
             if self._known.get(session) != ended:
                 self._changes.append((session, None, ended))
@@ -517,6 +570,7 @@ class _Residency:
             if before.get(session) != activation:
                 self._changes.append((session, activation, None))
         self._wake.set()
+        return revision
 
 
 async def _merged(

@@ -587,3 +587,32 @@ async def test_a_tree_feed_tells_a_child_activated_between_its_first_look_and_it
         assert (event.session, event.activated) == (SessionId("c"), made[0])
     finally:
         await closed(feed)
+
+
+async def test_a_tree_feeds_watches_carry_its_trees_residency_and_nothing_of_other_trees(
+    mesh: Mesh,
+) -> None:
+    """Issue 34: a feed's residency watch follows the feed's root and its tree's census of live
+    children, so the mesh's churn elsewhere costs it nothing."""
+    root = await mesh.root("r")
+    child = await mesh.child("c", root)
+    others = await asyncio.gather(*(mesh.root(f"x-{m}") for m in range(20)))
+    strangers = await asyncio.gather(*(mesh.child(f"y-{m}", others[m]) for m in range(20)))
+    residency = _reads._Residency(
+        mesh.etcd, mesh.keys, lambda: {root, child}, own=root, tree_root=root
+    )
+    async with residency.watching():
+        assert await residency.snapshot({root, child}) == []
+        await asyncio.gather(*(mesh.activate(s) for s in (*others, *strangers)))
+        held = await mesh.activate(child)
+        changes: list[tuple[SessionId, Activation | None, Activation | None]] = []
+        async with asyncio.timeout(WAIT):
+            while not changes:
+                await residency.changed(0.05)
+                changes += residency.drain()
+        await mesh.store.release(held)
+        async with asyncio.timeout(WAIT):
+            while len(changes) < 2:
+                await residency.changed(0.05)
+                changes += residency.drain()
+    assert changes == [(child, held, None), (child, None, held)]
