@@ -107,16 +107,17 @@ class RegistryReads:
             raise InvalidArgument(
                 f"page_token {bounded_quote(after)} is not one this server issued"
             )
+        # One index page fills a listing page (and tells whether more follow), unless the
+        # listing keeps only the resident.
+        page_size = _INDEX_PAGE if resident_only else min(_INDEX_PAGE, limit + 1)
         if members is None and namespaces is None:
-            candidates = self._index(self._keys.listing, after=after.encode())
+            candidates = self._index(self._keys.listing, after=after.encode(), page=page_size)
         elif members is None:
             assert namespaces is not None
             candidates = _merged(
                 [
                     self._index(
-                        self._keys.namespace_listing(n),
-                        after=after.encode(),
-                        page=min(_INDEX_PAGE, limit + 1),  # one page each fills a listing
+                        self._keys.namespace_listing(n), after=after.encode(), page=page_size
                     )
                     for n in sorted(namespaces)
                 ]

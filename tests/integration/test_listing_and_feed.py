@@ -276,6 +276,28 @@ async def test_a_trees_residency_costs_the_same_however_many_other_sessions_are_
     assert alone[False][1:3] == (2, 1)  # the root's header and the tree index; one txn
 
 
+async def test_a_first_page_of_every_session_reads_a_page_of_the_index_however_many(
+    mesh: Mesh,
+) -> None:
+    """Issue 34: the first page of all sessions (or of a namespace) reads one index page of
+    its own size (and one key more, to know whether more follow), not a fixed 1,000."""
+    await asyncio.gather(*(mesh.root(f"x-{m}") for m in range(300)))
+    fetched: list[int] = []
+    original = mesh.etcd.range
+
+    async def counting(*args: Any, **kwargs: Any) -> Any:
+        response = await original(*args, **kwargs)
+        fetched.append(len(response.kvs))
+        return response
+
+    mesh.etcd.range = counting  # type: ignore[method-assign]
+    for namespaces in (None, frozenset({"default"})):
+        fetched.clear()
+        page = await mesh.reads.listing(root=None, after="", limit=2, namespaces=namespaces)
+        assert len(page.headers) == 2 and page.next_token
+        assert fetched == [3]  # one index read of 3 keys; the headers come in one txn
+
+
 # -- the feed -----------------------------------------------------------------------------------
 
 
