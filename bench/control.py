@@ -1,17 +1,19 @@
-"""The control plane's reads of one small tree while more and more sessions are registered.
+"""The control plane's reads of one small tree while more and more agents are resident.
 
 One node process runs the ``FANOUT`` scenario: a root with six resident children (a tree of
-seven sessions, all stalled in a model call). Filler roots are then registered straight into
-etcd under the cluster's prefix (a header, a listing key and a tree-index key each, as
-``EtcdSessionStore.create_header`` writes a root without entries; ``warm.register_fillers``)
-until ``control_sessions`` are registered, and at each size these ``MeshControl`` calls to the
-node are timed, one at a time, over one channel:
+seven sessions, all stalled in a model call). Resident filler roots are then registered
+straight into etcd under the cluster's prefix (``warm.register_fillers``: the keys
+``EtcdSessionStore.create_header`` writes for a root without entries, and the activation and
+namespace-census keys a win writes, under a lease the bench holds: issue 34) until
+``control_sessions`` are resident, and at each size these ``MeshControl`` calls to the node
+are timed, one at a time, over one channel:
 
 - ``ListAgents`` of the tree (``root_session_id``: its seven sessions);
 - ``WatchSession`` of the tree (``tree = true``): from the call until its first event (the
   residency of a watched session), then the stream is cancelled;
 - ``GetSession`` of the root: its first page (the server's default page size);
-- for context, ``ListAgents`` of every session: its first page (100).
+- ``ListAgents`` of every session: its first page (100);
+- ``ListAgents`` of the namespace the tree and the fillers are in: its first page (100).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from datetime import timedelta
 
 from bench._cluster import children, node_processes
 from bench._common import Bed, Sizes
@@ -35,9 +38,12 @@ LIST_TREE = "ListAgents of a 7-session tree"
 WATCH = "WatchSession of a 7-session tree, until its first event"
 GET = "GetSession of the root, first page"
 LIST_ALL = "ListAgents of every session, first page"
-TARGETED = (LIST_TREE, WATCH, GET)
+LIST_NAMESPACE = "ListAgents of one namespace, first page"
+TARGETED = (LIST_TREE, WATCH, GET, LIST_ALL, LIST_NAMESPACE)
 """The reads whose p50 at the most sessions has a target (against the same at the fewest)."""
 _WARMUP = 10
+_FILLER_LEASE = timedelta(hours=2)
+"""The lease resident fillers are held under: longer than any run, revoked at its end."""
 
 
 async def measure_control(bed: Bed) -> None:
@@ -57,7 +63,12 @@ async def measure_control(bed: Bed) -> None:
             template = await reader.header(root)
             assert template is not None
             keys = Keys(cluster.settings.key_prefix.encode())
-            reads = _reads(mesh_pb2_grpc.MeshControlStub(channel), cluster.metadata("bench"), root)
+            reads = _reads(
+                mesh_pb2_grpc.MeshControlStub(channel),
+                cluster.metadata("bench"),
+                root,
+                template.namespace,
+            )
             listed = await mesh_pb2_grpc.MeshControlStub(channel).ListAgents(
                 mesh_pb2.ListAgentsRequest(root_session_id=root),
                 metadata=cluster.metadata("bench"),
@@ -66,9 +77,10 @@ async def measure_control(bed: Bed) -> None:
             if len(listed.agents) != 1 + len(tree):
                 raise RuntimeError(f"ListAgents of the tree gave {len(listed.agents)} sessions")
             registered = 1 + len(tree)
+            lease = await etcd.grant(_FILLER_LEASE)  # revoked at the end: they all end at once
             for total in sizes.control_sessions:
                 started = time.perf_counter()
-                await register_fillers(etcd, keys, template, registered, total)
+                await register_fillers(etcd, keys, template, registered, total, lease=lease)
                 write_seconds[str(total)] = round(time.perf_counter() - started, 2)
                 registered = max(registered, total)
                 # Let etcd settle after the burst of writes (its backend commits, its Go
@@ -79,6 +91,7 @@ async def measure_control(bed: Bed) -> None:
             # The smallest size again, at the end: a figure that moved as much between the
             # two timings of it moved with the run (the processes' age, the machine), not
             # with the sessions registered.
+            await etcd.revoke(lease)
             await remove_fillers(etcd, keys)
             await asyncio.sleep(sizes.control_settle)
             again = await _time(reads, sizes)
@@ -101,7 +114,10 @@ async def _time(
 
 
 def _reads(
-    stub: mesh_pb2_grpc.MeshControlStub, metadata: tuple[tuple[str, str], ...], root: str
+    stub: mesh_pb2_grpc.MeshControlStub,
+    metadata: tuple[tuple[str, str], ...],
+    root: str,
+    namespace: str,
 ) -> dict[str, Callable[[int], Awaitable[None]]]:
     async def list_tree(_: int) -> None:
         await stub.ListAgents(
@@ -125,7 +141,18 @@ def _reads(
     async def list_all(_: int) -> None:
         await stub.ListAgents(mesh_pb2.ListAgentsRequest(), metadata=metadata, timeout=10)
 
-    return {LIST_TREE: list_tree, WATCH: watch, GET: get, LIST_ALL: list_all}
+    async def list_namespace(_: int) -> None:
+        await stub.ListAgents(
+            mesh_pb2.ListAgentsRequest(namespace=namespace), metadata=metadata, timeout=10
+        )
+
+    return {
+        LIST_TREE: list_tree,
+        WATCH: watch,
+        GET: get,
+        LIST_ALL: list_all,
+        LIST_NAMESPACE: list_namespace,
+    }
 
 
 def _record(bed: Bed, results: dict[int, dict[str, Load]], again: dict[str, Load]) -> None:
@@ -133,8 +160,8 @@ def _record(bed: Bed, results: dict[int, dict[str, Load]], again: dict[str, Load
     baseline, most = min(results), max(results)
     curve = report.curve(
         "control",
-        "control-plane reads by sessions registered (p50)",
-        "sessions registered in etcd",
+        "control-plane reads by resident agents (p50)",
+        "resident agents (sessions registered, each holding an activation)",
         "ms",
         log_x=True,
     )
@@ -142,18 +169,18 @@ def _record(bed: Bed, results: dict[int, dict[str, Load]], again: dict[str, Load
         for name, load in loads.items():
             report.add(
                 Figure(
-                    f"{name}, {total} sessions registered: p50",
+                    f"{name}, {total} resident: p50",
                     load.p50,
                     "ms",
                     None if total == baseline else results[baseline][name].p50,
                 ),
-                Figure(f"{name}, {total} sessions registered: p99", load.p99, "ms"),
+                Figure(f"{name}, {total} resident: p99", load.p99, "ms"),
             )
             curve.add(name, total, load.p50)
     for name in TARGETED:
         report.add(
             Figure(
-                f"{name}: p50 at {most} sessions / at {baseline}",
+                f"{name}: p50 at {most} resident / at {baseline}",
                 results[most][name].p50,
                 "ms",
                 results[baseline][name].p50,
@@ -163,7 +190,7 @@ def _record(bed: Bed, results: dict[int, dict[str, Load]], again: dict[str, Load
         )
         report.add(
             Figure(
-                f"{name}: p50 at {baseline} sessions again, at the end / at the start",
+                f"{name}: p50 at {baseline} resident again, at the end / at the start",
                 again[name].p50,
                 "ms",
                 results[baseline][name].p50,

@@ -33,9 +33,9 @@ from bench._report import Figure
 from bench.floors import append_alone, etcd_singles, hop_and_append, log_floors, record_loads
 from bench.scenarios import FANOUT_CHILDREN
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
-from dsh_mesh.core import AgentRef, SessionHeader, SessionId
+from dsh_mesh.core import Activation, ActivationId, AgentRef, NodeId, SessionHeader, SessionId
 from dsh_mesh.registry import Etcd, Keys
-from dsh_mesh.registry._codec import encode_header
+from dsh_mesh.registry._codec import encode_activation, encode_header
 from dsh_mesh.registry._etcd import delete, put
 from dsh_mesh.registry._keys import prefix_end
 from dsh_mesh.testing import LocalCluster, MeshReader
@@ -44,7 +44,11 @@ SAME_NODE = "warm send, same node"
 CROSS_NODE = "warm send, cross-node"
 HOP_ONLY = "warm send, cross-node, hop only"
 _OTHER_NODES = ("node-b", "node-c", "node-d")
-_SESSIONS_PER_TXN = 42  # a header, a listing key and a tree-index key each: 126 puts (limit 128)
+_OPERATIONS_PER_TXN = 126
+"""Puts per filler transaction (etcd allows 128 operations in one by default)."""
+_FILLER = "bench-filler-"
+FILLER_NODE = NodeId("bench-fillers")
+"""The node resident fillers are held on: no node process, so no send ever reaches one."""
 _WRITERS = 4
 _BENCH = "bench process"
 
@@ -424,26 +428,55 @@ async def measure_registered_sessions(bed: Bed) -> None:
 
 
 async def register_fillers(
-    etcd: Etcd, keys: Keys, template: SessionHeader, start: int, end: int
+    etcd: Etcd,
+    keys: Keys,
+    template: SessionHeader,
+    start: int,
+    end: int,
+    *,
+    lease: int | None = None,
 ) -> None:
     """Write filler roots ``start`` .. ``end - 1`` with no transcript, as
     ``EtcdSessionStore.create_header`` writes a root without entries: its header (the
-    template's, re-keyed, created now), its listing key and its tree-index key, in
-    ``_SESSIONS_PER_TXN`` per transaction. Transcripts are in the log store, not etcd."""
-    batches = iter(range(start, end, _SESSIONS_PER_TXN))
+    template's, re-keyed, created now), its listing key, its namespace's listing key and its
+    tree-index key. With ``lease``, each is also resident (issue 34): its activation key, on
+    a node of its own (``bench-fillers``, which no send reaches), and its namespace's census
+    key, both under ``lease``, as a node's win writes them. As many per transaction as fit
+    etcd's 128 operations. Transcripts are in the log store, not etcd."""
+    per_txn = _OPERATIONS_PER_TXN // (4 if lease is None else 6)
+    batches = iter(range(start, end, per_txn))
 
     async def writer() -> None:
         for first in batches:
             operations = []
-            for number in range(first, min(end, first + _SESSIONS_PER_TXN)):
-                session = SessionId(f"bench-filler-{number:07d}")
+            for number in range(first, min(end, first + per_txn)):
+                session = SessionId(f"{_FILLER}{number:07d}")
                 created = datetime.now(UTC)
                 header = dataclasses.replace(
                     template, session_id=session, parent_session=None, created_at=created
                 )
                 operations.append(put(keys.header(session), encode_header(header)))
                 operations.append(put(keys.listed(created, session), b""))
+                operations.append(
+                    put(keys.namespace_listed(header.namespace, created, session), b"")
+                )
                 operations.append(put(keys.member(session, created, session), b""))
+                if lease is not None:
+                    resident = Activation(
+                        session_id=session,
+                        activation_id=ActivationId(f"a-{session}"),
+                        node_id=FILLER_NODE,
+                    )
+                    operations.append(
+                        put(keys.activation(session), encode_activation(resident), lease=lease)
+                    )
+                    operations.append(
+                        put(
+                            keys.namespace_live_member(header.namespace, session),
+                            b"",
+                            lease=lease,
+                        )
+                    )
             await etcd.txn([], operations)
 
     await asyncio.gather(*(writer() for _ in range(_WRITERS)))
@@ -452,19 +485,20 @@ async def register_fillers(
 async def remove_fillers(etcd: Etcd, keys: Keys) -> None:
     """Delete every filler :func:`register_fillers` wrote (headers, listing keys and tree
     indexes), so a later size times the same cluster with its own sessions only."""
-    fillers = SessionId("bench-filler-")
+    fillers = SessionId(_FILLER)
     for prefix in (keys.header(fillers), keys.tree(fillers).removesuffix(b"/")):
         end = prefix_end(prefix)
         await etcd.txn(
             [],
             [rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=prefix, range_end=end))],
         )
-    start: bytes | None = None
-    while True:  # the listing in pages (an unpaged read of 100k keys is over gRPC's limit)
-        listed = await etcd.get_prefix(keys.listing, start=start, limit=1000, keys_only=True)
-        doomed = [delete(kv.key) for kv in listed.kvs if fillers.encode() in kv.key]
-        for first in range(0, len(doomed), 100):
-            await etcd.txn([], doomed[first : first + 100])
-        if not listed.more:
-            return
-        start = listed.kvs[-1].key + b"\0"
+    for listing in (keys.listing, keys.prefix + b"ns/"):
+        start: bytes | None = None
+        while True:  # in pages (an unpaged read of 100k keys is over gRPC's limit)
+            listed = await etcd.get_prefix(listing, start=start, limit=1000, keys_only=True)
+            doomed = [delete(kv.key) for kv in listed.kvs if fillers.encode() in kv.key]
+            for first in range(0, len(doomed), 100):
+                await etcd.txn([], doomed[first : first + 100])
+            if not listed.more:
+                break
+            start = listed.kvs[-1].key + b"\0"

@@ -122,7 +122,10 @@ class Recovery:
         """An activation key vanished from the registry. If it was a child of a parent resident
         here and no notice was delivered for it, its host went away (or its notice failed):
         the parent gets the notice of that activation now, without waiting for a sweep."""
-        if self._children.noticed(ended.activation_id):
+        if ended.parent_activation is None or self._children.noticed(ended.activation_id):
+            # A root's, or a child's bound to no activation of its parent (its parent was
+            # absent when it won): no parent here waits on it, and the sweep finishes what
+            # it left. No read for it: a whole node's agents may end at once.
             return
         own = self._residency.agent(ended.session_id)
         if own is not None and own.activation.activation_id == ended.activation_id:
