@@ -625,8 +625,8 @@ async def test_a_parent_that_moved_nodes_gets_no_lost_notice_for_a_child_it_hear
     ended = delivered.child_activation
     assert child is None and delivered.outcome is SettlementOutcome.COMPLETED
     parent = await store.current_activation(ROOT)
-    if parent is not None:
-        await store.release(parent)  # the first node's lease expired
+    assert parent is not None  # a root stays resident
+    await store.release(parent)  # the first node's lease expired
     second_node = ContinuationManager(
         store=store,
         provider=ScriptedProvider(programs={"lead": (Reply(),) * 3}),
@@ -637,7 +637,12 @@ async def test_a_parent_that_moved_nodes_gets_no_lost_notice_for_a_child_it_hear
     async with second_node:
         await second_node.submit_prompt(ROOT, "Carry on.")  # the parent resumes here
         await second_node.activation_ended(
-            Activation(session_id=CHILD, activation_id=ended, node_id=NodeId("node-1"))
+            Activation(
+                session_id=CHILD,
+                activation_id=ended,
+                node_id=NodeId("node-1"),
+                parent_activation=parent.activation_id,
+            )
         )
         await second_node.quiescent()
     assert [n.outcome for n in await notices_in(store)] == [SettlementOutcome.COMPLETED]
@@ -809,8 +814,8 @@ async def test_a_lost_childs_last_output_is_found_from_the_end_back_in_pages() -
             CHILD, ToolResultEntry(call_id=f"c{n}", name="search", content="x"), writer=None
         )
     parent = await store.current_activation(ROOT)
-    if parent is not None:
-        await store.release(parent)
+    assert parent is not None  # a root stays resident
+    await store.release(parent)
     second_node = ContinuationManager(
         store=store,
         provider=ScriptedProvider(programs={"lead": (Reply(),) * 3}),
@@ -822,7 +827,12 @@ async def test_a_lost_childs_last_output_is_found_from_the_end_back_in_pages() -
         await second_node.submit_prompt(ROOT, "Carry on.")
         limits.clear()
         await second_node.activation_ended(
-            Activation(session_id=CHILD, activation_id=ActivationId("a-gone"), node_id=NodeId("n1"))
+            Activation(
+                session_id=CHILD,
+                activation_id=ActivationId("a-gone"),
+                node_id=NodeId("n1"),
+                parent_activation=parent.activation_id,
+            )
         )
         await second_node.quiescent()
         tail_reads = [limit for limit in limits if limit is not None]
@@ -842,8 +852,8 @@ async def test_a_child_lost_while_the_log_store_is_away_still_gets_its_lost_noti
         await first_node.manager.quiescent()
     await store.append(CHILD, gone_turn(), writer=None)  # a host that died mid-turn
     parent = await store.current_activation(ROOT)
-    if parent is not None:
-        await store.release(parent)
+    assert parent is not None  # a root stays resident
+    await store.release(parent)
     second_node = ContinuationManager(
         store=store,
         provider=ScriptedProvider(programs={"lead": (Reply(),) * 3}),
@@ -856,7 +866,12 @@ async def test_a_child_lost_while_the_log_store_is_away_still_gets_its_lost_noti
         away = RegistryUnavailable("the log store is away")
         down = store.faults.fail("last", away, times=2)  # the first two reads of the end
         await second_node.activation_ended(
-            Activation(session_id=CHILD, activation_id=ActivationId("a-gone"), node_id=NodeId("n1"))
+            Activation(
+                session_id=CHILD,
+                activation_id=ActivationId("a-gone"),
+                node_id=NodeId("n1"),
+                parent_activation=parent.activation_id,
+            )
         )
         await second_node.quiescent()
     assert down.spent

@@ -270,3 +270,20 @@ async def test_a_session_woken_again_and_again_is_backed_off_not_resumed_in_a_lo
         await store.release(again, clean=False)
         # Its next end, moments later, waits out the back-off: the marker stays for later.
         assert not await other.manager.recover(again)
+
+
+async def test_an_ended_roots_activation_costs_a_node_no_read() -> None:
+    # A node with 100,000 resident roots dies: every other node sees that many activations
+    # end at once, and none of them is a child whose parent waits here.
+    store = FaultySessionStore()
+    async with in_process_mesh(presets(), store=store) as mesh:
+        store.faults.calls.clear()
+        for n in range(100):
+            await mesh.manager.activation_ended(
+                Activation(
+                    session_id=SessionId(f"s-root-{n}"),
+                    activation_id=ActivationId(f"a-{n}"),
+                    node_id=NodeId("node-gone"),
+                )
+            )
+        assert sum(store.faults.calls.values()) == 0
