@@ -109,6 +109,21 @@ async def closed(feed: AsyncIterator[FeedEvent]) -> None:
     await feed.aclose()
 
 
+def keys_fetched(mesh: Mesh) -> list[int]:
+    """From now on, the number of keys each etcd range read of ``mesh`` returns, in order
+    (a transaction's own reads are not ranges)."""
+    fetched: list[int] = []
+    original = mesh.etcd.range
+
+    async def counting(*args: Any, **kwargs: Any) -> Any:
+        response = await original(*args, **kwargs)
+        fetched.append(len(response.kvs))
+        return response
+
+    mesh.etcd.range = counting  # type: ignore[method-assign]
+    return fetched
+
+
 async def two_trees(mesh: Mesh) -> dict[str, SessionId]:
     """Seven sessions in two trees, created interleaved:
 
@@ -208,15 +223,7 @@ async def test_a_page_of_a_small_tree_costs_the_same_however_many_other_sessions
     first = await mesh.child("t-1", root)
     second = await mesh.child("t-2", first)
     await mesh.child("t-3", root)
-    fetched: list[int] = []
-    original = mesh.etcd.range
-
-    async def counting(*args: Any, **kwargs: Any) -> Any:
-        response = await original(*args, **kwargs)
-        fetched.append(len(response.kvs))
-        return response
-
-    mesh.etcd.range = counting  # type: ignore[method-assign]
+    fetched = keys_fetched(mesh)
 
     async def cost(of: SessionId) -> tuple[list[SessionId], int, int, int]:
         reads, txns = mesh.etcd.reads, mesh.etcd.txns
@@ -244,15 +251,7 @@ async def test_a_trees_residency_costs_the_same_however_many_other_sessions_are_
     first = await mesh.child("t-1", root)
     await mesh.child("t-2", root)
     held = {s: await mesh.activate(s) for s in (root, first)}
-    fetched: list[int] = []
-    original = mesh.etcd.range
-
-    async def counting(*args: Any, **kwargs: Any) -> Any:
-        response = await original(*args, **kwargs)
-        fetched.append(len(response.kvs))
-        return response
-
-    mesh.etcd.range = counting  # type: ignore[method-assign]
+    fetched = keys_fetched(mesh)
 
     async def cost(resident_only: bool) -> tuple[dict[SessionId, Activation], int, int, int]:
         reads, txns = mesh.etcd.reads, mesh.etcd.txns
@@ -282,15 +281,7 @@ async def test_a_first_page_of_every_session_reads_a_page_of_the_index_however_m
     """Issue 34: the first page of all sessions (or of a namespace) reads one index page of
     its own size (and one key more, to know whether more follow), not a fixed 1,000."""
     await asyncio.gather(*(mesh.root(f"x-{m}") for m in range(300)))
-    fetched: list[int] = []
-    original = mesh.etcd.range
-
-    async def counting(*args: Any, **kwargs: Any) -> Any:
-        response = await original(*args, **kwargs)
-        fetched.append(len(response.kvs))
-        return response
-
-    mesh.etcd.range = counting  # type: ignore[method-assign]
+    fetched = keys_fetched(mesh)
     for namespaces in (None, frozenset({"default"})):
         fetched.clear()
         page = await mesh.reads.listing(root=None, after="", limit=2, namespaces=namespaces)
@@ -490,15 +481,7 @@ async def test_a_tree_feeds_first_residency_costs_the_same_however_many_others_a
     root = await fed.root("r")
     child = await fed.child("c", root)
     held = {await fed.activate(s) for s in (root, child)}
-    fetched: list[int] = []
-    original = fed.etcd.range
-
-    async def counting(*args: Any, **kwargs: Any) -> Any:
-        response = await original(*args, **kwargs)
-        fetched.append(len(response.kvs))
-        return response
-
-    fed.etcd.range = counting  # type: ignore[method-assign]
+    fetched = keys_fetched(fed)
 
     async def first_residency() -> tuple[set[Activation | None], int, int]:
         txns = fed.etcd.txns
