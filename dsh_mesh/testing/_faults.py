@@ -113,6 +113,8 @@ class FaultDriver:
         self._ended: set[int] = set()
         """Pids of the node processes the driver ended on purpose."""
         self._mourned: set[int] = set()
+        self.failed_failovers = 0
+        """Fail-over probes no node acknowledged in time."""
         self._read_only = False
 
     async def inject(self, kind: str) -> None:
@@ -151,6 +153,14 @@ class FaultDriver:
             took = time.monotonic() - since
             self.failovers.append(took)
             self._note(f"failover of {root} off {avoid}: {took:.2f} s")
+        else:
+            # Not a violation (the checker judges the history), but a fail-over that did not
+            # come is worth a line of its own: without it the run only looks slower.
+            self.failed_failovers += 1
+            reason = "" if send.reason is None else f" ({send.reason.value})"
+            self._note(
+                f"failover of {root} off {avoid}: none within 30 s, {send.outcome.value}{reason}"
+            )
 
     async def _kill(self) -> None:
         node, root = await self._victim()

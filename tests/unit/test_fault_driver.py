@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dsh_mesh.testing import FaultDriver
+from dsh_mesh.core import SessionId
+from dsh_mesh.testing import FaultDriver, Outcome, Send
 
 
 @dataclass
@@ -54,3 +55,22 @@ def test_a_node_that_ended_unbidden_is_recorded_once_and_one_the_driver_killed_i
     b.pid, b.exit_code = 202, -11
     faults.check_nodes()
     assert len(faults.deaths) == 2 and "status -11" in faults.deaths[1]
+
+
+async def test_a_failover_probe_no_node_acknowledged_gets_a_line_of_its_own() -> None:
+    class Workload:
+        def __init__(self, outcome: Outcome) -> None:
+            self.outcome = outcome
+
+        async def prompt(self, session: SessionId, text: str, **_: Any) -> Send:
+            return Send(sender="human", target=session, content=text, outcome=self.outcome)
+
+    faults = driver(StandInNode("node-a", 101))
+    faults.workload = Workload(Outcome.UNKNOWN)  # type: ignore[assignment]
+    await faults._failover(SessionId("s-root"), avoid="node-a", since=0.0)
+    faults.workload = Workload(Outcome.ACKED)  # type: ignore[assignment]
+    await faults._failover(SessionId("s-root"), avoid="node-a", since=0.0)
+    assert faults.failed_failovers == 1 and len(faults.failovers) == 1
+    lines = [line.split(" ", 1)[1] for line in faults.log]
+    assert lines[0] == "failover of s-root off node-a: none within 30 s, unknown"
+    assert lines[1].startswith("failover of s-root off node-a: ")
