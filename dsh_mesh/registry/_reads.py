@@ -205,13 +205,6 @@ class RegistryReads:
                 members.append((kv.key[len(prefix) :], member))
         return members
 
-    async def activations(self) -> dict[SessionId, Activation]:
-        """Every current activation (as many as agents are resident, read in pages)."""
-        return {
-            self._keys.session_of_activation(kv.key): decode_activation(kv.value)
-            async for kv in self._range(self._keys.activations)
-        }
-
     # -- transcripts ----------------------------------------------------------------------------
 
     async def pending_approvals(
