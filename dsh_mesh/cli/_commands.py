@@ -15,6 +15,7 @@ from typing import Any, TextIO
 
 from dsh_mesh.cli._config import ClusterState, ConfigError, Connection, TlsPaths, pid_alive
 from dsh_mesh.cli._render import (
+    column_widths,
     dumps,
     error_line,
     format_entry,
@@ -298,25 +299,57 @@ async def _watch(client: MeshClient, args: argparse.Namespace, console: Console)
 
 
 async def _ls(client: MeshClient, args: argparse.Namespace, console: Console) -> int:
+    """The first page of agents and how many the listing holds; with ``--all``, every page
+    as it comes (a page is printed before the next is asked for)."""
     depth: dict[str, int] = {}
-    rows: list[tuple[str, ...]] = []
     found: list[Any] = []
-    agents = client.list_agents(args.root, args.resident, namespace=args.namespace)
-    async with contextlib.aclosing(agents):
-        async for agent in agents:
+    widths: list[int] = []
+    shown = 0
+    token = ""
+    total: int | None = None
+    while True:
+        page = await client.agent_page(
+            args.root,
+            args.resident,
+            namespace=args.namespace,
+            roots_only=args.roots,
+            absent_only=args.absent,
+            preset=args.preset,
+            id_prefix=args.prefix,
+            page_token=token,
+            count=not token,
+        )
+        total = page.total if total is None else total
+        rows = []
+        for agent in page.agents:
             parent = agent.info.parent_session
             level = depth[parent] + 1 if parent is not None and parent in depth else 0
             depth[agent.info.session_id] = level
             rows.append(summary_row(agent, level))
             found.append(to_jsonable(agent))
+        shown += len(rows)
+        if rows and not args.json:
+            widths = column_widths(_LS_COLUMNS, rows, at_least=widths)
+            lines = table(_LS_COLUMNS, rows, widths)
+            for line in lines if shown == len(rows) else lines[1:]:  # one header, on top
+                console.say(line)
+        token = page.next_page_token
+        # A filtered page may come back empty with a token: the first page is the first
+        # that holds an agent.
+        if not token or (shown and not args.all):
+            break
     if args.json:
         console.say(json.dumps(found, ensure_ascii=False))
-    elif rows:
-        for line in table(("SESSION", "KIND", "PARENT", "PRESET", "STATE", "NODE"), rows):
-            console.say(line)
-    else:
+    if not shown:
         console.note("no agents")
+    elif token:
+        filtered = args.resident or args.absent or args.preset or args.prefix
+        of = f"of {total} agents{' before filters' if filtered else ''}"
+        console.note(f"{shown} shown {of}; --all lists them all")
     return 0
+
+
+_LS_COLUMNS = ("SESSION", "KIND", "PARENT", "PRESET", "STATE", "NODE")
 
 
 async def _show(client: MeshClient, args: argparse.Namespace, console: Console) -> int:

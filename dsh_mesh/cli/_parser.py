@@ -413,12 +413,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _json_flag(watch)
 
-    ls = commands.add_parser("ls", help="list agents, parents before children")
+    ls = commands.add_parser(
+        "ls",
+        help="list agents, parents before children (the first page; --all for every page)",
+        description="List agents, parents before children: the first page and how many the "
+        "listing holds, or with --all every page as it comes.",
+    )
     ls.add_argument("--root", metavar="SESSION", help="only the tree rooted at SESSION")
-    ls.add_argument("--resident", action="store_true", help="only agents with a live activation")
     ls.add_argument(
         "--namespace", default="", help="only agents of this namespace (default: all you may see)"
     )
+    ls.add_argument("--roots", action="store_true", help="only roots (agents with no parent)")
+    residency = ls.add_mutually_exclusive_group()
+    residency.add_argument(
+        "--resident", action="store_true", help="only agents with a live activation"
+    )
+    residency.add_argument("--absent", action="store_true", help="only agents with none")
+    ls.add_argument("--preset", default="", help="only agents of this preset")
+    ls.add_argument("--prefix", default="", metavar="ID", help="only ids starting with ID")
+    ls.add_argument("--all", action="store_true", help="every page, printed as it comes")
     _json_flag(ls)
 
     show = commands.add_parser("show", help="a session's header, state, residency and transcript")

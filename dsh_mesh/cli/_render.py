@@ -226,9 +226,22 @@ def summary_row(summary: AgentSummary, depth: int = 0) -> tuple[str, ...]:
     )
 
 
-def table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> list[str]:
-    """Left-aligned columns, two spaces apart."""
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+def column_widths(
+    header: tuple[str, ...], rows: Sequence[tuple[str, ...]], at_least: Sequence[int] = ()
+) -> list[int]:
+    """The width of each column of ``rows`` under ``header``, at least ``at_least``'s (so a
+    table printed page by page keeps its columns)."""
+    floor = [*at_least, *[0] * len(header)]
+    return [max(floor[i], *(len(row[i]) for row in [header, *rows])) for i in range(len(header))]
+
+
+def table(
+    header: tuple[str, ...],
+    rows: Sequence[tuple[str, ...]],
+    widths: Sequence[int] | None = None,
+) -> list[str]:
+    """Left-aligned columns, two spaces apart (as wide as ``widths`` when given)."""
+    widths = widths or column_widths(header, rows)
     return [
         "  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip()
         for row in [header, *rows]

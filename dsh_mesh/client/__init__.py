@@ -18,6 +18,7 @@ from dsh_mesh.client._client import (
 from dsh_mesh.client._json import BODY_TYPE, to_jsonable
 from dsh_mesh.client._types import (
     AgentMessage,
+    AgentPage,
     AgentState,
     AgentSummary,
     ApprovalDecided,
@@ -54,6 +55,7 @@ __all__ = [
     "DEFAULT_CLIENT_NAME",
     "TOKEN_ENV",
     "AgentMessage",
+    "AgentPage",
     "AgentState",
     "AgentSummary",
     "ApprovalDecided",

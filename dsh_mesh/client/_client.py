@@ -30,6 +30,7 @@ from dsh_mesh.client._convert import (
     summary_from_wire,
 )
 from dsh_mesh.client._types import (
+    AgentPage,
     AgentSummary,
     DecisionResult,
     HealthStatus,
@@ -489,36 +490,83 @@ class MeshClient:
         resident_only: bool = False,
         *,
         namespace: str = "",
+        roots_only: bool = False,
+        absent_only: bool = False,
+        preset: str = "",
+        id_prefix: str = "",
         page_size: int = 0,
         deadline: timedelta | None = None,
     ) -> AsyncGenerator[AgentSummary, None]:
         """Every agent the credential may see (of the tree rooted at ``root``, when given; of
-        ``namespace``, when given; only resident ones with ``resident_only``), parents before
+        ``namespace``, when given; kept by the filters of :meth:`agent_page`), parents before
         their children, fetched page by page, each page with its own deadline. Read-only; each
         page is a snapshot of its own moment. A namespace the credential holds no grant of
         raises ``NAMESPACE_DENIED``."""
         token = ""
         seen: set[str] = set()
         while True:
-            response = await self._unary(
-                "ListAgents",
-                mesh_pb2.ListAgentsRequest(
-                    root_session_id=root or "",
-                    resident_only=resident_only,
-                    namespace=namespace,
-                    page_size=page_size,
-                    page_token=token,
-                ),
-                deadline,
+            page = await self.agent_page(
+                root,
+                resident_only,
+                namespace=namespace,
+                roots_only=roots_only,
+                absent_only=absent_only,
+                preset=preset,
+                id_prefix=id_prefix,
+                page_size=page_size,
+                page_token=token,
+                deadline=deadline,
             )
-            for summary in response.agents:
-                yield summary_from_wire(summary)
-            token = response.next_page_token
+            for summary in page.agents:
+                yield summary
+            token = page.next_page_token
             if not token:
                 return
             if token in seen:
                 raise RemoteError(grpc.StatusCode.INTERNAL, "the server repeated a page token")
             seen.add(token)
+
+    async def agent_page(
+        self,
+        root: str | None = None,
+        resident_only: bool = False,
+        *,
+        namespace: str = "",
+        roots_only: bool = False,
+        absent_only: bool = False,
+        preset: str = "",
+        id_prefix: str = "",
+        page_size: int = 0,
+        page_token: str = "",
+        count: bool = False,
+        deadline: timedelta | None = None,
+    ) -> AgentPage:
+        """One page of agents after ``page_token`` ("" for the first): of the tree rooted at
+        ``root`` or of ``namespace`` when given; only roots with ``roots_only``; only resident
+        ones with ``resident_only``, only absent ones with ``absent_only``; only of ``preset``
+        and only ids starting with ``id_prefix`` when given. With ``count``, the page's
+        ``total`` says how many sessions the listing walks in all."""
+        response = await self._unary(
+            "ListAgents",
+            mesh_pb2.ListAgentsRequest(
+                root_session_id=root or "",
+                resident_only=resident_only,
+                namespace=namespace,
+                roots_only=roots_only,
+                absent_only=absent_only,
+                preset=preset,
+                session_id_prefix=id_prefix,
+                page_size=page_size,
+                page_token=page_token,
+                count=count,
+            ),
+            deadline,
+        )
+        return AgentPage(
+            agents=tuple(summary_from_wire(summary) for summary in response.agents),
+            next_page_token=response.next_page_token,
+            total=response.total if count else None,
+        )
 
     async def watch(
         self,

@@ -366,6 +366,19 @@ class AgentSummary:
 
 
 @dataclass(frozen=True, kw_only=True)
+class AgentPage:
+    """One ``ListAgents`` page. A filtered page may hold fewer agents than asked, even none,
+    and still have a ``next_page_token`` (the server looks at a bounded part of its index per
+    page); only ``""`` ends the listing. ``total`` is the number of sessions the listing walks
+    in all (the filters other than root, namespace and roots-only aside) when it was asked
+    to count, else ``None``."""
+
+    agents: tuple[AgentSummary, ...]
+    next_page_token: str = ""
+    total: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class SessionEvent:
     """One item of a watch: a transcript entry of a watched session (``entry``), or a change of
     its residency (``activated`` / ``deactivated``). ``event_seq`` is strictly increasing along a

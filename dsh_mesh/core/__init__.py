@@ -105,6 +105,7 @@ from dsh_mesh.core._json import (
     parse_bounded,
     utf8_size,
 )
+from dsh_mesh.core._listing import ListingFilter
 from dsh_mesh.core._signal import Aborted, AbortSignal
 from dsh_mesh.core._source import (
     AGENT_MESSAGE_FRAME,
@@ -209,6 +210,7 @@ __all__ = [
     "InboundEntry",
     "InboxFull",
     "InvalidArgument",
+    "ListingFilter",
     "MeshError",
     "NamespaceDenied",
     "NodeFenced",

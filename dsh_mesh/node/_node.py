@@ -43,6 +43,7 @@ from dsh_mesh.registry import (
     Etcd,
     EtcdSessionStore,
     HeldIndex,
+    IndexCache,
     Keys,
     LeaseKeeper,
     LeaseLost,
@@ -125,6 +126,7 @@ class Node:
             self._mcp_servers = mcp_servers
             lease = LeaseKeeper(etcd, config.lease)
             directory = Directory(etcd, keys, on_event=self._on_directory_event)
+            indexes = IndexCache(etcd, RegistryReads.cached_indexes(keys))
             cached = EtcdSessionStore(
                 etcd, keys, log=log, lease=lambda: lease.lease_id, directory=directory
             )
@@ -161,7 +163,7 @@ class Node:
                 MeshControlService(
                     self.manager,
                     node_id=config.node_id,
-                    reads=RegistryReads(etcd, keys, log),
+                    reads=RegistryReads(etcd, keys, log, cache=indexes),
                     current_activation=cached.current_activation,
                     peers=pool,
                     grants=self._namespaces.grants,
@@ -195,6 +197,8 @@ class Node:
                 async with pool, asyncio.TaskGroup() as group:
                     self._group = group
                     following = group.create_task(directory.follow(), name="directory")
+                    # Listings read etcd alone until it has loaded (ADR 0046).
+                    indexing = group.create_task(indexes.follow(), name="index cache")
                     await asyncio.wait_for(directory.ready(), _READY_TIMEOUT.total_seconds())
                     retention = Retention(etcd, keys, log)
                     expiry = ApprovalExpiry(log=log, store=store)
@@ -211,6 +215,7 @@ class Node:
                         expiry,
                     )
                     following.cancel()
+                    indexing.cancel()
             finally:
                 self._group = None
                 with contextlib.suppress(MeshError):

@@ -25,6 +25,7 @@ from dsh_mesh.registry._directory import (
 )
 from dsh_mesh.registry._etcd import Etcd, EtcdConfig, EtcdTls
 from dsh_mesh.registry._held import HeldIndex, Holder, Marker, Unstarted
+from dsh_mesh.registry._index_cache import IndexCache
 from dsh_mesh.registry._keys import Keys
 from dsh_mesh.registry._lease import LeaseConfig, LeaseKeeper, LeaseLost
 from dsh_mesh.registry._reads import FeedEvent, RegistryReads
@@ -45,6 +46,7 @@ __all__ = [
     "FeedEvent",
     "HeldIndex",
     "Holder",
+    "IndexCache",
     "Keys",
     "LeaseConfig",
     "LeaseKeeper",

@@ -19,6 +19,7 @@ import aetcd.exceptions
 from dsh_mesh.core import (
     Activation,
     InvalidArgument,
+    ListingFilter,
     MeshError,
     Record,
     RegistryUnavailable,
@@ -29,7 +30,8 @@ from dsh_mesh.core import (
 )
 from dsh_mesh.registry._codec import decode_activation, decode_header
 from dsh_mesh.registry._etcd import Etcd, get
-from dsh_mesh.registry._keys import Keys, session_of_index_key
+from dsh_mesh.registry._index_cache import IndexCache
+from dsh_mesh.registry._keys import Keys, prefix_end, session_of_index_key
 from dsh_mesh.runtime import DEFAULT_PAGE, LogStore
 
 MAX_POSITION = (1 << 63) - 1
@@ -38,6 +40,12 @@ _READS_PER_TXN = 100
 """Key reads per etcd transaction (etcd allows 128 operations in one by default)."""
 _INDEX_PAGE = 1000
 """Index keys per etcd range when a read walks a whole index."""
+SCAN_KEYS = 10_000
+"""The most index keys one filtered listing page walks (ADR 0046): a filter that keeps few
+sessions answers a short page, with a token to go on from, in bounded time."""
+SCAN_HEADERS = 1_000
+"""The most headers one listing page reads to judge them (preset, residency, roots only)."""
+_EVERY = ListingFilter()
 _TOKEN = re.compile(rb"[0-9]{20}/[A-Za-z0-9_-]{1,128}")
 
 
@@ -68,6 +76,9 @@ class Listing:
     activations: Mapping[SessionId, Activation] = field(default_factory=dict)
     """The current activation of each listed session that holds one (read with the
     headers, when the listing was asked for residency)."""
+    total: int | None = None
+    """How many sessions the walked index holds (filters other than the root, the namespaces
+    and roots-only aside), when the listing was asked to count them."""
 
 
 class RegistryReads:
@@ -75,12 +86,29 @@ class RegistryReads:
     a feed polls the log store every ``poll`` (and at once when residency changes)."""
 
     def __init__(
-        self, etcd: Etcd, keys: Keys, log: LogStore, *, poll: timedelta = timedelta(seconds=0.2)
+        self,
+        etcd: Etcd,
+        keys: Keys,
+        log: LogStore,
+        *,
+        poll: timedelta = timedelta(seconds=0.2),
+        cache: IndexCache | None = None,
     ) -> None:
         self._etcd = etcd
         self._keys = keys
         self._log = log
         self._poll = poll.total_seconds()
+        self._cache = cache
+
+    @staticmethod
+    def cached_indexes(keys: Keys) -> list[bytes]:
+        """The index prefixes an :class:`IndexCache` for these reads follows: every session's,
+        the namespaces' and the namespaces' roots'."""
+        return [
+            keys.listing,
+            keys.namespace_listing("").removesuffix(b"/"),
+            keys.namespace_roots("").removesuffix(b"/"),
+        ]
 
     # -- listings -------------------------------------------------------------------------------
 
@@ -90,37 +118,34 @@ class RegistryReads:
         root: SessionId | None,
         after: str,
         limit: int,
-        resident_only: bool = False,
         namespaces: frozenset[str] | None = None,
         residency: bool = False,
+        only: ListingFilter = _EVERY,
+        count: bool = False,
     ) -> Listing:
         """Up to ``limit`` headers after the page token ``after`` ('' for the first page): of
         every session, or (``root`` given) of ``root`` and its descendants, or (``namespaces``
         given, no ``root``) of the sessions of those namespaces, merged from their indexes in
-        creation order. With ``resident_only``, only sessions that hold an activation; with
-        ``residency``, each listed session's activation too, read with its header. Either
-        reads the residency of what the listing covers (the tree's or the namespaces' census
-        of live sessions), never the mesh's. Raises :class:`SessionUnknown` for an unknown
-        ``root`` and :class:`InvalidArgument` for a token this server did not issue."""
+        creation order; with ``only.roots_only`` (no ``root``), walked from the namespaces'
+        indexes of roots. With ``residency``, each listed session's activation too, read with
+        its header. ``only`` keeps what it names; a filter that must read headers to judge
+        reads at most ``SCAN_HEADERS`` of them (and any filter at most ``SCAN_KEYS`` index
+        keys) per page, so a page may come back short, even empty, with a token to go on
+        from. With ``count``, :attr:`Listing.total` is the number of sessions the walked
+        index holds. Raises :class:`SessionUnknown` for an unknown ``root`` and
+        :class:`InvalidArgument` for a token this server did not issue."""
         members = None if root is None else await self.members(root)  # an unknown root first
         if after and not _TOKEN.fullmatch(after.encode()):
             raise InvalidArgument(
                 f"page_token {bounded_quote(after)} is not one this server issued"
             )
-        # One index page fills a listing page (and tells whether more follow), unless the
-        # listing keeps only the resident.
-        page_size = _INDEX_PAGE if resident_only else min(_INDEX_PAGE, limit + 1)
-        if members is None and namespaces is None:
-            candidates = self._index(self._keys.listing, after=after.encode(), page=page_size)
-        elif members is None:
-            assert namespaces is not None
+        filtered = only.reads_headers or bool(only.id_prefix)
+        # One index page fills an unfiltered listing page (and tells whether more follow).
+        page_size = min(_INDEX_PAGE, SCAN_KEYS + 1 if filtered else limit + 1)
+        indexes = await self._indexes(members, namespaces, roots_only=only.roots_only)
+        if members is None:
             candidates = _merged(
-                [
-                    self._index(
-                        self._keys.namespace_listing(n), after=after.encode(), page=page_size
-                    )
-                    for n in sorted(namespaces)
-                ]
+                [self._index(index, after=after.encode(), page=page_size) for index in indexes]
             )
         else:
             candidates = _aiter(
@@ -128,49 +153,106 @@ class RegistryReads:
                 for token, session in members
                 if token.decode() > after  # token order is the index's key order
             )
-        resident = await self._resident(root, namespaces) if resident_only else None
-        page: list[SessionId] = []
-        tokens: list[bytes] = []
+        kept: list[tuple[bytes, SessionHeader]] = []
+        activations: dict[SessionId, Activation] = {}
+        pending: list[tuple[bytes, SessionId]] = []
+        scanned = judged = 0
+        last = b""
         more = False
-        async for token, session in candidates:
-            if resident is not None and session not in resident:
-                continue
-            if len(page) == limit:
-                more = True
-                break
-            page.append(session)
-            tokens.append(token)
-        headers, activations = await self._headers(page, residency=residency)
-        next_token = tokens[-1].decode() if more else ""
-        return Listing(headers=headers, next_token=next_token, activations=activations)
 
-    async def _resident(
-        self, root: SessionId | None, namespaces: frozenset[str] | None
-    ) -> set[SessionId]:
-        """The sessions that hold an activation among those a listing covers: a tree's (its
-        ``live/`` census and its root's key), some namespaces' (their ``live-ns/`` census),
-        or every session's (the activation keys themselves)."""
-        if root is not None:
-            tree_root = await self._root_id(root)
-            prefix = self._keys.live(tree_root)
-            resident = {
-                SessionId(kv.key[len(prefix) :].decode())
-                async for kv in self._range(prefix, keys_only=True)
-            }
-            if await self._etcd.get(self._keys.activation(tree_root)) is not None:
-                resident.add(tree_root)
-            return resident
-        if namespaces is not None:
-            resident = set()
-            for namespace in namespaces:
-                prefix = self._keys.namespace_live(namespace)
-                async for kv in self._range(prefix, keys_only=True):
-                    resident.add(SessionId(kv.key[len(prefix) :].decode()))
-            return resident
-        return {
-            self._keys.session_of_activation(kv.key)
-            async for kv in self._range(self._keys.activations, keys_only=True)
-        }
+        async def judge() -> None:
+            nonlocal judged
+            judged += len(pending)
+            headers, held = await self._headers(
+                [s for _, s in pending], residency=residency or only.resident is not None
+            )
+            tokens = dict((s, t) for t, s in pending)
+            for header in headers:
+                current = held.get(header.session_id)
+                if only.keeps(header, current):
+                    kept.append((tokens[header.session_id], header))
+                    if residency and current is not None:
+                        activations[header.session_id] = current
+            pending.clear()
+
+        batch = _READS_PER_TXN // 2 if only.reads_headers else limit
+        async for token, session in candidates:
+            if len(kept) >= limit or scanned == SCAN_KEYS or judged >= SCAN_HEADERS:
+                more = True  # a candidate follows what this page looked at
+                break
+            scanned += 1
+            last = token
+            if not only.keeps_id(session):
+                continue
+            pending.append((token, session))
+            if len(pending) >= min(batch, limit - len(kept)):  # never past a full page
+                await judge()
+        if pending:
+            await judge()
+        total = await self._count(members, indexes) if count else None
+        return Listing(
+            headers=[header for _, header in kept],
+            next_token=last.decode() if more else "",
+            activations=activations,
+            total=total,
+        )
+
+    async def _indexes(
+        self,
+        members: list[tuple[bytes, SessionId]] | None,
+        namespaces: frozenset[str] | None,
+        *,
+        roots_only: bool,
+    ) -> list[bytes]:
+        """The index prefixes a listing walks (none for a tree's, whose members are read
+        already): every session's, some namespaces', or the namespaces' indexes of roots."""
+        if members is not None:
+            return []
+        if not roots_only:
+            if namespaces is None:
+                return [self._keys.listing]
+            return [self._keys.namespace_listing(n) for n in sorted(namespaces)]
+        if namespaces is None:
+            namespaces = await self._namespaces_with_roots()
+        return [self._keys.namespace_roots(n) for n in sorted(namespaces)]
+
+    async def _namespaces_with_roots(self) -> frozenset[str]:
+        """Every namespace that holds a root: one look per namespace (each skips to the end of
+        the namespace it found), never one per root."""
+        prefix = self._keys.namespace_roots("").removesuffix(b"/")
+        found: set[str] = set()
+        start = prefix
+        while (key := await self._first_key(prefix, start)) is not None:
+            namespace = key[len(prefix) :].split(b"/", 1)[0].decode()
+            found.add(namespace)
+            start = prefix_end(self._keys.namespace_roots(namespace))
+        return frozenset(found)
+
+    async def _first_key(self, prefix: bytes, start: bytes) -> bytes | None:
+        """The first key under ``prefix`` from ``start`` on, from the cache when it holds one
+        (etcd counts every key after ``start`` to answer a range with a limit)."""
+        if self._cache is not None:
+            held = self._cache.after(prefix, start, 1)
+            if held:
+                return held[0]
+            # Else etcd's range from ``start`` walks only what the cache has not seen yet.
+        response = await self._etcd.get_prefix(prefix, start=start, limit=1, keys_only=True)
+        return bytes(response.kvs[0].key) if response.kvs else None
+
+    async def _count(
+        self, members: list[tuple[bytes, SessionId]] | None, indexes: list[bytes]
+    ) -> int:
+        """The sessions a listing's index holds: a tree's members, or each index's count, from
+        the cache when it follows that index, else etcd's (which walks the index's keys)."""
+        if members is not None:
+            return len(members)
+        total = 0
+        for index in indexes:
+            held = None if self._cache is None else self._cache.count(index)
+            if held is None:
+                held = int((await self._etcd.get_prefix(index, count_only=True)).count)
+            total += held
+        return total
 
     async def members(self, session: SessionId) -> list[tuple[bytes, SessionId]]:
         """``session`` and its descendants in creation order, each with its index token.
@@ -302,8 +384,15 @@ class RegistryReads:
     async def _index(
         self, prefix: bytes, *, after: bytes, page: int = _INDEX_PAGE
     ) -> AsyncIterator[tuple[bytes, SessionId]]:
-        """The keys of an index after the token ``after``, in key order, ``page`` at a time."""
-        start = prefix + after + b"\0" if after else None
+        """The keys of an index after the token ``after``, in key order, ``page`` at a time:
+        from the cache while it holds them, then from etcd after the last key it held (a range
+        over what the cache has not seen yet: none, or the newest few)."""
+        start = prefix + after + b"\0" if after else prefix
+        if self._cache is not None:
+            while held := self._cache.after(prefix, start, page):
+                for key in held:
+                    yield key[len(prefix) :], session_of_index_key(key)
+                start = held[-1] + b"\0"
         async for kv in self._range(prefix, start=start, keys_only=True, page=page):
             yield kv.key[len(prefix) :], session_of_index_key(kv.key)
 

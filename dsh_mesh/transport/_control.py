@@ -27,6 +27,7 @@ from dsh_mesh.core import (
     ConsumedEntry,
     IdempotencyConflict,
     InvalidArgument,
+    ListingFilter,
     MeshError,
     NamespaceDenied,
     NodeId,
@@ -100,6 +101,8 @@ class AgentListing(Protocol):
     def next_token(self) -> str: ...
     @property
     def activations(self) -> Mapping[SessionId, Activation]: ...
+    @property
+    def total(self) -> int | None: ...
 
 
 class ControlReads(Protocol):
@@ -111,9 +114,10 @@ class ControlReads(Protocol):
         root: SessionId | None,
         after: str,
         limit: int,
-        resident_only: bool = False,
         namespaces: frozenset[str] | None = None,
         residency: bool = False,
+        only: ListingFilter = ...,
+        count: bool = False,
     ) -> AgentListing: ...
     async def pending_approvals(
         self, sessions: Collection[SessionId]
@@ -470,11 +474,20 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
             root=root,
             after=request.page_token,
             limit=min(request.page_size or DEFAULT_PAGE, MAX_PAGE),
-            resident_only=request.resident_only,
             namespaces=namespaces,
             residency=True,
+            only=ListingFilter.of(
+                roots_only=request.roots_only,
+                resident_only=request.resident_only,
+                absent_only=request.absent_only,
+                preset=request.preset,
+                id_prefix=request.session_id_prefix,
+            ),
+            count=request.count,
         )
-        reply = mesh_pb2.ListAgentsResponse(next_page_token=listing.next_token)
+        reply = mesh_pb2.ListAgentsResponse(
+            next_page_token=listing.next_token, total=listing.total or 0
+        )
         for header in listing.headers:
             current = listing.activations.get(header.session_id)
             summary = reply.agents.add(

@@ -88,7 +88,13 @@ _BOUNDS: Mapping[str, Mapping[str, int]] = MappingProxyType(
             (mesh_pb2.WatchSessionRequest, {"session_id": _ID}),
             (
                 mesh_pb2.ListAgentsRequest,
-                {"root_session_id": _ID, "page_token": _ID, "namespace": _ID},
+                {
+                    "root_session_id": _ID,
+                    "page_token": _ID,
+                    "namespace": _ID,
+                    "preset": _ID,
+                    "session_id_prefix": _ID,
+                },
             ),
             (
                 mesh_pb2.ResolveApprovalRequest,

@@ -53,6 +53,8 @@ KEEPALIVE_SECONDS = 15.0
 MAX_TOKEN_CHARS = 1024
 """The longest token a person may sign in with (a client token is far shorter)."""
 
+ROOTS_PAGE = 50
+"""Roots on one page of the root list."""
 _NOT_GRANTED = Refusal(401, "UNAUTHENTICATED", "that is not a token this cluster grants")
 
 
@@ -181,13 +183,37 @@ def create_app(
             }
         )
 
-    async def roots(_: Request, caller: Caller) -> Response:
-        found = [
-            to_jsonable(summary)
-            async for summary in caller.client.list_agents()
-            if summary.info.parent_session is None
-        ]
-        return json_answer({"roots": found})
+    async def roots(request: Request, caller: Caller) -> Response:
+        """One page of roots, filtered (ADR 0046): ``after`` (the previous page's ``next``),
+        ``prefix``, ``preset``, ``namespace``, ``state`` (``resident`` or ``absent``). The
+        first page also counts the roots. A filtered page may be short, even empty, with a
+        ``next`` to go on from."""
+        query = request.query_params
+        state = query.get("state", "")
+        if state not in ("", "resident", "absent"):
+            raise InvalidArgument(
+                f"state {bounded_quote(state, max_chars=20)} is not resident or absent",
+                metadata={"field": "state"},
+            )
+        after = query.get("after", "")
+        page = await caller.client.agent_page(
+            roots_only=True,
+            resident_only=state == "resident",
+            absent_only=state == "absent",
+            namespace=query.get("namespace", ""),
+            preset=query.get("preset", ""),
+            id_prefix=query.get("prefix", ""),
+            page_size=ROOTS_PAGE,
+            page_token=after,
+            count=not after,
+        )
+        return json_answer(
+            {
+                "roots": [to_jsonable(summary) for summary in page.agents],
+                "next": page.next_page_token,
+                "total": page.total,
+            }
+        )
 
     async def agents(request: Request, caller: Caller) -> Response:
         root = request.query_params.get("root", "")
@@ -280,11 +306,8 @@ def create_app(
 
 async def _granted(person: Person, client: MeshClient) -> None:
     """Refuse (401) a token the cluster does not grant: the node judges it, on one listing."""
-    listing = person.client(client).list_agents(page_size=1)
     try:
-        async with contextlib.aclosing(listing) as agents:
-            async for _ in agents:
-                break
+        await person.client(client).agent_page(page_size=1)
     except Unauthenticated as refused:
         raise Refused(_NOT_GRANTED) from refused
 

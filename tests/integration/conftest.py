@@ -19,6 +19,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -29,6 +30,7 @@ from dsh_mesh.core import (
     AgentRef,
     Entry,
     HumanPromptEntry,
+    ListingFilter,
     NodeId,
     Record,
     RegistryUnavailable,
@@ -189,6 +191,21 @@ async def opened(endpoint: str, log: LogStore) -> AsyncIterator[Mesh]:
                 await lease.revoke()
 
 
+def keys_fetched(mesh: Mesh) -> list[int]:
+    """From now on, the number of keys each etcd range read of ``mesh`` returns, in order
+    (a transaction's own reads are not ranges)."""
+    fetched: list[int] = []
+    original = mesh.etcd.range
+
+    async def counting(*args: Any, **kwargs: Any) -> Any:
+        response = await original(*args, **kwargs)
+        fetched.append(len(response.kvs))
+        return response
+
+    mesh.etcd.range = counting  # type: ignore[method-assign]
+    return fetched
+
+
 def prompt(text: str) -> HumanPromptEntry:
     """A human prompt saying ``text``."""
     return HumanPromptEntry(content=text)
@@ -203,7 +220,10 @@ async def every_page(
     async with asyncio.timeout(WAIT):
         while True:
             page = await reads.listing(
-                root=root, after=token, limit=limit, resident_only=resident_only
+                root=root,
+                after=token,
+                limit=limit,
+                only=ListingFilter(resident=True if resident_only else None),
             )
             pages.append(page)
             if not page.next_token:

@@ -120,6 +120,9 @@ class ScriptedControl(mesh_pb2_grpc.MeshControlServicer):
     ) -> mesh_pb2.ListAgentsResponse:
         self._record(request, context)
         last = request.page_token == "p2"
+        if request.preset == "sparse" and not request.page_token:
+            # A filtered page that looked at its part of the index and kept nothing.
+            return mesh_pb2.ListAgentsResponse(next_page_token="p1", total=2 * request.count)
         return mesh_pb2.ListAgentsResponse(
             agents=[
                 mesh_pb2.AgentSummary(
@@ -128,6 +131,7 @@ class ScriptedControl(mesh_pb2_grpc.MeshControlServicer):
                 )
             ],
             next_page_token="" if last else "p2",
+            total=2 * request.count,
         )
 
 
@@ -278,6 +282,46 @@ async def test_show_prints_the_usage_the_last_page_summed() -> None:
         "cached_input_tokens": 1024,
         "first_call": {"input_tokens": 1000, "output_tokens": 8, "cached_input_tokens": 970},
     }
+
+
+async def test_ls_shows_the_first_page_and_a_count_and_all_every_page() -> None:
+    """Issue 34: ``ls`` reads one page and says how many the listing holds; ``--all`` prints
+    every page as it comes, under one header; a filtered page that kept nothing is gone past."""
+    control = ScriptedControl()
+    async with serving(control) as address:
+        connection = resolve_connection(
+            node_flag=address,
+            token_flag=TOKEN,
+            environ={},
+            state=None,
+            toml=None,
+            tls_flags=(None, None, None),
+        )
+
+        async def ls(*flags: str) -> tuple[list[str], str]:
+            out, err = io.StringIO(), io.StringIO()
+            args = parse_args(["ls", *flags])
+            assert await run_command(args, connection, None, Console(out=out, err=err)) == 0
+            return out.getvalue().splitlines(), err.getvalue()
+
+        first, note = await ls()
+        every, every_note = await ls("--all")
+        sparse, sparse_note = await ls("--preset", "sparse", "--roots", "--absent")
+    assert [line.split()[0] for line in first] == ["SESSION", "s-2"]
+    assert note == "1 shown of 2 agents; --all lists them all\n"
+    assert [line.split()[0] for line in every] == ["SESSION", "s-2", "s-3"]
+    assert every_note == ""
+    assert [line.split()[0] for line in sparse] == ["SESSION", "s-2"]
+    assert sparse_note == "1 shown of 2 agents before filters; --all lists them all\n"
+    lists = [r for r in control.requests if isinstance(r, mesh_pb2.ListAgentsRequest)]
+    assert [(r.page_token, r.count) for r in lists] == [
+        ("", True),
+        ("", True),
+        ("p2", False),
+        ("", True),
+        ("p1", False),
+    ]
+    assert (lists[-1].preset, lists[-1].roots_only, lists[-1].absent_only) == ("sparse", True, True)
 
 
 async def test_an_unreachable_node_is_peer_unavailable() -> None:

@@ -24,13 +24,13 @@ import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Collection, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from dsh_mesh.core import (
     Activation,
     InvalidArgument,
+    ListingFilter,
     SessionId,
     SessionUnknown,
 )
@@ -45,6 +45,7 @@ from tests.integration.conftest import (
     Mesh,
     every_page,
     ids,
+    keys_fetched,
     listed,
     of_session,
     opened,
@@ -107,21 +108,6 @@ async def closed(feed: AsyncIterator[FeedEvent]) -> None:
     """Close a feed; anything the close raises fails the test."""
     assert isinstance(feed, AsyncGenerator)
     await feed.aclose()
-
-
-def keys_fetched(mesh: Mesh) -> list[int]:
-    """From now on, the number of keys each etcd range read of ``mesh`` returns, in order
-    (a transaction's own reads are not ranges)."""
-    fetched: list[int] = []
-    original = mesh.etcd.range
-
-    async def counting(*args: Any, **kwargs: Any) -> Any:
-        response = await original(*args, **kwargs)
-        fetched.append(len(response.kvs))
-        return response
-
-    mesh.etcd.range = counting  # type: ignore[method-assign]
-    return fetched
 
 
 async def two_trees(mesh: Mesh) -> dict[str, SessionId]:
@@ -257,7 +243,11 @@ async def test_a_trees_residency_costs_the_same_however_many_other_sessions_are_
         reads, txns = mesh.etcd.reads, mesh.etcd.txns
         fetched.clear()
         page = await mesh.reads.listing(
-            root=root, after="", limit=10, residency=True, resident_only=resident_only
+            root=root,
+            after="",
+            limit=10,
+            residency=True,
+            only=ListingFilter(resident=True if resident_only else None),
         )
         return dict(page.activations), mesh.etcd.reads - reads, mesh.etcd.txns - txns, sum(fetched)
 

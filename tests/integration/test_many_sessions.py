@@ -96,11 +96,16 @@ async def test_ls_and_watch_work_with_thousands_of_sessions_registered(
         headers = {h.session_id: h for h in await reader.sessions()}
     await _register(cluster, template)
 
-    listed = _cli(cluster, "ls", "--json")
+    listed = _cli(cluster, "ls", "--json", "--all")
     assert listed.returncode == 0, listed.stderr
     everyone = [agent["info"]["session_id"] for agent in json.loads(listed.stdout)]
     assert len(everyone) == len(set(everyone)) == REGISTERED + 6
     assert everyone[:6] == sorted(headers, key=lambda s: (headers[s].created_at, s))
+    # By default, the first page and how many there are (issue 34).
+    first = _cli(cluster, "ls", "--json")
+    assert first.returncode == 0, first.stderr
+    assert [agent["info"]["session_id"] for agent in json.loads(first.stdout)] == everyone[:100]
+    assert f"100 shown of {REGISTERED + 6} agents" in first.stderr
 
     tree = _cli(cluster, "ls", "--root", root, "--json")
     assert tree.returncode == 0, tree.stderr

@@ -233,6 +233,43 @@ async def test_the_gateway_answers_bad_requests_with_typed_errors(
         assert stale.status_code == 409 and stale.json()["error"] == "APPROVAL_STALE"
         page = await http.get("/")
         assert page.status_code == 200 and 'id="tree"' in page.text
+        for bad in ({"state": "sleeping"}, {"prefix": "s" * 300}, {"after": "no-token"}):
+            refused = await http.get("/api/roots", params=bad)
+            assert refused.status_code == 400, bad
+            assert refused.json()["error"] == "INVALID_ARGUMENT", bad
+
+
+async def test_the_root_list_pages_filters_and_shows_a_new_root_without_a_reload(
+    cluster: LocalCluster, view: WebView, browser: Any, shots: Callable[[Any, str], None]
+) -> None:
+    """Issue 34: the root list is one page of roots, filtered by the node (preset, state, id
+    prefix), counted, and asked again while shown: a root created after the page loaded shows
+    up in it."""
+    first = await create_root(cluster, on="node-a", task="Probe.", preset="gated")
+    second = await create_root(cluster, on="node-b", task="Probe.", preset="gated")
+    browser.get(view.link())
+
+    def listed(driver: Any) -> list[str]:
+        rows = driver.find_elements("css selector", "#roots tbody tr")
+        return [row.get_attribute("data-session") for row in rows]
+
+    until_shown(browser, lambda d: set(listed(d)) == {first, second}, "both roots listed")
+    assert browser.find_element("id", "roots-total").text.lower() == "2 in all"  # h2: upper case
+    browser.find_element("id", "root-preset").send_keys("ui-lead")
+    until_shown(browser, lambda d: listed(d) == [], "no ui-lead root")
+    browser.find_element("id", "root-preset").clear()
+    browser.find_element("id", "root-prefix").send_keys(second[:-1])
+    until_shown(browser, lambda d: listed(d) == [second], "the prefix keeps one root")
+    shots(browser, "root-list-filtered")
+    browser.find_element("id", "root-prefix").clear()
+    until_shown(browser, lambda d: set(listed(d)) == {first, second}, "both again")
+    third = await create_root(cluster, on="node-c", task="Probe.", preset="gated")
+    until_shown(browser, lambda d: third in listed(d), "the new root, without a reload")
+    browser.find_element("css selector", f'#roots tbody tr[data-session="{third}"]').click()
+    until_shown(
+        browser, lambda d: d.find_element("id", "current-root").text == f"tree {third}", "chosen"
+    )
+    shots(browser, "root-list-live")
 
 
 async def test_the_clients_tree_watch_tells_residency_changes_that_follow_an_entry(

@@ -282,11 +282,12 @@ async def test_a_teams_person_sees_and_steers_only_their_teams_trees_and_decides
     until_shown(browser, lambda d: d.find_elements("id", "roots"), "the page, once signed in")
     until_shown(
         browser,
-        lambda d: d.find_elements("css selector", "#roots option"),
+        lambda d: d.find_elements("css selector", "#roots tbody tr"),
         "the team's trees listed",
     )
     listed = {
-        o.get_attribute("value") for o in browser.find_elements("css selector", "#roots option")
+        row.get_attribute("data-session")
+        for row in browser.find_elements("css selector", "#roots tbody tr")
     }
     assert theirs.session_id in listed and others.session_id not in listed
     digest = token_digest(TEAM_A)[:12]

@@ -15,6 +15,7 @@ from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2
 from dsh_mesh.core import (
     Activation,
     Entry,
+    ListingFilter,
     NodeFenced,
     NodeId,
     RandomIds,
@@ -214,9 +215,10 @@ class StoreReads:
         root: SessionId | None,
         after: str,
         limit: int,
-        resident_only: bool = False,
         namespaces: frozenset[str] | None = None,
         residency: bool = False,
+        only: ListingFilter | None = None,
+        count: bool = False,
     ) -> AgentListing:
         raise NotImplementedError
 

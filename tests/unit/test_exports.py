@@ -52,6 +52,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "InboundEntry",
         "InboxFull",
         "InvalidArgument",
+        "ListingFilter",
         "MAX_APPROVAL_REASON_CHARS",
         "MAX_ARGUMENTS_DEPTH",
         "MAX_CALLS_PER_STEP",
@@ -285,6 +286,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
     ],
     "dsh_mesh.client": [
         "AgentMessage",
+        "AgentPage",
         "AgentState",
         "AgentSummary",
         "ApprovalDecided",
@@ -358,6 +360,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "FeedEvent",
         "HeldIndex",
         "Holder",
+        "IndexCache",
         "Keys",
         "LeaseConfig",
         "LeaseKeeper",

@@ -66,7 +66,13 @@ EXPECTED: dict[str, dict[str, int]] = {
     "ReopenTreeRequest": {"session_id": 256},
     "GetSessionRequest": {"session_id": 256, "page_token": 256},
     "WatchSessionRequest": {"session_id": 256},
-    "ListAgentsRequest": {"root_session_id": 256, "page_token": 256, "namespace": 256},
+    "ListAgentsRequest": {
+        "root_session_id": 256,
+        "page_token": 256,
+        "namespace": 256,
+        "preset": 256,
+        "session_id_prefix": 256,
+    },
     "ResolveApprovalRequest": {
         "session_id": 256,
         "call_id": 256,

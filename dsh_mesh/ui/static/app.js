@@ -14,6 +14,10 @@ const view = {
   lastEvent: 0,
   refetching: null,
   drawing: false,
+  rootsAfter: '',      // the token the root list's page starts after ('' for the first page)
+  rootsNext: '',       // the token of the page after it ('' on the last)
+  rootsTotal: null,    // roots in all (the first page counts them)
+  rootsSerial: 0,      // the latest root list asked for: an older answer is dropped
 };
 
 const $ = (selector) => document.querySelector(selector);
@@ -116,25 +120,24 @@ function stateOf(found) {
   return 'absent';
 }
 
-function children(id) {
-  return view.order.filter((other) => view.agents.get(other)?.info?.parent_session === id);
-}
-
-function subtreeTokens(id) {
-  const found = view.agents.get(id);
-  let total = found ? found.usage.input + found.usage.output : 0;
-  for (const child of children(id)) total += subtreeTokens(child);
-  return total;
-}
-
-function depth(id) {
-  let level = 0;
-  let current = view.agents.get(id);
-  while (current?.info?.parent_session) {
-    level += 1;
-    current = view.agents.get(current.info.parent_session);
+// The tree's shape, once per draw: each agent's depth and the tokens of its subtree (view.order
+// lists parents before their children, so one pass each way; a 1,000-agent tree draws in
+// linear time).
+function shape() {
+  const depths = new Map();
+  const subtree = new Map();
+  for (const id of view.order) {
+    const parent = view.agents.get(id)?.info?.parent_session;
+    depths.set(id, parent && depths.has(parent) ? depths.get(parent) + 1 : 0);
+    const found = view.agents.get(id);
+    subtree.set(id, found ? found.usage.input + found.usage.output : 0);
   }
-  return level;
+  for (let i = view.order.length - 1; i >= 0; i -= 1) {
+    const id = view.order[i];
+    const parent = view.agents.get(id)?.info?.parent_session;
+    if (parent && subtree.has(parent)) subtree.set(parent, subtree.get(parent) + subtree.get(id));
+  }
+  return { depths, subtree };
 }
 
 function short(id) { return id.length > 14 ? `${id.slice(0, 6)}…${id.slice(-6)}` : id; }
@@ -149,6 +152,7 @@ function role(info) {
 function drawTree() {
   const body = $('#tree tbody');
   const rows = [];
+  const { depths, subtree } = shape();
   let tokens = 0;
   for (const id of view.order) {
     const found = view.agents.get(id);
@@ -161,12 +165,12 @@ function drawTree() {
     const detail = state === 'settled' ? ` ${found.settled}` : '';
     rows.push(`<tr data-session="${id}" data-state="${state}" data-node="${found.node}"`
       + `${id === view.selected ? ' class="selected"' : ''}>`
-      + `<td class="id"><span class="indent" data-width="${depth(id) * 1.2}em"></span>${short(id)}</td>`
+      + `<td class="id"><span class="indent" data-width="${depths.get(id) * 1.2}em"></span>${short(id)}</td>`
       + `<td>${role(found.info)}</td><td>${escape(found.info?.preset || '')}</td>`
       + `<td><span class="state" data-state="${state}">${state}${detail}</span></td>`
       + `<td>${moves}${found.node || ''}</td>`
       + `<td>${number(found.usage.input)} / ${number(found.usage.output)}</td>`
-      + `<td>${share}</td><td>${number(subtreeTokens(id))}</td></tr>`);
+      + `<td>${share}</td><td>${number(subtree.get(id))}</td></tr>`);
   }
   body.innerHTML = rows.join('');
   placed(body);
@@ -458,12 +462,80 @@ function wire() {
   $('#interrupt').addEventListener('click', () => act('interrupt', {}, (r) => (r.interrupted ? `interrupted turn ${r.turn_id}` : 'nothing to interrupt')));
   $('#stop-tree').addEventListener('click', () => act('stop', { close: $('#stop-close').checked, reason: $('#stop-reason').value }, (r) => `stopped the subtree of ${short(r.session_id)}${r.closed ? ' (closed)' : ''}`));
   $('#reopen-tree').addEventListener('click', () => act('reopen', {}, (r) => (r.reopened ? 'reopened' : 'nothing was stopped')));
-  $('#roots').addEventListener('change', () => choose($('#roots').value));
   $('#timeline').addEventListener('click', (click) => {
     // A turn's bar opens its trace (its steps, model calls and tool calls are spans of it).
     const trace = click.target.dataset?.trace;
     if (trace && view.config.trace_url) window.open(view.config.trace_url.replace('{trace_id}', trace), '_blank');
   });
+}
+
+// -- the root list: one page at a time, filtered by the node, asked again while shown ---------
+
+const ROOTS_POLL_MS = 3000;
+const ROOT_FILTERS = [['prefix', '#root-prefix'], ['preset', '#root-preset'], ['namespace', '#root-namespace'], ['state', '#root-state']];
+
+function when(stamp) {
+  return stamp ? new Date(stamp).toLocaleString() : '';
+}
+
+async function loadRoots() {
+  const query = new URLSearchParams();
+  for (const [name, selector] of ROOT_FILTERS) {
+    const value = $(selector).value.trim();
+    if (value) query.set(name, value);
+  }
+  if (view.rootsAfter) query.set('after', view.rootsAfter);
+  const serial = ++view.rootsSerial;
+  const data = await api(`/api/roots?${query}`);
+  if (serial !== view.rootsSerial) return null;  // a filter typed meanwhile: its answer wins
+  if (data.total !== null && data.total !== undefined) view.rootsTotal = data.total;
+  view.rootsNext = data.next;
+  drawRoots(data.roots);
+  return data.roots;
+}
+
+function drawRoots(roots) {
+  $('#roots tbody').innerHTML = roots.map((r) => {
+    const id = r.info.session_id;
+    const state = r.activation ? (r.state || 'resident') : 'absent';
+    return `<tr data-session="${escape(id)}"${id === view.root ? ' class="selected"' : ''}>`
+      + `<td class="id" title="${escape(id)}">${escape(short(id))}</td>`
+      + `<td>${escape(r.info.preset)}</td><td>${escape(r.info.namespace || '')}</td>`
+      + `<td><span class="state" data-state="${escape(state)}">${escape(state)}</span></td>`
+      + `<td>${escape(r.activation?.node_id || '')}</td><td>${escape(when(r.info.created_at))}</td></tr>`;
+  }).join('');
+  $('#roots-total').textContent = view.rootsTotal === null ? '' : `${number(view.rootsTotal)} in all`;
+  let note = '';
+  if (!roots.length) note = view.rootsNext ? 'none in this stretch: the next page looks further' : 'none';
+  $('#roots-page').textContent = note;
+  $('#roots-next').disabled = !view.rootsNext;
+  $('#roots-first').disabled = !view.rootsAfter;
+}
+
+function pageOfRoots(after) {
+  view.rootsAfter = after;
+  loadRoots().catch((error) => say(error.message, true));
+}
+
+function wireRoots() {
+  let typing = null;
+  for (const [, selector] of ROOT_FILTERS) {
+    $(selector).addEventListener('input', () => {
+      clearTimeout(typing);
+      typing = setTimeout(() => pageOfRoots(''), 250);
+    });
+  }
+  $('#roots-next').addEventListener('click', () => pageOfRoots(view.rootsNext));
+  $('#roots-first').addEventListener('click', () => pageOfRoots(''));
+  $('#roots tbody').addEventListener('click', (click) => {
+    const row = click.target.closest('tr');
+    if (row) choose(row.dataset.session);
+  });
+  // Live: the page shown is asked again while the tab is visible (a first page costs the
+  // node the same however many roots there are).
+  setInterval(() => {
+    if (!document.hidden) loadRoots().catch(() => connection('lost'));
+  }, ROOTS_POLL_MS);
 }
 
 async function choose(root) {
@@ -472,6 +544,10 @@ async function choose(root) {
   view.order = [];
   view.lastEvent = 0;
   view.selected = root;
+  $('#current-root').textContent = `tree ${root}`;
+  for (const row of document.querySelectorAll('#roots tbody tr')) {
+    row.classList.toggle('selected', row.dataset.session === root);
+  }
   const url = new URL(window.location);
   url.searchParams.set('root', root);
   window.history.replaceState(null, '', url);
@@ -486,13 +562,11 @@ async function start() {
   view.config = await api('/api/config');
   $('#node').textContent = `node ${view.config.node}`;
   $('#person').textContent = `signed in as ${view.config.person.name}`;
-  const { roots } = await api('/api/roots');
-  const select = $('#roots');
-  select.innerHTML = roots.map((r) => `<option value="${r.info.session_id}">${r.info.session_id} (${escape(r.info.preset)})</option>`).join('');
+  wireRoots();
+  const roots = await loadRoots();
   const asked = new URL(window.location).searchParams.get('root');
-  const root = asked || roots[0]?.info.session_id;
+  const root = asked || roots?.[0]?.info.session_id;
   if (root) {
-    select.value = root;
     await choose(root);
   } else {
     say('no tree yet: create a root (dsh-mesh spawn), then reload');

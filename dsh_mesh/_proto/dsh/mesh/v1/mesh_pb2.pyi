@@ -408,26 +408,38 @@ class SessionEvent(_message.Message):
     def __init__(self, entry: _Optional[_Union[TranscriptEntry, _Mapping]] = ..., session_id: _Optional[str] = ..., event_seq: _Optional[int] = ..., activated: _Optional[_Union[ActivationInfo, _Mapping]] = ..., deactivated: _Optional[_Union[ActivationInfo, _Mapping]] = ...) -> None: ...
 
 class ListAgentsRequest(_message.Message):
-    __slots__ = ("root_session_id", "resident_only", "page_size", "page_token", "namespace")
+    __slots__ = ("root_session_id", "resident_only", "page_size", "page_token", "namespace", "roots_only", "absent_only", "preset", "session_id_prefix", "count")
     ROOT_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_ONLY_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    ROOTS_ONLY_FIELD_NUMBER: _ClassVar[int]
+    ABSENT_ONLY_FIELD_NUMBER: _ClassVar[int]
+    PRESET_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
     root_session_id: str
     resident_only: bool
     page_size: int
     page_token: str
     namespace: str
-    def __init__(self, root_session_id: _Optional[str] = ..., resident_only: _Optional[bool] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., namespace: _Optional[str] = ...) -> None: ...
+    roots_only: bool
+    absent_only: bool
+    preset: str
+    session_id_prefix: str
+    count: bool
+    def __init__(self, root_session_id: _Optional[str] = ..., resident_only: _Optional[bool] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., namespace: _Optional[str] = ..., roots_only: _Optional[bool] = ..., absent_only: _Optional[bool] = ..., preset: _Optional[str] = ..., session_id_prefix: _Optional[str] = ..., count: _Optional[bool] = ...) -> None: ...
 
 class ListAgentsResponse(_message.Message):
-    __slots__ = ("agents", "next_page_token")
+    __slots__ = ("agents", "next_page_token", "total")
     AGENTS_FIELD_NUMBER: _ClassVar[int]
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
     agents: _containers.RepeatedCompositeFieldContainer[AgentSummary]
     next_page_token: str
-    def __init__(self, agents: _Optional[_Iterable[_Union[AgentSummary, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+    total: int
+    def __init__(self, agents: _Optional[_Iterable[_Union[AgentSummary, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., total: _Optional[int] = ...) -> None: ...
 
 class AgentSummary(_message.Message):
     __slots__ = ("header", "activation", "state")
