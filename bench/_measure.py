@@ -78,7 +78,8 @@ class HungCall(RuntimeError):
     """A timed call did not complete within :data:`CALL_TIMEOUT`."""
 
 
-async def _bounded(call: Call, serial: int, hung_after: float) -> None:
+async def bounded(call: Call, serial: int, hung_after: float) -> None:
+    """``call(serial)``, or :class:`HungCall` past ``hung_after`` seconds."""
     # In the caller's own task (asyncio.wait_for wraps the call in a task of its own on this
     # Python): a call keyed by its task (floors' _caller_sessions) must see its caller's.
     try:
@@ -102,14 +103,14 @@ async def run_load(
     ``watch`` spends meanwhile is divided by ``calls``. Raises :class:`HungCall` when a call
     takes longer than ``hung_after`` seconds."""
     for _ in range(warmup):
-        await _bounded(call, next(_serial), hung_after)
+        await bounded(call, next(_serial), hung_after)
     samples: list[float] = []
     pending = iter(range(calls))
 
     async def caller() -> None:
         for _ in pending:
             started = time.perf_counter()
-            await _bounded(call, next(_serial), hung_after)
+            await bounded(call, next(_serial), hung_after)
             samples.append((time.perf_counter() - started) * 1000)
 
     watched = dict(watch or {})

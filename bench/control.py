@@ -13,7 +13,9 @@ are timed, one at a time, over one channel:
   residency of a watched session), then the stream is cancelled;
 - ``GetSession`` of the root: its first page (the server's default page size);
 - ``ListAgents`` of every session: its first page (100);
-- ``ListAgents`` of the namespace the tree and the fillers are in: its first page (100).
+- ``ListAgents`` of the namespace the tree and the fillers are in: its first page (100);
+- ``ListAgents`` of roots, as the web view's root list asks: its first page (50) and the count
+  (ADR 0046).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from datetime import timedelta
 
 from bench._cluster import children, node_processes
 from bench._common import Bed, Sizes
-from bench._measure import Load, run_load
+from bench._measure import Load, bounded, cpu_seconds
 from bench._report import Figure
 from bench.scenarios import FANOUT_CHILDREN
 from bench.warm import register_fillers, remove_fillers
@@ -39,9 +41,13 @@ WATCH = "WatchSession of a 7-session tree, until its first event"
 GET = "GetSession of the root, first page"
 LIST_ALL = "ListAgents of every session, first page"
 LIST_NAMESPACE = "ListAgents of one namespace, first page"
-TARGETED = (LIST_TREE, WATCH, GET, LIST_ALL, LIST_NAMESPACE)
+LIST_ROOTS = "ListAgents of roots, first page of 50 and the count (the web view's root list)"
+TARGETED = (LIST_TREE, WATCH, GET, LIST_ALL, LIST_NAMESPACE, LIST_ROOTS)
 """The reads whose p50 at the most sessions has a target (against the same at the fewest)."""
 _WARMUP = 10
+_QUIET_SHARE = 0.05
+"""CPU seconds per second under which a process counts as quiet."""
+_QUIET_AT_MOST = 120.0
 _FILLER_LEASE = timedelta(hours=2)
 """The lease resident fillers are held under: longer than any run, revoked at its end."""
 
@@ -51,7 +57,9 @@ async def measure_control(bed: Bed) -> None:
     sizes, report = bed.sizes, bed.report
     results: dict[int, dict[str, Load]] = {}
     write_seconds: dict[str, float] = {}
+    quiet_seconds: dict[str, float] = {}
     report.run["control_write_seconds"] = write_seconds
+    report.run["control_quiet_seconds"] = quiet_seconds
     with node_processes(bed, "FANOUT", (NODE,)) as cluster:
         async with (
             MeshReader(cluster.settings) as reader,
@@ -83,34 +91,63 @@ async def measure_control(bed: Bed) -> None:
                 await register_fillers(etcd, keys, template, registered, total, lease=lease)
                 write_seconds[str(total)] = round(time.perf_counter() - started, 2)
                 registered = max(registered, total)
-                # Let etcd settle after the burst of writes (its backend commits, its Go
-                # heap): the figure is what a read costs with this many sessions registered,
-                # not while they are being registered. The same wait at every size.
+                # Let etcd and the node settle after the burst of writes (etcd's backend
+                # commits and Go heap, the node's caches following 700,000 keys): the figure
+                # is what a read costs with this many sessions registered, not while they are
+                # being registered. At least the same wait at every size, then until both are
+                # quiet (the wait is in the report).
                 await asyncio.sleep(sizes.control_settle)
+                quiet_seconds[str(total)] = await _quiet(
+                    [pid for pid in (bed.etcd_pid, cluster[NODE].pid) if pid is not None]
+                )
                 results[total] = await _time(reads, sizes)
             # The smallest size again, at the end: a figure that moved as much between the
             # two timings of it moved with the run (the processes' age, the machine), not
             # with the sessions registered.
             await etcd.revoke(lease)
             await remove_fillers(etcd, keys)
+            # As etcd's auto-compaction would (docs/operations.md): until a compaction, etcd's
+            # ranges still walk the deleted keys (the cache's tail reads among them).
+            await etcd.compact(int((await etcd.range(b"/")).header.revision))
             await asyncio.sleep(sizes.control_settle)
+            quiet_seconds["again"] = await _quiet(
+                [pid for pid in (bed.etcd_pid, cluster[NODE].pid) if pid is not None]
+            )
             again = await _time(reads, sizes)
     _record(bed, results, again)
+
+
+async def _quiet(pids: list[int]) -> float:
+    """Wait until each of ``pids`` used under ``_QUIET_SHARE`` of a core over one second
+    (at most ``_QUIET_AT_MOST``); returns the seconds waited."""
+    started = time.perf_counter()
+    while time.perf_counter() - started < _QUIET_AT_MOST:
+        before = [cpu_seconds(pid) for pid in pids]
+        await asyncio.sleep(1.0)
+        if all(cpu_seconds(pid) - b < _QUIET_SHARE for pid, b in zip(pids, before, strict=True)):
+            break
+    return round(time.perf_counter() - started, 1)
 
 
 async def _time(
     reads: dict[str, Callable[[int], Awaitable[None]]], sizes: Sizes
 ) -> dict[str, Load]:
-    return {
-        name: await run_load(
-            read,
-            calls=sizes.control_calls,
-            in_flight=1,
-            warmup=_WARMUP,
-            hung_after=sizes.call_timeout,
-        )
-        for name, read in reads.items()
-    }
+    """Each read ``control_calls`` times, one at a time, taking the reads in turn call by call:
+    a read timed in a block of its own, first, would take alone whatever the machine still
+    does after the writes."""
+    for read in reads.values():
+        for n in range(_WARMUP):
+            await bounded(read, n, sizes.call_timeout)
+    samples: dict[str, list[float]] = {name: [] for name in reads}
+    spent = dict.fromkeys(reads, 0.0)
+    for n in range(sizes.control_calls):
+        for name, read in reads.items():
+            started = time.perf_counter()
+            await bounded(read, n, sizes.call_timeout)
+            took = time.perf_counter() - started
+            samples[name].append(took * 1000)
+            spent[name] += took
+    return {name: Load.of(1, samples[name], spent[name]) for name in reads}
 
 
 def _reads(
@@ -146,12 +183,20 @@ def _reads(
             mesh_pb2.ListAgentsRequest(namespace=namespace), metadata=metadata, timeout=10
         )
 
+    async def list_roots(_: int) -> None:
+        await stub.ListAgents(
+            mesh_pb2.ListAgentsRequest(roots_only=True, page_size=50, count=True),
+            metadata=metadata,
+            timeout=10,
+        )
+
     return {
         LIST_TREE: list_tree,
         WATCH: watch,
         GET: get,
         LIST_ALL: list_all,
         LIST_NAMESPACE: list_namespace,
+        LIST_ROOTS: list_roots,
     }
 
 

@@ -14,6 +14,7 @@ from bench._cluster import node_processes
 from bench._common import Bed
 from bench._report import Figure
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
+from dsh_mesh.node import stop_timeout
 
 NODE = "node-a"
 _IN_FLIGHT = 64
@@ -22,6 +23,8 @@ _LEASE_TTL = 10.0
 """Creating tens of thousands of roots keeps the node busy: a longer lease than the default, so
 its keepalive never lapses meanwhile."""
 TARGET_KIB = 20.0
+_DRAIN_AT_MOST = 120.0
+"""How long the section waits for the drain it times before it kills the node."""
 
 
 def vm_rss_kib(pid: int) -> int:
@@ -95,9 +98,14 @@ async def measure_memory(bed: Bed) -> None:
                         "baseline_rss_kib": baseline,
                         "create_seconds": round(elapsed, 2),
                     }
+            # The drain of every agent created (ADR 0046): SIGTERM until the process exits,
+            # within the time `dsh-mesh up` waits for a node (its grace, here 0, the drain's
+            # release budget and a margin to exit).
+            started = time.perf_counter()
+            cluster[NODE].terminate(timeout=_DRAIN_AT_MOST)
+            drained = time.perf_counter() - started
         finally:
-            # Skip the drain: it would release tens of thousands of activations one by one.
-            cluster[NODE].kill()
+            cluster[NODE].kill()  # a no-op once it has exited
     curve = report.curve(
         "memory", "memory per idle resident agent", "idle resident agents", "KiB", log_x=True
     )
@@ -106,6 +114,16 @@ async def measure_memory(bed: Bed) -> None:
         curve.add("RSS growth / agents", total, kib)
         curve.add(f"target: {TARGET_KIB:g} KiB", total, TARGET_KIB)
     most = max(per_agent)
+    report.add(
+        Figure(
+            f"drain of {most + _WARMUP_ROOTS} idle resident agents on one node, SIGTERM to exit",
+            drained,
+            "s",
+            None,
+            stop_timeout(0.0),
+            "lower",
+        )
+    )
     report.add(
         Figure(
             f"idle resident agent memory each, {most} on one node (transcript excluded)",

@@ -438,12 +438,12 @@ async def register_fillers(
 ) -> None:
     """Write filler roots ``start`` .. ``end - 1`` with no transcript, as
     ``EtcdSessionStore.create_header`` writes a root without entries: its header (the
-    template's, re-keyed, created now), its listing key, its namespace's listing key and its
-    tree-index key. With ``lease``, each is also resident (issue 34): its activation key, on
+    template's, re-keyed, created now), its listing key, its namespace's listing and roots keys
+    and its tree-index key. With ``lease``, each is also resident (issue 34): its activation key, on
     a node of its own (``bench-fillers``, which no send reaches), and its namespace's census
     key, both under ``lease``, as a node's win writes them. As many per transaction as fit
     etcd's 128 operations. Transcripts are in the log store, not etcd."""
-    per_txn = _OPERATIONS_PER_TXN // (4 if lease is None else 6)
+    per_txn = _OPERATIONS_PER_TXN // (5 if lease is None else 7)
     batches = iter(range(start, end, per_txn))
 
     async def writer() -> None:
@@ -461,6 +461,7 @@ async def register_fillers(
                     put(keys.namespace_listed(header.namespace, created, session), b"")
                 )
                 operations.append(put(keys.member(session, created, session), b""))
+                operations.append(put(keys.namespace_root(header.namespace, created, session), b""))
                 if lease is not None:
                     resident = Activation(
                         session_id=session,
@@ -492,7 +493,7 @@ async def remove_fillers(etcd: Etcd, keys: Keys) -> None:
             [],
             [rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=prefix, range_end=end))],
         )
-    for listing in (keys.listing, keys.prefix + b"ns/"):
+    for listing in (keys.listing, keys.prefix + b"ns/", keys.prefix + b"ns-roots/"):
         start: bytes | None = None
         while True:  # in pages (an unpaged read of 100k keys is over gRPC's limit)
             listed = await etcd.get_prefix(listing, start=start, limit=1000, keys_only=True)

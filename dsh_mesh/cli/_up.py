@@ -10,6 +10,7 @@ import contextlib
 import os
 import signal
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from types import FrameType
@@ -30,6 +31,7 @@ from dsh_mesh.cli._config import (
     state_home,
     write_state,
 )
+from dsh_mesh.node import stop_timeout
 from dsh_mesh.testing import (
     EtcdNotFoundError,
     EtcdServer,
@@ -40,7 +42,6 @@ from dsh_mesh.testing import (
 )
 
 _WATCH_INTERVAL = 0.5
-_NODE_STOP_TIMEOUT = 10.0
 
 
 class _Stop(Exception):
@@ -160,7 +161,7 @@ def _start_and_wait(
         least_privilege=pki is not None,
     )
     stack.enter_context(cluster)
-    stack.callback(_stop_nodes, cluster, console)
+    stack.callback(_stop_nodes, cluster, console, args.shutdown_grace)
     entries = []
     for node_id in node_ids(args.nodes):
         console.note(f"starting {node_id} ...")
@@ -237,15 +238,21 @@ def _watch_nodes(cluster: LocalCluster, console: Console) -> None:
                 console.note(f"warning: {node.node_id} exited; its log: {node.log_path}")
 
 
-def _stop_nodes(cluster: LocalCluster, console: Console) -> None:
+def _stop_nodes(cluster: LocalCluster, console: Console, grace: float) -> None:
+    """Ask every node to stop at once, then wait for each as long as a drain may take: the
+    grace its running turns get, the budget of its releases (ADR 0046) and a margin to exit."""
     nodes = [node for node in cluster if node.running]
-    if nodes:
-        console.note(f"stopping {len(nodes)} node(s): each drains, then exits ...")
+    if not nodes:
+        return
+    console.note(f"stopping {len(nodes)} node(s): each drains, then exits ...")
+    for node in nodes:
+        node.ask_to_stop()
+    deadline = time.monotonic() + stop_timeout(grace)
     for node in nodes:
         try:
-            code = node.terminate(timeout=_NODE_STOP_TIMEOUT)
+            code = node.terminate(timeout=max(0.0, deadline - time.monotonic()))
         except NodeProcessError:
-            console.note(f"{node.node_id} did not stop in {_NODE_STOP_TIMEOUT:g} s: killed")
+            console.note(f"{node.node_id} did not stop in {stop_timeout(grace):g} s: killed")
             continue
         console.note(f"{node.node_id} stopped (exit status {code})")
 

@@ -5,7 +5,7 @@
 and :func:`load_presets` reads a presets file (presets and model endpoints) on top of it.
 """
 
-from dsh_mesh.node._config import NodeConfig, Placement, load_config, parse_args
+from dsh_mesh.node._config import NodeConfig, Placement, load_config, parse_args, stop_timeout
 from dsh_mesh.node._main import main
 from dsh_mesh.node._node import Node
 from dsh_mesh.node._presets import (
@@ -33,4 +33,5 @@ __all__ = [
     "load_scenario",
     "main",
     "parse_args",
+    "stop_timeout",
 ]

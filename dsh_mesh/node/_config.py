@@ -25,7 +25,7 @@ from dsh_mesh.core import NodeId, bounded_quote
 from dsh_mesh.logstore import check_log_store
 from dsh_mesh.node._namespaces import Namespaces, load_namespaces
 from dsh_mesh.registry import EtcdConfig, EtcdTls, LeaseConfig
-from dsh_mesh.runtime import ManagerConfig, NamespaceLimits, TreeLimits
+from dsh_mesh.runtime import DRAIN_RELEASE_BUDGET, ManagerConfig, NamespaceLimits, TreeLimits
 from dsh_mesh.transport import CallerRole, ClusterCredential, TlsCredentials
 
 _MIB = 1 << 20
@@ -501,3 +501,14 @@ def _cgroup_memory_limit() -> int | None:
     except OSError:
         return None
     return int(text) if text.isdigit() else None
+
+
+EXIT_MARGIN = 5.0
+"""Seconds a drained node may take to close its server, log store and lease, and exit."""
+
+
+def stop_timeout(shutdown_grace: float) -> float:
+    """The longest a node takes from SIGTERM to exit (ADR 0046): ``shutdown_grace`` for its
+    running turns, the drain's release budget, and :data:`EXIT_MARGIN`. What waits for a node
+    (``dsh-mesh up``, a supervisor's stop timeout) waits this long."""
+    return shutdown_grace + DRAIN_RELEASE_BUDGET.total_seconds() + EXIT_MARGIN

@@ -361,6 +361,14 @@ class Etcd:
             info = await self._client.get_lease_info(lease)
         return int(info.TTL) > 0
 
+    async def compact(self, revision: int, *, physical: bool = True) -> None:
+        """Compact etcd's history up to ``revision`` (with ``physical``, waiting until it is
+        done on disk), as an operator's ``etcdctl compact`` or etcd's auto-compaction does:
+        deleted keys stop costing range reads. Watches behind it are refused as compacted."""
+        check_revision(revision, what="revision")
+        async with self._errors():
+            await self._client.compact(revision, physical=physical)
+
     async def revoke(self, lease: int) -> None:
         """Revoke ``lease``: every key bound to it is deleted at once. Idempotent: a lease etcd
         no longer knows (revoked by anyone, or expired) is already what revoking asks for."""
@@ -438,7 +446,24 @@ class Etcd:
                     f"etcd refused the request as invalid ({refusal}); it would fail again "
                     "unchanged"
                 ) from error
-            raise RegistryUnavailable(f"etcd {self.config.endpoint}: {error}") from error
+            raise RegistryUnavailable(f"etcd {self.config.endpoint}: {one_line(error)}") from error
+
+
+def one_line(error: BaseException) -> str:
+    """What ``error`` says, on one readable line: a gRPC error's status and details (etcd's
+    own words, such as ``RESOURCE_EXHAUSTED: etcdserver: mvcc: database space exceeded``),
+    never the multi-line representation gRPC and aetcd print; anything else its text with its
+    whitespace collapsed, or its class name when it has none."""
+    cause: BaseException | None = error
+    while cause is not None and not isinstance(cause, grpc.RpcError):
+        cause = cause.__cause__
+    if cause is not None:
+        code, details = _status(cause)
+        if code is not None or details:
+            name = code.name if code is not None else "UNKNOWN"
+            return f"{name}: {' '.join(details.split())}" if details else name
+    text = " ".join(str(error).split())
+    return text or type(error).__name__
 
 
 def _refusal(error: BaseException) -> str | None:

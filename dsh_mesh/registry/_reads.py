@@ -175,7 +175,7 @@ class RegistryReads:
                         activations[header.session_id] = current
             pending.clear()
 
-        batch = _READS_PER_TXN // 2 if only.reads_headers else limit
+        batch = _READS_PER_TXN // 2
         async for token, session in candidates:
             if len(kept) >= limit or scanned == SCAN_KEYS or judged >= SCAN_HEADERS:
                 more = True  # a candidate follows what this page looked at
@@ -185,10 +185,15 @@ class RegistryReads:
             if not only.keeps_id(session):
                 continue
             pending.append((token, session))
-            if len(pending) >= min(batch, limit - len(kept)):  # never past a full page
+            # Judged a transaction's worth at a time when a filter reads headers; else exactly
+            # what fills the page.
+            if len(pending) >= (batch if only.reads_headers else limit - len(kept)):
                 await judge()
         if pending:
             await judge()
+        if len(kept) > limit:  # the last batch kept more than fit: the page ends at its last
+            kept, more = kept[:limit], True
+            last = kept[-1][0]
         total = await self._count(members, indexes) if count else None
         return Listing(
             headers=[header for _, header in kept],

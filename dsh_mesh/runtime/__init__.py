@@ -16,6 +16,7 @@ from dsh_mesh.runtime._log import DEFAULT_PAGE, Logged, LogStore, Write, Written
 from dsh_mesh.runtime._manager import ContinuationManager
 from dsh_mesh.runtime._memory_store import InMemorySessionStore
 from dsh_mesh.runtime._recording import HistoryLog, RecordingStore
+from dsh_mesh.runtime._residency import DRAIN_RELEASE_BUDGET
 from dsh_mesh.runtime._router import MAX_HOPS, Router
 from dsh_mesh.runtime._store import (
     Acceptance,
@@ -34,6 +35,7 @@ __all__ = [
     "DEFAULT_PAGE",
     "DEFAULT_TURN_LIMITS",
     "DEGRADED_FOR",
+    "DRAIN_RELEASE_BUDGET",
     "HEADER_CACHE_SIZE",
     "MAX_HOPS",
     "SPAWN_WINDOW",

@@ -179,12 +179,14 @@ class EtcdServer:
         name: str = "dsh-test",
         startup_timeout: float = 15.0,
         tls: LocalPki | None = None,
+        quota_backend_bytes: int | None = None,
     ) -> None:
         """Prepare a server; nothing is started or allocated until :meth:`start`.
 
         ``binary`` defaults to :func:`find_etcd_binary` (resolved at start); ``name`` is the
         member name; ``startup_timeout`` bounds each start in seconds; ``tls`` turns on mutual
-        TLS with certificates from that CA.
+        TLS with certificates from that CA; ``quota_backend_bytes`` sets etcd's database quota
+        (past it etcd raises its ``NOSPACE`` alarm and refuses writes).
         """
         if startup_timeout <= 0:
             raise ValueError("startup_timeout must be positive")
@@ -199,6 +201,7 @@ class EtcdServer:
         self._paused = False
         self._closed = False
         self._pki = tls
+        self._quota = quota_backend_bytes
         self._server_files: TlsFiles | None = None
         self._probe_files: TlsFiles | None = None
 
@@ -459,6 +462,7 @@ class EtcdServer:
             "--log-outputs",
             "stderr",
             *tls,
+            *([] if self._quota is None else ["--quota-backend-bytes", str(self._quota)]),
         ]
 
     def _launch_and_wait(self) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, AsyncIterator, Collection, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Collection, Mapping
 from typing import Any, Protocol
 
 import grpc
@@ -160,7 +160,7 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         self._credential = credential
         self._node_id = node_id
         self._reads = reads
-        self._usage: OrderedDict[SessionId, tuple[int, SessionUsage]] = OrderedDict()
+        self._usage_of: OrderedDict[SessionId, tuple[int, SessionUsage]] = OrderedDict()
         """Per session read lately: the usage of its transcript up to a seq (an LRU)."""
         self._current_activation = current_activation
         self._peers = peers
@@ -390,14 +390,10 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         ):
             # Every model call of a session is written by the agent that made it, which keeps
             # its whole transcript until it compacts: the usage needs no pass over the log.
-            records, more = await self._reads.page(session, after_seq=after, limit=limit)
-            usage = session_usage(r.entry for r in resident.records)
+            usage, upto = session_usage(r.entry for r in resident.records), None
         else:
-            records, more, usage = await self._page_and_usage(session, after=after, limit=limit)
-        transcript = [record_to_wire(r) for r in records]
-        fitting = _fitting(transcript)
-        if fitting < len(transcript):
-            transcript, more = transcript[:fitting], True
+            usage, upto = await self._usage(session)
+        transcript, more = await self._fitting_page(session, after=after, limit=limit, upto=upto)
         reply = mesh_pb2.Session(
             header=header_to_wire(header),
             transcript=transcript,
@@ -409,17 +405,14 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
             reply.activation.CopyFrom(activation_to_wire(current))
         return reply
 
-    async def _page_and_usage(
-        self, session: SessionId, *, after: int, limit: int
-    ) -> tuple[list[Record], bool, SessionUsage]:
-        """The page (up to ``limit`` records after seq ``after``), whether records follow it,
-        and the usage of the transcript from seq 1 to its end as read, which the page does not
-        pass: so when nothing follows the page, the usage is exactly that of the records up
-        to its end. The transcript is append-only, so the usage of a prefix never changes:
-        this node remembers it per session (:data:`USAGE_SESSIONS` of them) and reads only
-        what was appended since, chunk by chunk. Paging through a long transcript reads it
-        once, not once per page."""
-        known, usage = self._usage.pop(session, (0, SessionUsage()))
+    async def _usage(self, session: SessionId) -> tuple[SessionUsage, int]:
+        """The usage of the transcript from seq 1 to its end as read, and that end's seq: a
+        page shown with it goes no further, so when nothing follows the page the usage is
+        exactly that of the records up to its end. The transcript is append-only, so the usage
+        of a prefix never changes: this node remembers it per session (:data:`USAGE_SESSIONS`
+        of them) and reads only what was appended since, chunk by chunk. Paging through a long
+        transcript reads it once, not once per page."""
+        known, usage = self._usage_of.pop(session, (0, SessionUsage()))
         if known and not (await self._reads.page(session, after_seq=known - 1, limit=1))[0]:
             known, usage = 0, SessionUsage()  # deleted (retention) since: start again
         end = known
@@ -427,12 +420,37 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
             usage = usage.followed_by(session_usage(r.entry for r in chunk))
             if chunk:
                 end = chunk[-1].seq
-        self._usage[session] = (end, usage)
-        while len(self._usage) > USAGE_SESSIONS:
-            self._usage.popitem(last=False)
-        records, more = await self._reads.page(session, after_seq=after, limit=limit)
-        page = [r for r in records if r.seq <= end]
-        return page, bool(page) and (more or len(page) < len(records)), usage
+        self._usage_of[session] = (end, usage)
+        while len(self._usage_of) > USAGE_SESSIONS:
+            self._usage_of.popitem(last=False)
+        return usage, end
+
+    async def _fitting_page(
+        self, session: SessionId, *, after: int, limit: int, upto: int | None
+    ) -> tuple[list[mesh_pb2.TranscriptEntry], bool]:
+        """Up to ``limit`` entries after seq ``after`` (and none past ``upto``, when given), as
+        many as fit one response (``MAX_PAGE_BYTES``, at least one), and whether more follow.
+        The log is read a chunk at a time, each sized to what is likely still to fit, and each
+        record converted as it is read: a ``page_size`` past what fits costs no more per entry
+        than the default (issue 34), where reading and converting it all did."""
+        page: list[mesh_pb2.TranscriptEntry] = []
+        size = 0
+        chunk = min(limit, DEFAULT_PAGE)
+        while True:
+            records, more = await self._reads.page(session, after_seq=after, limit=chunk)
+            for record in records:
+                if upto is not None and record.seq > upto:
+                    return page, bool(page)
+                entry = record_to_wire(record)
+                size += entry.ByteSize()
+                if size > MAX_PAGE_BYTES and page:
+                    return page, True  # a page of large entries is cut short; its token leads on
+                page.append(entry)
+            if not more or not records or len(page) >= limit:
+                return page, more and bool(page)
+            after = records[-1].seq
+            fits = (MAX_PAGE_BYTES - size) * len(page) // max(1, size)
+            chunk = max(1, min(limit - len(page), fits + 1))
 
     async def WatchSession(
         self,
@@ -569,17 +587,6 @@ def _page(token: str, size: int) -> tuple[int, int]:
             metadata={"field": "page_token"},
         )
     return int(token or 0), min(size or DEFAULT_PAGE, MAX_PAGE)
-
-
-def _fitting(transcript: Sequence[mesh_pb2.TranscriptEntry]) -> int:
-    """How many of ``transcript``'s first entries fit in one response (at least one): a page
-    of large entries is cut short, and its token leads on, rather than fail at gRPC's limit."""
-    size = 0
-    for count, entry in enumerate(transcript):
-        size += entry.ByteSize()
-        if size > MAX_PAGE_BYTES and count > 0:
-            return count
-    return len(transcript)
 
 
 def _granted(scope: Scope, namespace: str) -> str:

@@ -156,6 +156,17 @@ async def test_a_filtered_page_looks_at_a_bounded_part_of_the_index(
     assert all(p.next_token for p in pages[:-1])
 
 
+async def test_a_filter_judges_a_transactions_worth_of_headers_at_a_time(mesh: Mesh) -> None:
+    """The last places of a page are not judged one header per etcd transaction."""
+    sessions = [
+        await made(mesh, f"s-{n:02d}", preset="b" if n < 9 or n == 29 else "a") for n in range(30)
+    ]
+    txns = mesh.etcd.txns
+    page = await mesh.reads.listing(root=None, after="", limit=10, only=ListingFilter(preset="b"))
+    assert [h.session_id for h in page.headers] == [*sessions[:9], sessions[29]]
+    assert mesh.etcd.txns - txns == 1
+
+
 async def test_both_residency_filters_at_once_are_refused() -> None:
     from dsh_mesh.core import InvalidArgument
 

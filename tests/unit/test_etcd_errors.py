@@ -152,3 +152,31 @@ def test_connections_to_etcd_ping_so_a_vanished_member_is_left_in_seconds() -> N
     assert Etcd(config)._client._options == options
     with pytest.raises(ValueError, match="keepalive"):
         EtcdConfig(keepalive=timedelta(0))
+
+
+@pytest.mark.parametrize(
+    ("code", "details"),
+    [
+        (Code.RESOURCE_EXHAUSTED, "etcdserver: mvcc: database space exceeded"),
+        (Code.UNAVAILABLE, "failed to connect to all addresses;\n last error: ECONNREFUSED"),
+    ],
+)
+async def test_an_outage_reads_as_one_line_of_etcds_own_words(
+    code: grpc.StatusCode, details: str
+) -> None:
+    """Issue 34: what a node logs and a client reads of an etcd failure is one readable line
+    (the status and etcd's details), never gRPC's or aetcd's multi-line representation."""
+    error = grpc.aio.AioRpcError(
+        code,
+        grpc.aio.Metadata(),
+        grpc.aio.Metadata(),
+        details,
+        'UNKNOWN:Error received from peer  {grpc_status:8,\n created_time:"2026-12-06"}',
+    )
+    assert "\n" in str(error)  # what the message used to embed
+    for raised in (error, raised_through_aetcd(error)):
+        seen = await translated(raised)
+        assert isinstance(seen, RegistryUnavailable)
+        message = str(seen)
+        assert "\n" not in message and "AioRpcError" not in message, message
+        assert message.endswith(f"{code.name}: {' '.join(details.split())}"), message

@@ -339,6 +339,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "load_scenario",
         "main",
         "parse_args",
+        "stop_timeout",
     ],
     "dsh_mesh.logstore": [
         "MemoryLogStore",
@@ -388,6 +389,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "DEFAULT_PAGE",
         "DEFAULT_TURN_LIMITS",
         "DEGRADED_FOR",
+        "DRAIN_RELEASE_BUDGET",
         "Departed",
         "HEADER_CACHE_SIZE",
         "HistoryLog",

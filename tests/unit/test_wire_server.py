@@ -336,3 +336,51 @@ async def test_a_page_of_large_entries_is_cut_short_under_grpcs_limit_and_its_to
             if not token:
                 break
         assert seen == [r.seq for r in stored]
+
+
+async def test_a_page_size_past_what_fits_costs_no_more_than_the_default() -> None:
+    """Issue 34: with large entries, ``page_size`` 1000 returns the page the default does and
+    reads no more of the log for it (the log is read a chunk at a time, each converted as it
+    is read, until the byte budget is reached); with small entries it returns all 1000 in a
+    few reads."""
+    async with in_process_mesh(presets()) as mesh:
+        mesh.scripted.program("lead", *[Reply(text=f"read {n}") for n in range(40)])
+        service = control(mesh)
+        root = await mesh.manager.create_root("Go.", preset="lead")
+        await mesh.manager.quiescent()
+        for n in range(30):  # more records than a default page
+            await mesh.manager.submit_prompt(root.session_id, chr(0x1F600 + n) * (256 * 1024))
+            await mesh.manager.quiescent()
+        read: list[int] = []
+        reads = service._reads
+        original = reads.page
+
+        async def counted(session: SessionId, *, after_seq: int, limit: int) -> Any:
+            records, more = await original(session, after_seq=after_seq, limit=limit)
+            read.append(len(records))
+            return records, more
+
+        reads.page = counted  # type: ignore[method-assign]
+
+        async def first_page(size: int) -> tuple[list[int], int]:
+            read.clear()
+            page = await service.GetSession(
+                mesh_pb2.GetSessionRequest(session_id=root.session_id, page_size=size),
+                ServicerContext(),
+            )
+            return [e.seq for e in page.transcript], sum(read)
+
+        by_default, big = await first_page(0), await first_page(1000)
+        assert by_default == big and len(big[0]) < len(await mesh.transcript(root.session_id))
+        small = await mesh.manager.create_root("Go.", preset="lead")
+        await mesh.manager.quiescent()
+        for n in range(600):
+            await mesh.manager.submit_prompt(small.session_id, f"p{n}")
+        await mesh.manager.quiescent()
+        read.clear()
+        page = await service.GetSession(
+            mesh_pb2.GetSessionRequest(session_id=small.session_id, page_size=1000),
+            ServicerContext(),
+        )
+        assert len(page.transcript) == 1000 and page.next_page_token
+        assert len(read) <= 3
