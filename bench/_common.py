@@ -61,6 +61,10 @@ class Sizes:
     """Prompts sent at 50 a second while the web view's event latency is measured."""
     view_roots: int
     """Roots of each kind (idle, waiting for approval) whose memory ``view`` compares."""
+    view_many_roots: int
+    """Roots registered while ``view`` times the page's root list (issue 34)."""
+    view_big_tree: int
+    """Agents of the big tree ``view`` renders and streams to (issue 34)."""
 
 
 FULL = Sizes(
@@ -87,6 +91,8 @@ FULL = Sizes(
     view_loads=5,
     view_events=1000,
     view_roots=300,
+    view_many_roots=100_000,
+    view_big_tree=1_000,
 )
 
 QUICK = Sizes(
@@ -113,6 +119,8 @@ QUICK = Sizes(
     view_loads=1,
     view_events=100,
     view_roots=50,
+    view_many_roots=1_000,
+    view_big_tree=100,
 )
 
 

@@ -33,7 +33,15 @@ from bench._report import Figure
 from bench.floors import append_alone, etcd_singles, hop_and_append, log_floors, record_loads
 from bench.scenarios import FANOUT_CHILDREN
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
-from dsh_mesh.core import Activation, ActivationId, AgentRef, NodeId, SessionHeader, SessionId
+from dsh_mesh.core import (
+    Activation,
+    ActivationId,
+    AgentRef,
+    NodeId,
+    SessionHeader,
+    SessionId,
+    SessionKind,
+)
 from dsh_mesh.registry import Etcd, Keys
 from dsh_mesh.registry._codec import encode_activation, encode_header
 from dsh_mesh.registry._etcd import delete, put
@@ -481,6 +489,36 @@ async def register_fillers(
             await etcd.txn([], operations)
 
     await asyncio.gather(*(writer() for _ in range(_WRITERS)))
+
+
+async def register_children(
+    etcd: Etcd, keys: Keys, parent: SessionHeader, start: int, end: int
+) -> None:
+    """Write filler children ``start`` .. ``end - 1`` of the root ``parent``, absent, as
+    ``EtcdSessionStore.create_header`` writes a child without entries: its header, its listing
+    keys, its place in its root's tree index (valued with its parent) and its root record."""
+    per_txn = _OPERATIONS_PER_TXN // 5
+    root = parent.session_id
+    for first in range(start, end, per_txn):
+        operations = []
+        for number in range(first, min(end, first + per_txn)):
+            session = SessionId(f"{_FILLER}c{number:07d}")
+            created = datetime.now(UTC)
+            header = dataclasses.replace(
+                parent,
+                session_id=session,
+                kind=SessionKind.CONTINUABLE_CHILD,
+                parent_session=root,
+                created_at=created,
+            )
+            operations += [
+                put(keys.header(session), encode_header(header)),
+                put(keys.listed(created, session), b""),
+                put(keys.namespace_listed(header.namespace, created, session), b""),
+                put(keys.member(root, created, session), root.encode()),
+                put(keys.root_of(session), root.encode()),
+            ]
+        await etcd.txn([], operations)
 
 
 async def remove_fillers(etcd: Etcd, keys: Keys) -> None:

@@ -27,18 +27,22 @@ from dsh_mesh.core import (
     ApprovalDecisionEntry,
     ApprovalRequestEntry,
     ApprovalStale,
+    AssistantStepEntry,
     CompactionEntry,
     DeliveryKind,
     IdempotencyConflict,
     Record,
     SessionId,
     SessionKind,
+    SessionUsage,
     SettlementNoticeEntry,
     SettlementOutcome,
     TaskEntry,
     ToolResultEntry,
+    Usage,
+    session_usage,
 )
-from dsh_mesh.runtime import Acceptance, IdempotencyKey, Logged, LogStore, Write
+from dsh_mesh.runtime import Acceptance, IdempotencyKey, KeptUsage, Logged, LogStore, Write
 
 S = SessionId("s-1")
 OTHER = SessionId("s-2")
@@ -90,6 +94,19 @@ def decided(
         fingerprint=f"fp {decision.content}",
     )
     return Write(entry=decision, idempotency=(IdempotencyKey(principal="approval", key=key), asked))
+
+
+def step(input_tokens: int, output_tokens: int, *, cached: int = 0) -> Write:
+    """A model step with that usage (one model call)."""
+    return Write(
+        entry=AssistantStepEntry(
+            text="thinking",
+            tool_calls=(),
+            usage=Usage(
+                input_tokens=input_tokens, output_tokens=output_tokens, cached_input_tokens=cached
+            ),
+        )
+    )
 
 
 def keyed(text: str, key: str, *, target: SessionId = S, principal: str = "s-9") -> Write:
@@ -324,6 +341,44 @@ class LogStoreConformance:
         assert await store.last_compaction(S) is None
         other = await store.last_compaction(OTHER)
         assert other is not None and other.seq == 1
+
+    async def test_usage_is_kept_as_calls_are_appended_and_forgotten_with_its_session(
+        self, store: LogStore
+    ) -> None:
+        """Issue 34: a session's usage is kept in the append's transaction (steps and
+        compactions count, the first call stays first), read in one row, unchanged by a
+        replayed key or a refused append, and gone with its session."""
+        assert await store.usage(S) is None
+        await store.raise_fence(S, 10)
+        await store.append(S, [task("a")], fence=10)
+        assert await store.usage(S) == KeptUsage(usage=SessionUsage(), through=0)
+        calls = [step(100, 7, cached=80), step(120, 9)]
+        await store.append(S, [calls[0], task("b")], fence=10)
+        summary = Write(
+            entry=CompactionEntry(
+                summary="so far", from_seq=1, through_seq=3, usage=Usage(input_tokens=300)
+            )
+        )
+        await store.append(S, [task("c"), calls[1], summary, task("d")], fence=10)
+        kept = await store.usage(S)
+        expected = session_usage(w.entry for w in [*calls, summary])
+        assert kept == KeptUsage(usage=expected, through=6)
+        assert expected.model_calls == 3 and expected.first_call == Usage(
+            input_tokens=100, output_tokens=7, cached_input_tokens=80
+        )
+        again = Write(entry=calls[0].entry, idempotency=keyed("x", "k-1").idempotency)
+        await store.append(S, [again], fence=10)
+        await store.append(S, [again], fence=10)  # a replay writes nothing, adds nothing
+        kept = await store.usage(S)
+        assert kept is not None and kept.usage.model_calls == 4 and kept.through == 8
+        with pytest.raises(ActivationFenced):
+            await store.append(S, [calls[1]], fence=9)
+        assert await store.usage(S) == kept
+        await store.append(OTHER, [calls[1]], fence=1, unfenced=True)
+        await store.delete(S, 30)
+        assert await store.usage(S) is None
+        other = await store.usage(OTHER)
+        assert other == KeptUsage(usage=session_usage([calls[1].entry]), through=1)
 
     async def test_pending_approvals_are_indexed_and_a_decision_or_a_deletion_ends_them(
         self, store: LogStore

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -12,15 +12,20 @@ from dsh_mesh.core import (
     ApprovalDecisionEntry,
     ApprovalRequestEntry,
     ApprovalStale,
+    AssistantStepEntry,
     CompactionEntry,
     Entry,
     Record,
     SessionId,
+    SessionUsage,
     ToolResultEntry,
+    Usage,
+    session_usage,
 )
 from dsh_mesh.runtime import (
     Acceptance,
     IdempotencyKey,
+    KeptUsage,
     Write,
     Written,
     check_same_request,
@@ -66,6 +71,18 @@ class Plan:
         return [
             r.entry.call_id for r, _ in self.records if isinstance(r.entry, ApprovalDecisionEntry)
         ]
+
+    @property
+    def calls(self) -> tuple[SessionUsage, int] | None:
+        """The usage of the model calls among ``records`` and the seq of the last of them;
+        None when there is none. Each append adds it to its session's usage in the same
+        transaction (:meth:`~dsh_mesh.runtime.LogStore.usage`)."""
+        calls = [
+            r for r, _ in self.records if isinstance(r.entry, AssistantStepEntry | CompactionEntry)
+        ]
+        if not calls:
+            return None
+        return session_usage(r.entry for r in calls), calls[-1].seq
 
     @property
     def answered(self) -> list[str]:
@@ -129,6 +146,83 @@ def plan_append(
         assert first is not None
         written.append(Written(record=first[1], known=first[0]))
     return Plan(records=records, new_fence=new_fence, written=written)
+
+
+def kept_usage(
+    plan: Plan, prior: KeptUsage | None, *, last_seq: int, earlier: Callable[[], Iterable[Record]]
+) -> KeptUsage | None:
+    """The usage a backend keeps for a session once ``plan`` is appended, where it kept
+    ``prior`` (None: nothing yet) and the transcript ended at ``last_seq``; None when it has
+    nothing to change. A transcript written before its store kept usage (``prior`` None,
+    ``last_seq`` above 0) is summed once, from ``earlier()`` (its records), in the same
+    transaction."""
+    if not plan.records:
+        return None
+    if prior is None:
+        before = list(earlier()) if last_seq else []
+        calls = [r for r in before if isinstance(r.entry, AssistantStepEntry | CompactionEntry)]
+        base = KeptUsage(
+            usage=session_usage(r.entry for r in calls), through=calls[-1].seq if calls else 0
+        )
+    else:
+        base = prior
+    appended = plan.calls
+    if appended is None:
+        return base if prior is None else None
+    return KeptUsage(usage=base.usage.followed_by(appended[0]), through=appended[1])
+
+
+USAGE_COLUMNS = (
+    "through",
+    "calls",
+    "input_tokens",
+    "output_tokens",
+    "cached_input_tokens",
+    "first_input_tokens",
+    "first_output_tokens",
+    "first_cached_input_tokens",
+)
+"""The columns a SQL backend keeps a session's usage in, after its session (the first call's
+three are NULL while it made none)."""
+
+
+def usage_row(kept: KeptUsage) -> tuple[int | None, ...]:
+    """``kept`` as the values of :data:`USAGE_COLUMNS`."""
+    usage, first = kept.usage, kept.usage.first_call
+    return (
+        kept.through,
+        usage.model_calls,
+        usage.input_tokens,
+        usage.output_tokens,
+        usage.cached_input_tokens,
+        None if first is None else first.input_tokens,
+        None if first is None else first.output_tokens,
+        None if first is None else first.cached_input_tokens,
+    )
+
+
+def usage_of_row(row: Sequence[int | None]) -> KeptUsage:
+    """The :class:`KeptUsage` of a row of :data:`USAGE_COLUMNS`."""
+    through, calls, input_tokens, output_tokens, cached, *first = (
+        0 if value is None and n < 5 else value for n, value in enumerate(row)
+    )
+    first_call = None
+    if first[0] is not None:
+        first_call = Usage(
+            input_tokens=int(first[0]),
+            output_tokens=int(first[1] or 0),
+            cached_input_tokens=int(first[2] or 0),
+        )
+    return KeptUsage(
+        usage=SessionUsage(
+            model_calls=int(calls or 0),
+            input_tokens=int(input_tokens or 0),
+            output_tokens=int(output_tokens or 0),
+            cached_input_tokens=int(cached or 0),
+            first_call=first_call,
+        ),
+        through=int(through or 0),
+    )
 
 
 def check_fence(session: SessionId, current: int, fence: int, *, unfenced: bool) -> None:

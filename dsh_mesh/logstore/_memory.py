@@ -6,11 +6,12 @@ from collections.abc import Collection, Sequence
 from datetime import UTC, datetime
 
 from dsh_mesh.core import ApprovalRequestEntry, Record, SessionId
-from dsh_mesh.logstore._batch import plan_append
+from dsh_mesh.logstore._batch import kept_usage, plan_append
 from dsh_mesh.runtime import (
     DEFAULT_PAGE,
     Acceptance,
     IdempotencyKey,
+    KeptUsage,
     Logged,
     StoreCondition,
     Write,
@@ -31,6 +32,7 @@ class MemoryLogStore:
         self._compacted: dict[SessionId, int] = {}  # the seq of each session's last compaction
         # Approval requests whose call has no result yet: call id -> (seq, expiry, decided).
         self._asked: dict[SessionId, dict[str, tuple[int, datetime | None, bool]]] = {}
+        self._usage: dict[SessionId, KeptUsage] = {}
         self.condition = StoreCondition()  # never refuses
 
     async def raise_fence(self, session: SessionId, fence: int) -> int:
@@ -42,6 +44,7 @@ class MemoryLogStore:
         self, session: SessionId, writes: Sequence[Write], *, fence: int, unfenced: bool = False
     ) -> list[Written]:
         transcript = self._transcripts.setdefault(session, [])
+        last_seq = len(transcript)
         plan = plan_append(
             session,
             writes,
@@ -60,6 +63,11 @@ class MemoryLogStore:
                 self._idempotency[guard[0]] = (guard[1], record.recorded_at or datetime.now(UTC))
         if plan.compactions:
             self._compacted[session] = plan.compactions[-1]
+        kept = kept_usage(
+            plan, self._usage.get(session), last_seq=last_seq, earlier=lambda: transcript[:last_seq]
+        )
+        if kept is not None:
+            self._usage[session] = kept
         asked = self._asked.setdefault(session, {})
         asked.update({call: (seq, expires, False) for call, seq, expires in plan.requests})
         for call in plan.decided:
@@ -103,6 +111,14 @@ class MemoryLogStore:
         seq = self._compacted.get(session)
         return None if seq is None else self._transcripts[session][seq - 1]
 
+    async def usage(self, session: SessionId) -> KeptUsage | None:
+        return self._usage.get(session)
+
+    def forget_usage(self, session: SessionId) -> None:
+        """Drop what it keeps of ``session``'s usage, as a store from before it kept usage
+        would have none (tests of the summing once)."""
+        self._usage.pop(session, None)
+
     async def pending_approvals(
         self, sessions: Collection[SessionId]
     ) -> list[tuple[SessionId, Record]]:
@@ -129,6 +145,7 @@ class MemoryLogStore:
         self._transcripts.pop(session, None)
         self._compacted.pop(session, None)
         self._asked.pop(session, None)
+        self._usage.pop(session, None)
         self._forgotten[session] = len(self._log)
         for key in [k for k, (a, _) in self._idempotency.items() if a.target == session]:
             del self._idempotency[key]

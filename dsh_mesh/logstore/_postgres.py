@@ -32,12 +32,19 @@ from dsh_mesh.core import (
     SessionId,
     StoreRefused,
 )
-from dsh_mesh.logstore._batch import plan_append
+from dsh_mesh.logstore._batch import (
+    USAGE_COLUMNS,
+    kept_usage,
+    plan_append,
+    usage_of_row,
+    usage_row,
+)
 from dsh_mesh.registry import decode_acceptance, decode_record, encode_acceptance, encode_entry
 from dsh_mesh.runtime import (
     DEFAULT_PAGE,
     Acceptance,
     IdempotencyKey,
+    KeptUsage,
     Logged,
     StoreCondition,
     Write,
@@ -68,6 +75,11 @@ _SCHEMA = (
     " session TEXT NOT NULL, call_id TEXT NOT NULL, seq BIGINT NOT NULL, expires TIMESTAMPTZ,"
     " decided BOOLEAN NOT NULL DEFAULT FALSE, PRIMARY KEY (session, call_id))",
     "CREATE INDEX IF NOT EXISTS approvals_by_expiry ON approvals (expires)",
+    # Each session's usage, kept as its model calls are appended (issue 34).
+    "CREATE TABLE IF NOT EXISTS usage (session TEXT PRIMARY KEY,"
+    " through BIGINT NOT NULL, calls BIGINT NOT NULL, input_tokens BIGINT NOT NULL,"
+    " output_tokens BIGINT NOT NULL, cached_input_tokens BIGINT NOT NULL,"
+    " first_input_tokens BIGINT, first_output_tokens BIGINT, first_cached_input_tokens BIGINT)",
 )
 _ENSURE_FENCE = "INSERT INTO fences (session, fence) VALUES ($1, 0) ON CONFLICT DO NOTHING"
 _LOCK_FENCE = "SELECT fence FROM fences WHERE session = $1 FOR UPDATE"
@@ -130,6 +142,15 @@ _WAITING = (
     " JOIN entries e ON e.session = a.session AND e.seq = a.seq"
     " WHERE a.session = $1 AND a.call_id = ANY($2::text[])"
 )
+_USAGE = f"SELECT {', '.join(USAGE_COLUMNS)} FROM usage WHERE session = $1"
+_SAVE_USAGE = (
+    f"INSERT INTO usage (session, {', '.join(USAGE_COLUMNS)})"
+    f" VALUES ({', '.join(f'${n}' for n in range(1, len(USAGE_COLUMNS) + 2))})"
+    " ON CONFLICT (session) DO UPDATE SET "
+    + ", ".join(f"{column} = excluded.{column}" for column in USAGE_COLUMNS)
+)
+_RECORDS_UPTO = "SELECT seq, data FROM entries WHERE session = $1 AND seq <= $2 ORDER BY seq"
+_FORGET_USAGE = "DELETE FROM usage WHERE session = $1"
 _FORGET_ENTRIES = "DELETE FROM entries WHERE session = $1"
 _FORGET_KEYS = "DELETE FROM idempotency WHERE target = $1"
 _EXPIRE_KEYS = "DELETE FROM idempotency WHERE at < $1"
@@ -282,6 +303,11 @@ class PostgresLogStore:
             row = await db.fetchrow(_LAST, session)
         return None if row is None else decode_record(row[0], row[1])
 
+    async def usage(self, session: SessionId) -> KeptUsage | None:
+        async with self._connection() as db:
+            row = await db.fetchrow(_USAGE, session)
+        return None if row is None else usage_of_row(tuple(row))
+
     async def last_compaction(self, session: SessionId) -> Record | None:
         async with self._connection() as db:
             row = await db.fetchrow(_LAST_COMPACTION, session)
@@ -307,6 +333,7 @@ class PostgresLogStore:
             await db.execute(_FORGET_ENTRIES, session)
             await db.execute(_FORGET_COMPACTIONS, session)
             await db.execute(_FORGET_APPROVALS, session)
+            await db.execute(_FORGET_USAGE, session)
             await db.execute(_FORGET_KEYS, session)
 
     async def expire_keys(self, before: datetime) -> int:
@@ -381,6 +408,16 @@ class PostgresLogStore:
                 await db.execute(_DECIDE_REQUESTS, session, plan.decided)
             if plan.answered:
                 await db.execute(_FORGET_REQUESTS, session, plan.answered)
+            if plan.records:
+                row = await db.fetchrow(_USAGE, session)
+                prior = None if row is None else usage_of_row(tuple(row))
+                earlier: list[Record] = []
+                if prior is None and last:  # a transcript from before usage was kept
+                    rows = await db.fetch(_RECORDS_UPTO, session, last)
+                    earlier = [decode_record(seq, data) for seq, data in rows]
+                kept = kept_usage(plan, prior, last_seq=last or 0, earlier=lambda: earlier)
+                if kept is not None:
+                    await db.execute(_SAVE_USAGE, session, *usage_row(kept))
             if plan.new_fence is not None:
                 await db.execute(_SET_FENCE, session, plan.new_fence)
             return plan.written

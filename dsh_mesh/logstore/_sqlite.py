@@ -22,12 +22,19 @@ from pathlib import Path
 from typing import TypeVar
 
 from dsh_mesh.core import ApprovalRequestEntry, Record, RegistryUnavailable, SessionId, StoreRefused
-from dsh_mesh.logstore._batch import plan_append
+from dsh_mesh.logstore._batch import (
+    USAGE_COLUMNS,
+    kept_usage,
+    plan_append,
+    usage_of_row,
+    usage_row,
+)
 from dsh_mesh.registry import decode_acceptance, decode_record, encode_acceptance, encode_entry
 from dsh_mesh.runtime import (
     DEFAULT_PAGE,
     Acceptance,
     IdempotencyKey,
+    KeptUsage,
     Logged,
     StoreCondition,
     Write,
@@ -64,6 +71,12 @@ _SCHEMA = (
     " session TEXT NOT NULL, call_id TEXT NOT NULL, seq INTEGER NOT NULL, expires INTEGER,"
     " decided INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (session, call_id)) WITHOUT ROWID",
     "CREATE INDEX IF NOT EXISTS approvals_by_expiry ON approvals (expires)",
+    # Each session's usage, kept as its model calls are appended (issue 34).
+    "CREATE TABLE IF NOT EXISTS usage (session TEXT PRIMARY KEY,"
+    " through INTEGER NOT NULL, calls INTEGER NOT NULL, input_tokens INTEGER NOT NULL,"
+    " output_tokens INTEGER NOT NULL, cached_input_tokens INTEGER NOT NULL,"
+    " first_input_tokens INTEGER, first_output_tokens INTEGER,"
+    " first_cached_input_tokens INTEGER) WITHOUT ROWID",
 )
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _BUSY_TIMEOUT_MS = 10_000
@@ -122,13 +135,14 @@ class SqliteLogStore:
                 row = db.execute(
                     "SELECT max(seq) FROM entries WHERE session = ?", (session,)
                 ).fetchone()
+                last_seq = row[0] or 0
                 plan = plan_append(
                     session,
                     writes,
                     fence=fence,
                     unfenced=unfenced,
                     current_fence=_fence_of(db, session),
-                    last_seq=row[0] or 0,
+                    last_seq=last_seq,
                     known=lambda key: _known(db, key),
                     waiting=lambda call: _waiting(db, session, call),
                     now=datetime.now(UTC),
@@ -182,6 +196,14 @@ class SqliteLogStore:
                     "DELETE FROM approvals WHERE session = ? AND call_id = ?",
                     [(session, call) for call in plan.answered],
                 )
+                kept = kept_usage(
+                    plan,
+                    _usage(db, session),
+                    last_seq=last_seq,
+                    earlier=lambda: _records(db, session, upto=last_seq),
+                )
+                if kept is not None:
+                    db.execute(_SAVE_USAGE, (session, *usage_row(kept)))
                 if plan.new_fence is not None:
                     db.execute(
                         "INSERT INTO fences (session, fence) VALUES (?, ?)"
@@ -243,6 +265,9 @@ class SqliteLogStore:
 
         return await self._run(work)
 
+    async def usage(self, session: SessionId) -> KeptUsage | None:
+        return await self._run(lambda db: _usage(db, session))
+
     async def last_compaction(self, session: SessionId) -> Record | None:
         def work(db: sqlite3.Connection) -> Record | None:
             row = db.execute(
@@ -298,6 +323,7 @@ class SqliteLogStore:
                 db.execute("DELETE FROM entries WHERE session = ?", (session,))
                 db.execute("DELETE FROM compactions WHERE session = ?", (session,))
                 db.execute("DELETE FROM approvals WHERE session = ?", (session,))
+                db.execute("DELETE FROM usage WHERE session = ?", (session,))
                 db.execute("DELETE FROM idempotency WHERE target = ?", (session,))
 
         await self._run(work)
@@ -446,6 +472,30 @@ def _known(db: sqlite3.Connection, key: IdempotencyKey) -> tuple[Acceptance, Rec
         (acceptance.target, acceptance.seq),
     ).fetchone()
     return acceptance, decode_record(acceptance.seq, found[0])
+
+
+_SAVE_USAGE = (
+    f"INSERT INTO usage (session, {', '.join(USAGE_COLUMNS)})"
+    f" VALUES ({', '.join('?' * (len(USAGE_COLUMNS) + 1))}) ON CONFLICT (session) DO UPDATE SET "
+    + ", ".join(f"{column} = excluded.{column}" for column in USAGE_COLUMNS)
+)
+
+
+def _usage(db: sqlite3.Connection, session: SessionId) -> KeptUsage | None:
+    row = db.execute(
+        f"SELECT {', '.join(USAGE_COLUMNS)} FROM usage WHERE session = ?", (session,)
+    ).fetchone()
+    return None if row is None else usage_of_row(row)
+
+
+def _records(db: sqlite3.Connection, session: SessionId, *, upto: int) -> list[Record]:
+    """``session``'s records up to seq ``upto`` (summed once, for a transcript written before
+    the store kept usage)."""
+    rows = db.execute(
+        "SELECT seq, data FROM entries WHERE session = ? AND seq <= ? ORDER BY seq",
+        (session, upto),
+    ).fetchall()
+    return [decode_record(seq, data) for seq, data in rows]
 
 
 def _waiting(

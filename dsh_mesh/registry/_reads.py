@@ -32,7 +32,7 @@ from dsh_mesh.registry._codec import decode_activation, decode_header
 from dsh_mesh.registry._etcd import Etcd, get
 from dsh_mesh.registry._index_cache import IndexCache
 from dsh_mesh.registry._keys import Keys, prefix_end, session_of_index_key
-from dsh_mesh.runtime import DEFAULT_PAGE, LogStore
+from dsh_mesh.runtime import DEFAULT_PAGE, KeptUsage, LogStore
 
 MAX_POSITION = (1 << 63) - 1
 """The largest position a feed can name (a signed 64-bit integer)."""
@@ -308,6 +308,10 @@ class RegistryReads:
         those from the log store (and one more, to know), however long the transcript."""
         records = await self._log.read(session, after_seq=after_seq, limit=limit + 1)
         return records[:limit], len(records) > limit
+
+    async def usage(self, session: SessionId) -> KeptUsage | None:
+        """The usage of ``session``'s model calls as the log store keeps it (one row)."""
+        return await self._log.usage(session)
 
     # -- the feed -------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from dsh_mesh.runtime._limits import (
     NamespaceLimits,
     TreeLimits,
 )
-from dsh_mesh.runtime._log import DEFAULT_PAGE, Logged, LogStore, Write, Written
+from dsh_mesh.runtime._log import DEFAULT_PAGE, KeptUsage, Logged, LogStore, Write, Written
 from dsh_mesh.runtime._manager import ContinuationManager
 from dsh_mesh.runtime._memory_store import InMemorySessionStore
 from dsh_mesh.runtime._recording import HistoryLog, RecordingStore
@@ -46,6 +46,7 @@ __all__ = [
     "HistoryLog",
     "IdempotencyKey",
     "InMemorySessionStore",
+    "KeptUsage",
     "Limits",
     "LogStore",
     "Logged",

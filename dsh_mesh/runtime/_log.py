@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
 
-from dsh_mesh.core import Entry, Record, SessionId
+from dsh_mesh.core import Entry, Record, SessionId, SessionUsage
 from dsh_mesh.runtime._condition import StoreCondition
 from dsh_mesh.runtime._store import Acceptance, IdempotencyKey
 
@@ -40,6 +40,15 @@ class Logged:
     session: SessionId
     position: int
     record: Record
+
+
+@dataclass(frozen=True, kw_only=True)
+class KeptUsage:
+    """A session's usage as its log store keeps it: the sum over its model calls up to and
+    including seq ``through`` (0: none yet), the last call it covers."""
+
+    usage: SessionUsage
+    through: int
 
 
 class LogStore(Protocol):
@@ -113,6 +122,13 @@ class LogStore(Protocol):
         """``session``'s last record holding a ``CompactionEntry`` (None when it has none):
         one indexed read, however long the transcript. The store indexes every compaction it
         appends, in the append's transaction."""
+        ...
+
+    async def usage(self, session: SessionId) -> KeptUsage | None:
+        """The usage of ``session``'s model calls (steps and compactions), kept as each is
+        appended, in the append's transaction: one row read, however long the transcript.
+        ``None`` when the store keeps none for it: no record, or a transcript written before
+        the store kept usage and with no model call appended since (a reader sums it then)."""
         ...
 
     async def pending_approvals(

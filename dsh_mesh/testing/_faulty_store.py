@@ -30,6 +30,7 @@ from dsh_mesh.runtime import (
     Acceptance,
     IdempotencyKey,
     InMemorySessionStore,
+    KeptUsage,
     Logged,
     LogStore,
     NamespaceCensus,
@@ -417,6 +418,11 @@ class FaultyLogStore:
         return await self.faults.run(
             StoreCall("last_compaction", {"session": session}),
             lambda: self.inner.last_compaction(session),
+        )
+
+    async def usage(self, session: SessionId) -> KeptUsage | None:
+        return await self.faults.run(
+            StoreCall("usage", {"session": session}), lambda: self.inner.usage(session)
         )
 
     async def pending_approvals(

@@ -24,6 +24,8 @@ from dsh_mesh.core import (
     Activation,
     AgentRef,
     ApprovalDecisionEntry,
+    AssistantStepEntry,
+    CompactionEntry,
     ConsumedEntry,
     IdempotencyConflict,
     InvalidArgument,
@@ -44,6 +46,7 @@ from dsh_mesh.core import (
     parse_session_id,
     session_usage,
 )
+from dsh_mesh.runtime import KeptUsage
 from dsh_mesh.transport._auth import ClusterCredential, caller_hops, decider
 from dsh_mesh.transport._convert import (
     DECISION_FROM_WIRE,
@@ -68,6 +71,9 @@ MAX_PAGE_TOKEN_DIGITS = 19
 digits. Anything else is refused as malformed (``INVALID_ARGUMENT``)."""
 USAGE_CHUNK = 10 * MAX_PAGE
 USAGE_SESSIONS = 1024
+_USAGE_TRIES = 3
+"""Reads of a session's kept usage one page tries (another is needed only when a model call
+lands between the usage read and the page read, at the very start of the page)."""
 """Sessions whose usage so far a node remembers for ``GetSession``."""
 """How many records ``GetSession`` reads at a time while it sums a session's usage over the
 whole transcript: a transcript up to this long takes one registry read, a longer one one more
@@ -125,6 +131,7 @@ class ControlReads(Protocol):
     async def page(
         self, session: SessionId, *, after_seq: int, limit: int
     ) -> tuple[list[Record], bool]: ...
+    async def usage(self, session: SessionId) -> KeptUsage | None: ...
     def follow(
         self, root: SessionId, *, tree: bool, after_position: int = 0, after_seq: int = 0
     ) -> AsyncIterator[WatchEvent]: ...
@@ -381,19 +388,7 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
             # The hosting node knows whether a turn is running; ask it.
             return await self._peers.get_session(current.node_id, request)
         after, limit = _page(request.page_token, request.page_size)
-        resident = None if current is None else self._manager().agent(session)
-        if (
-            resident is not None
-            and current is not None
-            and (resident.activation.activation_id == current.activation_id)
-            and resident.whole_transcript
-        ):
-            # Every model call of a session is written by the agent that made it, which keeps
-            # its whole transcript until it compacts: the usage needs no pass over the log.
-            usage, upto = session_usage(r.entry for r in resident.records), None
-        else:
-            usage, upto = await self._usage(session)
-        transcript, more = await self._fitting_page(session, after=after, limit=limit, upto=upto)
+        transcript, more, usage = await self._page_and_usage(session, after=after, limit=limit)
         reply = mesh_pb2.Session(
             header=header_to_wire(header),
             transcript=transcript,
@@ -405,7 +400,30 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
             reply.activation.CopyFrom(activation_to_wire(current))
         return reply
 
-    async def _usage(self, session: SessionId) -> tuple[SessionUsage, int]:
+    async def _page_and_usage(
+        self, session: SessionId, *, after: int, limit: int
+    ) -> tuple[list[mesh_pb2.TranscriptEntry], bool, SessionUsage]:
+        """A page and the usage of the transcript up to its end: the usage the log store keeps
+        (one row, however long the transcript), the page stopping before any model call that
+        usage does not cover yet (appended between the two reads: the next page has it); a
+        transcript from before the store kept usage is summed once (:meth:`_summed_usage`)."""
+        tries = 0
+        while True:
+            tries += 1
+            kept = await self._reads.usage(session)
+            if kept is None:
+                usage, end = await self._summed_usage(session)
+                page, more = await self._fitting_page(session, after=after, limit=limit, upto=end)
+                return page, more, usage
+            page, more = await self._fitting_page(
+                session, after=after, limit=limit, calls_through=kept.through
+            )
+            # Empty but more: the first record after ``after`` is a call newer than the usage
+            # read. Read it again (it covers that call now).
+            if page or not more or tries == _USAGE_TRIES:
+                return page, more, kept.usage
+
+    async def _summed_usage(self, session: SessionId) -> tuple[SessionUsage, int]:
         """The usage of the transcript from seq 1 to its end as read, and that end's seq: a
         page shown with it goes no further, so when nothing follows the page the usage is
         exactly that of the records up to its end. The transcript is append-only, so the usage
@@ -426,10 +444,17 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         return usage, end
 
     async def _fitting_page(
-        self, session: SessionId, *, after: int, limit: int, upto: int | None
+        self,
+        session: SessionId,
+        *,
+        after: int,
+        limit: int,
+        upto: int | None = None,
+        calls_through: int | None = None,
     ) -> tuple[list[mesh_pb2.TranscriptEntry], bool]:
-        """Up to ``limit`` entries after seq ``after`` (and none past ``upto``, when given), as
-        many as fit one response (``MAX_PAGE_BYTES``, at least one), and whether more follow.
+        """Up to ``limit`` entries after seq ``after`` (none past ``upto``, and none from a
+        model call past ``calls_through``, when given), as many as fit one response
+        (``MAX_PAGE_BYTES``, at least one), and whether more follow.
         The log is read a chunk at a time, each sized to what is likely still to fit, and each
         record converted as it is read: a ``page_size`` past what fits costs no more per entry
         than the default (issue 34), where reading and converting it all did."""
@@ -441,6 +466,12 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
             for record in records:
                 if upto is not None and record.seq > upto:
                     return page, bool(page)
+                if (
+                    calls_through is not None
+                    and record.seq > calls_through
+                    and isinstance(record.entry, AssistantStepEntry | CompactionEntry)
+                ):
+                    return page, True
                 entry = record_to_wire(record)
                 size += entry.ByteSize()
                 if size > MAX_PAGE_BYTES and page:

@@ -5,12 +5,13 @@ interrupt, stop a subtree, approve or deny a waiting call). Every request is sig
 with that person's scope and name (ADR 0041)."""
 
 from dsh_mesh.ui._answers import error_response
-from dsh_mesh.ui._app import create_app
+from dsh_mesh.ui._app import ROOTS_PAGE, create_app
 from dsh_mesh.ui._guard import ViewPolicy
 from dsh_mesh.ui._people import Person, SignedInBy, SignIns
 from dsh_mesh.ui._server import ExposureRefused, ViewAddress, ViewTls, serving
 
 __all__ = [
+    "ROOTS_PAGE",
     "ExposureRefused",
     "Person",
     "SignIns",

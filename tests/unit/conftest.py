@@ -26,7 +26,7 @@ from dsh_mesh.core import (
     ToolDescriptor,
 )
 from dsh_mesh.models import Action, ScriptedProvider
-from dsh_mesh.runtime import ContinuationManager, InMemorySessionStore, ManagerConfig
+from dsh_mesh.runtime import ContinuationManager, InMemorySessionStore, KeptUsage, ManagerConfig
 from dsh_mesh.testing import (
     FaultySessionStore,
     InProcessMesh,
@@ -232,6 +232,9 @@ class StoreReads:
     ) -> tuple[list[Record], bool]:
         records = await self._store.read(session, after_seq=after_seq)
         return records[:limit], len(records) > limit
+
+    async def usage(self, session: SessionId) -> KeptUsage | None:
+        return None  # an in-memory session store keeps none: the control plane sums it
 
     def follow(
         self, root: SessionId, *, tree: bool, after_position: int = 0, after_seq: int = 0

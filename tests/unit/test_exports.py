@@ -395,6 +395,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "HistoryLog",
         "IdempotencyKey",
         "InMemorySessionStore",
+        "KeptUsage",
         "Limits",
         "LogStore",
         "Logged",
@@ -541,6 +542,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
     "dsh_mesh.ui": [
         "ExposureRefused",
         "Person",
+        "ROOTS_PAGE",
         "SignIns",
         "SignedInBy",
         "ViewAddress",

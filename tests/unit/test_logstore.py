@@ -16,7 +16,16 @@ from dsh_mesh.core import ActivationFenced
 from dsh_mesh.logstore import MemoryLogStore, SqliteLogStore
 from dsh_mesh.logstore._sqlite import _write_ahead
 from dsh_mesh.runtime import IdempotencyKey, LogStore
-from tests.logstore_conformance import OTHER, LogStoreConformance, S, contents, keyed, rising, task
+from tests.logstore_conformance import (
+    OTHER,
+    LogStoreConformance,
+    S,
+    contents,
+    keyed,
+    rising,
+    step,
+    task,
+)
 
 
 @pytest.fixture(params=["memory", "sqlite"])
@@ -119,3 +128,31 @@ async def test_a_sqlite_store_keeps_everything_across_a_reopen(tmp_path: Path) -
         assert await after.lookup(IdempotencyKey(principal="s-9", key="k")) is not None
         assert await after.raise_fence(S, 5) == 10
         await after.aclose()  # idempotent: the block closes it again
+
+
+async def test_a_transcript_from_before_usage_was_kept_is_summed_once_at_its_next_call(
+    tmp_path: Path,
+) -> None:
+    """A file written before the store kept usage has no usage row: it reads as none (the
+    control plane sums such a transcript itself), and its next model call sums the transcript
+    once, in that append's transaction, then keeps adding."""
+    path = tmp_path / "old.sqlite"
+    async with SqliteLogStore(path) as sqlite:
+        await sqlite.raise_fence(S, 10)
+        await sqlite.append(S, [task("a"), step(100, 5), step(50, 5)], fence=10)
+    with sqlite3.connect(path) as db:
+        db.execute("DELETE FROM usage")  # as a file from before the usage table
+    memory = MemoryLogStore()
+    await memory.raise_fence(S, 10)
+    await memory.append(S, [task("a"), step(100, 5), step(50, 5)], fence=10)
+    memory.forget_usage(S)
+    async with SqliteLogStore(path) as sqlite:
+        for store in (sqlite, memory):
+            assert await store.usage(S) is None
+            await store.append(S, [task("b")], fence=10)  # no call: a row from what is there
+            await store.append(S, [step(10, 1)], fence=10)
+            kept = await store.usage(S)
+            assert kept is not None and kept.through == 5
+            assert (kept.usage.model_calls, kept.usage.input_tokens) == (3, 160)
+            assert kept.usage.first_call is not None
+            assert kept.usage.first_call.input_tokens == 100

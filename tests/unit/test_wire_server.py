@@ -16,6 +16,8 @@ from google.rpc import error_details_pb2, status_pb2
 
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
 from dsh_mesh.core import (
+    AssistantStepEntry,
+    CompactionEntry,
     NodeId,
     Record,
     RejectionReason,
@@ -24,7 +26,7 @@ from dsh_mesh.core import (
     session_usage,
 )
 from dsh_mesh.models import Reply, tool
-from dsh_mesh.runtime import InMemorySessionStore
+from dsh_mesh.runtime import InMemorySessionStore, KeptUsage
 from dsh_mesh.testing import FaultySessionStore, InProcessMesh, in_process_mesh, writing
 from dsh_mesh.transport import DETAILS_METADATA_KEY, ERROR_DOMAIN, ClusterCredential
 from dsh_mesh.transport import _control as control_module
@@ -235,9 +237,14 @@ async def test_a_creation_cut_by_its_caller_keeps_its_task_and_a_retry_finds_it(
 
 
 class _CountingReads(StoreReads):
+    """Counts the page reads; keeps the usage of the sessions in ``kept`` (through their last
+    call, or through ``through`` when set), as a log store keeps it, and none of the others'."""
+
     def __init__(self, store: InMemorySessionStore) -> None:
         super().__init__(store)
         self.pages = 0
+        self.kept: set[SessionId] = set()
+        self.through: int | None = None
 
     async def page(
         self, session: SessionId, *, after_seq: int, limit: int
@@ -245,13 +252,24 @@ class _CountingReads(StoreReads):
         self.pages += 1
         return await super().page(session, after_seq=after_seq, limit=limit)
 
+    async def usage(self, session: SessionId) -> KeptUsage | None:
+        if session not in self.kept:
+            return None
+        records = await self._store.read(session)
+        calls = [r for r in records if isinstance(r.entry, AssistantStepEntry | CompactionEntry)]
+        if self.through is not None:
+            calls = [r for r in calls if r.seq <= self.through]
+        return KeptUsage(
+            usage=session_usage(r.entry for r in calls), through=calls[-1].seq if calls else 0
+        )
 
-async def test_a_resident_sessions_usage_comes_from_its_agent_and_an_absent_ones_from_a_pass(
+
+async def test_a_kept_usage_costs_no_read_and_an_unkept_one_is_summed_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """GetSession sums a session's usage over its whole transcript. The agent hosting it holds
-    every step it made, so a resident session costs one page read however long it is; only an
-    absent one is read through, chunk by chunk."""
+    """GetSession's usage covers a session's whole transcript. Where the log store keeps it
+    (issue 34), a page costs one page read however long the transcript; a transcript from
+    before the store kept usage is read through once, chunk by chunk, then remembered."""
     monkeypatch.setattr(control_module, "USAGE_CHUNK", 2)
     async with in_process_mesh(presets()) as mesh:
         mesh.scripted.program(
@@ -270,6 +288,7 @@ async def test_a_resident_sessions_usage_comes_from_its_agent_and_an_absent_ones
         await mesh.manager.quiescent()
         records = await mesh.transcript(root.session_id)
         assert len(records) > 2 * 2  # longer than two chunks
+        reads.kept.add(root.session_id)
 
         resident = await service.GetSession(
             mesh_pb2.GetSessionRequest(session_id=root.session_id, page_size=1), ServicerContext()
@@ -305,6 +324,18 @@ async def test_a_resident_sessions_usage_comes_from_its_agent_and_an_absent_ones
         )
         assert reads.pages == 3
         assert [e.seq for e in second.transcript] == [2] and second.usage == absent.usage
+
+        # A call appended between the usage read and the page read: the page stops before it,
+        # so the usage it carries is exactly that of the calls up to its end.
+        steps = [r.seq for r in records if isinstance(r.entry, AssistantStepEntry)]
+        reads.through = steps[1]
+        cut = await service.GetSession(
+            mesh_pb2.GetSessionRequest(session_id=root.session_id, page_size=1000),
+            ServicerContext(),
+        )
+        assert [e.seq for e in cut.transcript] == list(range(1, steps[2]))
+        assert cut.next_page_token == str(steps[2] - 1)
+        assert cut.usage.model_calls == 2
 
 
 async def test_a_page_of_large_entries_is_cut_short_under_grpcs_limit_and_its_token_leads_on() -> (
@@ -352,7 +383,9 @@ async def test_a_page_size_past_what_fits_costs_no_more_than_the_default() -> No
             await mesh.manager.submit_prompt(root.session_id, chr(0x1F600 + n) * (256 * 1024))
             await mesh.manager.quiescent()
         read: list[int] = []
-        reads = service._reads
+        reads = _CountingReads(mesh.store)  # the log store keeps the usage: no pass to sum it
+        reads.kept.add(root.session_id)
+        service._reads = reads
         original = reads.page
 
         async def counted(session: SessionId, *, after_seq: int, limit: int) -> Any:
@@ -373,6 +406,7 @@ async def test_a_page_size_past_what_fits_costs_no_more_than_the_default() -> No
         by_default, big = await first_page(0), await first_page(1000)
         assert by_default == big and len(big[0]) < len(await mesh.transcript(root.session_id))
         small = await mesh.manager.create_root("Go.", preset="lead")
+        reads.kept.add(small.session_id)
         await mesh.manager.quiescent()
         for n in range(600):
             await mesh.manager.submit_prompt(small.session_id, f"p{n}")
