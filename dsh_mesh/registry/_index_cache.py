@@ -100,6 +100,8 @@ class IndexCache:
                 _log.warning("index cache: revision compacted; reloading %r", prefix)
             except MeshError as error:
                 _log.warning("index cache: watch on %r broke: %s", prefix, error)
+            except Exception:  # a defect here must not end the node: listings read etcd
+                _log.exception("index cache: following %r failed; loading it again", prefix)
             self._synced.discard(prefix)
             await asyncio.sleep(_RETRY_SECONDS)
 

@@ -211,11 +211,13 @@ class ContinuationManager:
     ) -> None:
         await self._stack.__aexit__(exc_type, exc, tb)
 
-    async def drain(self, grace: timedelta) -> None:
+    async def drain(self, grace: timedelta, *, release: bool = True) -> None:
         """Stop taking work, give running turns up to ``grace`` to finish, then stop every driver
-        and release every activation held here, so other nodes can cold-resume those sessions
-        at once. Sends arriving meanwhile are refused as ``PeerUnavailable`` (retryable)."""
-        await self._residency.drain(grace)
+        and (with ``release``) release every activation held here, so other nodes can
+        cold-resume those sessions at once. Without ``release`` the caller ends them all at
+        once itself (a node revokes its lease: one etcd request, however many). Sends arriving
+        meanwhile are refused as ``PeerUnavailable`` (retryable)."""
+        await self._residency.drain(grace, release=release)
 
     def passivate_idle(self, limit: int) -> int:
         """Under memory pressure: end up to ``limit`` idle activations that may end (nothing

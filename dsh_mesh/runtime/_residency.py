@@ -150,9 +150,9 @@ class Residency:
             task.cancel()
         self._work.cancel()
 
-    async def drain(self, grace: timedelta) -> None:
+    async def drain(self, grace: timedelta, *, release: bool = True) -> None:
         """Stop taking work, give running turns up to ``grace`` to finish, then stop every
-        driver and release every activation held here."""
+        driver and (with ``release``) release every activation held here."""
         self.draining = True
         self._changes.changed()
         with contextlib.suppress(TimeoutError):
@@ -164,7 +164,8 @@ class Residency:
             )
         held = [agent.activation for agent in self._agents.values()]
         self.shutdown()
-        await self._release_all(held)
+        if release:
+            await self._release_all(held)
 
     async def _release_all(self, held: Sequence[Activation]) -> None:
         """Release ``held``, ``RELEASES_IN_FLIGHT`` at a time, for at most
