@@ -369,6 +369,13 @@ class Etcd:
         async with self._errors():
             await self._client.compact(revision, physical=physical)
 
+    async def defragment(self) -> None:
+        """Defragment the member this client talks to, as an operator's ``etcdctl defrag``:
+        the space a compaction freed goes back to the file system. The member answers nothing
+        else meanwhile: give this client a long enough ``call_timeout``."""
+        async with self._errors():
+            await self._client.defragment()
+
     async def revoke(self, lease: int) -> None:
         """Revoke ``lease``: every key bound to it is deleted at once. Idempotent: a lease etcd
         no longer knows (revoked by anyone, or expired) is already what revoking asks for."""

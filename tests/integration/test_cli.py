@@ -28,7 +28,7 @@ import grpc
 import pytest
 
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
-from dsh_mesh.cli import Console, parse_args, resolve_connection
+from dsh_mesh.cli import Connection, Console, parse_args, resolve_connection
 from dsh_mesh.cli._commands import run_command
 from dsh_mesh.client import ClientOptions, MeshClient, Task
 from dsh_mesh.core import PeerUnavailable, RejectionReason, SessionUnknown
@@ -252,17 +252,22 @@ async def test_pages_are_followed_to_the_end() -> None:
     assert (root.session_id, root.node_id, root.request_id) == ("s-9", "node-x", "r-1")
 
 
+def scripted_connection(address: str) -> Connection:
+    """The CLI's connection to the scripted control plane at ``address``, by flags alone."""
+    return resolve_connection(
+        node_flag=address,
+        token_flag=TOKEN,
+        environ={},
+        state=None,
+        toml=None,
+        tls_flags=(None, None, None),
+    )
+
+
 async def test_show_prints_the_usage_the_last_page_summed() -> None:
     control = ScriptedControl()
     async with serving(control) as address:
-        connection = resolve_connection(
-            node_flag=address,
-            token_flag=TOKEN,
-            environ={},
-            state=None,
-            toml=None,
-            tls_flags=(None, None, None),
-        )
+        connection = scripted_connection(address)
         out, err = io.StringIO(), io.StringIO()
         args = parse_args(["show", "s-1"])
         assert await run_command(args, connection, None, Console(out=out, err=err)) == 0
@@ -289,14 +294,7 @@ async def test_ls_shows_the_first_page_and_a_count_and_all_every_page() -> None:
     every page as it comes, under one header; a filtered page that kept nothing is gone past."""
     control = ScriptedControl()
     async with serving(control) as address:
-        connection = resolve_connection(
-            node_flag=address,
-            token_flag=TOKEN,
-            environ={},
-            state=None,
-            toml=None,
-            tls_flags=(None, None, None),
-        )
+        connection = scripted_connection(address)
 
         async def ls(*flags: str) -> tuple[list[str], str]:
             out, err = io.StringIO(), io.StringIO()
