@@ -72,6 +72,13 @@ class Plan:
             r.entry.call_id for r, _ in self.records if isinstance(r.entry, ApprovalDecisionEntry)
         ]
 
+    def keeps_usage(self, last_seq: int) -> bool:
+        """Whether this append changes what its store keeps of its session's usage (after a
+        transcript that ended at ``last_seq``): it writes a model call, or it is the session's
+        first append (its row starts). Any other append reads and writes nothing of it, so an
+        agent message's append (the warm path) costs no usage row."""
+        return bool(self.records) and (self.calls is not None or last_seq == 0)
+
     @property
     def calls(self) -> tuple[SessionUsage, int] | None:
         """The usage of the model calls among ``records`` and the seq of the last of them;
@@ -153,10 +160,11 @@ def kept_usage(
 ) -> KeptUsage | None:
     """The usage a backend keeps for a session once ``plan`` is appended, where it kept
     ``prior`` (None: nothing yet) and the transcript ended at ``last_seq``; None when it has
-    nothing to change. A transcript written before its store kept usage (``prior`` None,
-    ``last_seq`` above 0) is summed once, from ``earlier()`` (its records), in the same
-    transaction."""
-    if not plan.records:
+    nothing to change. A backend asks only when :meth:`Plan.keeps_usage` (and reads ``prior``
+    only then, and only after a first append). A transcript written before its store kept
+    usage (``prior`` None, ``last_seq`` above 0) is summed once, from ``earlier()`` (its
+    records), in the same transaction."""
+    if not plan.keeps_usage(last_seq):
         return None
     if prior is None:
         before = list(earlier()) if last_seq else []

@@ -408,8 +408,8 @@ class PostgresLogStore:
                 await db.execute(_DECIDE_REQUESTS, session, plan.decided)
             if plan.answered:
                 await db.execute(_FORGET_REQUESTS, session, plan.answered)
-            if plan.records:
-                row = await db.fetchrow(_USAGE, session)
+            if plan.keeps_usage(last or 0):
+                row = await db.fetchrow(_USAGE, session) if last else None
                 prior = None if row is None else usage_of_row(tuple(row))
                 earlier: list[Record] = []
                 if prior is None and last:  # a transcript from before usage was kept

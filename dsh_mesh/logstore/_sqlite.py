@@ -196,14 +196,15 @@ class SqliteLogStore:
                     "DELETE FROM approvals WHERE session = ? AND call_id = ?",
                     [(session, call) for call in plan.answered],
                 )
-                kept = kept_usage(
-                    plan,
-                    _usage(db, session),
-                    last_seq=last_seq,
-                    earlier=lambda: _records(db, session, upto=last_seq),
-                )
-                if kept is not None:
-                    db.execute(_SAVE_USAGE, (session, *usage_row(kept)))
+                if plan.keeps_usage(last_seq):
+                    kept = kept_usage(
+                        plan,
+                        _usage(db, session) if last_seq else None,
+                        last_seq=last_seq,
+                        earlier=lambda: _records(db, session, upto=last_seq),
+                    )
+                    if kept is not None:
+                        db.execute(_SAVE_USAGE, (session, *usage_row(kept)))
                 if plan.new_fence is not None:
                     db.execute(
                         "INSERT INTO fences (session, fence) VALUES (?, ?)"

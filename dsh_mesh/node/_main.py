@@ -65,6 +65,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         asyncio.run(serve())
     finally:
+        # Stopping already: another SIGTERM or Ctrl-C (a supervisor's second ask) must not
+        # turn a clean exit into a death by signal now that the loop's handlers are gone.
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_IGN)
         exporting.shutdown()
         # Everything is closed: the interpreter's last collection would only walk every object
         # of every agent the node held (seconds at 50,000 agents, ADR 0046) to free memory the

@@ -143,6 +143,7 @@ class NodeProcess:
         """Where the node appends its store history when the cluster keeps one."""
         self._env = dict(env or {})
         self._process: subprocess.Popen[bytes] | None = None
+        self._asked_to_stop = False
         self.address: str | None = None
 
     @property
@@ -208,6 +209,7 @@ class NodeProcess:
 
     def start(self) -> NodeProcess:
         """Start the process and wait for its ready line."""
+        self._asked_to_stop = False
         # The cluster decides the node's security itself: a shell's DSH_TLS_* (exported for the
         # CLI), DSH_PLAINTEXT or DSH_CLUSTER_TOKEN must not leak into it; ``env`` still may.
         inherited = {k: v for k, v in os.environ.items() if k not in _SECURITY_ENV}
@@ -267,13 +269,14 @@ class NodeProcess:
         """SIGTERM (graceful drain) without waiting: several nodes drain at once."""
         if self._process is not None and self._process.poll() is None:
             self._process.send_signal(signal.SIGTERM)
+            self._asked_to_stop = True
 
     def terminate(self, timeout: float = _STOP_TIMEOUT) -> int:
-        """SIGTERM (graceful drain) and wait; SIGKILL if it does not exit in time. Returns the
-        exit code."""
+        """SIGTERM (graceful drain, unless :meth:`ask_to_stop` sent it already: once is the
+        ask) and wait; SIGKILL if it does not exit in time. Returns the exit code."""
         if self._process is None:
             return 0
-        if self._process.poll() is None:
+        if self._process.poll() is None and not self._asked_to_stop:
             self._process.send_signal(signal.SIGTERM)
         try:
             return self._process.wait(timeout)

@@ -134,8 +134,9 @@ async def test_a_transcript_from_before_usage_was_kept_is_summed_once_at_its_nex
     tmp_path: Path,
 ) -> None:
     """A file written before the store kept usage has no usage row: it reads as none (the
-    control plane sums such a transcript itself), and its next model call sums the transcript
-    once, in that append's transaction, then keeps adding."""
+    control plane sums such a transcript itself) until its next model call, which sums the
+    transcript once, in that append's transaction, then keeps adding. An append with no
+    call (an agent message: the warm path) neither reads nor writes it."""
     path = tmp_path / "old.sqlite"
     async with SqliteLogStore(path) as sqlite:
         await sqlite.raise_fence(S, 10)
@@ -149,7 +150,8 @@ async def test_a_transcript_from_before_usage_was_kept_is_summed_once_at_its_nex
     async with SqliteLogStore(path) as sqlite:
         for store in (sqlite, memory):
             assert await store.usage(S) is None
-            await store.append(S, [task("b")], fence=10)  # no call: a row from what is there
+            await store.append(S, [task("b")], fence=10)  # no call: nothing read or kept
+            assert await store.usage(S) is None
             await store.append(S, [step(10, 1)], fence=10)
             kept = await store.usage(S)
             assert kept is not None and kept.through == 5
