@@ -250,8 +250,12 @@ async def test_the_root_list_pages_filters_and_shows_a_new_root_without_a_reload
     browser.get(view.link())
 
     def listed(driver: Any) -> list[str]:
-        rows = driver.find_elements("css selector", "#roots tbody tr")
-        return [row.get_attribute("data-session") for row in rows]
+        # One read of the list as it stands: it is drawn anew every few seconds, so a row
+        # found by one call may be gone by the next.
+        rows: list[str] = driver.execute_script(
+            "return [...document.querySelectorAll('#roots tbody tr')].map(r => r.dataset.session)"
+        )
+        return rows
 
     until_shown(browser, lambda d: set(listed(d)) == {first, second}, "both roots listed")
     assert browser.find_element("id", "roots-total").text.lower() == "2 in all"  # h2: upper case
@@ -265,7 +269,9 @@ async def test_the_root_list_pages_filters_and_shows_a_new_root_without_a_reload
     until_shown(browser, lambda d: set(listed(d)) == {first, second}, "both again")
     third = await create_root(cluster, on="node-c", task="Probe.", preset="gated")
     until_shown(browser, lambda d: third in listed(d), "the new root, without a reload")
-    browser.find_element("css selector", f'#roots tbody tr[data-session="{third}"]').click()
+    browser.execute_script(
+        "document.querySelector(`#roots tbody tr[data-session='${arguments[0]}']`).click()", third
+    )
     until_shown(
         browser, lambda d: d.find_element("id", "current-root").text == f"tree {third}", "chosen"
     )

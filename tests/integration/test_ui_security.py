@@ -285,10 +285,11 @@ async def test_a_teams_person_sees_and_steers_only_their_teams_trees_and_decides
         lambda d: d.find_elements("css selector", "#roots tbody tr"),
         "the team's trees listed",
     )
-    listed = {
-        row.get_attribute("data-session")
-        for row in browser.find_elements("css selector", "#roots tbody tr")
-    }
+    listed = set(  # one read: the list is drawn anew every few seconds
+        browser.execute_script(
+            "return [...document.querySelectorAll('#roots tbody tr')].map(r => r.dataset.session)"
+        )
+    )
     assert theirs.session_id in listed and others.session_id not in listed
     digest = token_digest(TEAM_A)[:12]
     assert browser.find_element("id", "person").text == f"signed in as token:{digest}"
