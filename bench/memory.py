@@ -92,7 +92,10 @@ async def measure_memory(bed: Bed) -> None:
                     created = total
                     await asyncio.sleep(settle)
                     rss = vm_rss_kib(pid)
-                    per_agent[total] = (rss - baseline) / total
+                    # A few dozen agents can grow the set less than the allocator gives back
+                    # meanwhile: a fall is noise at that size, kept in the run's data below and
+                    # shown as no growth (a figure is never negative).
+                    per_agent[total] = max(0.0, (rss - baseline) / total)
                     report.run.setdefault("memory", {})[str(total)] = {
                         "rss_kib": rss,
                         "baseline_rss_kib": baseline,
