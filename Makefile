@@ -6,12 +6,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test bench soak check lint typecheck unit protos clean
 
-$(STAMP): requirements/dev.txt pyproject.toml scripts/bootstrap.sh scripts/install_etcd.sh scripts/install_postgres.sh scripts/install_node.sh scripts/install_browser.sh clients/node/package-lock.json
+$(STAMP): requirements/dev.txt pyproject.toml scripts/bootstrap.sh scripts/install_etcd.sh scripts/install_postgres.sh scripts/install_node.sh scripts/install_browser.sh scripts/install_peers.sh bench/peer_runtimes/requirements.txt clients/node/package-lock.json
 	bash scripts/bootstrap.sh $(VENV)
 	bash scripts/install_etcd.sh $(VENV)
 	bash scripts/install_postgres.sh
 	bash scripts/install_testbed_tools.sh
 	bash scripts/install_browser.sh
+	bash scripts/install_peers.sh
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements/dev.txt
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	bash scripts/install_node.sh && npm ci --prefix clients/node --no-audit --no-fund
@@ -52,4 +53,4 @@ protos: $(STAMP)
 	$(PY) scripts/gen_protos.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .venv-peers .mypy_cache .ruff_cache .pytest_cache

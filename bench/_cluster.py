@@ -15,6 +15,7 @@ import contextlib
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from datetime import timedelta
+from pathlib import Path
 
 from bench._common import Bed
 from dsh_mesh.core import Activation, AgentRef, NodeId, SessionId
@@ -30,6 +31,19 @@ INBOX_DEPTH = 10_000_000
 every message it sends stays unread (the limit is the node default, 1000, otherwise)."""
 _READY_SECONDS = 30.0
 _STOP_SECONDS = 15.0
+
+
+UNTHROTTLED = "[namespace.default]\nmax_live_sessions = 1000000\nmax_roots_per_minute = 100000000\n"
+"""A namespaces file (``DSH_NAMESPACES_FILE``) that lets the default namespace hold every root a
+section makes, as fast as it makes them: sections measure memory and speed, not the quotas
+(1,200 roots a minute and 10,000 live sessions by default, ADR 0033), which refused them."""
+
+
+def unthrottled(bed: Bed) -> Path:
+    """A file of :data:`UNTHROTTLED` under the run's log directory."""
+    path = bed.log_root / "namespaces.toml"
+    path.write_text(UNTHROTTLED)
+    return path
 
 
 def scenario_name(attribute: str) -> str:

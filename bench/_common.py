@@ -65,6 +65,14 @@ class Sizes:
     """Roots registered while ``view`` times the page's root list (issue 34)."""
     view_big_tree: int
     """Agents of the big tree ``view`` renders and streams to (issue 34)."""
+    peer_rounds: int
+    """Rounds of ``peers``: each measures every runtime once, the order rotated (issue 35)."""
+    peer_calls: int
+    """Warm messages timed one at a time, then as many at 64 in flight, per runtime and round."""
+    peer_agents: int
+    """Agents created one at a time in another process (dsh-mesh and AutoGen) per round."""
+    peer_actors: int
+    """Ray actors created per round (each a worker process of its own)."""
 
 
 FULL = Sizes(
@@ -93,6 +101,10 @@ FULL = Sizes(
     view_roots=300,
     view_many_roots=100_000,
     view_big_tree=1_000,
+    peer_rounds=3,
+    peer_calls=2000,
+    peer_agents=2000,
+    peer_actors=8,
 )
 
 QUICK = Sizes(
@@ -121,6 +133,10 @@ QUICK = Sizes(
     view_roots=50,
     view_many_roots=1_000,
     view_big_tree=100,
+    peer_rounds=1,
+    peer_calls=100,
+    peer_agents=50,
+    peer_actors=2,
 )
 
 

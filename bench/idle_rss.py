@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from bench._cluster import UNTHROTTLED
 from bench.memory import vm_rss_kib
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
 from dsh_mesh.testing import EtcdServer, LocalCluster, MeshReader
@@ -27,9 +28,7 @@ IN_FLIGHT = 32
 
 async def _measure(roots: int, cycles: int, log_dir: Path) -> None:
     namespaces = log_dir / "namespaces.toml"
-    namespaces.write_text(
-        "[namespace.default]\nmax_live_sessions = 1000000\nmax_roots_per_minute = 100000000\n"
-    )
+    namespaces.write_text(UNTHROTTLED)
     with (
         EtcdServer() as etcd,
         LocalCluster(

@@ -10,7 +10,7 @@ import secrets
 import time
 from pathlib import Path
 
-from bench._cluster import node_processes
+from bench._cluster import node_processes, unthrottled
 from bench._common import Bed
 from bench._report import Figure
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2, mesh_pb2_grpc
@@ -35,17 +35,6 @@ def vm_rss_kib(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for process {pid}")
 
 
-def _unthrottled(bed: Bed) -> Path:
-    """A namespaces file that lets the default namespace hold every root this section makes,
-    as fast as it makes them: the section measures memory, not the quotas (1,200 roots a
-    minute and 10,000 live sessions by default, ADR 0033), which refused it."""
-    path = bed.log_root / "namespaces.toml"
-    path.write_text(
-        "[namespace.default]\nmax_live_sessions = 1000000\nmax_roots_per_minute = 100000000\n"
-    )
-    return path
-
-
 async def measure_memory(bed: Bed) -> None:
     """KiB per idle resident agent at each step of ``sizes.agents``."""
     sizes, report = bed.sizes, bed.report
@@ -56,7 +45,7 @@ async def measure_memory(bed: Bed) -> None:
         "IDLE_ROOTS",
         (NODE,),
         lease_ttl=_LEASE_TTL,
-        env={"DSH_NAMESPACES_FILE": str(_unthrottled(bed))},
+        env={"DSH_NAMESPACES_FILE": str(unthrottled(bed))},
     ) as cluster:
         try:
             pid = cluster[NODE].pid

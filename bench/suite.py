@@ -33,6 +33,7 @@ from bench.floors import measure_floors
 from bench.long_resume import measure_long_resume
 from bench.memory import measure_memory
 from bench.namespaces import measure_namespace_check
+from bench.peers import measure_peers
 from bench.provider import measure_provider
 from bench.resume import measure_clean_resume, measure_crash_resume
 from bench.storage import measure_storage
@@ -48,7 +49,7 @@ from bench.warm import (
 from dsh_mesh.testing import EtcdServer
 
 HERE = Path(__file__).resolve().parent
-TARGETS = 24
+TARGETS = 29
 """Figures with a target in a complete report (one per target of the issue): six for the warm
 sends, the resumes and idle memory, one for the drain of the idle agents (``memory``, ADR
 0046), one for long transcripts' resume (``long-resume``), six
@@ -56,11 +57,15 @@ for the control plane's reads at 100,000 resident agents (``control``: a tree's 
 feed, the root's first page, the first page of every session, of one namespace and of roots
 with their count; issue 34), five for the tools (``tools``), three for the web view's render
 time, event latency and root list among 100,000 roots (``view``) and two for a root's
-fail-over where a client waits, median and slowest (``crash``, ADR 0043)."""
+fail-over where a client waits, median and slowest (``crash``, ADR 0043), and five beside the
+in-memory peers, AutoGen's gRPC runtime and Ray (``peers``, issue 35: warm p50 and throughput
+against the faster peer, throughput against the bare echo, CPU per message against AutoGen's,
+creating an agent on another node)."""
 
 SECTIONS: dict[str, Callable[[Bed], Awaitable[None]]] = {
     "same-node": measure_same_node,
     "cross-node": measure_cross_node,
+    "peers": measure_peers,
     "postgres": measure_postgres_hot_path,
     "nodes": measure_node_scaling,
     "cold-resume": measure_clean_resume,

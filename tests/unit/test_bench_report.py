@@ -45,6 +45,11 @@ def a_report() -> Report:
         Figure("web view: an event reaches the page, p99", 80.0, "ms", None, 1000.0, "lower"),
         Figure("root fail-over, median", 1.7, "s", None, 2.5, "lower"),
         Figure("root fail-over, slowest", 2.2, "s", None, 3.5, "lower"),
+        Figure("peers: warm p50 / the faster peer's", 1.2, "ms", 0.6, 1.0, "lower"),
+        Figure("peers: messages/s / the faster peer's", 1800.0, "calls/s", 4000.0, 1.0, "higher"),
+        Figure("peers: messages/s / bare echo", 1800.0, "calls/s", 4000.0, 0.7, "higher"),
+        Figure("peers: CPU per message / AutoGen's", 0.6, "ms", 0.4, 1.0, "lower"),
+        Figure("peers: create an agent on another node", 5.0, "ms", None, 2.0, "lower"),
         Figure("bare echo p50", 0.6, "ms"),
         Figure("warm same-node send throughput", 5000.0, "calls/s", 4000.0, better="higher"),
     )
@@ -60,8 +65,8 @@ def a_document() -> dict[str, Any]:
 def test_a_complete_report_conforms_and_lists_only_targets_as_figures() -> None:
     document = a_document()
     # Six of the first suite, the memory section's drain, long-resume's one, control's six,
-    # tools' five, the view's three, the crash section's root fail-over two.
-    assert TARGETS == 24
+    # tools' five, the view's three, the crash section's root fail-over two, the peers' five.
+    assert TARGETS == 29
     assert check_report(document, expected_targets=TARGETS) == []
     assert len(document["figures"]) == TARGETS
     assert all(sorted(f) == sorted(FIGURE_KEYS) for f in document["figures"])
