@@ -6,6 +6,7 @@ and :func:`load_presets` reads a presets file (presets and model endpoints) on t
 """
 
 from dsh_mesh.node._config import NodeConfig, Placement, load_config, parse_args, stop_timeout
+from dsh_mesh.node._loop import run_event_loop
 from dsh_mesh.node._main import main
 from dsh_mesh.node._node import Node
 from dsh_mesh.node._presets import (
@@ -33,5 +34,6 @@ __all__ = [
     "load_scenario",
     "main",
     "parse_args",
+    "run_event_loop",
     "stop_timeout",
 ]

@@ -23,6 +23,7 @@ from typing import Any
 
 from dsh_mesh.core import NodeId, bounded_quote
 from dsh_mesh.logstore import check_log_store
+from dsh_mesh.node._loop import EVENT_LOOPS
 from dsh_mesh.node._namespaces import Namespaces, load_namespaces
 from dsh_mesh.registry import EtcdConfig, EtcdTls, LeaseConfig
 from dsh_mesh.runtime import DRAIN_RELEASE_BUDGET, ManagerConfig, NamespaceLimits, TreeLimits
@@ -78,6 +79,9 @@ class NodeConfig:
     """On SIGTERM: how long running turns get to finish before their activations are released."""
     load_interval: timedelta = timedelta(milliseconds=500)
     """How often the node republishes its load (only when it changed)."""
+    event_loop: str = EVENT_LOOPS[0]
+    """The node process's event loop: ``uvloop`` (libuv's, in C; the standard loop where
+    uvloop is not installed) or ``asyncio`` (the standard library's). ADR 0047."""
     max_inbox_depth: int = ManagerConfig.max_inbox_depth
     """Unread messages and prompts one target may hold; past it: INBOX_FULL."""
     max_inflight_sends: int = ManagerConfig.max_inflight_sends
@@ -201,6 +205,8 @@ class NodeConfig:
             raise ValueError("scenario must be 'module:attribute'")
         if self.shutdown_grace < timedelta(0):
             raise ValueError("shutdown_grace must not be negative")
+        if self.event_loop not in EVENT_LOOPS:
+            raise ValueError(f"event_loop must be one of {', '.join(EVENT_LOOPS)}")
         self.manager_config(self.namespaces())  # the limits must be positive, the file sound
         if self.retention_days < 0 or self.idempotency_days < 0:
             raise ValueError("retention_days and idempotency_days must not be negative (0: never)")
@@ -270,6 +276,7 @@ _SETTINGS: tuple[tuple[str, str, str], ...] = (
     ("placement", "--placement", "local | round-robin | least-loaded | others-first"),
     ("scenario", "--scenario", "module:attribute of the presets and model to run"),
     ("shutdown_grace", "--shutdown-grace", "seconds running turns get on SIGTERM"),
+    ("event_loop", "--event-loop", "uvloop (default) | asyncio"),
     ("max_inbox_depth", "--max-inbox-depth", "unread messages one target may hold"),
     ("max_inflight_sends", "--max-inflight-sends", "sends this node handles at once"),
     ("max_resident_sessions", "--max-resident-sessions", "agents this node may host"),
@@ -428,7 +435,7 @@ def _build(values: Mapping[str, Any]) -> NodeConfig:
         "tls": tls,
         "plaintext": plaintext,
     }
-    for name in ("listen", "advertise_host", "key_prefix", "log_store", "scenario"):
+    for name in ("listen", "advertise_host", "key_prefix", "log_store", "scenario", "event_loop"):
         if values.get(name) is not None:
             kwargs[name] = str(values[name])
     etcd_tls = None

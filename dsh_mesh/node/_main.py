@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 from dsh_mesh import telemetry
 from dsh_mesh.node._config import load_config, parse_args
+from dsh_mesh.node._loop import run_event_loop
 from dsh_mesh.node._node import Node
 from dsh_mesh.node._presets import PresetFile, endpoints_from_environment, load_presets
 from dsh_mesh.node._scenario import load_scenario
@@ -63,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         await node.run(ready=ready)
 
     try:
-        asyncio.run(serve())
+        run_event_loop(serve(), choice=config.event_loop)
     finally:
         # Stopping already: another SIGTERM or Ctrl-C (a supervisor's second ask) must not
         # turn a clean exit into a death by signal now that the loop's handlers are gone.

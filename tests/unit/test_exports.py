@@ -339,6 +339,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "load_scenario",
         "main",
         "parse_args",
+        "run_event_loop",
         "stop_timeout",
     ],
     "dsh_mesh.logstore": [
