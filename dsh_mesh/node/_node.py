@@ -128,7 +128,12 @@ class Node:
             directory = Directory(etcd, keys, on_event=self._on_directory_event)
             indexes = IndexCache(etcd, RegistryReads.cached_indexes(keys))
             cached = EtcdSessionStore(
-                etcd, keys, log=log, lease=lambda: lease.lease_id, directory=directory
+                etcd,
+                keys,
+                log=log,
+                lease=lambda: lease.lease_id,
+                directory=directory,
+                indexes=indexes,
             )
             store: SessionStore = cached
             history = None

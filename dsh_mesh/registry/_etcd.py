@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -143,6 +143,20 @@ def compare(key: bytes, target: Target, result: Result, value: int | bytes) -> A
     return guard
 
 
+WriteObserver = Callable[[int, Sequence[Any]], None]
+"""Told of a transaction's revision and the operations etcd ran in it
+(:meth:`Etcd.observe_writes`)."""
+
+
+def written_key(op: Any) -> bytes | None:
+    """The key a transaction's put or single-key delete operation writes; None for a read."""
+    if op.HasField("request_put"):
+        return bytes(op.request_put.key)
+    if op.HasField("request_delete_range"):
+        return bytes(op.request_delete_range.key)
+    return None
+
+
 def put(key: bytes, value: bytes, *, lease: int = 0, keep_lease: bool = False) -> Any:
     """A put operation for a transaction. ``keep_lease`` keeps the key's own lease (whoever
     holds it): the value changes, the key still ends with its holder."""
@@ -238,6 +252,7 @@ class Etcd:
         """Range requests sent (a transaction's own reads are not counted here)."""
         self.txns = 0
         """Transactions sent."""
+        self._write_observers: list[WriteObserver] = []
         self._dropping = DetachedWork()
         """Watches whose callers left while they were being created, dropped once created."""
 
@@ -281,9 +296,22 @@ class Etcd:
         request = rpc.TxnRequest(compare=compares, success=success, failure=failure)
         async with self._errors():
             await self._client.connect()
-            return await self._client.kvstub.Txn(
+            response = await self._client.kvstub.Txn(
                 request, timeout=self._timeout, metadata=self._client.metadata
             )
+        if self._write_observers:
+            revision = int(response.header.revision)
+            ran = success if response.succeeded else failure
+            for observer in self._write_observers:
+                observer(revision, ran)
+        return response
+
+    def observe_writes(self, observer: WriteObserver) -> None:
+        """Call ``observer(revision, ops)`` after every transaction this client makes, with
+        the operations etcd ran (the success or the failure branch) and the revision it ran
+        them at. For readers of a watch that must see this client's own writes
+        (:class:`IndexCache`). An observer must not raise."""
+        self._write_observers.append(observer)
 
     async def get(self, key: bytes) -> Any | None:
         """The key's ``KeyValue`` (value, create/mod revision, version, lease) or None."""

@@ -12,6 +12,14 @@ The cache holds the keys of the indexes only (about 100 bytes a session per inde
 (headers) are read from etcd per page. It loads a snapshot, follows from its revision + 1, and
 after a broken stream or a compaction marks itself unsynced (readers go to etcd alone) and
 loads again.
+
+It also counts (a namespace's live sessions and recent roots, for its quotas, without etcd's
+walk of every key counted). A count sees this node's own writes at once: the cache is told of
+every transaction its etcd client makes (:meth:`Etcd.observe_writes`) and counts a write its
+watch has not brought yet as made (under load a watch lags by tens of milliseconds, and waiting
+for it would send counts back to etcd). Other nodes' writes it counts once its watch brings
+them, as a census read of etcd would a moment later: quotas counted across nodes were never
+exact for creations racing each other.
 """
 
 from __future__ import annotations
@@ -19,12 +27,13 @@ from __future__ import annotations
 import asyncio
 import bisect
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
+from typing import Any
 
 import aetcd.exceptions
 
 from dsh_mesh.core import MeshError
-from dsh_mesh.registry._etcd import Etcd
+from dsh_mesh.registry._etcd import Etcd, written_key
 from dsh_mesh.registry._keys import prefix_end
 
 _log = logging.getLogger(__name__)
@@ -41,6 +50,29 @@ class IndexCache:
         self._etcd = etcd
         self._keys: dict[bytes, list[bytes]] = {prefix: [] for prefix in prefixes}
         self._synced: set[bytes] = set()
+        self._pending: dict[bytes, dict[bytes, tuple[int, bool]]] = {p: {} for p in self._keys}
+        """This client's own writes under each followed prefix that its watch has not brought
+        yet: key -> (revision, whether the key exists after it)."""
+        etcd.observe_writes(self._note_written)
+
+    def _note_written(self, revision: int, ops: Sequence[Any]) -> None:
+        for op in ops:
+            key = written_key(op)
+            followed = None if key is None else self._covering(key)
+            if key is not None and followed is not None:
+                self._pending[followed][key] = (revision, op.HasField("request_put"))
+
+    def _brought(self, prefix: bytes, key: bytes, revision: int) -> None:
+        """The watch brought ``key``'s change at ``revision``: its own write up to then is
+        held now, and so is every one before ``revision`` (a watch brings changes in revision
+        order; a delete of a key that did not exist brings none, and is dropped here)."""
+        pending = self._pending[prefix]
+        written = pending.get(key)
+        if written is not None and written[0] <= revision:
+            del pending[key]
+        if pending:
+            for stale in [k for k, (at, _) in pending.items() if at < revision]:
+                del pending[stale]
 
     def after(self, prefix: bytes, start: bytes, limit: int) -> list[bytes] | None:
         """Up to ``limit`` keys under ``prefix`` (itself under a followed prefix) from
@@ -57,13 +89,26 @@ class IndexCache:
             found = found[: bisect.bisect_left(found, end)]
         return found
 
-    def count(self, prefix: bytes) -> int | None:
-        """How many keys under ``prefix`` it holds; ``None`` as :meth:`after` would be."""
+    def count(self, prefix: bytes, *, start: bytes = b"") -> int | None:
+        """How many keys under ``prefix`` exist (from ``start`` on, inclusive, when given): the
+        keys it holds, with this client's own writes counted at once; ``None`` as
+        :meth:`after` would be."""
         followed = self._covering(prefix)
         if followed is None or followed not in self._synced:
             return None
         held = self._keys[followed]
-        return bisect.bisect_left(held, prefix_end(prefix)) - bisect.bisect_left(held, prefix)
+        low, high = max(start, prefix), prefix_end(prefix)
+        counted = bisect.bisect_left(held, high) - bisect.bisect_left(held, low)
+        for key, (_, exists) in self._pending[followed].items():
+            if low <= key < high:
+                at = bisect.bisect_left(held, key)
+                holds = at < len(held) and held[at] == key
+                counted += int(exists and not holds) - int(holds and not exists)
+        return max(0, counted)
+
+    def pending(self) -> int:
+        """This client's own writes it counts that its watch has not brought yet."""
+        return sum(len(pending) for pending in self._pending.values())
 
     def size(self) -> int:
         """Keys held, over every followed prefix."""
@@ -85,6 +130,9 @@ class IndexCache:
         while True:
             try:
                 revision = await self._load(prefix)
+                pending = self._pending[prefix]
+                for key in [k for k, (at, _) in pending.items() if at <= revision]:
+                    del pending[key]  # the load read it
                 self._synced.add(prefix)
                 held = self._keys[prefix]
                 async for event in self._etcd.watch_prefix(prefix, start_revision=revision + 1):
@@ -96,6 +144,7 @@ class IndexCache:
                             del held[at]
                     elif not present:
                         held.insert(at, key)
+                    self._brought(prefix, key, int(event.kv.mod_revision))
             except aetcd.exceptions.RevisionCompactedError:
                 _log.warning("index cache: revision compacted; reloading %r", prefix)
             except MeshError as error:

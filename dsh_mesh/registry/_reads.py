@@ -103,11 +103,13 @@ class RegistryReads:
     @staticmethod
     def cached_indexes(keys: Keys) -> list[bytes]:
         """The index prefixes an :class:`IndexCache` for these reads follows: every session's,
-        the namespaces' and the namespaces' roots'."""
+        the namespaces' and the namespaces' roots'; and the namespaces' live sessions, which
+        the quotas count (``EtcdSessionStore.namespace_census``)."""
         return [
             keys.listing,
             keys.namespace_listing("").removesuffix(b"/"),
             keys.namespace_roots("").removesuffix(b"/"),
+            keys.namespace_live("").removesuffix(b"/"),
         ]
 
     # -- listings -------------------------------------------------------------------------------

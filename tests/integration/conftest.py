@@ -131,6 +131,7 @@ class Mesh:
     log: FaultyLogStore
     store: EtcdSessionStore
     reads: RegistryReads
+    lease: LeaseKeeper
 
     async def root(self, name: str) -> SessionId:
         session = SessionId(name)
@@ -184,7 +185,7 @@ async def opened(endpoint: str, log: LogStore) -> AsyncIterator[Mesh]:
         keys = Keys(f"/lf-{secrets.token_hex(4)}/".encode())
         store = EtcdSessionStore(etcd, keys, log=held, lease=lambda: lease.lease_id)
         try:
-            yield Mesh(etcd, keys, held, store, RegistryReads(etcd, keys, held, poll=POLL))
+            yield Mesh(etcd, keys, held, store, RegistryReads(etcd, keys, held, poll=POLL), lease)
         finally:
             await store.aclose()
             with contextlib.suppress(RegistryUnavailable):

@@ -7,7 +7,9 @@
 - a count is the number of sessions the listing walks, the other filters aside;
 - through the index cache a listing lists the same, reads no key of the index from etcd once the
   cache holds it, still lists a session the cache has not seen yet (the tail is read from etcd),
-  and leaves out one that was deleted.
+  and leaves out one that was deleted;
+- a namespace's census (its quotas' count) comes from the cache without an etcd read, and counts
+  the store's own writes at once (ADR 0047).
 """
 
 from __future__ import annotations
@@ -15,18 +17,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from dsh_mesh.core import (
+    Activation,
+    ActivationId,
     ListingFilter,
+    NodeId,
     SessionHeader,
     SessionId,
     SessionKind,
     SessionSpec,
 )
 from dsh_mesh.logstore import MemoryLogStore
-from dsh_mesh.registry import IndexCache, RegistryReads
+from dsh_mesh.registry import EtcdSessionStore, IndexCache, RegistryReads
 from dsh_mesh.registry import _reads as reads_module
 from dsh_mesh.registry._etcd import delete
 from dsh_mesh.registry._reads import Listing
@@ -265,3 +271,31 @@ async def test_the_index_cache_misses_nothing_it_has_not_seen_and_lists_nothing_
         assert (await every(reads, only=ListingFilter(roots_only=True)))[0] == first + newer
         await mesh.etcd.txn([], [delete(mesh.keys.header(first[1]))])
         assert (await every(reads))[0] == [first[0], first[2], *newer]
+
+
+async def test_a_namespace_census_comes_from_the_cache_and_counts_the_stores_own_writes(
+    mesh: Mesh,
+) -> None:
+    async with cached(mesh) as (_, cache, _):
+        store = EtcdSessionStore(
+            mesh.etcd, mesh.keys, log=mesh.log, lease=lambda: mesh.lease.lease_id, indexes=cache
+        )
+        since = datetime.now(UTC) - timedelta(minutes=1)
+        sessions = [await made(mesh, f"r{n}", namespace="team-q") for n in range(3)]
+        await made(mesh, "other", namespace="team-o")
+        fetched = keys_fetched(mesh)
+        for count, session in enumerate(sessions, start=1):
+            activation = Activation(
+                session_id=session, activation_id=ActivationId(f"a-{session}"), node_id=NodeId("n")
+            )
+            assert await store.try_activate(activation) == activation
+            before = len(fetched)
+            # At once: the census waits for the cache to hold the store's own write.
+            census = await store.namespace_census("team-q", since=since)
+            assert (census.live_sessions, census.roots_since) == (count, 3)
+            assert len(fetched) == before  # no range read of etcd: counted from the cache
+        later = await store.namespace_census("team-q", since=datetime.now(UTC))
+        assert later.roots_since == 0
+        other = await store.namespace_census("team-o", since=since)
+        assert (other.live_sessions, other.roots_since) == (0, 1)
+        await store.aclose()
