@@ -80,8 +80,8 @@ class NodeConfig:
     load_interval: timedelta = timedelta(milliseconds=500)
     """How often the node republishes its load (only when it changed)."""
     event_loop: str = EVENT_LOOPS[0]
-    """The node process's event loop: ``uvloop`` (libuv's, in C; the standard loop where
-    uvloop is not installed) or ``asyncio`` (the standard library's). ADR 0047."""
+    """The node process's event loop: ``asyncio`` (the standard library's) or ``uvloop``
+    (libuv's, in C; opt-in, ADR 0047; the standard loop where uvloop is not installed)."""
     max_inbox_depth: int = ManagerConfig.max_inbox_depth
     """Unread messages and prompts one target may hold; past it: INBOX_FULL."""
     max_inflight_sends: int = ManagerConfig.max_inflight_sends
@@ -276,7 +276,7 @@ _SETTINGS: tuple[tuple[str, str, str], ...] = (
     ("placement", "--placement", "local | round-robin | least-loaded | others-first"),
     ("scenario", "--scenario", "module:attribute of the presets and model to run"),
     ("shutdown_grace", "--shutdown-grace", "seconds running turns get on SIGTERM"),
-    ("event_loop", "--event-loop", "uvloop (default) | asyncio"),
+    ("event_loop", "--event-loop", "asyncio (default) | uvloop"),
     ("max_inbox_depth", "--max-inbox-depth", "unread messages one target may hold"),
     ("max_inflight_sends", "--max-inflight-sends", "sends this node handles at once"),
     ("max_resident_sessions", "--max-resident-sessions", "agents this node may host"),

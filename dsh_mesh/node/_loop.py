@@ -1,11 +1,13 @@
 """The event loop a node process runs on.
 
-A node spends most of its CPU in the event loop's own machinery (ready callbacks, futures handed
-between its threads and the loop, the selector): uvloop runs that machinery in C on libuv.
+A node spends much of its CPU in the event loop's own machinery (ready callbacks, futures handed
+between its threads and the loop, the selector); uvloop runs that machinery in C on libuv.
 Measured on the warm send path (ADR 0047): p50 1.65 to 1.23 ms, CPU per message 0.84 to
-0.75 ms. It is the default wherever uvloop imports; the node setting ``event_loop = "asyncio"``
-(``--event-loop``, ``DSH_EVENT_LOOP``) chooses the standard library's loop, to rule the loop out
-when debugging or on a platform uvloop does not support.
+0.75 ms. But under uvloop the demo's cluster stalled in about one run of four (a spawn whose
+preset names a stdio MCP server never finished, and no server process was started), which the
+standard loop never did in eleven runs; until that is understood uvloop is opt-in: the node
+setting ``event_loop = "uvloop"`` (``--event-loop``, ``DSH_EVENT_LOOP``). The default is the
+standard library's loop.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-EVENT_LOOPS = ("uvloop", "asyncio")
+EVENT_LOOPS = ("asyncio", "uvloop")
 """The event loops a node may run on; the first is the default."""
 
 
