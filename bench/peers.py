@@ -118,37 +118,15 @@ async def _dsh_mesh(bed: Bed) -> Figures:
 
             target = cluster[TARGET_NODE].pid
             processes = [os.getpid(), target] + ([bed.etcd_pid] if bed.etcd_pid else [])
-            return await _measure(
-                send, create, sizes.peer_calls, sizes.peer_agents, processes, target
+            return await _harness.measure(
+                send,
+                create,
+                calls=sizes.peer_calls,
+                concurrency=IN_FLIGHT,
+                agents=sizes.peer_agents,
+                processes=processes,
+                host=target,
             )
-
-
-async def _measure(
-    send: Callable[[int], Awaitable[object]],
-    create: Callable[[int], Awaitable[object]],
-    calls: int,
-    agents: int,
-    processes: list[int],
-    host: int,
-) -> Figures:
-    """The figures every driver reports (``_harness.figures``), measured as the peers'
-    drivers measure theirs."""
-    await _harness.one_at_a_time(send, 100, first=-100)  # warm-up
-    latency = await _harness.one_at_a_time(send, calls)
-    rate, cpu_ms = await _harness.in_flight(send, calls, IN_FLIGHT, processes, first=calls)
-    await _harness.one_at_a_time(create, 50, first=-50)  # warm-up, not counted
-    before = _harness.rss_kib(host)
-    creation = await _harness.one_at_a_time(create, agents)
-    await asyncio.sleep(0.5)
-    grown = _harness.rss_kib(host) - before
-    return _harness.figures(
-        latency=latency,
-        throughput=rate,
-        cpu_ms=cpu_ms,
-        creation=creation,
-        idle_kib=max(0.0, grown / agents),
-        processes=len(processes),
-    )
 
 
 async def measure_peers(bed: Bed) -> None:

@@ -130,6 +130,38 @@ def figures(
     }
 
 
+async def measure(
+    send: Call,
+    create: Call,
+    *,
+    calls: int,
+    concurrency: int,
+    agents: int,
+    processes: list[int],
+    host: int,
+) -> dict[str, float]:
+    """The figures of a runtime whose agents are created in the process ``host``: ``calls``
+    warm sends one at a time, as many at ``concurrency`` (CPU of ``processes``), then
+    ``agents`` agents created one at a time (and ``host``'s growth per agent). 100 untimed
+    sends and 50 untimed creations warm it up first."""
+    await one_at_a_time(send, 100, first=-100)
+    latency = await one_at_a_time(send, calls)
+    rate, cpu_ms = await in_flight(send, calls, concurrency, processes, first=calls)
+    await one_at_a_time(create, 50, first=-50)
+    before = rss_kib(host)
+    creation = await one_at_a_time(create, agents)
+    await asyncio.sleep(0.5)
+    grown = rss_kib(host) - before
+    return figures(
+        latency=latency,
+        throughput=rate,
+        cpu_ms=cpu_ms,
+        creation=creation,
+        idle_kib=max(0.0, grown / agents),
+        processes=len(processes),
+    )
+
+
 def emit(values: dict[str, float]) -> None:
     """Print the driver's figures as the one line the ``peers`` section parses."""
     print(FIGURES + json.dumps(values), flush=True)

@@ -114,26 +114,17 @@ async def _drive(calls: int, concurrency: int, agents: int) -> dict[str, float]:
         async def create(serial: int) -> None:
             await sender.send_message(Deliver(text="hello"), AgentId("target", f"new-{serial}"))
 
-        await _harness.one_at_a_time(warm, 100, first=-100)  # warm-up
-        latency = await _harness.one_at_a_time(warm, calls)
-        rate, cpu_ms = await _harness.in_flight(
-            warm, calls, concurrency, _harness.tree(), first=calls
+        values = await _harness.measure(
+            warm,
+            create,
+            calls=calls,
+            concurrency=concurrency,
+            agents=agents,
+            processes=_harness.tree(),
+            host=worker.pid,
         )
-        await _harness.one_at_a_time(create, 50, first=-50)  # warm-up, not counted
-        before = _harness.rss_kib(worker.pid)
-        creation = await _harness.one_at_a_time(create, agents)
-        await asyncio.sleep(0.5)
-        grown = _harness.rss_kib(worker.pid) - before
-        processes = len(_harness.tree())
         await sender.stop()
-        return _harness.figures(
-            latency=latency,
-            throughput=rate,
-            cpu_ms=cpu_ms,
-            creation=creation,
-            idle_kib=max(0.0, grown / agents),
-            processes=processes,
-        )
+        return values
     finally:
         for process in (worker, host):
             if process is not None:

@@ -10,6 +10,7 @@ cancels or awaits all of it, so nothing started there outlives the owner unseen.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -33,9 +34,16 @@ class DetachedWork:
         """How many pieces of work are still running."""
         return len(self._tasks)
 
-    def start(self, work: Coroutine[Any, Any, T], *, name: str | None = None) -> asyncio.Task[T]:
-        """Start ``work`` detached and return its task (for callers that share it)."""
-        task = asyncio.get_running_loop().create_task(work, name=name)
+    def start(
+        self,
+        work: Coroutine[Any, Any, T],
+        *,
+        name: str | None = None,
+        context: contextvars.Context | None = None,
+    ) -> asyncio.Task[T]:
+        """Start ``work`` detached (in ``context`` when given: for work that must not belong
+        to its starter's trace) and return its task (for callers that share it)."""
+        task = asyncio.get_running_loop().create_task(work, name=name, context=context)
         self._tasks.add(task)
         task.add_done_callback(self._finished)
         return task

@@ -161,9 +161,8 @@ class Node:
                     ),
                 ]
             )
-            mesh_pb2_grpc.add_AgentMeshServicer_to_server(
-                AgentMeshService(self.manager, cached.current_activation), server
-            )
+            messages = AgentMeshService(self.manager, cached.current_activation)
+            mesh_pb2_grpc.add_AgentMeshServicer_to_server(messages, server)
             mesh_pb2_grpc.add_MeshControlServicer_to_server(
                 MeshControlService(
                     self.manager,
@@ -176,7 +175,9 @@ class Node:
                 ),
                 server,
             )
-            peer_pb2_grpc.add_MeshPeerServicer_to_server(MeshPeerService(self.manager), server)
+            peer_pb2_grpc.add_MeshPeerServicer_to_server(
+                MeshPeerService(self.manager, messages), server
+            )
             health_pb2_grpc.add_HealthServicer_to_server(health, server)
             reflection.enable_server_reflection(
                 (

@@ -7,7 +7,12 @@ configured from the standard ``OTEL_*`` environment by :func:`configure`; with n
 configured everything here is a no-op of the OpenTelemetry API.
 """
 
-from dsh_mesh.telemetry._grpc import client_interceptors, server_interceptors
+from dsh_mesh.telemetry._grpc import (
+    carried_context,
+    client_interceptors,
+    context_carrier,
+    server_interceptors,
+)
 from dsh_mesh.telemetry._logs import TraceContextFilter
 from dsh_mesh.telemetry._metrics import (
     cold_resumed,
@@ -37,10 +42,12 @@ __all__ = [
     "SpanHandle",
     "Telemetry",
     "TraceContextFilter",
+    "carried_context",
     "carrying_sender",
     "client_interceptors",
     "cold_resumed",
     "configure",
+    "context_carrier",
     "creation_refused",
     "current_traceparent",
     "lease_lost",

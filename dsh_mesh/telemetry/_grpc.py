@@ -9,7 +9,8 @@ carried as baggage from a traced node is still stored with its message here.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import grpc
@@ -75,3 +76,26 @@ class _CallerContext(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
+
+
+def context_carrier() -> dict[str, str]:
+    """The W3C context (traceparent, tracestate, baggage) a call made now would carry as
+    metadata, for a message that travels inside a stream's frame; empty without one."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return {key: value for key, value in carrier.items() if key in _W3C_HEADERS}
+
+
+@contextmanager
+def carried_context(carrier: Mapping[str, str]) -> Iterator[None]:
+    """Within the block, the context :func:`context_carrier` took on the calling node is the
+    current one (only its W3C keys; none: the block runs in the current context)."""
+    headers = {key: value for key, value in carrier.items() if key in _W3C_HEADERS}
+    if not headers:
+        yield
+        return
+    token = context.attach(propagate.extract(headers))
+    try:
+        yield
+    finally:
+        context.detach(token)

@@ -17,7 +17,7 @@ import hashlib
 import hmac
 import inspect
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -373,7 +373,29 @@ def _checked(handler: Any, *, node_only: bool) -> Any:
             request_deserializer=_decoding(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
+    if handler.stream_stream is not None:
+        carrying = handler.stream_stream
+
+        async def stream_stream(requests: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            await _admit(None, context, node_only=node_only)
+            async for item in carrying(_decoded(requests), context):
+                yield item
+
+        return grpc.stream_stream_rpc_method_handler(
+            stream_stream,
+            request_deserializer=_decoding(handler.request_deserializer),
+            response_serializer=handler.response_serializer,
+        )
     return _refusing(handler, Unauthenticated("this kind of method is not served"))
+
+
+async def _decoded(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """A client stream's requests; one whose bytes did not decode raises
+    :class:`InvalidArgument` from the iteration (the handler answers with it)."""
+    async for request in requests:
+        if isinstance(request, _Undecodable):
+            raise InvalidArgument(f"a request is not a well-formed message: {request.error}")
+        yield request
 
 
 def _refusing(handler: Any, error: MeshError) -> Any:
@@ -383,6 +405,19 @@ def _refusing(handler: Any, error: MeshError) -> Any:
     if handler.unary_unary is not None:
         return grpc.unary_unary_rpc_method_handler(
             refuse,
+            request_deserializer=_decoding(handler.request_deserializer),
+            response_serializer=handler.response_serializer,
+        )
+    if handler.stream_stream is not None:
+
+        async def refuse_streams(
+            _requests: Any, context: grpc.aio.ServicerContext[Any, Any]
+        ) -> Any:
+            await abort_with(context, error)
+            yield  # pragma: no cover - abort raises
+
+        return grpc.stream_stream_rpc_method_handler(
+            refuse_streams,
             request_deserializer=_decoding(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )

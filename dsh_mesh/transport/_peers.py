@@ -33,6 +33,7 @@ from dsh_mesh.transport._convert import (
     delivery_from_wire,
     notice_to_wire,
 )
+from dsh_mesh.transport._link import LinkUnsupported, MessageLink
 from dsh_mesh.transport._status import error_from_rpc
 from dsh_mesh.transport._tls import TlsCredentials, secure_channel
 
@@ -73,6 +74,8 @@ class PeerPool:
         self._timeouts = timeouts or PeerTimeouts()
         self._tls = tls
         self._channels: dict[tuple[str, str], grpc.aio.Channel] = {}
+        self._links: dict[grpc.aio.Channel, MessageLink] = {}
+        """This node's message stream on each channel (ADR 0047)."""
 
     async def __aenter__(self) -> PeerPool:
         return self
@@ -81,7 +84,10 @@ class PeerPool:
         await self.close()
 
     async def close(self) -> None:
-        """Close every channel. Idempotent."""
+        """Close every message stream and channel. Idempotent."""
+        links, self._links = self._links, {}
+        for link in links.values():
+            await link.aclose()
         channels, self._channels = self._channels, {}
         for channel in channels.values():
             await channel.close()
@@ -133,6 +139,14 @@ class PeerPool:
         except grpc.aio.AioRpcError as error:
             raise error_from_rpc(error) from error
 
+    def _link(self, node: NodeId, channel: grpc.aio.Channel) -> MessageLink:
+        link = self._links.get(channel)
+        if link is None:
+            stub = peer_pb2_grpc.MeshPeerStub(channel)
+            link = MessageLink(lambda: stub.SendMessages(metadata=self.metadata(hops=0)), node=node)
+            self._links[channel] = link
+        return link
+
     def _control(self, node: NodeId) -> Any:
         return mesh_pb2_grpc.MeshControlStub(self.channel(node))
 
@@ -149,14 +163,24 @@ class PeerPool:
         idempotency_key: str | None,
         hops: int,
     ) -> Delivery:
-        """``AgentMesh.SendMessage`` on ``node``, as this node, for ``sender``."""
-        stub: Any = mesh_pb2_grpc.AgentMeshStub(self.channel(node))
+        """The message to ``node``, as this node, for ``sender``: on this node's message stream
+        to it (``MeshPeer.SendMessages``), or by ``AgentMesh.SendMessage`` to a node that does
+        not serve the stream."""
+        channel = self.channel(node)
         request = mesh_pb2.SendMessageRequest(
             sender=agent_ref_to_wire(sender),
             agent_id=target,
             message=content,
             idempotency_key=idempotency_key or secrets.token_hex(16),
         )
+        link = self._link(node, channel)
+        if not link.unsupported:
+            try:
+                answer = await link.send(request, hops=hops, deadline=self._timeouts.send)
+                return delivery_from_wire(target, answer)
+            except LinkUnsupported:
+                pass  # a node of an older release: by unary call
+        stub: Any = mesh_pb2_grpc.AgentMeshStub(channel)
         response = await self._call(
             stub.SendMessage, request, deadline=self._timeouts.send, hops=hops
         )

@@ -8,8 +8,10 @@ node whose credential made the call.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 import grpc
@@ -21,8 +23,11 @@ from dsh_mesh.core import (
     Activation,
     ActivationId,
     AgentRef,
+    DeadlineExceeded,
     InvalidArgument,
+    MeshError,
     NodeId,
+    NodeOverloaded,
     Rejected,
     RejectionReason,
     SessionId,
@@ -40,7 +45,14 @@ from dsh_mesh.transport._convert import (
     delivery_to_wire,
     notice_from_wire,
 )
-from dsh_mesh.transport._status import mesh_rpc
+from dsh_mesh.transport._link import SEND_SPAN, SPAN_ATTRIBUTES
+from dsh_mesh.transport._status import (
+    RemoteError,
+    abort_with,
+    mesh_rpc,
+    refusal,
+    target_of,
+)
 
 
 class ActivationLookup(Protocol):
@@ -50,6 +62,16 @@ class ActivationLookup(Protocol):
         self, session: SessionId, *, fresh: bool = False
     ) -> Awaitable[Activation | None]: ...
 
+
+_log = logging.getLogger(__name__)
+
+MAX_CARRIED = 4096
+"""Messages of one ``SendMessages`` stream under way at once on the called node; past it a
+message is refused ``NODE_OVERLOADED`` at once (the node's own in-flight limit refuses sooner
+as a rule: this bounds the tasks a stream can start)."""
+
+_Answer = peer_pb2.CarriedAnswer | MeshError | None
+"""What a stream's answer queue holds: an answer, the refusal that ends the stream, or its end."""
 
 ManagerRef = Callable[[], ContinuationManager]
 """The node's current manager; raises ``NodeFenced`` while the node has none (no lease)."""
@@ -68,10 +90,17 @@ class AgentMeshService(mesh_pb2_grpc.AgentMeshServicer):
         request: mesh_pb2.SendMessageRequest,
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> mesh_pb2.SendMessageResponse:
+        return await self.receive(request, caller=caller_node(context), hops=caller_hops(context))
+
+    async def receive(
+        self, request: mesh_pb2.SendMessageRequest, *, caller: str, hops: int
+    ) -> mesh_pb2.SendMessageResponse:
+        """One message the node ``caller`` hands to this node (by ``SendMessage`` or inside a
+        ``MeshPeer.SendMessages`` frame), handed on ``hops`` times before: its sender checked
+        against the caller, then the manager's own authorization and delivery."""
         started = time.monotonic()
         outcome = "error"
         try:
-            caller = caller_node(context)
             manager = self._manager()  # a fenced node refuses at once, before any etcd read
             check_bounds(request)
             sender = agent_ref_from_wire(request.sender)
@@ -83,7 +112,7 @@ class AgentMeshService(mesh_pb2_grpc.AgentMeshServicer):
                 request.agent_id,
                 request.message,
                 idempotency_key=request.idempotency_key,
-                hops=caller_hops(context),
+                hops=hops,
             )
             outcome = "duplicate" if delivery.duplicate else "accepted"
             return delivery_to_wire(delivery)
@@ -123,10 +152,12 @@ class AgentMeshService(mesh_pb2_grpc.AgentMeshServicer):
 
 
 class MeshPeerService(peer_pb2_grpc.MeshPeerServicer):
-    """What other nodes of the cluster ask of this node's manager."""
+    """What other nodes of the cluster ask of this node's manager, and the stream that carries
+    their agent messages to ``messages`` (None: this node takes them by ``SendMessage`` only)."""
 
-    def __init__(self, manager: ManagerRef) -> None:
+    def __init__(self, manager: ManagerRef, messages: AgentMeshService | None = None) -> None:
         self._manager = manager
+        self._messages = messages
 
     @mesh_rpc
     async def Activate(
@@ -161,3 +192,101 @@ class MeshPeerService(peer_pb2_grpc.MeshPeerServicer):
         parent, notice = notice_from_wire(request)
         await self._manager().deliver_notice(parent, notice)
         return peer_pb2.DeliverNoticeResponse()
+
+    async def SendMessages(
+        self,
+        requests: AsyncIterator[peer_pb2.SendMessagesRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[peer_pb2.SendMessagesResponse]:
+        """Carry the calling node's messages, each as ``SendMessage`` would (ADR 0047), and
+        answer each once, in frames of every answer ready together."""
+        try:
+            caller = caller_node(context)
+            if self._messages is None:
+                raise InvalidArgument("this node takes agent messages by SendMessage only")
+        except MeshError as refused:
+            await abort_with(context, refused)
+        answers: asyncio.Queue[_Answer] = asyncio.Queue()
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self._take(requests, caller, answers))
+            frame: list[peer_pb2.CarriedAnswer] = []
+            while True:
+                item = await answers.get() if not frame else answers.get_nowait()
+                if isinstance(item, peer_pb2.CarriedAnswer):
+                    frame.append(item)
+                    if not answers.empty():
+                        continue  # every answer ready now goes in this frame
+                if frame:
+                    yield peer_pb2.SendMessagesResponse(answers=frame)
+                    frame = []
+                if not isinstance(item, peer_pb2.CarriedAnswer):
+                    ended = item
+                    break
+        if isinstance(ended, MeshError):
+            await abort_with(context, ended)
+
+    async def _take(
+        self,
+        requests: AsyncIterator[peer_pb2.SendMessagesRequest],
+        caller: str,
+        answers: asyncio.Queue[_Answer],
+    ) -> None:
+        """Start each carried message's work as its frame comes; once the caller closed its
+        side and every answer is in, end the answers (with the refusal of a frame that did
+        not decode, if one came: the stream then ends with it)."""
+        carrying: set[asyncio.Task[None]] = set()
+        ended: MeshError | None = None
+        try:
+            async with asyncio.TaskGroup() as group:
+                async for frame in requests:
+                    for message in frame.messages:
+                        if len(carrying) >= MAX_CARRIED:
+                            busy = NodeOverloaded(
+                                f"{MAX_CARRIED} messages of this stream are under way already"
+                            )
+                            answers.put_nowait(_refused(message, busy))
+                            continue
+                        task = group.create_task(self._carry(message, caller, answers))
+                        carrying.add(task)
+                        task.add_done_callback(carrying.discard)
+        except* MeshError as refused:
+            first = refused.exceptions[0]
+            ended = first if isinstance(first, MeshError) else InvalidArgument(str(first))
+        answers.put_nowait(ended)
+
+    async def _carry(
+        self,
+        message: peer_pb2.CarriedMessage,
+        caller: str,
+        answers: asyncio.Queue[_Answer],
+    ) -> None:
+        """One carried message's answer, whatever happens to it (never raises)."""
+        assert self._messages is not None
+        timeout = message.timeout_ms / 1000 if message.timeout_ms else None
+        try:
+            with (
+                telemetry.carried_context(message.context),
+                telemetry.span(SEND_SPAN, kind="server", attributes=SPAN_ATTRIBUTES),
+            ):
+                async with asyncio.timeout(timeout):
+                    response = await self._messages.receive(
+                        message.request, caller=caller, hops=message.hops
+                    )
+            answers.put_nowait(peer_pb2.CarriedAnswer(id=message.id, accepted=response))
+        except MeshError as refused:
+            answers.put_nowait(_refused(message, refused))
+        except TimeoutError:
+            late = DeadlineExceeded(
+                f"the sender's deadline ({message.timeout_ms} ms) passed before an answer"
+            )
+            answers.put_nowait(_refused(message, late))
+        except Exception as error:  # a defect answers this message, and ends nothing else
+            _log.exception("carrying a message failed")
+            fault = RemoteError(grpc.StatusCode.UNKNOWN, f"{type(error).__name__}: {error}")
+            answers.put_nowait(_refused(message, fault))
+
+
+def _refused(message: peer_pb2.CarriedMessage, error: MeshError) -> peer_pb2.CarriedAnswer:
+    return peer_pb2.CarriedAnswer(
+        id=message.id, refused=refusal(error, target=target_of(message.request))
+    )

@@ -337,6 +337,28 @@ def error_from_rpc(error: grpc.RpcError) -> MeshError:
     message = message if isinstance(message, str) else ""
     trailers_of = getattr(error, "trailing_metadata", None)
     status = _rich_status(trailers_of() if callable(trailers_of) else None)
+    return _error_of(code, message, status)
+
+
+def refusal(error: MeshError, *, target: str = "") -> bytes:
+    """``error`` as the serialized ``google.rpc.Status`` a carried message's answer holds
+    (``MeshPeer.SendMessages``): the status :func:`abort_with` would end a unary call with."""
+    return bytes(to_rpc_status(error, target=target).SerializeToString())
+
+
+def error_from_refusal(refused: bytes) -> MeshError:
+    """The typed error a carried message's refusal holds, rebuilt as :func:`error_from_rpc`
+    rebuilds a failed call's; a refusal that does not decode is a :class:`RemoteError`
+    (``UNKNOWN``)."""
+    try:
+        status = status_pb2.Status.FromString(refused)
+    except DecodeError:
+        return RemoteError(grpc.StatusCode.UNKNOWN, "a refusal that is no google.rpc.Status")
+    code = _CODE_BY_NUMBER.get(status.code, grpc.StatusCode.UNKNOWN)
+    return _error_of(code, status.message, status)
+
+
+def _error_of(code: grpc.StatusCode, message: str, status: status_pb2.Status | None) -> MeshError:
     if status is not None and _CODE_BY_NUMBER.get(status.code) is code:
         info = _mesh_error_info(status)
         reason = _REASON_BY_NAME.get(info.reason) if info is not None else None

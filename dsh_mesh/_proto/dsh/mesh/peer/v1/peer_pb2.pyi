@@ -1,6 +1,9 @@
+from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2 as _mesh_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -45,3 +48,46 @@ class DeliverNoticeRequest(_message.Message):
 class DeliverNoticeResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class SendMessagesRequest(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[CarriedMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[CarriedMessage, _Mapping]]] = ...) -> None: ...
+
+class CarriedMessage(_message.Message):
+    __slots__ = ("id", "request", "hops", "timeout_ms", "context")
+    class ContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    HOPS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    request: _mesh_pb2.SendMessageRequest
+    hops: int
+    timeout_ms: int
+    context: _containers.ScalarMap[str, str]
+    def __init__(self, id: _Optional[int] = ..., request: _Optional[_Union[_mesh_pb2.SendMessageRequest, _Mapping]] = ..., hops: _Optional[int] = ..., timeout_ms: _Optional[int] = ..., context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class SendMessagesResponse(_message.Message):
+    __slots__ = ("answers",)
+    ANSWERS_FIELD_NUMBER: _ClassVar[int]
+    answers: _containers.RepeatedCompositeFieldContainer[CarriedAnswer]
+    def __init__(self, answers: _Optional[_Iterable[_Union[CarriedAnswer, _Mapping]]] = ...) -> None: ...
+
+class CarriedAnswer(_message.Message):
+    __slots__ = ("id", "accepted", "refused")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    accepted: _mesh_pb2.SendMessageResponse
+    refused: bytes
+    def __init__(self, id: _Optional[int] = ..., accepted: _Optional[_Union[_mesh_pb2.SendMessageResponse, _Mapping]] = ..., refused: _Optional[bytes] = ...) -> None: ...

@@ -50,6 +50,11 @@ class MeshPeerStub:
                 request_serializer=dsh_dot_mesh_dot_peer_dot_v1_dot_peer__pb2.DeliverNoticeRequest.SerializeToString,
                 response_deserializer=dsh_dot_mesh_dot_peer_dot_v1_dot_peer__pb2.DeliverNoticeResponse.FromString,
                 _registered_method=True)
+        self.SendMessages = channel.stream_stream(
+                '/dsh.mesh.peer.v1.MeshPeer/SendMessages',
+                request_serializer=dsh_dot_mesh_dot_peer_dot_v1_dot_peer__pb2.SendMessagesRequest.SerializeToString,
+                response_deserializer=dsh_dot_mesh_dot_peer_dot_v1_dot_peer__pb2.SendMessagesResponse.FromString,
+                _registered_method=True)
 
 
 class MeshPeerServicer:
@@ -83,6 +88,19 @@ class MeshPeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SendMessages(self, request_iterator, context):
+        """SendMessages carries this node's agent messages to the called node on one
+        long-lived stream, several to a frame: each message is exactly what
+        AgentMesh.SendMessage would carry, re-authorized by the called node in the
+        same way, and answered once, with the response or the status that call would
+        end with. The caller is authenticated once, for the stream. A node that does
+        not serve it (UNIMPLEMENTED: a node of an older release) is called with
+        SendMessage instead. ADR 0047.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MeshPeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +113,11 @@ def add_MeshPeerServicer_to_server(servicer, server):
                     servicer.DeliverNotice,
                     request_deserializer=dsh_dot_mesh_dot_peer_dot_v1_dot_peer__pb2.DeliverNoticeRequest.FromString,
                     response_serializer=dsh_dot_mesh_dot_peer_dot_v1_dot_peer__pb2.DeliverNoticeResponse.SerializeToString,
+            ),
+            'SendMessages': grpc.stream_stream_rpc_method_handler(
+                    servicer.SendMessages,
+                    request_deserializer=dsh_dot_mesh_dot_peer_dot_v1_dot_peer__pb2.SendMessagesRequest.FromString,
+                    response_serializer=dsh_dot_mesh_dot_peer_dot_v1_dot_peer__pb2.SendMessagesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -157,6 +180,33 @@ class MeshPeer:
             '/dsh.mesh.peer.v1.MeshPeer/DeliverNotice',
             dsh_dot_mesh_dot_peer_dot_v1_dot_peer__pb2.DeliverNoticeRequest.SerializeToString,
             dsh_dot_mesh_dot_peer_dot_v1_dot_peer__pb2.DeliverNoticeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SendMessages(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/dsh.mesh.peer.v1.MeshPeer/SendMessages',
+            dsh_dot_mesh_dot_peer_dot_v1_dot_peer__pb2.SendMessagesRequest.SerializeToString,
+            dsh_dot_mesh_dot_peer_dot_v1_dot_peer__pb2.SendMessagesResponse.FromString,
             options,
             channel_credentials,
             insecure,
