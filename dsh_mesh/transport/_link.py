@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import copy
 import itertools
 import logging
 from collections.abc import Callable
@@ -46,6 +47,11 @@ SPAN_ATTRIBUTES = {
     "dsh.carried_by": "dsh.mesh.peer.v1.MeshPeer/SendMessages",
 }
 
+FRAME_BYTES = 1024 * 1024
+"""A frame holds messages up to about this many bytes (one larger message goes alone): the
+called node takes frames of at most gRPC's default 4 MiB, and one message is at most about
+1 MiB (``max_message_chars``)."""
+
 OpenStream = Callable[[], Any]
 """Opens a ``MeshPeer.SendMessages`` call (a grpc.aio stream-stream call) with this node's
 metadata."""
@@ -66,6 +72,7 @@ class MessageLink:
         self._ids = itertools.count(1)
         self._streams = DetachedWork()
         self._current: _Stream | None = None
+        self._closed = False
         self.unsupported = False
         """The called node answered ``UNIMPLEMENTED``: every later send goes by unary call."""
 
@@ -78,6 +85,8 @@ class MessageLink:
         :class:`LinkUnsupported`."""
         if self.unsupported:
             raise LinkUnsupported(self._node)
+        if self._closed:
+            raise PeerUnavailable(f"the message stream to node {self._node} is closed")
         stream = self._current
         if stream is None or stream.ended:
             stream = self._current = _Stream(self._node)
@@ -107,7 +116,11 @@ class MessageLink:
         raise error_from_refusal(answer.refused if outcome == "refused" else b"")
 
     async def aclose(self) -> None:
-        """End the stream, failing what it still carries with :class:`PeerUnavailable`."""
+        """End the stream, failing what it still carries with :class:`PeerUnavailable`; later
+        sends fail so too. Idempotent."""
+        self._closed = True
+        if self._current is not None:
+            self._current.end(PeerUnavailable(f"the message stream to node {self._node} closed"))
         await self._streams.aclose()
 
 
@@ -146,6 +159,14 @@ class _Stream:
             ) from None
         finally:
             self._waiting.pop(message.id, None)
+            if not answered.done() or answered.cancelled():
+                self._unqueue(message)  # not written yet: never carried, as a cancelled call
+
+    def _unqueue(self, message: peer_pb2.CarriedMessage) -> None:
+        for at, queued in enumerate(self._outbox):
+            if queued is message:
+                del self._outbox[at]
+                return
 
     async def pump(self, open_stream: OpenStream) -> None:
         """Write what waits and read the answers until the call ends; then fail what still
@@ -158,23 +179,34 @@ class _Stream:
                 writing = group.create_task(self._write(call))
                 await self._read(call)
                 writing.cancel()
-        except* grpc.aio.AioRpcError as errors:
-            failure = _ended_by(errors.exceptions[0], self._node)
-        except* MeshError as errors:
-            failure = errors.exceptions[0]
-        except* Exception as errors:  # a defect must not leave senders waiting for ever
-            _log.error("message stream to %s failed", self._node, exc_info=errors.exceptions[0])
-            failure = PeerUnavailable(f"the message stream to node {self._node} failed")
+        except* Exception as errors:
+            failure = self._failure_of(errors)
         finally:
-            self._end(failure)
+            self.end(failure)
             if call is not None:
                 call.cancel()
 
-    def _end(self, failure: BaseException) -> None:
-        self._failure = failure
+    def _failure_of(self, errors: BaseExceptionGroup[Exception]) -> BaseException:
+        """What the waiting senders are told of a stream that ``errors`` ended: the call's own
+        status first (the writer's error on a finished call says less), a mesh error next;
+        anything else is a defect, logged, and the stream is unavailable."""
+        found = _flat(errors)
+        for error in found:
+            if isinstance(error, grpc.aio.AioRpcError):
+                return _ended_by(error, self._node)
+        for error in found:
+            if isinstance(error, MeshError):
+                return error
+        _log.error("message stream to %s failed", self._node, exc_info=found[0])
+        return PeerUnavailable(f"the message stream to node {self._node} failed")
+
+    def end(self, failure: BaseException) -> None:
+        """No more messages on this stream: fail each waiting one with ``failure``."""
+        if self._failure is None:
+            self._failure = failure
         for answered in self._waiting.values():
             if not answered.done():
-                answered.set_exception(failure)
+                answered.set_exception(copy.copy(self._failure))
         self._waiting.clear()
         self._outbox.clear()
 
@@ -182,9 +214,19 @@ class _Stream:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            frame, self._outbox = self._outbox, []
+            frame: list[peer_pb2.CarriedMessage] = []
+            size = 0
+            while self._outbox and (not frame or size + self._outbox[0].ByteSize() <= FRAME_BYTES):
+                message = self._outbox.pop(0)
+                size += message.ByteSize()
+                frame.append(message)
+            if self._outbox:
+                self._wake.set()  # the rest goes in the next frame
             if frame:
-                await call.write(peer_pb2.SendMessagesRequest(messages=frame))
+                try:
+                    await call.write(peer_pb2.SendMessagesRequest(messages=frame))
+                except asyncio.InvalidStateError:
+                    return  # the call ended: the reader reports how
 
     async def _read(self, call: Any) -> None:
         while True:
@@ -197,10 +239,24 @@ class _Stream:
                     answered.set_result(answer)
 
 
+def _flat(errors: BaseExceptionGroup[Exception]) -> list[Exception]:
+    found: list[Exception] = []
+    for error in errors.exceptions:
+        if isinstance(error, BaseExceptionGroup):
+            found.extend(_flat(error))
+        else:
+            found.append(error)
+    return found
+
+
 def _ended_by(error: grpc.aio.AioRpcError, node: str) -> BaseException:
-    """What the senders waiting on a stream that ``error`` ended are told."""
-    if error.code() is grpc.StatusCode.UNIMPLEMENTED:
+    """What the senders waiting on a stream that ``error`` ended are told: whatever the
+    status, their messages may or may not have been accepted (``PeerUnavailable``: retry with
+    the same key), but for a node that does not serve the stream and a refusal of the caller
+    itself, which come before any message is read."""
+    code = error.code()
+    if code is grpc.StatusCode.UNIMPLEMENTED:
         return LinkUnsupported(node)
-    if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-        return PeerUnavailable(f"the message stream to node {node} ended: {error.code().name}")
-    return error_from_rpc(error)
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return error_from_rpc(error)
+    return PeerUnavailable(f"the message stream to node {node} ended: {code.name}")

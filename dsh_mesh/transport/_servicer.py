@@ -70,6 +70,9 @@ MAX_CARRIED = 4096
 message is refused ``NODE_OVERLOADED`` at once (the node's own in-flight limit refuses sooner
 as a rule: this bounds the tasks a stream can start)."""
 
+DEFAULT_CARRY_SECONDS = 60.0
+"""How long a carried message that names no deadline may take on the called node."""
+
 _Answer = peer_pb2.CarriedAnswer | MeshError | None
 """What a stream's answer queue holds: an answer, the refusal that ends the stream, or its end."""
 
@@ -200,10 +203,10 @@ class MeshPeerService(peer_pb2_grpc.MeshPeerServicer):
     ) -> AsyncIterator[peer_pb2.SendMessagesResponse]:
         """Carry the calling node's messages, each as ``SendMessage`` would (ADR 0047), and
         answer each once, in frames of every answer ready together."""
+        if self._messages is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "messages by SendMessage only")
         try:
             caller = caller_node(context)
-            if self._messages is None:
-                raise InvalidArgument("this node takes agent messages by SendMessage only")
         except MeshError as refused:
             await abort_with(context, refused)
         answers: asyncio.Queue[_Answer] = asyncio.Queue()
@@ -236,11 +239,12 @@ class MeshPeerService(peer_pb2_grpc.MeshPeerServicer):
         not decode, if one came: the stream then ends with it)."""
         carrying: set[asyncio.Task[None]] = set()
         ended: MeshError | None = None
-        try:
-            async with asyncio.TaskGroup() as group:
+        async with asyncio.TaskGroup() as group:
+            try:
                 async for frame in requests:
                     for message in frame.messages:
-                        if len(carrying) >= MAX_CARRIED:
+                        # Answers not yet read by the caller count too: they are memory.
+                        if len(carrying) + answers.qsize() >= MAX_CARRIED:
                             busy = NodeOverloaded(
                                 f"{MAX_CARRIED} messages of this stream are under way already"
                             )
@@ -249,9 +253,8 @@ class MeshPeerService(peer_pb2_grpc.MeshPeerServicer):
                         task = group.create_task(self._carry(message, caller, answers))
                         carrying.add(task)
                         task.add_done_callback(carrying.discard)
-        except* MeshError as refused:
-            first = refused.exceptions[0]
-            ended = first if isinstance(first, MeshError) else InvalidArgument(str(first))
+            except MeshError as refused:  # a frame that did not decode: answer the rest first
+                ended = refused
         answers.put_nowait(ended)
 
     async def _carry(
@@ -262,7 +265,7 @@ class MeshPeerService(peer_pb2_grpc.MeshPeerServicer):
     ) -> None:
         """One carried message's answer, whatever happens to it (never raises)."""
         assert self._messages is not None
-        timeout = message.timeout_ms / 1000 if message.timeout_ms else None
+        timeout = message.timeout_ms / 1000 if message.timeout_ms else DEFAULT_CARRY_SECONDS
         try:
             with (
                 telemetry.carried_context(message.context),

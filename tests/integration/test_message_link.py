@@ -235,11 +235,11 @@ async def _serving(register: Any) -> tuple[grpc.aio.Server, str]:
     return server, f"127.0.0.1:{port}"
 
 
-def _request() -> mesh_pb2.SendMessageRequest:
+def _request(text: str = "hi") -> mesh_pb2.SendMessageRequest:
     return mesh_pb2.SendMessageRequest(
         sender=mesh_pb2.AgentRef(session_id="s-1", activation_id="a-1"),
         agent_id="s-2",
-        message="hi",
+        message=text,
         idempotency_key=secrets.token_hex(8),
     )
 
@@ -262,6 +262,31 @@ async def test_a_stream_that_ends_under_a_message_fails_it_and_the_next_opens_an
             assert sorted(a.accepted_seq for a in answers) == list(range(2, 52))
             assert peer.streams == 2
             await link.aclose()
+    finally:
+        await server.stop(None)
+
+
+async def test_big_messages_sent_together_go_in_frames_the_called_node_takes() -> None:
+    peer = _Peer()
+    server, address = await _serving(
+        lambda s: peer_pb2_grpc.add_MeshPeerServicer_to_server(peer, s)
+    )
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = peer_pb2_grpc.MeshPeerStub(channel)
+            link = MessageLink(lambda: stub.SendMessages(), node="peer")
+            big = "x" * 250_000  # 30 of them: 7.5 MB, past gRPC's 4 MiB for one frame
+            answers = await asyncio.gather(
+                *(
+                    link.send(_request(big), hops=1, deadline=timedelta(seconds=30))
+                    for _ in range(30)
+                )
+            )
+            assert len(answers) == 30
+            assert peer.streams == 1
+            await link.aclose()
+            with pytest.raises(PeerUnavailable):  # a closed link carries nothing more
+                await link.send(_request(), hops=1, deadline=timedelta(seconds=1))
     finally:
         await server.stop(None)
 
