@@ -110,10 +110,11 @@ class MessageLink:
             except LinkUnsupported:
                 self.unsupported = True
                 raise
-        outcome = answer.WhichOneof("outcome")
-        if outcome == "accepted":
-            return answer.accepted
-        raise error_from_refusal(answer.refused if outcome == "refused" else b"")
+            outcome = answer.WhichOneof("outcome")
+            if outcome == "accepted":
+                return answer.accepted
+            # Raised inside the span: a refused send's CLIENT span is failed, as a unary one's.
+            raise error_from_refusal(answer.refused if outcome == "refused" else b"")
 
     async def aclose(self) -> None:
         """End the stream, failing what it still carries with :class:`PeerUnavailable`; later
