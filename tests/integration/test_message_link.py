@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -244,8 +245,9 @@ def _request(text: str = "hi") -> mesh_pb2.SendMessageRequest:
     )
 
 
-async def test_a_stream_that_ends_under_a_message_fails_it_and_the_next_opens_another() -> None:
-    peer = _Peer(end_first=True)
+@asynccontextmanager
+async def linked(peer: _Peer) -> AsyncIterator[MessageLink]:
+    """A link to a server of ``peer``'s on loopback; closes both after the block."""
     server, address = await _serving(
         lambda s: peer_pb2_grpc.add_MeshPeerServicer_to_server(peer, s)
     )
@@ -253,58 +255,45 @@ async def test_a_stream_that_ends_under_a_message_fails_it_and_the_next_opens_an
         async with grpc.aio.insecure_channel(address) as channel:
             stub = peer_pb2_grpc.MeshPeerStub(channel)
             link = MessageLink(lambda: stub.SendMessages(), node="peer")
-            wait = timedelta(seconds=10)
-            with pytest.raises(PeerUnavailable):
-                await link.send(_request(), hops=1, deadline=wait)
-            answers = await asyncio.gather(
-                *(link.send(_request(), hops=1, deadline=wait) for _ in range(50))
-            )
-            assert sorted(a.accepted_seq for a in answers) == list(range(2, 52))
-            assert peer.streams == 2
-            await link.aclose()
+            try:
+                yield link
+            finally:
+                await link.aclose()
     finally:
         await server.stop(None)
+
+
+async def test_a_stream_that_ends_under_a_message_fails_it_and_the_next_opens_another() -> None:
+    peer = _Peer(end_first=True)
+    async with linked(peer) as link:
+        wait = timedelta(seconds=10)
+        with pytest.raises(PeerUnavailable):
+            await link.send(_request(), hops=1, deadline=wait)
+        answers = await asyncio.gather(
+            *(link.send(_request(), hops=1, deadline=wait) for _ in range(50))
+        )
+        assert sorted(a.accepted_seq for a in answers) == list(range(2, 52))
+        assert peer.streams == 2
 
 
 async def test_big_messages_sent_together_go_in_frames_the_called_node_takes() -> None:
     peer = _Peer()
-    server, address = await _serving(
-        lambda s: peer_pb2_grpc.add_MeshPeerServicer_to_server(peer, s)
-    )
-    try:
-        async with grpc.aio.insecure_channel(address) as channel:
-            stub = peer_pb2_grpc.MeshPeerStub(channel)
-            link = MessageLink(lambda: stub.SendMessages(), node="peer")
-            big = "x" * 250_000  # 30 of them: 7.5 MB, past gRPC's 4 MiB for one frame
-            answers = await asyncio.gather(
-                *(
-                    link.send(_request(big), hops=1, deadline=timedelta(seconds=30))
-                    for _ in range(30)
-                )
-            )
-            assert len(answers) == 30
-            assert peer.streams == 1
-            await link.aclose()
-            with pytest.raises(PeerUnavailable):  # a closed link carries nothing more
-                await link.send(_request(), hops=1, deadline=timedelta(seconds=1))
-    finally:
-        await server.stop(None)
+    async with linked(peer) as link:
+        big = "x" * 250_000  # 30 of them: 7.5 MB, past gRPC's 4 MiB for one frame
+        answers = await asyncio.gather(
+            *(link.send(_request(big), hops=1, deadline=timedelta(seconds=30)) for _ in range(30))
+        )
+        assert len(answers) == 30
+        assert peer.streams == 1
+        await link.aclose()
+        with pytest.raises(PeerUnavailable):  # a closed link carries nothing more
+            await link.send(_request(), hops=1, deadline=timedelta(seconds=1))
 
 
 async def test_a_message_unanswered_past_its_deadline_is_deadline_exceeded() -> None:
-    peer = _Peer(silent=True)
-    server, address = await _serving(
-        lambda s: peer_pb2_grpc.add_MeshPeerServicer_to_server(peer, s)
-    )
-    try:
-        async with grpc.aio.insecure_channel(address) as channel:
-            stub = peer_pb2_grpc.MeshPeerStub(channel)
-            link = MessageLink(lambda: stub.SendMessages(), node="peer")
-            with pytest.raises(DeadlineExceeded):
-                await link.send(_request(), hops=1, deadline=timedelta(milliseconds=200))
-            await link.aclose()
-    finally:
-        await server.stop(None)
+    async with linked(_Peer(silent=True)) as link:
+        with pytest.raises(DeadlineExceeded):
+            await link.send(_request(), hops=1, deadline=timedelta(milliseconds=200))
 
 
 async def test_a_node_without_the_stream_gets_messages_by_send_message() -> None:
