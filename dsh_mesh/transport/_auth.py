@@ -408,24 +408,18 @@ def _refusing(handler: Any, error: MeshError) -> Any:
             request_deserializer=_decoding(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
-    if handler.stream_stream is not None:
-
-        async def refuse_streams(
-            _requests: Any, context: grpc.aio.ServicerContext[Any, Any]
-        ) -> Any:
-            await abort_with(context, error)
-            yield  # pragma: no cover - abort raises
-
-        return grpc.stream_stream_rpc_method_handler(
-            refuse_streams,
-            request_deserializer=_decoding(handler.request_deserializer),
-            response_serializer=handler.response_serializer,
-        )
 
     async def refuse_stream(_request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        """Either streaming kind: its first argument (a request or the requests) is unread."""
         await abort_with(context, error)
         yield  # pragma: no cover - abort raises
 
+    if handler.stream_stream is not None:
+        return grpc.stream_stream_rpc_method_handler(
+            refuse_stream,
+            request_deserializer=_decoding(handler.request_deserializer),
+            response_serializer=handler.response_serializer,
+        )
     return grpc.unary_stream_rpc_method_handler(
         refuse_stream,
         request_deserializer=_decoding(handler.request_deserializer),
