@@ -78,6 +78,15 @@ def read_notice(records: list[Record], activation: str) -> SettlementNoticeEntry
     return None
 
 
+def send_results(records: list[Record]) -> list[ToolResultEntry]:
+    """The answers to the session's ``send_message`` calls, in order."""
+    return [
+        r.entry
+        for r in records
+        if isinstance(r.entry, ToolResultEntry) and r.entry.name == "send_message"
+    ]
+
+
 def first_activation(records: list[Record]) -> str:
     """The activation the session's first turn ran under."""
     return next(r.entry.activation_id for r in records if isinstance(r.entry, TurnStartedEntry))
@@ -126,12 +135,13 @@ async def test_a_parent_resumed_elsewhere_adopts_its_live_child_whose_reply_then
         )
         resumed = await reader.activation(root)
         assert resumed is not None and resumed.activation_id != before.activation_id
-        sends = [
-            r.entry
-            for r in await reader.transcript(child)
-            if isinstance(r.entry, ToolResultEntry) and r.entry.name == "send_message"
-        ]
-        assert [s.is_error for s in sends] == [False, False]  # neither reply was refused
+        # The root appends the reply before the child records the call's answer: wait for it.
+        answered = await reader.wait_for(
+            lambda: reader.transcript(child),
+            lambda records: len(send_results(records)) == 2,
+            what="the child's record of its second send",
+        )
+        assert [s.is_error for s in send_results(answered)] == [False, False]  # none refused
         assert sum(isinstance(r.entry, AgentMessageEntry) for r in at_root) == 2
 
 
