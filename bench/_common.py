@@ -73,6 +73,8 @@ class Sizes:
     """Agents created one at a time in another process (dsh-mesh and AutoGen) per round."""
     peer_actors: int
     """Ray actors created per round (each a worker process of its own)."""
+    streamers: tuple[int, ...]
+    """Agents on one node streaming from the paced model server at once (``streaming``)."""
 
 
 FULL = Sizes(
@@ -105,6 +107,7 @@ FULL = Sizes(
     peer_calls=2000,
     peer_agents=2000,
     peer_actors=8,
+    streamers=(1_000, 10_000),
 )
 
 QUICK = Sizes(
@@ -137,6 +140,7 @@ QUICK = Sizes(
     peer_calls=100,
     peer_agents=50,
     peer_actors=2,
+    streamers=(10, 40),
 )
 
 

@@ -36,6 +36,7 @@ from bench.peers import measure_peers
 from bench.provider import measure_provider
 from bench.resume import measure_clean_resume, measure_crash_resume
 from bench.storage import measure_storage
+from bench.streaming import measure_streaming
 from bench.tools import measure_tools
 from bench.view import measure_view
 from bench.warm import (
@@ -49,7 +50,7 @@ from dsh_mesh.node import run_event_loop
 from dsh_mesh.testing import EtcdServer
 
 HERE = Path(__file__).resolve().parent
-TARGETS = 29
+TARGETS = 33
 """Figures with a target in a complete report (one per target of the issue): six for the warm
 sends, the resumes and idle memory, one for the drain of the idle agents (``memory``, ADR
 0046), one for long transcripts' resume (``long-resume``), six
@@ -60,12 +61,15 @@ time, event latency and root list among 100,000 roots (``view``) and two for a r
 fail-over where a client waits, median and slowest (``crash``, ADR 0043), and five beside the
 in-memory peers, AutoGen's gRPC runtime and Ray (``peers``, issue 35: warm p50 and throughput
 against the faster peer, throughput against the bare echo, CPU per message against AutoGen's,
-creating an agent on another node)."""
+creating an agent on another node), and four for agents streaming from a model server at scale
+(``streaming``, issue 35: steps a second and CPU per token against bare httpx, at 1,000 and
+10,000 agents)."""
 
 SECTIONS: dict[str, Callable[[Bed], Awaitable[None]]] = {
     "same-node": measure_same_node,
     "cross-node": measure_cross_node,
     "peers": measure_peers,
+    "streaming": measure_streaming,
     "postgres": measure_postgres_hot_path,
     "nodes": measure_node_scaling,
     "cold-resume": measure_clean_resume,

@@ -22,6 +22,7 @@ import logging
 import os
 import random
 import re
+import ssl
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -45,6 +46,9 @@ from dsh_mesh.models._retry import RetryPolicy
 _log = logging.getLogger(__name__)
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
+POOL_SHARD = 8
+"""Connections of one httpx client at most: a bigger pool is several clients (see
+:meth:`OpenAIEndpoint.http_clients`)."""
 
 
 def is_retried(status: int) -> bool:
@@ -89,10 +93,32 @@ class OpenAIEndpoint:
         if reserved:
             raise ValueError(f"body fields {reserved} are set by the provider itself")
 
-    def http_client(self, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
-        """A pooled client for this endpoint: its base URL, key, timeouts and pool size, HTTP/2
-        where the server offers it (over the network; ``transport`` replaces that, for tests).
-        The caller closes it."""
+    def http_clients(
+        self, transport: httpx.AsyncBaseTransport | None = None
+    ) -> list[tuple[int, httpx.AsyncClient]]:
+        """The pool of this endpoint as clients of at most :data:`POOL_SHARD` connections each
+        (with their sizes), ``max_connections`` in all: httpcore's pool looks at every
+        connection it holds for each request it places, so one pool of thousands of
+        connections spends more on that than on the streams (ADR 0047). The caller closes
+        them."""
+        sizes = [POOL_SHARD] * (self.max_connections // POOL_SHARD)
+        if self.max_connections % POOL_SHARD:
+            sizes.append(self.max_connections % POOL_SHARD)
+        tls = httpx.create_ssl_context()  # one for every client: each costs a CA bundle
+        return [(n, self.http_client(transport, max_connections=n, tls=tls)) for n in sizes]
+
+    def http_client(
+        self,
+        transport: httpx.AsyncBaseTransport | None = None,
+        *,
+        max_connections: int | None = None,
+        tls: ssl.SSLContext | None = None,
+    ) -> httpx.AsyncClient:
+        """A pooled client for this endpoint: its base URL, key, timeouts and pool size
+        (``max_connections`` unless given), HTTP/2 where the server offers it (over the
+        network; ``transport`` replaces that, for tests), verifying servers with ``tls``
+        (default: httpx's own context). The caller closes it."""
+        pool = self.max_connections if max_connections is None else max_connections
         headers = {"Accept": "text/event-stream"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
@@ -101,14 +127,12 @@ class OpenAIEndpoint:
             headers=headers,
             http2=transport is None,
             transport=transport,
+            verify=True if tls is None else tls,
             timeout=httpx.Timeout(
                 self.read_timeout.total_seconds(),
                 connect=self.connect_timeout.total_seconds(),
             ),
-            limits=httpx.Limits(
-                max_connections=self.max_connections,
-                max_keepalive_connections=self.max_connections,
-            ),
+            limits=httpx.Limits(max_connections=pool, max_keepalive_connections=pool),
         )
 
     @staticmethod
@@ -179,11 +203,15 @@ class OpenAIProvider:
         self.endpoint = endpoint
         self.name = name
         self._rng = rng or random.Random()
-        self._client = endpoint.http_client(transport)
+        pool = endpoint.http_clients(transport)
+        self._clients = [client for _, client in pool]
+        self._free = [size for size, _ in pool]
+        """Connections of each client not taken by a call under way (negative: calls wait)."""
 
     async def aclose(self) -> None:
         """Close the connection pool; calls after this fail."""
-        await self._client.aclose()
+        for client in self._clients:
+            await client.aclose()
 
     async def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]:
         body = request_body(
@@ -237,8 +265,12 @@ class OpenAIProvider:
     async def _attempt(self, body: bytes) -> AsyncGenerator[ModelEvent, None]:
         trace = _ConnectionTrace()
         answered = False
+        # The client with the most free connections (the first of those: a light load reuses
+        # the same warm connections).
+        shard = max(range(len(self._clients)), key=self._free.__getitem__)
+        self._free[shard] -= 1
         try:
-            async with self._client.stream(
+            async with self._clients[shard].stream(
                 "POST",
                 "chat/completions",
                 content=body,
@@ -271,6 +303,8 @@ class OpenAIProvider:
                 retry_after=None,
                 stale=trace.reused and not answered and not isinstance(error, _CONNECTING),
             ) from error
+        finally:
+            self._free[shard] += 1
 
     def _refusal(self, response: httpx.Response, raw: bytes) -> Exception:
         status = response.status_code

@@ -384,10 +384,12 @@ class Etcd:
         return 0 if reply is None else int(reply.TTL)
 
     async def lease_alive(self, lease: int) -> bool:
-        """Whether etcd still knows ``lease`` (granted, neither expired nor revoked)."""
+        """Whether etcd still knows ``lease`` (granted, neither expired nor revoked). etcd
+        gives the whole seconds left (0 in a live lease's last second) and -1 for one it does
+        not know."""
         async with self._errors():
             info = await self._client.get_lease_info(lease)
-        return int(info.TTL) > 0
+        return int(info.TTL) >= 0
 
     async def compact(self, revision: int, *, physical: bool = True) -> None:
         """Compact etcd's history up to ``revision`` (with ``physical``, waiting until it is

@@ -390,6 +390,41 @@ async def test_calls_share_pooled_connections(server: ChatCompletionsServer) -> 
     assert {r.connection for r in server.requests} == {1}
 
 
+@pytest.mark.parametrize("pool", [5, 20])
+async def test_a_pool_holds_its_size_in_calls_at_once_however_it_is_split(
+    server: ChatCompletionsServer, pool: int
+) -> None:
+    """A pool bigger than one httpx client (``POOL_SHARD``) is split in several, and still
+    serves ``max_connections`` calls at once, each on a connection of its own, and no more."""
+    calls = pool + 2
+    server.enqueue(*(Stall(text="thinking") for _ in range(calls)))
+    provider = OpenAIProvider(OpenAIEndpoint(base_url=server.base_url, max_connections=pool))
+    request = ModelRequest(
+        session_id=ROOT,
+        model="test-model",
+        system_prompt="p",
+        tools=(),
+        messages=(ChatMessage(role=Role.USER, content="hi"),),
+    )
+
+    async def stalled() -> None:
+        async for _ in provider.stream(request):
+            pass
+
+    streams = [asyncio.create_task(stalled()) for _ in range(calls)]
+    try:
+        await asyncio.wait_for(server.wait_requests(pool), WAIT)
+        await asyncio.sleep(0.3)  # any call beyond the pool would have arrived by now
+        assert len(server.requests) == pool
+        assert server.open_streams == pool
+        assert server.connections == pool
+    finally:
+        for stream in streams:
+            stream.cancel()
+        await asyncio.gather(*streams, return_exceptions=True)
+        await provider.aclose()
+
+
 def test_a_node_refuses_to_start_on_a_presets_file_it_cannot_run(tmp_path: Path) -> None:
     """Before it dials anything: exit status 2 and one error line naming the file and key."""
     presets = tmp_path / "presets.toml"

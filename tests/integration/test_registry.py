@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import dataclasses
 import secrets
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -67,6 +68,7 @@ from dsh_mesh.registry import (
 )
 from dsh_mesh.registry._codec import decode_activation, encode_activation
 from dsh_mesh.registry._etcd import put
+from dsh_mesh.registry._lease import WEDGED_TTLS
 from dsh_mesh.registry._store import MAX_ENTRY_BYTES
 from dsh_mesh.runtime import (
     DEFAULT_PAGE,
@@ -1133,6 +1135,48 @@ async def test_keep_raises_lease_lost_when_the_lease_is_revoked_elsewhere(
         fresh = await node_a.keeper.grant()  # a fenced node may register again
         assert fresh != lease
         assert node_a.keeper.lease_id == fresh
+
+
+def block_the_loop(seconds: float) -> None:
+    """Run nothing else on the calling event loop for ``seconds``."""
+    time.sleep(seconds)
+
+
+async def test_a_node_whose_loop_is_busy_for_seconds_keeps_its_lease(
+    etcd: EtcdAddress, keys: Keys, log_path: Path
+) -> None:
+    """A loop that answers nothing for more than the TTL (thousands of agents streaming at
+    once) is slow, not gone: its keepalive thread refreshes the lease meanwhile."""
+    async with node(etcd.endpoint, keys, "node-a", log_path, ttl=SHORTEST_TTL) as node_a:
+        lease = node_a.lease
+        keeping = asyncio.create_task(node_a.keeper.keep())
+        await asyncio.sleep(0.1)  # the keeper has started
+        block_the_loop(2.5 * SHORTEST_TTL.total_seconds())
+        await asyncio.sleep(0.5)
+        assert not keeping.done()
+        assert await node_a.etcd.lease_alive(lease)
+        assert node_a.keeper.lease_id == lease
+        keeping.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await keeping
+
+
+async def test_a_node_whose_loop_is_wedged_loses_its_lease(
+    etcd: EtcdAddress, keys: Keys, log_path: Path
+) -> None:
+    """A loop that makes no progress for WEDGED_TTLS TTLs is gone: the lease is no longer
+    refreshed, etcd expires it (its agents are resumed elsewhere) and, once the loop runs
+    again, the node knows it is fenced."""
+    ttl = SHORTEST_TTL.total_seconds()
+    async with node(etcd.endpoint, keys, "node-a", log_path, ttl=SHORTEST_TTL) as node_a:
+        lease = node_a.lease
+        keeping = asyncio.create_task(node_a.keeper.keep())
+        await asyncio.sleep(0.1)
+        block_the_loop((WEDGED_TTLS + 2) * ttl)
+        assert not await node_a.etcd.lease_alive(lease)
+        with pytest.raises(LeaseLost):
+            await asyncio.wait_for(keeping, WAIT)
+        assert not node_a.keeper.held
 
 
 async def test_revoke_is_idempotent_and_ends_everything_bound_to_the_lease(

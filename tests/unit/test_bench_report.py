@@ -50,6 +50,10 @@ def a_report() -> Report:
         Figure("peers: messages/s / bare echo", 1800.0, "calls/s", 4000.0, 0.7, "higher"),
         Figure("peers: CPU per message / AutoGen's", 0.6, "ms", 0.4, 1.0, "lower"),
         Figure("peers: create an agent on another node", 5.0, "ms", None, 2.0, "lower"),
+        Figure("1000 streaming: steps/s / bare httpx", 150.0, "steps/s", 600.0, 0.8, "higher"),
+        Figure("1000 streaming: CPU per token / bare httpx", 140.0, "us", 30.0, 1.25, "lower"),
+        Figure("10000 streaming: steps/s / bare httpx", 140.0, "steps/s", 250.0, 0.8, "higher"),
+        Figure("10000 streaming: CPU per token / bare httpx", 150.0, "us", 90.0, 1.25, "lower"),
         Figure("bare echo p50", 0.6, "ms"),
         Figure("warm same-node send throughput", 5000.0, "calls/s", 4000.0, better="higher"),
     )
@@ -65,8 +69,9 @@ def a_document() -> dict[str, Any]:
 def test_a_complete_report_conforms_and_lists_only_targets_as_figures() -> None:
     document = a_document()
     # Six of the first suite, the memory section's drain, long-resume's one, control's six,
-    # tools' five, the view's three, the crash section's root fail-over two, the peers' five.
-    assert TARGETS == 29
+    # tools' five, the view's three, the crash section's root fail-over two, the peers' five,
+    # streaming's four (steps a second and CPU per token, at 1,000 and 10,000 agents).
+    assert TARGETS == 33
     assert check_report(document, expected_targets=TARGETS) == []
     assert len(document["figures"]) == TARGETS
     assert all(sorted(f) == sorted(FIGURE_KEYS) for f in document["figures"])
