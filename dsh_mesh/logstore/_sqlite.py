@@ -5,7 +5,8 @@ Each store object owns one connection, used only by its own worker thread; a wri
 ``BEGIN IMMEDIATE`` transaction, which SQLite serialises across processes, so the fence check
 and the inserts of an append see no other writer in between (ADR 0026). For the same reason
 appends commit in the order they take positions from the one-row clock: the horizon is the
-clock's value.
+clock's value. Appends that wait at once, of any sessions, share one transaction (one commit,
+one fsync), each in a savepoint of its own (ADR 0047).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from dsh_mesh.core import ApprovalRequestEntry, Record, RegistryUnavailable, SessionId, StoreRefused
 from dsh_mesh.logstore._batch import (
@@ -42,6 +43,9 @@ from dsh_mesh.runtime import (
 )
 
 T = TypeVar("T")
+_Work = Callable[[sqlite3.Connection], Any]
+_MAX_TOGETHER = 256
+"""Appends committed in one transaction at most."""
 
 _SCHEMA = (
     "CREATE TABLE IF NOT EXISTS fences ("
@@ -107,6 +111,9 @@ class SqliteLogStore:
         self._connection: sqlite3.Connection | None = None
         self._closed = False
         self.condition = StoreCondition()
+        self._waiting: list[tuple[_Work, asyncio.Future[Any]]] = []
+        """Appends waiting for the next shared transaction."""
+        self._committing: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> SqliteLogStore:
         await self._run(lambda _: None)  # opens the file and creates the schema
@@ -131,89 +138,87 @@ class SqliteLogStore:
         self, session: SessionId, writes: Sequence[Write], *, fence: int, unfenced: bool = False
     ) -> list[Written]:
         def work(db: sqlite3.Connection) -> list[Written]:
-            with _immediate(db):
-                row = db.execute(
-                    "SELECT max(seq) FROM entries WHERE session = ?", (session,)
-                ).fetchone()
-                last_seq = row[0] or 0
-                plan = plan_append(
-                    session,
-                    writes,
-                    fence=fence,
-                    unfenced=unfenced,
-                    current_fence=_fence_of(db, session),
+            row = db.execute(
+                "SELECT max(seq) FROM entries WHERE session = ?", (session,)
+            ).fetchone()
+            last_seq = row[0] or 0
+            plan = plan_append(
+                session,
+                writes,
+                fence=fence,
+                unfenced=unfenced,
+                current_fence=_fence_of(db, session),
+                last_seq=last_seq,
+                known=lambda key: _known(db, key),
+                waiting=lambda call: _waiting(db, session, call),
+                now=datetime.now(UTC),
+            )
+            last = _clock(db)
+            db.executemany(
+                "INSERT INTO entries (session, seq, position, data) VALUES (?, ?, ?, ?)",
+                [
+                    (session, r.seq, last + n, encode_entry(r.entry, recorded_at=r.recorded_at))
+                    for n, (r, _) in enumerate(plan.records, 1)
+                ],
+            )
+            db.execute(
+                "INSERT INTO clock (id, position) VALUES (0, ?)"
+                " ON CONFLICT (id) DO UPDATE SET position = excluded.position",
+                (last + len(plan.records),),
+            )
+            db.executemany(
+                "INSERT INTO idempotency (principal, key, target, at, data) VALUES (?, ?, ?, ?, ?)",
+                [
+                    (
+                        guard[0].principal,
+                        guard[0].key,
+                        session,
+                        _micros(r.recorded_at),
+                        encode_acceptance(guard[1]),
+                    )
+                    for r, guard in plan.records
+                    if guard is not None
+                ],
+            )
+            db.executemany(
+                "INSERT INTO compactions (session, seq) VALUES (?, ?)",
+                [(session, seq) for seq in plan.compactions],
+            )
+            db.executemany(
+                "INSERT INTO approvals (session, call_id, seq, expires, decided)"
+                " VALUES (?, ?, ?, ?, 0) ON CONFLICT (session, call_id)"
+                " DO UPDATE SET seq = excluded.seq, expires = excluded.expires, decided = 0",
+                [
+                    (session, call, seq, None if expires is None else _micros(expires))
+                    for call, seq, expires in plan.requests
+                ],
+            )
+            db.executemany(
+                "UPDATE approvals SET decided = 1 WHERE session = ? AND call_id = ?",
+                [(session, call) for call in plan.decided],
+            )
+            db.executemany(
+                "DELETE FROM approvals WHERE session = ? AND call_id = ?",
+                [(session, call) for call in plan.answered],
+            )
+            if plan.keeps_usage(last_seq):
+                kept = kept_usage(
+                    plan,
+                    _usage(db, session) if last_seq else None,
                     last_seq=last_seq,
-                    known=lambda key: _known(db, key),
-                    waiting=lambda call: _waiting(db, session, call),
-                    now=datetime.now(UTC),
+                    earlier=lambda: _records(db, session, upto=last_seq),
                 )
-                last = _clock(db)
-                db.executemany(
-                    "INSERT INTO entries (session, seq, position, data) VALUES (?, ?, ?, ?)",
-                    [
-                        (session, r.seq, last + n, encode_entry(r.entry, recorded_at=r.recorded_at))
-                        for n, (r, _) in enumerate(plan.records, 1)
-                    ],
-                )
+                if kept is not None:
+                    db.execute(_SAVE_USAGE, (session, *usage_row(kept)))
+            if plan.new_fence is not None:
                 db.execute(
-                    "INSERT INTO clock (id, position) VALUES (0, ?)"
-                    " ON CONFLICT (id) DO UPDATE SET position = excluded.position",
-                    (last + len(plan.records),),
+                    "INSERT INTO fences (session, fence) VALUES (?, ?)"
+                    " ON CONFLICT (session) DO UPDATE SET fence = excluded.fence",
+                    (session, plan.new_fence),
                 )
-                db.executemany(
-                    "INSERT INTO idempotency (principal, key, target, at, data)"
-                    " VALUES (?, ?, ?, ?, ?)",
-                    [
-                        (
-                            guard[0].principal,
-                            guard[0].key,
-                            session,
-                            _micros(r.recorded_at),
-                            encode_acceptance(guard[1]),
-                        )
-                        for r, guard in plan.records
-                        if guard is not None
-                    ],
-                )
-                db.executemany(
-                    "INSERT INTO compactions (session, seq) VALUES (?, ?)",
-                    [(session, seq) for seq in plan.compactions],
-                )
-                db.executemany(
-                    "INSERT INTO approvals (session, call_id, seq, expires, decided)"
-                    " VALUES (?, ?, ?, ?, 0) ON CONFLICT (session, call_id)"
-                    " DO UPDATE SET seq = excluded.seq, expires = excluded.expires, decided = 0",
-                    [
-                        (session, call, seq, None if expires is None else _micros(expires))
-                        for call, seq, expires in plan.requests
-                    ],
-                )
-                db.executemany(
-                    "UPDATE approvals SET decided = 1 WHERE session = ? AND call_id = ?",
-                    [(session, call) for call in plan.decided],
-                )
-                db.executemany(
-                    "DELETE FROM approvals WHERE session = ? AND call_id = ?",
-                    [(session, call) for call in plan.answered],
-                )
-                if plan.keeps_usage(last_seq):
-                    kept = kept_usage(
-                        plan,
-                        _usage(db, session) if last_seq else None,
-                        last_seq=last_seq,
-                        earlier=lambda: _records(db, session, upto=last_seq),
-                    )
-                    if kept is not None:
-                        db.execute(_SAVE_USAGE, (session, *usage_row(kept)))
-                if plan.new_fence is not None:
-                    db.execute(
-                        "INSERT INTO fences (session, fence) VALUES (?, ?)"
-                        " ON CONFLICT (session) DO UPDATE SET fence = excluded.fence",
-                        (session, plan.new_fence),
-                    )
-                return plan.written
+            return plan.written
 
-        written = await self._run(work)
+        written = await self._together(work)
         self.condition.accepted()
         return written
 
@@ -342,6 +347,9 @@ class SqliteLogStore:
         if self._closed:
             return
         self._closed = True
+        committing = self._committing
+        if committing is not None:
+            await asyncio.wait({committing})  # what waits is committed or refused first
 
         def close() -> None:
             if self._connection is not None:
@@ -350,6 +358,85 @@ class SqliteLogStore:
 
         await asyncio.get_running_loop().run_in_executor(self._worker, close)
         self._worker.shutdown(wait=True)
+
+    async def _together(self, work: Callable[[sqlite3.Connection], T]) -> T:
+        """Run ``work`` in one transaction with the appends that wait beside it: one commit,
+        one fsync for all of them, whichever sessions they write. Each runs in a savepoint of
+        its own, so one that is refused (a stale fence, a conflicting key, a constraint) is
+        undone alone and the others commit; a refusal of the whole file (busy past the
+        timeout, full, read-only, an I/O error) or of the commit refuses them all, none
+        having landed. Durable when it returns, as a transaction of its own was."""
+        if self._closed:
+            raise RegistryUnavailable(f"the log store {self.path} is closed")
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._waiting.append((work, future))
+        if self._committing is None:
+            self._committing = asyncio.create_task(self._commit_waiting(), name="sqlite commits")
+        outcome: T | sqlite3.Error = await future
+        if isinstance(outcome, sqlite3.Error):
+            raise self._refusal(outcome) from outcome
+        return outcome
+
+    async def _commit_waiting(self) -> None:
+        """Commit what waits, a transaction at a time, until nothing does. An append whose
+        caller left before its transaction began is not run (as a job never started)."""
+        loop = asyncio.get_running_loop()
+        batch: list[tuple[_Work, asyncio.Future[Any]]] = []
+        try:
+            while self._waiting:
+                batch = [(w, f) for w, f in self._waiting[:_MAX_TOGETHER] if not f.cancelled()]
+                del self._waiting[:_MAX_TOGETHER]
+                if not batch:
+                    continue
+                works = [work for work, _ in batch]
+                try:
+                    outcomes = await loop.run_in_executor(self._worker, self._in_one, works)
+                except sqlite3.Error as failure:
+                    outcomes = [(False, failure)] * len(batch)
+                for (_, future), (ok, value) in zip(batch, outcomes, strict=True):
+                    if future.done():
+                        continue
+                    if ok or isinstance(value, sqlite3.Error):
+                        future.set_result(value)  # a store's refusal is typed by the caller
+                    else:
+                        future.set_exception(value)
+                batch = []
+        finally:
+            self._committing = None
+            # Stopped mid-way (the store closing, the loop ending): nothing may wait forever.
+            for _, future in (*batch, *self._waiting):
+                if not future.done():
+                    future.set_exception(
+                        RegistryUnavailable(f"the log store {self.path} is closed")
+                    )
+            self._waiting.clear()
+
+    def _in_one(self, works: Sequence[_Work]) -> list[tuple[bool, Any]]:
+        """On the worker thread: every work in one ``BEGIN IMMEDIATE`` ... ``COMMIT``, each in
+        a savepoint; its outcome, or its exception (a passing SQLite error raises, for all)."""
+        db = self._connection or self._open()
+        outcomes: list[tuple[bool, Any]] = []
+        try:
+            with _immediate(db):
+                for work in works:
+                    db.execute("SAVEPOINT one")
+                    try:
+                        value = work(db)
+                    except Exception as refused:
+                        if isinstance(refused, sqlite3.Error) and _passes(refused):
+                            raise
+                        db.execute("ROLLBACK TO one")
+                        db.execute("RELEASE one")
+                        outcomes.append((False, refused))
+                    else:
+                        db.execute("RELEASE one")
+                        outcomes.append((True, value))
+        except sqlite3.Error as failure:
+            if _passes(failure) and self._connection is db:
+                self._connection = None  # opened afresh by the next call, as in _run
+                _close_quietly(db)
+            raise
+        return outcomes
 
     async def _run(self, work: Callable[[sqlite3.Connection], T]) -> T:
         if self._closed:

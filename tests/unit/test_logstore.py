@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from dsh_mesh.core import ActivationFenced
+from dsh_mesh.core import ActivationFenced, SessionId
 from dsh_mesh.logstore import MemoryLogStore, SqliteLogStore
 from dsh_mesh.logstore._sqlite import _write_ahead
 from dsh_mesh.runtime import IdempotencyKey, LogStore
 from tests.logstore_conformance import (
     OTHER,
+    THIRD,
     LogStoreConformance,
     S,
     contents,
@@ -158,3 +159,50 @@ async def test_a_transcript_from_before_usage_was_kept_is_summed_once_at_its_nex
             assert (kept.usage.model_calls, kept.usage.input_tokens) == (3, 160)
             assert kept.usage.first_call is not None
             assert kept.usage.first_call.input_tokens == 100
+
+
+async def test_appends_of_many_sessions_waiting_together_share_one_transaction(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Appends of different sessions that wait at once commit together (one commit and one
+    fsync), each with its own records, positions rising across them (ADR 0047)."""
+    transactions: list[int] = []
+    together = SqliteLogStore._in_one
+
+    def counted(self: SqliteLogStore, works: list[object]) -> object:
+        transactions.append(len(works))
+        return together(self, works)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(SqliteLogStore, "_in_one", counted)
+    sessions = [SessionId(f"s-{n}") for n in range(50)]
+    async with SqliteLogStore(tmp_path / "log.sqlite") as store:
+        await asyncio.gather(*(store.append(s, [task(f"for {s}")], fence=0) for s in sessions))
+        for session in sessions:
+            assert contents(await store.read(session)) == [f"for {session}"]
+        feed = await store.since(sessions, after=0, upto=await store.horizon())
+    assert sum(transactions) == 50
+    assert len(transactions) < 50  # fewer transactions than appends
+    assert rising(feed) and len(feed) == 50
+
+
+async def test_an_append_refused_among_others_committed_with_it_is_undone_alone(
+    tmp_path: Path,
+) -> None:
+    """One append of a shared transaction is refused (a stale fence): it leaves nothing, and
+    the appends beside it land, each answered once."""
+    async with SqliteLogStore(tmp_path / "log.sqlite") as store:
+        await store.raise_fence(S, 10)
+        outcomes = await asyncio.gather(
+            store.append(OTHER, [task("before")], fence=0),
+            store.append(S, [task("stale"), task("stale too")], fence=5),
+            store.append(THIRD, [task("after")], fence=0),
+            return_exceptions=True,
+        )
+        assert isinstance(outcomes[1], ActivationFenced)
+        assert not isinstance(outcomes[0], BaseException)
+        assert not isinstance(outcomes[2], BaseException)
+        assert await store.read(S) == []
+        assert contents(await store.read(OTHER)) == ["before"]
+        assert contents(await store.read(THIRD)) == ["after"]
+        await store.append(S, [task("current")], fence=10)
+        assert contents(await store.read(S)) == ["current"]
