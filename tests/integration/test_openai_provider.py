@@ -370,19 +370,22 @@ async def until_turn_ended(client: MeshClient, session: str) -> SessionPage:
             await asyncio.sleep(0.1)
 
 
+HI = ModelRequest(
+    session_id=ROOT,
+    model="test-model",
+    system_prompt="p",
+    tools=(),
+    messages=(ChatMessage(role=Role.USER, content="hi"),),
+)
+"""The smallest request: one user message."""
+
+
 async def test_calls_share_pooled_connections(server: ChatCompletionsServer) -> None:
     """One provider keeps its connections alive between calls (and across retries)."""
     server.enqueue(Failure(status=503), Completion(text="a"), Completion(text="b"))
     provider = OpenAIProvider(OpenAIEndpoint(base_url=server.base_url, retry=FAST))
-    request = ModelRequest(
-        session_id=ROOT,
-        model="test-model",
-        system_prompt="p",
-        tools=(),
-        messages=(ChatMessage(role=Role.USER, content="hi"),),
-    )
     try:
-        texts = [(await complete(provider, request)).text for _ in range(2)]
+        texts = [(await complete(provider, HI)).text for _ in range(2)]
     finally:
         await provider.aclose()
     assert texts == ["a", "b"]
@@ -399,16 +402,9 @@ async def test_a_pool_holds_its_size_in_calls_at_once_however_it_is_split(
     calls = pool + 2
     server.enqueue(*(Stall(text="thinking") for _ in range(calls)))
     provider = OpenAIProvider(OpenAIEndpoint(base_url=server.base_url, max_connections=pool))
-    request = ModelRequest(
-        session_id=ROOT,
-        model="test-model",
-        system_prompt="p",
-        tools=(),
-        messages=(ChatMessage(role=Role.USER, content="hi"),),
-    )
 
     async def stalled() -> None:
-        async for _ in provider.stream(request):
+        async for _ in provider.stream(HI):
             pass
 
     streams = [asyncio.create_task(stalled()) for _ in range(calls)]
