@@ -156,9 +156,9 @@ class AgentMeshService(mesh_pb2_grpc.AgentMeshServicer):
 
 class MeshPeerService(peer_pb2_grpc.MeshPeerServicer):
     """What other nodes of the cluster ask of this node's manager, and the stream that carries
-    their agent messages to ``messages`` (None: this node takes them by ``SendMessage`` only)."""
+    their agent messages to ``messages``, this node's ``SendMessage``."""
 
-    def __init__(self, manager: ManagerRef, messages: AgentMeshService | None = None) -> None:
+    def __init__(self, manager: ManagerRef, messages: AgentMeshService) -> None:
         self._manager = manager
         self._messages = messages
 
@@ -203,8 +203,6 @@ class MeshPeerService(peer_pb2_grpc.MeshPeerServicer):
     ) -> AsyncIterator[peer_pb2.SendMessagesResponse]:
         """Carry the calling node's messages, each as ``SendMessage`` would (ADR 0047), and
         answer each once, in frames of every answer ready together."""
-        if self._messages is None:
-            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "messages by SendMessage only")
         try:
             caller = caller_node(context)
         except MeshError as refused:
@@ -264,7 +262,6 @@ class MeshPeerService(peer_pb2_grpc.MeshPeerServicer):
         answers: asyncio.Queue[_Answer],
     ) -> None:
         """One carried message's answer, whatever happens to it (never raises)."""
-        assert self._messages is not None
         timeout = message.timeout_ms / 1000 if message.timeout_ms else DEFAULT_CARRY_SECONDS
         try:
             with (
