@@ -108,6 +108,11 @@ class StreamServer:
         if self.holding:
             self._held.append(transport)
             return
+        self._answer(transport)
+
+    def _answer(self, transport: asyncio.Transport) -> None:
+        """Begin a streamed answer on ``transport``: its head and role chunk now, its tokens
+        at the ticks to come."""
         transport.write(_HEAD + _ROLE)
         self._open.append(_Stream(transport, TOKENS))
 
@@ -140,8 +145,7 @@ class StreamServer:
         held, self._held = self._held, []
         for transport in held:
             if not transport.is_closing():
-                transport.write(_HEAD + _ROLE)
-                self._open.append(_Stream(transport, TOKENS))
+                self._answer(transport)
 
     def stats(self) -> dict[str, int]:
         """The counters, for the ``stats`` command."""

@@ -13,12 +13,12 @@ At each size of ``sizes.streamers``:
   server holds their first calls; then it answers them all, and from then on every agent
   streams and steps by itself.
 
-Each is measured over the same window, once every stream has read a whole answer and asked
-again: answers read whole a second (steps: the requests that followed them; what the server
-wrote may still wait in a socket), and the CPU time of its process (the node; the floor's
-client) per token of those answers. Targets: steps a second at least 0.8x the floor's, and CPU
-per token at most 1/0.8 = 1.25x the floor's. The server, a third process on the same two cores,
-is outside both.
+Each is measured over the same window, once the server has had twice as many requests as
+there are streams: answers read whole a second (steps: the requests that followed them; what
+the server wrote may still wait in a socket), and the CPU time of its process (the node; the
+floor's client) per token of those answers. Targets: steps a second at least 0.8x the floor's,
+and CPU per token at most 1/0.8 = 1.25x the floor's. The server, a third process on the same
+two cores, is outside both.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ _LEASE_TTL = 10.0
 """A node busy with thousands of streams keeps its lease: a longer TTL than the default."""
 _STOP_SECONDS = 60.0
 _STEADY_SECONDS = 300.0
-"""How long the section waits for every stream to have stepped twice."""
+"""How long the section waits for twice as many requests as streams."""
 _ANSWER_SECONDS = 120.0
 """How long the section waits for the server's answer, or for the floor to have every stream
 under way."""
@@ -116,12 +116,15 @@ def _server() -> Iterator[_Server]:
 
 
 async def _steady(server: _Server, agents: int) -> None:
-    """Return once every stream has read one whole answer and asked again (two requests of
-    each, at least): a backlog of first answers is no longer waiting in the sockets."""
+    """Return once the server has had twice as many requests as there are streams: as many
+    answers read whole as streams, so the backlog of first answers no longer waits in the
+    sockets (a count over all streams, not of each)."""
     deadline = time.monotonic() + _STEADY_SECONDS
     while (await server.command("stats"))["requests"] < 2 * agents:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{agents} streams did not all step twice in {_STEADY_SECONDS} s")
+            raise TimeoutError(
+                f"{agents} streams did not ask {2 * agents} times in {_STEADY_SECONDS} s"
+            )
         await asyncio.sleep(0.5)
 
 

@@ -432,9 +432,7 @@ class SqliteLogStore:
                         db.execute("RELEASE one")
                         outcomes.append((True, value))
         except sqlite3.Error as failure:
-            if _passes(failure) and self._connection is db:
-                self._connection = None  # opened afresh by the next call, as in _run
-                _close_quietly(db)
+            self._forget_after(failure, db)
             raise
         return outcomes
 
@@ -447,17 +445,21 @@ class SqliteLogStore:
             try:
                 return work(db)
             except sqlite3.Error as failure:
-                if _passes(failure) and self._connection is db:
-                    # Opened afresh by the next call, here on the thread that owns it: one
-                    # opened on a file system since remounted may hold on to its old state.
-                    self._connection = None
-                    _close_quietly(db)
+                self._forget_after(failure, db)
                 raise
 
         try:
             return await asyncio.get_running_loop().run_in_executor(self._worker, call)
         except sqlite3.Error as failure:
             raise self._refusal(failure) from failure
+
+    def _forget_after(self, failure: sqlite3.Error, db: sqlite3.Connection) -> None:
+        """On the worker thread: after a refusal that passes by itself, drop ``db``, opened
+        afresh by the next call (one opened on a file system since remounted may hold on to its
+        old state)."""
+        if _passes(failure) and self._connection is db:
+            self._connection = None
+            _close_quietly(db)
 
     def _refusal(self, failure: sqlite3.Error) -> RegistryUnavailable | StoreRefused:
         """The typed outcome of SQLite's refusal: an outage when it passes by itself (locked

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -62,6 +62,19 @@ class EtcdTls:
 
     def __repr__(self) -> str:
         return f"EtcdTls(server_name={self.server_name!r}, key=<hidden>)"
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """A channel's credentials: this certificate presented, etcd's checked by this CA."""
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca_pem, private_key=self.key_pem, certificate_chain=self.cert_pem
+        )
+
+    def secure_options(self, options: Mapping[str, str | int]) -> list[tuple[str, str | int]]:
+        """A channel's ``options``, with the name etcd's certificate must carry if set."""
+        listed = list(options.items())
+        if self.server_name is not None:
+            listed.append(("grpc.ssl_target_name_override", self.server_name))
+        return listed
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,16 +220,10 @@ class _TlsClient(aetcd.Client):  # type: ignore[misc]
             return
         try:
             self._is_connecting = True
-            options = list(self._options.items())
-            if self._tls.server_name is not None:
-                options.append(("grpc.ssl_target_name_override", self._tls.server_name))
-            credentials = grpc.ssl_channel_credentials(
-                root_certificates=self._tls.ca_pem,
-                private_key=self._tls.key_pem,
-                certificate_chain=self._tls.cert_pem,
-            )
             self.channel = rpc.secure_channel(
-                f"{self._host}:{self._port}", credentials, options=options
+                f"{self._host}:{self._port}",
+                self._tls.credentials(),
+                options=self._tls.secure_options(self._options),
             )
             self.auth_stub = rpc.AuthStub(self.channel)
             self.kvstub = rpc.KVStub(self.channel)

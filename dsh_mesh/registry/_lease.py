@@ -4,7 +4,7 @@ Everything a node holds in etcd (its registration, every activation it won) is b
 lease. If the keepalive cannot be confirmed within the TTL the node must assume etcd has expired
 the lease, and fences itself: :meth:`LeaseKeeper.keep` returns and the node stops its agents.
 
-The keepalive runs on a thread of its own, with its own event loop and etcd connection: a node
+The keepalive runs on a thread of its own, on a synchronous etcd connection of its own: a node
 whose loop is busy for seconds (thousands of agents streaming at once) is slow, not gone, and
 must not lose every agent it hosts for it. A loop that makes no progress at all is gone: the
 node's loop beats a heart, and the thread stops refreshing once it has not beaten for
@@ -188,18 +188,12 @@ class _Refresher:
 
 def _channel(config: EtcdConfig) -> grpc.Channel:
     """A synchronous channel to the etcd ``config`` names, as the node's own is dialled."""
-    target = f"{config.host}:{config.port}"
-    options: list[tuple[str, str | int]] = list(config.channel_options().items())
+    target, options = f"{config.host}:{config.port}", config.channel_options()
     if config.tls is None:
-        return grpc.insecure_channel(target, options=options)
-    if config.tls.server_name is not None:
-        options.append(("grpc.ssl_target_name_override", config.tls.server_name))
-    credentials = grpc.ssl_channel_credentials(
-        root_certificates=config.tls.ca_pem,
-        private_key=config.tls.key_pem,
-        certificate_chain=config.tls.cert_pem,
+        return grpc.insecure_channel(target, options=list(options.items()))
+    return grpc.secure_channel(
+        target, config.tls.credentials(), options=config.tls.secure_options(options)
     )
-    return grpc.secure_channel(target, credentials, options=options)
 
 
 def _words(error: Exception) -> str:
