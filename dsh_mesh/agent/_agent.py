@@ -35,6 +35,7 @@ from dsh_mesh.core import (
     DeliveryKind,
     Entry,
     IdFactory,
+    LightEvent,
     Record,
     SessionHeader,
     SessionId,
@@ -144,8 +145,8 @@ class Agent:
         self._state = AgentState.IDLE
         self._idle_since = time.monotonic()
         """When the agent last became idle (``time.monotonic``): made, or its last turn ended."""
-        self._work = asyncio.Event()
-        self._released = asyncio.Event()
+        self._work = LightEvent()
+        self._released = LightEvent()
         self._turn: Turn | None = None
         """The running turn's own state (None between turns)."""
         self._run = RunRecord()
@@ -161,13 +162,6 @@ class Agent:
                 deliver=self.deliver,
             ),
         )
-        self._calls = ToolCalls(
-            caller=lambda: self.ref,
-            tools=tools,
-            transcript=self._transcript,
-            append=self._boundary.append,
-            executor=tool_executor,
-        )
         self._approval_wait = ApprovalWait(
             tools=tools,
             policy=self.approvals,
@@ -181,14 +175,29 @@ class Agent:
                 doubt=self.doubt,
             ),
         )
-        self._window = ContextWindow(
-            session_id=header.session_id,
-            model=header.spec.model,
-            system_prompt=system_prompt,
-            tools=tools,
+        self._tool_executor = tool_executor
+
+    def _tool_calls(self) -> ToolCalls:
+        """Its tool calls, made for one turn (or one answer of what an earlier activation left
+        open) and dropped with it: an idle agent holds none of a turn's parts (ADR 0047)."""
+        return ToolCalls(
+            caller=lambda: self.ref,
+            tools=self.tools,
+            transcript=self._transcript,
+            append=self._boundary.append,
+            executor=self._tool_executor,
+        )
+
+    def _steps(self, calls: ToolCalls) -> Steps:
+        """One turn's steps: its context window and ``calls``, made for the turn."""
+        window = ContextWindow(
+            session_id=self.header.session_id,
+            model=self.header.spec.model,
+            system_prompt=self.system_prompt,
+            tools=self.tools,
             limits=self.limits,
             policy=self.context,
-            provider=provider,
+            provider=self._provider,
             transcript=self._transcript,
             writes=Writes(
                 append=self._boundary.append,
@@ -197,14 +206,14 @@ class Agent:
                 append_durable=lambda entry: self._host.append(self, entry),
             ),
         )
-        self._steps = Steps(
-            session_id=header.session_id,
+        return Steps(
+            session_id=self.header.session_id,
             transcript=self._transcript,
-            window=self._window,
-            calls=self._calls,
+            window=window,
+            calls=calls,
             approvals=self._approval_wait,
             boundary=self._boundary,
-            sends_in_inbox=lambda: host.sends_in_inbox(self),
+            sends_in_inbox=lambda: self._host.sends_in_inbox(self),
         )
 
     # -- identity and state -------------------------------------------------------------------
@@ -410,9 +419,11 @@ class Agent:
                     self._released.set()
                 return
             self._work.clear()
-            timeout = None if waiting is None else self._approval_wait.until_expiry(waiting)
+            if waiting is None:
+                await self._work.wait()  # an idle agent holds no timer
+                continue
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(timeout):
+                async with asyncio.timeout(self._approval_wait.until_expiry(waiting)):
                     await self._work.wait()
 
     # -- approvals (docs/approvals.md) ----------------------------------------------------------
@@ -471,7 +482,7 @@ class Agent:
         self._state = AgentState.RUNNING
         self._recovering = True
         self._host.changed()
-        await self._calls.answer_left_over(step_seq, open_calls, self.needs_approval)
+        await self._tool_calls().answer_left_over(step_seq, open_calls, self.needs_approval)
         if open_turn is not None:
             await self._boundary.append(
                 TurnEndedEntry(
@@ -537,8 +548,9 @@ class Agent:
             )
         )
         await self._boundary.read_waiting(first, steered=not going_on)
+        calls = self._tool_calls()
         turn.steps = asyncio.create_task(
-            self._steps.run(turn, going_on=going_on), name=f"turn {turn.turn_id}"
+            self._steps(calls).run(turn, going_on=going_on), name=f"turn {turn.turn_id}"
         )
         if turn.interrupting:
             turn.steps.cancel()  # interrupted while the turn was starting
@@ -562,7 +574,7 @@ class Agent:
             turn.cancellable = False
         await self._boundary.finish_writes()
         if outcome is not TurnOutcome.AWAITING_APPROVAL:
-            await self._calls.close_open(turn, outcome)
+            await calls.close_open(turn, outcome)
         await self._boundary.append(
             TurnEndedEntry(turn_id=turn.turn_id, outcome=outcome, detail=detail)
         )

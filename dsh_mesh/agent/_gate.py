@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
+
+from dsh_mesh.core import LightEvent
 
 
 class BoundaryGate:
@@ -26,7 +27,7 @@ class BoundaryGate:
         self._accepting = 0
         self._boundaries = 0
         self._held = False
-        self._change = asyncio.Event()
+        self._change = LightEvent()
 
     @contextlib.asynccontextmanager
     async def accepting(self) -> AsyncIterator[None]:
@@ -69,7 +70,7 @@ class BoundaryGate:
 
     def _changed(self) -> None:
         self._change.set()
-        self._change = asyncio.Event()
+        self._change = LightEvent()
 
 
 class Held:

@@ -78,6 +78,7 @@ from dsh_mesh.core._errors import (
     Unauthenticated,
     rejection_class,
 )
+from dsh_mesh.core._event import LightEvent
 from dsh_mesh.core._header import (
     DEFAULT_NAMESPACE,
     ForkOrigin,
@@ -210,6 +211,7 @@ __all__ = [
     "InboundEntry",
     "InboxFull",
     "InvalidArgument",
+    "LightEvent",
     "ListingFilter",
     "MeshError",
     "NamespaceDenied",

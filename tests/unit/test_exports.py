@@ -52,6 +52,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "InboundEntry",
         "InboxFull",
         "InvalidArgument",
+        "LightEvent",
         "ListingFilter",
         "MAX_APPROVAL_REASON_CHARS",
         "MAX_ARGUMENTS_DEPTH",
