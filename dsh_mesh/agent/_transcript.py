@@ -10,6 +10,7 @@ seen begins. No I/O: the agent writes, then hands the durable record to :meth:`a
 from __future__ import annotations
 
 import bisect
+import operator
 from collections.abc import Sequence
 
 from dsh_mesh.agent._approvals import consumed, decision_of, request_of
@@ -30,6 +31,8 @@ from dsh_mesh.core import (
     latest_compaction,
 )
 
+_seq = operator.attrgetter("seq")
+
 
 class LocalTranscript:
     """The session's context as this activation holds it: with no compaction its whole
@@ -37,8 +40,9 @@ class LocalTranscript:
     range (docs/context.md). Memory does not grow with the transcript."""
 
     def __init__(self, records: Sequence[Record]) -> None:
-        self._records = sorted(records, key=lambda r: r.seq)
-        self._seqs = {r.seq for r in self._records}
+        self._records = sorted(records, key=_seq)
+        """In seq order: which seqs it holds is a bisection of these (no set beside them: an
+        idle agent's memory counts, ADR 0047)."""
         self._floor = 0
         """Every seq up to this one was compacted (or kept): nothing of it is missing here."""
         self._held_through = 0
@@ -64,14 +68,18 @@ class LocalTranscript:
 
     def holds(self, seq: int) -> bool:
         """Whether the record ``seq`` is held here, or within a compaction's range."""
-        return seq <= self._floor or seq in self._seqs
+        return seq <= self._floor or self._has(seq)
 
     def add(self, record: Record) -> None:
         """Keep a durably written record (in seq order; a record held already is ignored)."""
-        if record.seq not in self._seqs:
-            self._seqs.add(record.seq)
-            bisect.insort(self._records, record, key=lambda r: r.seq)
-            self._advance_held()
+        records = self._records
+        if records and records[-1].seq < record.seq:
+            records.append(record)  # the usual case: the next one
+        elif not self._has(record.seq):
+            bisect.insort(records, record, key=_seq)
+        else:
+            return
+        self._advance_held()
 
     def forget_compacted(self) -> None:
         """Keep only the context: what the latest compaction kept and what follows its range."""
@@ -79,13 +87,17 @@ class LocalTranscript:
         if latest is not None:
             assert isinstance(latest.entry, CompactionEntry)
             self._records = context_of(self._records)
-            self._seqs = {r.seq for r in self._records}
             self._floor = latest.entry.through_seq
             self._held_through = max(self._held_through, self._floor)
         self._advance_held()
 
+    def _has(self, seq: int) -> bool:
+        records = self._records
+        at = bisect.bisect_left(records, seq, key=_seq)
+        return at < len(records) and records[at].seq == seq
+
     def _advance_held(self) -> None:
-        while self._held_through + 1 in self._seqs:
+        while self._has(self._held_through + 1):
             self._held_through += 1
 
     # -- the last step and its calls ------------------------------------------------------------
