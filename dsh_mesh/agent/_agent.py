@@ -19,7 +19,7 @@ from typing import Protocol
 
 from dsh_mesh import telemetry
 from dsh_mesh.agent._approval_wait import ApprovalWait, AwaitingApproval, DecisionWrites
-from dsh_mesh.agent._boundary import Boundary, HostCalls
+from dsh_mesh.agent._boundary import Boundary
 from dsh_mesh.agent._settlement import RunRecord, Settlement
 from dsh_mesh.agent._steps import Steps
 from dsh_mesh.agent._tool_calls import ToolCalls
@@ -113,6 +113,32 @@ class Agent:
     ``run`` is the driver; its owner (the manager's task group) cancels it to shut it down.
     """
 
+    __slots__ = (  # a hundred thousand of these may be resident on one node (ADR 0047)
+        "_approval_wait",
+        "_boundary",
+        "_halted",
+        "_host",
+        "_idle_since",
+        "_ids",
+        "_passivating",
+        "_provider",
+        "_recovering",
+        "_released",
+        "_run",
+        "_state",
+        "_tool_executor",
+        "_transcript",
+        "_turn",
+        "_work",
+        "activation",
+        "approvals",
+        "context",
+        "header",
+        "limits",
+        "system_prompt",
+        "tools",
+    )
+
     def __init__(
         self,
         *,
@@ -155,12 +181,7 @@ class Agent:
         """Its subtree was stopped and closed: no turn starts; the activation ends."""
         self._boundary = Boundary(
             transcript=self._transcript,
-            host=HostCalls(
-                append=lambda entry: host.append(self, entry),
-                read_after=lambda seq: host.read_after(self, seq),
-                admitted=lambda records: host.admitted(self, records),
-                deliver=self.deliver,
-            ),
+            host=_HostCalls(self, host),
         )
         self._approval_wait = ApprovalWait(
             tools=tools,
@@ -584,3 +605,26 @@ class Agent:
         self._idle_since = time.monotonic()
         self._host.changed()
         return outcome
+
+
+class _HostCalls:
+    """The host's calls for one agent's boundary (:class:`HostCalls`): one small object, not
+    a closure per call, as every resident agent holds one (ADR 0047)."""
+
+    __slots__ = ("_agent", "_host")
+
+    def __init__(self, agent: Agent, host: AgentHost) -> None:
+        self._agent = agent
+        self._host = host
+
+    async def append(self, entry: Entry) -> Record:
+        return await self._host.append(self._agent, entry)
+
+    async def read_after(self, seq: int) -> Sequence[Record]:
+        return await self._host.read_after(self._agent, seq)
+
+    def admitted(self, records: Sequence[Record]) -> None:
+        self._host.admitted(self._agent, records)
+
+    def deliver(self, record: Record) -> DeliveryKind:
+        return self._agent.deliver(record)

@@ -4,15 +4,14 @@ One owner: the inbox of accepted records, the gate between accepts and boundarie
 an accept leaves when its answer was lost, the writes in flight (each runs to its end whatever
 the turn does), and the trace links the next step's span takes from what a boundary read. The
 records themselves are the :class:`~dsh_mesh.agent._transcript.LocalTranscript`'s; the host
-is reached through the narrow callables of :class:`HostCalls`. It is never handed the agent.
+is reached through the narrow calls of :class:`HostCalls`. It is never handed the agent.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from dsh_mesh.agent._gate import BoundaryGate
 from dsh_mesh.agent._inbox import Inbox
@@ -29,17 +28,24 @@ from dsh_mesh.core import (
 T = TypeVar("T")
 
 
-@dataclass(frozen=True, kw_only=True)
-class HostCalls:
-    """The host's calls the boundary makes for its agent: ``append`` (durable, fenced),
-    ``read_after`` (the durable transcript after a seq), ``admitted`` (records the driver
-    consumed: their waking-send reservations end), ``deliver`` (hand an inbound record that
-    landed unseen to the agent, as an accept would)."""
+class HostCalls(Protocol):
+    """The host's calls the boundary makes for its agent."""
 
-    append: Callable[[Entry], Awaitable[Record]]
-    read_after: Callable[[int], Awaitable[Sequence[Record]]]
-    admitted: Callable[[Sequence[Record]], None]
-    deliver: Callable[[Record], DeliveryKind]
+    async def append(self, entry: Entry) -> Record:
+        """Durably append ``entry`` (fenced)."""
+        ...
+
+    async def read_after(self, seq: int) -> Sequence[Record]:
+        """The durable transcript after ``seq``."""
+        ...
+
+    def admitted(self, records: Sequence[Record]) -> None:
+        """The driver consumed ``records``: their waking-send reservations end."""
+        ...
+
+    def deliver(self, record: Record) -> DeliveryKind:
+        """Hand an inbound record that landed unseen to the agent, as an accept would."""
+        ...
 
 
 class Boundary:
