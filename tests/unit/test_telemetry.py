@@ -8,6 +8,8 @@ from typing import Any
 
 import grpc
 import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
 
 from dsh_mesh import telemetry
 
@@ -80,3 +82,21 @@ async def test_with_tracing_off_a_server_still_takes_the_sender_span_a_caller_ca
 
 def _raw(handler: Any) -> grpc.RpcMethodHandler:
     return grpc.unary_unary_rpc_method_handler(handler)
+
+
+def test_with_tracing_off_a_span_leaves_the_current_context_as_it_was() -> None:
+    """No provider installed: a block's span records nothing, its handle's context is the
+    caller's (as a non-recording span's would be), and an error still leaves the block."""
+    assert not isinstance(trace.get_tracer_provider(), TracerProvider)
+    with telemetry.carried_context({"traceparent": PARENT}):
+        with telemetry.span("dsh.test", attributes={"dsh.seq": 1}) as outer:
+            outer.set("dsh.session.id", "s-1")
+            outer.fail(RuntimeError("recorded nowhere"))
+            assert outer.traceparent == PARENT
+            assert telemetry.current_traceparent() == PARENT
+            with telemetry.span("dsh.inner", links=[PARENT]) as inner:
+                assert inner.traceparent == PARENT
+        with pytest.raises(ValueError, match="propagates"), telemetry.span("dsh.failing"):
+            raise ValueError("propagates")
+        assert telemetry.current_traceparent() == PARENT
+    assert telemetry.current_traceparent() == ""
