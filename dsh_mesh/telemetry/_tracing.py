@@ -7,6 +7,7 @@ span: the calls cost a few attribute look-ups and nothing is exported.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -78,7 +79,7 @@ def span(
     OpenTelemetry runs: its no-op tracer would make a non-recording span with the current
     span's context and attach a new context for the block, which changes nothing anyone reads
     and, at several spans a message, cost about a tenth of a node's CPU (ADR 0047)."""
-    if isinstance(trace.get_tracer_provider(), _NO_PROVIDER):
+    if _untraced():
         return _UNTRACED
     return _traced(name, kind=kind, attributes=attributes, links=links)
 
@@ -131,8 +132,15 @@ class _Untraced(SpanHandle, AbstractContextManager[SpanHandle]):
         return current_traceparent()
 
 
-_NO_PROVIDER = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
-"""The API's own providers: nothing installed, or nothing on purpose."""
+def _untraced() -> bool:
+    """Whether no tracer provider is installed in this process. OpenTelemetry's own global is
+    read, not its getter: while none is set, the getter looks the environment up at each call
+    (a few per message). A provider named by the environment (loaded by the getter's first
+    call) and an API without that global both take the API's own path."""
+    return not _PROVIDER_FROM_ENVIRONMENT and getattr(trace, "_TRACER_PROVIDER", trace) is None
+
+
+_PROVIDER_FROM_ENVIRONMENT = "OTEL_PYTHON_TRACER_PROVIDER" in os.environ
 _UNTRACED = _Untraced()
 
 
