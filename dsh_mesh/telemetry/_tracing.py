@@ -1,13 +1,12 @@
 """Spans, links and the durable trace context, over the OpenTelemetry API.
 
-The rest of the package asks this module for spans; it never imports OpenTelemetry. With no SDK
-configured (see :func:`dsh_mesh.telemetry.configure`) every span is the API's non-recording
-span: the calls cost a few attribute look-ups and nothing is exported.
+The rest of the package asks this module for spans; it never imports OpenTelemetry. With no
+tracer provider installed (see :func:`dsh_mesh.telemetry.configure`) a span runs nothing of
+OpenTelemetry: it is one shared handle that records nothing and leaves the context as it is.
 """
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -135,12 +134,12 @@ class _Untraced(SpanHandle, AbstractContextManager[SpanHandle]):
 def _untraced() -> bool:
     """Whether no tracer provider is installed in this process. OpenTelemetry's own global is
     read, not its getter: while none is set, the getter looks the environment up at each call
-    (a few per message). A provider named by the environment (loaded by the getter's first
-    call) and an API without that global both take the API's own path."""
-    return not _PROVIDER_FROM_ENVIRONMENT and getattr(trace, "_TRACER_PROVIDER", trace) is None
+    (a few per message). A provider the environment names was loaded already, by the getter's
+    call in ``trace.get_tracer`` when this module was imported; an API without that global
+    takes the API's own path."""
+    return getattr(trace, "_TRACER_PROVIDER", trace) is None
 
 
-_PROVIDER_FROM_ENVIRONMENT = "OTEL_PYTHON_TRACER_PROVIDER" in os.environ
 _UNTRACED = _Untraced()
 
 
