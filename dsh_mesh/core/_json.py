@@ -78,7 +78,10 @@ def parse_bounded(
             f"JSON larger than {max_bytes} bytes: {bounded_quote(text)}",
             metadata={"limit": "json_bytes", "max": str(max_bytes)},
         )
-    if _deepest(text, max_depth) > max_depth:
+    # A text nests no deeper than it has opening brackets (those inside strings only add to
+    # the count): one with no more of them than the limit needs no scan. A streamed chunk of a
+    # model's answer is parsed this way, each in about a quarter of the time (ADR 0047).
+    if text.count("[") + text.count("{") > max_depth and _deepest(text, max_depth) > max_depth:
         raise InvalidArgument(
             f"JSON nested deeper than {max_depth}: {bounded_quote(text)}",
             metadata={"limit": "json_depth", "max": str(max_depth)},

@@ -170,3 +170,11 @@ def test_a_step_of_the_largest_calls_and_text_stays_inside_a_store_entry() -> No
     ]
     step = recorded_step("\x01" * 3_000_000, calls, Usage())
     assert len(encode_entry(step)) <= MAX_STEP_BYTES + 64 * 1024
+
+
+def test_many_brackets_shallowly_nested_are_scanned_and_accepted() -> None:
+    """More opening brackets than the limit, none nested deeper than it: the scan decides."""
+    text = "[" + ",".join(["[]"] * 100) + "]"
+    assert parse_bounded(text, max_depth=2, max_bytes=1024) == [[]] * 100
+    with pytest.raises(InvalidArgument, match="nested deeper than 1"):
+        parse_bounded(text, max_depth=1, max_bytes=1024)
