@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 
 from dsh_mesh import telemetry
+from dsh_mesh.node._collector import tune_collector
 from dsh_mesh.node._config import load_config, parse_args
 from dsh_mesh.node._loop import run_event_loop
 from dsh_mesh.node._node import Node
@@ -63,6 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         await node.run(ready=ready)
 
+    tune_collector()
     try:
         run_event_loop(serve(), choice=config.event_loop)
     finally:
