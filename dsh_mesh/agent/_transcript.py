@@ -93,6 +93,8 @@ class LocalTranscript:
 
     def _has(self, seq: int) -> bool:
         records = self._records
+        if not records or seq >= records[-1].seq:  # the usual asks: the last one, or past it
+            return bool(records) and records[-1].seq == seq
         at = bisect.bisect_left(records, seq, key=_seq)
         return at < len(records) and records[at].seq == seq
 
