@@ -1,8 +1,11 @@
 """A provider for OpenAI-compatible chat-completions endpoints (OpenAI, vLLM, Ollama, llama.cpp
-server, DeepSeek and the many hosted APIs that speak the protocol), over ``httpx``.
+server, DeepSeek and the many hosted APIs that speak the protocol).
 
-One :class:`OpenAIProvider` owns one connection pool to one endpoint (HTTP/2 where the server
-offers it over TLS, HTTP/1.1 keep-alive otherwise). Every call is streamed and consumed as it
+One :class:`OpenAIProvider` owns one connection pool to one endpoint: for a plain ``http://``
+endpoint no proxy stands in front of (a local model server), this package's own HTTP/1.1 client
+(:class:`~dsh_mesh.models._http1.Http1Pool`, a third of httpx's CPU a streamed token); else
+``httpx`` (HTTP/2 where the server offers it over TLS, HTTP/1.1 keep-alive otherwise). Every
+call is streamed and consumed as it
 arrives. A call the endpoint refuses as overloaded (429) or fails (5xx, a dropped connection)
 before anything streamed is retried under the endpoint's :class:`RetryPolicy`; one that failed
 on a reused keep-alive connection before its response began (the server had closed it) is
@@ -27,11 +30,14 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+from urllib.request import getproxies, proxy_bypass
 
 import httpx
 
 from dsh_mesh.core import MAX_JSON_DEPTH, ContextOverflow, InvalidArgument, parse_bounded
+from dsh_mesh.models._http1 import Http1Pool
 from dsh_mesh.models._openai_wire import (
     RESERVED_FIELDS,
     ErrorReport,
@@ -49,6 +55,32 @@ DEFAULT_BASE_URL = "https://api.openai.com/v1"
 POOL_SHARD = 8
 """Connections of one httpx client at most: a bigger pool is several clients (see
 :meth:`OpenAIEndpoint.http_clients`)."""
+
+
+_JSON = {"Content-Type": "application/json"}
+
+
+class _Response(Protocol):
+    """What a call reads of a response, from httpx's client or this package's own."""
+
+    @property
+    def status_code(self) -> int: ...
+    @property
+    def reason_phrase(self) -> str: ...
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+    def aiter_bytes(self) -> AsyncIterator[bytes]: ...
+
+
+def _direct_http(base_url: str) -> bool:
+    """Whether calls to ``base_url`` go through :class:`Http1Pool`: a plain ``http://``
+    endpoint that no proxy of the environment (``HTTP_PROXY``, ``ALL_PROXY``, less
+    ``NO_PROXY``) stands in front of. Anything else (TLS, HTTP/2, a proxy) is httpx's."""
+    url = urlsplit(base_url)
+    if url.scheme != "http" or not url.hostname:
+        return False
+    proxies = getproxies()
+    return not ({"http", "all"} & proxies.keys()) or bool(proxy_bypass(url.hostname))
 
 
 def is_retried(status: int) -> bool:
@@ -119,12 +151,9 @@ class OpenAIEndpoint:
         network; ``transport`` replaces that, for tests), verifying servers with ``tls``
         (default: httpx's own context). The caller closes it."""
         pool = self.max_connections if max_connections is None else max_connections
-        headers = {"Accept": "text/event-stream"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
         return httpx.AsyncClient(
             base_url=self.base_url.rstrip("/") + "/",
-            headers=headers,
+            headers=self._headers(),
             http2=transport is None,
             transport=transport,
             verify=True if tls is None else tls,
@@ -134,6 +163,23 @@ class OpenAIEndpoint:
             ),
             limits=httpx.Limits(max_connections=pool, max_keepalive_connections=pool),
         )
+
+    def http1_pool(self) -> Http1Pool:
+        """This package's own HTTP/1.1 pool for this (plain ``http://``) endpoint: its base
+        URL, key, timeouts and ``max_connections``. The caller closes it."""
+        return Http1Pool(
+            self.base_url,
+            max_connections=self.max_connections,
+            connect_timeout=self.connect_timeout.total_seconds(),
+            read_timeout=self.read_timeout.total_seconds(),
+            headers=self._headers(),
+        )
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"Accept": "text/event-stream"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return headers
 
     @staticmethod
     def from_environment(environ: Mapping[str, str] | None = None) -> OpenAIEndpoint:
@@ -203,13 +249,22 @@ class OpenAIProvider:
         self.endpoint = endpoint
         self.name = name
         self._rng = rng or random.Random()
-        pool = endpoint.http_clients(transport)
-        self._clients = [client for _, client in pool]
-        self._free = [size for size, _ in pool]
-        """Connections of each client not taken by a call under way (negative: calls wait)."""
+        self._http1: Http1Pool | None = None
+        self._clients: list[httpx.AsyncClient] = []
+        self._free: list[int] = []
+        """Connections of each httpx client not taken by a call under way (negative: calls
+        wait)."""
+        if transport is None and _direct_http(endpoint.base_url):
+            self._http1 = endpoint.http1_pool()
+        else:
+            pool = endpoint.http_clients(transport)
+            self._clients = [client for _, client in pool]
+            self._free = [size for size, _ in pool]
 
     async def aclose(self) -> None:
         """Close the connection pool; calls after this fail."""
+        if self._http1 is not None:
+            await self._http1.aclose()
         for client in self._clients:
             await client.aclose()
 
@@ -262,21 +317,31 @@ class OpenAIProvider:
                 await asyncio.sleep(wait)
                 attempt += 1
 
-    async def _attempt(self, body: bytes) -> AsyncGenerator[ModelEvent, None]:
-        trace = _ConnectionTrace()
-        answered = False
+    @contextlib.asynccontextmanager
+    async def _exchange(self, body: bytes, trace: _ConnectionTrace) -> AsyncIterator[_Response]:
+        """POST ``body`` to the endpoint's ``chat/completions``: the response once its head
+        arrived, through this client's own HTTP/1.1 pool or httpx."""
+        if self._http1 is not None:
+            async with self._http1.post("chat/completions", body, _JSON, trace=trace) as answer:
+                yield answer
+            return
         # The client with the most free connections (the first of those: a light load reuses
         # the same warm connections).
         shard = max(range(len(self._clients)), key=self._free.__getitem__)
         self._free[shard] -= 1
         try:
             async with self._clients[shard].stream(
-                "POST",
-                "chat/completions",
-                content=body,
-                headers={"Content-Type": "application/json"},
-                extensions={"trace": trace},
+                "POST", "chat/completions", content=body, headers=_JSON, extensions={"trace": trace}
             ) as response:
+                yield response
+        finally:
+            self._free[shard] += 1
+
+    async def _attempt(self, body: bytes) -> AsyncGenerator[ModelEvent, None]:
+        trace = _ConnectionTrace()
+        answered = False
+        try:
+            async with self._exchange(body, trace) as response:
                 answered = True
                 if response.status_code != 200:
                     raise self._refusal(response, await _body(response) or b"")
@@ -303,10 +368,8 @@ class OpenAIProvider:
                 retry_after=None,
                 stale=trace.reused and not answered and not isinstance(error, _CONNECTING),
             ) from error
-        finally:
-            self._free[shard] += 1
 
-    def _refusal(self, response: httpx.Response, raw: bytes) -> Exception:
+    def _refusal(self, response: _Response, raw: bytes) -> Exception:
         status = response.status_code
         report = error_of(raw, fallback=f"HTTP {status} {response.reason_phrase}")
         if is_retried(status) and not report.context_length:
@@ -324,7 +387,7 @@ class OpenAIProvider:
         return ProviderError(f"{self.name}: {shown}{report.message}", status=status)
 
 
-async def _server_sent_data(response: httpx.Response) -> AsyncIterator[Any]:
+async def _server_sent_data(response: _Response) -> AsyncIterator[Any]:
     """The JSON payload of each ``data:`` event of a server-sent-event stream, up to
     ``[DONE]``. Lines of one event are joined; comments and other fields are skipped. The body
     is read to its end even after ``[DONE]``: a connection whose response was not read whole
@@ -356,7 +419,7 @@ async def _server_sent_data(response: httpx.Response) -> AsyncIterator[Any]:
 _LINE_BREAK = re.compile(r"\r\n|\r|\n")
 
 
-async def _lines(response: httpx.Response) -> AsyncIterator[str]:
+async def _lines(response: _Response) -> AsyncIterator[str]:
     """The body's lines, split at CRLF, LF or CR as server-sent events are (a CR at the end
     of a read waits for the next: it may be half a CRLF). A line longer than
     :data:`_MAX_CHUNK_BYTES` is refused as it arrives, never held whole: a server that sends
@@ -380,7 +443,7 @@ async def _lines(response: httpx.Response) -> AsyncIterator[str]:
         yield last
 
 
-async def _body(response: httpx.Response) -> bytes | None:
+async def _body(response: _Response) -> bytes | None:
     """The whole body, or None once it passed :data:`_MAX_CHUNK_BYTES` (nothing more is
     read: the connection is closed, not pooled)."""
     parts: list[bytes] = []
