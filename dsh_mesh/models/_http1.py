@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
@@ -36,7 +37,13 @@ MAX_HEAD = 64 * 1024
 MAX_PIECE = 64 * 1024
 """Bytes of a body handed out at once, at most."""
 
+MAX_INTERIM = 8
+"""Interim (1xx) answers before a request's real one, at most."""
+
 Trace = Callable[[str, Mapping[str, Any]], Awaitable[None]]
+
+_CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,15}")
+_LENGTH = re.compile(r"[0-9]{1,18}")
 
 
 def _check_header(name: str, value: str) -> None:
@@ -58,14 +65,14 @@ class Http1Pool:
         headers: Mapping[str, str],
     ) -> None:
         url = urlsplit(base_url)
-        if url.scheme != "http" or not url.hostname:
-            raise ValueError(f"{base_url!r} is not an http:// URL")
+        if url.scheme != "http" or not url.hostname or "@" in url.netloc:
+            raise ValueError(f"{base_url!r} is not an http:// URL without credentials")
         self._host = url.hostname
         self._port = url.port or 80
         self._prefix = url.path.rstrip("/") + "/"
         for name, value in headers.items():
             _check_header(name, value)
-        fixed = {"Host": url.netloc.rpartition("@")[2], "User-Agent": "dsh-mesh", **headers}
+        fixed = {"Host": url.netloc, "User-Agent": "dsh-mesh", **headers}
         self._fixed = "".join(f"{name}: {value}\r\n" for name, value in fixed.items())
         self._connect_timeout = connect_timeout
         self._read_timeout = read_timeout
@@ -124,7 +131,8 @@ class Http1Pool:
                 yield response
             finally:
                 # Read to its end, whatever its caller made of it (a refusal raises): reused.
-                if response.reusable and not self._closed:
+                if response.reusable and connection.usable and not self._closed:
+                    connection.rest()
                     self._idle.append(connection)
                     connection = None
         finally:
@@ -174,7 +182,19 @@ class _Connection:
 
     @property
     def usable(self) -> bool:
-        return not self._writer.transport.is_closing() and not self._reader.at_eof()
+        """Open, and nothing unasked for waits in it: bytes past a response's end (a server's
+        idle-time 408, a body longer than its framing) would be read as the next answer."""
+        return (
+            not self._writer.transport.is_closing()
+            and not self._reader.at_eof()
+            and not self._reader._buffer  # type: ignore[attr-defined]  # what it read, unasked
+        )
+
+    def rest(self) -> None:
+        """Idle in the pool: nothing to watch until the next exchange."""
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
 
     def close(self) -> None:
         if self._watch is not None:
@@ -195,11 +215,14 @@ class _Connection:
             raise self._failed(failure, httpx.WriteError) from None
         finally:
             self._waiting = False
-        while True:
+        for _ in range(MAX_INTERIM + 1):
             status, reason, version, headers = await self._head()
-            if not 100 <= status < 200 or status == 101:
-                break  # an interim answer (100 Continue...) is followed by the real one
-        return Http1Response(self, status, reason, version, headers)
+            if status == 101:
+                raise httpx.RemoteProtocolError("the server switched protocols unasked")
+            if not 100 <= status < 200:
+                return Http1Response(self, status, reason, version, headers)
+            # An interim answer (100 Continue, 103 Early Hints) is followed by the real one.
+        raise httpx.RemoteProtocolError(f"more than {MAX_INTERIM} interim answers")
 
     # -- reads, each watched ------------------------------------------------------------------
 
@@ -258,11 +281,14 @@ class _Connection:
         """Up to ``most`` bytes, b"" at the end of the connection."""
         self._wait()
         try:
-            return await self._reader.read(most)
+            piece = await self._reader.read(most)
         except OSError as failure:
             raise self._failed(failure, httpx.ReadError) from None
         finally:
             self._waiting = False
+        if not piece and self._timed_out:  # the watch aborted it: not the body's end
+            raise httpx.ReadTimeout(f"the server was silent for {self._timeout:g} s")
+        return piece
 
     async def _head(self) -> tuple[int, str, str, dict[str, str]]:
         first = await self.line()
@@ -328,9 +354,14 @@ class Http1Response:
             return
         if encoding not in ("gzip", "deflate", "x-gzip"):
             raise httpx.RemoteProtocolError(f"the server sent a body in {encoding!r}")
-        decoder = zlib.decompressobj(zlib.MAX_WBITS | 32)  # gzip or zlib, by its header
+        # gzip or zlib, told by its header; a "deflate" body may also come without one (raw).
+        decoder = zlib.decompressobj(zlib.MAX_WBITS | 32)
+        first = True
         try:
             async for piece in self._raw():
+                if first and encoding == "deflate" and not _zlib_header(piece):
+                    decoder = zlib.decompressobj(-zlib.MAX_WBITS)
+                first = False
                 if text := decoder.decompress(piece, MAX_PIECE):
                     yield text
                 while decoder.unconsumed_tail:
@@ -355,7 +386,7 @@ class Http1Response:
                 return
         elif "content-length" in headers:
             length = headers["content-length"]
-            if not length.isdigit():
+            if not _LENGTH.fullmatch(length):
                 raise httpx.RemoteProtocolError(f"a Content-Length of {length[:40]!r}")
             left = int(length)
             while left:
@@ -375,12 +406,9 @@ class Http1Response:
         while True:
             line = await connection.line()
             size_text = line.split(b";", 1)[0].strip()
-            try:
-                size = int(size_text, 16)
-            except ValueError:
-                size = -1
-            if size < 0 or not size_text or len(size_text) > 16:
+            if not _CHUNK_SIZE.fullmatch(size_text):
                 raise httpx.RemoteProtocolError(f"not a chunk size: {line[:40]!r}")
+            size = int(size_text, 16)
             if size == 0:
                 trailer = 0
                 while extra := await connection.line():  # trailers, skipped
@@ -400,3 +428,8 @@ class Http1Response:
                 yield piece
             if await connection.exactly(2) != b"\r\n":
                 raise httpx.RemoteProtocolError("a chunk longer than its size")
+
+
+def _zlib_header(data: bytes) -> bool:
+    """Whether ``data`` begins with a zlib header (RFC 1950: deflate, and a check sum)."""
+    return len(data) >= 2 and data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0

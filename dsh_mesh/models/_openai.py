@@ -31,10 +31,9 @@ from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
-from urllib.parse import urlsplit
-from urllib.request import getproxies, proxy_bypass
 
 import httpx
+from httpx._utils import URLPattern, get_environment_proxies  # how httpx picks a proxy
 
 from dsh_mesh.core import MAX_JSON_DEPTH, ContextOverflow, InvalidArgument, parse_bounded
 from dsh_mesh.models._http1 import Http1Pool
@@ -74,13 +73,17 @@ class _Response(Protocol):
 
 def _direct_http(base_url: str) -> bool:
     """Whether calls to ``base_url`` go through :class:`Http1Pool`: a plain ``http://``
-    endpoint that no proxy of the environment (``HTTP_PROXY``, ``ALL_PROXY``, less
-    ``NO_PROXY``) stands in front of. Anything else (TLS, HTTP/2, a proxy) is httpx's."""
-    url = urlsplit(base_url)
-    if url.scheme != "http" or not url.hostname:
+    endpoint without credentials in its URL, that no proxy of the environment stands in front
+    of, decided as httpx decides it (``HTTP_PROXY``, ``ALL_PROXY``, less ``NO_PROXY``).
+    Anything else (TLS, HTTP/2, a proxy, Basic auth) is httpx's."""
+    url = httpx.URL(base_url)
+    if url.scheme != "http" or not url.host or url.userinfo:
         return False
-    proxies = getproxies()
-    return not ({"http", "all"} & proxies.keys()) or bool(proxy_bypass(url.hostname))
+    patterns = sorted((URLPattern(key), proxy) for key, proxy in get_environment_proxies().items())
+    for pattern, proxy in patterns:
+        if pattern.matches(url):
+            return proxy is None
+    return True
 
 
 def is_retried(status: int) -> bool:

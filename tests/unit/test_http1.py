@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gzip
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from dsh_mesh.models._http1 import MAX_HEAD, MAX_PIECE, Http1Pool
+from dsh_mesh.models._http1 import MAX_HEAD, MAX_INTERIM, MAX_PIECE, Http1Pool
 from dsh_mesh.models._openai import _direct_http
 
 Answer = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[bool]]
@@ -196,6 +197,12 @@ async def test_a_chunk_declared_larger_than_a_piece_is_handed_out_in_pieces() ->
         (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", "not a header line"),
         (b"HTTP/1.1 200 OK\r\n" + b"X-Big: y\r\n" * (MAX_HEAD // 10 + 1), "over"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", "Content-Length"),
+        ("HTTP/1.1 200 OK\r\nContent-Length: 1\u00b2\r\n\r\n".encode("latin-1"), "Length"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\n", "Length"),
+        (b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\n\r\n", "switched"),
+        (b"HTTP/1.1 103 Early Hints\r\n\r\n" * (MAX_INTERIM + 1), "interim answers"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x5\r\n", "chunk size"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1_0\r\n", "chunk size"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "not a chunk size"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabc\r\n", "longer than"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc", "mid-body"),
@@ -229,6 +236,47 @@ async def test_a_silent_server_is_a_read_timeout() -> None:
         assert await anext(pieces) == b"hello"
         with pytest.raises(httpx.ReadTimeout, match=r"silent for 0\.3 s"):
             await anext(pieces)
+
+
+async def test_a_body_read_to_the_close_that_falls_silent_is_a_timeout_not_an_end() -> None:
+    async def silent(_: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\n\r\npartial")
+        await asyncio.sleep(10)
+        return False
+
+    async with serving(silent) as server, pool(server, read_timeout=0.3) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            await call(http)
+
+
+async def test_bytes_past_a_responses_end_never_answer_the_next_request() -> None:
+    extra = b"HTTP/1.1 404 Leftover\r\nContent-Length: 0\r\n\r\n"
+
+    async def sloppy(_: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok" + extra)
+        return True
+
+    async with serving(sloppy) as server, pool(server) as http:
+        assert (await call(http))[::2] == (200, b"ok")
+        await asyncio.sleep(0.05)  # the bytes past its end have arrived
+        assert (await call(http))[::2] == (200, b"ok")
+    assert server.connections == 2
+
+
+async def test_a_raw_deflate_body_is_decoded_as_httpx_decodes_it() -> None:
+    packer = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    raw = packer.compress(b"raw deflate") + packer.flush()
+    answer = b"HTTP/1.1 200 OK\r\nContent-Encoding: deflate\r\nContent-Length: %d\r\n\r\n%s"
+    async with serving(sends(answer % (len(raw), raw))) as server, pool(server) as http:
+        assert (await call(http))[2] == b"raw deflate"
+
+
+async def test_an_idle_connection_holds_no_timer() -> None:
+    answer = sends(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+    async with serving(answer) as server, pool(server) as http:
+        await call(http)
+        [idle] = http._idle
+        assert idle._watch is None
 
 
 async def test_a_slow_reader_is_not_a_silent_server() -> None:
@@ -307,10 +355,9 @@ def test_a_header_that_would_split_the_request_is_refused() -> None:
             read_timeout=1,
             headers={"Authorization": "Bearer k\r\nX-Evil: 1"},
         )
-    with pytest.raises(ValueError, match="not an http:// URL"):
-        Http1Pool(
-            "https://api.test", max_connections=1, connect_timeout=1, read_timeout=1, headers={}
-        )
+    for url in ("https://api.test", "http://user:secret@models.test"):
+        with pytest.raises(ValueError, match="not an http:// URL without credentials"):
+            Http1Pool(url, max_connections=1, connect_timeout=1, read_timeout=1, headers={})
 
 
 def test_only_plain_http_without_a_proxy_goes_direct(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -322,3 +369,7 @@ def test_only_plain_http_without_a_proxy_goes_direct(monkeypatch: pytest.MonkeyP
     assert not _direct_http("http://models.test/v1")
     monkeypatch.setenv("NO_PROXY", "models.test")
     assert _direct_http("http://models.test/v1")
+    monkeypatch.setenv("NO_PROXY", ".models.test")  # subdomains only, as httpx reads it
+    assert not _direct_http("http://models.test/v1")
+    assert _direct_http("http://gpu1.models.test/v1")
+    assert not _direct_http("http://user:secret@other.test/v1")  # Basic auth: httpx's
