@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from dsh_mesh.core import (
     INBOUND_TYPES,
@@ -62,8 +63,18 @@ def cleared_stub(entry: ToolResultEntry) -> str:
     )
 
 
+Shown = dict[int, tuple[Record, bool, ChatMessage]]
+"""What :func:`render` made of each step and tool result it showed: by seq, the record, whether
+it showed as cleared, and its message. A caller that renders the same growing transcript again
+(a turn's steps) passes the same one, and each message is made once."""
+
+
 def render(
-    records: Sequence[Record], *, upto: int | None = None, clear_all: bool = False
+    records: Sequence[Record],
+    *,
+    upto: int | None = None,
+    clear_all: bool = False,
+    made: Shown | None = None,
 ) -> tuple[ChatMessage, ...]:
     """The conversation of a transcript, or of its context (:func:`~dsh_mesh.core.context_of`),
     which renders the same. Inbound entries appear where they were consumed, so a message
@@ -74,7 +85,8 @@ def render(
     ``records`` shows as a stub (every one, with ``clear_all``). With ``upto`` only the
     messages of records up to that seq are rendered, exactly as they start the rendering of
     all ``records``: that is what makes a fork child's inherited history byte-identical to
-    what its parent sends.
+    what its parent sends. ``made`` keeps the messages made for a later call (see
+    :data:`Shown`); what it renders is the same with it or without.
     """
     cleared = {
         seq
@@ -100,13 +112,10 @@ def render(
         elif isinstance(entry, ForkPrefixEntry):
             messages.extend((seq, m) for m in entry.messages)
         elif isinstance(entry, AssistantStepEntry):
-            step = ChatMessage(role=Role.ASSISTANT, content=entry.text, tool_calls=entry.tool_calls)
-            messages.append((seq, step))
+            messages.append((seq, _once(made, record, False, _step_message)))
         elif isinstance(entry, ToolResultEntry):
-            content = cleared_stub(entry) if clear_all or seq in cleared else entry.content
-            messages.append(
-                (seq, ChatMessage(role=Role.TOOL, content=content, tool_call_id=entry.call_id))
-            )
+            stub = clear_all or seq in cleared
+            messages.append((seq, _once(made, record, stub, _result_message)))
         elif isinstance(entry, CompactionEntry):
             # What records after its range show (a read the compaction left for the next step)
             # stays, after the kept task and the summary.
@@ -115,6 +124,30 @@ def render(
             after = [(s, m) for s, m in messages if s > entry.through_seq]
             messages = [(0, m) for m in head] + after
     return tuple(m for _, m in messages)
+
+
+def _step_message(entry: AssistantStepEntry, _: bool) -> ChatMessage:
+    return ChatMessage(role=Role.ASSISTANT, content=entry.text, tool_calls=entry.tool_calls)
+
+
+def _result_message(entry: ToolResultEntry, stub: bool) -> ChatMessage:
+    content = cleared_stub(entry) if stub else entry.content
+    return ChatMessage(role=Role.TOOL, content=content, tool_call_id=entry.call_id)
+
+
+def _once(
+    shown: Shown | None, record: Record, stub: bool, make: Callable[[Any, bool], ChatMessage]
+) -> ChatMessage:
+    """The message of ``record`` (``stub``: its output cleared), made by ``make`` unless
+    ``shown`` has it from this very record."""
+    if shown is not None:
+        kept = shown.get(record.seq)
+        if kept is not None and kept[0] is record and kept[1] == stub:
+            return kept[2]
+    message = make(record.entry, stub)
+    if shown is not None:
+        shown[record.seq] = (record, stub, message)
+    return message
 
 
 def completed_turn_prefix(records: Sequence[Record]) -> tuple[int, tuple[ChatMessage, ...]]:

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from dsh_mesh import telemetry
 from dsh_mesh.agent._context import clearing, context_size, head_length, summary_messages
-from dsh_mesh.agent._render import render
+from dsh_mesh.agent._render import Shown, render
 from dsh_mesh.agent._transcript import LocalTranscript
 from dsh_mesh.core import (
     CompactionEntry,
@@ -86,6 +87,11 @@ class ContextWindow:
         self._provider = provider
         self._transcript = transcript
         self._writes = writes
+        self._memo: dict[Any, Any] = {}
+        """The requests' memo (``ModelRequest.memo``): the provider's work on this turn's
+        messages, kept for its next steps."""
+        self._made: Shown = {}
+        """The messages this turn's renderings made, kept for its next steps."""
 
     def request(self, *, clear_all: bool = False) -> ModelRequest:
         """The next step's request: the session's head, then its context as the model sees it."""
@@ -94,8 +100,9 @@ class ContextWindow:
             model=self._model,
             system_prompt=self._system_prompt,
             tools=self._tools.descriptors,
-            messages=render(self._transcript.records, clear_all=clear_all),
+            messages=render(self._transcript.records, clear_all=clear_all, made=self._made),
             max_output_tokens=self._limits.max_output_tokens,
+            memo=self._memo,
         )
 
     async def call(self, request: ModelRequest, count: Count) -> ModelResponse:
@@ -213,6 +220,7 @@ class ContextWindow:
                 messages=summary_messages(conversation, self._policy.summary_max_tokens),
                 max_output_tokens=self._limits.max_output_tokens,
                 purpose=CallPurpose.COMPACTION,
+                memo=self._memo,
             )
             try:
                 return await self._model_call(request)

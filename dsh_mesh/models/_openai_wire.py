@@ -85,13 +85,21 @@ def request_body(
     if request.tools:
         head += [',"tools":[', ",".join(_tool(t) for t in request.tools), "]"]
     messages = [_dumps({"role": "system", "content": request.system_prompt})]
-    messages += [_message(m) for m in request.messages]
+    encoded: dict[ChatMessage, str] = request.memo.setdefault(_ENCODED, {})
+    for message in request.messages:
+        text = encoded.get(message)
+        if text is None:
+            text = encoded[message] = _message(message)
+        messages.append(text)
     head += [',"messages":[', ",".join(messages), "]"]
     if request.purpose is CallPurpose.COMPACTION and request.tools:
         head.append(',"tool_choice":"none"')
     head.append("}")
     return "".join(head).encode()
 
+
+_ENCODED = "openai.messages"
+"""The key of a request's memo under which each message's encoding is kept."""
 
 RESERVED_FIELDS = frozenset(
     {

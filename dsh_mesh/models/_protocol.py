@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import enum
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from dsh_mesh.core import ChatMessage, SessionId, ToolCall, ToolDescriptor, Usage
 
@@ -36,6 +36,11 @@ class ModelRequest:
     max_output_tokens: int | None = None
     """The most tokens one call may generate (the preset's limit); ``None``: the provider's."""
     purpose: CallPurpose = CallPurpose.STEP
+    memo: dict[Any, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    """Scratch space its caller keeps for the calls of one turn (the same dict for each): a
+    provider may keep there what it derives from ``messages`` alone (their wire encoding,
+    keyed by message), so a step encodes only the messages no earlier step of the turn had.
+    Never part of the call; dropped with the turn."""
 
 
 class FinishReason(enum.Enum):
