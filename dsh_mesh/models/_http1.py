@@ -245,7 +245,7 @@ class _Connection:
         self, failure: BaseException, kind: type[httpx.TransportError]
     ) -> httpx.TransportError:
         if self._timed_out:
-            return httpx.ReadTimeout(f"the server was silent for {self._timeout:g} s")
+            return self._silent()
         if isinstance(failure, asyncio.IncompleteReadError):
             if not self._answered:
                 # How a kept-alive connection the server had closed fails: nothing answered.
@@ -256,6 +256,9 @@ class _Connection:
         if isinstance(failure, asyncio.LimitOverrunError):
             return httpx.RemoteProtocolError(f"the server sent a line over {MAX_HEAD} bytes")
         return kind(f"{type(failure).__name__}: {failure}")
+
+    def _silent(self) -> httpx.ReadTimeout:
+        return httpx.ReadTimeout(f"the server was silent for {self._timeout:g} s")
 
     async def line(self) -> bytes:
         """One line without its CRLF (at most :data:`MAX_HEAD` bytes)."""
@@ -287,7 +290,7 @@ class _Connection:
         finally:
             self._waiting = False
         if not piece and self._timed_out:  # the watch aborted it: not the body's end
-            raise httpx.ReadTimeout(f"the server was silent for {self._timeout:g} s")
+            raise self._silent()
         return piece
 
     async def _head(self) -> tuple[int, str, str, dict[str, str]]:

@@ -5,12 +5,11 @@ One :class:`OpenAIProvider` owns one connection pool to one endpoint: for a plai
 endpoint no proxy stands in front of (a local model server), this package's own HTTP/1.1 client
 (:class:`~dsh_mesh.models._http1.Http1Pool`, a third of httpx's CPU a streamed token); else
 ``httpx`` (HTTP/2 where the server offers it over TLS, HTTP/1.1 keep-alive otherwise). Every
-call is streamed and consumed as it
-arrives. A call the endpoint refuses as overloaded (429) or fails (5xx, a dropped connection)
-before anything streamed is retried under the endpoint's :class:`RetryPolicy`; one that failed
-on a reused keep-alive connection before its response began (the server had closed it) is
-sent again at once, without spending an attempt; a prompt past the
-model's context raises :class:`~dsh_mesh.core.ContextOverflow`; anything else raises
+call is streamed and consumed as it arrives. A call the endpoint refuses as overloaded (429)
+or fails (5xx, a dropped connection) before anything streamed is retried under the endpoint's
+:class:`RetryPolicy`; one that failed on a reused keep-alive connection before its response
+began (the server had closed it) is sent again at once, without spending an attempt; a prompt
+past the model's context raises :class:`~dsh_mesh.core.ContextOverflow`; anything else raises
 :class:`ProviderError` with the endpoint's own message. Cancelling the consuming task closes
 the HTTP request.
 """
