@@ -93,6 +93,12 @@ class ScriptContext:
         its scripted summary remembers."""
         return _last_tool_result(self.request.messages)
 
+    def last_step(self) -> LastStep:
+        """The session's last model step: its tool calls (none for a final answer) and the
+        results shown for them; after a compaction with no step since, the one its scripted
+        summary remembers (a summary keeps what a model would need to act on next)."""
+        return _last_step(self.request.messages)
+
 
 _SPAWN_TOOLS: Final = frozenset({"spawn_agent", "spawn_one_shot", "fork_agent"})
 """The standard spawn tools' names, whose results ``{"agent_id": ..., "kind": ...}`` name the
@@ -109,10 +115,20 @@ def child(index: int) -> Resolver:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Reply:
-    """A final answer with no tool calls. ``delay`` (seconds) simulates a slow model."""
+class LastStep:
+    """A model step's tool calls and the results shown for them, by call id (a call with no
+    result yet has none)."""
 
-    text: str = ""
+    calls: tuple[ToolCall, ...] = ()
+    results: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reply:
+    """A final answer with no tool calls, its text given or resolved from the request.
+    ``delay`` (seconds) simulates a slow model."""
+
+    text: Argument = ""
     gate: asyncio.Event | None = None
     delay: float = 0.0
 
@@ -293,8 +309,9 @@ class ScriptedProvider:
         if isinstance(action, Stall):
             await asyncio.Event().wait()  # until the turn (or the node) is cancelled
             return
-        if action.text:
-            yield TextDelta(text=action.text)
+        text = action.text if isinstance(action.text, str) else action.text(context)
+        if text:
+            yield TextDelta(text=text)
         if isinstance(action, ExhaustTokens):
             yield Finished(finish_reason=FinishReason.LENGTH, usage=usage)
             return
@@ -324,6 +341,10 @@ class ScriptedProvider:
 
 _SUMMARY = re.compile(r"\[scripted summary of (\d+) steps\]")
 _LAST_RESULT = " last tool result: "
+_LAST_STEP = "\n[last step] "
+_STEP_RESULT_CHARS = 200
+"""The most of each result of its last step a scripted summary keeps (a refusal's reason, a
+page's number: what a scripted model reads of it)."""
 
 
 def steps_shown(messages: Sequence[ChatMessage]) -> int:
@@ -337,10 +358,21 @@ def steps_shown(messages: Sequence[ChatMessage]) -> int:
 
 
 def scripted_summary(messages: Sequence[ChatMessage]) -> str:
-    """The scripted provider's summary of a conversation: how many steps it covers, then the
-    last tool result it saw (enough for tests to tell what a summary carried forward)."""
+    """The scripted provider's summary of a conversation: how many steps it covers, the last
+    tool result it saw (enough for tests to tell what a summary carried forward), then its last
+    step's calls and their results (what a model acts on next: a send to retry, say)."""
     last = _last_tool_result(messages)
-    return f"[scripted summary of {steps_shown(messages)} steps]{_LAST_RESULT}{last[:200]}"
+    step = _last_step(messages)
+    kept = {
+        "calls": [
+            {"id": c.call_id, "name": c.name, "arguments": c.arguments_json} for c in step.calls
+        ],
+        "results": {k: v[:_STEP_RESULT_CHARS] for k, v in step.results.items()},
+    }
+    return (
+        f"[scripted summary of {steps_shown(messages)} steps]{_LAST_RESULT}{last[:200]}"
+        f"{_LAST_STEP}{json.dumps(kept, sort_keys=True)}"
+    )
 
 
 def _last_tool_result(messages: Sequence[ChatMessage]) -> str:
@@ -350,8 +382,38 @@ def _last_tool_result(messages: Sequence[ChatMessage]) -> str:
         if message.role is Role.TOOL:
             return message.content
         if message.role is Role.USER and _SUMMARY.search(message.content):
-            return message.content.partition(_LAST_RESULT)[2]
+            return message.content.partition(_LAST_RESULT)[2].rpartition(_LAST_STEP)[0]
     return ""
+
+
+def _last_step(messages: Sequence[ChatMessage]) -> LastStep:
+    """The last step among ``messages``: its tool calls (none for a final answer) with the
+    results after it; after a scripted summary with no step since, the one it remembers."""
+    results: dict[str, str] = {}
+    for message in reversed(messages):
+        if message.role is Role.TOOL and message.tool_call_id:
+            results.setdefault(message.tool_call_id, message.content)
+        elif message.role is Role.ASSISTANT:
+            asked = {c.call_id for c in message.tool_calls}
+            shown = {k: v for k, v in results.items() if k in asked}
+            return LastStep(calls=message.tool_calls, results=shown)
+        elif message.role is Role.USER and _SUMMARY.search(message.content):
+            return _remembered_step(message.content.rpartition(_LAST_STEP)[2])
+    return LastStep()
+
+
+def _remembered_step(text: str) -> LastStep:
+    """The last step a scripted summary kept (none from an older summary's text)."""
+    try:
+        kept = json.loads(text)
+        calls = tuple(
+            ToolCall(call_id=c["id"], name=c["name"], arguments_json=c["arguments"])
+            for c in kept["calls"]
+        )
+        results = {str(k): str(v) for k, v in kept["results"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return LastStep()
+    return LastStep(calls=calls, results=results)
 
 
 def _rough_tokens(messages: Sequence[ChatMessage]) -> int:

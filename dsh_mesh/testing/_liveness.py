@@ -16,10 +16,11 @@ would: nothing prompts a stalled agent awake. After the faults stop it waits a s
   human prompt, approval decision, task) that no turn consumed, at a session no activation
   holds (:func:`unread_sessions`);
 - *replies refused PARENT_REBOUND that never landed*: a child's ``send_message`` to its parent
-  refused ``PARENT_REBOUND`` whose content never reached the parent, then or later, unless the
-  refusal was the last thing its turn saw before it ended ``lost`` (the sender's host died
-  before its model could send again; the parent's ``lost`` notice says so)
-  (:func:`rebound_replies_lost`).
+  refused ``PARENT_REBOUND`` whose content never reached the parent, then or later, as a
+  message or in the child's final answer (its settlement notice: where a model puts a reply its
+  parent, gone again, could not take), unless the refusal was the last thing its turn saw
+  before it ended ``lost`` (the sender's host died before its model could send again; the
+  parent's ``lost`` notice says so) (:func:`rebound_replies_lost`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from dsh_mesh.core import (
     Record,
     SessionId,
     SettlementNoticeEntry,
+    ToolResultEntry,
     TurnEndedEntry,
     TurnOutcome,
     TurnStartedEntry,
@@ -183,25 +185,61 @@ def rebound_replies_lost(
     """Each reply of a child to its parent refused ``PARENT_REBOUND`` (``refused``: each such
     send's sender, target, content and the seq of the step that asked it) whose content is
     nowhere in the parent's transcript: neither that send nor a later one of the same words
-    landed, and the sender's model had its chance to send again. Also returns how many such
-    replies were lost with their run instead (:func:`_lost_after`): counted, not held
-    against the run."""
+    landed, nor did the child's final answer carry them in a settlement notice (where a reply
+    goes that its parent, gone again, could not take), and the sender's model had its chance
+    to send again. Also returns how many such replies were lost with their run instead
+    (:func:`_lost_after`): counted, not held against the run. Each lost one names what its
+    sender's transcript shows after the refusal, for the reader of a failed run."""
     landed = {
         (parent, r.entry.source.sender_session_id, r.entry.content)
         for parent, records in transcripts.items()
         for r in records
         if isinstance(r.entry, AgentMessageEntry)
     }
+    answers: dict[tuple[str, str], list[str]] = {}
+    for parent, records in transcripts.items():
+        for r in records:
+            if isinstance(r.entry, SettlementNoticeEntry):
+                key = (parent, r.entry.child_session)
+                answers.setdefault(key, []).append(r.entry.terminal_output)
     lost: list[str] = []
     with_their_run = 0
     for sender, target, content, step in refused:
         if parents.get(SessionId(sender)) != target or (target, sender, content) in landed:
             continue
-        if _lost_after(transcripts.get(SessionId(sender), ()), step):
+        if any(content in answer for answer in answers.get((target, sender), ())):
+            continue
+        sent_from = transcripts.get(SessionId(sender), ())
+        if _lost_after(sent_from, step):
             with_their_run += 1
         else:
-            lost.append(f"{sender} -> {target} {content!r}: refused PARENT_REBOUND, never landed")
+            lost.append(
+                f"{sender} -> {target} {content!r}: refused PARENT_REBOUND, never landed;"
+                f" then {_what_followed(sent_from, step)}"
+            )
     return lost, with_their_run
+
+
+def _what_followed(records: Sequence[Record], step: int, most: int = 8) -> str:
+    """The first ``most`` entries after seq ``step``, each in a few words."""
+    shown: list[str] = []
+    for record in records:
+        if record.seq <= step:
+            continue
+        if len(shown) == most:
+            shown.append("...")
+            break
+        entry = record.entry
+        if isinstance(entry, AssistantStepEntry):
+            called = ", ".join(c.name for c in entry.tool_calls)
+            shown.append(f"step {called}" if called else f"answer {entry.text[:60]!r}")
+        elif isinstance(entry, ToolResultEntry):
+            shown.append(f"result {entry.content[:80]!r}")
+        elif isinstance(entry, TurnEndedEntry):
+            shown.append(f"turn ended {entry.outcome.value}")
+        else:
+            shown.append(type(entry).__name__.removesuffix("Entry").lower())
+    return "; ".join(shown) or "nothing"
 
 
 def _lost_after(records: Sequence[Record], step: int) -> bool:

@@ -182,21 +182,44 @@ def _rebound_words(context: ScriptContext) -> str | None:
     """The words of this child's last reply to its parent if the mesh refused it
     ``PARENT_REBOUND`` (the parent has a newer activation the child is not bound to yet), else
     ``None``. A model told so sends the same words again; the checker counts a refused reply
-    whose words never reach the parent (issue 33)."""
-    messages = context.request.messages
-    last = max((i for i, m in enumerate(messages) if m.role is Role.ASSISTANT), default=None)
-    if last is None:
-        return None
-    calls = {c.call_id: c for c in messages[last].tool_calls if c.name == "send_message"}
-    for message in messages[last + 1 :]:
-        call = calls.get(message.tool_call_id or "")
-        if message.role is not Role.TOOL or call is None:
+    whose words never reach the parent (issue 33). Seen through a compaction too: the scripted
+    summary keeps the last step."""
+    refused = _refused_reply(context)
+    return refused[1] if refused is not None and refused[0] == PARENT_REBOUND else None
+
+
+PARENT_REBOUND = RejectionReason.PARENT_REBOUND.value
+
+
+def _refused_reply(context: ScriptContext) -> tuple[str, str] | None:
+    """The reason and words of this child's last step's reply to its parent, if that reply was
+    refused (or answered in doubt: ``may_have_landed``)."""
+    step = context.last_step()
+    for call in step.calls:
+        if call.name != "send_message":
             continue
-        refusal = _arguments(message.content)
-        if refusal.get("rejected") == RejectionReason.PARENT_REBOUND.value:
-            words = _arguments(call.arguments_json).get("message")
-            return words if isinstance(words, str) else None
+        refusal = _REFUSAL.match(step.results.get(call.call_id, ""))
+        words = _arguments(call.arguments_json).get("message")
+        if refusal is not None and isinstance(words, str):
+            return refusal.group(1), words
     return None
+
+
+_REFUSAL = re.compile(r'\{"rejected": "([A-Z_]+)"')
+"""The start of a refused send's answer (a summary keeps only the start of it)."""
+
+
+def _answer_with(text: str) -> Callable[[ScriptContext], str]:
+    """A final answer that carries, below ``text``, the words of a reply to the parent its last
+    step could not deliver: the refusal says a child's final answer reaches its parent in the
+    settlement notice, so a model puts there what it could not send (the checker looks there
+    too)."""
+
+    def answer(context: ScriptContext) -> str:
+        refused = _refused_reply(context)
+        return text if refused is None else f"{text}\nNot delivered before: {refused[1]}"
+
+    return answer
 
 
 def _refused_rebound(context: ScriptContext) -> bool:
@@ -261,7 +284,7 @@ _WORKER_STEP = Branch(
         ),
         (_worker_is("result"), _to(PARENT, "result")),
     ),
-    otherwise=Reply(text="Worked."),
+    otherwise=Reply(text=_answer_with("Worked.")),
 )
 
 
@@ -331,7 +354,7 @@ _LEAF_STEP = Branch(
             _answer((MCP_ECHO, {"text": _fresh("echo")})),
         ),
     ),
-    otherwise=Reply(text="Leaf done."),
+    otherwise=Reply(text=_answer_with("Leaf done.")),
 )
 
 
@@ -392,7 +415,7 @@ _READER_STEP = Branch(
         ),
         (lambda c: _page_read(c) == READER_PAGES, _to(PARENT, "reader-result")),
     ),
-    otherwise=Reply(text="Read."),
+    otherwise=Reply(text=_answer_with("Read.")),
 )
 
 READER_CONTEXT = ContextPolicy(window_tokens=1200, compact_at=0.5, keep_tool_outputs=2)

@@ -305,6 +305,55 @@ def test_a_reply_refused_parent_rebound_then_dropped_by_its_model_is_counted_eve
     assert verdict.rebound_replies_lost == 1, verdict.summary()
 
 
+def test_a_lost_reply_names_what_its_sender_did_after_the_refusal() -> None:
+    # From stop 43's CI run: two refusals, then nothing said why the words never landed.
+    child = records(
+        TaskEntry(content="work"),
+        *child_turn(
+            A1,
+            "t1",
+            ConsumedEntry(seqs=(1,)),
+            send_step("c1", "m1"),
+            refused("c1", RejectionReason.PARENT_REBOUND),
+            send_step("c2", "m1"),
+            refused("c2", RejectionReason.PARENT_NOT_LIVE),
+            reply(),
+        ),
+    )
+    verdict = judge(root_reads(notice()), child)
+    assert verdict.rebound_replies_lost == 1, verdict.summary()
+    assert (
+        'then result \'{"rejected": "PARENT_REBOUND", "detail": "no"}\'; step send_message;'
+        ' result \'{"rejected": "PARENT_NOT_LIVE", "detail": "no"}\'; answer \'Noted.\';'
+        " turn ended completed"
+    ) in verdict.summary()
+
+
+def test_a_reply_refused_parent_rebound_that_its_final_answer_carried_is_fine() -> None:
+    # Sent again, refused PARENT_NOT_LIVE (the parent gone again): the child's final answer
+    # carries the words, and the parent reads them in the settlement notice.
+    child = records(
+        TaskEntry(content="work"),
+        *child_turn(
+            A1,
+            "t1",
+            ConsumedEntry(seqs=(1,)),
+            send_step("c1", "m1"),
+            refused("c1", RejectionReason.PARENT_REBOUND),
+            send_step("c2", "m1"),
+            refused("c2", RejectionReason.PARENT_NOT_LIVE),
+            reply(),
+        ),
+    )
+    carried = dataclasses.replace(notice(), terminal_output="Noted.\nNot delivered before: m1")
+    verdict = judge(root_reads(carried), child)
+    assert verdict.rebound_replies_lost == 0, verdict.summary()
+    assert verdict.clean, verdict.summary()
+    # Another child's answer carrying the same words is not this one's.
+    stranger = dataclasses.replace(carried, child_session=SessionId("other"))
+    assert judge(root_reads(notice(), stranger), child).rebound_replies_lost == 1
+
+
 def test_a_reply_refused_parent_rebound_and_sent_again_until_it_landed_is_fine() -> None:
     child = records(
         TaskEntry(content="work"),

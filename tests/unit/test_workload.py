@@ -3,6 +3,7 @@ bounded amount of work and then the tree goes quiet, so a run can be drained and
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 
@@ -23,7 +24,15 @@ from dsh_mesh.core import (
     ToolDescriptor,
     ToolResultEntry,
 )
-from dsh_mesh.models import Branch, Call, ModelRequest, Reply, ScriptContext, ScriptedProvider
+from dsh_mesh.models import (
+    Branch,
+    Call,
+    ModelRequest,
+    Reply,
+    ScriptContext,
+    ScriptedProvider,
+)
+from dsh_mesh.models._scripted import scripted_summary
 from dsh_mesh.testing import (
     WORKLOAD,
     InProcessMesh,
@@ -266,3 +275,45 @@ def test_a_child_sends_a_reply_refused_parent_rebound_again_with_the_same_words(
     assert isinstance(moved_on, Branch)
     step = moved_on.choose(delivered)
     assert not (isinstance(step, Call) and step.delay > 0), step
+
+
+def _compacted(context: ScriptContext) -> ScriptContext:
+    """``context`` after a compaction took in everything it showed: the task, then the
+    scripted summary standing in for the rest."""
+    messages = context.request.messages
+    summary = ChatMessage(role=Role.USER, content=scripted_summary(messages))
+    task = ChatMessage(role=Role.USER, content="Work rounds.")
+    request = dataclasses.replace(context.request, messages=(task, summary))
+    return ScriptContext(request=request)
+
+
+def test_a_reply_refused_parent_rebound_is_sent_again_after_a_compaction_too() -> None:
+    # From stop 43's CI run: a reader's reply refused twice, never sent again; the reader's
+    # small window compacts often, and a summary took the refusal out of its model's view.
+    refused = json.dumps({"rejected": RejectionReason.PARENT_REBOUND.value, "detail": "moved"})
+    context = _compacted(_after_reply(refused))
+    for program in ("soak-worker", "soak-leaf", "soak-reader"):
+        action = WORKLOAD.programs[program][0]
+        assert isinstance(action, Branch)
+        again = action.choose(context)
+        assert isinstance(again, Call) and again.delay > 0, program
+        [(_, arguments)] = again.calls
+        message = arguments["message"]
+        assert callable(message) and message(context) == "progress 5eed"
+
+
+def test_a_reply_its_parent_could_not_take_goes_into_the_final_answer() -> None:
+    """Refused ``PARENT_NOT_LIVE`` (the parent gone again), a reply cannot land as a message:
+    the child's final answer carries it, as the refusal tells a model, seen through a
+    compaction too. A delivered reply is not repeated there."""
+    gone = json.dumps({"rejected": RejectionReason.PARENT_NOT_LIVE.value, "detail": "gone"})
+    delivered = json.dumps({"delivered": "steer-running", "agent_id": "root"})
+    reader = WORKLOAD.programs["soak-reader"][0]
+    assert isinstance(reader, Branch)
+    for context in (_after_reply(gone), _compacted(_after_reply(gone))):
+        answer = reader.choose(context)
+        assert isinstance(answer, Reply) and callable(answer.text)
+        assert answer.text(context) == "Read.\nNot delivered before: progress 5eed"
+    answer = reader.choose(_after_reply(delivered))
+    assert isinstance(answer, Reply) and callable(answer.text)
+    assert answer.text(_after_reply(delivered)) == "Read."
