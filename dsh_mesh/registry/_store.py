@@ -232,6 +232,27 @@ class EtcdSessionStore:
     async def _create_indexed(self, header: SessionHeader, parent: SessionHeader | None) -> None:
         """The header and its index keys, in one create-only transaction."""
         session = header.session_id
+        compares, writes, root = await self._header_writes(header, parent)
+        # Unstarted until its first activation: if that never comes (its creator died, or
+        # the activation failed), a sweep starts it (ADR 0043).
+        writes.append(put(self._keys.unstarted_session(session), b""))
+        response = await self._etcd.txn(compares, writes)
+        if not response.succeeded:
+            if (
+                parent is not None
+                and await self._etcd.get(self._keys.header(parent.session_id)) is None
+            ):
+                raise SessionUnknown(parent.session_id)
+            raise SessionExists(session)
+        self._headers[session] = header
+        self._roots[session] = root
+
+    async def _header_writes(
+        self, header: SessionHeader, parent: SessionHeader | None
+    ) -> tuple[list[Any], list[Any], SessionId]:
+        """The compares and puts that create ``header`` with its index keys (create-only, and
+        not under a parent deleted meanwhile), and the root of its tree."""
+        session = header.session_id
         key = self._keys.header(session)
         created = header.created_at
         assert created is not None
@@ -249,24 +270,83 @@ class EtcdSessionStore:
             writes.append(put(self._keys.namespace_root(namespace, created, session), b""))
         parent_id = (header.parent_session or "").encode()
         writes.append(put(self._keys.member(root, created, session), parent_id))
-        # Unstarted until its first activation: if that never comes (its creator died, or
-        # the activation failed), a sweep starts it (ADR 0043).
-        writes.append(put(self._keys.unstarted_session(session), b""))
         compares = [compare(key, Target.CREATE, Result.EQUAL, 0)]
         if parent is not None:  # not under a parent deleted meanwhile (retention)
             compares.append(
                 compare(self._keys.header(parent.session_id), Target.CREATE, Result.GREATER, 0)
             )
-        response = await self._etcd.txn(compares, writes)
-        if not response.succeeded:
-            if (
-                parent is not None
-                and await self._etcd.get(self._keys.header(parent.session_id)) is None
-            ):
+        return compares, writes, root
+
+    async def create_active(
+        self, header: SessionHeader, entries: Sequence[Entry], activation: Activation
+    ) -> Activation:
+        """:meth:`create_header`, then :meth:`try_activate`, with the header and the activation
+        in one etcd transaction (ADR 0047 §14): the header and its index keys, the activation
+        with its held marker and its census keys, created together or not at all. So no one
+        sees the session without an activation, and it takes no ``unstarted/`` key (a creator
+        that dies before the fence is up leaves the held marker, which a sweep resumes, ADR
+        0043). A root's entries are still written first (ADR 0026), under the revision of the
+        read that found no header; a task-less root or a child makes no such read (the
+        transaction's compares find a taken id), but a task-less root still refuses an id whose
+        transcript a cut creation began. The transaction's answer lost, it is sent once more:
+        its compares then fail and read the key back, this activation's (won, fence raised) or
+        another's (:class:`SessionExists`)."""
+        session = header.session_id
+        parent = None
+        if header.parent_session is not None:
+            parent = await self.get_header(header.parent_session)
+            if parent is None:
+                raise SessionUnknown(header.parent_session)
+        created = _created_after(parent, header.created_at)
+        if created != header.created_at:
+            header = dataclasses.replace(header, created_at=created)
+        if parent is None and entries:
+            found = await self._etcd.range(self._keys.header(session))
+            if found.kvs:
+                raise SessionExists(session)
+            # No header then, so no activation (ADR 0026).
+            await self._create_entries(session, entries, int(found.header.revision))
+        elif parent is None and await self._log.read(session, limit=1):
+            raise SessionExists(session)  # as in create_header
+        compares, writes, root = await self._header_writes(header, parent)
+        key = self._keys.activation(session)
+        lease = self._lease()
+        value = encode_activation(activation)
+        marker = self._keys.held_marker(lease, session, activation.activation_id)
+        compares.append(compare(key, Target.CREATE, Result.EQUAL, 0))
+        writes += [put(key, value, lease=lease), put(marker, value)]
+        writes += self._live_puts_of(header, root, lease)
+        failure = [get(key)]
+        if parent is not None:
+            failure.append(get(self._keys.header(parent.session_id)))
+        with telemetry.span(
+            "dsh.etcd.create_active",
+            attributes={"dsh.session.id": session, "dsh.activation.id": activation.activation_id},
+        ):
+            response = await self._ambiguous_txn(compares, writes, failure)
+        if response.succeeded:
+            fence = int(response.header.revision)
+        else:
+            current_kv = _only(response.responses[0])
+            if parent is not None and _only(response.responses[1]) is None:
                 raise SessionUnknown(parent.session_id)
-            raise SessionExists(session)
+            if current_kv is None or (
+                decode_activation(current_kv.value).activation_id != activation.activation_id
+            ):
+                raise SessionExists(session)
+            # Our own key: the first try won and its answer was lost.
+            marker = self._keys.held_marker(
+                int(current_kv.lease), session, activation.activation_id
+            )
+            fence = int(current_kv.create_revision)
         self._headers[session] = header
         self._roots[session] = root
+        self._markers[activation.activation_id] = marker
+        if await self._fenced(activation, fence, read=False) is None:
+            # The key ended before the fence went up (its lease expired): race for it again,
+            # as any activation does; the session is whole and its marker owes it a reader.
+            return await self.try_activate(activation)
+        return activation
 
     async def waiting_in_subtree(self, session: SessionId) -> list[tuple[SessionId, Record]]:
         return await self._log.pending_approvals(set(await self.subtree(session)))
@@ -581,9 +661,13 @@ class EtcdSessionStore:
         header = await self.get_header(session)
         if header is None:
             raise SessionUnknown(session)
+        return self._live_puts_of(header, await self._root_of(header), lease)
+
+    def _live_puts_of(self, header: SessionHeader, root: SessionId, lease: int) -> list[Any]:
+        session = header.session_id
         puts = [put(self._keys.namespace_live_member(header.namespace, session), b"", lease=lease)]
         if header.parent_session is not None:
-            member = self._keys.live_member(await self._root_of(header), session)
+            member = self._keys.live_member(root, session)
             puts.append(put(member, header.parent_session.encode(), lease=lease))
         return puts
 

@@ -372,14 +372,13 @@ class Creations:
     async def _make_root(
         self, header: SessionHeader, activation: Activation, *, first: tuple[Entry, ...], task: str
     ) -> Agent:
-        # A root's task is written with its header, in one transaction: a node that dies after
-        # it leaves a whole root (a replay of its creation resumes it), never a root without
-        # its task. A child's first entries stay appends of their own: a fork's prefix alone
+        # A root's task is written before its header, which comes with its activation: a node
+        # that dies after that leaves a whole root (a replay of its creation, or a sweep,
+        # resumes it), never a root without its task. A child's first entries stay appends of their own: a fork's prefix alone
         # may come near etcd's request limit.
         created = (*first, TaskEntry(content=task)) if task else first
-        await self._store.create_header(header, created)
+        current = await self._store.create_active(header, created, activation)
         records = [Record(seq=seq, entry=entry) for seq, entry in enumerate(created, start=1)]
-        current = await self._store.try_activate(activation)
         if current != activation:
             # A replay of the creation on another node resumed it first: it runs there.
             raise TargetElsewhere.held_by(header.session_id, current.node_id, current.activation_id)
@@ -392,8 +391,7 @@ class Creations:
     async def _make_child(
         self, header: SessionHeader, activation: Activation, *, first: tuple[Entry, ...], task: str
     ) -> Agent:
-        await self._store.create_header(header)
-        await self._store.try_activate(activation)
+        await self._store.create_active(header, (), activation)
         agent = self._residency.make_agent(header, activation, (), None)
         for entry in first:
             agent.record(await self._writer.append(agent, entry))

@@ -62,6 +62,13 @@ class InMemorySessionStore:
     async def get_header(self, session: SessionId) -> SessionHeader | None:
         return self._headers.get(session)
 
+    async def create_active(
+        self, header: SessionHeader, entries: Sequence[Entry], activation: Activation
+    ) -> Activation:
+        # In two steps, through the methods a subclass may wrap (the faulty store's faults).
+        await self.create_header(header, entries)
+        return await self.try_activate(activation)
+
     async def try_activate(self, activation: Activation) -> Activation:
         if activation.session_id not in self._headers:
             raise SessionUnknown(activation.session_id)

@@ -101,6 +101,15 @@ class RecordingStore:
         for seq, entry in enumerate(entries, start=1):
             self._wrote(header.session_id, Record(seq=seq, entry=entry), None)
 
+    async def create_active(
+        self, header: SessionHeader, entries: Sequence[Entry], activation: Activation
+    ) -> Activation:
+        current = await self._store.create_active(header, entries, activation)
+        for seq, entry in enumerate(entries, start=1):
+            self._wrote(header.session_id, Record(seq=seq, entry=entry), None)
+        self._activated(activation, current)
+        return current
+
     async def get_header(self, session: SessionId) -> SessionHeader | None:
         return await self._store.get_header(session)
 

@@ -119,6 +119,16 @@ class SessionStore(Protocol):
         entry its record's ``recorded_at``: :meth:`get_header` and :meth:`read` return them."""
         ...
 
+    async def create_active(
+        self, header: SessionHeader, entries: Sequence[Entry], activation: Activation
+    ) -> Activation:
+        """:meth:`create_header`, then :meth:`try_activate` of ``activation``, the store's
+        fastest way: the current activation when it returns (``activation`` itself, unless a
+        replay of the creation won it first). Raises ``SessionExists`` as
+        :meth:`create_header` does. A store may create the two at once, so that the session
+        is never seen without an activation."""
+        ...
+
     async def get_header(self, session: SessionId) -> SessionHeader | None:
         """``session``'s header; None when no session has that id."""
         ...

@@ -22,7 +22,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
@@ -67,7 +67,7 @@ from dsh_mesh.registry import (
     TreeStopped,
 )
 from dsh_mesh.registry._codec import decode_activation, encode_activation
-from dsh_mesh.registry._etcd import put
+from dsh_mesh.registry._etcd import delete, put
 from dsh_mesh.registry._lease import WEDGED_TTLS
 from dsh_mesh.registry._store import MAX_ENTRY_BYTES
 from dsh_mesh.runtime import (
@@ -77,6 +77,7 @@ from dsh_mesh.runtime import (
     IdempotencyKey,
     LogStore,
     LruCache,
+    Write,
 )
 from dsh_mesh.testing import EtcdAddress, EtcdServer, FaultyLogStore
 from tests.integration.conftest import until_async
@@ -403,6 +404,104 @@ async def test_a_try_whose_answer_was_lost_finds_its_own_key_and_is_won_with_the
     assert resumed.current == mine and contents(list(resumed.records)) == [(1, "Do it.")]
     record, _ = await node_a.store.append(session, prompt("mine"), writer=mine.activation_id)
     assert record.seq == 2
+    with pytest.raises(ActivationFenced):
+        await node_b.store.append(session, prompt("no one's"), writer=None)
+
+
+async def test_a_session_created_active_has_header_and_activation_from_one_transaction(
+    node_a: Node, node_b: Node, keys: Keys
+) -> None:
+    """ADR 0047 §14: the header, its indexes and the activation with its held marker appear
+    at one revision, with no ``unstarted/`` key; the fence is up at that revision, so only
+    the activation writes."""
+    session = SessionId("s-created-active")
+    mine = node_a.activation(session)
+    assert await node_a.store.create_active(root_header(session), [prompt("task")], mine) == mine
+    header_kv = await node_a.etcd.get(keys.header(session))
+    activation_kv = await node_a.etcd.get(keys.activation(session))
+    assert header_kv is not None and activation_kv is not None
+    assert header_kv.create_revision == activation_kv.create_revision
+    assert int(activation_kv.lease) == node_a.lease
+    assert await node_a.etcd.get(keys.held_marker(node_a.lease, session, mine.activation_id))
+    assert await node_a.etcd.get(keys.unstarted_session(session)) is None
+    assert await fence_of(node_a.log, session) == activation_kv.create_revision
+    assert await node_b.store.current_activation(session, fresh=True) == mine
+    record, _ = await node_a.store.append(session, prompt("mine"), writer=mine.activation_id)
+    assert record.seq == 2
+    with pytest.raises(ActivationFenced):
+        await node_b.store.append(session, prompt("no one's"), writer=None)
+    assert contents(await node_b.store.read(session)) == [(1, "task"), (2, "mine")]
+    # A child: under its parent's tree, live among its members with its parent's id.
+    child = SessionId("s-created-active-child")
+    theirs = node_b.activation(child, parent=mine.activation_id)
+    assert await node_b.store.create_active(child_header(child, session), (), theirs) == theirs
+    assert (await node_a.store.get_header(child)) == await node_b.store.get_header(child)
+    member = await node_a.etcd.get(keys.live_member(session, child))
+    assert member is not None and member.value == session.encode()
+    assert await node_a.store.subtree(session) == [session, child]
+
+
+async def test_creating_a_taken_id_active_is_session_exists_and_writes_nothing(
+    node_a: Node, node_b: Node, keys: Keys
+) -> None:
+    session = SessionId("s-taken-active")
+    first = node_a.activation(session)
+    await node_a.store.create_active(root_header(session), (), first)
+    before = await etcd_keys(node_a.etcd, keys)
+    for entries in ((), (prompt("another task"),)):
+        with pytest.raises(SessionExists):
+            await node_b.store.create_active(
+                root_header(session), entries, node_b.activation(session)
+            )
+    assert await etcd_keys(node_a.etcd, keys) == before
+    assert await node_b.store.current_activation(session, fresh=True) == first
+    # A task-less root never adopts a transcript a cut creation of its id began.
+    cut = SessionId("s-cut-creation")
+    revision = (await node_a.etcd.range(keys.header(cut))).header.revision
+    await node_a.log.append(cut, [Write(entry=prompt("orphan"))], fence=revision, unfenced=True)
+    with pytest.raises(SessionExists):
+        await node_a.store.create_active(root_header(cut), (), node_a.activation(cut))
+    assert await node_a.etcd.get(keys.header(cut)) is None
+    # A child under a parent deleted meanwhile (its header still cached here).
+    parent = SessionId("s-gone-parent")
+    await node_a.store.create_active(root_header(parent), (), node_a.activation(parent))
+    await node_a.etcd.txn([], [delete(keys.header(parent))])
+    orphan = SessionId("s-orphan")
+    with pytest.raises(SessionUnknown):
+        await node_a.store.create_active(
+            child_header(orphan, parent), (), node_a.activation(orphan)
+        )
+    assert await node_a.etcd.get(keys.header(orphan)) is None
+
+
+async def test_a_creation_whose_answer_was_lost_finds_its_own_key_and_is_won_with_the_fence_up(
+    node_a: Node, node_b: Node, keys: Keys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The folded transaction committed, its answer lost: sent again, its compares fail and
+    read the key back. It is this activation's: won, fence raised at its revision."""
+    session = SessionId("s-lost-answer")
+    etcd = node_a.store._etcd
+    real_txn = etcd.txn
+    lost = 0
+
+    async def answer_lost_once(*args: Any, **kwargs: Any) -> Any:
+        nonlocal lost
+        response = await real_txn(*args, **kwargs)
+        if lost == 0:
+            lost += 1
+            raise RegistryUnavailable("the answer was lost")
+        return response
+
+    mine = node_a.activation(session)
+    monkeypatch.setattr(etcd, "txn", answer_lost_once)
+    assert await node_a.store.create_active(root_header(session), (), mine) == mine
+    monkeypatch.undo()
+    assert lost == 1
+    activation_kv = await node_a.etcd.get(keys.activation(session))
+    assert activation_kv is not None
+    assert await fence_of(node_a.log, session) == activation_kv.create_revision
+    record, _ = await node_a.store.append(session, prompt("mine"), writer=mine.activation_id)
+    assert record.seq == 1
     with pytest.raises(ActivationFenced):
         await node_b.store.append(session, prompt("no one's"), writer=None)
 
