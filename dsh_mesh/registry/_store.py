@@ -555,7 +555,12 @@ class EtcdSessionStore:
     async def release(self, activation: Activation, *, clean: bool = True) -> None:
         fence = self._known_fence(activation.activation_id)
         if fence is None:
-            return
+            # Never known won here (a creation whose every answer was lost): its key, if it
+            # is this activation's, is still this node's to end.
+            kv = await self._etcd.get(self._keys.activation(activation.session_id))
+            if kv is None or decode_activation(kv.value).activation_id != activation.activation_id:
+                return
+            fence = int(kv.create_revision)
         marker = self._markers.get(activation.activation_id)
         key = self._keys.activation(activation.session_id)
         ending = await self._ending(activation.session_id, key)

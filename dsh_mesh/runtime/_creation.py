@@ -369,15 +369,32 @@ class Creations:
                 return await self._make_root(header, activation, first=first, task=task)
             return await self._make_child(header, activation, first=first, task=task)
 
+    async def _created(
+        self, header: SessionHeader, entries: tuple[Entry, ...], activation: Activation
+    ) -> Activation:
+        """The store's ``create_active``. One that fails for want of etcd or the log store may
+        have won all the same (its answer lost, or its fence not raised): ``activation`` is
+        then released as unfinished, so that this node's sweep ends it if it holds the
+        session and resumes the session if its task waits (ADR 0043), whether or not the
+        caller tries again."""
+        try:
+            return await self._store.create_active(header, entries, activation)
+        except (SessionExists, SessionUnknown):
+            raise  # refused by the compares: nothing of this activation's was written
+        except MeshError:
+            with contextlib.suppress(MeshError):
+                await self._residency.release(activation, clean=False)
+            raise
+
     async def _make_root(
         self, header: SessionHeader, activation: Activation, *, first: tuple[Entry, ...], task: str
     ) -> Agent:
         # A root's task is written before its header, which comes with its activation: a node
         # that dies after that leaves a whole root (a replay of its creation, or a sweep,
-        # resumes it), never a root without its task. A child's first entries stay appends of their own: a fork's prefix alone
-        # may come near etcd's request limit.
+        # resumes it), never a root without its task. A child's first entries stay appends of
+        # their own: a fork's prefix alone may come near etcd's request limit.
         created = (*first, TaskEntry(content=task)) if task else first
-        current = await self._store.create_active(header, created, activation)
+        current = await self._created(header, created, activation)
         records = [Record(seq=seq, entry=entry) for seq, entry in enumerate(created, start=1)]
         if current != activation:
             # A replay of the creation on another node resumed it first: it runs there.
@@ -391,7 +408,7 @@ class Creations:
     async def _make_child(
         self, header: SessionHeader, activation: Activation, *, first: tuple[Entry, ...], task: str
     ) -> Agent:
-        await self._store.create_active(header, (), activation)
+        await self._created(header, (), activation)
         agent = self._residency.make_agent(header, activation, (), None)
         for entry in first:
             agent.record(await self._writer.append(agent, entry))

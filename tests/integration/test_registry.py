@@ -504,6 +504,24 @@ async def test_a_creation_whose_answer_was_lost_finds_its_own_key_and_is_won_wit
     assert record.seq == 1
     with pytest.raises(ActivationFenced):
         await node_b.store.append(session, prompt("no one's"), writer=None)
+    # Every answer lost: the creation fails, yet its key is there. The node that made it
+    # ends it all the same (its sweep does), and its marker stays for the session's reader.
+    cut = SessionId("s-every-answer-lost")
+    theirs = node_a.activation(cut)
+
+    async def every_answer_lost(*args: Any, **kwargs: Any) -> Any:
+        await real_txn(*args, **kwargs)
+        raise RegistryUnavailable("the answer was lost")
+
+    monkeypatch.setattr(etcd, "txn", every_answer_lost)
+    with pytest.raises(RegistryUnavailable):
+        await node_a.store.create_active(root_header(cut), (), theirs)
+    monkeypatch.undo()
+    assert await node_b.store.current_activation(cut, fresh=True) == theirs
+    await node_a.store.release(theirs, clean=False)
+    assert await node_b.store.current_activation(cut, fresh=True) is None
+    assert await node_a.etcd.get(keys.held_marker(node_a.lease, cut, theirs.activation_id))
+    await node_a.store.release(theirs, clean=False)  # again: nothing left to end
 
 
 async def test_racing_activations_have_exactly_one_winner_and_the_loser_learns_it(

@@ -19,6 +19,8 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import cast
 
+import pytest
+
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2
 from dsh_mesh.core import (
     Activation,
@@ -29,6 +31,7 @@ from dsh_mesh.core import (
     RegistryUnavailable,
     RejectionReason,
     SequentialIds,
+    SessionExists,
     SessionHeader,
     SessionId,
     SessionKind,
@@ -64,10 +67,12 @@ ROOT = root_session_id("r")
 
 def dies_after_creation(*, won: bool = False) -> FaultySessionStore:
     """The creating node dies once its root's creation is durable: its first ``try_activate``
-    raises, before (``won=False``) or after (``won=True``) the activation was won. Later calls,
-    from whichever node, behave."""
+    raises, before (``won=False``) or after (``won=True``) the activation was won, and so does
+    its release of that activation. Later calls, from whichever node, behave."""
     store = FaultySessionStore()
-    store.faults.fail("try_activate", RegistryUnavailable("the creating node died"), landed=won)
+    died = RegistryUnavailable("the creating node died")
+    store.faults.fail("try_activate", died, landed=won)
+    store.faults.fail("release", died)  # its last attempt to let go of what it may have won
     return store
 
 
@@ -141,6 +146,30 @@ async def test_a_root_created_with_an_empty_task_is_created_without_entries() ->
         await answer_of(manager.create_root("", preset="lead", session_id=ROOT))
     assert await store.get_header(ROOT) is not None
     assert await store.read(ROOT) == []
+
+
+async def test_a_creation_that_won_but_lost_its_answer_is_run_by_its_own_node_unasked() -> None:
+    # Its node lives on (so no lease lapses), etcd was away a moment (the answer and the
+    # release after it both lost), and no client replays the creation: the node's sweep ends
+    # the activation it won unknowingly and resumes the root, whose task then runs.
+    store = dies_after_creation(won=True)
+    async with node(store, "node-1") as (manager, _, scripted):
+        scripted.program("lead", Reply(text="read it"))
+        refused = await answer_of(manager.create_root(TASK, preset="lead", session_id=ROOT))
+        assert isinstance(refused, RegistryUnavailable)
+        [ended] = manager.unfinished()
+        held = await store.current_activation(ROOT)
+        assert held is not None and held.activation_id == ended.activation_id
+        assert await manager.finish(ended)  # what the sweep does with it
+        manager.finished(ended)
+        await manager.quiescent()
+        assert scripted.calls_started(ROOT) == 1
+    assert ran_once(await store.read(ROOT))
+    # Refused by the compares (an id taken), a creation leaves nothing unfinished.
+    async with node(store, "node-2") as (manager, _, _):
+        with pytest.raises(SessionExists):
+            await manager.create_root(TASK, preset="lead", session_id=ROOT)
+        assert manager.unfinished() == []
 
 
 async def answer_of(creating: Awaitable[object]) -> object:
