@@ -428,18 +428,20 @@ class PostgresServer:
         account = self._account()
         if account is not None:
             env["HOME"] = str(tmpdir)
+            # setpriv drops to the server's user, not Popen's user=/group=: with those, Python
+            # must fork() rather than vfork(), which runs gRPC's fork handlers in a process that
+            # has channels open (the bench's, a test's), and once such a fork broke gRPC's
+            # poller and left psql unrun.
+            argv = [
+                _setpriv(),
+                f"--reuid={account.pw_uid}",
+                f"--regid={account.pw_gid}",
+                "--clear-groups",
+                "--",
+                *argv,
+            ]
         if wrapped and self._wrap:
-            if account is not None:
-                argv = [
-                    _setpriv(),
-                    f"--reuid={account.pw_uid}",
-                    f"--regid={account.pw_gid}",
-                    "--clear-groups",
-                    "--",
-                    *argv,
-                ]
-                account = None  # the prefix runs as root; setpriv drops
-            argv = [*self._wrap, *argv]
+            argv = [*self._wrap, *argv]  # the prefix runs as root; setpriv drops
         with self.log_path.open("ab") as log:
             log.write(f"--- dsh-mesh: running {' '.join(argv)}\n".encode())
             log.flush()
@@ -451,9 +453,6 @@ class PostgresServer:
                 stderr=subprocess.STDOUT,
                 env=env,
                 cwd=tmpdir,
-                user=None if account is None else account.pw_uid,
-                group=None if account is None else account.pw_gid,
-                extra_groups=None if account is None else [],
                 start_new_session=new_session,
             )
 

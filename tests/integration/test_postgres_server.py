@@ -96,6 +96,41 @@ def test_as_root_the_server_runs_as_the_postgres_user() -> None:
         assert os.stat(f"/proc/{server.pid}").st_uid == owner
 
 
+_FORKS_SEEN_BY_GRPC = """
+import asyncio, grpc
+from dsh_mesh.testing import PostgresServer
+
+async def main():
+    channel = grpc.aio.insecure_channel("127.0.0.1:1")  # gRPC's threads run, as in the bench
+    waiting = asyncio.create_task(channel.channel_ready())
+    await asyncio.sleep(0.2)
+    with PostgresServer() as server:
+        await asyncio.to_thread(server.create_database, "forked")
+    waiting.cancel()
+    await channel.close()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="PostgreSQL runs as another user only for root")
+def test_a_server_started_beside_live_grpc_channels_runs_no_grpc_fork_handler() -> None:
+    # A bench run once failed `CREATE DATABASE`: psql was started by fork() (Popen's user=),
+    # which ran gRPC's fork handlers in a process with channels open and broke its poller.
+    # setpriv drops to the server's user instead, so Python starts each tool with vfork().
+    env = {**os.environ, "GRPC_VERBOSITY": "info"}
+    done = subprocess.run(
+        [sys.executable, "-c", _FORKS_SEEN_BY_GRPC],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "fork_posix" not in done.stderr, done.stderr[-2000:]
+
+
 def test_the_binaries_are_found() -> None:
     assert (find_postgres_bin_dir() / "initdb").exists()
 
