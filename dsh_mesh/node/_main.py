@@ -26,6 +26,10 @@ from dsh_mesh.node._node import Node
 from dsh_mesh.node._presets import PresetFile, endpoints_from_environment, load_presets
 from dsh_mesh.node._scenario import load_scenario
 
+QUIET_LIBRARIES = ("httpx",)
+"""Libraries whose INFO lines a node does not log: httpx says one per request (a model call
+over https), which was most of a busy node's log (issue 36). Their warnings still show."""
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one node until it is told to stop. An invalid configuration (a missing TLS setting
@@ -50,6 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "[trace=%(otel_trace_id)s span=%(otel_span_id)s]: %(message)s"
         ),
     )
+    for library in QUIET_LIBRARIES:
+        logging.getLogger(library).setLevel(logging.WARNING)
     exporting = telemetry.configure(
         node_id=config.node_id, default_service_name=f"dsh-mesh-{config.node_id}"
     )
