@@ -11,6 +11,7 @@ agent.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
@@ -115,8 +116,9 @@ class ToolCalls:
         self, call: ToolCall, output: ToolOutput, *, started: float | None = None
     ) -> None:
         """Record ``output`` as the one result of ``call`` (which ran from ``started``, a
-        ``time.monotonic()``; None: it did not run here)."""
-        elapsed = 0 if started is None else round((time.monotonic() - started) * 1000)
+        ``time.monotonic()``; None: it did not run here). A call that ran records at least 1 ms
+        (rounded up): 0 says it did not run."""
+        elapsed = 0 if started is None else max(1, math.ceil((time.monotonic() - started) * 1000))
         await self._append(
             ToolResultEntry(
                 call_id=call.call_id,

@@ -214,7 +214,8 @@ class AssistantStep:
 @dataclass(frozen=True, kw_only=True)
 class ToolResult:
     """The result of one tool call, keyed by the model's call id. ``duration_ms``: how long
-    the call ran on its node (0: it did not run there, or the server did not record it)."""
+    the call ran on its node, rounded up (0: it did not run there, or the server did not
+    record it)."""
 
     call_id: str
     name: str

@@ -192,8 +192,9 @@ class AssistantStepEntry(ValidText):
 class ToolResultEntry(ValidText):
     """The recorded result of one tool call, keyed by the call id the model gave it.
 
-    ``duration_ms`` is how long the call ran on its node (0: it did not run there, e.g. an
-    answer "outcome unknown" or "not run"); it is not part of the entry's identity."""
+    ``duration_ms`` is how long the call ran on its node, rounded up (so at least 1 for a call
+    that ran; 0: it did not run there, e.g. an answer "outcome unknown" or "not run"); it is
+    not part of the entry's identity."""
 
     _PROSE = frozenset({"content"})
 

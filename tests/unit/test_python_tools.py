@@ -23,10 +23,13 @@ from dsh_mesh.core import (
     ToolCall,
     ToolResultEntry,
 )
+from dsh_mesh.models import Call, Reply, ScriptedProvider
 from dsh_mesh.registry._codec import decode_entry, encode_entry
+from dsh_mesh.testing import in_process_mesh
 from dsh_mesh.tools import (
     CallLimits,
     FunctionTool,
+    Preset,
     Replay,
     ToolContext,
     ToolInvocation,
@@ -290,3 +293,24 @@ def test_a_result_keeps_its_duration_in_the_store() -> None:
     entry = ToolResultEntry(call_id="c", name="t", content="ok", duration_ms=1234)
     decoded = decode_entry(encode_entry(entry))
     assert isinstance(decoded, ToolResultEntry) and decoded.duration_ms == 1234
+
+
+@tool(replay="safe")
+async def at_once() -> str:
+    """Answer at once."""
+    return "now"
+
+
+async def test_a_call_that_ran_under_a_millisecond_records_one_not_zero() -> None:
+    # 0 means the call did not run (the proto's word): a quick call that printed no duration
+    # looked like one that never ran (issue 36).
+    scripted = ScriptedProvider(
+        programs={"quick": (Call(calls=(("at_once", {}),)), Reply(text="Done."))}
+    )
+    preset = Preset(name="quick", system_prompt="Go.", model="quick", tools=("at_once",))
+    async with in_process_mesh([preset], scripted=scripted, tools=(at_once,)) as mesh:
+        root = (await mesh.manager.create_root("Go.", preset="quick")).session_id
+        await mesh.manager.quiescent()
+        records = await mesh.transcript(root)
+    [result] = [r.entry for r in records if isinstance(r.entry, ToolResultEntry)]
+    assert result.content == "now" and result.duration_ms >= 1
