@@ -24,6 +24,7 @@ from dsh_mesh.cli._render import (
     table,
 )
 from dsh_mesh.client import (
+    ApprovalRequest,
     ClientOptions,
     DecisionResult,
     HealthStatus,
@@ -240,7 +241,10 @@ async def _request_digest(
     client: MeshClient, session: str, call_id: str, console: Console
 ) -> str | None:
     """The digest of the request waiting on ``call_id`` in ``session``, shown to the person
-    deciding; None (said why) when none waits."""
+    deciding. A call that waits no more (decided, expired, answered) is decided on its last
+    request all the same, so that the mesh says how it stands (the same decision again is a
+    duplicate; another is ``APPROVAL_STALE``); None (said why) when ``session`` never asked
+    approval for ``call_id``."""
     found = next(
         (
             p.request
@@ -250,10 +254,25 @@ async def _request_digest(
         None,
     )
     if found is None:
-        console.note(f"no call {call_id!r} of {session} waits for approval")
-        return None
+        found = await _asked(client, session, call_id)
+        if found is None:
+            console.note(f"{session} never asked approval for a call {call_id!r}")
+            return None
+        console.note(f"call {call_id} of {session} waits no more; sending the decision to see")
     console.note(f"deciding on {found.tool}({found.arguments_json}), digest {found.request_digest}")
     return found.request_digest
+
+
+async def _asked(client: MeshClient, session: str, call_id: str) -> ApprovalRequest | None:
+    """The last approval request for ``call_id`` in ``session``'s transcript, if any."""
+    found = None
+    pages = client.session_pages(session)
+    async with contextlib.aclosing(pages):
+        async for page in pages:
+            for entry in page.transcript:
+                if isinstance(entry.body, ApprovalRequest) and entry.body.call_id == call_id:
+                    found = entry.body
+    return found
 
 
 async def _stop(client: MeshClient, args: argparse.Namespace, console: Console) -> int:

@@ -170,8 +170,15 @@ async def test_the_command_lists_a_trees_waiting_calls_and_denies_one(
             lambda rs: sum(isinstance(r.entry, TurnEndedEntry) for r in rs) == 2,
             what="the turn gone on from the denied call",
         )
+        # Nothing waits any more: the same decision again is the first one's duplicate, and
+        # another is refused as stale (docs/approvals.md), as the mesh says, not "no call".
         again = cli(cluster, "deny", root, call, "--reason", "not today")
-        assert again.returncode != 0 and "no call" in again.stderr  # nothing waits any more
+        assert again.returncode == 0, again.stderr
+        assert "already decided so: nothing changed" in again.stdout
+        other = cli(cluster, "approve", root, call)
+        assert other.returncode != 0 and "APPROVAL_STALE" in other.stderr, other.stderr
+        never = cli(cluster, "approve", root, "no-such-call")
+        assert never.returncode != 0 and "never asked approval" in never.stderr
         assert cli(cluster, "approvals", root, "--json").stdout.strip() == "[]"
     [result] = [r.entry for r in records if isinstance(r.entry, ToolResultEntry)]
     assert result.is_error and result.content.endswith("by operator: not today")
