@@ -71,7 +71,8 @@ PLAINTEXT_WARNING = (
     "clear, and a node's id is whatever it claims. Use this only for a local demo on "
     "loopback; configure tls_cert, tls_key and tls_ca for anything else (ADR 0021). !!!"
 )
-_READY_TIMEOUT = timedelta(seconds=30)
+WAITING_SAID_EVERY = timedelta(seconds=5)
+"""How often a node starting while etcd does not answer says it still waits (ADR 0048)."""
 _SERVER_GRACE = timedelta(seconds=1)
 _REGISTER_RETRY = timedelta(milliseconds=500)
 
@@ -205,21 +206,21 @@ class Node:
                     following = group.create_task(directory.follow(), name="directory")
                     # Listings read etcd alone until it has loaded (ADR 0046).
                     indexing = group.create_task(indexes.follow(), name="index cache")
-                    await asyncio.wait_for(directory.ready(), _READY_TIMEOUT.total_seconds())
-                    retention = Retention(etcd, keys, log)
-                    expiry = ApprovalExpiry(log=log, store=store)
-                    await self._serve(
-                        etcd,
-                        keys,
-                        lease,
-                        store,
-                        router,
-                        health,
-                        ready,
-                        retention,
-                        directory,
-                        expiry,
-                    )
+                    if await _until_etcd_answers(directory, config.etcd.endpoint, self._stopping):
+                        retention = Retention(etcd, keys, log)
+                        expiry = ApprovalExpiry(log=log, store=store)
+                        await self._serve(
+                            etcd,
+                            keys,
+                            lease,
+                            store,
+                            router,
+                            health,
+                            ready,
+                            retention,
+                            directory,
+                            expiry,
+                        )
                     following.cancel()
                     indexing.cancel()
             finally:
@@ -463,3 +464,31 @@ async def _shut_down_at_exit(executor: ToolThreads) -> AsyncIterator[None]:
         yield
     finally:
         executor.shutdown(wait=False)
+
+
+async def _until_etcd_answers(directory: Directory, endpoint: str, stopping: asyncio.Event) -> bool:
+    """True once the directory has loaded from etcd; False if the node is asked to stop first.
+    A node started while etcd does not answer waits for it, health ``NOT_SERVING``, saying so
+    (and why) every :data:`WAITING_SAID_EVERY`, instead of dying: it serves as soon as etcd is
+    back."""
+    loaded = asyncio.ensure_future(directory.ready())
+    stopped = asyncio.ensure_future(stopping.wait())
+    try:
+        while True:
+            done, _ = await asyncio.wait(
+                {loaded, stopped},
+                timeout=WAITING_SAID_EVERY.total_seconds(),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            if loaded in done:
+                return True
+            if stopped in done:
+                return False
+            _log.warning(
+                "waiting for etcd at %s before serving: %s",
+                endpoint,
+                directory.trouble or "no answer yet",
+            )
+    finally:
+        loaded.cancel()
+        stopped.cancel()

@@ -21,6 +21,7 @@ from dsh_mesh.core import Activation, MeshError, NodeId, SessionId, TreeStop
 from dsh_mesh.registry._codec import CodecError, decode_activation, decode_stop
 from dsh_mesh.registry._etcd import Etcd
 from dsh_mesh.registry._keys import Keys
+from dsh_mesh.registry._outage import Outage
 
 _log = logging.getLogger(__name__)
 _RETRY_SECONDS = 0.2
@@ -99,6 +100,10 @@ class Directory:
         self._synced = asyncio.Event()
         self._revision = {keys.activations: 0, keys.nodes: 0, keys.stops: 0}
         self._healthy: set[bytes] = set()
+        self._outages = {
+            prefix: Outage(_log, f"directory: watch on {prefix!r}", first_delay=_RETRY_SECONDS)
+            for prefix in self._revision
+        }
 
     @property
     def synced(self) -> bool:
@@ -108,6 +113,11 @@ class Directory:
     async def ready(self) -> None:
         """Return once the first snapshot is loaded."""
         await self._synced.wait()
+
+    @property
+    def trouble(self) -> str | None:
+        """Why a watch is broken now (the last failure of one), or None."""
+        return next((o.last for o in self._outages.values() if o.last is not None), None)
 
     def activation(self, session: SessionId) -> Activation | None:
         """The session's current activation, as last seen."""
@@ -149,10 +159,13 @@ class Directory:
                 group.create_task(self._follow(prefix))
 
     async def _follow(self, prefix: bytes) -> None:
+        outage = self._outages[prefix]
         while True:
+            delay = _RETRY_SECONDS
             try:
                 if self._revision[prefix] == 0:
                     await self._load(prefix)
+                outage.ended()
                 self._set_healthy(prefix, True)
                 async for event in self._etcd.watch_prefix(
                     prefix, start_revision=self._revision[prefix] + 1
@@ -162,13 +175,13 @@ class Directory:
                 _log.warning("directory: revision compacted; reloading %r", prefix)
                 self._revision[prefix] = 0
             except MeshError as error:
-                _log.warning("directory: watch on %r broke: %s", prefix, error)
+                delay = outage.failed(error)
             # Reload on reconnect rather than resume the watch: a resumed watch would report
             # the view synced before it had replayed the gap. A fresh snapshot is current at
             # once (and its diff still reports every activation that ended meanwhile).
             self._revision[prefix] = 0
             self._set_healthy(prefix, False)
-            await asyncio.sleep(_RETRY_SECONDS)
+            await asyncio.sleep(delay)
 
     def _set_healthy(self, prefix: bytes, healthy: bool) -> None:
         if healthy:

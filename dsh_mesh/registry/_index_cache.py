@@ -35,6 +35,7 @@ import aetcd.exceptions
 from dsh_mesh.core import MeshError
 from dsh_mesh.registry._etcd import Etcd, written_key
 from dsh_mesh.registry._keys import prefix_end
+from dsh_mesh.registry._outage import Outage
 
 _log = logging.getLogger(__name__)
 _RETRY_SECONDS = 0.5
@@ -127,9 +128,12 @@ class IndexCache:
                 group.create_task(self._follow(prefix))
 
     async def _follow(self, prefix: bytes) -> None:
+        outage = Outage(_log, f"index cache: watch on {prefix!r}", first_delay=_RETRY_SECONDS)
         while True:
+            delay = _RETRY_SECONDS
             try:
                 revision = await self._load(prefix)
+                outage.ended()
                 pending = self._pending[prefix]
                 for key in [k for k, (at, _) in pending.items() if at <= revision]:
                     del pending[key]  # the load read it
@@ -148,11 +152,11 @@ class IndexCache:
             except aetcd.exceptions.RevisionCompactedError:
                 _log.warning("index cache: revision compacted; reloading %r", prefix)
             except MeshError as error:
-                _log.warning("index cache: watch on %r broke: %s", prefix, error)
+                delay = outage.failed(error)
             except Exception:  # a defect here must not end the node: listings read etcd
                 _log.exception("index cache: following %r failed; loading it again", prefix)
             self._synced.discard(prefix)
-            await asyncio.sleep(_RETRY_SECONDS)
+            await asyncio.sleep(delay)
 
     async def _load(self, prefix: bytes) -> int:
         """Read every key under ``prefix`` at one revision; returns that revision."""
