@@ -197,14 +197,7 @@ class EtcdSessionStore:
         found = await self._etcd.range(key)
         if found.kvs:
             raise SessionExists(session)
-        parent = None
-        if header.parent_session is not None:
-            parent = await self.get_header(header.parent_session)
-            if parent is None:
-                raise SessionUnknown(header.parent_session)
-        created = _created_after(parent, header.created_at)
-        if created != header.created_at:
-            header = dataclasses.replace(header, created_at=created)
+        header, parent = await self._under_parent(header)
         if not entries and parent is None and await self._log.read(session, limit=1):
             # A root with no task whose id a creation cut short already used for its task
             # (another request of the same id): never adopt that transcript.
@@ -217,6 +210,21 @@ class EtcdSessionStore:
             # A child's header comes first: a tree feed finds a member before any of its
             # records (ADR 0028). Its creator writes these before it activates the child.
             await self._create_entries(session, entries, fence)
+
+    async def _under_parent(
+        self, header: SessionHeader
+    ) -> tuple[SessionHeader, SessionHeader | None]:
+        """``header`` dated (now, unless it says) after its parent's creation, and that parent's
+        header (None for a root); :class:`SessionUnknown` when the parent is gone."""
+        parent = None
+        if header.parent_session is not None:
+            parent = await self.get_header(header.parent_session)
+            if parent is None:
+                raise SessionUnknown(header.parent_session)
+        created = _created_after(parent, header.created_at)
+        if created != header.created_at:
+            header = dataclasses.replace(header, created_at=created)
+        return header, parent
 
     async def _create_entries(
         self, session: SessionId, entries: Sequence[Entry], fence: int
@@ -292,14 +300,7 @@ class EtcdSessionStore:
         its compares then fail and read the key back, this activation's (won, fence raised) or
         another's (:class:`SessionExists`)."""
         session = header.session_id
-        parent = None
-        if header.parent_session is not None:
-            parent = await self.get_header(header.parent_session)
-            if parent is None:
-                raise SessionUnknown(header.parent_session)
-        created = _created_after(parent, header.created_at)
-        if created != header.created_at:
-            header = dataclasses.replace(header, created_at=created)
+        header, parent = await self._under_parent(header)
         if parent is None and entries:
             found = await self._etcd.range(self._keys.header(session))
             if found.kvs:

@@ -305,9 +305,10 @@ def test_a_reply_refused_parent_rebound_then_dropped_by_its_model_is_counted_eve
     assert verdict.rebound_replies_lost == 1, verdict.summary()
 
 
-def test_a_lost_reply_names_what_its_sender_did_after_the_refusal() -> None:
-    # From stop 43's CI run: two refusals, then nothing said why the words never landed.
-    child = records(
+def sent_again(answer: ToolResultEntry, *after: Entry) -> list[Record]:
+    """The child: its reply refused PARENT_REBOUND, sent again and answered ``answer`` (call
+    ``c2``), then ``after``, in one turn."""
+    return records(
         TaskEntry(content="work"),
         *child_turn(
             A1,
@@ -316,10 +317,20 @@ def test_a_lost_reply_names_what_its_sender_did_after_the_refusal() -> None:
             send_step("c1", "m1"),
             refused("c1", RejectionReason.PARENT_REBOUND),
             send_step("c2", "m1"),
-            refused("c2", RejectionReason.PARENT_NOT_LIVE),
-            reply(),
+            answer,
+            *after,
         ),
     )
+
+
+def refused_then_gone() -> list[Record]:
+    """Sent again and refused PARENT_NOT_LIVE (the parent gone again), then a final answer."""
+    return sent_again(refused("c2", RejectionReason.PARENT_NOT_LIVE), reply())
+
+
+def test_a_lost_reply_names_what_its_sender_did_after_the_refusal() -> None:
+    # From stop 43's CI run: two refusals, then nothing said why the words never landed.
+    child = refused_then_gone()
     verdict = judge(root_reads(notice()), child)
     assert verdict.rebound_replies_lost == 1, verdict.summary()
     assert (
@@ -332,19 +343,7 @@ def test_a_lost_reply_names_what_its_sender_did_after_the_refusal() -> None:
 def test_a_reply_refused_parent_rebound_that_its_final_answer_carried_is_fine() -> None:
     # Sent again, refused PARENT_NOT_LIVE (the parent gone again): the child's final answer
     # carries the words, and the parent reads them in the settlement notice.
-    child = records(
-        TaskEntry(content="work"),
-        *child_turn(
-            A1,
-            "t1",
-            ConsumedEntry(seqs=(1,)),
-            send_step("c1", "m1"),
-            refused("c1", RejectionReason.PARENT_REBOUND),
-            send_step("c2", "m1"),
-            refused("c2", RejectionReason.PARENT_NOT_LIVE),
-            reply(),
-        ),
-    )
+    child = refused_then_gone()
     carried = dataclasses.replace(notice(), terminal_output="Noted.\nNot delivered before: m1")
     verdict = judge(root_reads(carried), child)
     assert verdict.rebound_replies_lost == 0, verdict.summary()
@@ -355,18 +354,7 @@ def test_a_reply_refused_parent_rebound_that_its_final_answer_carried_is_fine() 
 
 
 def test_a_reply_refused_parent_rebound_and_sent_again_until_it_landed_is_fine() -> None:
-    child = records(
-        TaskEntry(content="work"),
-        *child_turn(
-            A1,
-            "t1",
-            ConsumedEntry(seqs=(1,)),
-            send_step("c1", "m1"),
-            refused("c1", RejectionReason.PARENT_REBOUND),
-            send_step("c2", "m1"),
-            delivered("c2"),
-        ),
-    )
+    child = sent_again(delivered("c2"))
     verdict = judge(GOOD_ROOT, child)
     assert verdict.rebound_replies_lost == 0, verdict.summary()
     assert verdict.clean, verdict.summary()
