@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 from dsh_mesh.cli._config import ClusterState, ConfigError, Connection, TlsPaths, pid_alive
 from dsh_mesh.cli._render import (
@@ -220,8 +220,9 @@ def _decided(
 
 async def _approvals(client: MeshClient, args: argparse.Namespace, console: Console) -> int:
     waiting = await client.list_approvals(args.root)
-    if args.json:
-        console.say(json.dumps(to_jsonable(waiting), ensure_ascii=False))
+    if args.json:  # one object per line, as the help says; none waiting prints nothing
+        for pending in waiting:
+            console.say(json.dumps(to_jsonable(pending), ensure_ascii=False))
         return 0
     if not waiting:
         console.say(f"no call of the tree of {args.root} waits for approval")
@@ -321,7 +322,6 @@ async def _ls(client: MeshClient, args: argparse.Namespace, console: Console) ->
     """The first page of agents and how many the listing holds; with ``--all``, every page
     as it comes (a page is printed before the next is asked for)."""
     depth: dict[str, int] = {}
-    found: list[Any] = []
     widths: list[int] = []
     shown = 0
     token = ""
@@ -345,7 +345,8 @@ async def _ls(client: MeshClient, args: argparse.Namespace, console: Console) ->
             level = depth[parent] + 1 if parent is not None and parent in depth else 0
             depth[agent.info.session_id] = level
             rows.append(summary_row(agent, level))
-            found.append(to_jsonable(agent))
+            if args.json:  # one object per line, each page as it comes
+                console.say(json.dumps(to_jsonable(agent), ensure_ascii=False))
         shown += len(rows)
         if rows and not args.json:
             widths = column_widths(_LS_COLUMNS, rows, at_least=widths)
@@ -357,8 +358,6 @@ async def _ls(client: MeshClient, args: argparse.Namespace, console: Console) ->
         # that holds an agent.
         if not token or (shown and not args.all):
             break
-    if args.json:
-        console.say(json.dumps(found, ensure_ascii=False))
     if not shown:
         console.note("no agents")
     elif token:

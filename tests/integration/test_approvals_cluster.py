@@ -157,7 +157,7 @@ async def test_the_command_lists_a_trees_waiting_calls_and_denies_one(
         await stopped_at_the_call(reader, root)
         listed = cli(cluster, "approvals", root, "--json")
         assert listed.returncode == 0, listed.stderr
-        [waiting] = json.loads(listed.stdout)
+        [waiting] = [json.loads(line) for line in listed.stdout.splitlines()]
         assert waiting["session_id"] == root and waiting["request"]["tool"] == "probe_unsafe"
         call = waiting["request"]["call_id"]
 
@@ -179,7 +179,7 @@ async def test_the_command_lists_a_trees_waiting_calls_and_denies_one(
         assert other.returncode != 0 and "APPROVAL_STALE" in other.stderr, other.stderr
         never = cli(cluster, "approve", root, "no-such-call")
         assert never.returncode != 0 and "never asked approval" in never.stderr
-        assert cli(cluster, "approvals", root, "--json").stdout.strip() == "[]"
+        assert cli(cluster, "approvals", root, "--json").stdout.strip() == ""
     [result] = [r.entry for r in records if isinstance(r.entry, ToolResultEntry)]
     assert result.is_error and result.content.endswith("by operator: not today")
     assert read_probe_log(log) == []

@@ -415,7 +415,7 @@ def test_the_command_runs_a_cluster_end_to_end(tmp_path: Path) -> None:
 
         listed = cli.run("ls", "--json")
         assert listed.returncode == 0, listed.stderr
-        agents = json.loads(listed.stdout)
+        agents = [json.loads(line) for line in listed.stdout.splitlines()]
         by_id = {agent["info"]["session_id"]: agent for agent in agents}
         assert agents[0]["info"]["session_id"] == root
         assert agents[0]["info"]["kind"] == "root" and agents[0]["info"]["preset"] == "lead"
@@ -568,7 +568,7 @@ def test_up_with_a_namespaces_file_holds_a_teams_token_to_its_namespace(tmp_path
         assert hidden.returncode != 0 and "UNKNOWN_SESSION" in hidden.stderr
         listed = member.run("ls", "--json")
         assert listed.returncode == 0, listed.stderr
-        agents = json.loads(listed.stdout)
+        agents = [json.loads(line) for line in listed.stdout.splitlines()]
         assert {agent["info"]["namespace"] for agent in agents} == {"team-a"}
         assert len([a for a in agents if a["info"]["parent_session"] is None]) == 2
         everything = operator.run("ls", "--json")

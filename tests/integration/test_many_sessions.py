@@ -98,18 +98,27 @@ async def test_ls_and_watch_work_with_thousands_of_sessions_registered(
 
     listed = _cli(cluster, "ls", "--json", "--all")
     assert listed.returncode == 0, listed.stderr
-    everyone = [agent["info"]["session_id"] for agent in json.loads(listed.stdout)]
+    everyone = [
+        agent["info"]["session_id"]
+        for agent in [json.loads(line) for line in listed.stdout.splitlines()]
+    ]
     assert len(everyone) == len(set(everyone)) == REGISTERED + 6
     assert everyone[:6] == sorted(headers, key=lambda s: (headers[s].created_at, s))
     # By default, the first page and how many there are (issue 34).
     first = _cli(cluster, "ls", "--json")
     assert first.returncode == 0, first.stderr
-    assert [agent["info"]["session_id"] for agent in json.loads(first.stdout)] == everyone[:100]
+    assert [
+        agent["info"]["session_id"]
+        for agent in [json.loads(line) for line in first.stdout.splitlines()]
+    ] == everyone[:100]
     assert f"100 shown of {REGISTERED + 6} agents" in first.stderr
 
     tree = _cli(cluster, "ls", "--root", root, "--json")
     assert tree.returncode == 0, tree.stderr
-    assert {agent["info"]["session_id"] for agent in json.loads(tree.stdout)} == set(headers)
+    assert {
+        agent["info"]["session_id"]
+        for agent in [json.loads(line) for line in tree.stdout.splitlines()]
+    } == set(headers)
 
     watched = _cli(cluster, "watch", root, "--tree", "--json", "--for", "3")
     assert watched.returncode == 0, watched.stderr
