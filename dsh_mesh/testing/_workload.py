@@ -192,8 +192,10 @@ PARENT_REBOUND = RejectionReason.PARENT_REBOUND.value
 
 
 def _refused_reply(context: ScriptContext) -> tuple[str, str] | None:
-    """The reason and words of this child's last step's reply to its parent, if that reply was
-    refused (or answered in doubt: ``may_have_landed``)."""
+    """The reason and words of a ``send_message`` of this session's last step that was refused
+    (or answered in doubt: ``may_have_landed``). Any target: only a reply to the parent is
+    refused ``PARENT_REBOUND``, and a final answer that also names an undelivered ping to a
+    child tells its parent no more than the truth."""
     step = context.last_step()
     for call in step.calls:
         if call.name != "send_message":
@@ -210,10 +212,10 @@ _REFUSAL = re.compile(r'\{"rejected": "([A-Z_]+)"')
 
 
 def _answer_with(text: str) -> Callable[[ScriptContext], str]:
-    """A final answer that carries, below ``text``, the words of a reply to the parent its last
-    step could not deliver: the refusal says a child's final answer reaches its parent in the
-    settlement notice, so a model puts there what it could not send (the checker looks there
-    too)."""
+    """A final answer that carries, below ``text``, the words of a send its last step could
+    not deliver (a reply to the parent, above all): the refusal says a child's final answer
+    reaches its parent in the settlement notice, so a model puts there what it could not send
+    (the checker looks there too)."""
 
     def answer(context: ScriptContext) -> str:
         refused = _refused_reply(context)
