@@ -1,5 +1,6 @@
 """An asyncio client of a dsh-mesh cluster: ``MeshControl`` (create a root, prompt, interrupt,
-read, watch, list) and health, over gRPC to any one node.
+read, watch, list), health, and ``run``/``wait`` (a task's answer once its tree has settled),
+over gRPC to any one node (docs/python.md).
 
 :class:`MeshClient` speaks the dataclasses below, never ``*_pb2`` messages, and raises the typed
 :class:`~dsh_mesh.core.MeshError` of the one error table (its ``RejectionReason`` says why).
@@ -16,6 +17,7 @@ from dsh_mesh.client._client import (
     MeshClient,
 )
 from dsh_mesh.client._json import BODY_TYPE, to_jsonable
+from dsh_mesh.client._run import RunResult
 from dsh_mesh.client._types import (
     AgentMessage,
     AgentPage,
@@ -74,6 +76,7 @@ __all__ = [
     "PendingApproval",
     "PromptAccepted",
     "RootSession",
+    "RunResult",
     "SessionEvent",
     "SessionInfo",
     "SessionPage",

@@ -12,7 +12,7 @@ import asyncio
 import os
 import re
 import secrets
-from collections.abc import AsyncGenerator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
@@ -29,8 +29,10 @@ from dsh_mesh.client._convert import (
     session_from_wire,
     summary_from_wire,
 )
+from dsh_mesh.client._run import RunResult, settle
 from dsh_mesh.client._types import (
     AgentPage,
+    AgentState,
     AgentSummary,
     DecisionResult,
     HealthStatus,
@@ -298,6 +300,45 @@ class MeshClient:
             node_id=NodeId(response.node_id),
             request_id=request_id,
         )
+
+    async def run(
+        self,
+        preset: str,
+        task: str,
+        *,
+        model: str | None = None,
+        node: str | None = None,
+        namespace: str = "",
+        request_id: str | None = None,
+        deadline: timedelta | None = None,
+    ) -> RunResult:
+        """Create a root running ``preset`` with ``task`` and wait until its tree has settled
+        (:meth:`wait`): its final answer, the tree's usage and the root's session id.
+
+        The root is durable before the wait begins: after a failure or a ``deadline``
+        (:class:`TimeoutError`, naming what the tree still waits for) it runs on, and
+        :meth:`wait` on :attr:`RunResult.session_id` (or ``create_root`` with the same
+        ``request_id``) picks it up again. A call waiting for a person's decision holds the
+        tree open until someone decides it (:meth:`approve`, :meth:`deny`)."""
+        if not task:
+            raise ValueError("run needs a task: create_root makes a root with none")
+        root = await self.create_root(
+            preset, task, model=model, node=node, namespace=namespace, request_id=request_id
+        )
+        return await self.wait(root.session_id, deadline=deadline)
+
+    async def wait(self, session: str, *, deadline: timedelta | None = None) -> RunResult:
+        """Wait until the tree rooted at ``session`` has settled: no turn open, no entry
+        unread, no call waiting for a decision, and every child activation that ran a turn
+        has told its parent how it ended. Returns the root's last answer and the tree's usage.
+        Call it after :meth:`prompt` to await the prompt's answer. Raises
+        :class:`TimeoutError` when ``deadline`` passes first; reads only."""
+
+        async def listing() -> AsyncIterator[tuple[SessionId, AgentState | None]]:
+            async for agent in self.list_agents(session):
+                yield agent.info.session_id, agent.state
+
+        return await settle(SessionId(session), self.watch(session, tree=True), listing, deadline)
 
     async def prompt(
         self,

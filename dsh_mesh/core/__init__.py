@@ -107,6 +107,7 @@ from dsh_mesh.core._json import (
     utf8_size,
 )
 from dsh_mesh.core._listing import ListingFilter
+from dsh_mesh.core._progress import SessionProgress, TreeProgress
 from dsh_mesh.core._signal import Aborted, AbortSignal
 from dsh_mesh.core._source import (
     AGENT_MESSAGE_FRAME,
@@ -235,6 +236,7 @@ __all__ = [
     "SessionHeader",
     "SessionId",
     "SessionKind",
+    "SessionProgress",
     "SessionSpec",
     "SessionUnknown",
     "SessionUsage",
@@ -254,6 +256,7 @@ __all__ = [
     "ToolsUnavailable",
     "TreeClosed",
     "TreeLimitReached",
+    "TreeProgress",
     "TreeStop",
     "TurnEndedEntry",
     "TurnFailed",

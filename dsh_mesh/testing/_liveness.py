@@ -37,14 +37,13 @@ from dsh_mesh.core import (
     SessionId,
     SettlementNoticeEntry,
     ToolResultEntry,
+    TreeProgress,
     TurnEndedEntry,
     TurnOutcome,
     TurnStartedEntry,
     pending_inbound,
-    unended_turn,
 )
 from dsh_mesh.node import NodeConfig
-from dsh_mesh.testing._approval_history import open_requests
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,29 +148,19 @@ def unfinished_trees(
     parents: Mapping[SessionId, SessionId | None],
     held: Mapping[SessionId, ActivationId],
 ) -> dict[SessionId, list[str]]:
-    """The trees whose round has not finished, by root, with what each still waits for: a
-    turn left open, an entry no turn read, a call waiting for a decision, a child activation's
-    notice. A fault run polls it until it is empty or its bound passes."""
-    notices = _notices(transcripts)
-    waiting: dict[SessionId, list[str]] = {}
+    """The trees whose round has not finished, by root, with what each still waits for
+    (:class:`~dsh_mesh.core.TreeProgress`, the question the SDK's ``run`` asks of one tree):
+    a turn left open, an entry no turn read, a call waiting for a decision, a child
+    activation's notice (but the one holding its session still). A fault run polls it until it
+    is empty or its bound passes."""
+    progress = TreeProgress()
     for session, records in transcripts.items():
-        reasons: list[str] = []
-        turn = unended_turn(records)
-        if turn is not None:
-            reasons.append(f"{session} left turn {turn.turn_id} open")
-        unread = pending_inbound(records)
-        if unread:
-            reasons.append(f"{session} has {len(unread)} entries unread")
-        asking = open_requests(records)
-        if asking:
-            reasons.append(f"{session} has calls {asking} waiting for a decision")
-        parent = parents.get(session)
-        if parent is not None:
-            reasons.extend(
-                f"{parent} has no notice for {session} activation {activation}"
-                for activation in _owed(session, records, held)
-                if notices[parent, session, activation] == 0
-            )
+        for record in records:
+            progress.read(session, record)
+    waiting: dict[SessionId, list[str]] = {}
+    for session in transcripts:
+        is_child = parents.get(session) is not None
+        reasons = progress.waits(session, is_child=is_child, held=held)
         if reasons:
             waiting.setdefault(root_of(session, parents), []).extend(reasons)
     return waiting

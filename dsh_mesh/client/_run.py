@@ -1,0 +1,198 @@
+"""Wait for a tree to settle and read its answer: the SDK's one-call ``run``.
+
+:func:`settle` watches the tree rooted at a session (``WatchSession`` with ``tree``), feeds
+each entry to a :class:`~dsh_mesh.core.TreeProgress` and returns once the tree has settled:
+no turn open, nothing unread, no call waiting for a decision, every child activation that
+ran a turn noticed at its parent. A settled fold is then checked against the tree's listing
+(``ListAgents``): a session the watch has not shown yet, or one listed running, means more
+is coming, so the wait goes on. Reads only; a dropped watch is resumed by the client's own
+watch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from dsh_mesh.client._types import (
+    AgentMessage,
+    AgentState,
+    ApprovalDecided,
+    ApprovalRequest,
+    AssistantStep,
+    Compaction,
+    Consumed,
+    HumanPrompt,
+    SessionEvent,
+    SettlementNotice,
+    Task,
+    ToolResult,
+    TurnEnded,
+    TurnStarted,
+)
+from dsh_mesh.core import SessionId, SessionUsage, TreeProgress, TurnOutcome, Usage
+
+QUIET_CHECK = 1.0
+"""Seconds without a watch event after which a settled-looking fold is checked against the
+listing again (a session the watch had not shown yet may have shown itself there)."""
+
+_INBOUND = (Task, HumanPrompt, AgentMessage, SettlementNotice, ApprovalDecided)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunResult:
+    """A settled tree, as :meth:`MeshClient.run` and :meth:`MeshClient.wait` return it."""
+
+    session_id: SessionId
+    """The root of the tree."""
+    answer: str
+    """The text of the root's last model step: its final answer (``""`` when its last turn
+    ended before the model answered)."""
+    outcome: TurnOutcome | None
+    """How the root's last turn ended (``None``: no turn ran, or an outcome this client does
+    not know)."""
+    detail: str
+    """What the mesh said of that ending (empty for a completed turn)."""
+    usage: SessionUsage
+    """Every model call of the tree, root and descendants, summed."""
+    sessions: int
+    """How many sessions the tree holds."""
+
+    @property
+    def completed(self) -> bool:
+        """Whether the root's last turn completed (not ``error``, ``cancelled``, ...)."""
+        return self.outcome is TurnOutcome.COMPLETED
+
+
+@dataclass
+class _Fold:
+    """The tree's progress and what the result needs, fed one watch event at a time."""
+
+    root: SessionId
+    progress: TreeProgress = field(default_factory=TreeProgress)
+    answer: str = ""
+    outcome: TurnOutcome | None = None
+    detail: str = ""
+    usage: SessionUsage = field(default_factory=SessionUsage)
+
+    def feed(self, event: SessionEvent) -> None:
+        session, entry = event.session_id, event.entry
+        progress = self.progress
+        progress.session(session)
+        if entry is None:
+            return
+        body = entry.body
+        if isinstance(body, _INBOUND):
+            progress.inbound(session, entry.seq)
+        if isinstance(body, TurnStarted):
+            progress.turn_started(session, body.turn_id, body.activation_id)
+            if session == self.root:
+                self.answer, self.outcome, self.detail = "", None, ""
+        elif isinstance(body, TurnEnded):
+            progress.turn_ended(session, body.outcome)
+            if session == self.root:
+                self.outcome, self.detail = body.outcome, body.detail
+        elif isinstance(body, Consumed):
+            progress.consumed(session, body.seqs)
+        elif isinstance(body, ApprovalRequest):
+            progress.asked(session, body.call_id)
+        elif isinstance(body, ToolResult):
+            progress.answered(session, body.call_id)
+        elif isinstance(body, SettlementNotice):
+            progress.noticed(body.child_session, body.child_activation)
+        elif isinstance(body, AssistantStep):
+            self._count(body.usage)
+            if session == self.root:
+                self.answer = body.text
+        elif isinstance(body, Compaction):
+            self._count(body.usage)
+
+    def _count(self, usage: Usage) -> None:
+        self.usage = self.usage.followed_by(
+            SessionUsage(
+                model_calls=1,
+                input_tokens=usage.input_tokens,
+                output_tokens=usage.output_tokens,
+                cached_input_tokens=usage.cached_input_tokens,
+                first_call=usage,
+            )
+        )
+
+    def waits(self) -> list[str]:
+        return self.progress.tree_waits(self.root)
+
+    def result(self) -> RunResult:
+        return RunResult(
+            session_id=self.root,
+            answer=self.answer,
+            outcome=self.outcome,
+            detail=self.detail,
+            usage=self.usage,
+            sessions=len(self.progress.sessions),
+        )
+
+
+Listing = Callable[[], AsyncIterator[tuple[SessionId, AgentState | None]]]
+"""Every session of the tree with its live state, as ``ListAgents`` tells it now."""
+
+
+async def settle(
+    root: SessionId,
+    events: AsyncIterator[SessionEvent],
+    listing: Listing,
+    deadline: timedelta | None,
+) -> RunResult:
+    """Feed ``events`` (the tree watch of ``root``) until the tree has settled and its listing
+    agrees; raises :class:`TimeoutError` naming what the tree still waits for when ``deadline``
+    passes first."""
+    fold = _Fold(root=root)
+    queue: asyncio.Queue[SessionEvent | BaseException] = asyncio.Queue()
+
+    async def pump() -> None:
+        try:
+            async for event in events:
+                queue.put_nowait(event)
+            queue.put_nowait(EOFError("the tree watch ended"))
+        except Exception as error:  # handed to the waiter, which raises it
+            queue.put_nowait(error)
+
+    loop = asyncio.get_running_loop()
+    ends_at = None if deadline is None else loop.time() + deadline.total_seconds()
+    pumping = asyncio.create_task(pump(), name=f"settle {root}")
+    try:
+        while True:
+            wait = QUIET_CHECK if ends_at is None else min(QUIET_CHECK, ends_at - loop.time())
+            if wait <= 0:
+                why = "; ".join(fold.waits()) or "the listing shows more to come"
+                raise TimeoutError(f"the tree of {root} has not settled: {why}")
+            try:
+                item = await asyncio.wait_for(queue.get(), wait)
+            except TimeoutError:
+                item = None
+            if isinstance(item, BaseException):
+                raise item
+            if item is not None:
+                fold.feed(item)
+                if not queue.empty():
+                    continue  # judge the tree once the events that came together are in
+            if not fold.waits() and await _listing_agrees(fold, listing):
+                return fold.result()
+    finally:
+        pumping.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await pumping
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+async def _listing_agrees(fold: _Fold, listing: Listing) -> bool:
+    """Whether every session the tree lists now was shown by the watch and none runs."""
+    seen = fold.progress.sessions
+    async for session, state in listing():
+        if session not in seen or state is AgentState.RUNNING:
+            return False
+    return True

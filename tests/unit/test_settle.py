@@ -1,0 +1,138 @@
+"""The SDK's wait for a settled tree (``dsh_mesh.client._run.settle``) over a scripted watch and
+listing: it returns the root's answer and the tree's usage once nothing is left to happen, and
+never earlier, even while the listing shows a child the watch has not shown yet."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from datetime import timedelta
+
+import pytest
+
+from dsh_mesh.client import (
+    AgentState,
+    AssistantStep,
+    Consumed,
+    SessionEvent,
+    SettlementNotice,
+    Task,
+    TranscriptEntry,
+    TurnEnded,
+    TurnStarted,
+)
+from dsh_mesh.client._run import settle
+from dsh_mesh.core import (
+    ActivationId,
+    SessionId,
+    SettlementOutcome,
+    TurnId,
+    TurnOutcome,
+    Usage,
+)
+
+ROOT = SessionId("root")
+CHILD = SessionId("child")
+CHILD_A = ActivationId("child-a1")
+
+
+class Watch:
+    """A tree watch the test feeds by hand; ends only when the test closes it."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[SessionEvent] = asyncio.Queue()
+        self.seq = 0
+
+    def add(self, session: SessionId, seq: int, body: object) -> None:
+        self.seq += 1
+        entry = TranscriptEntry(seq=seq, recorded_at=None, body=body)  # type: ignore[arg-type]
+        self.queue.put_nowait(SessionEvent(session_id=session, event_seq=self.seq, entry=entry))
+
+    async def events(self) -> AsyncIterator[SessionEvent]:
+        while True:
+            yield await self.queue.get()
+
+
+class Listing:
+    def __init__(self, *sessions: SessionId) -> None:
+        self.sessions: Sequence[SessionId] = sessions
+        self.reads = 0
+
+    async def __call__(self) -> AsyncIterator[tuple[SessionId, AgentState | None]]:
+        self.reads += 1
+        for session in self.sessions:
+            yield session, AgentState.IDLE
+
+
+def step(text: str, tokens: int) -> AssistantStep:
+    return AssistantStep(
+        text=text, tool_calls=(), usage=Usage(input_tokens=tokens, output_tokens=1)
+    )
+
+
+def root_turn(watch: Watch, turn: str, first: int, read: tuple[int, ...], answer: str) -> None:
+    watch.add(ROOT, first, TurnStarted(turn_id=TurnId(turn)))
+    watch.add(ROOT, first + 1, Consumed(seqs=read))
+    watch.add(ROOT, first + 2, step(answer, 10))
+    watch.add(ROOT, first + 3, TurnEnded(turn_id=TurnId(turn), outcome=TurnOutcome.COMPLETED))
+
+
+async def test_a_root_alone_settles_with_its_last_answer() -> None:
+    watch = Watch()
+    watch.add(ROOT, 1, Task(content="Add."))
+    root_turn(watch, "t1", 2, (1,), "5")
+    result = await settle(ROOT, watch.events(), Listing(ROOT), timedelta(seconds=5))
+    assert (result.answer, result.outcome, result.completed) == ("5", TurnOutcome.COMPLETED, True)
+    assert (result.usage.model_calls, result.usage.input_tokens, result.sessions) == (1, 10, 1)
+
+
+async def test_the_wait_holds_through_a_child_and_returns_the_roots_answer_after_its_notice() -> (
+    None
+):
+    watch, listing = Watch(), Listing(ROOT, CHILD)
+    watch.add(ROOT, 1, Task(content="Ask a child."))
+    root_turn(watch, "t1", 2, (1,), "Asked; waiting.")
+    waiting = asyncio.create_task(settle(ROOT, watch.events(), listing, timedelta(seconds=10)))
+    await asyncio.sleep(0.2)
+    # The root's turn ended, but the listing shows a child the watch has not shown yet.
+    assert not waiting.done() and listing.reads >= 1
+    watch.add(CHILD, 1, Task(content="Find it."))
+    watch.add(CHILD, 2, TurnStarted(turn_id=TurnId("c1"), activation_id=CHILD_A))
+    watch.add(CHILD, 3, Consumed(seqs=(1,)))
+    watch.add(CHILD, 4, step("Found.", 7))
+    watch.add(CHILD, 5, TurnEnded(turn_id=TurnId("c1"), outcome=TurnOutcome.COMPLETED))
+    await asyncio.sleep(0.2)
+    assert not waiting.done(), "the child ran a turn and its notice has not landed"
+    watch.add(
+        ROOT,
+        6,
+        SettlementNotice(
+            child_session=CHILD,
+            child_activation=CHILD_A,
+            outcome=SettlementOutcome.COMPLETED,
+            terminal_output="Found.",
+        ),
+    )
+    await asyncio.sleep(0.2)
+    assert not waiting.done(), "the notice is unread: it starts a turn of the root"
+    root_turn(watch, "t2", 7, (6,), "The child found it.")
+    result = await waiting
+    assert result.answer == "The child found it."
+    assert (result.usage.model_calls, result.usage.input_tokens, result.sessions) == (3, 27, 2)
+
+
+async def test_a_deadline_names_what_the_tree_waits_for() -> None:
+    watch = Watch()
+    watch.add(ROOT, 1, Task(content="Add."))
+    watch.add(ROOT, 2, TurnStarted(turn_id=TurnId("t1")))
+    with pytest.raises(TimeoutError, match="root has turn t1 open"):
+        await settle(ROOT, watch.events(), Listing(ROOT), timedelta(seconds=0.3))
+
+
+async def test_a_watch_that_fails_fails_the_wait() -> None:
+    async def broken() -> AsyncIterator[SessionEvent]:
+        raise ConnectionError("gone")
+        yield  # pragma: no cover - makes this a generator
+
+    with pytest.raises(ConnectionError, match="gone"):
+        await settle(ROOT, broken(), Listing(ROOT), None)
