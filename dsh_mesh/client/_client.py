@@ -74,6 +74,8 @@ TOKEN_ENV = "DSH_CLUSTER_TOKEN"
 DEFAULT_CLIENT_NAME = "dsh-mesh-client"
 """The name a client presents (metadata ``x-dsh-node``) unless it is given another."""
 
+MAX_PAGE_SIZE = 1000
+"""The most transcript entries one ``GetSession`` page holds (the server's cap)."""
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _HEALTH = {
     health_pb2.HealthCheckResponse.SERVING: HealthStatus.SERVING,
@@ -338,7 +340,12 @@ class MeshClient:
             async for agent in self.list_agents(session):
                 yield agent.info.session_id, agent.state
 
-        return await settle(SessionId(session), self.watch(session, tree=True), listing, deadline)
+        through = 0
+        async for page in self.session_pages(session, page_size=MAX_PAGE_SIZE):
+            if page.transcript:
+                through = page.transcript[-1].seq
+        events = self.watch(session, tree=True)
+        return await settle(SessionId(session), through, events, listing, deadline)
 
     async def prompt(
         self,

@@ -3,10 +3,11 @@
 :func:`settle` watches the tree rooted at a session (``WatchSession`` with ``tree``), feeds
 each entry to a :class:`~dsh_mesh.core.TreeProgress` and returns once the tree has settled:
 no turn open, nothing unread, no call waiting for a decision, every child activation that
-ran a turn noticed at its parent. A settled fold is then checked against the tree's listing
-(``ListAgents``): a session the watch has not shown yet, or one listed running, means more
-is coming, so the wait goes on. Reads only; a dropped watch is resumed by the client's own
-watch.
+ran a turn noticed at its parent, judged no earlier than the root's entries as they were
+when the wait began (a past settled state is not an answer). A settled fold is then checked
+against the tree's listing (``ListAgents``): a session the watch has not shown yet, or one
+listed running, means more is coming, so the wait goes on. Reads only; a dropped watch is
+resumed by the client's own watch.
 """
 
 from __future__ import annotations
@@ -72,7 +73,10 @@ class _Fold:
     """The tree's progress and what the result needs, fed one watch event at a time."""
 
     root: SessionId
+    through: int
+    """The root's last seq when the wait began: the fold judges nothing before it has it."""
     progress: TreeProgress = field(default_factory=TreeProgress)
+    root_seq: int = 0
     answer: str = ""
     outcome: TurnOutcome | None = None
     detail: str = ""
@@ -84,6 +88,8 @@ class _Fold:
         progress.session(session)
         if entry is None:
             return
+        if session == self.root:
+            self.root_seq = max(self.root_seq, entry.seq)
         body = entry.body
         if isinstance(body, _INBOUND):
             progress.inbound(session, entry.seq)
@@ -122,6 +128,8 @@ class _Fold:
         )
 
     def waits(self) -> list[str]:
+        if self.root_seq < self.through:
+            return [f"the watch has shown {self.root} up to seq {self.root_seq} of {self.through}"]
         return self.progress.tree_waits(self.root)
 
     def result(self) -> RunResult:
@@ -141,14 +149,20 @@ Listing = Callable[[], AsyncIterator[tuple[SessionId, AgentState | None]]]
 
 async def settle(
     root: SessionId,
+    through: int,
     events: AsyncIterator[SessionEvent],
     listing: Listing,
     deadline: timedelta | None,
 ) -> RunResult:
-    """Feed ``events`` (the tree watch of ``root``) until the tree has settled and its listing
-    agrees; raises :class:`TimeoutError` naming what the tree still waits for when ``deadline``
-    passes first."""
-    fold = _Fold(root=root)
+    """Feed ``events`` (the tree watch of ``root``, from its start) until the tree has settled
+    and its listing agrees; raises :class:`TimeoutError` naming what the tree still waits for
+    when ``deadline`` passes first.
+
+    ``through`` is the root's last seq when the wait began. The watch delivers the tree's
+    entries in the log store's order, so every prefix of it is a state the tree was in; one
+    that looks settled but ends before ``through`` is a past state (a prompt came after it),
+    so nothing is judged before the root's entries up to ``through`` are in."""
+    fold = _Fold(root=root, through=through)
     queue: asyncio.Queue[SessionEvent | BaseException] = asyncio.Queue()
 
     async def pump() -> None:

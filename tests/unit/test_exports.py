@@ -14,6 +14,17 @@ import pytest
 import dsh_mesh
 
 EXPECTED_ALL: dict[str, list[str]] = {
+    "dsh_mesh": [
+        "ApprovalPolicy",
+        "LocalMesh",
+        "MeshClient",
+        "OpenAIEndpoint",
+        "Preset",
+        "RunResult",
+        "ToolContext",
+        "tool",
+    ],
+    "dsh_mesh.embedded": ["LocalMesh", "LocalMeshError"],
     "dsh_mesh.core": [
         "AGENT_MESSAGE_FRAME",
         "AbortSignal",
@@ -94,6 +105,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "SessionHeader",
         "SessionId",
         "SessionKind",
+        "SessionProgress",
         "SessionSpec",
         "SessionUnknown",
         "SessionUsage",
@@ -113,6 +125,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "ToolsUnavailable",
         "TreeClosed",
         "TreeLimitReached",
+        "TreeProgress",
         "TreeStop",
         "TurnEndedEntry",
         "TurnFailed",
@@ -308,6 +321,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "PendingApproval",
         "PromptAccepted",
         "RootSession",
+        "RunResult",
         "SessionEvent",
         "SessionInfo",
         "SessionPage",
@@ -741,6 +755,20 @@ ALLOWED: dict[str, set[str]] = {
     "client": {"telemetry", "core", "transport", "_proto", "client"},
     # The web view is a gateway over the client: nothing below it but what the client speaks.
     "ui": {"core", "transport", "client", "ui"},
+    # A mesh inside one program: nodes in-process, the etcd `dsh-mesh up` starts, a client.
+    "embedded": {
+        "telemetry",
+        "core",
+        "models",
+        "tools",
+        "mcp",
+        "registry",
+        "transport",
+        "node",
+        "client",
+        "testing",
+        "embedded",
+    },
     # The command sits on top: the client, plus node and testing for `dsh-mesh up`.
     "cli": {
         "telemetry",

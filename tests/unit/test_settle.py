@@ -14,6 +14,7 @@ from dsh_mesh.client import (
     AgentState,
     AssistantStep,
     Consumed,
+    HumanPrompt,
     SessionEvent,
     SettlementNotice,
     Task,
@@ -81,7 +82,7 @@ async def test_a_root_alone_settles_with_its_last_answer() -> None:
     watch = Watch()
     watch.add(ROOT, 1, Task(content="Add."))
     root_turn(watch, "t1", 2, (1,), "5")
-    result = await settle(ROOT, watch.events(), Listing(ROOT), timedelta(seconds=5))
+    result = await settle(ROOT, 5, watch.events(), Listing(ROOT), timedelta(seconds=5))
     assert (result.answer, result.outcome, result.completed) == ("5", TurnOutcome.COMPLETED, True)
     assert (result.usage.model_calls, result.usage.input_tokens, result.sessions) == (1, 10, 1)
 
@@ -92,7 +93,7 @@ async def test_the_wait_holds_through_a_child_and_returns_the_roots_answer_after
     watch, listing = Watch(), Listing(ROOT, CHILD)
     watch.add(ROOT, 1, Task(content="Ask a child."))
     root_turn(watch, "t1", 2, (1,), "Asked; waiting.")
-    waiting = asyncio.create_task(settle(ROOT, watch.events(), listing, timedelta(seconds=10)))
+    waiting = asyncio.create_task(settle(ROOT, 1, watch.events(), listing, timedelta(seconds=10)))
     await asyncio.sleep(0.2)
     # The root's turn ended, but the listing shows a child the watch has not shown yet.
     assert not waiting.done() and listing.reads >= 1
@@ -121,12 +122,29 @@ async def test_the_wait_holds_through_a_child_and_returns_the_roots_answer_after
     assert (result.usage.model_calls, result.usage.input_tokens, result.sessions) == (3, 27, 2)
 
 
+async def test_a_settled_past_is_no_answer_until_the_roots_entries_when_begun_are_in() -> None:
+    """A wait begun after a prompt (seq 6) must not answer from the turn before it, though
+    the watch's prefix up to that turn looks settled, nor from a residency event alone."""
+    watch = Watch()
+    watch.queue.put_nowait(SessionEvent(session_id=ROOT, event_seq=0, activated=None))
+    waiting = asyncio.create_task(settle(ROOT, 6, watch.events(), Listing(ROOT), None))
+    await asyncio.sleep(0.1)
+    assert not waiting.done(), "a residency event alone settled the wait"
+    watch.add(ROOT, 1, Task(content="Add."))
+    root_turn(watch, "t1", 2, (1,), "5")
+    await asyncio.sleep(1.2)
+    assert not waiting.done(), "the answer before the prompt was taken"
+    watch.add(ROOT, 6, HumanPrompt(content="And 7?", idempotency_key="k"))
+    root_turn(watch, "t2", 7, (6,), "12")
+    assert (await waiting).answer == "12"
+
+
 async def test_a_deadline_names_what_the_tree_waits_for() -> None:
     watch = Watch()
     watch.add(ROOT, 1, Task(content="Add."))
     watch.add(ROOT, 2, TurnStarted(turn_id=TurnId("t1")))
     with pytest.raises(TimeoutError, match="root has turn t1 open"):
-        await settle(ROOT, watch.events(), Listing(ROOT), timedelta(seconds=0.3))
+        await settle(ROOT, 2, watch.events(), Listing(ROOT), timedelta(seconds=0.3))
 
 
 async def test_a_watch_that_fails_fails_the_wait() -> None:
@@ -135,4 +153,4 @@ async def test_a_watch_that_fails_fails_the_wait() -> None:
         yield  # pragma: no cover - makes this a generator
 
     with pytest.raises(ConnectionError, match="gone"):
-        await settle(ROOT, broken(), Listing(ROOT), None)
+        await settle(ROOT, 0, broken(), Listing(ROOT), None)

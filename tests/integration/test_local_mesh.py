@@ -1,0 +1,116 @@
+"""``LocalMesh`` and ``run`` on a tree: a root that spawns a child is answered only once the
+child's notice has been read and the root has answered after it; a call waiting for a
+person holds ``run`` until its deadline, which names the call. Real etcd, SQLite and gRPC; the
+model is the project's chat server."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from datetime import timedelta
+
+import pytest
+
+import dsh_mesh
+from dsh_mesh.core import TurnOutcome
+from dsh_mesh.testing import (
+    ChatCompletionsServer,
+    Completion,
+    RecordedRequest,
+    Reply,
+    ScriptedToolCall,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+LEAD = dsh_mesh.Preset(
+    name="lead",
+    system_prompt="You lead. Ask a helper.",
+    model="openai:gpt-4o-mini",
+    tools=("spawn_agent",),
+)
+HELPER = dsh_mesh.Preset(name="helper", system_prompt="You help.", model="openai:gpt-4o-mini")
+
+
+@dsh_mesh.tool
+def deploy(service: str) -> str:
+    """Deploy one service."""
+    return f"{service} deployed"
+
+
+GATED = dsh_mesh.Preset(
+    name="gated",
+    system_prompt="You deploy.",
+    model="openai:gpt-4o-mini",
+    tools=("deploy",),
+    approvals=dsh_mesh.ApprovalPolicy(tools=("deploy",)),
+)
+
+
+def model(request: RecordedRequest) -> Reply:
+    messages = request.json["messages"]
+    system, last = messages[0]["content"], messages[-1]
+    if system == "You help.":
+        return Completion(text="The answer is 42.")
+    if system == "You deploy.":
+        return Completion(
+            tool_calls=(ScriptedToolCall(call_id="d1", name="deploy", arguments="{}"),)
+        )
+    if last["role"] == "tool":
+        return Completion(text="Asked the helper; waiting.")
+    if "The answer is 42." in json.dumps(last["content"]):
+        return Completion(text="The helper says 42.")
+    arguments = json.dumps({"task": "Find the answer.", "preset": "helper"})
+    return Completion(
+        tool_calls=(ScriptedToolCall(call_id="s1", name="spawn_agent", arguments=arguments),)
+    )
+
+
+@pytest.fixture
+async def mesh() -> AsyncIterator[dsh_mesh.LocalMesh]:
+    async with ChatCompletionsServer(responder=model) as chat:
+        endpoint = dsh_mesh.OpenAIEndpoint(base_url=chat.base_url)
+        async with dsh_mesh.LocalMesh(
+            presets=[LEAD, HELPER, GATED], tools=[deploy], endpoints={"openai": endpoint}, nodes=2
+        ) as running:
+            yield running
+
+
+async def test_run_answers_after_the_childs_notice_and_counts_the_whole_tree(
+    mesh: dsh_mesh.LocalMesh,
+) -> None:
+    result = await mesh.run("lead", "What is the answer?", deadline=timedelta(seconds=60))
+    assert result.answer == "The helper says 42."
+    assert result.outcome is TurnOutcome.COMPLETED and result.completed
+    assert result.sessions == 2
+    # lead: spawn, "waiting", the answer after the notice; helper: one answer.
+    assert result.usage.model_calls == 4
+    listed = [agent async for agent in mesh.client.list_agents(result.session_id)]
+    assert len(listed) == 2
+
+
+async def test_a_call_waiting_for_a_person_holds_run_until_its_deadline_which_names_it(
+    mesh: dsh_mesh.LocalMesh,
+) -> None:
+    with pytest.raises(TimeoutError, match=r"calls \['d1'\] waiting for a decision"):
+        await mesh.run("gated", "Deploy.", deadline=timedelta(seconds=3))
+
+
+async def test_two_nodes_serve_and_each_takes_the_token() -> None:
+    async with ChatCompletionsServer(responder=model) as chat:
+        endpoint = dsh_mesh.OpenAIEndpoint(base_url=chat.base_url)
+        async with dsh_mesh.LocalMesh(
+            presets=[HELPER], endpoints={"openai": endpoint}, nodes=2
+        ) as mesh:
+            assert len(set(mesh.addresses)) == 2
+            for address in mesh.addresses:
+                async with dsh_mesh.MeshClient(address, token=mesh.token) as client:
+                    result = await client.run("helper", "Hi.", deadline=timedelta(seconds=30))
+                    assert result.answer == "The answer is 42."
+
+
+def test_a_preset_naming_a_tool_nobody_gives_is_refused_before_anything_starts() -> None:
+    with pytest.raises(ValueError, match="names tool 'deploy'"):
+        dsh_mesh.LocalMesh(presets=[GATED])
+    with pytest.raises(ValueError, match="preset names must differ"):
+        dsh_mesh.LocalMesh(presets=[HELPER, HELPER])
