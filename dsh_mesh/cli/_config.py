@@ -19,6 +19,7 @@ from typing import Any
 HOME_ENV = "DSH_MESH_HOME"
 """Directory of the state file (default ``./.dsh-mesh``)."""
 NODE_ENV = "DSH_NODE"
+PRESET_ENV = "DSH_PRESET"
 """Address (``HOST:PORT``) of the node the CLI calls."""
 TOKEN_ENV = "DSH_CLUSTER_TOKEN"
 """The cluster token, the same variable the nodes read."""
@@ -73,6 +74,9 @@ class ClusterState:
     """The log store the nodes share (``sqlite:PATH``); ``dsh-mesh prune`` opens it."""
     tls: TlsPaths | None = None
     """The client certificate of a mutual-TLS cluster (``up --tls``); None: plaintext."""
+    default_preset: str = ""
+    """The preset ``spawn`` runs when none is named: the demo's ``lead`` when ``up`` runs the
+    demo, the one preset of a cluster that has one, else none (``spawn`` then asks)."""
 
     def __repr__(self) -> str:
         nodes = ", ".join(node.node_id for node in self.nodes)
@@ -89,6 +93,7 @@ class ClusterState:
             "scenario": self.scenario,
             "log_dir": self.log_dir,
             "log_store": self.log_store,
+            "default_preset": self.default_preset,
             "nodes": [
                 {"node_id": n.node_id, "address": n.address, "pid": n.pid} for n in self.nodes
             ],
@@ -109,6 +114,7 @@ class ClusterState:
                 scenario=str(data["scenario"]),
                 log_dir=str(data.get("log_dir", "")),
                 log_store=str(data.get("log_store", "")),
+                default_preset=str(data.get("default_preset", "")),
                 tls=_tls_paths(data.get("tls")),
                 nodes=tuple(
                     NodeEntry(
@@ -126,6 +132,19 @@ class ClusterState:
             if pid_alive(node.pid):
                 return node.address
         return self.nodes[0].address if self.nodes else None
+
+
+def resolve_preset(flag: str | None, environ: Mapping[str, str], state: ClusterState | None) -> str:
+    """The preset ``spawn`` runs: ``--preset``, else ``$DSH_PRESET``, else the state file's
+    default; raises :class:`ConfigError` when none names one (a cluster of several presets
+    never guesses, and a user's cluster never falls back on the demo's)."""
+    chosen = flag or environ.get(PRESET_ENV) or (state.default_preset if state else "")
+    if not chosen:
+        raise ConfigError(
+            f"name the preset to run: --preset NAME (or set {PRESET_ENV}); this cluster has"
+            " no single default"
+        )
+    return chosen
 
 
 def _tls_paths(data: Any) -> TlsPaths | None:

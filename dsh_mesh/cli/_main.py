@@ -19,6 +19,7 @@ from dsh_mesh.cli._config import (
     read_state,
     read_toml,
     resolve_connection,
+    resolve_preset,
     state_home,
 )
 from dsh_mesh.cli._parser import parse_args
@@ -62,6 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from dsh_mesh.cli._prune import run_prune  # the node's config and log stores
 
             return asyncio.run(run_prune(args, state, console, environ))
+        if args.command == "spawn":
+            args.preset = resolve_preset(args.preset, environ, state)
         toml = read_toml(Path(args.config)) if args.config else None
         connection: Connection | None
         try:

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 
-DEFAULT_SCENARIO = "dsh_mesh.demo:SCENARIO"
+from dsh_mesh.cli._config import PRESET_ENV
+
 PLACEMENTS = ("local", "round-robin", "least-loaded", "others-first")
 
 DESCRIPTION = """\
@@ -196,14 +197,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("-n", "--nodes", type=_node_count, default=3, help="how many nodes (3)")
     up.add_argument(
-        "--scenario", default=DEFAULT_SCENARIO, help=f"module:attribute ({DEFAULT_SCENARIO})"
+        "--scenario",
+        default="",
+        metavar="MODULE:ATTRIBUTE",
+        help="presets in code under the presets file (default: none with --presets-file, "
+        "else the demo's scripted ones)",
     )
     up.add_argument("--placement", choices=PLACEMENTS, default="others-first")
     up.add_argument(
         "--presets-file",
         type=Path,
         metavar="TOML",
-        help="presets and model endpoints every node reads (docs/presets.md)",
+        help="your presets, tools and model endpoints, which every node reads (docs/presets.md); "
+        "without it the cluster runs the demo's scripted presets",
     )
     up.add_argument(
         "--namespaces-file",
@@ -229,7 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="create a root agent and print its session id",
         description="Create a root session and start its first turn with TASK.",
     )
-    spawn.add_argument("--preset", default="lead", help="agent preset (default: lead)")
+    spawn.add_argument(
+        "--preset",
+        help=f"agent preset (default: ${PRESET_ENV}, else the cluster's one preset, or the "
+        "demo's lead when `up` runs the demo)",
+    )
     spawn.add_argument(
         "--model", help="model spec, e.g. openai:gpt-4o-mini (default: the preset's)"
     )

@@ -31,7 +31,14 @@ from dsh_mesh.cli._config import (
     state_home,
     write_state,
 )
-from dsh_mesh.node import stop_timeout
+from dsh_mesh.node import (
+    DEMO_SCENARIO,
+    PresetFileError,
+    load_presets,
+    load_scenario,
+    scenario_name,
+    stop_timeout,
+)
 from dsh_mesh.testing import (
     EtcdNotFoundError,
     EtcdServer,
@@ -140,11 +147,12 @@ def _start_and_wait(
         endpoint = etcd.endpoint
         started.append("etcd")
         console.say(f"etcd      {endpoint}  pid {etcd.pid}")
+    scenario, default_preset = _presets(args, console)
     log_dir = home / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     cluster = LocalCluster(
         etcd_endpoint=endpoint,
-        scenario=args.scenario,
+        scenario=scenario,
         nodes=(),
         placement=args.placement,
         lease_ttl=args.lease_ttl,
@@ -180,7 +188,8 @@ def _start_and_wait(
         cluster_token="" if pki is not None else cluster.settings.cluster_token,
         etcd=endpoint,
         key_prefix=cluster.settings.key_prefix,
-        scenario=args.scenario,
+        scenario=scenario,
+        default_preset=default_preset,
         nodes=tuple(entries),
         log_dir=str(log_dir),
         log_store=cluster.settings.log_store,
@@ -203,6 +212,28 @@ def _start_and_wait(
         )
     console.say(f"ready     {len(entries)} node(s) serving; Ctrl-C or SIGTERM stops the cluster")
     _watch_nodes(cluster, console)
+
+
+def _presets(args: argparse.Namespace, console: Console) -> tuple[str, str]:
+    """The scenario the nodes run and the preset ``spawn`` runs by default, said in one line.
+    The presets file is read here first, so a broken one stops ``up`` before anything starts,
+    with the file's own error."""
+    scenario = scenario_name(args.scenario, args.presets_file)
+    try:
+        file = load_presets(args.presets_file) if args.presets_file is not None else None
+        names = [p.name for p in load_scenario(scenario).presets]
+    except (PresetFileError, ValueError, ImportError) as error:
+        raise StartFailed(str(error)) from error
+    if file is not None:
+        names = [n for n in names if n not in {p.name for p in file.presets}]
+        names += [p.name for p in file.presets]
+    if scenario == DEMO_SCENARIO:
+        console.say(
+            f"presets   {', '.join(names)}  (the demo's, scripted; --presets-file FILE runs yours)"
+        )
+        return scenario, "lead"
+    console.say(f"presets   {', '.join(names) or 'none'}  (from {args.presets_file or scenario})")
+    return scenario, names[0] if len(names) == 1 else ""
 
 
 def _one_line(error: BaseException) -> str:

@@ -17,9 +17,19 @@ from dsh_mesh.node._presets import (
     load_presets,
 )
 from dsh_mesh.node._router import ClusterRouter
-from dsh_mesh.node._scenario import Scenario, load_scenario
+from dsh_mesh.node._scenario import (
+    DEMO_SCENARIO,
+    EMPTY,
+    EMPTY_SCENARIO,
+    Scenario,
+    load_scenario,
+    scenario_name,
+)
 
 __all__ = [
+    "DEMO_SCENARIO",
+    "EMPTY",
+    "EMPTY_SCENARIO",
     "STANDARD_TOOL_NAMES",
     "ClusterRouter",
     "Node",
@@ -35,5 +45,6 @@ __all__ = [
     "main",
     "parse_args",
     "run_event_loop",
+    "scenario_name",
     "stop_timeout",
 ]

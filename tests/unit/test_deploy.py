@@ -853,7 +853,7 @@ def test_the_image_runs_the_node_unprivileged_and_probes_its_health() -> None:
 def _pins(path: Path) -> dict[str, str]:
     pins = {}
     for line in path.read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
+        line = line.split("#", 1)[0].split(";", 1)[0].strip()  # a comment, a marker aside
         if "==" in line:
             name, version = line.split("==", 1)
             pins[re.sub(r"[-_.]+", "-", name).lower()] = version.strip()
@@ -869,7 +869,8 @@ def test_the_image_pins_what_pyproject_and_the_dev_requirements_pin() -> None:
         name = re.sub(r"[-_.]+", "-", re.split(r"[=<>!~;\[ ]", requirement, maxsplit=1)[0]).lower()
         assert name in constraints, f"{name} (pyproject.toml) is not in constraints.txt"
         if "==" in requirement:
-            assert requirement.endswith("==" + constraints[name]), requirement
+            pin = requirement.split(";")[0].strip()  # an environment marker aside
+            assert pin.endswith("==" + constraints[name]), requirement
     dev = _pins(ROOT / "requirements" / "dev.txt")
     for name, version in constraints.items():
         if name in dev:

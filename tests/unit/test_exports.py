@@ -341,6 +341,9 @@ EXPECTED_ALL: dict[str, list[str]] = {
     ],
     "dsh_mesh.node": [
         "ClusterRouter",
+        "DEMO_SCENARIO",
+        "EMPTY",
+        "EMPTY_SCENARIO",
         "Node",
         "NodeConfig",
         "Placement",
@@ -355,6 +358,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "main",
         "parse_args",
         "run_event_loop",
+        "scenario_name",
         "stop_timeout",
     ],
     "dsh_mesh.logstore": [
