@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench soak check lint typecheck unit protos clean
+.PHONY: demo test bench soak check lint typecheck unit protos wheel clean
 
 $(STAMP): requirements/dev.txt pyproject.toml scripts/bootstrap.sh scripts/install_etcd.sh scripts/install_postgres.sh scripts/install_node.sh scripts/install_browser.sh scripts/install_peers.sh bench/peer_runtimes/requirements.txt clients/node/package-lock.json
 	bash scripts/bootstrap.sh $(VENV)
@@ -52,5 +52,9 @@ unit: $(STAMP)
 protos: $(STAMP)
 	$(PY) scripts/gen_protos.py
 
+# The package a user installs (docs/python.md): dist/dsh_mesh-<version>-py3-none-any.whl.
+wheel: $(STAMP)
+	$(PY) -m pip wheel --quiet --disable-pip-version-check --no-deps --no-build-isolation -w dist .
+
 clean:
-	rm -rf $(VENV) .venv-peers .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .venv-peers .mypy_cache .ruff_cache .pytest_cache build dist

@@ -127,6 +127,7 @@ def _start_and_wait(
     stack: contextlib.ExitStack,
     started: list[str],
 ) -> None:
+    scenario, default_preset = _presets(args, console)
     endpoint = args.etcd
     pki: LocalPki | None = None
     if args.tls:
@@ -147,7 +148,6 @@ def _start_and_wait(
         endpoint = etcd.endpoint
         started.append("etcd")
         console.say(f"etcd      {endpoint}  pid {etcd.pid}")
-    scenario, default_preset = _presets(args, console)
     log_dir = home / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     cluster = LocalCluster(
