@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -25,7 +26,9 @@ from dsh_mesh.cli._render import (
 )
 from dsh_mesh.client import (
     ApprovalRequest,
+    AssistantStep,
     ClientOptions,
+    Compaction,
     DecisionResult,
     HealthStatus,
     MeshClient,
@@ -33,7 +36,7 @@ from dsh_mesh.client import (
     TranscriptEntry,
     to_jsonable,
 )
-from dsh_mesh.core import MeshError
+from dsh_mesh.core import Cost, MeshError, ModelPrice, call_cost
 from dsh_mesh.transport import TlsCredentials
 from dsh_mesh.ui import ExposureRefused, ViewTls, serving
 
@@ -392,6 +395,7 @@ async def _show(client: MeshClient, args: argparse.Namespace, console: Console) 
                     "activation": to_jsonable(first.activation),
                     "state": to_jsonable(first.state),
                     "usage": to_jsonable(usage),
+                    "cost": to_jsonable(last.cost),
                     "transcript": to_jsonable(entries),
                 },
                 ensure_ascii=False,
@@ -421,10 +425,29 @@ async def _show(client: MeshClient, args: argparse.Namespace, console: Console) 
             f"{info.fork_origin.prefix_seq}"
         )
     console.say(f"{'usage':<10}{usage.describe() if usage is not None else '- (not reported)'}")
+    prices = await client.prices()
+    costs = [_call_cost(entry, info.model, prices) for entry in entries]
+    if prices:
+        total = Cost()
+        for cost in costs:
+            total = total.plus(cost or Cost())
+        console.say(f"{'cost':<10}{total.describe()}")
     console.say(f"transcript ({len(entries)} entries)")
-    for entry in entries:
-        console.say(format_entry(entry, color=console.color, width=None))
+    for entry, cost in zip(entries, costs, strict=True):
+        line = format_entry(entry, color=console.color, width=None)
+        console.say(f"{line} {cost.describe()}" if cost is not None and prices else line)
     return 0
+
+
+def _call_cost(entry: TranscriptEntry, model: str, prices: Mapping[str, ModelPrice]) -> Cost | None:
+    """What ``entry`` cost if it is a model call: a step at the session's ``model``, a summary
+    at the model that wrote it."""
+    body = entry.body
+    if isinstance(body, AssistantStep):
+        return call_cost(body.usage, model, prices)
+    if isinstance(body, Compaction):
+        return call_cost(body.usage, body.model or model, prices)
+    return None
 
 
 async def _health_of(

@@ -26,6 +26,7 @@ from dsh_mesh.client._convert import (
     DECISION_TO_WIRE,
     event_from_wire,
     pending_from_wire,
+    price_from_wire,
     session_from_wire,
     summary_from_wire,
 )
@@ -49,6 +50,7 @@ from dsh_mesh.core import (
     ActivationId,
     ApprovalDecision,
     MeshError,
+    ModelPrice,
     NodeId,
     PeerUnavailable,
     Rejected,
@@ -336,16 +338,22 @@ class MeshClient:
         Call it after :meth:`prompt` to await the prompt's answer. Raises
         :class:`TimeoutError` when ``deadline`` passes first; reads only."""
 
-        async def listing() -> AsyncIterator[tuple[SessionId, AgentState | None]]:
+        async def listing() -> AsyncIterator[tuple[SessionId, AgentState | None, str]]:
             async for agent in self.list_agents(session):
-                yield agent.info.session_id, agent.state
+                yield agent.info.session_id, agent.state, agent.info.model
 
         through = 0
         async for page in self.session_pages(session, page_size=MAX_PAGE_SIZE):
             if page.transcript:
                 through = page.transcript[-1].seq
+        try:
+            prices = await self.prices()
+        except RemoteError as older:  # a node from before ListPrices: every call unpriced
+            if older.code is not grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            prices = {}
         events = self.watch(session, tree=True)
-        return await settle(SessionId(session), through, events, listing, deadline)
+        return await settle(SessionId(session), through, events, listing, deadline, prices)
 
     async def prompt(
         self,
@@ -491,6 +499,12 @@ class MeshClient:
             "ReopenTree", mesh_pb2.ReopenTreeRequest(session_id=session), deadline
         )
         return bool(response.reopened)
+
+    async def prices(self, *, deadline: timedelta | None = None) -> dict[str, ModelPrice]:
+        """The cluster's prices by model spec (``ListPrices``; empty when none is configured):
+        price a call with :func:`dsh_mesh.core.call_cost` at the model that made it."""
+        response = await self._unary("ListPrices", mesh_pb2.ListPricesRequest(), deadline)
+        return {price.model: price_from_wire(price) for price in response.prices}
 
     async def get_session(
         self,

@@ -39,8 +39,10 @@ from dsh_mesh.core import (
     Activation,
     ActivationId,
     ApprovalDecision,
+    Cost,
     DeliveryKind,
     ForkOrigin,
+    ModelPrice,
     NodeId,
     SessionId,
     SessionKind,
@@ -274,6 +276,20 @@ def session_usage_from_wire(usage: mesh_pb2.SessionUsage) -> SessionUsage:
     )
 
 
+def price_from_wire(price: mesh_pb2.ModelPrice) -> ModelPrice:
+    """A wire ``ModelPrice`` as the core :class:`ModelPrice`."""
+    return ModelPrice(
+        input_usd_per_mtok=price.input_usd_per_mtok,
+        cached_input_usd_per_mtok=price.cached_input_usd_per_mtok,
+        output_usd_per_mtok=price.output_usd_per_mtok,
+    )
+
+
+def cost_from_wire(usage: mesh_pb2.SessionUsage) -> Cost:
+    """What a wire ``SessionUsage`` says its calls cost."""
+    return Cost(usage.cost_usd, usage.unpriced_calls)
+
+
 def entry_from_wire(entry: mesh_pb2.TranscriptEntry) -> TranscriptEntry:
     """A wire ``TranscriptEntry`` as :class:`TranscriptEntry`."""
     return TranscriptEntry(
@@ -290,6 +306,7 @@ def session_from_wire(session: mesh_pb2.Session) -> SessionPage:
         transcript=tuple(entry_from_wire(entry) for entry in session.transcript),
         next_page_token=session.next_page_token,
         usage=session_usage_from_wire(session.usage) if session.HasField("usage") else None,
+        cost=cost_from_wire(session.usage) if session.HasField("usage") else None,
     )
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -34,7 +34,16 @@ from dsh_mesh.client._types import (
     TurnEnded,
     TurnStarted,
 )
-from dsh_mesh.core import SessionId, SessionUsage, TreeProgress, TurnOutcome, Usage
+from dsh_mesh.core import (
+    Cost,
+    ModelPrice,
+    SessionId,
+    SessionUsage,
+    TreeProgress,
+    TurnOutcome,
+    Usage,
+    call_cost,
+)
 
 QUIET_CHECK = 1.0
 """Seconds without a watch event after which a settled-looking fold is checked against the
@@ -59,6 +68,9 @@ class RunResult:
     """What the mesh said of that ending (empty for a completed turn)."""
     usage: SessionUsage
     """Every model call of the tree, root and descendants, summed."""
+    cost: Cost
+    """What those calls cost at the cluster's prices (``ListPrices``), each at the model that
+    made it; calls of a model without a price are counted in ``cost.unpriced_calls``."""
     sessions: int
     """How many sessions the tree holds."""
 
@@ -81,6 +93,10 @@ class _Fold:
     outcome: TurnOutcome | None = None
     detail: str = ""
     usage: SessionUsage = field(default_factory=SessionUsage)
+    calls: list[tuple[SessionId, Usage, str]] = field(default_factory=list)
+    """Every model call: its session, usage and the model that wrote it (``""``: the
+    session's own, learned from the listing)."""
+    models: dict[SessionId, str] = field(default_factory=dict)
 
     def feed(self, event: SessionEvent) -> None:
         session, entry = event.session_id, event.entry
@@ -110,13 +126,14 @@ class _Fold:
         elif isinstance(body, SettlementNotice):
             progress.noticed(body.child_session, body.child_activation)
         elif isinstance(body, AssistantStep):
-            self._count(body.usage)
+            self._count(session, body.usage, "")
             if session == self.root:
                 self.answer = body.text
         elif isinstance(body, Compaction):
-            self._count(body.usage)
+            self._count(session, body.usage, body.model)
 
-    def _count(self, usage: Usage) -> None:
+    def _count(self, session: SessionId, usage: Usage, model: str) -> None:
+        self.calls.append((session, usage, model))
         self.usage = self.usage.followed_by(
             SessionUsage(
                 model_calls=1,
@@ -132,19 +149,23 @@ class _Fold:
             return [f"the watch has shown {self.root} up to seq {self.root_seq} of {self.through}"]
         return self.progress.tree_waits(self.root)
 
-    def result(self) -> RunResult:
+    def result(self, prices: Mapping[str, ModelPrice]) -> RunResult:
+        cost = Cost()
+        for session, usage, model in self.calls:
+            cost = cost.plus(call_cost(usage, model or self.models.get(session, ""), prices))
         return RunResult(
             session_id=self.root,
             answer=self.answer,
             outcome=self.outcome,
             detail=self.detail,
             usage=self.usage,
+            cost=cost,
             sessions=len(self.progress.sessions),
         )
 
 
-Listing = Callable[[], AsyncIterator[tuple[SessionId, AgentState | None]]]
-"""Every session of the tree with its live state, as ``ListAgents`` tells it now."""
+Listing = Callable[[], AsyncIterator[tuple[SessionId, AgentState | None, str]]]
+"""Every session of the tree with its live state and model, as ``ListAgents`` tells it now."""
 
 
 async def settle(
@@ -153,6 +174,7 @@ async def settle(
     events: AsyncIterator[SessionEvent],
     listing: Listing,
     deadline: timedelta | None,
+    prices: Mapping[str, ModelPrice] | None = None,
 ) -> RunResult:
     """Feed ``events`` (the tree watch of ``root``, from its start) until the tree has settled
     and its listing agrees; raises :class:`TimeoutError` naming what the tree still waits for
@@ -193,7 +215,7 @@ async def settle(
                 if not queue.empty():
                     continue  # judge the tree once the events that came together are in
             if not fold.waits() and await _listing_agrees(fold, listing):
-                return fold.result()
+                return fold.result(prices or {})
     finally:
         pumping.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -206,7 +228,8 @@ async def settle(
 async def _listing_agrees(fold: _Fold, listing: Listing) -> bool:
     """Whether every session the tree lists now was shown by the watch and none runs."""
     seen = fold.progress.sessions
-    async for session, state in listing():
+    async for session, state, model in listing():
+        fold.models[session] = model
         if session not in seen or state is AgentState.RUNNING:
             return False
     return True

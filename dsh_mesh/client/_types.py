@@ -18,6 +18,7 @@ from dsh_mesh.core import (
     Activation,
     ActivationId,
     ApprovalDecision,
+    Cost,
     DeliveryKind,
     ForkOrigin,
     NodeId,
@@ -355,6 +356,10 @@ class SessionPage:
     transcript: tuple[TranscriptEntry, ...]
     next_page_token: str = ""
     usage: SessionUsage | None = None
+    cost: Cost | None = None
+    """What ``usage``'s calls cost at the cluster's prices, every call priced at the session's
+    model (``None`` with ``usage``); :meth:`MeshClient.prices` prices each call at the model
+    that made it."""
 
 
 @dataclass(frozen=True, kw_only=True)

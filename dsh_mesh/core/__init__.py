@@ -40,6 +40,14 @@ from dsh_mesh.core._calls import (
     stored_size,
 )
 from dsh_mesh.core._chat import ChatMessage, Role, ToolCall, Usage
+from dsh_mesh.core._cost import (
+    Cost,
+    ModelPrice,
+    call_cost,
+    entry_cost,
+    session_cost,
+    usage_cost,
+)
 from dsh_mesh.core._delivery import Delivery, DeliveryKind
 from dsh_mesh.core._errors import (
     MAY_FOLLOW_AN_ACCEPTANCE,
@@ -198,6 +206,7 @@ __all__ = [
     "CompactionEntry",
     "ConsumedEntry",
     "ContextOverflow",
+    "Cost",
     "DeadlineExceeded",
     "Delivery",
     "DeliveryKind",
@@ -215,6 +224,7 @@ __all__ = [
     "LightEvent",
     "ListingFilter",
     "MeshError",
+    "ModelPrice",
     "NamespaceDenied",
     "NodeFenced",
     "NodeId",
@@ -269,11 +279,13 @@ __all__ = [
     "ancestors",
     "authorize",
     "bounded_quote",
+    "call_cost",
     "canonical_json",
     "check_chars",
     "check_namespace",
     "context_of",
     "descriptor_digest",
+    "entry_cost",
     "frame_agent_message",
     "frame_settlement_notice",
     "is_queue_delivery",
@@ -289,9 +301,11 @@ __all__ = [
     "rejection_class",
     "rejection_error",
     "replacement_note",
+    "session_cost",
     "session_usage",
     "stored_size",
     "unended_turn",
+    "usage_cost",
     "utf8_size",
     "valid_prose",
     "valid_text",

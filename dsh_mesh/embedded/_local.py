@@ -25,7 +25,7 @@ from types import TracebackType
 from typing import Self
 
 from dsh_mesh.client import MeshClient, RunResult
-from dsh_mesh.core import NodeId
+from dsh_mesh.core import ModelPrice, NodeId
 from dsh_mesh.mcp import McpServerConfig
 from dsh_mesh.models import ModelProvider, OpenAIEndpoint
 from dsh_mesh.node import (
@@ -60,7 +60,8 @@ class LocalMesh:
     ``endpoints`` the OpenAI-compatible servers a preset's ``model`` names as
     ``<endpoint>:<model>`` (``openai`` is read from ``OPENAI_BASE_URL``/``OPENAI_API_KEY``
     unless given here); ``provider`` replaces every endpoint by one model provider of your own
-    (a factory, one per node); ``mcp_servers`` are MCP servers each node starts.
+    (a factory, one per node); ``mcp_servers`` are MCP servers each node starts; ``prices``
+    (by model spec) give the costs ``get_session`` and ``run`` report.
 
     ``async with LocalMesh(...) as mesh:`` starts it; ``await mesh.run(preset, task)`` runs a
     task to its answer (:meth:`MeshClient.run`); :attr:`client` is a full client. Raises
@@ -76,6 +77,7 @@ class LocalMesh:
         endpoints: Mapping[str, OpenAIEndpoint] | None = None,
         provider: Callable[[], ModelProvider] | None = None,
         mcp_servers: Sequence[McpServerConfig] = (),
+        prices: Mapping[str, ModelPrice] | None = None,
         nodes: int = 1,
     ) -> None:
         if not presets:
@@ -92,6 +94,7 @@ class LocalMesh:
             endpoints={**endpoints_from_environment(), **(endpoints or {})},
             tools=tuple(tools),
             mcp_servers=tuple(mcp_servers),
+            prices=dict(prices or {}),
         )
         self._count = nodes
         self._token = secrets.token_hex(16)

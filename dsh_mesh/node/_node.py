@@ -173,6 +173,7 @@ class Node:
                     peers=pool,
                     grants=self._namespaces.grants,
                     credential=config.credential,
+                    prices=self._scenario.prices,
                 ),
                 server,
             )

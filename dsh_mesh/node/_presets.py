@@ -50,7 +50,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from dsh_mesh.core import InvalidArgument
+from dsh_mesh.core import InvalidArgument, ModelPrice
 from dsh_mesh.mcp import SELECTOR_PREFIX, McpServerConfig, split_tool_name
 from dsh_mesh.models import OpenAIEndpoint, RetryPolicy, check_model_spec, split_model_spec
 from dsh_mesh.tools import (
@@ -141,6 +141,9 @@ class PresetFile:
 
     presets: tuple[Preset, ...] = ()
     endpoints: Mapping[str, OpenAIEndpoint] = field(default_factory=dict)
+    prices: Mapping[str, ModelPrice] = field(default_factory=dict)
+    """Prices by model spec (``[prices."<endpoint>:<model>"]``), in dollars per million
+    tokens."""
     tools: tuple[Tool, ...] = ()
     tool_threads: int = DEFAULT_TOOL_THREADS
     mcp_servers: tuple[McpServerConfig, ...] = ()
@@ -169,10 +172,10 @@ def load_presets(
         raise PresetFileError(f"{path}: {error}") from error
     except RecursionError as deep:  # tomllib recurses once per level of nesting
         raise PresetFileError(f"{path}: its arrays or tables nest too deep to read") from deep
-    unknown = sorted(set(document) - {"endpoints", "presets", "tools", "mcp"})
+    unknown = sorted(set(document) - {"endpoints", "presets", "tools", "mcp", "prices"})
     if unknown:
         raise PresetFileError(
-            f"{path}: unknown tables {unknown} (expected endpoints, presets, tools, mcp)"
+            f"{path}: unknown tables {unknown} (expected endpoints, presets, tools, mcp, prices)"
         )
     mcp_servers = _mcp_servers(path, document.get("mcp", {}), env)
     tools, threads = _tools(path, document.get("tools", {}))
@@ -209,6 +212,7 @@ def load_presets(
             )
     return PresetFile(
         presets=presets,
+        prices=_prices(path, document.get("prices", {}), endpoints),
         endpoints=endpoints,
         tools=tools,
         tool_threads=threads,
@@ -325,6 +329,50 @@ def _tables(path: Path, document: Mapping[str, Any], name: str) -> dict[str, Map
         if not key or ":" in key:
             raise PresetFileError(f"{path}: {name}.{key!r}: a name must be non-empty, no ':'")
     return dict(tables)
+
+
+_PRICE_KEYS = {
+    "input": "input_usd_per_mtok",
+    "cached_input": "cached_input_usd_per_mtok",
+    "output": "output_usd_per_mtok",
+}
+
+
+def _prices(
+    path: Path, tables: Any, endpoints: Mapping[str, OpenAIEndpoint]
+) -> dict[str, ModelPrice]:
+    """``[prices."<spec>"]`` tables: ``input`` and ``output`` (required) and ``cached_input``,
+    US dollars per million tokens, of a model spec whose endpoint the file knows (or of a
+    scenario's own model, which names no endpoint)."""
+    if not isinstance(tables, Mapping):
+        raise PresetFileError(f"{path}: [prices] must be a table of tables")
+    prices: dict[str, ModelPrice] = {}
+    for spec, table in tables.items():
+        where = f"prices.{spec!r}"
+        if not isinstance(table, Mapping):
+            raise PresetFileError(f"{path}: {where} must be a table")
+        _check_keys(path, where, table, frozenset(_PRICE_KEYS))
+        split = split_model_spec(spec)
+        if not spec.strip() or (split is not None and split[0] not in endpoints):
+            raise PresetFileError(
+                f"{path}: {where}: not <endpoint>:<model> of a defined endpoint"
+                f" ({', '.join(endpoints)}), nor a scenario's model"
+            )
+        values = {}
+        for key, field_name in _PRICE_KEYS.items():
+            value = table.get(key)
+            if value is None:
+                if key != "cached_input":
+                    raise PresetFileError(f"{path}: {where}.{key} is required (dollars per 1M)")
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise PresetFileError(f"{path}: {where}.{key} must be a number of dollars")
+            values[field_name] = float(value)
+        try:
+            prices[spec] = ModelPrice(**values)
+        except ValueError as error:
+            raise PresetFileError(f"{path}: {where}: {error}") from error
+    return prices
 
 
 def _check_keys(path: Path, where: str, table: Mapping[str, Any], allowed: frozenset[str]) -> None:

@@ -12,6 +12,7 @@ import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from dsh_mesh.core import ModelPrice
 from dsh_mesh.mcp import McpServerConfig
 from dsh_mesh.models import (
     Action,
@@ -38,6 +39,8 @@ class Scenario:
     tools: tuple[Tool, ...] = ()
     tool_threads: int = DEFAULT_TOOL_THREADS
     mcp_servers: tuple[McpServerConfig, ...] = ()
+    prices: Mapping[str, ModelPrice] = field(default_factory=dict)
+    """Prices by model spec: what ``ListPrices`` answers and costs are computed with."""
 
     def provider(self) -> ModelRouter:
         """A fresh provider for one node process: the endpoints by name, the scripted programs
@@ -71,6 +74,7 @@ class Scenario:
             tools=tools,
             tool_threads=file.tool_threads if file.tools else self.tool_threads,
             mcp_servers=servers + file.mcp_servers,
+            prices={**self.prices, **file.prices},
         )
 
 

@@ -31,6 +31,7 @@ from dsh_mesh.core import (
     InvalidArgument,
     ListingFilter,
     MeshError,
+    ModelPrice,
     NamespaceDenied,
     NodeId,
     Record,
@@ -45,6 +46,7 @@ from dsh_mesh.core import (
     check_namespace,
     parse_session_id,
     session_usage,
+    usage_cost,
 )
 from dsh_mesh.runtime import KeptUsage
 from dsh_mesh.transport._auth import ClusterCredential, caller_hops, decider
@@ -53,6 +55,7 @@ from dsh_mesh.transport._convert import (
     activation_to_wire,
     check_bounds,
     header_to_wire,
+    price_to_wire,
     record_to_wire,
     session_usage_to_wire,
 )
@@ -161,8 +164,10 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         peers: PeerPool,
         grants: Grants | None = None,
         credential: ClusterCredential | None = None,
+        prices: Mapping[str, ModelPrice] | None = None,
     ) -> None:
         self._manager = manager
+        self._prices = dict(prices or {})
         self._grants = grants or Grants.open()
         self._credential = credential
         self._node_id = node_id
@@ -394,7 +399,7 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
             transcript=transcript,
             next_page_token=str(transcript[-1].seq) if more and transcript else "",
             state=self._state(session, current),
-            usage=session_usage_to_wire(usage),
+            usage=session_usage_to_wire(usage, usage_cost(usage, header.spec.model, self._prices)),
         )
         if current is not None:
             reply.activation.CopyFrom(activation_to_wire(current))
@@ -545,6 +550,17 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
             if current is not None:
                 summary.activation.CopyFrom(activation_to_wire(current))
         return reply
+
+    @mesh_rpc
+    async def ListPrices(
+        self,
+        request: mesh_pb2.ListPricesRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> mesh_pb2.ListPricesResponse:
+        check_bounds(request)  # the credential was checked by the interceptor, as for every call
+        return mesh_pb2.ListPricesResponse(
+            prices=[price_to_wire(model, self._prices[model]) for model in sorted(self._prices)]
+        )
 
     @mesh_rpc
     async def ListApprovals(

@@ -26,10 +26,12 @@ from dsh_mesh.core import (
     AssistantStepEntry,
     CompactionEntry,
     ConsumedEntry,
+    Cost,
     Delivery,
     DeliveryKind,
     HumanPromptEntry,
     InvalidArgument,
+    ModelPrice,
     Record,
     SessionHeader,
     SessionId,
@@ -404,14 +406,28 @@ def usage_to_wire(usage: Usage) -> mesh_pb2.Usage:
     )
 
 
-def session_usage_to_wire(usage: SessionUsage) -> mesh_pb2.SessionUsage:
-    """The wire form of a session's usage summary (``first_call`` unset when it made none)."""
+def price_to_wire(model: str, price: ModelPrice) -> mesh_pb2.ModelPrice:
+    """The wire form of ``model``'s price (cached input at its own price, or the input's)."""
+    return mesh_pb2.ModelPrice(
+        model=model,
+        input_usd_per_mtok=price.input_usd_per_mtok,
+        cached_input_usd_per_mtok=price.cached_input,
+        output_usd_per_mtok=price.output_usd_per_mtok,
+    )
+
+
+def session_usage_to_wire(usage: SessionUsage, cost: Cost | None = None) -> mesh_pb2.SessionUsage:
+    """The wire form of a session's usage summary (``first_call`` unset when it made none),
+    with what it cost when ``cost`` is given."""
     wire = mesh_pb2.SessionUsage(
         model_calls=usage.model_calls,
         input_tokens=usage.input_tokens,
         output_tokens=usage.output_tokens,
         cached_input_tokens=usage.cached_input_tokens,
     )
+    if cost is not None:
+        wire.cost_usd = cost.usd
+        wire.unpriced_calls = cost.unpriced_calls
     if usage.first_call is not None:
         wire.first_call.CopyFrom(usage_to_wire(usage.first_call))
     return wire

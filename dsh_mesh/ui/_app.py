@@ -174,12 +174,22 @@ def create_app(
         return response
 
     async def config(_: Request, caller: Caller) -> Response:
+        """What the page needs first. The prices (ADR 0051) are best-effort: a node that does
+        not answer them leaves the page without costs, and says why, not without a page."""
+        prices: dict[str, object] = {}
+        prices_unavailable = ""
+        try:
+            prices = {model: to_jsonable(p) for model, p in (await client.prices()).items()}
+        except MeshError as away:
+            prices_unavailable = f"{type(away).__name__}: {bounded_quote(str(away), max_chars=200)}"
         return json_answer(
             {
                 "trace_url": trace_url,
                 "node": client.address,
                 "person": caller.person.shown(),
                 "csrf_token": gate.sign_ins.csrf_token(caller.sign_in),
+                "prices": prices,
+                "prices_unavailable": prices_unavailable,
             }
         )
 

@@ -434,6 +434,10 @@ UI_PRESETS = """
 [tools]
 modules = ["dsh_mesh.testing.probe_tools"]
 
+[prices.ui-lead]
+input = 1000.0
+output = 2000.0
+
 [presets.ui-lead]
 system_prompt = "You lead."
 model = "ui-lead"

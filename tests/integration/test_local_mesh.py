@@ -12,7 +12,7 @@ from datetime import timedelta
 import pytest
 
 import dsh_mesh
-from dsh_mesh.core import TurnOutcome
+from dsh_mesh.core import Cost, ModelPrice, TurnOutcome, Usage
 from dsh_mesh.testing import (
     ChatCompletionsServer,
     Completion,
@@ -107,6 +107,55 @@ async def test_two_nodes_serve_and_each_takes_the_token() -> None:
                 async with dsh_mesh.MeshClient(address, token=mesh.token) as client:
                     result = await client.run("helper", "Hi.", deadline=timedelta(seconds=30))
                     assert result.answer == "The answer is 42."
+
+
+async def test_prices_give_a_cost_in_get_session_in_run_and_in_list_prices() -> None:
+    price = ModelPrice(
+        input_usd_per_mtok=2.0, cached_input_usd_per_mtok=1.0, output_usd_per_mtok=8.0
+    )
+    async with ChatCompletionsServer(responder=model) as chat:
+        endpoint = dsh_mesh.OpenAIEndpoint(base_url=chat.base_url)
+        async with dsh_mesh.LocalMesh(
+            presets=[LEAD, HELPER],
+            endpoints={"openai": endpoint},
+            prices={"openai:gpt-4o-mini": price},
+        ) as mesh:
+            assert await mesh.client.prices() == {"openai:gpt-4o-mini": price}
+            result = await mesh.run("lead", "What is the answer?", deadline=timedelta(seconds=60))
+            assert result.usage.model_calls == 4 and result.cost.unpriced_calls == 0
+            assert result.cost.usd == pytest.approx(
+                price.cost(
+                    Usage(
+                        input_tokens=result.usage.input_tokens,
+                        output_tokens=result.usage.output_tokens,
+                        cached_input_tokens=result.usage.cached_input_tokens,
+                    )
+                )
+            )
+            page = await mesh.client.get_session(result.session_id)
+            assert page.usage is not None and page.cost is not None
+            assert page.usage.model_calls == 3  # the root's own: spawn, waiting, the answer
+            assert page.cost.usd == pytest.approx(
+                price.cost(
+                    Usage(
+                        input_tokens=page.usage.input_tokens,
+                        output_tokens=page.usage.output_tokens,
+                        cached_input_tokens=page.usage.cached_input_tokens,
+                    )
+                )
+            )
+            assert 0 < page.cost.usd < result.cost.usd
+
+
+async def test_a_call_of_a_model_without_a_price_is_counted_unpriced() -> None:
+    async with ChatCompletionsServer(responder=model) as chat:
+        endpoint = dsh_mesh.OpenAIEndpoint(base_url=chat.base_url)
+        async with dsh_mesh.LocalMesh(presets=[HELPER], endpoints={"openai": endpoint}) as mesh:
+            assert await mesh.client.prices() == {}
+            result = await mesh.run("helper", "Hi.", deadline=timedelta(seconds=30))
+            assert result.cost == Cost(0.0, 1)
+            page = await mesh.client.get_session(result.session_id)
+            assert page.cost == Cost(0.0, 1)
 
 
 def test_a_preset_naming_a_tool_nobody_gives_is_refused_before_anything_starts() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,21 @@ async def test_the_tree_renders_and_a_killed_workers_loss_and_resume_show(
 
     workers = until_shown(browser, workers_running, "two workers running")
     assert tree_rows(browser)[root]["node"] == "node-a"
+
+    def costs(driver: Any) -> list[str] | None:
+        # The lead's model has a price, the workers' none: its own cost in dollars, its
+        # subtree's in dollars plus the workers' unpriced calls.
+        cells = driver.execute_script(
+            "return [...document.querySelectorAll(arguments[0])].map(c => c.textContent)",
+            f'#tree tr[data-session="{root}"] td.cost',
+        )
+        done = len(cells) == 2 and cells[0].startswith("$") and "unpriced" in cells[1]
+        return cells if done else None
+
+    own, subtree = until_shown(browser, costs, "the lead's cost, and its subtree's")
+    assert re.fullmatch(r"\$[\d,]+\.\d{2,4}", own) and re.fullmatch(
+        r"\$[\d,]+\.\d{2,4} \+ \d+ unpriced", subtree
+    )
     assert {r["node"] for r in workers.values()} == {"node-b", "node-c"}
     shots(browser, "1-tree")
 

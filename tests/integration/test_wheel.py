@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -38,6 +39,10 @@ base_url = "{base_url}"
 system_prompt = "You are a terse assistant."
 model = "local:tiny"
 tools = []
+
+[prices."local:tiny"]
+input = 3.0
+output = 15.0
 """
 
 
@@ -123,6 +128,9 @@ def test_the_wheel_alone_runs_up_spawn_show_and_ui(
         assert "preset    assistant (model local:tiny)" in shown
         assert "Hello from the model." in shown
         assert "read_doc" not in shown
+        # Its cost at the file's price: the session's, and the step's own.
+        assert re.search(r"^cost      \$\d+\.\d{4}$", shown, re.MULTILINE), shown
+        assert re.search(r"step +Hello from the model\. \[in .*\] \$\d+\.\d{4}$", shown, re.M)
 
         view = subprocess.Popen(
             [str(installed / "dsh-mesh"), "ui", "--port", "0"],

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from dsh_mesh.core import ModelPrice, Usage
 from dsh_mesh.models import OpenAIEndpoint, OpenAIProvider, ScriptedProvider
 from dsh_mesh.node import (
     STANDARD_TOOL_NAMES,
@@ -148,6 +149,11 @@ def test_the_file_may_redefine_the_openai_endpoint(tmp_path: Path) -> None:
             "[presets.brief]\nsystem_prompt = 'y'\n",
             "preset 'brief' names no model",
         ),
+        ("[prices.'openai:m']\ninput = 1.0\n", r"output is required"),
+        ("[prices.'openai:m']\ninput = 1\noutput = -2\n", "at least 0"),
+        ("[prices.'openai:m']\ninput = 'cheap'\noutput = 2\n", "number of dollars"),
+        ("[prices.'olama:m']\ninput = 1\noutput = 2\n", "of a defined endpoint"),
+        ("[prices.'openai:m']\ninput = 1\noutput = 2\nper = 'token'\n", "unknown keys"),
     ],
 )
 def test_a_file_the_node_cannot_run_is_refused_naming_the_key(
@@ -155,6 +161,26 @@ def test_a_file_the_node_cannot_run_is_refused_naming_the_key(
 ) -> None:
     with pytest.raises(PresetFileError, match=complaint):
         load_presets(write(tmp_path, text), environ={})
+
+
+def test_prices_are_read_per_model_in_dollars_per_million_tokens(tmp_path: Path) -> None:
+    text = (
+        "[prices.'openai:gpt-4o-mini']\ninput = 0.15\ncached_input = 0.075\noutput = 0.6\n"
+        "[prices.'openai:gpt-4o']\ninput = 2.5\noutput = 10\n"
+    )
+    prices = load_presets(write(tmp_path, text), environ={}).prices
+    assert prices == {
+        "openai:gpt-4o-mini": ModelPrice(
+            input_usd_per_mtok=0.15, cached_input_usd_per_mtok=0.075, output_usd_per_mtok=0.6
+        ),
+        "openai:gpt-4o": ModelPrice(input_usd_per_mtok=2.5, output_usd_per_mtok=10.0),
+    }
+    # 1,000 input of which 600 cached, 200 output, at gpt-4o-mini's price.
+    used = Usage(input_tokens=1000, cached_input_tokens=600, output_tokens=200)
+    assert prices["openai:gpt-4o-mini"].cost(used) == pytest.approx(
+        (400 * 0.15 + 600 * 0.075 + 200 * 0.6) / 1e6
+    )
+    assert prices["openai:gpt-4o"].cached_input == 2.5  # unset: as the rest of the input
 
 
 def test_a_presets_context_policy_and_summary_preset_are_read(tmp_path: Path) -> None:

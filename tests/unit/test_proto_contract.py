@@ -34,6 +34,7 @@ CONTROL_RPCS = {
     "ListAgents",
     "ResolveApproval",
     "ListApprovals",
+    "ListPrices",
 }
 
 REJECTION_REASONS = [

@@ -25,6 +25,8 @@ from dsh_mesh.client import (
 from dsh_mesh.client._run import settle
 from dsh_mesh.core import (
     ActivationId,
+    Cost,
+    ModelPrice,
     SessionId,
     SettlementOutcome,
     TurnId,
@@ -59,10 +61,10 @@ class Listing:
         self.sessions: Sequence[SessionId] = sessions
         self.reads = 0
 
-    async def __call__(self) -> AsyncIterator[tuple[SessionId, AgentState | None]]:
+    async def __call__(self) -> AsyncIterator[tuple[SessionId, AgentState | None, str]]:
         self.reads += 1
         for session in self.sessions:
-            yield session, AgentState.IDLE
+            yield session, AgentState.IDLE, "big:m" if session == ROOT else "small:m"
 
 
 def step(text: str, tokens: int) -> AssistantStep:
@@ -85,6 +87,7 @@ async def test_a_root_alone_settles_with_its_last_answer() -> None:
     result = await settle(ROOT, 5, watch.events(), Listing(ROOT), timedelta(seconds=5))
     assert (result.answer, result.outcome, result.completed) == ("5", TurnOutcome.COMPLETED, True)
     assert (result.usage.model_calls, result.usage.input_tokens, result.sessions) == (1, 10, 1)
+    assert result.cost == Cost(0.0, 1)  # no prices: the call is unpriced
 
 
 async def test_the_wait_holds_through_a_child_and_returns_the_roots_answer_after_its_notice() -> (
@@ -93,7 +96,13 @@ async def test_the_wait_holds_through_a_child_and_returns_the_roots_answer_after
     watch, listing = Watch(), Listing(ROOT, CHILD)
     watch.add(ROOT, 1, Task(content="Ask a child."))
     root_turn(watch, "t1", 2, (1,), "Asked; waiting.")
-    waiting = asyncio.create_task(settle(ROOT, 1, watch.events(), listing, timedelta(seconds=10)))
+    prices = {
+        "big:m": ModelPrice(input_usd_per_mtok=10.0, output_usd_per_mtok=100.0),
+        "small:m": ModelPrice(input_usd_per_mtok=1.0, output_usd_per_mtok=10.0),
+    }
+    waiting = asyncio.create_task(
+        settle(ROOT, 1, watch.events(), listing, timedelta(seconds=10), prices)
+    )
     await asyncio.sleep(0.2)
     # The root's turn ended, but the listing shows a child the watch has not shown yet.
     assert not waiting.done() and listing.reads >= 1
@@ -120,6 +129,10 @@ async def test_the_wait_holds_through_a_child_and_returns_the_roots_answer_after
     result = await waiting
     assert result.answer == "The child found it."
     assert (result.usage.model_calls, result.usage.input_tokens, result.sessions) == (3, 27, 2)
+    # Each call at the model of its session: the root's two (10 in, 1 out each) at big:m,
+    # the child's one (7 in, 1 out) at small:m.
+    assert result.cost.usd == pytest.approx((2 * (10 * 10 + 100) + 7 * 1 + 10) / 1e6)
+    assert result.cost.unpriced_calls == 0
 
 
 async def test_a_settled_past_is_no_answer_until_the_roots_entries_when_begun_are_in() -> None:

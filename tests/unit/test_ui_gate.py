@@ -51,6 +51,9 @@ async def signed_in(http: httpx.AsyncClient, sign_ins: SignIns) -> str:
     config = await http.get("/api/config", headers={"x-csrf-token": token})
     assert config.status_code == 200
     assert config.json()["person"] == {"by": "link", "name": "the view's credential"}
+    # The node is dead here: the page still gets its config, without prices, and says why.
+    assert config.json()["prices"] == {}
+    assert config.json()["prices_unavailable"].startswith("PeerUnavailable: ")
     return token
 
 

@@ -80,6 +80,7 @@ EXPECTED: dict[str, dict[str, int]] = {
         "reason": MAX_APPROVAL_REASON_CHARS,
     },
     "ListApprovalsRequest": {"root_session_id": 256},
+    "ListPricesRequest": {},
 }
 """The contract (stated in mesh.proto): the bound of each field, in characters."""
 

@@ -5,7 +5,7 @@
 'use strict';
 
 const view = {
-  config: { trace_url: '', node: '' },
+  config: { trace_url: '', node: '', prices: {} },
   root: null,
   agents: new Map(),   // session id -> agent (see newAgent)
   order: [],           // session ids, parents before children
@@ -26,7 +26,7 @@ function newAgent(id) {
   return {
     id, info: null, node: '', nodes: [], resident: false, running: false,
     settled: null, lastOutcome: null, usage: { input: 0, output: 0, cached: 0 },
-    firstCall: null, entries: [], turns: [], pending: new Map(),
+    byModel: new Map(), firstCall: null, entries: [], turns: [], pending: new Map(),
   };
 }
 
@@ -126,18 +126,66 @@ function stateOf(found) {
 function shape() {
   const depths = new Map();
   const subtree = new Map();
+  const subtreeCost = new Map();
   for (const id of view.order) {
     const parent = view.agents.get(id)?.info?.parent_session;
     depths.set(id, parent && depths.has(parent) ? depths.get(parent) + 1 : 0);
     const found = view.agents.get(id);
     subtree.set(id, found ? found.usage.input + found.usage.output : 0);
+    subtreeCost.set(id, found ? costOf(found) : { usd: 0, unpriced: 0 });
   }
   for (let i = view.order.length - 1; i >= 0; i -= 1) {
     const id = view.order[i];
     const parent = view.agents.get(id)?.info?.parent_session;
-    if (parent && subtree.has(parent)) subtree.set(parent, subtree.get(parent) + subtree.get(id));
+    if (parent && subtree.has(parent)) {
+      subtree.set(parent, subtree.get(parent) + subtree.get(id));
+      const mine = subtreeCost.get(id);
+      const theirs = subtreeCost.get(parent);
+      subtreeCost.set(parent, { usd: theirs.usd + mine.usd, unpriced: theirs.unpriced + mine.unpriced });
+    }
   }
-  return { depths, subtree };
+  return { depths, subtree, subtreeCost };
+}
+
+// -- cost: each call at the model that made it (a step at its agent's, a summary at its own) --
+
+function countCall(found, model, usage) {
+  const sum = found.byModel.get(model) || { input: 0, cached: 0, output: 0, calls: 0 };
+  sum.input += usage.input_tokens;
+  sum.cached += Math.min(usage.cached_input_tokens, usage.input_tokens);
+  sum.output += usage.output_tokens;
+  sum.calls += 1;
+  found.byModel.set(model, sum);
+}
+
+function priced(model, sum) {
+  const price = view.config.prices[model];
+  if (!price) return null;
+  return ((sum.input - sum.cached) * price.input_usd_per_mtok
+    + sum.cached * price.cached_input_usd_per_mtok + sum.output * price.output_usd_per_mtok) / 1e6;
+}
+
+function costOf(found) {
+  const cost = { usd: 0, unpriced: 0 };
+  for (const [model, sum] of found.byModel) {
+    const usd = priced(model || found.info?.model || '', sum);
+    if (usd === null) cost.unpriced += sum.calls; else cost.usd += usd;
+  }
+  return cost;
+}
+
+function money(cost) {
+  if (!Object.keys(view.config.prices).length) return '';
+  if (cost.unpriced && !cost.usd) return 'unpriced';
+  const usd = cost.usd < 1 ? `$${cost.usd.toFixed(4)}` : `$${cost.usd.toFixed(2)}`;
+  return cost.unpriced ? `${usd} + ${cost.unpriced} unpriced` : usd;
+}
+
+function stepCost(found, model, usage) {
+  if (!Object.keys(view.config.prices).length) return '';
+  const sum = { input: usage.input_tokens, cached: Math.min(usage.cached_input_tokens, usage.input_tokens), output: usage.output_tokens };
+  const usd = priced(model || found?.info?.model || '', sum);
+  return usd === null ? ' unpriced' : ` $${usd.toFixed(6)}`;
 }
 
 function short(id) { return id.length > 14 ? `${id.slice(0, 6)}…${id.slice(-6)}` : id; }
@@ -152,12 +200,16 @@ function role(info) {
 function drawTree() {
   const body = $('#tree tbody');
   const rows = [];
-  const { depths, subtree } = shape();
+  const { depths, subtree, subtreeCost } = shape();
   let tokens = 0;
+  const total = { usd: 0, unpriced: 0 };
   for (const id of view.order) {
     const found = view.agents.get(id);
     if (!found) continue;
     tokens += found.usage.input + found.usage.output;
+    const cost = costOf(found);
+    total.usd += cost.usd;
+    total.unpriced += cost.unpriced;
     const state = stateOf(found);
     const share = found.firstCall && found.firstCall.input_tokens
       ? `${Math.round((100 * found.firstCall.cached_input_tokens) / found.firstCall.input_tokens)}%` : '';
@@ -170,11 +222,13 @@ function drawTree() {
       + `<td><span class="state" data-state="${state}">${state}${detail}</span></td>`
       + `<td>${moves}${found.node || ''}</td>`
       + `<td>${number(found.usage.input)} / ${number(found.usage.output)}</td>`
-      + `<td>${share}</td><td>${number(subtree.get(id))}</td></tr>`);
+      + `<td>${share}</td><td>${number(subtree.get(id))}</td>`
+      + `<td class="cost">${money(cost)}</td><td class="cost">${money(subtreeCost.get(id))}</td></tr>`);
   }
   body.innerHTML = rows.join('');
   placed(body);
-  $('#totals').textContent = `${view.order.length} agents, ${number(tokens)} tokens`;
+  const spent = money(total);
+  $('#totals').textContent = `${view.order.length} agents, ${number(tokens)} tokens${spent ? `, ${spent}` : ''}`;
 }
 
 // -- approvals -----------------------------------------------------------------------------
@@ -238,7 +292,7 @@ function traceLink(traceparent) {
   return ` <a class="trace" target="_blank" href="${escape(view.config.trace_url.replace('{trace_id}', id))}">trace ${id}</a>`;
 }
 
-function describe(entry) {
+function describe(entry, found) {
   const body = entry.body;
   switch (body.type) {
     case 'task': return ['task', escape(body.content)];
@@ -249,7 +303,7 @@ function describe(entry) {
       return ['settled', `${short(body.child_session)} ${body.outcome}${body.detail ? `: ${escape(body.detail)}` : ''} ${escape(body.terminal_output)}`, body.outcome !== 'completed'];
     case 'assistant_step': {
       const calls = body.tool_calls.map((c) => `${escape(c.name)}(${escape(c.arguments_json)})`).join('; ');
-      return ['step', `${escape(body.text)}${calls ? ` → ${calls}` : ''} [in ${body.usage.input_tokens} / cached ${body.usage.cached_input_tokens} / out ${body.usage.output_tokens}]`];
+      return ['step', `${escape(body.text)}${calls ? ` → ${calls}` : ''} [in ${body.usage.input_tokens} / cached ${body.usage.cached_input_tokens} / out ${body.usage.output_tokens}]${stepCost(found, '', body.usage)}`];
     }
     case 'tool_result':
       return ['tool', `${escape(body.name)} (${body.duration_ms} ms): ${escape(body.content)}`, body.is_error];
@@ -258,7 +312,7 @@ function describe(entry) {
     case 'turn_ended':
       return ['turn', `${body.turn_id} ended ${body.outcome}${body.detail ? `: ${escape(body.detail)}` : ''}`, !['completed', 'awaiting-approval'].includes(body.outcome)];
     case 'consumed': return ['read', `seq ${body.seqs.join(', ')}`];
-    case 'compaction': return ['compacted', `seq ${body.from_seq}-${body.through_seq}: ${escape(body.summary)}`];
+    case 'compaction': return ['compacted', `seq ${body.from_seq}-${body.through_seq}: ${escape(body.summary)}${stepCost(found, body.model, body.usage)}`];
     case 'tool_outputs_cleared': return ['cleared', `tool outputs of seq ${body.seqs.join(', ')}`];
     case 'approval_request': return ['approval?', `${escape(body.tool)}(${escape(body.arguments_json)}) call ${escape(body.call_id)}`];
     case 'approval_decision':
@@ -276,7 +330,7 @@ function drawTranscript() {
   list.dataset.count = found.entries.length;
   list.dataset.session = found.id;
   list.innerHTML = found.entries.map((entry) => {
-    const [kind, text, bad] = describe(entry);
+    const [kind, text, bad] = describe(entry, found);
     const when = entry.recorded_at ? new Date(entry.recorded_at).toLocaleTimeString() : '';
     return `<li value="${entry.seq}" data-kind="${entry.body.type}"${bad ? ' class="bad"' : ''}>`
       + `<span class="when">${when}</span> <span class="kind">${kind}</span> ${text}</li>`;
@@ -352,6 +406,7 @@ function apply(event) {
       if (turn && turn.id === body.turn_id) { turn.end = when; turn.outcome = body.outcome; }
       break;
     case 'assistant_step':
+      countCall(found, '', body.usage);
       found.usage.input += body.usage.input_tokens;
       found.usage.output += body.usage.output_tokens;
       found.usage.cached += body.usage.cached_input_tokens;
@@ -359,6 +414,7 @@ function apply(event) {
       if (turn) turn.steps.push(when);
       break;
     case 'compaction':
+      countCall(found, body.model || '', body.usage);
       found.usage.input += body.usage.input_tokens;
       found.usage.output += body.usage.output_tokens;
       break;
@@ -560,6 +616,7 @@ async function start() {
   if (!view.key) { signIn(); return; }
   wire();
   view.config = await api('/api/config');
+  if (view.config.prices_unavailable) say(`costs unavailable: ${view.config.prices_unavailable}`, true);
   $('#node').textContent = `node ${view.config.node}`;
   $('#person').textContent = `signed in as ${view.config.person.name}`;
   wireRoots();

@@ -199,6 +199,28 @@ class Rejection(_message.Message):
     target_session_id: str
     def __init__(self, reason: _Optional[_Union[RejectionReason, str]] = ..., detail: _Optional[str] = ..., target_session_id: _Optional[str] = ...) -> None: ...
 
+class ListPricesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListPricesResponse(_message.Message):
+    __slots__ = ("prices",)
+    PRICES_FIELD_NUMBER: _ClassVar[int]
+    prices: _containers.RepeatedCompositeFieldContainer[ModelPrice]
+    def __init__(self, prices: _Optional[_Iterable[_Union[ModelPrice, _Mapping]]] = ...) -> None: ...
+
+class ModelPrice(_message.Message):
+    __slots__ = ("model", "input_usd_per_mtok", "cached_input_usd_per_mtok", "output_usd_per_mtok")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INPUT_USD_PER_MTOK_FIELD_NUMBER: _ClassVar[int]
+    CACHED_INPUT_USD_PER_MTOK_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_USD_PER_MTOK_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    input_usd_per_mtok: float
+    cached_input_usd_per_mtok: float
+    output_usd_per_mtok: float
+    def __init__(self, model: _Optional[str] = ..., input_usd_per_mtok: _Optional[float] = ..., cached_input_usd_per_mtok: _Optional[float] = ..., output_usd_per_mtok: _Optional[float] = ...) -> None: ...
+
 class ListApprovalsRequest(_message.Message):
     __slots__ = ("root_session_id",)
     ROOT_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -368,18 +390,22 @@ class Session(_message.Message):
     def __init__(self, header: _Optional[_Union[SessionHeader, _Mapping]] = ..., activation: _Optional[_Union[ActivationInfo, _Mapping]] = ..., transcript: _Optional[_Iterable[_Union[TranscriptEntry, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., state: _Optional[_Union[AgentState, str]] = ..., usage: _Optional[_Union[SessionUsage, _Mapping]] = ...) -> None: ...
 
 class SessionUsage(_message.Message):
-    __slots__ = ("model_calls", "input_tokens", "output_tokens", "cached_input_tokens", "first_call")
+    __slots__ = ("model_calls", "input_tokens", "output_tokens", "cached_input_tokens", "first_call", "cost_usd", "unpriced_calls")
     MODEL_CALLS_FIELD_NUMBER: _ClassVar[int]
     INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_CALL_FIELD_NUMBER: _ClassVar[int]
+    COST_USD_FIELD_NUMBER: _ClassVar[int]
+    UNPRICED_CALLS_FIELD_NUMBER: _ClassVar[int]
     model_calls: int
     input_tokens: int
     output_tokens: int
     cached_input_tokens: int
     first_call: Usage
-    def __init__(self, model_calls: _Optional[int] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., cached_input_tokens: _Optional[int] = ..., first_call: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    cost_usd: float
+    unpriced_calls: int
+    def __init__(self, model_calls: _Optional[int] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., cached_input_tokens: _Optional[int] = ..., first_call: _Optional[_Union[Usage, _Mapping]] = ..., cost_usd: _Optional[float] = ..., unpriced_calls: _Optional[int] = ...) -> None: ...
 
 class WatchSessionRequest(_message.Message):
     __slots__ = ("session_id", "after_seq", "tree", "after_event_seq")

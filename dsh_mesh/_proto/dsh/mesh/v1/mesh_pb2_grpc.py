@@ -238,6 +238,11 @@ class MeshControlStub:
                 request_serializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.ListApprovalsRequest.SerializeToString,
                 response_deserializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.ListApprovalsResponse.FromString,
                 _registered_method=True)
+        self.ListPrices = channel.unary_unary(
+                '/dsh.mesh.v1.MeshControl/ListPrices',
+                request_serializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.ListPricesRequest.SerializeToString,
+                response_deserializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.ListPricesResponse.FromString,
+                _registered_method=True)
 
 
 class MeshControlServicer:
@@ -374,6 +379,17 @@ class MeshControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListPrices(self, request, context):
+        """ListPrices lists what each model's tokens cost, as the cluster's presets
+        say (docs/presets.md, [prices]): a client prices a step, an agent or a
+        subtree from its usage with them, each call at the model that made it (a
+        step at its session's model, a compaction at CompactionEntry.model).
+        Read-only; empty when no price is configured.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MeshControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -426,6 +442,11 @@ def add_MeshControlServicer_to_server(servicer, server):
                     servicer.ListApprovals,
                     request_deserializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.ListApprovalsRequest.FromString,
                     response_serializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.ListApprovalsResponse.SerializeToString,
+            ),
+            'ListPrices': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPrices,
+                    request_deserializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.ListPricesRequest.FromString,
+                    response_serializer=dsh_dot_mesh_dot_v1_dot_mesh__pb2.ListPricesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -710,6 +731,33 @@ class MeshControl:
             '/dsh.mesh.v1.MeshControl/ListApprovals',
             dsh_dot_mesh_dot_v1_dot_mesh__pb2.ListApprovalsRequest.SerializeToString,
             dsh_dot_mesh_dot_v1_dot_mesh__pb2.ListApprovalsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPrices(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dsh.mesh.v1.MeshControl/ListPrices',
+            dsh_dot_mesh_dot_v1_dot_mesh__pb2.ListPricesRequest.SerializeToString,
+            dsh_dot_mesh_dot_v1_dot_mesh__pb2.ListPricesResponse.FromString,
             options,
             channel_credentials,
             insecure,
