@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping
 
-from dsh_mesh.core import ToolDescriptor
+from dsh_mesh.core import ModelPrice, ToolDescriptor
 from dsh_mesh.models import PARENT, Branch, Call, Reply, Stall, arrived, child, send, tool
 from dsh_mesh.node import Scenario
 from dsh_mesh.tools import (
@@ -47,6 +47,9 @@ EXCHANGE = Scenario(
         ),
     ),
     tools=(deploy,),
+    # The lead's model has a price, so GetSession fills SessionUsage.cost_usd; the worker's
+    # has none, so its calls are counted unpriced (test_wire_fields.py).
+    prices={"lead": ModelPrice(input_usd_per_mtok=1.0, output_usd_per_mtok=2.0)},
     programs={
         "gated": (tool("deploy", env="prod"), Reply(text="Deployed.")),
         "lead": (

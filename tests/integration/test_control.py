@@ -120,6 +120,7 @@ def usage_of(entries: Iterable[mesh_pb2.TranscriptEntry]) -> mesh_pb2.SessionUsa
         input_tokens=sum(u.input_tokens for u in steps),
         output_tokens=sum(u.output_tokens for u in steps),
         cached_input_tokens=sum(u.cached_input_tokens for u in steps),
+        unpriced_calls=len(steps),  # TREE names no price: every call is unpriced, none free
     )
     if steps:
         expected.first_call.CopyFrom(steps[0])

@@ -95,6 +95,7 @@ def test_list_shows_the_public_services_and_health(grpcurl: Grpcurl) -> None:
             "ListAgents",
             "ResolveApproval",
             "ListApprovals",
+            "ListPrices",
         )
     }
 
