@@ -17,6 +17,7 @@ from dsh_mesh.client import (
     Compaction,
     Consumed,
     EntryBody,
+    ForkPrefix,
     HumanPrompt,
     SessionEvent,
     SettlementNotice,
@@ -29,7 +30,7 @@ from dsh_mesh.client import (
     UnknownEntry,
     to_jsonable,
 )
-from dsh_mesh.core import MeshError, Rejected, SettlementOutcome, TurnOutcome, Usage
+from dsh_mesh.core import MeshError, Rejected, Role, SettlementOutcome, TurnOutcome, Usage
 from dsh_mesh.transport import RemoteError
 
 DEFAULT_WIDTH = 160
@@ -159,6 +160,12 @@ def describe_body(body: EntryBody, *, width: int | None = DEFAULT_WIDTH) -> tupl
             text += f": {one_line(body.reason, width)}"
         denied = body.decision is not None and body.decision.value == "deny"
         return "decided", text, denied
+    if isinstance(body, ForkPrefix):
+        text = f"{len(body.messages)} messages inherited from its parent"
+        answers = [m.content for m in body.messages if m.role is Role.ASSISTANT and m.content]
+        if answers:
+            text += f"; its last answer: {one_line(answers[-1], width)}"
+        return "inherited", text, False
     assert isinstance(body, UnknownEntry)
     return "entry", "(an entry kind this client does not know)", False
 

@@ -346,12 +346,7 @@ class MeshClient:
         async for page in self.session_pages(session, page_size=MAX_PAGE_SIZE):
             if page.transcript:
                 through = page.transcript[-1].seq
-        try:
-            prices = await self.prices()
-        except RemoteError as older:  # a node from before ListPrices: every call unpriced
-            if older.code is not grpc.StatusCode.UNIMPLEMENTED:
-                raise
-            prices = {}
+        prices = await self.prices()
         events = self.watch(session, tree=True)
         return await settle(SessionId(session), through, events, listing, deadline, prices)
 
@@ -501,9 +496,15 @@ class MeshClient:
         return bool(response.reopened)
 
     async def prices(self, *, deadline: timedelta | None = None) -> dict[str, ModelPrice]:
-        """The cluster's prices by model spec (``ListPrices``; empty when none is configured):
-        price a call with :func:`dsh_mesh.core.call_cost` at the model that made it."""
-        response = await self._unary("ListPrices", mesh_pb2.ListPricesRequest(), deadline)
+        """The cluster's prices by model spec (``ListPrices``; empty when none is configured,
+        or from a node older than the call, which knows no prices): price a call with
+        :func:`dsh_mesh.core.call_cost` at the model that made it."""
+        try:
+            response = await self._unary("ListPrices", mesh_pb2.ListPricesRequest(), deadline)
+        except RemoteError as older:
+            if older.code is not grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            return {}
         return {price.model: price_from_wire(price) for price in response.prices}
 
     async def get_session(

@@ -21,6 +21,7 @@ from dsh_mesh.client._types import (
     Compaction,
     Consumed,
     EntryBody,
+    ForkPrefix,
     HumanPrompt,
     PendingApproval,
     SessionEvent,
@@ -39,11 +40,13 @@ from dsh_mesh.core import (
     Activation,
     ActivationId,
     ApprovalDecision,
+    ChatMessage,
     Cost,
     DeliveryKind,
     ForkOrigin,
     ModelPrice,
     NodeId,
+    Role,
     SessionId,
     SessionKind,
     SessionUsage,
@@ -229,7 +232,25 @@ def _body_from_wire(entry: mesh_pb2.TranscriptEntry) -> EntryBody:
             reason=decided.reason,
             by=decided.by,
         )
+    if which == "fork_prefix":
+        return ForkPrefix(messages=tuple(_message(m) for m in entry.fork_prefix.messages))
     return UnknownEntry()
+
+
+_ROLES = {role.value: role for role in Role}
+
+
+def _message(message: mesh_pb2.ChatMessage) -> ChatMessage:
+    """A wire ``ChatMessage``; a role this client does not know reads as the user's."""
+    return ChatMessage(
+        role=_ROLES.get(message.role, Role.USER),
+        content=message.content,
+        tool_calls=tuple(
+            ToolCall(call_id=call.id, name=call.name, arguments_json=call.arguments_json)
+            for call in message.tool_calls
+        ),
+        tool_call_id=message.tool_call_id or None,
+    )
 
 
 def request_from_wire(request: mesh_pb2.ApprovalRequestEntry) -> ApprovalRequest:

@@ -15,6 +15,7 @@ from dsh_mesh.client._types import (
     AssistantStep,
     Compaction,
     Consumed,
+    ForkPrefix,
     HumanPrompt,
     SettlementNotice,
     Task,
@@ -39,6 +40,7 @@ BODY_TYPE: Mapping[type, str] = {
     ToolOutputsCleared: "tool_outputs_cleared",
     ApprovalRequest: "approval_request",
     ApprovalDecided: "approval_decision",
+    ForkPrefix: "fork_prefix",
     UnknownEntry: "unknown",
 }
 

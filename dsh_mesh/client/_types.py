@@ -18,6 +18,7 @@ from dsh_mesh.core import (
     Activation,
     ActivationId,
     ApprovalDecision,
+    ChatMessage,
     Cost,
     DeliveryKind,
     ForkOrigin,
@@ -308,6 +309,14 @@ class ApprovalDecided:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ForkPrefix:
+    """A fork child's first entry: its parent's completed turns as the messages its parent's
+    model saw, oldest first (a role this client does not know reads as ``user``)."""
+
+    messages: tuple[ChatMessage, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
 class UnknownEntry:
     """An entry body this client does not know (a newer server added one): nothing to show but
     its position."""
@@ -327,6 +336,7 @@ EntryBody = (
     | ToolOutputsCleared
     | ApprovalRequest
     | ApprovalDecided
+    | ForkPrefix
     | UnknownEntry
 )
 

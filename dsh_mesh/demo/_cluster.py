@@ -88,6 +88,9 @@ async def run_cluster_demo(
                     say(f"{node.node_id:<10} up at {node.address} (pid {node.pid})")
                 run = await _drive(cluster, say)
                 if linger is not None:
+                    # The run is printed before the cluster stops: wait for its trace here
+                    # (the nodes export every 100 ms), not at the nodes' final flush.
+                    run.trace = await _trace_arrived(receiver)
                     await linger(cluster, run)
                 # Stopping blocks; off the loop, so this process can take the nodes' last
                 # telemetry while they flush it on their way out.
@@ -213,6 +216,21 @@ def _outcomes(records: list[Record], child: SessionId) -> list[SettlementOutcome
 
 async def _children(reader: MeshReader, root: SessionId) -> list[SessionHeader]:
     return [h for h in await reader.sessions() if h.parent_session == root]
+
+
+TRACE_WAIT_S = 10.0
+"""How long a kept demo waits for the follow-up's trace to arrive before it prints the run."""
+
+
+async def _trace_arrived(receiver: OtlpReceiver) -> list[str]:
+    """The follow-up's trace once the step that consumed it has arrived too (or what has
+    arrived after :data:`TRACE_WAIT_S`)."""
+    deadline = time.monotonic() + TRACE_WAIT_S
+    while True:
+        lines = _follow_up_trace(receiver.spans())
+        if any(line.startswith("consumed by") for line in lines) or time.monotonic() > deadline:
+            return lines
+        await asyncio.sleep(0.2)
 
 
 def _follow_up_trace(spans: list[CollectedSpan]) -> list[str]:

@@ -29,6 +29,7 @@ from dsh_mesh.core import (
     Cost,
     Delivery,
     DeliveryKind,
+    ForkPrefixEntry,
     HumanPromptEntry,
     InvalidArgument,
     ModelPrice,
@@ -310,9 +311,7 @@ def activation_to_wire(activation: Activation) -> mesh_pb2.ActivationInfo:
 
 
 def record_to_wire(record: Record) -> mesh_pb2.TranscriptEntry:
-    """The wire form of one transcript record, with its ``recorded_at`` when it has one. A
-    fork child's inherited prefix has no wire form yet: it travels as an entry with only its
-    seq (and time)."""
+    """The wire form of one transcript record, with its ``recorded_at`` when it has one."""
     entry = record.entry
     wire = mesh_pb2.TranscriptEntry(seq=record.seq)
     if record.recorded_at is not None:
@@ -394,6 +393,19 @@ def record_to_wire(record: Record) -> mesh_pb2.TranscriptEntry:
         decided.arguments_json = entry.arguments_json
         decided.reason = entry.reason
         decided.by = entry.by
+    elif isinstance(entry, ForkPrefixEntry):
+        wire.fork_prefix.messages.extend(
+            mesh_pb2.ChatMessage(
+                role=message.role.value,
+                content=message.content,
+                tool_calls=[
+                    mesh_pb2.ToolCall(id=c.call_id, name=c.name, arguments_json=c.arguments_json)
+                    for c in message.tool_calls
+                ],
+                tool_call_id=message.tool_call_id or "",
+            )
+            for message in entry.messages
+        )
     return wire
 
 

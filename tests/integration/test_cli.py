@@ -280,6 +280,9 @@ async def test_show_prints_the_usage_the_last_page_summed() -> None:
         "usage     5 model calls: 1,234 input (1,024 cached, 83%), 56 output; first call 97% cached"
     ]
     assert lines[-7].startswith("usage ") and lines[-6] == "transcript (5 entries)"
+    # This node predates ListPrices (UNIMPLEMENTED): no prices, so no cost line and no costs.
+    assert not [line for line in lines if line.startswith("cost")]
+    assert not [line for line in lines if "$" in line]
     assert json.loads(json_out.getvalue())["usage"] == {
         "model_calls": 5,
         "input_tokens": 1234,

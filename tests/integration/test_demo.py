@@ -10,7 +10,8 @@ from dsh_mesh.core import (
     ToolResultEntry,
     session_usage,
 )
-from dsh_mesh.demo import print_run, run_cluster_demo
+from dsh_mesh.demo import DemoRun, print_run, run_cluster_demo
+from dsh_mesh.testing import LocalCluster
 
 
 def _notices(records: list[Record]) -> list[tuple[str, SettlementOutcome]]:
@@ -23,7 +24,16 @@ def _notices(records: list[Record]) -> list[tuple[str, SettlementOutcome]]:
 
 async def test_the_cluster_demo_shows_delivery_both_ways_a_kill_and_a_cold_resume() -> None:
     lines: list[str] = []
-    run = await run_cluster_demo(say=lines.append)
+    kept: list[list[str]] = []
+
+    async def linger(_cluster: LocalCluster, run: DemoRun) -> None:
+        kept.append(list(run.trace))  # what `--keep` prints while the cluster stays up
+
+    run = await run_cluster_demo(say=lines.append, linger=linger)
+    # `make demo DEMO_ARGS=--keep` prints the run before the cluster stops: its trace section
+    # is there already, the step that consumed the follow-up included.
+    [trace] = kept
+    assert trace and any(line.startswith("consumed by") for line in trace), trace
     root = run.transcripts[run.root]
     alpha, beta, _gloss = (s for s in run.transcripts if s != run.root)
     # Children live on other nodes than their parent; alpha moved after its host was killed.

@@ -12,7 +12,8 @@ from datetime import timedelta
 import pytest
 
 import dsh_mesh
-from dsh_mesh.core import Cost, ModelPrice, TurnOutcome, Usage
+from dsh_mesh.client import ForkPrefix
+from dsh_mesh.core import Cost, ModelPrice, Role, TurnOutcome, Usage
 from dsh_mesh.testing import (
     ChatCompletionsServer,
     Completion,
@@ -156,6 +157,50 @@ async def test_a_call_of_a_model_without_a_price_is_counted_unpriced() -> None:
             assert result.cost == Cost(0.0, 1)
             page = await mesh.client.get_session(result.session_id)
             assert page.cost == Cost(0.0, 1)
+
+
+FORKER = dsh_mesh.Preset(
+    name="forker",
+    system_prompt="You fork.",
+    model="openai:gpt-4o-mini",
+    tools=("fork_agent",),
+)
+
+
+def fork_model(request: RecordedRequest) -> Reply:
+    """The forker forks once, its fork answers, and the forker answers after the notice."""
+    messages = request.json["messages"]
+    said = json.dumps(messages[-1]["content"])
+    if "Check the fork." in said:
+        return Completion(text="Fork checked.")
+    if messages[-1]["role"] == "tool":
+        return Completion(text="Forked; waiting.")
+    if "Fork checked." in said:
+        return Completion(text="The fork says: checked.")
+    arguments = json.dumps({"task": "Check the fork."})
+    return Completion(
+        tool_calls=(ScriptedToolCall(call_id="f1", name="fork_agent", arguments=arguments),)
+    )
+
+
+async def test_a_fork_childs_inherited_prefix_reads_over_grpc_as_its_first_entry() -> None:
+    async with ChatCompletionsServer(responder=fork_model) as chat:
+        endpoint = dsh_mesh.OpenAIEndpoint(base_url=chat.base_url)
+        async with dsh_mesh.LocalMesh(presets=[FORKER], endpoints={"openai": endpoint}) as mesh:
+            result = await mesh.run("forker", "Fork, please.", deadline=timedelta(seconds=60))
+            assert result.answer == "The fork says: checked." and result.sessions == 2
+            [fork] = [
+                agent.info.session_id
+                async for agent in mesh.client.list_agents(result.session_id)
+                if agent.info.session_id != result.session_id
+            ]
+            page = await mesh.client.get_session(fork)
+            first = page.transcript[0].body
+            assert isinstance(first, ForkPrefix), first
+            # What the parent's model saw before it forked: its task, then nothing else
+            # completed (the fork inherits completed turns only), as chat messages.
+            assert [m.role for m in first.messages][:1] == [Role.USER]
+            assert "Fork, please." in first.messages[0].content
 
 
 def test_a_preset_naming_a_tool_nobody_gives_is_refused_before_anything_starts() -> None:

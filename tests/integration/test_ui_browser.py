@@ -158,6 +158,23 @@ async def test_the_tree_renders_and_a_killed_workers_loss_and_resume_show(
     assert f"({placed} →" in row
     shots(browser, "3-resumed")
 
+    # A page opened after the move shows it too: where each turn ran is in the transcript.
+    browser.get(view.link(root=root))
+
+    def moves_shown(driver: Any) -> bool:
+        shown = driver.execute_script(
+            "const r = document.querySelector(arguments[0]); return r ? r.textContent : ''",
+            f'#tree tr[data-session="{victim}"]',
+        )
+        return f"({placed} →" in shown
+
+    until_shown(browser, moves_shown, "the worker's move on a page opened after it")
+    # The timeline has a time axis: ticks from 0, the first turn's clock time as its label.
+    ticks = browser.execute_script(
+        "return [...document.querySelectorAll('#timeline .axis .tick')].map(t => t.textContent)"
+    )
+    assert ticks[0] == "0" and len(ticks) >= 2 and all(t.startswith("+") for t in ticks[1:])
+
 
 async def test_a_call_waiting_for_approval_is_approved_from_the_page_and_runs_once(
     cluster: LocalCluster,

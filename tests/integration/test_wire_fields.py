@@ -26,6 +26,8 @@ from dsh_mesh.transport import DETAILS_METADATA_KEY
 
 NOT_IN_SCENARIO: dict[str, str] = {
     "dsh.mesh.v1.SessionHeader.fork_origin": "no fork in EXCHANGE",
+    "dsh.mesh.v1.TranscriptEntry.fork_prefix": "no fork in EXCHANGE: test_cli.py (unit) and"
+    " test_mesh.py's fork",
     "dsh.mesh.v1.Session.next_page_token": "every page here reaches the end",
     "dsh.mesh.v1.ListAgentsResponse.next_page_token": "two agents fit one page",
     "dsh.mesh.v1.AgentMessageEntry.trace": "tracing is off in the test cluster",

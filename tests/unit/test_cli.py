@@ -47,6 +47,7 @@ from dsh_mesh.client import (
     ClientOptions,
     Compaction,
     Consumed,
+    ForkPrefix,
     HumanPrompt,
     MeshClient,
     SessionEvent,
@@ -63,10 +64,14 @@ from dsh_mesh.client._convert import event_from_wire, session_from_wire, summary
 from dsh_mesh.core import (
     Activation,
     ActivationId,
+    ChatMessage,
     DeliveryKind,
+    ForkPrefixEntry,
     NodeId,
+    Record,
     Rejected,
     RejectionReason,
+    Role,
     SessionId,
     SessionKind,
     SessionUsage,
@@ -78,6 +83,7 @@ from dsh_mesh.core import (
 )
 from dsh_mesh.node import DEMO_SCENARIO, EMPTY_SCENARIO, scenario_name
 from dsh_mesh.transport import RemoteError
+from dsh_mesh.transport._convert import record_to_wire
 
 TOKEN = "t" * 32
 ANSI = "\x1b["
@@ -510,6 +516,16 @@ def _event(body: object, *, seq: int = 4, event_seq: int = 17) -> SessionEvent:
         ),
         (Consumed(seqs=(1, 3)), "consumed", "seq 1, 3"),
         (UnknownEntry(), "entry", "(an entry kind this client does not know)"),
+        (
+            ForkPrefix(
+                messages=(
+                    ChatMessage(role=Role.USER, content="Survey."),
+                    ChatMessage(role=Role.ASSISTANT, content="Leases expire."),
+                )
+            ),
+            "inherited",
+            "2 messages inherited from its parent; its last answer: Leases expire.",
+        ),
     ],
 )
 def test_one_line_per_entry_event(body: object, label: str, text: str) -> None:
@@ -788,6 +804,21 @@ def test_unknown_wire_values_are_not_guessed() -> None:
     )
     assert empty.entry is not None and isinstance(empty.entry.body, UnknownEntry)
     assert empty.entry.recorded_at is None
+
+
+def test_a_fork_childs_inherited_prefix_travels_whole_and_reads_as_what_it_is() -> None:
+    called = ToolCall(call_id="c1", name="spawn_agent", arguments_json='{"task": "t"}')
+    messages = (
+        ChatMessage(role=Role.USER, content="Survey."),
+        ChatMessage(role=Role.ASSISTANT, content="", tool_calls=(called,)),
+        ChatMessage(role=Role.TOOL, content='{"agent_id": "s-2"}', tool_call_id="c1"),
+        ChatMessage(role=Role.ASSISTANT, content="Leases expire."),
+    )
+    wire = record_to_wire(Record(seq=1, entry=ForkPrefixEntry(messages=messages)))
+    assert wire.WhichOneof("body") == "fork_prefix"
+    read = event_from_wire(mesh_pb2.SessionEvent(session_id="s-fork", event_seq=1, entry=wire))
+    assert read.entry is not None and read.entry.body == ForkPrefix(messages=messages)
+    assert to_jsonable(read.entry.body)["type"] == "fork_prefix"
 
 
 def test_wire_sessions_and_summaries() -> None:

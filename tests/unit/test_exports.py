@@ -320,6 +320,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "DEFAULT_CLIENT_NAME",
         "DecisionResult",
         "EntryBody",
+        "ForkPrefix",
         "HealthStatus",
         "HumanPrompt",
         "InterruptResult",

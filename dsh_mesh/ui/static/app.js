@@ -312,6 +312,7 @@ function describe(entry, found) {
     case 'turn_ended':
       return ['turn', `${body.turn_id} ended ${body.outcome}${body.detail ? `: ${escape(body.detail)}` : ''}`, !['completed', 'awaiting-approval'].includes(body.outcome)];
     case 'consumed': return ['read', `seq ${body.seqs.join(', ')}`];
+    case 'fork_prefix': return ['inherited', `${body.messages.length} messages inherited from its parent`];
     case 'compaction': return ['compacted', `seq ${body.from_seq}-${body.through_seq}: ${escape(body.summary)}${stepCost(found, body.model, body.usage)}`];
     case 'tool_outputs_cleared': return ['cleared', `tool outputs of seq ${body.seqs.join(', ')}`];
     case 'approval_request': return ['approval?', `${escape(body.tool)}(${escape(body.arguments_json)}) call ${escape(body.call_id)}`];
@@ -340,6 +341,28 @@ function drawTranscript() {
 
 // -- the timeline --------------------------------------------------------------------------
 
+// The time axis: a tick every round step (so that at most eight fit), labelled from the
+// first turn's start, whose clock time the lane's label shows.
+const TICK_STEPS_S = [0.1, 0.2, 0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 21600, 43200, 86400];
+
+function clock(seconds) {
+  if (seconds < 1) return `${Math.round(seconds * 1000)} ms`;
+  if (seconds < 60) return `${Number(seconds.toFixed(1))} s`;
+  if (seconds < 3600) return `${Math.floor(seconds / 60)} min${seconds % 60 ? ` ${Math.round(seconds % 60)} s` : ''}`;
+  return `${Math.floor(seconds / 3600)} h${seconds % 3600 ? ` ${Math.round((seconds % 3600) / 60)} min` : ''}`;
+}
+
+function axis(start, span, at) {
+  const seconds = span / 1000;
+  const step = TICK_STEPS_S.find((s) => seconds / s <= 8) || TICK_STEPS_S[TICK_STEPS_S.length - 1];
+  const ticks = [];
+  for (let t = 0; t <= seconds + 1e-9; t += step) {
+    ticks.push(`<div class="tick" data-left="${at(start + t * 1000)}">${t ? `+${clock(t)}` : '0'}</div>`);
+  }
+  const began = new Date(start).toLocaleTimeString();
+  return `<div class="lane axis"><div class="label" title="when the first turn shown began">${began}</div><div class="track">${ticks.join('')}</div></div>`;
+}
+
 function drawTimeline() {
   let start = Infinity;
   let end = -Infinity;
@@ -354,7 +377,7 @@ function drawTimeline() {
   const span = Math.max(end - start, 1);
   const at = (t) => `${(100 * (t - start)) / span}%`;
   const width = (a, b) => `${Math.max((100 * (b - a)) / span, 0.15)}%`;
-  const lanes = [];
+  const lanes = [axis(start, span, at)];
   for (const id of view.order) {
     const found = view.agents.get(id);
     if (!found || !found.turns.length) continue;
@@ -397,6 +420,9 @@ function apply(event) {
   const turn = found.turns[found.turns.length - 1];
   switch (body.type) {
     case 'turn_started':
+      // Where each turn ran is durable: the agent's moves read from its transcript, so a
+      // page opened after a move still shows it (residency events tell only the present).
+      if (body.node_id) moved(found, body.node_id);
       found.running = true;
       found.turns.push({ id: body.turn_id, node: body.node_id, trace: body.trace, start: when, end: null, outcome: null, steps: [], tools: [] });
       break;

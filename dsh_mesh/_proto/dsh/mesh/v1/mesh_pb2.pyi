@@ -546,7 +546,7 @@ class AgentMessageSource(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., form: _Optional[str] = ..., sender_session_id: _Optional[str] = ...) -> None: ...
 
 class TranscriptEntry(_message.Message):
-    __slots__ = ("seq", "recorded_at", "task", "human_prompt", "agent_message", "settlement_notice", "assistant_step", "tool_result", "turn_started", "turn_ended", "consumed", "compaction", "tool_outputs_cleared", "approval_request", "approval_decision")
+    __slots__ = ("seq", "recorded_at", "task", "human_prompt", "agent_message", "settlement_notice", "assistant_step", "tool_result", "turn_started", "turn_ended", "consumed", "compaction", "tool_outputs_cleared", "approval_request", "approval_decision", "fork_prefix")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     RECORDED_AT_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
@@ -562,6 +562,7 @@ class TranscriptEntry(_message.Message):
     TOOL_OUTPUTS_CLEARED_FIELD_NUMBER: _ClassVar[int]
     APPROVAL_REQUEST_FIELD_NUMBER: _ClassVar[int]
     APPROVAL_DECISION_FIELD_NUMBER: _ClassVar[int]
+    FORK_PREFIX_FIELD_NUMBER: _ClassVar[int]
     seq: int
     recorded_at: _timestamp_pb2.Timestamp
     task: TaskEntry
@@ -577,7 +578,26 @@ class TranscriptEntry(_message.Message):
     tool_outputs_cleared: ToolOutputsClearedEntry
     approval_request: ApprovalRequestEntry
     approval_decision: ApprovalDecisionEntry
-    def __init__(self, seq: _Optional[int] = ..., recorded_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., task: _Optional[_Union[TaskEntry, _Mapping]] = ..., human_prompt: _Optional[_Union[HumanPromptEntry, _Mapping]] = ..., agent_message: _Optional[_Union[AgentMessageEntry, _Mapping]] = ..., settlement_notice: _Optional[_Union[SettlementNoticeEntry, _Mapping]] = ..., assistant_step: _Optional[_Union[AssistantStepEntry, _Mapping]] = ..., tool_result: _Optional[_Union[ToolResultEntry, _Mapping]] = ..., turn_started: _Optional[_Union[TurnStartedEntry, _Mapping]] = ..., turn_ended: _Optional[_Union[TurnEndedEntry, _Mapping]] = ..., consumed: _Optional[_Union[ConsumedEntry, _Mapping]] = ..., compaction: _Optional[_Union[CompactionEntry, _Mapping]] = ..., tool_outputs_cleared: _Optional[_Union[ToolOutputsClearedEntry, _Mapping]] = ..., approval_request: _Optional[_Union[ApprovalRequestEntry, _Mapping]] = ..., approval_decision: _Optional[_Union[ApprovalDecisionEntry, _Mapping]] = ...) -> None: ...
+    fork_prefix: ForkPrefixEntry
+    def __init__(self, seq: _Optional[int] = ..., recorded_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., task: _Optional[_Union[TaskEntry, _Mapping]] = ..., human_prompt: _Optional[_Union[HumanPromptEntry, _Mapping]] = ..., agent_message: _Optional[_Union[AgentMessageEntry, _Mapping]] = ..., settlement_notice: _Optional[_Union[SettlementNoticeEntry, _Mapping]] = ..., assistant_step: _Optional[_Union[AssistantStepEntry, _Mapping]] = ..., tool_result: _Optional[_Union[ToolResultEntry, _Mapping]] = ..., turn_started: _Optional[_Union[TurnStartedEntry, _Mapping]] = ..., turn_ended: _Optional[_Union[TurnEndedEntry, _Mapping]] = ..., consumed: _Optional[_Union[ConsumedEntry, _Mapping]] = ..., compaction: _Optional[_Union[CompactionEntry, _Mapping]] = ..., tool_outputs_cleared: _Optional[_Union[ToolOutputsClearedEntry, _Mapping]] = ..., approval_request: _Optional[_Union[ApprovalRequestEntry, _Mapping]] = ..., approval_decision: _Optional[_Union[ApprovalDecisionEntry, _Mapping]] = ..., fork_prefix: _Optional[_Union[ForkPrefixEntry, _Mapping]] = ...) -> None: ...
+
+class ForkPrefixEntry(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content", "tool_calls", "tool_call_id")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    tool_call_id: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
 
 class TaskEntry(_message.Message):
     __slots__ = ("content",)
