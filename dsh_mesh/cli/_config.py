@@ -114,7 +114,9 @@ class ClusterState:
                 scenario=str(data["scenario"]),
                 log_dir=str(data.get("log_dir", "")),
                 log_store=str(data.get("log_store", "")),
-                default_preset=str(data.get("default_preset", "")),
+                default_preset=str(
+                    data.get("default_preset", _DEMO_DEFAULT.get(data["scenario"], ""))
+                ),
                 tls=_tls_paths(data.get("tls")),
                 nodes=tuple(
                     NodeEntry(
@@ -145,6 +147,11 @@ def resolve_preset(flag: str | None, environ: Mapping[str, str], state: ClusterS
             " no single default"
         )
     return chosen
+
+
+_DEMO_DEFAULT = {"dsh_mesh.demo:SCENARIO": "lead"}
+"""The default preset of a state file written before ``default_preset`` was: the demo's, when
+that ``up`` ran the demo (it ran with ``spawn --preset lead`` as its default)."""
 
 
 def _tls_paths(data: Any) -> TlsPaths | None:

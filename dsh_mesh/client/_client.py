@@ -12,7 +12,7 @@ import asyncio
 import os
 import re
 import secrets
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
@@ -305,6 +305,14 @@ class MeshClient:
             request_id=request_id,
         )
 
+    async def _last_seq(self, session: SessionId) -> int:
+        """The seq of ``session``'s last entry as read now (0: none)."""
+        last = 0
+        async for page in self.session_pages(session, page_size=MAX_PAGE_SIZE):
+            if page.transcript:
+                last = page.transcript[-1].seq
+        return last
+
     async def run(
         self,
         preset: str,
@@ -335,17 +343,18 @@ class MeshClient:
         """Wait until the tree rooted at ``session`` has settled: no turn open, no entry
         unread, no call waiting for a decision, and every child activation that ran a turn
         has told its parent how it ended. Returns the root's last answer and the tree's usage.
-        Call it after :meth:`prompt` to await the prompt's answer. Raises
+        Call it after :meth:`prompt` (of the root or of any agent of its tree) to await what
+        follows. A tree stopped and closed (:meth:`stop_tree` with ``close``) keeps what it
+        was sent unread until it is reopened, so it settles only then. Raises
         :class:`TimeoutError` when ``deadline`` passes first; reads only."""
 
-        async def listing() -> AsyncIterator[tuple[SessionId, AgentState | None, str]]:
+        async def listing() -> AsyncGenerator[tuple[SessionId, AgentState | None, str], None]:
             async for agent in self.list_agents(session):
                 yield agent.info.session_id, agent.state, agent.info.model
 
-        through = 0
-        async for page in self.session_pages(session, page_size=MAX_PAGE_SIZE):
-            if page.transcript:
-                through = page.transcript[-1].seq
+        through: dict[SessionId, int] = {}
+        async for agent in self.list_agents(session):
+            through[agent.info.session_id] = await self._last_seq(agent.info.session_id)
         prices = await self.prices()
         events = self.watch(session, tree=True)
         return await settle(SessionId(session), through, events, listing, deadline, prices)

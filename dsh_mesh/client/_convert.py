@@ -306,8 +306,11 @@ def price_from_wire(price: mesh_pb2.ModelPrice) -> ModelPrice:
     )
 
 
-def cost_from_wire(usage: mesh_pb2.SessionUsage) -> Cost:
-    """What a wire ``SessionUsage`` says its calls cost."""
+def cost_from_wire(usage: mesh_pb2.SessionUsage) -> Cost | None:
+    """What a wire ``SessionUsage`` says its calls cost (``None``: a node older than the
+    field, which does not know: never read as free)."""
+    if not usage.HasField("cost_usd"):
+        return None
     return Cost(usage.cost_usd, usage.unpriced_calls)
 
 
@@ -327,7 +330,7 @@ def session_from_wire(session: mesh_pb2.Session) -> SessionPage:
         transcript=tuple(entry_from_wire(entry) for entry in session.transcript),
         next_page_token=session.next_page_token,
         usage=session_usage_from_wire(session.usage) if session.HasField("usage") else None,
-        cost=cost_from_wire(session.usage) if session.HasField("usage") else None,
+        cost=cost_from_wire(session.usage),
     )
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -85,10 +85,12 @@ class _Fold:
     """The tree's progress and what the result needs, fed one watch event at a time."""
 
     root: SessionId
-    through: int
-    """The root's last seq when the wait began: the fold judges nothing before it has it."""
+    through: Mapping[SessionId, int]
+    """Each session's last seq when the wait began: the fold judges nothing before it has
+    every one of them."""
     progress: TreeProgress = field(default_factory=TreeProgress)
-    root_seq: int = 0
+    shown: dict[SessionId, int] = field(default_factory=dict)
+    """Each session's last seq the watch has shown."""
     answer: str = ""
     outcome: TurnOutcome | None = None
     detail: str = ""
@@ -104,8 +106,7 @@ class _Fold:
         progress.session(session)
         if entry is None:
             return
-        if session == self.root:
-            self.root_seq = max(self.root_seq, entry.seq)
+        self.shown[session] = max(self.shown.get(session, 0), entry.seq)
         body = entry.body
         if isinstance(body, _INBOUND):
             progress.inbound(session, entry.seq)
@@ -145,9 +146,12 @@ class _Fold:
         )
 
     def waits(self) -> list[str]:
-        if self.root_seq < self.through:
-            return [f"the watch has shown {self.root} up to seq {self.root_seq} of {self.through}"]
-        return self.progress.tree_waits(self.root)
+        behind = [
+            f"the watch has shown {session} up to seq {self.shown.get(session, 0)} of {seq}"
+            for session, seq in self.through.items()
+            if self.shown.get(session, 0) < seq
+        ]
+        return behind or self.progress.tree_waits(self.root)
 
     def result(self, prices: Mapping[str, ModelPrice]) -> RunResult:
         cost = Cost()
@@ -164,13 +168,13 @@ class _Fold:
         )
 
 
-Listing = Callable[[], AsyncIterator[tuple[SessionId, AgentState | None, str]]]
+Listing = Callable[[], AsyncGenerator[tuple[SessionId, AgentState | None, str], None]]
 """Every session of the tree with its live state and model, as ``ListAgents`` tells it now."""
 
 
 async def settle(
     root: SessionId,
-    through: int,
+    through: Mapping[SessionId, int],
     events: AsyncIterator[SessionEvent],
     listing: Listing,
     deadline: timedelta | None,
@@ -180,11 +184,16 @@ async def settle(
     and its listing agrees; raises :class:`TimeoutError` naming what the tree still waits for
     when ``deadline`` passes first.
 
-    ``through`` is the root's last seq when the wait began. The watch delivers the tree's
-    entries in the log store's order, so every prefix of it is a state the tree was in; one
-    that looks settled but ends before ``through`` is a past state (a prompt came after it),
-    so nothing is judged before the root's entries up to ``through`` are in."""
+    ``through`` is each session's last seq when the wait began (every session the tree held
+    then, the root included). The watch delivers the tree's entries in the log store's order,
+    so every prefix of it is a state the tree was in; one that looks settled but ends before
+    ``through`` is a past state (a prompt to any of its agents came after it), so nothing is
+    judged before every session's entries up to ``through`` are in. A session the tree held
+    then counts as shown, even with nothing to show (a root created without a task)."""
     fold = _Fold(root=root, through=through)
+    fold.progress.session(root)
+    for session in through:
+        fold.progress.session(session)
     queue: asyncio.Queue[SessionEvent | BaseException] = asyncio.Queue()
 
     async def pump() -> None:
@@ -218,8 +227,9 @@ async def settle(
                 return fold.result(prices or {})
     finally:
         pumping.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await pumping
+        # wait, not await: the pump's own cancellation is expected; one of this wait is not
+        # swallowed.
+        await asyncio.wait([pumping])
         aclose = getattr(events, "aclose", None)
         if aclose is not None:
             await aclose()
@@ -228,8 +238,9 @@ async def settle(
 async def _listing_agrees(fold: _Fold, listing: Listing) -> bool:
     """Whether every session the tree lists now was shown by the watch and none runs."""
     seen = fold.progress.sessions
-    async for session, state, model in listing():
-        fold.models[session] = model
-        if session not in seen or state is AgentState.RUNNING:
-            return False
+    async with contextlib.aclosing(listing()) as listed:
+        async for session, state, model in listed:
+            fold.models[session] = model
+            if session not in seen or state is AgentState.RUNNING:
+                return False
     return True

@@ -368,8 +368,8 @@ class SessionPage:
     usage: SessionUsage | None = None
     cost: Cost | None = None
     """What ``usage``'s calls cost at the cluster's prices, every call priced at the session's
-    model (``None`` with ``usage``); :meth:`MeshClient.prices` prices each call at the model
-    that made it."""
+    model (``None``: a node that did not say, older than the field);
+    :meth:`MeshClient.prices` prices each call at the model that made it."""
 
 
 @dataclass(frozen=True, kw_only=True)

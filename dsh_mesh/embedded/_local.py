@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
 import shutil
 import tempfile
@@ -40,6 +41,8 @@ from dsh_mesh.registry import EtcdConfig, LeaseConfig
 from dsh_mesh.testing import EtcdServer
 from dsh_mesh.tools import Preset, Tool
 from dsh_mesh.transport import ClusterCredential
+
+_log = logging.getLogger(__name__)
 
 READY_SECONDS = 30.0
 """How long one node may take to serve before the start is given up."""
@@ -167,28 +170,26 @@ class LocalMesh:
         raise LocalMeshError(f"node {node_id} did not serve within {READY_SECONDS:g} s")
 
     async def close(self) -> None:
-        """Stop the client, every node (last started first) and etcd, and remove the data.
-        Idempotent."""
-        if self._client is not None:
-            await self._client.close()
-            self._client = None
-        while self._nodes:
-            node, running = self._nodes.pop()
-            node.stop()
-            try:
-                await asyncio.wait_for(running, STOP_SECONDS)
-            except TimeoutError:
-                running.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await running
-            except Exception:
-                pass
-        if self._etcd is not None:
-            await asyncio.to_thread(self._etcd.stop)
-            self._etcd = None
-        if self._data is not None:
-            shutil.rmtree(self._data, ignore_errors=True)
-            self._data = None
+        """Stop the client, every node and etcd, and remove the data. Idempotent. Every node
+        is told to stop before any is waited for: a node left running would take over the
+        agents of one that stopped (their leases lapse) and run them on."""
+        try:
+            if self._client is not None:
+                await self._client.close()
+                self._client = None
+            nodes, self._nodes = self._nodes, []
+            for node, _ in nodes:
+                node.stop()
+            for node, running in nodes:
+                await _stopped(node, running)
+        finally:
+            self._addresses.clear()
+            if self._etcd is not None:
+                await asyncio.to_thread(self._etcd.stop)
+                self._etcd = None
+            if self._data is not None:
+                shutil.rmtree(self._data, ignore_errors=True)
+                self._data = None
 
     # -- use -----------------------------------------------------------------------------------
 
@@ -220,6 +221,22 @@ class LocalMesh:
         """Run ``task`` on a new root of ``preset`` until its tree settles
         (:meth:`MeshClient.run`)."""
         return await self.client.run(preset, task, model=model, deadline=deadline)
+
+
+async def _stopped(node: Node, running: asyncio.Task[None]) -> None:
+    """Wait for ``node`` to stop (cancelled after :data:`STOP_SECONDS`); a node that failed is
+    logged, not raised: the rest still has to stop."""
+    try:
+        await asyncio.wait_for(running, STOP_SECONDS)
+    except TimeoutError:
+        _log.warning(
+            "node %s did not stop within %g s: cancelled", node.config.node_id, STOP_SECONDS
+        )
+        running.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await running
+    except Exception:
+        _log.exception("node %s failed", node.config.node_id)
 
 
 def _check_tools(

@@ -180,7 +180,7 @@ def create_app(
         prices_unavailable = ""
         try:
             prices = {model: to_jsonable(p) for model, p in (await client.prices()).items()}
-        except MeshError as away:
+        except (MeshError, ValueError) as away:  # away, or answered a price it cannot be
             prices_unavailable = f"{type(away).__name__}: {bounded_quote(str(away), max_chars=200)}"
         return json_answer(
             {

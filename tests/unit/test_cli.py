@@ -65,6 +65,7 @@ from dsh_mesh.core import (
     Activation,
     ActivationId,
     ChatMessage,
+    Cost,
     DeliveryKind,
     ForkPrefixEntry,
     NodeId,
@@ -160,6 +161,11 @@ def test_spawn_runs_the_preset_named_else_the_environments_else_the_clusters_one
     assert resolve_preset(None, {PRESET_ENV: "env"}, demo) == "env"
     assert resolve_preset(None, {}, demo) == "lead"
     assert ClusterState.from_json(demo.to_json()).default_preset == "lead"
+    # A state file from before the field: the demo's lead when that `up` ran the demo.
+    older = {k: v for k, v in _state(ALIVE).to_json().items() if k != "default_preset"}
+    assert ClusterState.from_json(older).default_preset == "lead"
+    older["scenario"] = "my.module:AGENTS"
+    assert ClusterState.from_json(older).default_preset == ""
     for state in (_state(ALIVE), None):  # several presets, or no state file: never a guess
         with pytest.raises(ConfigError, match="name the preset to run: --preset NAME"):
             resolve_preset(None, {}, state)
@@ -819,6 +825,17 @@ def test_a_fork_childs_inherited_prefix_travels_whole_and_reads_as_what_it_is() 
     read = event_from_wire(mesh_pb2.SessionEvent(session_id="s-fork", event_seq=1, entry=wire))
     assert read.entry is not None and read.entry.body == ForkPrefix(messages=messages)
     assert to_jsonable(read.entry.body)["type"] == "fork_prefix"
+
+
+def test_a_cost_the_node_did_not_send_is_unknown_never_free() -> None:
+    header = mesh_pb2.SessionHeader(session_id="s-1", kind=mesh_pb2.SESSION_KIND_ROOT)
+    older = mesh_pb2.Session(header=header, usage=mesh_pb2.SessionUsage(model_calls=2))
+    assert session_from_wire(older).cost is None
+    priced = mesh_pb2.Session(
+        header=header,
+        usage=mesh_pb2.SessionUsage(model_calls=2, cost_usd=0.25, unpriced_calls=1),
+    )
+    assert session_from_wire(priced).cost == Cost(0.25, 1)
 
 
 def test_wire_sessions_and_summaries() -> None:

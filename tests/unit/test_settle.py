@@ -5,7 +5,8 @@ never earlier, even while the listing shows a child the watch has not shown yet.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+import dataclasses
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from datetime import timedelta
 
 import pytest
@@ -61,7 +62,7 @@ class Listing:
         self.sessions: Sequence[SessionId] = sessions
         self.reads = 0
 
-    async def __call__(self) -> AsyncIterator[tuple[SessionId, AgentState | None, str]]:
+    async def __call__(self) -> AsyncGenerator[tuple[SessionId, AgentState | None, str], None]:
         self.reads += 1
         for session in self.sessions:
             yield session, AgentState.IDLE, "big:m" if session == ROOT else "small:m"
@@ -84,7 +85,7 @@ async def test_a_root_alone_settles_with_its_last_answer() -> None:
     watch = Watch()
     watch.add(ROOT, 1, Task(content="Add."))
     root_turn(watch, "t1", 2, (1,), "5")
-    result = await settle(ROOT, 5, watch.events(), Listing(ROOT), timedelta(seconds=5))
+    result = await settle(ROOT, {ROOT: 5}, watch.events(), Listing(ROOT), timedelta(seconds=5))
     assert (result.answer, result.outcome, result.completed) == ("5", TurnOutcome.COMPLETED, True)
     assert (result.usage.model_calls, result.usage.input_tokens, result.sessions) == (1, 10, 1)
     assert result.cost == Cost(0.0, 1)  # no prices: the call is unpriced
@@ -101,7 +102,7 @@ async def test_the_wait_holds_through_a_child_and_returns_the_roots_answer_after
         "small:m": ModelPrice(input_usd_per_mtok=1.0, output_usd_per_mtok=10.0),
     }
     waiting = asyncio.create_task(
-        settle(ROOT, 1, watch.events(), listing, timedelta(seconds=10), prices)
+        settle(ROOT, {ROOT: 1}, watch.events(), listing, timedelta(seconds=10), prices)
     )
     await asyncio.sleep(0.2)
     # The root's turn ended, but the listing shows a child the watch has not shown yet.
@@ -140,7 +141,7 @@ async def test_a_settled_past_is_no_answer_until_the_roots_entries_when_begun_ar
     the watch's prefix up to that turn looks settled, nor from a residency event alone."""
     watch = Watch()
     watch.queue.put_nowait(SessionEvent(session_id=ROOT, event_seq=0, activated=None))
-    waiting = asyncio.create_task(settle(ROOT, 6, watch.events(), Listing(ROOT), None))
+    waiting = asyncio.create_task(settle(ROOT, {ROOT: 6}, watch.events(), Listing(ROOT), None))
     await asyncio.sleep(0.1)
     assert not waiting.done(), "a residency event alone settled the wait"
     watch.add(ROOT, 1, Task(content="Add."))
@@ -152,12 +153,53 @@ async def test_a_settled_past_is_no_answer_until_the_roots_entries_when_begun_ar
     assert (await waiting).answer == "12"
 
 
+async def test_a_prompt_to_a_child_after_the_tree_settled_is_waited_for() -> None:
+    """The tree had settled; then a child was prompted (its seq 6). A wait begun then must
+    not answer from the settled past, though the root's entries are all in."""
+    watch = Watch()
+    watch.add(ROOT, 1, Task(content="Ask a child."))
+    root_turn(watch, "t1", 2, (1,), "Asked.")
+    waiting = asyncio.create_task(
+        settle(ROOT, {ROOT: 5, CHILD: 6}, watch.events(), Listing(ROOT, CHILD), None)
+    )
+    watch.add(CHILD, 1, Task(content="Find it."))
+    watch.add(CHILD, 2, TurnStarted(turn_id=TurnId("c1"), activation_id=CHILD_A))
+    watch.add(CHILD, 3, Consumed(seqs=(1,)))
+    watch.add(CHILD, 4, step("Found.", 7))
+    watch.add(CHILD, 5, TurnEnded(turn_id=TurnId("c1"), outcome=TurnOutcome.COMPLETED))
+    notice = SettlementNotice(
+        child_session=CHILD,
+        child_activation=CHILD_A,
+        outcome=SettlementOutcome.COMPLETED,
+        terminal_output="Found.",
+    )
+    watch.add(ROOT, 6, notice)
+    root_turn(watch, "t2", 7, (6,), "The child found it.")
+    await asyncio.sleep(1.2)
+    assert not waiting.done(), "answered from before the child's prompt"
+    watch.add(CHILD, 6, HumanPrompt(content="And more?", idempotency_key="k"))
+    child_b = ActivationId("child-a2")
+    watch.add(CHILD, 7, TurnStarted(turn_id=TurnId("c2"), activation_id=child_b))
+    watch.add(CHILD, 8, Consumed(seqs=(6,)))
+    watch.add(CHILD, 9, step("More found.", 7))
+    watch.add(CHILD, 10, TurnEnded(turn_id=TurnId("c2"), outcome=TurnOutcome.COMPLETED))
+    watch.add(ROOT, 11, dataclasses.replace(notice, child_activation=child_b))
+    root_turn(watch, "t3", 12, (11,), "More, says the child.")
+    assert (await waiting).answer == "More, says the child."
+
+
+async def test_a_root_created_without_a_task_has_settled_at_once() -> None:
+    watch = Watch()  # it has no entry, and no residency: the watch shows nothing at all
+    result = await settle(ROOT, {ROOT: 0}, watch.events(), Listing(ROOT), timedelta(seconds=5))
+    assert (result.answer, result.outcome, result.sessions) == ("", None, 1)
+
+
 async def test_a_deadline_names_what_the_tree_waits_for() -> None:
     watch = Watch()
     watch.add(ROOT, 1, Task(content="Add."))
     watch.add(ROOT, 2, TurnStarted(turn_id=TurnId("t1")))
     with pytest.raises(TimeoutError, match="root has turn t1 open"):
-        await settle(ROOT, 2, watch.events(), Listing(ROOT), timedelta(seconds=0.3))
+        await settle(ROOT, {ROOT: 2}, watch.events(), Listing(ROOT), timedelta(seconds=0.3))
 
 
 async def test_a_watch_that_fails_fails_the_wait() -> None:
@@ -166,4 +208,4 @@ async def test_a_watch_that_fails_fails_the_wait() -> None:
         yield  # pragma: no cover - makes this a generator
 
     with pytest.raises(ConnectionError, match="gone"):
-        await settle(ROOT, 0, broken(), Listing(ROOT), None)
+        await settle(ROOT, {ROOT: 0}, broken(), Listing(ROOT), None)

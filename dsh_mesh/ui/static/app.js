@@ -24,7 +24,7 @@ const $ = (selector) => document.querySelector(selector);
 
 function newAgent(id) {
   return {
-    id, info: null, node: '', nodes: [], resident: false, running: false,
+    id, info: null, node: '', nodes: [], ran: [], resident: false, running: false,
     settled: null, lastOutcome: null, usage: { input: 0, output: 0, cached: 0 },
     byModel: new Map(), firstCall: null, entries: [], turns: [], pending: new Map(),
   };
@@ -112,6 +112,15 @@ function moved(found, node) {
   if (found.nodes[found.nodes.length - 1] !== node) found.nodes.push(node);
 }
 
+// Where it ran before where it is now: the nodes of its turns (its transcript), else the
+// residency changes this page saw.
+function movesOf(found) {
+  const history = [...(found.ran.length ? found.ran : found.nodes)];
+  if (history[history.length - 1] === found.node) history.pop();
+  if (!history.length || (history.length === 1 && !found.node)) return '';
+  return ` <span class="moves">(${history.map(escape).join(' → ')} →)</span>`;
+}
+
 function stateOf(found) {
   if (found.pending.size) return 'awaiting-approval';
   if (found.resident) return found.running ? 'running' : 'idle';
@@ -159,7 +168,7 @@ function countCall(found, model, usage) {
 }
 
 function priced(model, sum) {
-  const price = view.config.prices[model];
+  const price = Object.hasOwn(view.config.prices, model) ? view.config.prices[model] : null;
   if (!price) return null;
   return ((sum.input - sum.cached) * price.input_usd_per_mtok
     + sum.cached * price.cached_input_usd_per_mtok + sum.output * price.output_usd_per_mtok) / 1e6;
@@ -175,14 +184,14 @@ function costOf(found) {
 }
 
 function money(cost) {
-  if (!Object.keys(view.config.prices).length) return '';
+  if (!Object.keys(view.config.prices || {}).length) return '';
   if (cost.unpriced && !cost.usd) return 'unpriced';
   const usd = cost.usd < 1 ? `$${cost.usd.toFixed(4)}` : `$${cost.usd.toFixed(2)}`;
   return cost.unpriced ? `${usd} + ${cost.unpriced} unpriced` : usd;
 }
 
 function stepCost(found, model, usage) {
-  if (!Object.keys(view.config.prices).length) return '';
+  if (!Object.keys(view.config.prices || {}).length) return '';
   const sum = { input: usage.input_tokens, cached: Math.min(usage.cached_input_tokens, usage.input_tokens), output: usage.output_tokens };
   const usd = priced(model || found?.info?.model || '', sum);
   return usd === null ? ' unpriced' : ` $${usd.toFixed(6)}`;
@@ -213,14 +222,14 @@ function drawTree() {
     const state = stateOf(found);
     const share = found.firstCall && found.firstCall.input_tokens
       ? `${Math.round((100 * found.firstCall.cached_input_tokens) / found.firstCall.input_tokens)}%` : '';
-    const moves = found.nodes.length > 1 ? ` <span class="moves">(${found.nodes.slice(0, -1).join(' → ')} →)</span>` : '';
+    const moves = movesOf(found);
     const detail = state === 'settled' ? ` ${found.settled}` : '';
     rows.push(`<tr data-session="${id}" data-state="${state}" data-node="${found.node}"`
       + `${id === view.selected ? ' class="selected"' : ''}>`
       + `<td class="id"><span class="indent" data-width="${depths.get(id) * 1.2}em"></span>${short(id)}</td>`
       + `<td>${role(found.info)}</td><td>${escape(found.info?.preset || '')}</td>`
       + `<td><span class="state" data-state="${state}">${state}${detail}</span></td>`
-      + `<td>${moves}${found.node || ''}</td>`
+      + `<td>${moves}${escape(found.node || '')}</td>`
       + `<td>${number(found.usage.input)} / ${number(found.usage.output)}</td>`
       + `<td>${share}</td><td>${number(subtree.get(id))}</td>`
       + `<td class="cost">${money(cost)}</td><td class="cost">${money(subtreeCost.get(id))}</td></tr>`);
@@ -421,8 +430,9 @@ function apply(event) {
   switch (body.type) {
     case 'turn_started':
       // Where each turn ran is durable: the agent's moves read from its transcript, so a
-      // page opened after a move still shows it (residency events tell only the present).
-      if (body.node_id) moved(found, body.node_id);
+      // page opened after a move still shows it (residency events tell only the present,
+      // and keep found.node: where it is now).
+      if (body.node_id && found.ran[found.ran.length - 1] !== body.node_id) found.ran.push(body.node_id);
       found.running = true;
       found.turns.push({ id: body.turn_id, node: body.node_id, trace: body.trace, start: when, end: null, outcome: null, steps: [], tools: [] });
       break;
