@@ -340,6 +340,7 @@ async def _ls(client: MeshClient, args: argparse.Namespace, console: Console) ->
             id_prefix=args.prefix,
             page_token=token,
             count=not token,
+            with_approvals=True,
         )
         total = page.total if total is None else total
         rows = []

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 
 from dsh_mesh.client import (
     AgentMessage,
+    AgentState,
     AgentSummary,
     ApprovalDecided,
     ApprovalRequest,
@@ -221,16 +222,27 @@ def format_event(
 
 def summary_row(summary: AgentSummary, depth: int = 0) -> tuple[str, ...]:
     """The ``ls`` columns of one agent: session (indented by tree depth), kind, parent, preset,
-    state, node."""
+    state (in the web view's words: :func:`state_word`), node."""
     info = summary.info
     return (
         "  " * depth + info.session_id,
         info.kind.value if info.kind is not None else "unknown",
         info.parent_session or "-",
         info.preset,
-        summary.state.value if summary.state is not None else "unknown",
+        state_word(summary),
         summary.activation.node_id if summary.activation is not None else "-",
     )
+
+
+def state_word(summary: AgentSummary) -> str:
+    """An agent's state as the web view names it: ``awaiting-approval`` while a call of it
+    waits for a person, ``settled`` for a child whose run ended (it holds no activation), else
+    the listing's own (``idle``, ``running``, ``absent``, ``resident``)."""
+    if summary.awaiting_approval:
+        return "awaiting-approval"
+    if summary.state is AgentState.ABSENT and summary.info.parent_session is not None:
+        return "settled"
+    return summary.state.value if summary.state is not None else "unknown"
 
 
 def column_widths(

@@ -611,13 +611,15 @@ class MeshClient:
         page_size: int = 0,
         page_token: str = "",
         count: bool = False,
+        with_approvals: bool = False,
         deadline: timedelta | None = None,
     ) -> AgentPage:
         """One page of agents after ``page_token`` ("" for the first): of the tree rooted at
         ``root`` or of ``namespace`` when given; only roots with ``roots_only``; only resident
         ones with ``resident_only``, only absent ones with ``absent_only``; only of ``preset``
         and only ids starting with ``id_prefix`` when given. With ``count``, the page's
-        ``total`` says how many sessions the listing walks in all."""
+        ``total`` says how many sessions the listing walks in all. With ``with_approvals``,
+        each agent's ``awaiting_approval`` says whether a call of it waits for a person."""
         response = await self._unary(
             "ListAgents",
             mesh_pb2.ListAgentsRequest(
@@ -631,6 +633,7 @@ class MeshClient:
                 page_size=page_size,
                 page_token=page_token,
                 count=count,
+                with_approvals=with_approvals,
             ),
             deadline,
         )

@@ -340,6 +340,9 @@ def summary_from_wire(summary: mesh_pb2.AgentSummary) -> AgentSummary:
         info=info_from_wire(summary.header),
         activation=_optional_activation(summary, "activation"),
         state=_STATE.get(summary.state),
+        awaiting_approval=(
+            summary.awaiting_approval if summary.HasField("awaiting_approval") else None
+        ),
     )
 
 

@@ -379,6 +379,9 @@ class AgentSummary:
     info: SessionInfo
     activation: Activation | None
     state: AgentState | None
+    awaiting_approval: bool | None = None
+    """Whether a call of it waits for a person's decision; ``None`` unless the listing was
+    asked ``with_approvals``."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -542,6 +542,10 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         reply = mesh_pb2.ListAgentsResponse(
             next_page_token=listing.next_token, total=listing.total or 0
         )
+        asking: set[SessionId] | None = None
+        if request.with_approvals and listing.headers:
+            listed = [header.session_id for header in listing.headers]
+            asking = {session for session, _ in await self._reads.pending_approvals(listed)}
         for header in listing.headers:
             current = listing.activations.get(header.session_id)
             summary = reply.agents.add(
@@ -549,6 +553,8 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
             )
             if current is not None:
                 summary.activation.CopyFrom(activation_to_wire(current))
+            if request.with_approvals:
+                summary.awaiting_approval = asking is not None and header.session_id in asking
         return reply
 
     @mesh_rpc

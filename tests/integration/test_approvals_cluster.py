@@ -160,6 +160,11 @@ async def test_the_command_lists_a_trees_waiting_calls_and_denies_one(
         [waiting] = [json.loads(line) for line in listed.stdout.splitlines()]
         assert waiting["session_id"] == root and waiting["request"]["tool"] == "probe_unsafe"
         call = waiting["request"]["call_id"]
+        # `ls` says what the web view says of it (issue 36): its call waits for a person.
+        shown = cli(cluster, "ls", "--root", root)
+        assert shown.returncode == 0, shown.stderr
+        [row] = [line.split() for line in shown.stdout.splitlines() if line.startswith(root)]
+        assert row[4] == "awaiting-approval", shown.stdout
 
         denied = cli(cluster, "deny", root, call, "--reason", "not today")
         assert denied.returncode == 0, denied.stderr
@@ -180,6 +185,9 @@ async def test_the_command_lists_a_trees_waiting_calls_and_denies_one(
         never = cli(cluster, "approve", root, "no-such-call")
         assert never.returncode != 0 and "never asked approval" in never.stderr
         assert cli(cluster, "approvals", root, "--json").stdout.strip() == ""
+        after = cli(cluster, "ls", "--root", root, "--json")
+        [summary] = [json.loads(line) for line in after.stdout.splitlines()]
+        assert summary["awaiting_approval"] is False
     [result] = [r.entry for r in records if isinstance(r.entry, ToolResultEntry)]
     assert result.is_error and result.content.endswith("by operator: not today")
     assert read_probe_log(log) == []

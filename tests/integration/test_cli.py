@@ -323,6 +323,7 @@ async def test_ls_shows_the_first_page_and_a_count_and_all_every_page() -> None:
         ("p1", False),
     ]
     assert (lists[-1].preset, lists[-1].roots_only, lists[-1].absent_only) == ("sparse", True, True)
+    assert all(r.with_approvals for r in lists)  # to say awaiting-approval as the page does
 
 
 async def test_an_unreachable_node_is_peer_unavailable() -> None:

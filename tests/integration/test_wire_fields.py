@@ -197,7 +197,7 @@ async def test_every_documented_field_is_filled_on_the_wire(cluster: LocalCluste
     sessions = {session: await read_all(cluster, session) for session in (root, child)}
     async with cluster.channel("node-a", client="wire-test") as channel:
         listing = await mesh_pb2_grpc.MeshControlStub(channel).ListAgents(
-            mesh_pb2.ListAgentsRequest(root_session_id=root, count=True),
+            mesh_pb2.ListAgentsRequest(root_session_id=root, count=True, with_approvals=True),
             metadata=cluster.metadata("wire-test"),
             timeout=20,
         )

@@ -39,10 +39,11 @@ from dsh_mesh.cli import (
     write_state,
 )
 from dsh_mesh.cli._config import PRESET_ENV, resolve_preset
-from dsh_mesh.cli._render import step_usage
+from dsh_mesh.cli._render import state_word, step_usage
 from dsh_mesh.client import (
     AgentMessage,
     AgentState,
+    AgentSummary,
     AssistantStep,
     ClientOptions,
     Compaction,
@@ -51,6 +52,7 @@ from dsh_mesh.client import (
     HumanPrompt,
     MeshClient,
     SessionEvent,
+    SessionInfo,
     SettlementNotice,
     Task,
     ToolOutputsCleared,
@@ -929,3 +931,23 @@ def test_up_refuses_a_second_cluster_in_the_same_home(
     assert main(["up"]) == 2
     assert "a cluster is already up" in capsys.readouterr().err
     assert not (tmp_path / "logs").exists()
+
+
+def test_ls_says_each_state_in_the_web_views_words() -> None:
+    def summary(
+        state: AgentState, *, parent: str | None = None, asking: bool | None = None
+    ) -> AgentSummary:
+        info = SessionInfo(
+            session_id=SessionId("s-2"),
+            kind=SessionKind.ROOT if parent is None else SessionKind.CONTINUABLE_CHILD,
+            parent_session=None if parent is None else SessionId(parent),
+            preset="lead",
+            model="m",
+        )
+        return AgentSummary(info=info, activation=None, state=state, awaiting_approval=asking)
+
+    assert state_word(summary(AgentState.IDLE, asking=True)) == "awaiting-approval"
+    assert state_word(summary(AgentState.ABSENT, parent="s-1", asking=True)) == "awaiting-approval"
+    assert state_word(summary(AgentState.ABSENT, parent="s-1")) == "settled"  # its run ended
+    assert state_word(summary(AgentState.ABSENT)) == "absent"  # a root passivated: not settled
+    assert state_word(summary(AgentState.RUNNING, asking=False)) == "running"

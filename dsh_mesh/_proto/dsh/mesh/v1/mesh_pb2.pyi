@@ -434,7 +434,7 @@ class SessionEvent(_message.Message):
     def __init__(self, entry: _Optional[_Union[TranscriptEntry, _Mapping]] = ..., session_id: _Optional[str] = ..., event_seq: _Optional[int] = ..., activated: _Optional[_Union[ActivationInfo, _Mapping]] = ..., deactivated: _Optional[_Union[ActivationInfo, _Mapping]] = ...) -> None: ...
 
 class ListAgentsRequest(_message.Message):
-    __slots__ = ("root_session_id", "resident_only", "page_size", "page_token", "namespace", "roots_only", "absent_only", "preset", "session_id_prefix", "count")
+    __slots__ = ("root_session_id", "resident_only", "page_size", "page_token", "namespace", "roots_only", "absent_only", "preset", "session_id_prefix", "count", "with_approvals")
     ROOT_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_ONLY_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -445,6 +445,7 @@ class ListAgentsRequest(_message.Message):
     PRESET_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_PREFIX_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
+    WITH_APPROVALS_FIELD_NUMBER: _ClassVar[int]
     root_session_id: str
     resident_only: bool
     page_size: int
@@ -455,7 +456,8 @@ class ListAgentsRequest(_message.Message):
     preset: str
     session_id_prefix: str
     count: bool
-    def __init__(self, root_session_id: _Optional[str] = ..., resident_only: _Optional[bool] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., namespace: _Optional[str] = ..., roots_only: _Optional[bool] = ..., absent_only: _Optional[bool] = ..., preset: _Optional[str] = ..., session_id_prefix: _Optional[str] = ..., count: _Optional[bool] = ...) -> None: ...
+    with_approvals: bool
+    def __init__(self, root_session_id: _Optional[str] = ..., resident_only: _Optional[bool] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., namespace: _Optional[str] = ..., roots_only: _Optional[bool] = ..., absent_only: _Optional[bool] = ..., preset: _Optional[str] = ..., session_id_prefix: _Optional[str] = ..., count: _Optional[bool] = ..., with_approvals: _Optional[bool] = ...) -> None: ...
 
 class ListAgentsResponse(_message.Message):
     __slots__ = ("agents", "next_page_token", "total")
@@ -468,14 +470,16 @@ class ListAgentsResponse(_message.Message):
     def __init__(self, agents: _Optional[_Iterable[_Union[AgentSummary, _Mapping]]] = ..., next_page_token: _Optional[str] = ..., total: _Optional[int] = ...) -> None: ...
 
 class AgentSummary(_message.Message):
-    __slots__ = ("header", "activation", "state")
+    __slots__ = ("header", "activation", "state", "awaiting_approval")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     ACTIVATION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
+    AWAITING_APPROVAL_FIELD_NUMBER: _ClassVar[int]
     header: SessionHeader
     activation: ActivationInfo
     state: AgentState
-    def __init__(self, header: _Optional[_Union[SessionHeader, _Mapping]] = ..., activation: _Optional[_Union[ActivationInfo, _Mapping]] = ..., state: _Optional[_Union[AgentState, str]] = ...) -> None: ...
+    awaiting_approval: bool
+    def __init__(self, header: _Optional[_Union[SessionHeader, _Mapping]] = ..., activation: _Optional[_Union[ActivationInfo, _Mapping]] = ..., state: _Optional[_Union[AgentState, str]] = ..., awaiting_approval: _Optional[bool] = ...) -> None: ...
 
 class ToolDescriptor(_message.Message):
     __slots__ = ("name", "description", "input_schema_json")
