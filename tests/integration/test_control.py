@@ -120,7 +120,8 @@ def usage_of(entries: Iterable[mesh_pb2.TranscriptEntry]) -> mesh_pb2.SessionUsa
         input_tokens=sum(u.input_tokens for u in steps),
         output_tokens=sum(u.output_tokens for u in steps),
         cached_input_tokens=sum(u.cached_input_tokens for u in steps),
-        unpriced_calls=len(steps),  # TREE names no price: every call is unpriced, none free
+        cost_usd=0.0,  # TREE names no price: every call is unpriced, none free
+        unpriced_calls=len(steps),
     )
     if steps:
         expected.first_call.CopyFrom(steps[0])

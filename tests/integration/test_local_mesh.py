@@ -168,7 +168,8 @@ FORKER = dsh_mesh.Preset(
 
 
 def fork_model(request: RecordedRequest) -> Reply:
-    """The forker forks once, its fork answers, and the forker answers after the notice."""
+    """The forker answers its first task; told to fork, it forks (the fork inherits that
+    completed first turn), its fork answers, and the forker answers after the notice."""
     messages = request.json["messages"]
     said = json.dumps(messages[-1]["content"])
     if "Check the fork." in said:
@@ -177,17 +178,23 @@ def fork_model(request: RecordedRequest) -> Reply:
         return Completion(text="Forked; waiting.")
     if "Fork checked." in said:
         return Completion(text="The fork says: checked.")
-    arguments = json.dumps({"task": "Check the fork."})
-    return Completion(
-        tool_calls=(ScriptedToolCall(call_id="f1", name="fork_agent", arguments=arguments),)
-    )
+    if "Fork now." in said:
+        arguments = json.dumps({"task": "Check the fork."})
+        return Completion(
+            tool_calls=(ScriptedToolCall(call_id="f1", name="fork_agent", arguments=arguments),)
+        )
+    return Completion(text="Hello back.")
 
 
 async def test_a_fork_childs_inherited_prefix_reads_over_grpc_as_its_first_entry() -> None:
     async with ChatCompletionsServer(responder=fork_model) as chat:
         endpoint = dsh_mesh.OpenAIEndpoint(base_url=chat.base_url)
         async with dsh_mesh.LocalMesh(presets=[FORKER], endpoints={"openai": endpoint}) as mesh:
-            result = await mesh.run("forker", "Fork, please.", deadline=timedelta(seconds=60))
+            first_turn = await mesh.run("forker", "Hello.", deadline=timedelta(seconds=60))
+            assert first_turn.answer == "Hello back."
+            await mesh.client.prompt(first_turn.session_id, "Fork now.")
+            wait = timedelta(seconds=60)
+            result = await mesh.client.wait(first_turn.session_id, deadline=wait)
             assert result.answer == "The fork says: checked." and result.sessions == 2
             [fork] = [
                 agent.info.session_id
@@ -197,10 +204,10 @@ async def test_a_fork_childs_inherited_prefix_reads_over_grpc_as_its_first_entry
             page = await mesh.client.get_session(fork)
             first = page.transcript[0].body
             assert isinstance(first, ForkPrefix), first
-            # What the parent's model saw before it forked: its task, then nothing else
-            # completed (the fork inherits completed turns only), as chat messages.
-            assert [m.role for m in first.messages][:1] == [Role.USER]
-            assert "Fork, please." in first.messages[0].content
+            # The parent's completed first turn, as its model saw it: the task, the answer.
+            said = [(m.role, m.content) for m in first.messages]
+            assert said[0][0] is Role.USER and "Hello." in said[0][1]
+            assert said[-1] == (Role.ASSISTANT, "Hello back.")
 
 
 def test_a_preset_naming_a_tool_nobody_gives_is_refused_before_anything_starts() -> None:
