@@ -13,7 +13,7 @@ import pytest
 
 import dsh_mesh
 from dsh_mesh.client import ForkPrefix
-from dsh_mesh.core import Cost, ModelPrice, Role, TurnOutcome, Usage
+from dsh_mesh.core import Cost, ModelPrice, Role, TurnOutcome, usage_cost
 from dsh_mesh.testing import (
     ChatCompletionsServer,
     Completion,
@@ -114,37 +114,25 @@ async def test_prices_give_a_cost_in_get_session_in_run_and_in_list_prices() -> 
     price = ModelPrice(
         input_usd_per_mtok=2.0, cached_input_usd_per_mtok=1.0, output_usd_per_mtok=8.0
     )
+    prices = {"openai:gpt-4o-mini": price}
     async with ChatCompletionsServer(responder=model) as chat:
         endpoint = dsh_mesh.OpenAIEndpoint(base_url=chat.base_url)
         async with dsh_mesh.LocalMesh(
             presets=[LEAD, HELPER],
             endpoints={"openai": endpoint},
-            prices={"openai:gpt-4o-mini": price},
+            prices=prices,
         ) as mesh:
-            assert await mesh.client.prices() == {"openai:gpt-4o-mini": price}
+            assert await mesh.client.prices() == prices
             result = await mesh.run("lead", "What is the answer?", deadline=timedelta(seconds=60))
             assert result.usage.model_calls == 4 and result.cost.unpriced_calls == 0
-            assert result.cost.usd == pytest.approx(
-                price.cost(
-                    Usage(
-                        input_tokens=result.usage.input_tokens,
-                        output_tokens=result.usage.output_tokens,
-                        cached_input_tokens=result.usage.cached_input_tokens,
-                    )
-                )
-            )
+            # Every call of the tree is of one model: its cost is that price of the sum.
+            expected = usage_cost(result.usage, "openai:gpt-4o-mini", prices)
+            assert result.cost.usd == pytest.approx(expected.usd)
             page = await mesh.client.get_session(result.session_id)
             assert page.usage is not None and page.cost is not None
             assert page.usage.model_calls == 3  # the root's own: spawn, waiting, the answer
-            assert page.cost.usd == pytest.approx(
-                price.cost(
-                    Usage(
-                        input_tokens=page.usage.input_tokens,
-                        output_tokens=page.usage.output_tokens,
-                        cached_input_tokens=page.usage.cached_input_tokens,
-                    )
-                )
-            )
+            expected = usage_cost(page.usage, "openai:gpt-4o-mini", prices)
+            assert page.cost.usd == pytest.approx(expected.usd) and page.cost.unpriced_calls == 0
             assert 0 < page.cost.usd < result.cost.usd
 
 
