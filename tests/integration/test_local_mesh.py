@@ -12,11 +12,15 @@ from datetime import timedelta
 import pytest
 
 import dsh_mesh
+import dsh_mesh.embedded._local as local_module
 from dsh_mesh.client import ForkPrefix
 from dsh_mesh.core import Cost, ModelPrice, Role, TurnOutcome, usage_cost
+from dsh_mesh.embedded import LocalMeshError
+from dsh_mesh.node import Node
 from dsh_mesh.testing import (
     ChatCompletionsServer,
     Completion,
+    EtcdServer,
     RecordedRequest,
     Reply,
     ScriptedToolCall,
@@ -203,3 +207,29 @@ def test_a_preset_naming_a_tool_nobody_gives_is_refused_before_anything_starts()
         dsh_mesh.LocalMesh(presets=[GATED])
     with pytest.raises(ValueError, match="preset names must differ"):
         dsh_mesh.LocalMesh(presets=[HELPER, HELPER])
+
+
+async def test_a_start_that_fails_names_what_did_not_start_and_leaves_nothing_running(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    started: list[EtcdServer] = []
+
+    class Recorded(EtcdServer):
+        def start(self) -> None:
+            started.append(self)
+            super().start()
+
+    async def broken(self: Node, **_: object) -> None:
+        raise RuntimeError("this node cannot start")
+
+    monkeypatch.setattr(local_module, "EtcdServer", Recorded)
+    monkeypatch.setattr(Node, "run", broken)
+    mesh = dsh_mesh.LocalMesh(presets=[HELPER])
+    with pytest.raises(LocalMeshError, match="local-1 stopped before it served: this node"):
+        async with mesh:
+            pytest.fail("a mesh whose node did not start was entered")
+    [etcd] = started
+    assert not etcd.running  # stopped again, with its data
+    assert mesh.addresses == ()
+    with pytest.raises(RuntimeError, match="not running"):
+        _ = mesh.client
