@@ -126,6 +126,8 @@ async def _spawn(client: MeshClient, args: argparse.Namespace, console: Console)
         request_id=args.request_id,
         namespace=args.namespace,
     )
+    if args.wait:
+        return await _settled(client, root.session_id, args, console)
     if args.json:
         console.say(dumps(root))
     else:
@@ -135,6 +137,35 @@ async def _spawn(client: MeshClient, args: argparse.Namespace, console: Console)
             f"follow it with: dsh-mesh watch {root.session_id} --tree"
         )
     return 0
+
+
+async def _settled(
+    client: MeshClient, session: str, args: argparse.Namespace, console: Console
+) -> int:
+    """``spawn --wait``: the root's answer once its tree has settled (``MeshClient.wait``)."""
+    console.note(f"created {session}; waiting for its tree to settle")
+    deadline = None if args.timeout is None else timedelta(seconds=args.timeout)
+    try:
+        result = await client.wait(session, deadline=deadline)
+    except TimeoutError as waited:
+        console.note(f"error: {waited} (it runs on: dsh-mesh watch {session} --tree)")
+        return 1
+    if args.json:
+        console.say(json.dumps(to_jsonable(result), ensure_ascii=False))
+    else:
+        console.say(result.answer)
+        # A cost only where some call had a price: a cluster without prices says nothing of it.
+        priced = result.cost.unpriced_calls < result.usage.model_calls
+        spent = f"; cost {result.cost.describe()}" if priced else ""
+        usage = result.usage.describe(first_call=False)
+        console.note(f"{session}: {result.sessions} agents, {usage}{spent}")
+    if result.completed:
+        return 0
+    outcome = result.outcome.value if result.outcome is not None else "unknown"
+    console.note(
+        f"error: its last turn ended {outcome}" + (f": {result.detail}" if result.detail else "")
+    )
+    return 1
 
 
 async def _prompt(client: MeshClient, args: argparse.Namespace, console: Console) -> int:

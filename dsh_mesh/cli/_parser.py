@@ -254,6 +254,18 @@ def build_parser() -> argparse.ArgumentParser:
     spawn.add_argument(
         "--namespace", default="", help="the new tree's namespace (default: default)"
     )
+    spawn.add_argument(
+        "--wait",
+        action="store_true",
+        help="wait until the new tree has settled, then print the root's answer (its usage and "
+        "cost on stderr); exit 1 when its last turn did not complete",
+    )
+    spawn.add_argument(
+        "--timeout",
+        type=_positive_float,
+        metavar="SECONDS",
+        help="with --wait: give up after this long (the tree runs on), exit 1",
+    )
     spawn.add_argument("task", nargs="+", help="the first task")
     _json_flag(spawn)
 

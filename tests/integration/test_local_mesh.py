@@ -5,7 +5,10 @@ model is the project's chat server."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import sys
 from collections.abc import AsyncIterator
 from datetime import timedelta
 
@@ -233,3 +236,39 @@ async def test_a_start_that_fails_names_what_did_not_start_and_leaves_nothing_ru
     assert mesh.addresses == ()
     with pytest.raises(RuntimeError, match="not running"):
         _ = mesh.client
+
+
+async def cli(mesh: dsh_mesh.LocalMesh, *args: str) -> tuple[int, str, str]:
+    """``dsh-mesh --node <the mesh's first node> ARGS``, as a process; exit status and output."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "dsh_mesh.cli",
+        "--node",
+        mesh.addresses[0],
+        *args,
+        env={**os.environ, "DSH_CLUSTER_TOKEN": mesh.token},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode is not None
+    return process.returncode, out.decode(), err.decode()
+
+
+async def test_spawn_wait_prints_the_answer_once_the_tree_settles(
+    mesh: dsh_mesh.LocalMesh,
+) -> None:
+    code, out, err = await cli(mesh, "spawn", "--preset", "lead", "--wait", "What is it?")
+    assert code == 0, err
+    assert out == "The helper says 42.\n"
+    assert "2 agents, 4 model calls" in err
+    code, out, err = await cli(mesh, "spawn", "--preset", "helper", "--wait", "--json", "Hi.")
+    assert code == 0, err
+    assert json.loads(out)["answer"] == "The answer is 42."
+    # A call waiting for a person holds it: --timeout gives up, says what waits, exit 1.
+    code, out, err = await cli(
+        mesh, "spawn", "--preset", "gated", "--wait", "--timeout", "2", "Go."
+    )
+    assert code == 1 and out == ""
+    assert "has not settled" in err and "waiting for a decision" in err, err

@@ -152,6 +152,8 @@ def test_up_defaults_and_options() -> None:
     assert scenario_name(args.scenario, Path("presets.toml")) == EMPTY_SCENARIO
     assert scenario_name("my.module:AGENTS", Path("presets.toml")) == "my.module:AGENTS"
     assert parse_args(["spawn", "task"]).preset is None
+    waiting = parse_args(["spawn", "--wait", "--timeout", "5", "task"])
+    assert (waiting.wait, waiting.timeout) == (True, 5.0)
     args = parse_args(["up", "-n", "2", "--placement", "round-robin", "--etcd", "127.0.0.1:1"])
     assert (args.nodes, args.placement, args.etcd) == (2, "round-robin", "127.0.0.1:1")
     assert node_ids(3) == ("node-a", "node-b", "node-c")
