@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Collection, Mapping
 from typing import Any, Protocol
@@ -81,6 +82,9 @@ lands between the usage read and the page read, at the very start of the page)."
 """How many records ``GetSession`` reads at a time while it sums a session's usage over the
 whole transcript: a transcript up to this long takes one registry read, a longer one one more
 read per chunk, and at most one chunk plus the page is held at once."""
+
+
+_log = logging.getLogger(__name__)
 
 
 class WatchEvent(Protocol):
@@ -544,8 +548,7 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         )
         asking: set[SessionId] | None = None
         if request.with_approvals and listing.headers:
-            listed = [header.session_id for header in listing.headers]
-            asking = {session for session, _ in await self._reads.pending_approvals(listed)}
+            asking = await self._asking([header.session_id for header in listing.headers])
         for header in listing.headers:
             current = listing.activations.get(header.session_id)
             summary = reply.agents.add(
@@ -553,9 +556,18 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
             )
             if current is not None:
                 summary.activation.CopyFrom(activation_to_wire(current))
-            if request.with_approvals:
-                summary.awaiting_approval = asking is not None and header.session_id in asking
+            if asking is not None:
+                summary.awaiting_approval = header.session_id in asking
         return reply
+
+    async def _asking(self, sessions: list[SessionId]) -> set[SessionId] | None:
+        """Which of ``sessions`` have a call waiting for a decision; ``None`` while the log
+        store does not answer: the listing (etcd's) still answers, without saying it."""
+        try:
+            return {session for session, _ in await self._reads.pending_approvals(sessions)}
+        except MeshError as away:
+            _log.warning("a listing says no approvals: the log store did not answer: %s", away)
+            return None
 
     @mesh_rpc
     async def ListPrices(
