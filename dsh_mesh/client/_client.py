@@ -60,6 +60,7 @@ from dsh_mesh.core import (
 from dsh_mesh.transport import (
     DEGRADED_TRAILER,
     LOG_STORE_HEALTH,
+    MAX_PAGE,
     MAX_PERSON_CHARS,
     PERSON_HEADER,
     PERSON_TOKEN_HEADER,
@@ -76,8 +77,6 @@ TOKEN_ENV = "DSH_CLUSTER_TOKEN"
 DEFAULT_CLIENT_NAME = "dsh-mesh-client"
 """The name a client presents (metadata ``x-dsh-node``) unless it is given another."""
 
-MAX_PAGE_SIZE = 1000
-"""The most transcript entries one ``GetSession`` page holds (the server's cap)."""
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _HEALTH = {
     health_pb2.HealthCheckResponse.SERVING: HealthStatus.SERVING,
@@ -308,7 +307,7 @@ class MeshClient:
     async def _last_seq(self, session: SessionId) -> int:
         """The seq of ``session``'s last entry as read now (0: none)."""
         last = 0
-        async for page in self.session_pages(session, page_size=MAX_PAGE_SIZE):
+        async for page in self.session_pages(session, page_size=MAX_PAGE):
             if page.transcript:
                 last = page.transcript[-1].seq
         return last

@@ -20,7 +20,7 @@ from dsh_mesh.transport._certs import (
     CertificateKind,
     IssuedCertificate,
 )
-from dsh_mesh.transport._control import MeshControlService
+from dsh_mesh.transport._control import MAX_PAGE, MeshControlService
 from dsh_mesh.transport._grants import (
     EVERY,
     EVERY_NAMESPACE,
@@ -74,6 +74,7 @@ __all__ = [
     "LOG_STORE_HEALTH",
     "MAX_DEGRADED_BYTES",
     "MAX_DETAIL_BYTES",
+    "MAX_PAGE",
     "MAX_PERSON_CHARS",
     "NO_NAMESPACE",
     "PERSON_HEADER",

@@ -67,6 +67,7 @@ from dsh_mesh.transport._status import abort_with, mesh_rpc, target_of
 
 DEFAULT_PAGE = 100
 MAX_PAGE = 1000
+"""The most entries (or agents) one page holds: a page_size past it is cut to it."""
 MAX_PAGE_BYTES = 3 * 1024 * 1024
 """The most transcript bytes one ``GetSession`` page carries: under gRPC's 4 MiB default
 receive limit with the header and usage beside it (one entry is at most ``MAX_ENTRY_BYTES``)."""

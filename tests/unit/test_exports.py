@@ -601,6 +601,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "LOG_STORE_HEALTH",
         "MAX_DEGRADED_BYTES",
         "MAX_DETAIL_BYTES",
+        "MAX_PAGE",
         "MAX_PERSON_CHARS",
         "ManagerRef",
         "MeshControlService",
