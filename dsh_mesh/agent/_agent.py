@@ -30,6 +30,7 @@ from dsh_mesh.core import (
     EXPIRED_APPROVAL_REASON,
     Activation,
     AgentRef,
+    AnswerInvalid,
     ApprovalDecisionEntry,
     ApprovalRequestEntry,
     DeliveryKind,
@@ -220,6 +221,7 @@ class Agent:
             policy=self.context,
             provider=self._provider,
             transcript=self._transcript,
+            output_schema=self.header.spec.output_schema,
             writes=Writes(
                 append=self._boundary.append,
                 at_boundary=self._boundary.at_boundary,
@@ -235,6 +237,7 @@ class Agent:
             approvals=self._approval_wait,
             boundary=self._boundary,
             sends_in_inbox=lambda: self._host.sends_in_inbox(self),
+            output_schema=self.header.spec.output_schema,
         )
 
     # -- identity and state -------------------------------------------------------------------
@@ -588,6 +591,8 @@ class Agent:
             outcome, detail = TurnOutcome.AWAITING_APPROVAL, str(waiting)
         except TokensExhausted as exhausted:
             outcome, detail = TurnOutcome.TOKEN_EXHAUSTION, str(exhausted)
+        except AnswerInvalid as invalid:
+            outcome, detail = TurnOutcome.ERROR, str(invalid)
         except Exception as failure:  # a failed model call ends the turn, never the driver
             outcome, detail = TurnOutcome.ERROR, f"{type(failure).__name__}: {failure}"
         finally:
@@ -596,10 +601,11 @@ class Agent:
         await self._boundary.finish_writes()
         if outcome is not TurnOutcome.AWAITING_APPROVAL:
             await calls.close_open(turn, outcome)
+        output = turn.output_json if outcome is TurnOutcome.COMPLETED else ""
         await self._boundary.append(
-            TurnEndedEntry(turn_id=turn.turn_id, outcome=outcome, detail=detail)
+            TurnEndedEntry(turn_id=turn.turn_id, outcome=outcome, detail=detail, output_json=output)
         )
-        self._run.ended(outcome, detail)
+        self._run.ended(outcome, detail, output)
         self._turn = None
         self._state = AgentState.IDLE
         self._idle_since = time.monotonic()

@@ -8,6 +8,7 @@ from typing import Any
 from dsh_mesh.core import (
     INBOUND_TYPES,
     AgentMessageEntry,
+    AnswerRejectedEntry,
     ApprovalDecisionEntry,
     AssistantStepEntry,
     ChatMessage,
@@ -24,6 +25,7 @@ from dsh_mesh.core import (
     ToolResultEntry,
     TurnEndedEntry,
     frame_agent_message,
+    frame_answer_rejected,
     frame_settlement_notice,
 )
 
@@ -116,6 +118,9 @@ def render(
         elif isinstance(entry, ToolResultEntry):
             stub = clear_all or seq in cleared
             messages.append((seq, _once(made, record, stub, _result_message)))
+        elif isinstance(entry, AnswerRejectedEntry):
+            text = frame_answer_rejected(entry.reason, entry.schema)
+            messages.append((seq, ChatMessage(role=Role.USER, content=text)))
         elif isinstance(entry, CompactionEntry):
             # What records after its range show (a read the compaction left for the next step)
             # stays, after the kept task and the summary.

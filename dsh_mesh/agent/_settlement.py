@@ -22,6 +22,9 @@ class Settlement:
     detail: str = ""
     trace: str = ""
     """The ``traceparent`` of the final turn's span ("" when tracing is off)."""
+    output_json: str = ""
+    """The final turn's answer as its output schema's value (ADR 0052); ``""`` when the
+    session names no schema or the turn did not complete."""
 
 
 _SETTLEMENT_OF_TURN = {
@@ -49,15 +52,16 @@ class RunRecord:
         self._outcome = TurnOutcome.COMPLETED
         self._detail = ""
         self._trace = ""
+        self._output_json = ""
 
     def started(self, trace: str) -> None:
         """A turn started, traced as ``trace`` (its span's ``traceparent``)."""
         self._trace = trace
 
-    def ended(self, outcome: TurnOutcome, detail: str) -> None:
-        """The turn ended with ``outcome``."""
+    def ended(self, outcome: TurnOutcome, detail: str, output_json: str = "") -> None:
+        """The turn ended with ``outcome`` (and, completed, the answer's value)."""
         self.turns_run += 1
-        self._outcome, self._detail = outcome, detail
+        self._outcome, self._detail, self._output_json = outcome, detail, output_json
 
     def settlement(self, terminal_output: str) -> Settlement | None:
         """What the run reports, with the last step's text; None when it took no turn."""
@@ -68,4 +72,5 @@ class RunRecord:
             terminal_output=terminal_output,
             detail=self._detail,
             trace=self._trace,
+            output_json=self._output_json,
         )

@@ -8,6 +8,7 @@ and one callable of its host. It is never handed the agent.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import time
@@ -22,15 +23,23 @@ from dsh_mesh.agent._transcript import LocalTranscript
 from dsh_mesh.agent._turn import Turn
 from dsh_mesh.agent._window import ContextWindow
 from dsh_mesh.core import (
+    ANSWER_RETRIES,
+    AnswerInvalid,
+    AnswerRejectedEntry,
     ApprovalDecision,
     SessionId,
     TokensExhausted,
     ToolCall,
     TurnOutcome,
+    answer_value,
     recorded_step,
 )
 from dsh_mesh.models import FinishReason
 from dsh_mesh.tools import ToolOutput
+
+ANSWER_CHECK_SECONDS = 5.0
+"""How long checking one answer against its schema may take (off the event loop) before the
+answer counts as not matching: a schema whose ``pattern`` backtracks never stalls the node."""
 
 
 class Steps:
@@ -46,8 +55,10 @@ class Steps:
         approvals: ApprovalWait,
         boundary: Boundary,
         sends_in_inbox: Callable[[], Awaitable[None]],
+        output_schema: str = "",
     ) -> None:
         self._session_id = session_id
+        self._output_schema = output_schema
         self._transcript = transcript
         self._window = window
         self._calls = calls
@@ -94,9 +105,36 @@ class Steps:
         turn.count_tokens(response.usage)
         turn.check_budget()
         calls = list(enumerate(recorded.tool_calls))
-        return await self._calls_and_boundary(
+        outcome = await self._calls_and_boundary(
             turn, step.seq, calls, asked=bool(recorded.tool_calls)
         )
+        if outcome is TurnOutcome.COMPLETED and self._output_schema:
+            return await self._answer(turn, recorded.text)
+        return outcome
+
+    async def _answer(self, turn: Turn, text: str) -> TurnOutcome | None:
+        """The turn's final answer, ``text``, checked against the session's output schema:
+        the turn completes with its value, or the model is told why it does not match and
+        asked again (another step), up to :data:`ANSWER_RETRIES` times; then the turn ends
+        with outcome ``error`` (:class:`AnswerInvalid`). ADR 0052."""
+        schema = self._output_schema
+        try:
+            async with asyncio.timeout(ANSWER_CHECK_SECONDS):
+                turn.output_json = await asyncio.to_thread(answer_value, text, schema)
+        except AnswerInvalid as invalid:
+            reason = str(invalid)
+        except TimeoutError:
+            reason = f"checking it against the schema took more than {ANSWER_CHECK_SECONDS:g} s"
+        else:
+            return TurnOutcome.COMPLETED
+        turn.answers_rejected += 1
+        await self._boundary.append(AnswerRejectedEntry(reason=reason, schema=schema))
+        if turn.answers_rejected > ANSWER_RETRIES:
+            raise AnswerInvalid(
+                f"no answer matched the output schema in {turn.answers_rejected} tries; the"
+                f" last: {reason}"
+            )
+        return None
 
     async def _calls_and_boundary(
         self,

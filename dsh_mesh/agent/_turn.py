@@ -35,6 +35,10 @@ class Turn:
     """The id of the tool call the current step is running, if any."""
     interrupted_call: tuple[str, asyncio.Future[ToolOutput]] | None = None
     """The standard-tool call an interrupt stopped mid-way, still finding its answer."""
+    output_json: str = ""
+    """The answer's value, once a final answer matched the session's output schema."""
+    answers_rejected: int = 0
+    """How many final answers of the turn did not match the session's output schema."""
 
     def interrupt(self, detail: str) -> None:
         """Cancel the turn's steps (recorded as cancelled, with ``detail``). Idempotent while

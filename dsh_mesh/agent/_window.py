@@ -77,8 +77,10 @@ class ContextWindow:
         provider: ModelProvider,
         transcript: LocalTranscript,
         writes: Writes,
+        output_schema: str = "",
     ) -> None:
         self._session_id = session_id
+        self._output_schema = output_schema
         self._model = model
         self._system_prompt = system_prompt
         self._tools = tools
@@ -102,6 +104,7 @@ class ContextWindow:
             tools=self._tools.descriptors,
             messages=render(self._transcript.records, clear_all=clear_all, made=self._made),
             max_output_tokens=self._limits.max_output_tokens,
+            output_schema=self._output_schema,
             memo=self._memo,
         )
 

@@ -53,6 +53,9 @@ class SessionSpec(ValidText):
     preset: str
     model: str
     tools: tuple[ToolDescriptor, ...] = ()
+    output_schema: str = ""
+    """The JSON schema the session's answers must match, as canonical JSON; ``""``: none
+    (ADR 0052)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -132,6 +132,10 @@ class SettlementNoticeEntry(ValidText):
     terminal_output: str
     detail: str = ""
     trace: str = ""
+    output_json: str = ""
+    """The child's answer as its output schema's JSON value (canonical JSON), when its session
+    names a schema and its last turn completed with an answer that matched; ``""`` otherwise
+    (ADR 0052)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -265,6 +269,21 @@ class TurnEndedEntry(ValidText):
     turn_id: TurnId
     outcome: TurnOutcome
     detail: str = ""
+    output_json: str = ""
+    """The turn's answer as its session's output schema's JSON value (canonical JSON), when the
+    session names a schema and the turn completed; ``""`` otherwise (ADR 0052)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AnswerRejectedEntry(ValidText):
+    """The final answer of the step before did not match its session's output schema
+    (``schema``, canonical JSON): ``reason`` says why. The model sees both, as a correction
+    that asks again (:func:`~dsh_mesh.core.frame_answer_rejected`, ADR 0052)."""
+
+    _PROSE = frozenset({"reason"})
+
+    reason: str
+    schema: str
 
 
 InboundEntry = (
@@ -279,6 +298,7 @@ Entry = (
     | AssistantStepEntry
     | ToolResultEntry
     | TurnEndedEntry
+    | AnswerRejectedEntry
     | CompactionEntry
     | ToolOutputsClearedEntry
     | ApprovalRequestEntry

@@ -36,6 +36,10 @@ class ModelRequest:
     max_output_tokens: int | None = None
     """The most tokens one call may generate (the preset's limit); ``None``: the provider's."""
     purpose: CallPurpose = CallPurpose.STEP
+    output_schema: str = ""
+    """The JSON schema (canonical JSON) a final answer must match, ``""`` for none: a provider
+    with a structured-output mode asks for it (ADR 0052). Never set on a compaction's request.
+    The agent checks the answer either way."""
     memo: dict[Any, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
     """Scratch space its caller keeps for the calls of one turn (the same dict for each): a
     provider may keep there what it derives from ``messages`` alone (their wire encoding,

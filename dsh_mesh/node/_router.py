@@ -89,6 +89,7 @@ class ClusterRouter:
         preset: str,
         model: str,
         namespace: str = "",
+        output_schema: str = "",
     ) -> Activation:
         return await self._pool.create_root(
             node,
@@ -97,6 +98,7 @@ class ClusterRouter:
             preset=preset,
             model=model,
             namespace=namespace,
+            output_schema=output_schema,
         )
 
     async def activate(

@@ -1,6 +1,6 @@
 """The one place where domain values become the bytes stored in etcd, and back.
 
-Format (version 9). Every stored value is one JSON object: UTF-8, compact (no insignificant
+Format (version 10). Every stored value is one JSON object: UTF-8, compact (no insignificant
 whitespace), keys sorted, non-ASCII written as itself, so equal values are equal bytes. Wrapped
 here; ``tests/unit/test_codec.py`` pins the exact bytes of every kind::
 
@@ -86,6 +86,12 @@ Version history (encoders write only the newest; decoders read every one in
    value lacks them and decodes as ``null`` and ``""``. Everything else is stored exactly as
    in version 8 apart from ``"v"``.
 
+10. A session's spec gains ``"output_schema"`` (the JSON schema its answers must match, as
+    canonical JSON, or ``""``); a ``turn_ended`` entry and a ``settlement_notice`` gain
+    ``"output_json"`` (the answer's JSON value, or ``""``); and there is a new
+    ``answer_rejected`` entry (ADR 0052). An older value lacks the fields and decodes as
+    ``""``. Everything else is stored exactly as in version 9 apart from ``"v"``.
+
 ``_ADDED_IN`` is the table of fields added after version 1.
 """
 
@@ -104,6 +110,7 @@ from typing import TYPE_CHECKING, Final, Literal, NewType, TypeVar, Union
 from dsh_mesh.core import (
     Activation,
     AgentMessageEntry,
+    AnswerRejectedEntry,
     ApprovalDecisionEntry,
     ApprovalRequestEntry,
     AssistantStepEntry,
@@ -115,6 +122,7 @@ from dsh_mesh.core import (
     MeshError,
     Record,
     SessionHeader,
+    SessionSpec,
     SettlementNoticeEntry,
     TaskEntry,
     ToolCall,
@@ -132,7 +140,7 @@ if TYPE_CHECKING:
 
 _D = TypeVar("_D", bound="DataclassInstance")
 
-FORMAT_VERSION: Final = 9
+FORMAT_VERSION: Final = 10
 """The version every encoder writes (see the module docstring for the history)."""
 
 READABLE_VERSIONS: Final = frozenset(range(1, FORMAT_VERSION + 1))
@@ -154,6 +162,7 @@ ENTRY_TAGS: Final[Mapping[str, type[Entry]]] = types.MappingProxyType(
         "tool_outputs_cleared": ToolOutputsClearedEntry,
         "approval_request": ApprovalRequestEntry,
         "approval_decision": ApprovalDecisionEntry,
+        "answer_rejected": AnswerRejectedEntry,
     }
 )
 """The stored ``"type"`` tag of each transcript entry class. Tags are part of the format."""
@@ -164,6 +173,7 @@ _TAG_ADDED_IN: Final[Mapping[str, int]] = types.MappingProxyType(
         "tool_outputs_cleared": 7,
         "approval_request": 8,
         "approval_decision": 8,
+        "answer_rejected": 10,
     }
 )
 """The version that added each entry kind after version 1: an older value cannot have it."""
@@ -173,12 +183,14 @@ _TAG_OF: Final[Mapping[type[Entry], str]] = {cls: tag for tag, cls in ENTRY_TAGS
 _ADDED_IN: Final[Mapping[type, Mapping[str, int]]] = types.MappingProxyType(
     {
         AgentMessageEntry: {"trace": 2, "delivery": 3, "idempotency_key": 4},
-        SettlementNoticeEntry: {"trace": 2},
+        SettlementNoticeEntry: {"trace": 2, "output_json": 10},
         HumanPromptEntry: {"idempotency_key": 4},
         TurnStartedEntry: {"node_id": 4, "activation_id": 4, "trace": 8},
         SessionHeader: {"created_at": 4, "namespace": 6},
         ToolResultEntry: {"duration_ms": 5},
         ToolCall: {"given_id": 9, "refused": 9},
+        SessionSpec: {"output_schema": 10},
+        TurnEndedEntry: {"output_json": 10},
     }
 )
 """Fields of a stored dataclass that older versions lack, with the version that added each.

@@ -41,6 +41,7 @@ from dsh_mesh.core import (
     check_namespace,
     pending_inbound,
     unended_turn,
+    with_output_instruction,
 )
 from dsh_mesh.models import ModelProvider, check_model_spec
 from dsh_mesh.runtime._children import ChildLedger
@@ -106,6 +107,7 @@ class Creations:
         model: str | None,
         session_id: SessionId | None,
         namespace: str = DEFAULT_NAMESPACE,
+        output_schema: str = "",
     ) -> AgentRef:
         """See :meth:`ContinuationManager.create_root`."""
         earlier = None if session_id is None else self._creating.get(session_id)
@@ -120,6 +122,7 @@ class Creations:
             preset=chosen.name,
             model=model or chosen.model or "",
             tools=self._registry.resolve(chosen).descriptors,
+            output_schema=output_schema or chosen.output_schema_json(),
         )
         if not spec.model:
             raise InvalidArgument("a root session needs a model")
@@ -142,6 +145,7 @@ class Creations:
             existing = None if session_id is None else await self._store.get_header(session_id)
             if existing is None or existing.namespace != namespace:
                 raise
+        task = with_output_instruction(task, spec.output_schema)
         agent = await self._activate_new(header, parent_activation=None, first=(), task=task)
         return agent.ref
 
@@ -190,6 +194,7 @@ class Creations:
                 preset=chosen.name,
                 model=chosen.model or parent_agent.header.spec.model,
                 tools=self._registry.resolve(chosen).descriptors,
+                output_schema=chosen.output_schema_json(),
             )
         header = SessionHeader(
             session_id=session,
@@ -248,17 +253,18 @@ class Creations:
         return session
 
     def _child_task(self, header: SessionHeader, task: str, tools: ToolSet | None = None) -> str:
-        """A continuable child's task with its return instruction (contract rule 7), given
-        the child's ``tools`` (resolved from its header when not given)."""
-        if header.kind is not SessionKind.CONTINUABLE_CHILD or header.parent_session is None:
-            return task
-        if tools is None:
-            tools = self._residency.resolve_tools(header, None)
-        return child_task(
-            task,
-            header.parent_session,
-            standard_send_message_visible=tools.standard_send_message_visible,
-        )
+        """A child's task: a continuable child's with its return instruction (contract rule 7),
+        given the child's ``tools`` (resolved from its header when not given); then, when its
+        session names an output schema, the instruction to answer with it (ADR 0052)."""
+        if header.kind is SessionKind.CONTINUABLE_CHILD and header.parent_session is not None:
+            if tools is None:
+                tools = self._residency.resolve_tools(header, None)
+            task = child_task(
+                task,
+                header.parent_session,
+                standard_send_message_visible=tools.standard_send_message_visible,
+            )
+        return with_output_instruction(task, header.spec.output_schema)
 
     async def _write_creation(self, session: SessionId, entries: Sequence[Entry]) -> None:
         """Write a new child's first entries (a fork's prefix, its task) before it has an

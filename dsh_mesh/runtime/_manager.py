@@ -307,6 +307,7 @@ class ContinuationManager:
         model: str | None = None,
         session_id: SessionId | None = None,
         namespace: str = DEFAULT_NAMESPACE,
+        output_schema: str = "",
     ) -> AgentRef:
         """Create a root session in ``namespace`` (its whole tree's), make it resident here and
         start its first turn with ``task`` (an empty task leaves it idle, waiting for a
@@ -318,9 +319,16 @@ class ContinuationManager:
         all. If this node fails after that write, the root waits, without an activation, for
         its first turn; :meth:`resume` (on a replay of the creation) runs it. Raises
         ``TargetElsewhere``, naming the node, when a replay made the root resident on another
-        node before this one could activate it."""
+        node before this one could activate it. ``output_schema`` (canonical JSON, see
+        :func:`~dsh_mesh.core.check_output_schema`) is what its answers must match, in place of
+        its preset's (ADR 0052)."""
         return await self._creations.create_root(
-            task, preset=preset, model=model, session_id=session_id, namespace=namespace
+            task,
+            preset=preset,
+            model=model,
+            session_id=session_id,
+            namespace=namespace,
+            output_schema=output_schema,
         )
 
     async def create_root_at(
@@ -332,6 +340,7 @@ class ContinuationManager:
         preset: str,
         model: str,
         namespace: str = "",
+        output_schema: str = "",
     ) -> Activation:
         """Hand a root creation to ``node`` (the creation a client asked of that node); its
         answer names the root and where it runs."""
@@ -342,6 +351,7 @@ class ContinuationManager:
             preset=preset,
             model=model,
             namespace=namespace,
+            output_schema=output_schema,
         )
 
     async def submit_prompt(

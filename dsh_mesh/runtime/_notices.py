@@ -75,6 +75,9 @@ def derived_notice(
         terminal_output=output,
         detail=detail,
         trace=turn.trace,
+        output_json=ended.output_json
+        if ended is not None and outcome is SettlementOutcome.COMPLETED
+        else "",
     )
 
 

@@ -78,6 +78,7 @@ class Router(Protocol):
         preset: str,
         model: str,
         namespace: str = "",
+        output_schema: str = "",
     ) -> Activation:
         """Ask ``node`` to create (or find, for a replay) the root ``request_id`` names."""
         ...

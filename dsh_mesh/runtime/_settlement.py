@@ -100,6 +100,7 @@ class Settlements:
                     terminal_output=settlement.terminal_output,
                     detail=settlement.detail,
                     trace=settlement.trace,
+                    output_json=settlement.output_json,
                 )
                 telemetry.settled(notice.outcome.value, notice.child_kind.value)
                 await self.notify(parent, notice)

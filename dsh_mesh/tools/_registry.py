@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Protocol
 
-from dsh_mesh.core import InvalidArgument, ToolDescriptor, ToolsUnavailable
+from dsh_mesh.core import InvalidArgument, ToolDescriptor, ToolsUnavailable, check_output_schema
 from dsh_mesh.tools._standard import is_standard_send_message
 from dsh_mesh.tools._tool import Tool, canonical_name, is_standard_tool
 
@@ -169,7 +169,9 @@ class Preset:
     of roots created without one; it is a model spec (``openai:gpt-4o-mini``, see
     :class:`~dsh_mesh.models.ModelRouter`). ``limits`` bound its token use; ``context`` says
     how its agents keep within their model's context window; ``approvals`` which calls wait for
-    a person's decision.
+    a person's decision. ``output_schema``, a JSON schema (a parsed JSON object), is what the
+    answers of its sessions must match (ADR 0052); a root's own schema stands in for it.
+    Raises :class:`InvalidArgument` for a schema that is not one.
     """
 
     name: str
@@ -180,6 +182,16 @@ class Preset:
     limits: TurnLimits = field(default_factory=TurnLimits)
     context: ContextPolicy = field(default_factory=ContextPolicy)
     approvals: ApprovalPolicy = field(default_factory=ApprovalPolicy)
+    output_schema: Mapping[str, object] | None = field(default=None, hash=False)
+
+    def __post_init__(self) -> None:
+        self.output_schema_json()  # refused now, not at the first session's creation
+
+    def output_schema_json(self) -> str:
+        """Its output schema as canonical JSON; ``""`` when it names none."""
+        if self.output_schema is None:
+            return ""
+        return check_output_schema(dict(self.output_schema))
 
 
 @dataclass(frozen=True)

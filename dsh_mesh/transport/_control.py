@@ -45,9 +45,11 @@ from dsh_mesh.core import (
     TaskEntry,
     bounded_quote,
     check_namespace,
+    parse_output_schema,
     parse_session_id,
     session_usage,
     usage_cost,
+    with_output_instruction,
 )
 from dsh_mesh.runtime import KeptUsage
 from dsh_mesh.transport._auth import ClusterCredential, caller_hops, decider
@@ -203,6 +205,7 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
                 preset=request.preset,
                 model=request.model,
                 namespace=request.namespace,
+                output_schema=request.output_schema_json,
             )
             return mesh_pb2.CreateRootSessionResponse(
                 session_id=made.session_id, activation_id=made.activation_id, node_id=made.node_id
@@ -233,6 +236,7 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
             model=request.model or None,
             session_id=session,
             namespace=request.namespace or DEFAULT_NAMESPACE,
+            output_schema=parse_output_schema(request.output_schema_json),
         )
 
     async def _existing_root(
@@ -252,15 +256,17 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         # before appending its task: only an empty task finds that one.)
         first, _ = await self._reads.page(session, after_seq=0, limit=1)
         task = first[0].entry.content if first and isinstance(first[0].entry, TaskEntry) else ""
+        schema = parse_output_schema(request.output_schema_json)
         if (
             header.spec.preset != request.preset
             or (asked and header.spec.model != asked)
-            or task != request.initial_task
+            or (schema and header.spec.output_schema != schema)
+            or task != with_output_instruction(request.initial_task, header.spec.output_schema)
             or header.namespace != (request.namespace or DEFAULT_NAMESPACE)
         ):
             raise IdempotencyConflict(
                 f"request_id {bounded_quote(request.request_id)} created another root (other"
-                " preset, model, initial_task or namespace)"
+                " preset, model, initial_task, output schema or namespace)"
             )
         current = await self._current_activation(session, fresh=True)
         if current is None and task and await self._task_unread(session):

@@ -15,11 +15,13 @@ from dsh_mesh.core import (
     MAX_EDIT_DEPTH,
     MAX_ID_CHARS,
     MAX_KEY_CHARS,
+    MAX_OUTPUT_SCHEMA_BYTES,
     SETTLEMENT_NOTICE_KIND,
     Activation,
     ActivationId,
     AgentMessageEntry,
     AgentRef,
+    AnswerRejectedEntry,
     ApprovalDecision,
     ApprovalDecisionEntry,
     ApprovalRequestEntry,
@@ -121,7 +123,10 @@ _JSON_BOUNDS: Mapping[str, Mapping[str, int]] = MappingProxyType(
     {
         mesh_pb2.ResolveApprovalRequest.DESCRIPTOR.full_name: MappingProxyType(
             {"arguments_json": MAX_EDIT_BYTES}
-        )
+        ),
+        mesh_pb2.CreateRootSessionRequest.DESCRIPTOR.full_name: MappingProxyType(
+            {"output_schema_json": MAX_OUTPUT_SCHEMA_BYTES}
+        ),
     }
 )
 """The JSON fields of a request, with their largest size in UTF-8 bytes; each nests at most
@@ -216,6 +221,7 @@ def notice_to_wire(
         terminal_output=notice.terminal_output,
         detail=notice.detail,
         trace=notice.trace,
+        output_json=notice.output_json,
     )
 
 
@@ -238,6 +244,7 @@ def notice_from_wire(
         terminal_output=request.terminal_output,
         detail=request.detail,
         trace=request.trace,
+        output_json=request.output_json,
     )
     return parse_session_id(request.parent_session_id), notice
 
@@ -286,6 +293,7 @@ def header_to_wire(header: SessionHeader) -> mesh_pb2.SessionHeader:
                 )
                 for t in header.spec.tools
             ],
+            output_schema_json=header.spec.output_schema,
         ),
     )
     if header.created_at is not None:
@@ -339,6 +347,7 @@ def record_to_wire(record: Record) -> mesh_pb2.TranscriptEntry:
         notice.outcome = _OUTCOME_TO_WIRE[entry.outcome]
         notice.terminal_output = entry.terminal_output
         notice.detail = entry.detail
+        notice.output_json = entry.output_json
     elif isinstance(entry, AssistantStepEntry):
         step = wire.assistant_step
         step.text = entry.text
@@ -362,6 +371,10 @@ def record_to_wire(record: Record) -> mesh_pb2.TranscriptEntry:
         wire.turn_ended.turn_id = entry.turn_id
         wire.turn_ended.outcome = _TURN_TO_WIRE[entry.outcome]
         wire.turn_ended.detail = entry.detail
+        wire.turn_ended.output_json = entry.output_json
+    elif isinstance(entry, AnswerRejectedEntry):
+        wire.answer_rejected.reason = entry.reason
+        wire.answer_rejected.schema_json = entry.schema
     elif isinstance(entry, ConsumedEntry):
         wire.consumed.seqs.extend(entry.seqs)
     elif isinstance(entry, CompactionEntry):

@@ -250,6 +250,7 @@ class PeerPool:
         preset: str,
         model: str,
         namespace: str = "",
+        output_schema: str = "",
     ) -> Activation:
         """``MeshControl.CreateRootSession`` on ``node``: the root it made (or found) and where
         it runs (empty activation and node while nothing runs it)."""
@@ -260,6 +261,7 @@ class PeerPool:
             model=model,
             node_id=node,
             namespace=namespace,
+            output_schema_json=output_schema,
         )
         response = await self._call(
             self._control(node).CreateRootSession, request, deadline=self._timeouts.send, hops=1

@@ -18,6 +18,7 @@ from dsh_mesh.core import (
     ActivationId,
     AgentMessageEntry,
     AgentMessageSource,
+    AnswerRejectedEntry,
     ApprovalDecision,
     ApprovalDecisionEntry,
     ApprovalRequestEntry,
@@ -79,12 +80,12 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
     (
         TaskEntry(content="Summarise the design.\nThen send_message your parent."),
         '{"at":null,"content":"Summarise the design.\\nThen send_message your parent.",'
-        '"type":"task","v":9}',
+        '"type":"task","v":10}',
     ),
     (
         HumanPromptEntry(content="Wie geht's? 你好 🙂", idempotency_key="prompt-7"),
         '{"at":null,"content":"Wie geht\'s? 你好 🙂","idempotency_key":"prompt-7",'
-        '"type":"human_prompt","v":9}',
+        '"type":"human_prompt","v":10}',
     ),
     (
         AgentMessageEntry(
@@ -97,7 +98,7 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
         '{"at":null,"content":"result: 42","delivery":"steered","idempotency_key":"call-9",'
         '"source":{"form":"relay","kind":"agent-message","sender_session_id":"s-2"},'
         '"trace":"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",'
-        '"type":"agent_message","v":9}',
+        '"type":"agent_message","v":10}',
     ),
     (
         SettlementNoticeEntry(
@@ -111,9 +112,9 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
         ),
         '{"at":null,"child_activation":"a-3","child_kind":"one-shot-child",'
         '"child_session":"s-3","detail":"budget spent","outcome":"token-exhaustion",'
-        '"terminal_output":"partial answer",'
+        '"output_json":"","terminal_output":"partial answer",'
         '"trace":"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00",'
-        '"type":"settlement_notice","v":9}',
+        '"type":"settlement_notice","v":10}',
     ),
     (
         ForkPrefixEntry(
@@ -128,18 +129,18 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
         '{"content":"","role":"assistant","tool_call_id":null,"tool_calls":[{"arguments_json":'
         '"{\\"path\\":\\"a.md\\"}","call_id":"c-1","given_id":null,"name":"read_file",'
         '"refused":""}]},{"content":"# A",'
-        '"role":"tool","tool_call_id":"c-1","tool_calls":[]}],"type":"fork_prefix","v":9}',
+        '"role":"tool","tool_call_id":"c-1","tool_calls":[]}],"type":"fork_prefix","v":10}',
     ),
     (
         TurnStartedEntry(
             turn_id=TurnId("t-1"), node_id=NodeId("n-2"), activation_id=ActivationId("a-2")
         ),
         '{"activation_id":"a-2","at":null,"node_id":"n-2","trace":"","turn_id":"t-1",'
-        '"type":"turn_started","v":9}',
+        '"type":"turn_started","v":10}',
     ),
     (
         ConsumedEntry(seqs=(3, 4)),
-        '{"at":null,"seqs":[3,4],"type":"consumed","v":9}',
+        '{"at":null,"seqs":[3,4],"type":"consumed","v":10}',
     ),
     (
         AssistantStepEntry(
@@ -150,7 +151,7 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
         '{"at":null,"text":"Reading it.","tool_calls":[{"arguments_json":"{\\"path\\":\\"a.md\\"}",'
         '"call_id":"c-1","given_id":null,"name":"read_file",'
         '"refused":""}],"type":"assistant_step","usage":'
-        '{"cached_input_tokens":1024,"input_tokens":1200,"output_tokens":35},"v":9}',
+        '{"cached_input_tokens":1024,"input_tokens":1200,"output_tokens":35},"v":10}',
     ),
     (
         AssistantStepEntry(
@@ -169,18 +170,24 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
         '{"at":null,"text":"","tool_calls":[{"arguments_json":"{}","call_id":"c-1_2",'
         '"given_id":"c-1","name":"read_file","refused":"not run: too deep"}],'
         '"type":"assistant_step","usage":{"cached_input_tokens":0,"input_tokens":0,'
-        '"output_tokens":0},"v":9}',
+        '"output_tokens":0},"v":10}',
     ),
     (
         ToolResultEntry(
             call_id="c-1", name="read_file", content="no such file", is_error=True, duration_ms=120
         ),
         '{"at":null,"call_id":"c-1","content":"no such file","duration_ms":120,"is_error":true,'
-        '"name":"read_file","type":"tool_result","v":9}',
+        '"name":"read_file","type":"tool_result","v":10}',
     ),
     (
-        TurnEndedEntry(turn_id=TurnId("t-1"), outcome=TurnOutcome.COMPLETED),
-        '{"at":null,"detail":"","outcome":"completed","turn_id":"t-1","type":"turn_ended","v":9}',
+        TurnEndedEntry(turn_id=TurnId("t-1"), outcome=TurnOutcome.COMPLETED, output_json='{"a":1}'),
+        '{"at":null,"detail":"","outcome":"completed","output_json":"{\\"a\\":1}","turn_id":"t-1",'
+        '"type":"turn_ended","v":10}',
+    ),
+    (
+        AnswerRejectedEntry(reason="the answer is not JSON", schema='{"type":"object"}'),
+        '{"at":null,"reason":"the answer is not JSON","schema":"{\\"type\\":\\"object\\"}",'
+        '"type":"answer_rejected","v":10}',
     ),
     (
         CompactionEntry(
@@ -200,11 +207,11 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
         '"pending":[38],'
         '"summary":"Read a.md; b.md is next.","task":"Review.\\nparent agent_id: \\"s-0\\"",'
         '"through_seq":40,"type":"compaction",'
-        '"usage":{"cached_input_tokens":8192,"input_tokens":9000,"output_tokens":300},"v":9}',
+        '"usage":{"cached_input_tokens":8192,"input_tokens":9000,"output_tokens":300},"v":10}',
     ),
     (
         ToolOutputsClearedEntry(seqs=(5, 9)),
-        '{"at":null,"seqs":[5,9],"type":"tool_outputs_cleared","v":9}',
+        '{"at":null,"seqs":[5,9],"type":"tool_outputs_cleared","v":10}',
     ),
     (
         ApprovalRequestEntry(
@@ -217,7 +224,7 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
         ),
         '{"arguments_json":"{\\"env\\":\\"prod\\"}","at":null,"call_id":"c-1",'
         '"descriptor_digest":"d1","expires_at":"2025-01-02T03:04:05.000006+00:00",'
-        '"step_seq":7,"tool":"deploy","type":"approval_request","v":9}',
+        '"step_seq":7,"tool":"deploy","type":"approval_request","v":10}',
     ),
     (
         ApprovalDecisionEntry(
@@ -230,7 +237,7 @@ ENTRY_EXAMPLES: list[tuple[Entry, str]] = [
         ),
         '{"arguments_json":"{\\"env\\":\\"staging\\"}","at":null,"by":"client:alice",'
         '"call_id":"c-1","decision":"edit","reason":"not prod today","request_digest":"r1",'
-        '"type":"approval_decision","v":9}',
+        '"type":"approval_decision","v":10}',
     ),
 ]
 
@@ -240,6 +247,7 @@ TAGS_ADDED_IN: dict[str, int] = {
     "tool_outputs_cleared": 7,
     "approval_request": 8,
     "approval_decision": 8,
+    "answer_rejected": 10,
 }
 
 WRITTEN_AT = datetime(2025, 1, 2, 3, 4, 5, 6, tzinfo=UTC)
@@ -290,7 +298,7 @@ OTHER_EXAMPLES: list[tuple[object, Callable[[Any], bytes], str]] = [
         encode_header,
         '{"created_at":"2025-01-02T03:04:05.000006+00:00","fork_origin":null,"kind":"root",'
         '"namespace":"default","parent_session":null,"session_id":"s-1",'
-        '"spec":{"model":"lead-model","preset":"lead","tools":[]},"v":9}',
+        '"spec":{"model":"lead-model","output_schema":"","preset":"lead","tools":[]},"v":10}',
     ),
     (
         FORK_HEADER,
@@ -298,26 +306,27 @@ OTHER_EXAMPLES: list[tuple[object, Callable[[Any], bytes], str]] = [
         '{"created_at":null,"fork_origin":{"parent_session":"s-1","prefix_seq":7},'
         '"kind":"continuable-child","namespace":"default",'
         '"parent_session":"s-1","session_id":"s-2","spec":{"model":"worker-model",'
-        '"preset":"worker","tools":[{"description":"Read a file.","input_schema_json":'
+        '"output_schema":"","preset":"worker","tools":[{"description":"Read a file.",'
+        '"input_schema_json":'
         '"{\\"properties\\":{\\"path\\":{\\"type\\":\\"string\\"}},\\"type\\":\\"object\\"}",'
-        '"name":"read_file"}]},"v":9}',
+        '"name":"read_file"}]},"v":10}',
     ),
     (
         ROOT_ACTIVATION,
         encode_activation,
-        '{"activation_id":"a-1","node_id":"n-1","parent_activation":null,"session_id":"s-1","v":9}',
+        '{"activation_id":"a-1","node_id":"n-1","parent_activation":null,"session_id":"s-1","v":10}',
     ),
     (
         CHILD_ACTIVATION,
         encode_activation,
         '{"activation_id":"a-2","node_id":"n-2","parent_activation":"a-1","session_id":"s-2",'
-        '"v":9}',
+        '"v":10}',
     ),
     (
         ACCEPTANCE,
         encode_acceptance,
         '{"fingerprint":"sha256:9f86d0","kind":"cold-resumed","seq":3,"target":"s-2",'
-        '"target_activation":"a-2","v":9}',
+        '"target_activation":"a-2","v":10}',
     ),
 ]
 
@@ -391,9 +400,9 @@ def test_an_acceptance_round_trips_for_every_delivery_kind(kind: DeliveryKind) -
     assert decode_acceptance(encode_acceptance(acceptance)) == acceptance
 
 
-def test_the_format_version_is_nine_and_every_older_one_is_readable() -> None:
-    assert FORMAT_VERSION == 9
-    assert sorted(READABLE_VERSIONS) == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+def test_the_format_version_is_ten_and_every_older_one_is_readable() -> None:
+    assert FORMAT_VERSION == 10
+    assert sorted(READABLE_VERSIONS) == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
 
 
 @pytest.mark.parametrize("tag", sorted(TAGS_ADDED_IN))
@@ -611,7 +620,8 @@ def test_a_naive_time_cannot_be_stored() -> None:
 # test below fail, since an older version would then carry a field it cannot have.
 ADDED_IN: dict[str, dict[str, tuple[int, object]]] = {
     "agent_message": {"trace": (2, ""), "delivery": (3, None), "idempotency_key": (4, "")},
-    "settlement_notice": {"trace": (2, "")},
+    "settlement_notice": {"trace": (2, ""), "output_json": (10, "")},
+    "turn_ended": {"output_json": (10, "")},
     "human_prompt": {"idempotency_key": (4, "")},
     "turn_started": {"node_id": (4, ""), "activation_id": (4, ""), "trace": (8, "")},
     "decode_header": {"created_at": (4, None), "namespace": (6, "default")},
@@ -619,6 +629,8 @@ ADDED_IN: dict[str, dict[str, tuple[int, object]]] = {
 }
 # The fields a tool call gained (in an assistant step, and in a fork prefix's messages).
 TOOL_CALL_ADDED_IN: dict[str, tuple[int, object]] = {"given_id": (9, None), "refused": (9, "")}
+# The fields a session's spec gained (in a header).
+SPEC_ADDED_IN: dict[str, tuple[int, object]] = {"output_schema": (10, "")}
 # The envelope key every entry gained (version 4): when the record was written.
 ENTRY_ADDED_IN: dict[str, tuple[int, object]] = {"at": (4, None)}
 OLDER_VERSIONS = sorted(READABLE_VERSIONS - {FORMAT_VERSION})
@@ -627,6 +639,7 @@ OLDER_VERSIONS = sorted(READABLE_VERSIONS - {FORMAT_VERSION})
 def test_every_field_added_later_is_from_a_readable_version() -> None:
     added = {v for fields in ADDED_IN.values() for v, _ in fields.values()}
     added |= {v for v, _ in TOOL_CALL_ADDED_IN.values()}
+    added |= {v for v, _ in SPEC_ADDED_IN.values()}
     added |= set(TAGS_ADDED_IN.values())
     assert added <= READABLE_VERSIONS - {min(READABLE_VERSIONS)}
     assert FORMAT_VERSION in added  # the newest version added something
@@ -658,6 +671,12 @@ def test_every_older_version_reads_like_the_current_one_without_later_fields(
     call_later = {
         name: default for name, (added, default) in TOOL_CALL_ADDED_IN.items() if added > version
     }
+    # And a header's spec's.
+    spec_later = {
+        name: default
+        for name, (added, default) in SPEC_ADDED_IN.items()
+        if added > version and decode is decode_header
+    }
 
     def calls_of(d: dict[str, Any]) -> list[dict[str, Any]]:
         messages = d.get("messages") if tag == "fork_prefix" else [d]
@@ -669,6 +688,8 @@ def test_every_older_version_reads_like_the_current_one_without_later_fields(
             d["open_turn"].update(nested)
         for call in calls_of(d):
             call.update(call_later)
+        if spec_later:
+            d["spec"].update(spec_later)
 
     def as_older(d: dict[str, Any]) -> None:
         d.update(v=version)
@@ -680,6 +701,8 @@ def test_every_older_version_reads_like_the_current_one_without_later_fields(
         for call in calls_of(d):
             for name in call_later:
                 del call[name]
+        for name in spec_later:
+            del d["spec"][name]
 
     assert decode(rewrite(data, as_older)) == decode(rewrite(data, defaults))
 

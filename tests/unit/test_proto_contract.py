@@ -181,6 +181,7 @@ def test_transcript_entry_body_is_one_oneof() -> None:
         "approval_request",
         "approval_decision",
         "fork_prefix",
+        "answer_rejected",
     ]
 
 

@@ -272,20 +272,22 @@ class ResolveApprovalResponse(_message.Message):
     def __init__(self, accepted_seq: _Optional[int] = ..., duplicate: _Optional[bool] = ..., decided_by: _Optional[str] = ...) -> None: ...
 
 class CreateRootSessionRequest(_message.Message):
-    __slots__ = ("preset", "model", "initial_task", "request_id", "node_id", "namespace")
+    __slots__ = ("preset", "model", "initial_task", "request_id", "node_id", "namespace", "output_schema_json")
     PRESET_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INITIAL_TASK_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_SCHEMA_JSON_FIELD_NUMBER: _ClassVar[int]
     preset: str
     model: str
     initial_task: str
     request_id: str
     node_id: str
     namespace: str
-    def __init__(self, preset: _Optional[str] = ..., model: _Optional[str] = ..., initial_task: _Optional[str] = ..., request_id: _Optional[str] = ..., node_id: _Optional[str] = ..., namespace: _Optional[str] = ...) -> None: ...
+    output_schema_json: str
+    def __init__(self, preset: _Optional[str] = ..., model: _Optional[str] = ..., initial_task: _Optional[str] = ..., request_id: _Optional[str] = ..., node_id: _Optional[str] = ..., namespace: _Optional[str] = ..., output_schema_json: _Optional[str] = ...) -> None: ...
 
 class CreateRootSessionResponse(_message.Message):
     __slots__ = ("session_id", "activation_id", "node_id")
@@ -492,14 +494,16 @@ class ToolDescriptor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., input_schema_json: _Optional[str] = ...) -> None: ...
 
 class SessionSpec(_message.Message):
-    __slots__ = ("preset", "model", "tools")
+    __slots__ = ("preset", "model", "tools", "output_schema_json")
     PRESET_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_SCHEMA_JSON_FIELD_NUMBER: _ClassVar[int]
     preset: str
     model: str
     tools: _containers.RepeatedCompositeFieldContainer[ToolDescriptor]
-    def __init__(self, preset: _Optional[str] = ..., model: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[ToolDescriptor, _Mapping]]] = ...) -> None: ...
+    output_schema_json: str
+    def __init__(self, preset: _Optional[str] = ..., model: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[ToolDescriptor, _Mapping]]] = ..., output_schema_json: _Optional[str] = ...) -> None: ...
 
 class ForkOrigin(_message.Message):
     __slots__ = ("parent_session_id", "prefix_seq")
@@ -550,7 +554,7 @@ class AgentMessageSource(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., form: _Optional[str] = ..., sender_session_id: _Optional[str] = ...) -> None: ...
 
 class TranscriptEntry(_message.Message):
-    __slots__ = ("seq", "recorded_at", "task", "human_prompt", "agent_message", "settlement_notice", "assistant_step", "tool_result", "turn_started", "turn_ended", "consumed", "compaction", "tool_outputs_cleared", "approval_request", "approval_decision", "fork_prefix")
+    __slots__ = ("seq", "recorded_at", "task", "human_prompt", "agent_message", "settlement_notice", "assistant_step", "tool_result", "turn_started", "turn_ended", "consumed", "compaction", "tool_outputs_cleared", "approval_request", "approval_decision", "fork_prefix", "answer_rejected")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     RECORDED_AT_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
@@ -567,6 +571,7 @@ class TranscriptEntry(_message.Message):
     APPROVAL_REQUEST_FIELD_NUMBER: _ClassVar[int]
     APPROVAL_DECISION_FIELD_NUMBER: _ClassVar[int]
     FORK_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_REJECTED_FIELD_NUMBER: _ClassVar[int]
     seq: int
     recorded_at: _timestamp_pb2.Timestamp
     task: TaskEntry
@@ -583,7 +588,16 @@ class TranscriptEntry(_message.Message):
     approval_request: ApprovalRequestEntry
     approval_decision: ApprovalDecisionEntry
     fork_prefix: ForkPrefixEntry
-    def __init__(self, seq: _Optional[int] = ..., recorded_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., task: _Optional[_Union[TaskEntry, _Mapping]] = ..., human_prompt: _Optional[_Union[HumanPromptEntry, _Mapping]] = ..., agent_message: _Optional[_Union[AgentMessageEntry, _Mapping]] = ..., settlement_notice: _Optional[_Union[SettlementNoticeEntry, _Mapping]] = ..., assistant_step: _Optional[_Union[AssistantStepEntry, _Mapping]] = ..., tool_result: _Optional[_Union[ToolResultEntry, _Mapping]] = ..., turn_started: _Optional[_Union[TurnStartedEntry, _Mapping]] = ..., turn_ended: _Optional[_Union[TurnEndedEntry, _Mapping]] = ..., consumed: _Optional[_Union[ConsumedEntry, _Mapping]] = ..., compaction: _Optional[_Union[CompactionEntry, _Mapping]] = ..., tool_outputs_cleared: _Optional[_Union[ToolOutputsClearedEntry, _Mapping]] = ..., approval_request: _Optional[_Union[ApprovalRequestEntry, _Mapping]] = ..., approval_decision: _Optional[_Union[ApprovalDecisionEntry, _Mapping]] = ..., fork_prefix: _Optional[_Union[ForkPrefixEntry, _Mapping]] = ...) -> None: ...
+    answer_rejected: AnswerRejectedEntry
+    def __init__(self, seq: _Optional[int] = ..., recorded_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., task: _Optional[_Union[TaskEntry, _Mapping]] = ..., human_prompt: _Optional[_Union[HumanPromptEntry, _Mapping]] = ..., agent_message: _Optional[_Union[AgentMessageEntry, _Mapping]] = ..., settlement_notice: _Optional[_Union[SettlementNoticeEntry, _Mapping]] = ..., assistant_step: _Optional[_Union[AssistantStepEntry, _Mapping]] = ..., tool_result: _Optional[_Union[ToolResultEntry, _Mapping]] = ..., turn_started: _Optional[_Union[TurnStartedEntry, _Mapping]] = ..., turn_ended: _Optional[_Union[TurnEndedEntry, _Mapping]] = ..., consumed: _Optional[_Union[ConsumedEntry, _Mapping]] = ..., compaction: _Optional[_Union[CompactionEntry, _Mapping]] = ..., tool_outputs_cleared: _Optional[_Union[ToolOutputsClearedEntry, _Mapping]] = ..., approval_request: _Optional[_Union[ApprovalRequestEntry, _Mapping]] = ..., approval_decision: _Optional[_Union[ApprovalDecisionEntry, _Mapping]] = ..., fork_prefix: _Optional[_Union[ForkPrefixEntry, _Mapping]] = ..., answer_rejected: _Optional[_Union[AnswerRejectedEntry, _Mapping]] = ...) -> None: ...
+
+class AnswerRejectedEntry(_message.Message):
+    __slots__ = ("reason", "schema_json")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_JSON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    schema_json: str
+    def __init__(self, reason: _Optional[str] = ..., schema_json: _Optional[str] = ...) -> None: ...
 
 class ForkPrefixEntry(_message.Message):
     __slots__ = ("messages",)
@@ -632,20 +646,22 @@ class AgentMessageEntry(_message.Message):
     def __init__(self, source: _Optional[_Union[AgentMessageSource, _Mapping]] = ..., content: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., delivery: _Optional[_Union[Delivery, str]] = ..., trace: _Optional[str] = ...) -> None: ...
 
 class SettlementNoticeEntry(_message.Message):
-    __slots__ = ("kind", "child_session_id", "child_activation_id", "outcome", "terminal_output", "detail")
+    __slots__ = ("kind", "child_session_id", "child_activation_id", "outcome", "terminal_output", "detail", "output_json")
     KIND_FIELD_NUMBER: _ClassVar[int]
     CHILD_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CHILD_ACTIVATION_ID_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     TERMINAL_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_JSON_FIELD_NUMBER: _ClassVar[int]
     kind: str
     child_session_id: str
     child_activation_id: str
     outcome: SettlementOutcome
     terminal_output: str
     detail: str
-    def __init__(self, kind: _Optional[str] = ..., child_session_id: _Optional[str] = ..., child_activation_id: _Optional[str] = ..., outcome: _Optional[_Union[SettlementOutcome, str]] = ..., terminal_output: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+    output_json: str
+    def __init__(self, kind: _Optional[str] = ..., child_session_id: _Optional[str] = ..., child_activation_id: _Optional[str] = ..., outcome: _Optional[_Union[SettlementOutcome, str]] = ..., terminal_output: _Optional[str] = ..., detail: _Optional[str] = ..., output_json: _Optional[str] = ...) -> None: ...
 
 class ToolCall(_message.Message):
     __slots__ = ("id", "name", "arguments_json")
@@ -704,14 +720,16 @@ class TurnStartedEntry(_message.Message):
     def __init__(self, turn_id: _Optional[str] = ..., node_id: _Optional[str] = ..., activation_id: _Optional[str] = ..., trace: _Optional[str] = ...) -> None: ...
 
 class TurnEndedEntry(_message.Message):
-    __slots__ = ("turn_id", "outcome", "detail")
+    __slots__ = ("turn_id", "outcome", "detail", "output_json")
     TURN_ID_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_JSON_FIELD_NUMBER: _ClassVar[int]
     turn_id: str
     outcome: TurnOutcome
     detail: str
-    def __init__(self, turn_id: _Optional[str] = ..., outcome: _Optional[_Union[TurnOutcome, str]] = ..., detail: _Optional[str] = ...) -> None: ...
+    output_json: str
+    def __init__(self, turn_id: _Optional[str] = ..., outcome: _Optional[_Union[TurnOutcome, str]] = ..., detail: _Optional[str] = ..., output_json: _Optional[str] = ...) -> None: ...
 
 class ConsumedEntry(_message.Message):
     __slots__ = ("seqs",)

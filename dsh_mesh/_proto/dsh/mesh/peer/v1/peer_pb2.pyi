@@ -26,7 +26,7 @@ class ActivateResponse(_message.Message):
     def __init__(self, activation_id: _Optional[str] = ..., parent_activation_id: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class DeliverNoticeRequest(_message.Message):
-    __slots__ = ("parent_session_id", "child_session_id", "child_activation_id", "child_kind", "outcome", "terminal_output", "detail", "trace")
+    __slots__ = ("parent_session_id", "child_session_id", "child_activation_id", "child_kind", "outcome", "terminal_output", "detail", "trace", "output_json")
     PARENT_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CHILD_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CHILD_ACTIVATION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class DeliverNoticeRequest(_message.Message):
     TERMINAL_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     TRACE_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_JSON_FIELD_NUMBER: _ClassVar[int]
     parent_session_id: str
     child_session_id: str
     child_activation_id: str
@@ -43,7 +44,8 @@ class DeliverNoticeRequest(_message.Message):
     terminal_output: str
     detail: str
     trace: str
-    def __init__(self, parent_session_id: _Optional[str] = ..., child_session_id: _Optional[str] = ..., child_activation_id: _Optional[str] = ..., child_kind: _Optional[str] = ..., outcome: _Optional[str] = ..., terminal_output: _Optional[str] = ..., detail: _Optional[str] = ..., trace: _Optional[str] = ...) -> None: ...
+    output_json: str
+    def __init__(self, parent_session_id: _Optional[str] = ..., child_session_id: _Optional[str] = ..., child_activation_id: _Optional[str] = ..., child_kind: _Optional[str] = ..., outcome: _Optional[str] = ..., terminal_output: _Optional[str] = ..., detail: _Optional[str] = ..., trace: _Optional[str] = ..., output_json: _Optional[str] = ...) -> None: ...
 
 class DeliverNoticeResponse(_message.Message):
     __slots__ = ()
