@@ -1,6 +1,7 @@
 """The agent loop: inbox, turns, steps, Steer and Queue delivery, interrupt, settlement."""
 
 from dsh_mesh.agent._agent import Agent, AgentHost, AgentState
+from dsh_mesh.agent._answer_check import AnswerChecker
 from dsh_mesh.agent._context import SUMMARY_INSTRUCTION
 from dsh_mesh.agent._inbox import Inbox
 from dsh_mesh.agent._render import (
@@ -19,6 +20,7 @@ __all__ = [
     "Agent",
     "AgentHost",
     "AgentState",
+    "AnswerChecker",
     "Inbox",
     "Settlement",
     "cleared_stub",

@@ -106,6 +106,12 @@ class AgentHost(Protocol):
         a turn (asked before each one)."""
         ...
 
+    async def check_answer(self, text: str, schema_json: str, *, seconds: float) -> str:
+        """The value of the final answer ``text`` when it matches the output schema
+        ``schema_json`` (:func:`~dsh_mesh.core.answer_value`), checked where a hostile schema
+        cannot stall the node, within ``seconds``; raises :class:`AnswerInvalid` otherwise."""
+        ...
+
 
 class Agent:
     """The in-memory object of one Activation.
@@ -238,6 +244,7 @@ class Agent:
             boundary=self._boundary,
             sends_in_inbox=lambda: self._host.sends_in_inbox(self),
             output_schema=self.header.spec.output_schema,
+            check_answer=self._host.check_answer,
         )
 
     # -- identity and state -------------------------------------------------------------------

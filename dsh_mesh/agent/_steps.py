@@ -8,11 +8,11 @@ and one callable of its host. It is never handed the agent.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import itertools
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol
 
 from dsh_mesh import telemetry
 from dsh_mesh.agent._approval_wait import ApprovalWait
@@ -31,15 +31,20 @@ from dsh_mesh.core import (
     TokensExhausted,
     ToolCall,
     TurnOutcome,
-    answer_value,
     recorded_step,
 )
 from dsh_mesh.models import FinishReason
 from dsh_mesh.tools import ToolOutput
 
 ANSWER_CHECK_SECONDS = 5.0
-"""How long checking one answer against its schema may take (off the event loop) before the
+"""How long checking one answer against its schema may take (in a worker process) before the
 answer counts as not matching: a schema whose ``pattern`` backtracks never stalls the node."""
+
+
+class CheckAnswer(Protocol):
+    """The host's check of a final answer (``AgentHost.check_answer``)."""
+
+    async def __call__(self, text: str, schema_json: str, *, seconds: float) -> str: ...
 
 
 class Steps:
@@ -56,9 +61,11 @@ class Steps:
         boundary: Boundary,
         sends_in_inbox: Callable[[], Awaitable[None]],
         output_schema: str = "",
+        check_answer: CheckAnswer | None = None,
     ) -> None:
         self._session_id = session_id
         self._output_schema = output_schema
+        self._check_answer = check_answer
         self._transcript = transcript
         self._window = window
         self._calls = calls
@@ -118,13 +125,12 @@ class Steps:
         asked again (another step), up to :data:`ANSWER_RETRIES` times; then the turn ends
         with outcome ``error`` (:class:`AnswerInvalid`). ADR 0052."""
         schema = self._output_schema
+        if self._check_answer is None:
+            raise AssertionError("a session with an output schema needs a check of answers")
         try:
-            async with asyncio.timeout(ANSWER_CHECK_SECONDS):
-                turn.output_json = await asyncio.to_thread(answer_value, text, schema)
+            turn.output_json = await self._check_answer(text, schema, seconds=ANSWER_CHECK_SECONDS)
         except AnswerInvalid as invalid:
             reason = str(invalid)
-        except TimeoutError:
-            reason = f"checking it against the schema took more than {ANSWER_CHECK_SECONDS:g} s"
         else:
             return TurnOutcome.COMPLETED
         turn.answers_rejected += 1

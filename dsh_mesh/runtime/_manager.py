@@ -17,7 +17,7 @@ from datetime import timedelta
 from types import TracebackType
 from typing import Self
 
-from dsh_mesh.agent import Agent, AgentState, Settlement
+from dsh_mesh.agent import Agent, AgentState, AnswerChecker, Settlement
 from dsh_mesh.core import (
     DEFAULT_NAMESPACE,
     AbortSignal,
@@ -97,6 +97,8 @@ class ContinuationManager:
         self._presets = {p.name: p for p in presets}
         self.registry = ToolRegistry((*standard_tools(self), *tools), source=tool_source)
         self._stack = contextlib.AsyncExitStack()
+        self._answers = AnswerChecker()
+        """Checks final answers against output schemas, in a worker started on first use."""
         self._changes = ChangeSignal()
         self._work = DetachedWork(on_done=self._changes.changed)
         self._admission = AdmissionLedger(
@@ -197,6 +199,7 @@ class ContinuationManager:
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def __aenter__(self) -> Self:
+        self._stack.push_async_callback(self._answers.close)
         await self._stack.enter_async_context(self._residency)
         idle = self.idle_passivation
         if idle is not None:
@@ -561,6 +564,11 @@ class ContinuationManager:
     def may_settle(self, agent: Agent) -> bool:
         """Whether ``agent``'s activation may end now (no waking send, no live child)."""
         return self._settlements.may_settle(agent)
+
+    async def check_answer(self, text: str, schema_json: str, *, seconds: float) -> str:
+        """A final answer checked against its output schema in this node's worker process
+        (:class:`~dsh_mesh.agent.AnswerChecker`)."""
+        return await self._answers.check(text, schema_json, seconds=seconds)
 
     async def sends_in_inbox(self, agent: Agent) -> None:
         """Return once every send holding ``agent`` has its record in its inbox."""

@@ -277,6 +277,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "Agent",
         "AgentHost",
         "AgentState",
+        "AnswerChecker",
         "Inbox",
         "SUMMARY_FRAME",
         "SUMMARY_INSTRUCTION",
