@@ -337,6 +337,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "StoreHealth",
         "TOKEN_ENV",
         "Task",
+        "TextDelta",
         "TlsCredentials",
         "ToolOutputsCleared",
         "ToolResult",

@@ -110,9 +110,10 @@ class MeshPeerServicer:
         """WatchDeltas streams the model text of one session resident on the called
         node as it is generated, for a WatchSession with deltas served by the
         calling node (ADR 0053). Ephemeral and best effort: nothing is stored or
-        replayed, a slow caller loses deltas (counted in dropped), and the stream
-        ends (OK) when the session stops being resident here. A node refuses it
-        with RESOURCE_EXHAUSTED when it serves too many delta subscriptions.
+        replayed, and a slow caller loses deltas (counted in dropped). The stream
+        lasts until the caller cancels it (its watch saw the session leave the
+        called node, or ended). A node refuses it with RESOURCE_EXHAUSTED when it
+        serves too many delta subscriptions.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
