@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import time
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Executor
@@ -110,6 +111,12 @@ class AgentHost(Protocol):
         """The value of the final answer ``text`` when it matches the output schema
         ``schema_json`` (:func:`~dsh_mesh.core.answer_value`), checked where a hostile schema
         cannot stall the node, within ``seconds``; raises :class:`AnswerInvalid` otherwise."""
+        ...
+
+    def text_delta(self, agent: Agent, turn_id: TurnId, text: str) -> None:
+        """A piece of the text of the step ``agent`` is writing in ``turn_id``, as the model
+        generates it: for whoever watches right now, never stored (ADR 0053). Synchronous;
+        must not block."""
         ...
 
 
@@ -216,8 +223,9 @@ class Agent:
             executor=self._tool_executor,
         )
 
-    def _steps(self, calls: ToolCalls) -> Steps:
-        """One turn's steps: its context window and ``calls``, made for the turn."""
+    def _steps(self, calls: ToolCalls, turn_id: TurnId) -> Steps:
+        """One turn's steps: its context window and ``calls``, made for the turn (as is the
+        callable that hands its text on as it is generated)."""
         window = ContextWindow(
             session_id=self.header.session_id,
             model=self.header.spec.model,
@@ -234,6 +242,7 @@ class Agent:
                 catch_up=self._boundary.catch_up,
                 append_durable=lambda entry: self._host.append(self, entry),
             ),
+            on_text=functools.partial(self._host.text_delta, self, turn_id),
         )
         return Steps(
             session_id=self.header.session_id,
@@ -581,7 +590,8 @@ class Agent:
         await self._boundary.read_waiting(first, steered=not going_on)
         calls = self._tool_calls()
         turn.steps = asyncio.create_task(
-            self._steps(calls).run(turn, going_on=going_on), name=f"turn {turn.turn_id}"
+            self._steps(calls, turn.turn_id).run(turn, going_on=going_on),
+            name=f"turn {turn.turn_id}",
         )
         if turn.interrupting:
             turn.steps.cancel()  # interrupted while the turn was starting

@@ -78,6 +78,7 @@ class ContextWindow:
         transcript: LocalTranscript,
         writes: Writes,
         output_schema: str = "",
+        on_text: Callable[[str], None] | None = None,
     ) -> None:
         self._session_id = session_id
         self._output_schema = output_schema
@@ -89,6 +90,8 @@ class ContextWindow:
         self._provider = provider
         self._transcript = transcript
         self._writes = writes
+        self._on_text = on_text
+        """Told each piece of a step's text as it arrives (ADR 0053); a summary's is not."""
         self._memo: dict[Any, Any] = {}
         """The requests' memo (``ModelRequest.memo``): the provider's work on this turn's
         messages, kept for its next steps."""
@@ -163,7 +166,8 @@ class ContextWindow:
                 "dsh.model_call.purpose": request.purpose.value,
             },
         ) as model_span:
-            response = await complete(self._provider, request)
+            on_text = self._on_text if request.purpose is CallPurpose.STEP else None
+            response = await complete(self._provider, request, on_text)
             model_span.set_many(
                 {
                     "gen_ai.usage.input_tokens": response.usage.input_tokens,

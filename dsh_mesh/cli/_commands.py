@@ -24,6 +24,7 @@ from dsh_mesh.cli._render import (
     summary_row,
     table,
 )
+from dsh_mesh.cli._writing import WritingLine
 from dsh_mesh.client import (
     ApprovalRequest,
     AssistantStep,
@@ -62,6 +63,10 @@ class Console:
     def say(self, line: str = "") -> None:
         """One result line, flushed (a watch is read live through pipes)."""
         print(line, file=self.out, flush=True)
+
+    def put(self, text: str) -> None:
+        """Result text without a newline, flushed (a line written as it arrives)."""
+        print(text, end="", file=self.out, flush=True)
 
     def note(self, line: str) -> None:
         """One progress or hint line on ``err``."""
@@ -341,14 +346,26 @@ async def _watch(client: MeshClient, args: argparse.Namespace, console: Console)
     seen = 0
     duration = timedelta(seconds=args.duration) if args.duration is not None else None
     events = client.watch(
-        args.session, tree=args.tree, after_event_seq=args.after, duration=duration
+        args.session,
+        tree=args.tree,
+        after_event_seq=args.after,
+        duration=duration,
+        deltas=args.deltas,
     )
+    writing = WritingLine(console.put, color=console.color)
     async with contextlib.aclosing(events):
         async for event in events:
-            console.say(dumps(event) if args.json else format_event(event, color=console.color))
+            if args.json:
+                console.say(dumps(event))
+            elif event.delta is not None:
+                writing.delta(event)
+            else:
+                writing.end()
+                console.say(format_event(event, color=console.color))
             seen += 1
             if args.count is not None and seen >= args.count:
                 break
+    writing.end()
     return 0
 
 

@@ -413,10 +413,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="follow a session (or its tree) live, one line per event",
         description="Print a session's events live: transcript entries (task, prompt, message, "
         "settled, step, tool, turn, consumed) and residency changes (resident, absent). The "
-        "first column is the event_seq: resume after it with --from.",
+        "first column is the event_seq: resume after it with --from. With --deltas, the "
+        "model's text of a step being written is appended to a 'writing' line as it is "
+        "generated, before the stored step (best effort, never stored).",
     )
     watch.add_argument("session")
     watch.add_argument("--tree", action="store_true", help="the whole tree rooted at SESSION")
+    watch.add_argument(
+        "--deltas",
+        action="store_true",
+        help="also show the model's text as it is generated (with --json: one object per delta)",
+    )
     watch.add_argument(
         "--from",
         dest="after",

@@ -649,6 +649,7 @@ class MeshClient:
         tree: bool = False,
         after_event_seq: int = 0,
         duration: timedelta | None = None,
+        deltas: bool = False,
     ) -> AsyncGenerator[SessionEvent, None]:
         """Events of ``session`` (with ``tree``: of every session of the tree rooted there,
         descendants that appear meanwhile included) with ``event_seq > after_event_seq``: the
@@ -662,6 +663,10 @@ class MeshClient:
         The watch has no deadline of its own: it runs until the caller stops iterating (use
         ``contextlib.aclosing`` so the stream is cancelled at once) or, with ``duration``, until
         that much time has passed, when the iteration simply ends.
+
+        With ``deltas`` the model's text of each watched session also comes as it is generated
+        (events with ``delta`` set, ADR 0053), wherever the session runs: best effort, never
+        stored, never replayed after a reconnect; the step's entry follows as the record.
         """
         options = self._options
         loop = asyncio.get_running_loop()
@@ -673,7 +678,7 @@ class MeshClient:
             if remaining is not None and remaining <= 0:
                 return
             request = mesh_pb2.WatchSessionRequest(
-                session_id=session, tree=tree, after_event_seq=last
+                session_id=session, tree=tree, after_event_seq=last, deltas=deltas
             )
             call = self._control().WatchSession(request, metadata=self._metadata, timeout=remaining)
             cause: grpc.RpcError | None = None

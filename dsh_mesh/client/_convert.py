@@ -29,6 +29,7 @@ from dsh_mesh.client._types import (
     SessionPage,
     SettlementNotice,
     Task,
+    TextDelta,
     ToolOutputsCleared,
     ToolResult,
     TranscriptEntry,
@@ -354,4 +355,13 @@ def event_from_wire(event: mesh_pb2.SessionEvent) -> SessionEvent:
         entry=entry_from_wire(event.entry) if event.HasField("entry") else None,
         activated=_optional_activation(event, "activated"),
         deactivated=_optional_activation(event, "deactivated"),
+        delta=(
+            TextDelta(
+                turn_id=TurnId(event.delta.turn_id),
+                text=event.delta.text,
+                dropped=event.delta.dropped,
+            )
+            if event.HasField("delta")
+            else None
+        ),
     )

@@ -398,13 +398,28 @@ class AgentPage:
 
 
 @dataclass(frozen=True, kw_only=True)
+class TextDelta:
+    """A piece of a session's model text while a step of ``turn_id`` is being written (a watch
+    with ``deltas=True``): ephemeral, never stored. ``dropped``: how many pieces of this
+    session the watch lost right before this one (the text is then not whole). The
+    :class:`AssistantStep` entry that follows is the record."""
+
+    turn_id: TurnId
+    text: str
+    dropped: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
 class SessionEvent:
-    """One item of a watch: a transcript entry of a watched session (``entry``), or a change of
-    its residency (``activated`` / ``deactivated``). ``event_seq`` is strictly increasing along a
-    watch; resuming after it neither repeats nor skips an event."""
+    """One item of a watch: a transcript entry of a watched session (``entry``), a change of
+    its residency (``activated`` / ``deactivated``), or (a watch with ``deltas=True``) a piece
+    of its model text as it is generated (``delta``). ``event_seq`` is strictly increasing
+    along a watch's entries; residency events and deltas repeat the one before. Resuming after
+    it neither repeats nor skips an entry; deltas are never replayed."""
 
     session_id: SessionId
     event_seq: int
     entry: TranscriptEntry | None = None
     activated: Activation | None = None
     deactivated: Activation | None = None
+    delta: TextDelta | None = None

@@ -7,7 +7,7 @@ collects them into one :class:`ModelResponse` per step.
 from __future__ import annotations
 
 import enum
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -101,8 +101,13 @@ class ModelProvider(Protocol):
     def stream(self, request: ModelRequest) -> AsyncIterator[ModelEvent]: ...
 
 
-async def complete(provider: ModelProvider, request: ModelRequest) -> ModelResponse:
-    """Run one call to completion and collect its events."""
+async def complete(
+    provider: ModelProvider,
+    request: ModelRequest,
+    on_text: Callable[[str], None] | None = None,
+) -> ModelResponse:
+    """Run one call to completion and collect its events. ``on_text`` is called with each
+    :class:`TextDelta`'s text as it arrives (synchronously: it must not block)."""
     text: list[str] = []
     calls: list[ToolCall] = []
     finished: Finished | None = None
@@ -111,6 +116,8 @@ async def complete(provider: ModelProvider, request: ModelRequest) -> ModelRespo
             raise ProtocolViolation("a provider sent events after Finished")
         if isinstance(event, TextDelta):
             text.append(event.text)
+            if on_text is not None:
+                on_text(event.text)
         elif isinstance(event, ToolCallEvent):
             calls.append(event.call)
         else:

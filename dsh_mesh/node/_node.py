@@ -53,7 +53,13 @@ from dsh_mesh.registry import (
     TreeStopped,
 )
 from dsh_mesh.registry._etcd import put
-from dsh_mesh.runtime import ContinuationManager, HistoryLog, RecordingStore, SessionStore
+from dsh_mesh.runtime import (
+    ContinuationManager,
+    DeltaHub,
+    HistoryLog,
+    RecordingStore,
+    SessionStore,
+)
 from dsh_mesh.transport import (
     AgentMeshService,
     ClusterAuthInterceptor,
@@ -89,6 +95,9 @@ class Node:
         # Blocking Python tools run here, never on the loop: a tool that blocks for a minute
         # must not delay the lease's renewal. Its threads cannot be stopped; at exit the node
         # does not wait for them (a call still running was answered when its turn ended).
+        self._deltas = DeltaHub()
+        """Its agents' model text as it is generated, for watches (ADR 0053): one per node,
+        outliving its managers."""
         self._tool_threads = ToolThreads(scenario.tool_threads, name=f"dsh-tool-{config.node_id}")
         self._stopping = asyncio.Event()
         self._manager: ContinuationManager | None = None
@@ -174,11 +183,12 @@ class Node:
                     grants=self._namespaces.grants,
                     credential=config.credential,
                     prices=self._scenario.prices,
+                    deltas=self._deltas,
                 ),
                 server,
             )
             peer_pb2_grpc.add_MeshPeerServicer_to_server(
-                MeshPeerService(self.manager, messages), server
+                MeshPeerService(self.manager, messages, self._deltas), server
             )
             health_pb2_grpc.add_HealthServicer_to_server(health, server)
             reflection.enable_server_reflection(
@@ -273,6 +283,7 @@ class Node:
                 tools=self._scenario.tools,
                 tool_executor=self._tool_threads,
                 tool_source=self._mcp_servers,
+                deltas=self._deltas,
             ) as manager:
                 self._manager = manager
                 await health.set("", health_pb2.HealthCheckResponse.SERVING)

@@ -3,6 +3,12 @@
 from dsh_mesh.runtime._cache import ANCESTRY_CACHE_SIZE, HEADER_CACHE_SIZE, LruCache
 from dsh_mesh.runtime._condition import DEGRADED_FOR, StoreCondition
 from dsh_mesh.runtime._config import ManagerConfig
+from dsh_mesh.runtime._deltas import (
+    MAX_DELTA_CHARS,
+    Delta,
+    DeltaHub,
+    DeltaSubscription,
+)
 from dsh_mesh.runtime._denials import deny_absent
 from dsh_mesh.runtime._departure import Departed, unless_departed
 from dsh_mesh.runtime._limits import (
@@ -37,11 +43,15 @@ __all__ = [
     "DEGRADED_FOR",
     "DRAIN_RELEASE_BUDGET",
     "HEADER_CACHE_SIZE",
+    "MAX_DELTA_CHARS",
     "MAX_HOPS",
     "SPAWN_WINDOW",
     "Acceptance",
     "AtWin",
     "ContinuationManager",
+    "Delta",
+    "DeltaHub",
+    "DeltaSubscription",
     "Departed",
     "HistoryLog",
     "IdempotencyKey",

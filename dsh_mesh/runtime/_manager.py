@@ -50,6 +50,7 @@ from dsh_mesh.runtime._children import ChildLedger
 from dsh_mesh.runtime._config import ManagerConfig
 from dsh_mesh.runtime._creation import Creations
 from dsh_mesh.runtime._delivery import Deliveries
+from dsh_mesh.runtime._deltas import DeltaHub
 from dsh_mesh.runtime._idle import IdlePassivation
 from dsh_mesh.runtime._limits import CreationGuard
 from dsh_mesh.runtime._placement import ClusterForwarder, LocalPlacement, Placement
@@ -89,8 +90,12 @@ class ContinuationManager:
         tools: Sequence[Tool] = (),
         tool_executor: Executor | None = None,
         tool_source: ToolSource | None = None,
+        deltas: DeltaHub | None = None,
     ) -> None:
         config = config or ManagerConfig()
+        self.deltas = deltas or DeltaHub()
+        """Where its agents' model text goes as it is generated (ADR 0053): the node's hub,
+        which outlives this manager, or one of its own."""
         ids = ids or RandomIds()
         self._config = config
         self._store = store
@@ -600,6 +605,11 @@ class ContinuationManager:
     async def closed(self, agent: Agent) -> bool:
         """Whether ``agent``'s session is in a subtree stopped and closed."""
         return await self._stops.is_closed(agent)
+
+    def text_delta(self, agent: Agent, turn_id: TurnId, text: str) -> None:
+        """A piece of ``agent``'s step text, to whoever watches it now (one dict lookup when
+        nobody does)."""
+        self.deltas.publish(agent.session_id, turn_id, text)
 
     # -- helpers --------------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ other reads and watches come straight from the registry. Errors follow the one s
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import logging
@@ -51,7 +52,7 @@ from dsh_mesh.core import (
     usage_cost,
     with_output_instruction,
 )
-from dsh_mesh.runtime import KeptUsage
+from dsh_mesh.runtime import DeltaHub, KeptUsage
 from dsh_mesh.transport._auth import ClusterCredential, caller_hops, decider
 from dsh_mesh.transport._convert import (
     DECISION_FROM_WIRE,
@@ -62,6 +63,7 @@ from dsh_mesh.transport._convert import (
     record_to_wire,
     session_usage_to_wire,
 )
+from dsh_mesh.transport._deltas import DeltaRelay, delta_to_wire
 from dsh_mesh.transport._grants import Grants, Scope
 from dsh_mesh.transport._peers import PeerPool
 from dsh_mesh.transport._servicer import ActivationLookup, ManagerRef
@@ -172,8 +174,11 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         grants: Grants | None = None,
         credential: ClusterCredential | None = None,
         prices: Mapping[str, ModelPrice] | None = None,
+        deltas: DeltaHub | None = None,
     ) -> None:
         self._manager = manager
+        self._deltas = deltas or DeltaHub()
+        """The node's deltas, for watches that ask for them (ADR 0053)."""
         self._prices = dict(prices or {})
         self._grants = grants or Grants.open()
         self._credential = credential
@@ -513,8 +518,14 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
                 after_position=request.after_event_seq,
                 after_seq=request.after_seq,
             )
-            async for event in events:
-                yield _event_to_wire(event)
+            if not request.deltas:
+                async for event in events:
+                    yield _event_to_wire(event)
+                return
+            relay = DeltaRelay(hub=self._deltas, node_id=self._node_id, peers=self._peers)
+            async with relay:
+                async for wire in _with_deltas(events, relay, request.after_event_seq):
+                    yield wire
         except MeshError as error:
             await abort_with(context, error, target=target_of(request))
 
@@ -670,6 +681,41 @@ def _granted(scope: Scope, namespace: str) -> str:
             metadata={"namespace": namespace},
         )
     return namespace
+
+
+async def _with_deltas(
+    events: AsyncIterator[WatchEvent], relay: DeltaRelay, position: int
+) -> AsyncIterator[mesh_pb2.SessionEvent]:
+    """``events`` with the deltas of the sessions they watch between them (ADR 0053): each
+    residency event steers ``relay`` before it is told; a delta repeats the position of the
+    event before it (``position`` before the first). One event and one delta are awaited at a
+    time, so a slow reader holds the feed as before and loses deltas in the relay's bounded
+    queue. Not a task group (see :class:`DeltaRelay`): the two reads are this body's alone,
+    cancelled and awaited on the way out."""
+    feed = aiter(events)
+    next_event: asyncio.Task[WatchEvent] = asyncio.ensure_future(anext(feed))
+    next_delta = asyncio.ensure_future(relay.get())
+    try:
+        while True:
+            await asyncio.wait((next_event, next_delta), return_when=asyncio.FIRST_COMPLETED)
+            if next_delta.done():
+                delta = next_delta.result()
+                next_delta = asyncio.ensure_future(relay.get())
+                wire = mesh_pb2.SessionEvent(session_id=delta.session_id, event_seq=position)
+                wire.delta.CopyFrom(delta_to_wire(delta))
+                yield wire
+            if next_event.done():
+                event = next_event.result()  # a feed's failure ends the watch, as without deltas
+                next_event = asyncio.ensure_future(anext(feed))
+                relay.residency(
+                    event.session, activated=event.activated, deactivated=event.deactivated
+                )
+                position = event.position
+                yield _event_to_wire(event)
+    finally:
+        for read in (next_event, next_delta):
+            read.cancel()
+        await asyncio.wait((next_event, next_delta))
 
 
 def _event_to_wire(event: WatchEvent) -> mesh_pb2.SessionEvent:

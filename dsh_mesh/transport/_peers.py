@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -26,6 +26,7 @@ from dsh_mesh.core import (
     SettlementNoticeEntry,
     TurnId,
 )
+from dsh_mesh.runtime import Delta
 from dsh_mesh.transport._auth import DECIDED_BY_HEADER, ClusterCredential, call_metadata
 from dsh_mesh.transport._convert import (
     DECISION_TO_WIRE,
@@ -33,6 +34,7 @@ from dsh_mesh.transport._convert import (
     delivery_from_wire,
     notice_to_wire,
 )
+from dsh_mesh.transport._deltas import delta_from_wire
 from dsh_mesh.transport._link import LinkUnsupported, MessageLink
 from dsh_mesh.transport._status import error_from_rpc
 from dsh_mesh.transport._tls import TlsCredentials, secure_channel
@@ -309,3 +311,18 @@ class PeerPool:
             deadline=self._timeouts.control,
             hops=0,
         )
+
+    async def watch_deltas(self, node: NodeId, session: SessionId) -> AsyncIterator[Delta]:
+        """``MeshPeer.WatchDeltas`` on ``node``, which hosts ``session``: its deltas until the
+        caller stops iterating (the call is cancelled then) or the stream ends. No deadline:
+        it lasts as long as the watch that asked. A failure raises its ``MeshError``."""
+        call = self._peer(node).WatchDeltas(
+            peer_pb2.WatchDeltasRequest(session_id=session), metadata=self.metadata(hops=0)
+        )
+        try:
+            async for response in call:
+                yield delta_from_wire(session, response.delta)
+        except grpc.aio.AioRpcError as error:
+            raise error_from_rpc(error) from error
+        finally:
+            call.cancel()

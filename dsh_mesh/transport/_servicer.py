@@ -37,7 +37,7 @@ from dsh_mesh.core import (
     bounded_quote,
     parse_session_id,
 )
-from dsh_mesh.runtime import ContinuationManager
+from dsh_mesh.runtime import ContinuationManager, DeltaHub
 from dsh_mesh.transport._auth import caller_hops, caller_node
 from dsh_mesh.transport._convert import (
     agent_ref_from_wire,
@@ -45,6 +45,7 @@ from dsh_mesh.transport._convert import (
     delivery_to_wire,
     notice_from_wire,
 )
+from dsh_mesh.transport._deltas import delta_to_wire
 from dsh_mesh.transport._link import SEND_SPAN, SPAN_ATTRIBUTES
 from dsh_mesh.transport._status import (
     RemoteError,
@@ -158,9 +159,12 @@ class MeshPeerService(peer_pb2_grpc.MeshPeerServicer):
     """What other nodes of the cluster ask of this node's manager, and the stream that carries
     their agent messages to ``messages``, this node's ``SendMessage``."""
 
-    def __init__(self, manager: ManagerRef, messages: AgentMeshService) -> None:
+    def __init__(
+        self, manager: ManagerRef, messages: AgentMeshService, deltas: DeltaHub | None = None
+    ) -> None:
         self._manager = manager
         self._messages = messages
+        self._deltas = deltas or DeltaHub()
 
     @mesh_rpc
     async def Activate(
@@ -195,6 +199,25 @@ class MeshPeerService(peer_pb2_grpc.MeshPeerServicer):
         parent, notice = notice_from_wire(request)
         await self._manager().deliver_notice(parent, notice)
         return peer_pb2.DeliverNoticeResponse()
+
+    async def WatchDeltas(
+        self,
+        request: peer_pb2.WatchDeltasRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[peer_pb2.WatchDeltasResponse]:
+        """The deltas of a session on this node, for the calling node's watch (ADR 0053), until
+        it cancels the call. Only a node may call it (the interceptor, and ``caller_node``);
+        the watch's caller was checked for the session where the watch is served."""
+        try:
+            caller_node(context)
+            session = parse_session_id(request.session_id)
+            subscription = self._deltas.subscribe([session])
+        except MeshError as refused:
+            await abort_with(context, refused)
+        with subscription:
+            while True:
+                delta = await subscription.get()
+                yield peer_pb2.WatchDeltasResponse(delta=delta_to_wire(delta))
 
     async def SendMessages(
         self,

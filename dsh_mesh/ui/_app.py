@@ -332,8 +332,9 @@ def _position(request: Request) -> int:
 
 async def _event_stream(client: MeshClient, root: str, after: int) -> AsyncIterator[str]:
     """The tree's events as server-sent events: ``id`` is the event's ``event_seq``, ``data``
-    its JSON. A failure ends the stream with an ``error`` event (the browser reconnects)."""
-    watch = client.watch(root, tree=True, after_event_seq=after)
+    its JSON. Deltas included (ADR 0053): the page shows a step as it is written. A failure
+    ends the stream with an ``error`` event (the browser reconnects)."""
+    watch = client.watch(root, tree=True, after_event_seq=after, deltas=True)
     queue: asyncio.Queue[SessionEvent | MeshError | None] = asyncio.Queue(maxsize=1000)
 
     async def pump() -> None:

@@ -678,6 +678,7 @@ def test_json_form_of_an_event() -> None:
         },
         "activated": None,
         "deactivated": None,
+        "delta": None,
     }
 
 

@@ -323,3 +323,17 @@ def test_check_fails_when_the_proto_changes(tmp_path: Path) -> None:
     result = _run_check(root)
     assert result.returncode == 1
     assert "differs: dsh/mesh/v1/mesh_pb2.py" in result.stderr
+
+
+def test_token_deltas_are_opt_in_on_the_watch_and_carried_in_its_events() -> None:
+    """ADR 0053: ``WatchSessionRequest.deltas`` (5) asks; ``SessionEvent.delta`` (6) carries."""
+    asked = mesh_pb2.WatchSessionRequest.DESCRIPTOR.fields_by_name["deltas"]
+    assert (asked.number, asked.type) == (5, asked.TYPE_BOOL)
+    carried = mesh_pb2.SessionEvent.DESCRIPTOR.fields_by_name["delta"]
+    assert carried.number == 6
+    assert carried.message_type is mesh_pb2.TextDelta.DESCRIPTOR
+    assert [(f.name, f.number) for f in mesh_pb2.TextDelta.DESCRIPTOR.fields] == [
+        ("turn_id", 1),
+        ("text", 2),
+        ("dropped", 3),
+    ]

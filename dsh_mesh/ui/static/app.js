@@ -27,6 +27,7 @@ function newAgent(id) {
     id, info: null, node: '', nodes: [], ran: [], resident: false, running: false,
     settled: null, lastOutcome: null, usage: { input: 0, output: 0, cached: 0 },
     byModel: new Map(), firstCall: null, entries: [], turns: [], pending: new Map(),
+    writing: '',  // the text of the step being written, from deltas (never stored)
   };
 }
 
@@ -336,15 +337,20 @@ function drawTranscript() {
   const found = view.agents.get(view.selected);
   $('#selected-id').textContent = view.selected || '';
   if (!found) { list.innerHTML = ''; return; }
-  if (Number(list.dataset.count) === found.entries.length && list.dataset.session === found.id) return;
+  const writing = found.writing || '';
+  if (Number(list.dataset.count) === found.entries.length && list.dataset.session === found.id
+      && list.dataset.writing === String(writing.length)) return;
   list.dataset.count = found.entries.length;
   list.dataset.session = found.id;
+  list.dataset.writing = String(writing.length);
   list.innerHTML = found.entries.map((entry) => {
     const [kind, text, bad] = describe(entry, found);
     const when = entry.recorded_at ? new Date(entry.recorded_at).toLocaleTimeString() : '';
     return `<li value="${entry.seq}" data-kind="${entry.body.type}"${bad ? ' class="bad"' : ''}>`
       + `<span class="when">${when}</span> <span class="kind">${kind}</span> ${text}</li>`;
-  }).join('');
+  }).join('') + (writing
+    ? `<li class="writing" data-kind="writing"><span class="when"></span> <span class="kind">writing</span> ${escape(writing)}</li>`
+    : '');
   list.scrollTop = list.scrollHeight;
 }
 
@@ -408,6 +414,10 @@ function drawTimeline() {
 
 // -- events --------------------------------------------------------------------------------
 
+// The most characters of a step being written the page keeps (the newest): a step that never
+// lands (its model call failed) cannot grow it without bound.
+const WRITING_MAX_CHARS = 65536;
+
 function apply(event) {
   view.lastEvent = Math.max(view.lastEvent, event.event_seq);
   if (window.dshProbe) window.dshProbe(event);  // a benchmark's hook (bench/view.py)
@@ -421,10 +431,18 @@ function apply(event) {
     found.resident = false;
     found.running = false;
   }
+  if (event.delta) {
+    // The step being written (ADR 0053): shown until the stored step lands, never kept.
+    const lost = event.delta.dropped ? `[${event.delta.dropped} lost]` : '';
+    found.writing = ((found.writing || '') + lost + event.delta.text).slice(-WRITING_MAX_CHARS);
+    return;
+  }
   const entry = event.entry;
   if (!entry) return;
   found.entries.push(entry);
   const body = entry.body;
+  // The stored step replaces what was seen of it; a turn that ended without one drops it too.
+  if (body.type === 'assistant_step' || body.type === 'turn_ended') found.writing = '';
   const when = entry.recorded_at ? Date.parse(entry.recorded_at) : Date.now();
   const turn = found.turns[found.turns.length - 1];
   switch (body.type) {

@@ -410,30 +410,44 @@ class SessionUsage(_message.Message):
     def __init__(self, model_calls: _Optional[int] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., cached_input_tokens: _Optional[int] = ..., first_call: _Optional[_Union[Usage, _Mapping]] = ..., cost_usd: _Optional[float] = ..., unpriced_calls: _Optional[int] = ...) -> None: ...
 
 class WatchSessionRequest(_message.Message):
-    __slots__ = ("session_id", "after_seq", "tree", "after_event_seq")
+    __slots__ = ("session_id", "after_seq", "tree", "after_event_seq", "deltas")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     AFTER_SEQ_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     AFTER_EVENT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     after_seq: int
     tree: bool
     after_event_seq: int
-    def __init__(self, session_id: _Optional[str] = ..., after_seq: _Optional[int] = ..., tree: _Optional[bool] = ..., after_event_seq: _Optional[int] = ...) -> None: ...
+    deltas: bool
+    def __init__(self, session_id: _Optional[str] = ..., after_seq: _Optional[int] = ..., tree: _Optional[bool] = ..., after_event_seq: _Optional[int] = ..., deltas: _Optional[bool] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
-    __slots__ = ("entry", "session_id", "event_seq", "activated", "deactivated")
+    __slots__ = ("entry", "session_id", "event_seq", "activated", "deactivated", "delta")
     ENTRY_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EVENT_SEQ_FIELD_NUMBER: _ClassVar[int]
     ACTIVATED_FIELD_NUMBER: _ClassVar[int]
     DEACTIVATED_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     entry: TranscriptEntry
     session_id: str
     event_seq: int
     activated: ActivationInfo
     deactivated: ActivationInfo
-    def __init__(self, entry: _Optional[_Union[TranscriptEntry, _Mapping]] = ..., session_id: _Optional[str] = ..., event_seq: _Optional[int] = ..., activated: _Optional[_Union[ActivationInfo, _Mapping]] = ..., deactivated: _Optional[_Union[ActivationInfo, _Mapping]] = ...) -> None: ...
+    delta: TextDelta
+    def __init__(self, entry: _Optional[_Union[TranscriptEntry, _Mapping]] = ..., session_id: _Optional[str] = ..., event_seq: _Optional[int] = ..., activated: _Optional[_Union[ActivationInfo, _Mapping]] = ..., deactivated: _Optional[_Union[ActivationInfo, _Mapping]] = ..., delta: _Optional[_Union[TextDelta, _Mapping]] = ...) -> None: ...
+
+class TextDelta(_message.Message):
+    __slots__ = ("turn_id", "text", "dropped")
+    TURN_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    turn_id: str
+    text: str
+    dropped: int
+    def __init__(self, turn_id: _Optional[str] = ..., text: _Optional[str] = ..., dropped: _Optional[int] = ...) -> None: ...
 
 class ListAgentsRequest(_message.Message):
     __slots__ = ("root_session_id", "resident_only", "page_size", "page_token", "namespace", "roots_only", "absent_only", "preset", "session_id_prefix", "count", "with_approvals")

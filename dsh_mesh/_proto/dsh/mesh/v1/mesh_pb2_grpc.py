@@ -333,6 +333,8 @@ class MeshControlServicer:
         """WatchSession streams the session's transcript entries with seq > after_seq:
         first the ones already stored, then new ones as they are appended, in seq
         order without gaps. A client that reconnects passes the last seq it saw.
+        With deltas, the model's text of each watched session also streams as it is
+        generated (SessionEvent.delta; ephemeral, best effort, never replayed).
         The stream ends only when the client cancels it or the server shuts down.
 
         Each streamed item is a SessionEvent rather than a WatchSessionResponse:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2 as dsh_dot_mesh_dot_v1_dot_mesh__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x64sh/mesh/peer/v1/peer.proto\x12\x10\x64sh.mesh.peer.v1\x1a\x16\x64sh/mesh/v1/mesh.proto\"C\n\x0f\x41\x63tivateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x1c\n\x14parent_activation_id\x18\x02 \x01(\t\"X\n\x10\x41\x63tivateResponse\x12\x15\n\ractivation_id\x18\x01 \x01(\t\x12\x1c\n\x14parent_activation_id\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\"\xda\x01\n\x14\x44\x65liverNoticeRequest\x12\x19\n\x11parent_session_id\x18\x01 \x01(\t\x12\x18\n\x10\x63hild_session_id\x18\x02 \x01(\t\x12\x1b\n\x13\x63hild_activation_id\x18\x03 \x01(\t\x12\x12\n\nchild_kind\x18\x04 \x01(\t\x12\x0f\n\x07outcome\x18\x05 \x01(\t\x12\x17\n\x0fterminal_output\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x07 \x01(\t\x12\r\n\x05trace\x18\x08 \x01(\t\x12\x13\n\x0boutput_json\x18\t \x01(\t\"\x17\n\x15\x44\x65liverNoticeResponse\"I\n\x13SendMessagesRequest\x12\x32\n\x08messages\x18\x01 \x03(\x0b\x32 .dsh.mesh.peer.v1.CarriedMessage\"\xe0\x01\n\x0e\x43\x61rriedMessage\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x30\n\x07request\x18\x02 \x01(\x0b\x32\x1f.dsh.mesh.v1.SendMessageRequest\x12\x0c\n\x04hops\x18\x03 \x01(\r\x12\x12\n\ntimeout_ms\x18\x04 \x01(\r\x12>\n\x07\x63ontext\x18\x05 \x03(\x0b\x32-.dsh.mesh.peer.v1.CarriedMessage.ContextEntry\x1a.\n\x0c\x43ontextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"H\n\x14SendMessagesResponse\x12\x30\n\x07\x61nswers\x18\x01 \x03(\x0b\x32\x1f.dsh.mesh.peer.v1.CarriedAnswer\"o\n\rCarriedAnswer\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x34\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x0b\x32 .dsh.mesh.v1.SendMessageResponseH\x00\x12\x11\n\x07refused\x18\x03 \x01(\x0cH\x00\x42\t\n\x07outcome2\xa2\x02\n\x08MeshPeer\x12Q\n\x08\x41\x63tivate\x12!.dsh.mesh.peer.v1.ActivateRequest\x1a\".dsh.mesh.peer.v1.ActivateResponse\x12`\n\rDeliverNotice\x12&.dsh.mesh.peer.v1.DeliverNoticeRequest\x1a\'.dsh.mesh.peer.v1.DeliverNoticeResponse\x12\x61\n\x0cSendMessages\x12%.dsh.mesh.peer.v1.SendMessagesRequest\x1a&.dsh.mesh.peer.v1.SendMessagesResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x64sh/mesh/peer/v1/peer.proto\x12\x10\x64sh.mesh.peer.v1\x1a\x16\x64sh/mesh/v1/mesh.proto\"(\n\x12WatchDeltasRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"<\n\x13WatchDeltasResponse\x12%\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x16.dsh.mesh.v1.TextDelta\"C\n\x0f\x41\x63tivateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x1c\n\x14parent_activation_id\x18\x02 \x01(\t\"X\n\x10\x41\x63tivateResponse\x12\x15\n\ractivation_id\x18\x01 \x01(\t\x12\x1c\n\x14parent_activation_id\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\"\xda\x01\n\x14\x44\x65liverNoticeRequest\x12\x19\n\x11parent_session_id\x18\x01 \x01(\t\x12\x18\n\x10\x63hild_session_id\x18\x02 \x01(\t\x12\x1b\n\x13\x63hild_activation_id\x18\x03 \x01(\t\x12\x12\n\nchild_kind\x18\x04 \x01(\t\x12\x0f\n\x07outcome\x18\x05 \x01(\t\x12\x17\n\x0fterminal_output\x18\x06 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x07 \x01(\t\x12\r\n\x05trace\x18\x08 \x01(\t\x12\x13\n\x0boutput_json\x18\t \x01(\t\"\x17\n\x15\x44\x65liverNoticeResponse\"I\n\x13SendMessagesRequest\x12\x32\n\x08messages\x18\x01 \x03(\x0b\x32 .dsh.mesh.peer.v1.CarriedMessage\"\xe0\x01\n\x0e\x43\x61rriedMessage\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x30\n\x07request\x18\x02 \x01(\x0b\x32\x1f.dsh.mesh.v1.SendMessageRequest\x12\x0c\n\x04hops\x18\x03 \x01(\r\x12\x12\n\ntimeout_ms\x18\x04 \x01(\r\x12>\n\x07\x63ontext\x18\x05 \x03(\x0b\x32-.dsh.mesh.peer.v1.CarriedMessage.ContextEntry\x1a.\n\x0c\x43ontextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"H\n\x14SendMessagesResponse\x12\x30\n\x07\x61nswers\x18\x01 \x03(\x0b\x32\x1f.dsh.mesh.peer.v1.CarriedAnswer\"o\n\rCarriedAnswer\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x34\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x0b\x32 .dsh.mesh.v1.SendMessageResponseH\x00\x12\x11\n\x07refused\x18\x03 \x01(\x0cH\x00\x42\t\n\x07outcome2\x80\x03\n\x08MeshPeer\x12Q\n\x08\x41\x63tivate\x12!.dsh.mesh.peer.v1.ActivateRequest\x1a\".dsh.mesh.peer.v1.ActivateResponse\x12`\n\rDeliverNotice\x12&.dsh.mesh.peer.v1.DeliverNoticeRequest\x1a\'.dsh.mesh.peer.v1.DeliverNoticeResponse\x12\x61\n\x0cSendMessages\x12%.dsh.mesh.peer.v1.SendMessagesRequest\x1a&.dsh.mesh.peer.v1.SendMessagesResponse(\x01\x30\x01\x12\\\n\x0bWatchDeltas\x12$.dsh.mesh.peer.v1.WatchDeltasRequest\x1a%.dsh.mesh.peer.v1.WatchDeltasResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,24 +34,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CARRIEDMESSAGE_CONTEXTENTRY']._loaded_options = None
   _globals['_CARRIEDMESSAGE_CONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_ACTIVATEREQUEST']._serialized_start=73
-  _globals['_ACTIVATEREQUEST']._serialized_end=140
-  _globals['_ACTIVATERESPONSE']._serialized_start=142
-  _globals['_ACTIVATERESPONSE']._serialized_end=230
-  _globals['_DELIVERNOTICEREQUEST']._serialized_start=233
-  _globals['_DELIVERNOTICEREQUEST']._serialized_end=451
-  _globals['_DELIVERNOTICERESPONSE']._serialized_start=453
-  _globals['_DELIVERNOTICERESPONSE']._serialized_end=476
-  _globals['_SENDMESSAGESREQUEST']._serialized_start=478
-  _globals['_SENDMESSAGESREQUEST']._serialized_end=551
-  _globals['_CARRIEDMESSAGE']._serialized_start=554
-  _globals['_CARRIEDMESSAGE']._serialized_end=778
-  _globals['_CARRIEDMESSAGE_CONTEXTENTRY']._serialized_start=732
-  _globals['_CARRIEDMESSAGE_CONTEXTENTRY']._serialized_end=778
-  _globals['_SENDMESSAGESRESPONSE']._serialized_start=780
-  _globals['_SENDMESSAGESRESPONSE']._serialized_end=852
-  _globals['_CARRIEDANSWER']._serialized_start=854
-  _globals['_CARRIEDANSWER']._serialized_end=965
-  _globals['_MESHPEER']._serialized_start=968
-  _globals['_MESHPEER']._serialized_end=1258
+  _globals['_WATCHDELTASREQUEST']._serialized_start=73
+  _globals['_WATCHDELTASREQUEST']._serialized_end=113
+  _globals['_WATCHDELTASRESPONSE']._serialized_start=115
+  _globals['_WATCHDELTASRESPONSE']._serialized_end=175
+  _globals['_ACTIVATEREQUEST']._serialized_start=177
+  _globals['_ACTIVATEREQUEST']._serialized_end=244
+  _globals['_ACTIVATERESPONSE']._serialized_start=246
+  _globals['_ACTIVATERESPONSE']._serialized_end=334
+  _globals['_DELIVERNOTICEREQUEST']._serialized_start=337
+  _globals['_DELIVERNOTICEREQUEST']._serialized_end=555
+  _globals['_DELIVERNOTICERESPONSE']._serialized_start=557
+  _globals['_DELIVERNOTICERESPONSE']._serialized_end=580
+  _globals['_SENDMESSAGESREQUEST']._serialized_start=582
+  _globals['_SENDMESSAGESREQUEST']._serialized_end=655
+  _globals['_CARRIEDMESSAGE']._serialized_start=658
+  _globals['_CARRIEDMESSAGE']._serialized_end=882
+  _globals['_CARRIEDMESSAGE_CONTEXTENTRY']._serialized_start=836
+  _globals['_CARRIEDMESSAGE_CONTEXTENTRY']._serialized_end=882
+  _globals['_SENDMESSAGESRESPONSE']._serialized_start=884
+  _globals['_SENDMESSAGESRESPONSE']._serialized_end=956
+  _globals['_CARRIEDANSWER']._serialized_start=958
+  _globals['_CARRIEDANSWER']._serialized_end=1069
+  _globals['_MESHPEER']._serialized_start=1072
+  _globals['_MESHPEER']._serialized_end=1456
 # @@protoc_insertion_point(module_scope)

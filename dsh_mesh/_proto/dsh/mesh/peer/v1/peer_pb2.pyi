@@ -7,6 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class WatchDeltasRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class WatchDeltasResponse(_message.Message):
+    __slots__ = ("delta",)
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    delta: _mesh_pb2.TextDelta
+    def __init__(self, delta: _Optional[_Union[_mesh_pb2.TextDelta, _Mapping]] = ...) -> None: ...
+
 class ActivateRequest(_message.Message):
     __slots__ = ("session_id", "parent_activation_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]

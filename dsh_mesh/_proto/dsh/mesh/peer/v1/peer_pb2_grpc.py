@@ -55,6 +55,11 @@ class MeshPeerStub:
                 request_serializer=dsh_dot_mesh_dot_peer_dot_v1_dot_peer__pb2.SendMessagesRequest.SerializeToString,
                 response_deserializer=dsh_dot_mesh_dot_peer_dot_v1_dot_peer__pb2.SendMessagesResponse.FromString,
                 _registered_method=True)
+        self.WatchDeltas = channel.unary_stream(
+                '/dsh.mesh.peer.v1.MeshPeer/WatchDeltas',
+                request_serializer=dsh_dot_mesh_dot_peer_dot_v1_dot_peer__pb2.WatchDeltasRequest.SerializeToString,
+                response_deserializer=dsh_dot_mesh_dot_peer_dot_v1_dot_peer__pb2.WatchDeltasResponse.FromString,
+                _registered_method=True)
 
 
 class MeshPeerServicer:
@@ -101,6 +106,19 @@ class MeshPeerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchDeltas(self, request, context):
+        """WatchDeltas streams the model text of one session resident on the called
+        node as it is generated, for a WatchSession with deltas served by the
+        calling node (ADR 0053). Ephemeral and best effort: nothing is stored or
+        replayed, and a slow caller loses deltas (counted in dropped). The stream
+        lasts until the caller cancels it (its watch saw the session leave the
+        called node, or ended). A node refuses it with RESOURCE_EXHAUSTED when it
+        serves too many delta subscriptions.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MeshPeerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -118,6 +136,11 @@ def add_MeshPeerServicer_to_server(servicer, server):
                     servicer.SendMessages,
                     request_deserializer=dsh_dot_mesh_dot_peer_dot_v1_dot_peer__pb2.SendMessagesRequest.FromString,
                     response_serializer=dsh_dot_mesh_dot_peer_dot_v1_dot_peer__pb2.SendMessagesResponse.SerializeToString,
+            ),
+            'WatchDeltas': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchDeltas,
+                    request_deserializer=dsh_dot_mesh_dot_peer_dot_v1_dot_peer__pb2.WatchDeltasRequest.FromString,
+                    response_serializer=dsh_dot_mesh_dot_peer_dot_v1_dot_peer__pb2.WatchDeltasResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -207,6 +230,33 @@ class MeshPeer:
             '/dsh.mesh.peer.v1.MeshPeer/SendMessages',
             dsh_dot_mesh_dot_peer_dot_v1_dot_peer__pb2.SendMessagesRequest.SerializeToString,
             dsh_dot_mesh_dot_peer_dot_v1_dot_peer__pb2.SendMessagesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchDeltas(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/dsh.mesh.peer.v1.MeshPeer/WatchDeltas',
+            dsh_dot_mesh_dot_peer_dot_v1_dot_peer__pb2.WatchDeltasRequest.SerializeToString,
+            dsh_dot_mesh_dot_peer_dot_v1_dot_peer__pb2.WatchDeltasResponse.FromString,
             options,
             channel_credentials,
             insecure,

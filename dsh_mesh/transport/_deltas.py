@@ -1,0 +1,170 @@
+"""The deltas of one ``WatchSession`` with ``deltas`` (ADR 0053): each watched session's model
+text, from wherever it runs, into one bounded queue the watch reads.
+
+A :class:`DeltaRelay` follows the residency events the watch already yields: a session resident
+on this node is followed in the node's :class:`~dsh_mesh.runtime.DeltaHub`; one resident on
+another node is relayed from there over ``MeshPeer.WatchDeltas`` (at most ``max_remote`` at
+once); a session that moves is followed to its new node. Deltas are best effort: a peer that
+fails or goes away ends the deltas of its sessions, never the watch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from types import TracebackType
+from typing import Protocol, Self
+
+from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2
+from dsh_mesh.core import Activation, MeshError, NodeId, SessionId, TurnId
+from dsh_mesh.runtime import MAX_DELTA_CHARS, Delta, DeltaHub
+
+MAX_REMOTE_SESSIONS = 32
+"""The most sessions one watch relays from other nodes at once; past it, the deltas of a
+session resident elsewhere are not relayed until another ends."""
+
+_MAX_DROPPED = 2**32 - 1
+"""``TextDelta.dropped`` is a uint32: a larger count is told as this."""
+
+_log = logging.getLogger(__name__)
+
+
+def delta_to_wire(delta: Delta) -> mesh_pb2.TextDelta:
+    """``delta`` as ``SessionEvent.delta`` (and ``WatchDeltasResponse.delta``) carry it."""
+    return mesh_pb2.TextDelta(
+        turn_id=delta.turn_id, text=delta.text, dropped=min(delta.dropped, _MAX_DROPPED)
+    )
+
+
+def delta_from_wire(session: SessionId, wire: mesh_pb2.TextDelta) -> Delta:
+    """A relayed delta of ``session``; its text cut to :data:`MAX_DELTA_CHARS` (the hub cuts
+    what it publishes so; a longer one from a peer is cut, the rest counted lost)."""
+    text = wire.text
+    cut = 0
+    if len(text) > MAX_DELTA_CHARS:
+        cut = 1
+        text = text[:MAX_DELTA_CHARS]
+    return Delta(
+        session_id=session,
+        turn_id=TurnId(wire.turn_id[:256]),
+        text=text,
+        dropped=wire.dropped + cut,
+    )
+
+
+class DeltaSource(Protocol):
+    """A session's deltas on another node (``PeerPool.watch_deltas``)."""
+
+    def watch_deltas(self, node: NodeId, session: SessionId) -> AsyncIterator[Delta]: ...
+
+
+class DeltaRelay:
+    """The deltas of one watch (see the module's docstring). Use ``async with``: leaving it
+    ends every relay from another node (cancelled and awaited) and the hub subscription.
+    Raises :class:`~dsh_mesh.core.NodeOverloaded` when made while the hub serves too many
+    subscriptions already.
+
+    Not a task group: it lives in a watch's body, an async generator that suspends at each
+    event, and a generator closed there must end quietly (as ``RegistryReads.follow``'s
+    residency follower does). Its relays are its own, each cancelled and awaited on the way
+    out."""
+
+    def __init__(
+        self,
+        *,
+        hub: DeltaHub,
+        node_id: NodeId,
+        peers: DeltaSource,
+        max_remote: int = MAX_REMOTE_SESSIONS,
+    ) -> None:
+        self._node_id = node_id
+        self._peers = peers
+        self._max_remote = max_remote
+        self._subscription = hub.subscribe()
+        self._remote: dict[SessionId, tuple[NodeId, asyncio.Task[None]]] = {}
+        self._ending: set[asyncio.Task[None]] = set()
+        """Relays cancelled and not yet awaited."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, *_: type[BaseException] | BaseException | TracebackType | None
+    ) -> None:
+        try:
+            for session in list(self._remote):
+                self._stop_remote(session)
+            if self._ending:
+                await asyncio.wait(self._ending)
+        finally:
+            self._subscription.close()
+
+    @property
+    def remote(self) -> dict[SessionId, NodeId]:
+        """The sessions relayed from another node now, and from which."""
+        return {session: node for session, (node, _task) in self._remote.items()}
+
+    def residency(
+        self,
+        session: SessionId,
+        *,
+        activated: Activation | None = None,
+        deactivated: Activation | None = None,
+    ) -> None:
+        """Follow a residency event of the watch: ``session`` is now hosted where ``activated``
+        says, or (``deactivated``) no longer where it was."""
+        if activated is not None:
+            self._follow(session, activated.node_id)
+        elif deactivated is not None:
+            self._leave(session, deactivated.node_id)
+
+    async def get(self) -> Delta:
+        """The next delta of any watched session, once there is one."""
+        return await self._subscription.get()
+
+    def _follow(self, session: SessionId, node: NodeId) -> None:
+        if node == self._node_id:
+            self._stop_remote(session)
+            self._subscription.follow(session)
+            return
+        self._subscription.unfollow(session)
+        held = self._remote.get(session)
+        if held is not None and held[0] == node:
+            return
+        self._stop_remote(session)
+        if len(self._remote) >= self._max_remote:
+            _log.debug("not relaying deltas of %s: %d relayed already", session, self._max_remote)
+            return
+        task = asyncio.create_task(self._relay(session, node), name=f"deltas {session}")
+        self._remote[session] = (node, task)
+        task.add_done_callback(self._ended)
+
+    def _leave(self, session: SessionId, node: NodeId) -> None:
+        if node == self._node_id:
+            self._subscription.unfollow(session)
+        held = self._remote.get(session)
+        if held is not None and held[0] == node:
+            self._stop_remote(session)
+
+    def _stop_remote(self, session: SessionId) -> None:
+        held = self._remote.pop(session, None)
+        if held is not None:
+            held[1].cancel()
+            self._ending.add(held[1])
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        self._ending.discard(task)
+        for session, (_node, held) in list(self._remote.items()):
+            if held is task:
+                del self._remote[session]
+        if not task.cancelled() and (error := task.exception()) is not None:
+            _log.error("a relay of deltas failed", exc_info=error)
+
+    async def _relay(self, session: SessionId, node: NodeId) -> None:
+        try:
+            async for delta in self._peers.watch_deltas(node, session):
+                self._subscription.offer(delta)
+        except MeshError as failed:
+            # Best effort: the watch goes on; this session's deltas end with this relay.
+            _log.debug("deltas of %s from %s ended: %s", session, node, failed)
