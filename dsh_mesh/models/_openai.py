@@ -113,6 +113,10 @@ class OpenAIEndpoint:
     """The body field a preset's ``max_output_tokens`` is sent as: ``max_tokens`` (vLLM,
     Ollama, DeepSeek, most servers) or ``max_completion_tokens`` (OpenAI's reasoning models,
     which refuse ``max_tokens``)."""
+    structured_outputs: bool = True
+    """Whether a step of a session that names an output schema asks the server for it
+    (``response_format`` of type ``json_schema``, ADR 0052). Turn it off for a server that
+    refuses that field (some refuse it beside tools): the answer is checked either way."""
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -277,6 +281,7 @@ class OpenAIProvider:
             extra=self.endpoint.body,
             max_output_tokens=request.max_output_tokens,
             max_tokens_field=self.endpoint.max_tokens_field,
+            output_schema=request.output_schema if self.endpoint.structured_outputs else "",
         )
         policy = self.endpoint.retry
         started = time.monotonic()

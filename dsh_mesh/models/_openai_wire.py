@@ -66,8 +66,10 @@ def request_body(
     extra: Mapping[str, Any] | None = None,
     max_output_tokens: int | None = None,
     max_tokens_field: str = "max_tokens",
+    output_schema: str = "",
 ) -> bytes:
-    """The streamed chat-completions body of ``request``, for the endpoint's ``model`` name.
+    """The streamed chat-completions body of ``request``, for the endpoint's ``model`` name;
+    with ``output_schema`` (canonical JSON) it asks for answers in that schema.
 
     The parts that vary per call come last, so equal heads make equal byte prefixes."""
     head = [
@@ -94,6 +96,12 @@ def request_body(
     head += [',"messages":[', ",".join(messages), "]"]
     if request.purpose is CallPurpose.COMPACTION and request.tools:
         head.append(',"tool_choice":"none"')
+    elif output_schema and request.purpose is CallPurpose.STEP:
+        head += [
+            ',"response_format":{"type":"json_schema","json_schema":{"name":"answer","schema":',
+            output_schema,
+            "}}",
+        ]
     head.append("}")
     return "".join(head).encode()
 
@@ -111,6 +119,7 @@ RESERVED_FIELDS = frozenset(
         "tools",
         "tool_choice",
         "messages",
+        "response_format",
     }
 )
 """Body fields the provider sets itself; an endpoint's extra fields may not replace them."""

@@ -11,6 +11,7 @@ tools = ["send_message", "spawn_agent"]
 max_output_tokens = 2048
 turn_token_budget = 200000              # unset: the namespace's (default 20,000,000)
 max_model_calls_per_turn = 100          # unset: the namespace's (default 300)
+output_schema_file = "answer.json"     # answers match this JSON schema (or output_schema = {...})
 
 [tools]                                 # Python tools every node imports (docs/tools.md)
 paths = ["tools"]                       # directories put on sys.path, relative to this file
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import os
 import re
 import sys
@@ -50,7 +52,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from dsh_mesh.core import InvalidArgument, ModelPrice
+from dsh_mesh.core import InvalidArgument, ModelPrice, parse_output_schema
 from dsh_mesh.mcp import SELECTOR_PREFIX, McpServerConfig, split_tool_name
 from dsh_mesh.models import OpenAIEndpoint, RetryPolicy, check_model_spec, split_model_spec
 from dsh_mesh.tools import (
@@ -86,6 +88,7 @@ _ENDPOINT_KEYS = frozenset(
         "retry",
         "body",
         "max_tokens_field",
+        "structured_outputs",
     }
 )
 _TOOLS_KEYS = frozenset({"paths", "modules", "threads"})
@@ -125,6 +128,8 @@ _PRESET_KEYS = frozenset(
         "summary_preset",
         "approve_tools",
         "approval_timeout_s",
+        "output_schema",
+        "output_schema_file",
     }
 )
 
@@ -422,6 +427,7 @@ def _endpoint(
             retry=policy,
             body=dict(body),
             max_tokens_field=str(table.get("max_tokens_field", "max_tokens")),
+            structured_outputs=_flag(table.get("structured_outputs", True), "structured_outputs"),
         )
     except (TypeError, ValueError) as error:
         raise PresetFileError(f"{path}: {where}: {error}") from error
@@ -482,9 +488,44 @@ def _preset(
             ),
             context=_context(table),
             approvals=_approvals(table),
+            output_schema=_output_schema(path, where, table),
         )
     except ValueError as error:
         raise PresetFileError(f"{path}: {where}: {error}") from error
+    except InvalidArgument as error:
+        raise PresetFileError(f"{path}: {where}: {error.detail}") from error
+
+
+def _output_schema(path: Path, where: str, table: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A preset's output schema (ADR 0052): ``output_schema``, a table, or
+    ``output_schema_file``, a JSON file's path (relative to the presets file); neither: none."""
+    if "output_schema" in table and "output_schema_file" in table:
+        raise PresetFileError(
+            f"{path}: {where}: set at most one of output_schema, output_schema_file"
+        )
+    if "output_schema" in table:
+        schema = table["output_schema"]
+        if not isinstance(schema, dict):
+            raise PresetFileError(f"{path}: {where}.output_schema must be a table (a JSON schema)")
+        return schema
+    if "output_schema_file" not in table:
+        return None
+    schema_path = path.parent / Path(str(table["output_schema_file"])).expanduser()
+    try:
+        text = schema_path.read_text()
+    except OSError as error:
+        raise PresetFileError(f"{path}: {where}.output_schema_file: {error}") from error
+    try:
+        parsed: dict[str, Any] = json.loads(parse_output_schema(text))
+    except InvalidArgument as error:
+        raise PresetFileError(f"{path}: {where}.output_schema_file: {error.detail}") from error
+    return parsed
+
+
+def _flag(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false")
+    return value
 
 
 def _approvals(table: Mapping[str, Any]) -> ApprovalPolicy:

@@ -45,6 +45,14 @@ NOT_IN_SCENARIO: dict[str, str] = {
     "dsh.mesh.v1.TranscriptEntry.tool_outputs_cleared": "no context fills up here:"
     " test_context_cluster.py",
     "dsh.mesh.v1.SessionEvent.delta": "EXCHANGE's watch asks for no deltas: test_deltas_cluster.py",
+    "dsh.mesh.v1.SessionSpec.output_schema_json": "no preset or root names an output schema"
+    " here: test_structured_answers_cluster.py",
+    "dsh.mesh.v1.SettlementNoticeEntry.output_json": "no output schema here:"
+    " test_structured_answers_cluster.py",
+    "dsh.mesh.v1.TurnEndedEntry.output_json": "no output schema here:"
+    " test_structured_answers_cluster.py",
+    "dsh.mesh.v1.TranscriptEntry.answer_rejected": "no output schema here:"
+    " test_structured_answers_cluster.py",
 }
 
 WATCH_TIMEOUT = 60.0

@@ -5,9 +5,11 @@ the matching value is the turn's ``output_json`` and its settlement notice's."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import Mapping
+from pathlib import Path
 
 import pytest
 
@@ -18,8 +20,10 @@ from dsh_mesh.core import (
     AnswerInvalid,
     AnswerRejectedEntry,
     AssistantStepEntry,
+    ChatMessage,
     InvalidArgument,
     Role,
+    SessionId,
     SettlementNoticeEntry,
     SettlementOutcome,
     TaskEntry,
@@ -31,7 +35,9 @@ from dsh_mesh.core import (
     output_instruction,
     parse_output_schema,
 )
-from dsh_mesh.models import Reply, tool
+from dsh_mesh.models import CallPurpose, ModelRequest, OpenAIEndpoint, Reply, tool
+from dsh_mesh.models._openai_wire import request_body
+from dsh_mesh.node import PresetFileError, load_presets
 from dsh_mesh.testing import in_process_mesh
 from dsh_mesh.tools import Preset
 from tests.unit.conftest import CHILD, ROOT, of_type
@@ -270,3 +276,80 @@ async def test_a_check_that_backtracks_counts_as_no_match_and_never_stalls_the_n
         assert "took more than 0.2 s" in rejected.reason
         ended = records[-1].entry
         assert isinstance(ended, TurnEndedEntry) and ended.output_json == '"aa"'
+
+
+# -- where a schema comes from and where it goes -----------------------------------------------
+
+
+def test_a_presets_file_names_a_schema_inline_or_in_a_file(tmp_path: Path) -> None:
+    (tmp_path / "answer.json").write_text(json.dumps(SCHEMA, indent=2))
+    path = tmp_path / "presets.toml"
+    path.write_text(
+        "[presets.inline]\n"
+        'system_prompt = "s"\n'
+        'output_schema = { type = "array", items = { type = "string" } }\n'
+        "[presets.filed]\n"
+        'system_prompt = "s"\n'
+        'output_schema_file = "answer.json"\n'
+        "[presets.none]\n"
+        'system_prompt = "s"\n'
+        "[endpoints.local]\n"
+        'base_url = "http://127.0.0.1:9/v1"\n'
+        "structured_outputs = false\n"
+    )
+    loaded = load_presets(path, environ={})
+    inline, filed, none = loaded.presets
+    assert inline.output_schema_json() == '{"items":{"type":"string"},"type":"array"}'
+    assert filed.output_schema_json() == SCHEMA_JSON
+    assert none.output_schema_json() == ""
+    assert loaded.endpoints["local"].structured_outputs is False
+    assert loaded.endpoints["openai"].structured_outputs is True
+
+
+@pytest.mark.parametrize(
+    ("preset", "complaint"),
+    [
+        ('output_schema = { type = "nonsense" }', "presets.p: not a valid JSON schema"),
+        ('output_schema = "object"', "presets.p.output_schema must be a table"),
+        ('output_schema_file = "missing.json"', "presets.p.output_schema_file: .*No such file"),
+        ('output_schema_file = "bad.json"', "presets.p.output_schema_file: .*must be JSON"),
+        (
+            'output_schema = { type = "object" }\noutput_schema_file = "bad.json"',
+            "at most one of output_schema, output_schema_file",
+        ),
+    ],
+)
+def test_a_presets_file_with_a_schema_that_is_not_one_is_refused(
+    tmp_path: Path, preset: str, complaint: str
+) -> None:
+    (tmp_path / "bad.json").write_text("{nope")
+    path = tmp_path / "presets.toml"
+    path.write_text(f'[presets.p]\nsystem_prompt = "s"\n{preset}\n')
+    with pytest.raises(PresetFileError, match=complaint):
+        load_presets(path, environ={})
+
+
+def test_a_step_asks_the_server_for_the_schema_and_a_compaction_does_not() -> None:
+    step = ModelRequest(
+        session_id=SessionId("s-1"),
+        model="m",
+        system_prompt="s",
+        tools=(),
+        messages=(ChatMessage(role=Role.USER, content="Go."),),
+        output_schema=SCHEMA_JSON,
+    )
+    body = json.loads(request_body(step, model="m", output_schema=step.output_schema))
+    assert body["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "answer", "schema": SCHEMA},
+    }
+    assert list(body)[-1] == "response_format"  # after the conversation: the prefix is kept
+    plain = request_body(step, model="m")
+    assert request_body(step, model="m", output_schema=SCHEMA_JSON).startswith(plain[:-1])
+    assert "response_format" not in json.loads(plain)
+    summary = dataclasses.replace(step, purpose=CallPurpose.COMPACTION)
+    assert "response_format" not in json.loads(
+        request_body(summary, model="m", output_schema=SCHEMA_JSON)
+    )
+    with pytest.raises(ValueError, match="response_format"):
+        OpenAIEndpoint(body={"response_format": {"type": "json_object"}})
