@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from dsh_mesh.cli._config import ClusterState, ConfigError, Connection, TlsPaths, pid_alive
 from dsh_mesh.cli._render import (
@@ -130,6 +130,7 @@ async def _spawn(client: MeshClient, args: argparse.Namespace, console: Console)
         node=args.host_node,
         request_id=args.request_id,
         namespace=args.namespace,
+        output_schema=_output_schema(args.output_schema),
     )
     if args.wait:
         return await _settled(client, root.session_id, args, console)
@@ -142,6 +143,21 @@ async def _spawn(client: MeshClient, args: argparse.Namespace, console: Console)
             f"follow it with: dsh-mesh watch {root.session_id} --tree"
         )
     return 0
+
+
+def _output_schema(path: str | None) -> dict[str, Any] | None:
+    """``spawn --output-schema FILE``: the JSON schema the file holds (the node checks it)."""
+    if path is None:
+        return None
+    try:
+        schema = json.loads(Path(path).read_text())
+    except OSError as error:
+        raise UsageError(f"--output-schema: {error}") from error
+    except ValueError as error:
+        raise UsageError(f"--output-schema {path}: not JSON: {error}") from error
+    if not isinstance(schema, dict):
+        raise UsageError(f"--output-schema {path}: a JSON schema is a JSON object")
+    return schema
 
 
 async def _settled(
@@ -158,7 +174,7 @@ async def _settled(
     if args.json:
         console.say(json.dumps(to_jsonable(result), ensure_ascii=False))
     else:
-        console.say(result.answer)
+        console.say(result.output_json or result.answer)
         # A cost only where some call had a price: a cluster without prices says nothing of it.
         priced = result.cost.unpriced_calls < result.usage.model_calls
         spent = f"; cost {result.cost.describe()}" if priced else ""

@@ -255,6 +255,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--namespace", default="", help="the new tree's namespace (default: default)"
     )
     spawn.add_argument(
+        "--output-schema",
+        metavar="FILE",
+        help="a JSON schema (a file) the root's answers must match, in place of its preset's; "
+        "with --wait the answer's JSON value is printed",
+    )
+    spawn.add_argument(
         "--wait",
         action="store_true",
         help="wait until the new tree has settled, then print the root's answer (its usage and "

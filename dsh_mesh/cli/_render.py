@@ -12,6 +12,7 @@ from dsh_mesh.client import (
     AgentMessage,
     AgentState,
     AgentSummary,
+    AnswerRejected,
     ApprovalDecided,
     ApprovalRequest,
     AssistantStep,
@@ -108,7 +109,9 @@ def describe_body(body: EntryBody, *, width: int | None = DEFAULT_WIDTH) -> tupl
         text = f"{body.child_session} {_outcome(body.outcome)}"
         if body.detail:
             text += f" ({one_line(body.detail, width)})"
-        if body.terminal_output:
+        if body.output_json:
+            text += f": output {one_line(body.output_json, width)}"
+        elif body.terminal_output:
             text += f": {one_line(body.terminal_output, width)}"
         return "settled", text, body.outcome in _BAD_SETTLEMENTS
     if isinstance(body, AssistantStep):
@@ -135,7 +138,11 @@ def describe_body(body: EntryBody, *, width: int | None = DEFAULT_WIDTH) -> tupl
         text = f"{body.turn_id} ended {_outcome(body.outcome)}"
         if body.detail:
             text += f": {one_line(body.detail, width)}"
+        if body.output_json:
+            text += f", output {one_line(body.output_json, width)}"
         return "turn", text, body.outcome in _BAD_TURNS
+    if isinstance(body, AnswerRejected):
+        return "rejected", f"answer asked again: {one_line(body.reason, width)}", True
     if isinstance(body, Consumed):
         return "consumed", "seq " + ", ".join(str(seq) for seq in body.seqs), False
     if isinstance(body, Compaction):

@@ -9,6 +9,7 @@ every failure is raised as the typed :class:`~dsh_mesh.core.MeshError` that
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import secrets
@@ -272,12 +273,15 @@ class MeshClient:
         node: str | None = None,
         request_id: str | None = None,
         namespace: str = "",
+        output_schema: Mapping[str, Any] | None = None,
         deadline: timedelta | None = None,
     ) -> RootSession:
         """Create a root session running ``preset`` (and ``model``, default the preset's) and,
         when ``task`` is not empty, start its first turn with it. ``node`` asks for the node id
         that should host it (default: the called node). ``namespace`` is the new tree's (every
-        child of it is in the same one; empty: ``default``). Durable when it returns.
+        child of it is in the same one; empty: ``default``). ``output_schema``, a JSON schema,
+        is what the root's answers must match, in place of its preset's (each turn's value is
+        :attr:`TurnEnded.output_json`; docs/python.md). Durable when it returns.
 
         Idempotent on ``request_id`` (a fresh random one when ``None``): a retry with the same
         id and fields returns the same session; with other fields it raises
@@ -294,6 +298,7 @@ class MeshClient:
                 request_id=request_id,
                 node_id=node or "",
                 namespace=namespace,
+                output_schema_json="" if output_schema is None else json.dumps(output_schema),
             ),
             deadline,
         )
@@ -321,10 +326,13 @@ class MeshClient:
         node: str | None = None,
         namespace: str = "",
         request_id: str | None = None,
+        output_schema: Mapping[str, Any] | None = None,
         deadline: timedelta | None = None,
     ) -> RunResult:
         """Create a root running ``preset`` with ``task`` and wait until its tree has settled
-        (:meth:`wait`): its final answer, the tree's usage and the root's session id.
+        (:meth:`wait`): its final answer, the tree's usage and the root's session id. With
+        ``output_schema`` (or a preset that names one) the answer's parsed value is
+        :attr:`RunResult.output`.
 
         The root is durable before the wait begins: after a failure or a ``deadline``
         (:class:`TimeoutError`, naming what the tree still waits for) it runs on, and
@@ -334,7 +342,13 @@ class MeshClient:
         if not task:
             raise ValueError("run needs a task: create_root makes a root with none")
         root = await self.create_root(
-            preset, task, model=model, node=node, namespace=namespace, request_id=request_id
+            preset,
+            task,
+            model=model,
+            node=node,
+            namespace=namespace,
+            request_id=request_id,
+            output_schema=output_schema,
         )
         return await self.wait(root.session_id, deadline=deadline)
 

@@ -15,6 +15,7 @@ from dsh_mesh.client._types import (
     AgentMessage,
     AgentState,
     AgentSummary,
+    AnswerRejected,
     ApprovalDecided,
     ApprovalRequest,
     AssistantStep,
@@ -143,6 +144,7 @@ def info_from_wire(header: mesh_pb2.SessionHeader) -> SessionInfo:
             )
             for tool in header.spec.tools
         ),
+        output_schema=header.spec.output_schema_json,
         fork_origin=fork,
         created_at=_time(header, "created_at"),
         namespace=header.namespace or "default",
@@ -173,6 +175,7 @@ def _body_from_wire(entry: mesh_pb2.TranscriptEntry) -> EntryBody:
             outcome=_SETTLEMENT.get(notice.outcome),
             terminal_output=notice.terminal_output,
             detail=notice.detail,
+            output_json=notice.output_json,
         )
     if which == "assistant_step":
         step = entry.assistant_step
@@ -204,8 +207,14 @@ def _body_from_wire(entry: mesh_pb2.TranscriptEntry) -> EntryBody:
     if which == "turn_ended":
         ended = entry.turn_ended
         return TurnEnded(
-            turn_id=TurnId(ended.turn_id), outcome=_TURN.get(ended.outcome), detail=ended.detail
+            turn_id=TurnId(ended.turn_id),
+            outcome=_TURN.get(ended.outcome),
+            detail=ended.detail,
+            output_json=ended.output_json,
         )
+    if which == "answer_rejected":
+        rejected = entry.answer_rejected
+        return AnswerRejected(reason=rejected.reason, schema_json=rejected.schema_json)
     if which == "consumed":
         return Consumed(seqs=tuple(entry.consumed.seqs))
     if which == "compaction":

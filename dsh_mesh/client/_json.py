@@ -10,6 +10,7 @@ from typing import Any
 
 from dsh_mesh.client._types import (
     AgentMessage,
+    AnswerRejected,
     ApprovalDecided,
     ApprovalRequest,
     AssistantStep,
@@ -35,6 +36,7 @@ BODY_TYPE: Mapping[type, str] = {
     ToolResult: "tool_result",
     TurnStarted: "turn_started",
     TurnEnded: "turn_ended",
+    AnswerRejected: "answer_rejected",
     Consumed: "consumed",
     Compaction: "compaction",
     ToolOutputsCleared: "tool_outputs_cleared",

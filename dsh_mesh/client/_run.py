@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 from dsh_mesh.client._types import (
     AgentMessage,
@@ -73,6 +75,15 @@ class RunResult:
     made it; calls of a model without a price are counted in ``cost.unpriced_calls``."""
     sessions: int
     """How many sessions the tree holds."""
+    output_json: str = ""
+    """The root's answer as its output schema's JSON value (canonical JSON), when the root
+    names a schema and its last turn completed; ``""`` otherwise."""
+
+    @property
+    def output(self) -> Any:
+        """The root's answer as its output schema's value, parsed (a ``dict``, a ``list``...);
+        ``None`` when it names no schema or its last turn did not complete."""
+        return json.loads(self.output_json) if self.output_json else None
 
     @property
     def completed(self) -> bool:
@@ -94,6 +105,7 @@ class _Fold:
     answer: str = ""
     outcome: TurnOutcome | None = None
     detail: str = ""
+    output_json: str = ""
     usage: SessionUsage = field(default_factory=SessionUsage)
     calls: list[tuple[SessionId, Usage, str]] = field(default_factory=list)
     """Every model call: its session, usage and the model that wrote it (``""``: the
@@ -113,11 +125,12 @@ class _Fold:
         if isinstance(body, TurnStarted):
             progress.turn_started(session, body.turn_id, body.activation_id)
             if session == self.root:
-                self.answer, self.outcome, self.detail = "", None, ""
+                self.answer, self.outcome, self.detail, self.output_json = "", None, "", ""
         elif isinstance(body, TurnEnded):
             progress.turn_ended(session, body.outcome)
             if session == self.root:
                 self.outcome, self.detail = body.outcome, body.detail
+                self.output_json = body.output_json
         elif isinstance(body, Consumed):
             progress.consumed(session, body.seqs)
         elif isinstance(body, ApprovalRequest):
@@ -165,6 +178,7 @@ class _Fold:
             usage=self.usage,
             cost=cost,
             sessions=len(self.progress.sessions),
+            output_json=self.output_json,
         )
 
 

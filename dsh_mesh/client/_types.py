@@ -159,6 +159,8 @@ class SessionInfo:
     created_at: datetime | None = None
     namespace: str = "default"
     """The namespace of the session's tree."""
+    output_schema: str = ""
+    """The JSON schema (canonical JSON) its answers must match; ``""``: none."""
 
 
 # -- transcript entry bodies (the ``TranscriptEntry.body`` oneof) --------------------------------
@@ -202,6 +204,9 @@ class SettlementNotice:
     outcome: SettlementOutcome | None
     terminal_output: str
     detail: str = ""
+    output_json: str = ""
+    """The child's answer as its output schema's JSON value (canonical JSON), when its session
+    names a schema and its last turn completed with a matching answer; ``""`` otherwise."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -246,6 +251,18 @@ class TurnEnded:
     turn_id: TurnId
     outcome: TurnOutcome | None
     detail: str = ""
+    output_json: str = ""
+    """The turn's answer as the session's output schema's JSON value (canonical JSON), when
+    the session names a schema and the turn completed; ``""`` otherwise."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AnswerRejected:
+    """The final answer of the step before did not match the session's output schema
+    (``schema_json``): ``reason`` says why; the model is asked again."""
+
+    reason: str
+    schema_json: str
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -331,6 +348,7 @@ EntryBody = (
     | ToolResult
     | TurnStarted
     | TurnEnded
+    | AnswerRejected
     | Consumed
     | Compaction
     | ToolOutputsCleared

@@ -320,6 +320,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "AgentPage",
         "AgentState",
         "AgentSummary",
+        "AnswerRejected",
         "ApprovalDecided",
         "ApprovalRequest",
         "AssistantStep",

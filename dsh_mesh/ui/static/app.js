@@ -310,7 +310,7 @@ function describe(entry, found) {
     case 'agent_message':
       return ['message', `from ${short(body.sender)} (${body.delivery || '?'}): ${escape(body.content)}${body.trace ? traceLink(body.trace) : ''}`];
     case 'settlement_notice':
-      return ['settled', `${short(body.child_session)} ${body.outcome}${body.detail ? `: ${escape(body.detail)}` : ''} ${escape(body.terminal_output)}`, body.outcome !== 'completed'];
+      return ['settled', `${short(body.child_session)} ${body.outcome}${body.detail ? `: ${escape(body.detail)}` : ''} ${body.output_json ? `output ${escape(body.output_json)}` : escape(body.terminal_output)}`, body.outcome !== 'completed'];
     case 'assistant_step': {
       const calls = body.tool_calls.map((c) => `${escape(c.name)}(${escape(c.arguments_json)})`).join('; ');
       return ['step', `${escape(body.text)}${calls ? ` → ${calls}` : ''} [in ${body.usage.input_tokens} / cached ${body.usage.cached_input_tokens} / out ${body.usage.output_tokens}]${stepCost(found, '', body.usage)}`];
@@ -320,7 +320,8 @@ function describe(entry, found) {
     case 'turn_started':
       return ['turn', `${body.turn_id} started on ${body.node_id || '?'}${body.trace ? traceLink(body.trace) : ''}`];
     case 'turn_ended':
-      return ['turn', `${body.turn_id} ended ${body.outcome}${body.detail ? `: ${escape(body.detail)}` : ''}`, !['completed', 'awaiting-approval'].includes(body.outcome)];
+      return ['turn', `${body.turn_id} ended ${body.outcome}${body.detail ? `: ${escape(body.detail)}` : ''}${body.output_json ? `, output ${escape(body.output_json)}` : ''}`, !['completed', 'awaiting-approval'].includes(body.outcome)];
+    case 'answer_rejected': return ['rejected', `answer asked again: ${escape(body.reason)}`, true];
     case 'consumed': return ['read', `seq ${body.seqs.join(', ')}`];
     case 'fork_prefix': return ['inherited', `${body.messages.length} messages inherited from its parent`];
     case 'compaction': return ['compacted', `seq ${body.from_seq}-${body.through_seq}: ${escape(body.summary)}${stepCost(found, body.model, body.usage)}`];
