@@ -18,6 +18,8 @@ from typing import Any, Final
 
 import jsonschema
 import jsonschema.exceptions
+import referencing
+import referencing.exceptions
 
 from dsh_mesh.core._errors import InvalidArgument
 from dsh_mesh.core._header import canonical_json
@@ -48,6 +50,7 @@ def check_output_schema(schema: object) -> str:
     if not isinstance(schema, dict) or not schema:
         raise InvalidArgument("an output schema must be a non-empty JSON object")
     _check_depth(schema, 0)
+    _check_references(schema)
     try:
         text = canonical_json(schema)
     except (TypeError, ValueError) as error:
@@ -94,8 +97,15 @@ def answer_value(text: str, schema_json: str) -> str:
     except (ValueError, RecursionError) as error:
         raise AnswerInvalid(f"the answer is not JSON: {_bounded(str(error))}") from error
     schema = json.loads(schema_json)
-    validator = _validator_class(schema)(schema)
-    failure = jsonschema.exceptions.best_match(validator.iter_errors(value))
+    # An empty registry: a reference is resolved within the schema, never retrieved.
+    validator = _validator_class(schema)(schema, registry=referencing.Registry())
+    try:
+        failure = jsonschema.exceptions.best_match(validator.iter_errors(value))
+    except referencing.exceptions.Unresolvable as unresolvable:
+        reason = f"the schema has a reference it cannot resolve: {unresolvable}"
+        raise AnswerInvalid(reason) from None
+    except RecursionError:
+        raise AnswerInvalid("the answer nests too deep to check") from None
     if failure is not None:
         where = "".join(f"[{json.dumps(part)}]" for part in failure.absolute_path)
         at = f" at {where}" if where else ""
@@ -145,6 +155,25 @@ def _unfenced(text: str) -> str:
 
 def _validator_class(schema: dict[str, Any]) -> Any:
     return jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+
+
+_REFERENCES: Final = ("$ref", "$dynamicRef", "$recursiveRef")
+
+
+def _check_references(value: object) -> None:
+    """Refuse a reference out of the schema (a URL, another file): the node never fetches
+    anything because of a schema."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if key in _REFERENCES and not (isinstance(item, str) and item.startswith("#")):
+                raise InvalidArgument(
+                    f"an output schema may only refer within itself ({key} starts with #),"
+                    f" not to {str(item)[:200]!r}"
+                )
+            _check_references(item)
+    elif isinstance(value, list):
+        for item in value:
+            _check_references(item)
 
 
 def _check_depth(value: object, depth: int) -> None:

@@ -69,6 +69,12 @@ def model(request: RecordedRequest) -> Reply:
                 ScriptedToolCall(call_id="d1", name="deploy", arguments='{"service": "web"}'),
             )
         )
+    if "You extract invoice fields" in system:
+        if "cannot be accepted" in user:  # the mesh's correction: answer in the schema
+            return Completion(text='{"vendor": "ACME Corp", "total": 1250.5}')
+        return Completion(text="ACME Corp, 1,250.50.")
+    if "You write short poems" in system:
+        return Completion(text="Held while it is kept;\nlet go, another takes it.", pieces=4)
     if "very long essay" in user:
         return Stall()
     if "next one" in user:
@@ -120,7 +126,14 @@ def cluster_env(mesh: dsh_mesh.LocalMesh) -> dict[str, str]:
 
 
 def test_the_page_has_each_example_this_test_runs() -> None:
-    assert sorted(examples()) == ["approvals", "client", "embedded", "interrupt"]
+    assert sorted(examples()) == [
+        "approvals",
+        "client",
+        "embedded",
+        "interrupt",
+        "streaming",
+        "structured",
+    ]
 
 
 async def test_embedded_runs_a_code_preset_and_tool_to_its_answer(
@@ -161,3 +174,25 @@ async def test_approvals_waits_for_the_decision_then_runs_the_call_once(
     ], out
     tool_results = [m for m in chat.requests[-1].json["messages"] if m["role"] == "tool"]
     assert [m["content"] for m in tool_results] == ["web is deployed"]
+
+
+async def test_structured_asks_again_and_returns_the_parsed_value(
+    chat: ChatCompletionsServer, tmp_path: Path
+) -> None:
+    out = await run_example("structured", tmp_path, model_env(chat))
+    assert "output: {'total': 1250.5, 'vendor': 'ACME Corp'}" in out  # canonical: keys sorted
+    assert "total: 1250.5" in out
+    assert "model calls: 2" in out  # the first answer was not JSON: corrected, asked again
+    body = chat.requests[0].json
+    assert body["response_format"]["json_schema"]["schema"]["required"] == ["vendor", "total"]
+
+
+async def test_streaming_prints_the_text_as_it_comes_then_the_step(
+    chat: ChatCompletionsServer, tmp_path: Path
+) -> None:
+    out = await run_example("streaming", tmp_path, model_env(chat))
+    text = "Held while it is kept;\nlet go, another takes it."
+    streamed, _, step = out.partition("\nstep: ")
+    assert step.strip() == text
+    pieces = streamed.split("|")[:-1]
+    assert len(pieces) > 1 and "".join(pieces) == text  # in pieces, before the step

@@ -102,6 +102,29 @@ def test_a_schema_that_is_not_one_is_refused(schema: object, says: str) -> None:
     assert says in str(refused.value)
 
 
+@pytest.mark.parametrize(
+    "reference",
+    [
+        {"$ref": "http://169.254.169.254/latest/meta-data"},
+        {"properties": {"a": {"$ref": "other.json#/x"}}},
+        {"items": [{"$dynamicRef": "https://example.com/s"}]},
+    ],
+)
+def test_a_schema_that_refers_out_of_itself_is_refused(reference: dict[str, object]) -> None:
+    with pytest.raises(InvalidArgument, match="may only refer within itself"):
+        check_output_schema(reference)
+
+
+def test_a_reference_within_the_schema_is_followed_and_nothing_is_retrieved() -> None:
+    schema = check_output_schema({"$defs": {"n": {"type": "integer"}}, "$ref": "#/$defs/n"})
+    assert answer_value("3", schema) == "3"
+    with pytest.raises(AnswerInvalid, match="is not of type 'integer'"):
+        answer_value('"three"', schema)
+    # A stored schema from before the check above is still never fetched from: unresolvable.
+    with pytest.raises(AnswerInvalid, match="cannot resolve"):
+        answer_value("3", '{"$ref":"http://127.0.0.1:9/schema.json"}')
+
+
 def test_a_schema_too_deep_is_refused_before_it_is_read() -> None:
     deep: dict[str, object] = {"type": "array"}
     for _ in range(40):
