@@ -1,0 +1,112 @@
+"""The page shows a step as it is written (ADR 0053), in a real headless Chromium: the model's
+first words show in a "writing" line while the step is not stored, and the line goes when the
+turn ends (here: interrupted), leaving only what the transcript holds."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dsh_mesh.client import AssistantStep, MeshClient, TurnEnded
+from dsh_mesh.core import TurnOutcome
+from dsh_mesh.testing import (
+    ChatCompletionsServer,
+    EtcdAddress,
+    LocalCluster,
+    RecordedRequest,
+    Stall,
+    headless_chromium,
+    tree_rows,
+    until_shown,
+    web_view,
+)
+
+WAIT_S = 60.0
+FIRST_WORDS = "Held while it is kept"
+PRESETS_FILE = """
+[endpoints.local]
+base_url = "{base_url}"
+api_key_env = "TEST_LLM_KEY"
+
+[presets.poet]
+system_prompt = "You write slowly."
+model = "local:served-model"
+tools = []
+"""
+pytestmark = pytest.mark.timeout(120)
+
+
+def _stall(_request: RecordedRequest) -> Stall:
+    return Stall(text=FIRST_WORDS)  # its first words, then nothing until the client goes
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    with headless_chromium() as driver:
+        yield driver
+
+
+def _writing(driver: Any) -> str:
+    lines = driver.find_elements("css selector", "#transcript li.writing")
+    return str(lines[0].text) if lines else ""
+
+
+async def test_the_page_shows_the_words_being_written_until_the_turn_ends(
+    etcd: EtcdAddress, tmp_path: Path, browser: Any
+) -> None:
+    async with ChatCompletionsServer(responder=_stall) as server:
+        presets = tmp_path / "presets.toml"
+        presets.write_text(PRESETS_FILE.format(base_url=server.base_url))
+        with LocalCluster(
+            etcd_endpoint=etcd.endpoint,
+            scenario="tests.integration.scenarios:TREE",
+            presets_file=presets,
+            env={"TEST_LLM_KEY": "sk-local-test"},
+            nodes=("node-a",),
+        ) as cluster:
+            address = cluster["node-a"].address
+            assert address is not None
+            token = cluster.settings.cluster_token
+            async with MeshClient(address, token=token) as client:
+                with web_view(address, token) as view:
+                    # Idle until the page watches it: what is streamed before is never seen.
+                    root = await client.create_root("poet", "")
+                    browser.get(view.link(root=root.session_id))
+                    await asyncio.to_thread(
+                        until_shown,
+                        browser,
+                        lambda d: tree_rows(d).get(root.session_id, {}).get("state") == "idle",
+                        "the root shown idle",
+                    )
+                    await client.prompt(root.session_id, "A poem, slowly.")
+                    await asyncio.to_thread(
+                        until_shown,
+                        browser,
+                        lambda d: FIRST_WORDS in _writing(d),
+                        "the first words in a writing line",
+                    )
+                    page = await client.get_session(root.session_id)
+                    assert not [e for e in page.transcript if isinstance(e.body, AssistantStep)]
+
+                    await client.interrupt(root.session_id)
+                    result = await asyncio.wait_for(client.wait(root.session_id), WAIT_S)
+                    assert result.outcome is TurnOutcome.CANCELLED
+                    await asyncio.to_thread(
+                        until_shown,
+                        browser,
+                        lambda d: (
+                            not _writing(d)
+                            and "cancelled" in d.find_element("id", "transcript").text
+                        ),
+                        "the writing line gone once the turn ended",
+                    )
+                    page = await client.get_session(root.session_id)
+                    bodies = [e.body for e in page.transcript]
+                    assert not [b for b in bodies if isinstance(b, AssistantStep)]
+                    assert [b.outcome for b in bodies if isinstance(b, TurnEnded)] == [
+                        TurnOutcome.CANCELLED
+                    ]
