@@ -1,10 +1,13 @@
-"""The page shows a step as it is written (ADR 0053), in a real headless Chromium: the model's
-first words show in a "writing" line while the step is not stored, and the line goes when the
-turn ends (here: interrupted), leaving only what the transcript holds."""
+"""A step as it is written (ADR 0053): in a real headless Chromium, the model's first words
+show in the page's "writing" line while the step is not stored, and the line goes when the
+turn ends (here: interrupted), leaving only what the transcript holds; ``dsh-mesh watch
+--deltas``, a process of its own, prints them on its "writing" line the same way."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -110,3 +113,59 @@ async def test_the_page_shows_the_words_being_written_until_the_turn_ends(
                     assert [b.outcome for b in bodies if isinstance(b, TurnEnded)] == [
                         TurnOutcome.CANCELLED
                     ]
+
+
+async def test_watch_deltas_prints_the_words_being_written_as_they_come(
+    etcd: EtcdAddress, tmp_path: Path
+) -> None:
+    async with ChatCompletionsServer(responder=_stall) as server:
+        presets = tmp_path / "presets.toml"
+        presets.write_text(PRESETS_FILE.format(base_url=server.base_url))
+        with LocalCluster(
+            etcd_endpoint=etcd.endpoint,
+            scenario="tests.integration.scenarios:TREE",
+            presets_file=presets,
+            env={"TEST_LLM_KEY": "sk-local-test"},
+            nodes=("node-a",),
+        ) as cluster:
+            address = cluster["node-a"].address
+            assert address is not None
+            token = cluster.settings.cluster_token
+            async with MeshClient(address, token=token) as client:
+                root = await client.create_root("poet", "")
+                watch = await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    "-m",
+                    "dsh_mesh.cli",
+                    "--node",
+                    address,
+                    "watch",
+                    root.session_id,
+                    "--deltas",
+                    env={**os.environ, "DSH_CLUSTER_TOKEN": token, "NO_COLOR": "1"},
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE,
+                )
+                assert watch.stdout is not None
+                try:
+                    async with asyncio.timeout(WAIT_S):
+                        # Its first line tells where the root runs: it follows it now.
+                        seen = (await watch.stdout.readline()).decode()
+                        await client.prompt(root.session_id, "A poem, slowly.")
+                        while "writing" not in seen or FIRST_WORDS not in seen:
+                            chunk = await watch.stdout.read(4096)
+                            assert chunk, seen
+                            seen += chunk.decode()
+                    page = await client.get_session(root.session_id)
+                    assert not [e for e in page.transcript if isinstance(e.body, AssistantStep)]
+                    await client.interrupt(root.session_id)
+                    async with asyncio.timeout(WAIT_S):
+                        while "cancelled" not in seen:
+                            chunk = await watch.stdout.read(4096)
+                            assert chunk, seen
+                            seen += chunk.decode()
+                finally:
+                    watch.kill()
+                    await watch.wait()
+                writing = next(line for line in seen.splitlines() if "writing" in line)
+                assert writing.rstrip().endswith(f"writing   {FIRST_WORDS}")
