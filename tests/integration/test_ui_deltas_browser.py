@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,14 @@ def _stall(_request: RecordedRequest) -> Stall:
     return Stall(text=FIRST_WORDS)  # its first words, then nothing until the client goes
 
 
+def _stall_after(go: asyncio.Event) -> Callable[[RecordedRequest], Awaitable[Stall]]:
+    async def stall(request: RecordedRequest) -> Stall:
+        await go.wait()
+        return _stall(request)
+
+    return stall
+
+
 @pytest.fixture
 def browser() -> Iterator[Any]:
     with headless_chromium() as driver:
@@ -61,7 +69,8 @@ def _writing(driver: Any) -> str:
 async def test_the_page_shows_the_words_being_written_until_the_turn_ends(
     etcd: EtcdAddress, tmp_path: Path, browser: Any
 ) -> None:
-    async with ChatCompletionsServer(responder=_stall) as server:
+    go = asyncio.Event()
+    async with ChatCompletionsServer(responder=_stall_after(go)) as server:
         presets = tmp_path / "presets.toml"
         presets.write_text(PRESETS_FILE.format(base_url=server.base_url))
         with LocalCluster(
@@ -86,6 +95,15 @@ async def test_the_page_shows_the_words_being_written_until_the_turn_ends(
                         "the root shown idle",
                     )
                     await client.prompt(root.session_id, "A poem, slowly.")
+                    # The page's watch shows the prompt after where the root runs: from then
+                    # on it follows the root's deltas. Only then does the model speak.
+                    await asyncio.to_thread(
+                        until_shown,
+                        browser,
+                        lambda d: "A poem, slowly." in d.find_element("id", "transcript").text,
+                        "the prompt",
+                    )
+                    go.set()
                     await asyncio.to_thread(
                         until_shown,
                         browser,
