@@ -113,6 +113,10 @@ class AgentHost(Protocol):
         cannot stall the node, within ``seconds``; raises :class:`AnswerInvalid` otherwise."""
         ...
 
+    def children_live(self, agent: Agent) -> bool:
+        """Whether a child of the agent's session is live (its notice yet to come)."""
+        ...
+
     def text_delta(self, agent: Agent, turn_id: TurnId, text: str) -> None:
         """A piece of the text of the step ``agent`` is writing in ``turn_id``, as the model
         generates it: for whoever watches right now, never stored (ADR 0053). Synchronous;
@@ -254,6 +258,7 @@ class Agent:
             sends_in_inbox=lambda: self._host.sends_in_inbox(self),
             output_schema=self.header.spec.output_schema,
             check_answer=self._host.check_answer,
+            children_live=lambda: self._host.children_live(self),
         )
 
     # -- identity and state -------------------------------------------------------------------

@@ -62,10 +62,12 @@ class Steps:
         sends_in_inbox: Callable[[], Awaitable[None]],
         output_schema: str = "",
         check_answer: CheckAnswer | None = None,
+        children_live: Callable[[], bool] = lambda: False,
     ) -> None:
         self._session_id = session_id
         self._output_schema = output_schema
         self._check_answer = check_answer
+        self._children_live = children_live
         self._transcript = transcript
         self._window = window
         self._calls = calls
@@ -115,15 +117,18 @@ class Steps:
         outcome = await self._calls_and_boundary(
             turn, step.seq, calls, asked=bool(recorded.tool_calls)
         )
-        if outcome is TurnOutcome.COMPLETED and self._output_schema:
+        if outcome is TurnOutcome.COMPLETED and self._output_schema and not self._children_live():
+            # A turn that ends while children of it work is no final answer: their notices
+            # start the next turn, and the answer of the turn that ends without them is.
             return await self._answer(turn, recorded.text)
         return outcome
 
     async def _answer(self, turn: Turn, text: str) -> TurnOutcome | None:
         """The turn's final answer, ``text``, checked against the session's output schema:
-        the turn completes with its value, or the model is told why it does not match and
-        asked again (another step), up to :data:`ANSWER_RETRIES` times; then the turn ends
-        with outcome ``error`` (:class:`AnswerInvalid`). ADR 0052."""
+        the turn completes with its value (unless something arrived meanwhile: the turn goes
+        on to read it), or the model is told why it does not match and asked again (another
+        step), up to :data:`ANSWER_RETRIES` times; then the turn ends with outcome ``error``
+        (:class:`AnswerInvalid`). ADR 0052."""
         schema = self._output_schema
         if self._check_answer is None:
             raise AssertionError("a session with an output schema needs a check of answers")
@@ -132,6 +137,12 @@ class Steps:
         except AnswerInvalid as invalid:
             reason = str(invalid)
         else:
+            # What was sent while it was checked was told "steered": this turn reads it, and
+            # its answer is the one after that.
+            await self._sends_in_inbox()
+            if await self._boundary.read_waiting():
+                turn.output_json = ""
+                return None
             return TurnOutcome.COMPLETED
         turn.answers_rejected += 1
         await self._boundary.append(AnswerRejectedEntry(reason=reason, schema=schema))

@@ -14,6 +14,7 @@ backtracks), so its caller runs it off the event loop under a deadline.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any, Final
 
 import jsonschema
@@ -30,6 +31,18 @@ MAX_OUTPUT_SCHEMA_BYTES: Final = 64 * 1024
 MAX_OUTPUT_SCHEMA_DEPTH: Final = 32
 """The deepest nesting of objects and arrays an output schema may have."""
 
+MAX_OUTPUT_SCHEMA_OBJECTS: Final = 1_000
+"""The most JSON objects (subschemas, roughly) an output schema may hold: checking a schema
+against its meta-schema costs about 0.2 ms for each, so one is checked in a fifth of a
+second at most."""
+
+MAX_ANSWER_BYTES: Final = 512 * 1024
+"""The longest answer (UTF-8) checked against a schema; a longer one does not match."""
+
+MAX_OUTPUT_BYTES: Final = 256 * 1024
+"""The largest value (its canonical JSON, UTF-8) an answer may have: with the answer's text
+it fits a settlement notice."""
+
 MAX_REJECTION_CHARS: Final = 1_000
 """The longest reason a rejected answer's correction quotes."""
 
@@ -44,18 +57,27 @@ class AnswerInvalid(Exception):
 
 def check_output_schema(schema: object) -> str:
     """The canonical JSON of ``schema``, a JSON schema given as a parsed value (a ``dict``):
-    an object (or ``true``/``false``), at most :data:`MAX_OUTPUT_SCHEMA_BYTES` and
-    :data:`MAX_OUTPUT_SCHEMA_DEPTH` deep, that its own meta-schema accepts (the draft its
+    a non-empty object of at most :data:`MAX_OUTPUT_SCHEMA_BYTES`,
+    :data:`MAX_OUTPUT_SCHEMA_DEPTH` deep and :data:`MAX_OUTPUT_SCHEMA_OBJECTS` objects, that
+    refers only within itself, that its own meta-schema accepts (the draft its
     ``$schema`` names, else 2020-12). Raises :class:`InvalidArgument` saying what is wrong."""
     if not isinstance(schema, dict) or not schema:
         raise InvalidArgument("an output schema must be a non-empty JSON object")
-    _check_depth(schema, 0)
+    if _objects(schema, 0) > MAX_OUTPUT_SCHEMA_OBJECTS:
+        raise InvalidArgument(
+            f"an output schema may hold at most {MAX_OUTPUT_SCHEMA_OBJECTS:,} JSON objects"
+        )
     _check_references(schema)
     try:
         text = canonical_json(schema)
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError as error:
+        raise InvalidArgument(
+            "an output schema must be valid Unicode (a lone surrogate?)"
+        ) from error
     except (TypeError, ValueError) as error:
         raise InvalidArgument(f"an output schema must be JSON: {error}") from error
-    if len(text.encode("utf-8")) > MAX_OUTPUT_SCHEMA_BYTES:
+    if size > MAX_OUTPUT_SCHEMA_BYTES:
         raise InvalidArgument(
             f"an output schema may have at most {MAX_OUTPUT_SCHEMA_BYTES:,} bytes of JSON"
         )
@@ -89,6 +111,10 @@ def answer_value(text: str, schema_json: str) -> str:
     ``schema_json`` (as :func:`check_output_schema` made it). The answer is JSON, alone or in
     one fenced code block (```` ```json ````), around which whitespace is ignored. Raises
     :class:`AnswerInvalid` saying why it does not match."""
+    if len(text) > MAX_ANSWER_BYTES or len(text.encode("utf-8", "surrogatepass")) > (
+        MAX_ANSWER_BYTES
+    ):
+        raise AnswerInvalid(f"the answer is longer than {MAX_ANSWER_BYTES:,} bytes")
     body = _unfenced(text.strip())
     if not body:
         raise AnswerInvalid("the answer is empty; it must be a JSON value")
@@ -112,7 +138,14 @@ def answer_value(text: str, schema_json: str) -> str:
         raise AnswerInvalid(
             f"the answer does not match the schema{at}: {_bounded(failure.message)}"
         )
-    return canonical_json(value)
+    output = canonical_json(value)
+    try:
+        size = len(output.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise AnswerInvalid("the answer holds text that is not valid Unicode") from None
+    if size > MAX_OUTPUT_BYTES:
+        raise AnswerInvalid(f"its value has {size:,} bytes of JSON; at most {MAX_OUTPUT_BYTES:,}")
+    return output
 
 
 def output_instruction(schema_json: str) -> str:
@@ -158,35 +191,48 @@ def _validator_class(schema: dict[str, Any]) -> Any:
 
 
 _REFERENCES: Final = ("$ref", "$dynamicRef", "$recursiveRef")
+_DATA: Final = frozenset({"const", "enum", "default", "examples"})
+"""Keywords whose values are data, not schemas: a ``$ref`` in them refers to nothing."""
 
 
 def _check_references(value: object) -> None:
     """Refuse a reference out of the schema (a URL, another file): the node never fetches
-    anything because of a schema."""
+    anything because of a schema. (A ``$ref`` whose value is not text is a property's name,
+    and data keywords hold no references.)"""
     if isinstance(value, dict):
         for key, item in value.items():
-            if key in _REFERENCES and not (isinstance(item, str) and item.startswith("#")):
+            if key in _REFERENCES and isinstance(item, str) and not item.startswith("#"):
                 raise InvalidArgument(
                     f"an output schema may only refer within itself ({key} starts with #),"
-                    f" not to {str(item)[:200]!r}"
+                    f" not to {item[:200]!r}"
                 )
-            _check_references(item)
+            if key not in _DATA:
+                _check_references(item)
     elif isinstance(value, list):
         for item in value:
             _check_references(item)
 
 
-def _check_depth(value: object, depth: int) -> None:
+def _objects(value: object, depth: int) -> int:
+    """How many JSON objects ``value`` holds (itself included); :class:`InvalidArgument` when
+    it nests deeper than :data:`MAX_OUTPUT_SCHEMA_DEPTH`. Stops counting past the limit."""
     if depth > MAX_OUTPUT_SCHEMA_DEPTH:
         raise InvalidArgument(
             f"an output schema may nest at most {MAX_OUTPUT_SCHEMA_DEPTH} levels deep"
         )
+    count = 0
     if isinstance(value, dict):
-        for item in value.values():
-            _check_depth(item, depth + 1)
+        count = 1
+        items: Iterable[object] = value.values()
     elif isinstance(value, list):
-        for item in value:
-            _check_depth(item, depth + 1)
+        items = value
+    else:
+        return 0
+    for item in items:
+        count += _objects(item, depth + 1)
+        if count > MAX_OUTPUT_SCHEMA_OBJECTS:
+            break
+    return count
 
 
 def _bounded(text: str) -> str:

@@ -112,7 +112,9 @@ class ContinuationManager:
             max_inbox_depth=config.max_inbox_depth,
             on_release=self._released,
         )
-        children = ChildLedger(is_resident=lambda session: self._residency.hosts(session))
+        children = self._children = ChildLedger(
+            is_resident=lambda session: self._residency.hosts(session)
+        )
         self._residency = Residency(
             node_id=config.node_id,
             store=store,
@@ -304,6 +306,12 @@ class ContinuationManager:
         preset, or one that names none)."""
         known = self._presets.get(preset)
         return "" if known is None else known.model or ""
+
+    def default_output_schema(self, preset: str) -> str:
+        """The output schema a root of ``preset`` names when it names none of its own (canonical
+        JSON; "" for an unknown preset, or one that names none)."""
+        known = self._presets.get(preset)
+        return "" if known is None else known.output_schema_json()
 
     # -- the control plane (humans are not agents) ----------------------------------------------
 
@@ -569,6 +577,10 @@ class ContinuationManager:
     def may_settle(self, agent: Agent) -> bool:
         """Whether ``agent``'s activation may end now (no waking send, no live child)."""
         return self._settlements.may_settle(agent)
+
+    def children_live(self, agent: Agent) -> bool:
+        """Whether a child of ``agent``'s session is live here (its notice yet to come)."""
+        return self._children.has_live(agent.session_id)
 
     async def check_answer(self, text: str, schema_json: str, *, seconds: float) -> str:
         """A final answer checked against its output schema in this node's worker process

@@ -185,13 +185,14 @@ class Preset:
     output_schema: Mapping[str, object] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
-        self.output_schema_json()  # refused now, not at the first session's creation
+        # Checked (and refused) now, not at the first session's creation; kept, as checking a
+        # large schema takes a while.
+        schema = "" if self.output_schema is None else check_output_schema(dict(self.output_schema))
+        object.__setattr__(self, "_output_schema_json", schema)
 
     def output_schema_json(self) -> str:
         """Its output schema as canonical JSON; ``""`` when it names none."""
-        if self.output_schema is None:
-            return ""
-        return check_output_schema(dict(self.output_schema))
+        return str(getattr(self, "_output_schema_json", ""))
 
 
 @dataclass(frozen=True)

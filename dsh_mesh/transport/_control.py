@@ -241,7 +241,7 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
             model=request.model or None,
             session_id=session,
             namespace=request.namespace or DEFAULT_NAMESPACE,
-            output_schema=parse_output_schema(request.output_schema_json),
+            output_schema=await _schema_of(request),
         )
 
     async def _existing_root(
@@ -261,11 +261,12 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         # before appending its task: only an empty task finds that one.)
         first, _ = await self._reads.page(session, after_seq=0, limit=1)
         task = first[0].entry.content if first and isinstance(first[0].entry, TaskEntry) else ""
-        schema = parse_output_schema(request.output_schema_json)
+        # The schema asked for: named, or (empty) the preset's, as the first request's was.
+        schema = await _schema_of(request) or manager.default_output_schema(header.spec.preset)
         if (
             header.spec.preset != request.preset
             or (asked and header.spec.model != asked)
-            or (schema and header.spec.output_schema != schema)
+            or header.spec.output_schema != schema
             or task != with_output_instruction(request.initial_task, header.spec.output_schema)
             or header.namespace != (request.namespace or DEFAULT_NAMESPACE)
         ):
@@ -716,6 +717,14 @@ async def _with_deltas(
         for read in (next_event, next_delta):
             read.cancel()
         await asyncio.wait((next_event, next_delta))
+
+
+async def _schema_of(request: mesh_pb2.CreateRootSessionRequest) -> str:
+    """The request's output schema checked and made canonical (""; none): in a thread, as a
+    large schema takes a while to check against its meta-schema (ADR 0052)."""
+    if not request.output_schema_json:
+        return ""
+    return await asyncio.to_thread(parse_output_schema, request.output_schema_json)
 
 
 def _event_to_wire(event: WatchEvent) -> mesh_pb2.SessionEvent:

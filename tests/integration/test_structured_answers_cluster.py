@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from dsh_mesh.client import AnswerRejected, MeshClient, SettlementNotice, TurnEnded
-from dsh_mesh.core import InvalidArgument, check_output_schema
+from dsh_mesh.core import IdempotencyConflict, InvalidArgument, check_output_schema
 from dsh_mesh.testing import (
     ChatCompletionsServer,
     Completion,
@@ -129,6 +129,21 @@ async def test_a_schema_is_asked_for_checked_corrected_and_its_value_returned(
                 assert [n.output_json for n in notices] == ['{"count":3}']
                 counted = [r for r in server.requests if _system(r) == "You count."]
                 assert counted[0].json["response_format"]["json_schema"]["schema"] == (COUNT_SCHEMA)
+
+                # A retry finds its root only when it asks for the same schema.
+                first = await client.create_root(
+                    "answerer", "Again?", request_id="r-schema", output_schema=ANSWER_SCHEMA
+                )
+                again = await client.create_root(
+                    "answerer", "Again?", request_id="r-schema", output_schema=ANSWER_SCHEMA
+                )
+                assert again.session_id == first.session_id
+                for other in (None, COUNT_SCHEMA):
+                    with pytest.raises(IdempotencyConflict, match="output schema"):
+                        await client.create_root(
+                            "answerer", "Again?", request_id="r-schema", output_schema=other
+                        )
+                await client.wait(first.session_id)
 
                 # A schema that is not one: refused, typed, nothing created.
                 with pytest.raises(InvalidArgument, match="not a valid JSON schema"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import time
 from collections.abc import Mapping
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dsh_mesh.agent import _steps
+from dsh_mesh.agent import AnswerChecker, _steps
 from dsh_mesh.core import (
     ANSWER_RETRIES,
     MAX_OUTPUT_SCHEMA_BYTES,
@@ -125,6 +126,37 @@ def test_a_reference_within_the_schema_is_followed_and_nothing_is_retrieved() ->
         answer_value("3", '{"$ref":"http://127.0.0.1:9/schema.json"}')
 
 
+def test_a_schema_of_too_many_objects_or_not_unicode_is_refused() -> None:
+    with pytest.raises(InvalidArgument, match="at most 1,000 JSON objects"):
+        check_output_schema({"anyOf": [{}] * 1000})
+    assert check_output_schema({"anyOf": [{}] * 998})
+    with pytest.raises(InvalidArgument, match="valid Unicode"):
+        check_output_schema({"const": "\ud800"})
+
+
+def test_references_are_read_only_where_they_are_references() -> None:
+    # A property named $ref, and data that holds a "$ref", are no references.
+    schema = check_output_schema(
+        {
+            "type": "object",
+            "properties": {"$ref": {"type": "string"}},
+            "examples": [{"$ref": "http://example.com/x"}],
+        }
+    )
+    assert answer_value('{"$ref": "x"}', schema) == '{"$ref":"x"}'
+
+
+def test_an_answer_too_large_or_not_unicode_does_not_match() -> None:
+    anything = check_output_schema({"type": "array"})
+    with pytest.raises(AnswerInvalid, match="longer than 524,288 bytes"):
+        answer_value("[" + "1," * 300_000 + "1]", anything)
+    # Short to write, long as canonical JSON: 1e5 is 100000.0.
+    with pytest.raises(AnswerInvalid, match="at most 262,144"):
+        answer_value("[" + ",".join(["1e5"] * 60_000) + "]", anything)
+    with pytest.raises(AnswerInvalid, match="not valid Unicode"):
+        answer_value('["\\ud800"]', anything)
+
+
 def test_a_schema_too_deep_is_refused_before_it_is_read() -> None:
     deep: dict[str, object] = {"type": "array"}
     for _ in range(40):
@@ -205,13 +237,13 @@ async def test_a_turn_whose_answers_never_match_ends_with_error_after_its_retrie
         assert f"in {ANSWER_RETRIES + 1} tries" in ended.detail and "not JSON" in ended.detail
 
 
-async def test_a_step_that_calls_tools_is_no_answer_and_is_not_checked() -> None:
+async def test_a_turn_that_ends_while_its_children_work_is_not_checked() -> None:
     async with in_process_mesh(answering_presets(lead=SCHEMA)) as mesh:
         helper_done = asyncio.Event()
         mesh.scripted.program(
             "lead",
             tool("spawn_agent", task="Look.", preset="plain"),
-            Reply(text='{"answer": 7}'),
+            Reply(text="I wait for my helper."),  # no final answer yet: its child works
             Reply(text='{"answer": 8}'),  # the turn the helper's notice starts
         )
         mesh.scripted.program("plain", Reply(text="seven", gate=helper_done))
@@ -224,9 +256,9 @@ async def test_a_step_that_calls_tools_is_no_answer_and_is_not_checked() -> None
         records = await mesh.transcript(ROOT)
         assert not of_type(records, AnswerRejectedEntry)
         ended = [r.entry for r in of_type(records, TurnEndedEntry)]
-        assert [e.output_json for e in ended if isinstance(e, TurnEndedEntry)] == [
-            '{"answer":7}',
-            '{"answer":8}',
+        assert [(e.outcome, e.output_json) for e in ended if isinstance(e, TurnEndedEntry)] == [
+            (TurnOutcome.COMPLETED, ""),
+            (TurnOutcome.COMPLETED, '{"answer":8}'),
         ]
         assert not of_type(await mesh.transcript(CHILD), AnswerRejectedEntry)  # no schema there
 
@@ -280,25 +312,44 @@ async def test_a_session_without_a_schema_is_never_checked() -> None:
 async def test_a_check_that_backtracks_counts_as_no_match_and_never_stalls_the_node(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # A hostile schema: checking this answer backtracks for about a second (more on a slow
-    # machine). The node's loop goes on meanwhile; the answer counts as not matching.
-    monkeypatch.setattr(_steps, "ANSWER_CHECK_SECONDS", 0.2)
+    # A hostile schema: checking this answer backtracks for seconds. The node's loop goes on
+    # meanwhile (no gap between its ticks near the check's length); the answer counts as not
+    # matching, and the next one against the same schema is refused at once.
+    monkeypatch.setattr(_steps, "ANSWER_CHECK_SECONDS", 0.5)
     hostile = {"type": "string", "pattern": "^(a+)+$"}
     async with in_process_mesh(answering_presets(lead=hostile)) as mesh:
-        mesh.scripted.program("lead", Reply(text=json.dumps("a" * 27 + "!")), Reply(text='"aa"'))
+        slow = json.dumps("a" * 30 + "!")
+        mesh.scripted.program("lead", Reply(text=slow), Reply(text='"aa"'))
         await mesh.manager.create_root("Go.", preset="lead")
-        ticks = 0
-        started = time.monotonic()
+        ticks = [time.monotonic()]
         while mesh.manager.agent(ROOT) is None or not mesh.manager.agent(ROOT).at_rest:  # type: ignore[union-attr]
             await asyncio.sleep(0.01)
-            ticks += 1
-        assert ticks > 0 and time.monotonic() - started < 30
+            ticks.append(time.monotonic())
+        gaps = [later - earlier for earlier, later in itertools.pairwise(ticks)]
+        assert max(gaps) < 0.4, max(gaps)
         records = await mesh.transcript(ROOT)
-        rejected = of_type(records, AnswerRejectedEntry)[0].entry
-        assert isinstance(rejected, AnswerRejectedEntry)
-        assert "took more than 0.2 s" in rejected.reason
+        reasons = [r.entry.reason for r in records if isinstance(r.entry, AnswerRejectedEntry)]
+        assert reasons[0] == "checking it against the schema took more than 0.5 s"
+        assert "this node checks no more answers against it" in reasons[1]
         ended = records[-1].entry
-        assert isinstance(ended, TurnEndedEntry) and ended.output_json == '"aa"'
+        assert isinstance(ended, TurnEndedEntry) and ended.output_json == ""
+
+
+async def test_a_check_cancelled_midway_never_answers_the_next_one() -> None:
+    checker = AnswerChecker()
+    try:
+        hostile = check_output_schema({"type": "string", "pattern": "^(a+)+$"})
+        assert await checker.check('"aa"', hostile, seconds=30) == '"aa"'  # started, warm
+        slow = asyncio.ensure_future(checker.check(json.dumps("a" * 30 + "!"), hostile, seconds=30))
+        await asyncio.sleep(0.2)  # the worker is inside the check
+        slow.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await slow
+        assert await checker.check('{"answer": 5}', SCHEMA_JSON, seconds=30) == '{"answer":5}'
+        with pytest.raises(AnswerInvalid, match="not JSON"):
+            await checker.check("five", SCHEMA_JSON, seconds=30)
+    finally:
+        await checker.close()
 
 
 # -- where a schema comes from and where it goes -----------------------------------------------
