@@ -21,6 +21,7 @@ from dsh_mesh.cli._render import (
     error_line,
     format_entry,
     format_event,
+    one_line,
     summary_row,
     table,
 )
@@ -489,6 +490,8 @@ async def _show(client: MeshClient, args: argparse.Namespace, console: Console) 
             f"{'fork of':<10}{info.fork_origin.parent_session} up to seq "
             f"{info.fork_origin.prefix_seq}"
         )
+    if info.output_schema:
+        console.say(f"{'answers':<10}match its output schema {one_line(info.output_schema, 80)}")
     console.say(f"{'usage':<10}{usage.describe() if usage is not None else '- (not reported)'}")
     prices = await client.prices()
     costs = [_call_cost(entry, info.model, prices) for entry in entries]

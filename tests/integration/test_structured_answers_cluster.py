@@ -177,3 +177,23 @@ async def test_a_schema_is_asked_for_checked_corrected_and_its_value_returned(
             )
             assert spawned.returncode == 0, spawned.stderr
             assert spawned.stdout.strip() == '{"answer":4}'
+            shown = await asyncio.to_thread(
+                subprocess.run,
+                [
+                    sys.executable,
+                    "-m",
+                    "dsh_mesh.cli",
+                    "--node",
+                    address,
+                    "show",
+                    result.session_id,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=WAIT,
+                env={**os.environ, "DSH_CLUSTER_TOKEN": token, "NO_COLOR": "1"},
+            )
+            assert shown.returncode == 0, shown.stderr
+            assert "answers   match its output schema {" in shown.stdout
+            assert "rejected  answer asked again: the answer is not JSON" in shown.stdout
+            assert 'ended completed, output {"answer":4}' in shown.stdout
