@@ -31,7 +31,9 @@ function describe(event) {
     case 'turn_started':
       return `${where} ${entry.seq} turn ${body.turn_id} started`;
     case 'turn_ended':
-      return `${where} ${entry.seq} turn ${body.turn_id} ended ${body.outcome}`;
+      return `${where} ${entry.seq} turn ${body.turn_id} ended ${body.outcome}${body.output_json ? ` output ${body.output_json}` : ''}`;
+    case 'answer_rejected':
+      return `${where} ${entry.seq} answer asked again: ${JSON.stringify(body.reason)}`;
     case 'consumed':
       return `${where} ${entry.seq} consumed ${body.seqs.join(',')}`;
     case 'compaction':
