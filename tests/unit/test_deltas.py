@@ -141,3 +141,18 @@ async def test_an_agent_hands_its_step_text_to_the_hub_as_it_streams() -> None:
     assert [d.text for d in got] == ["The answer", " is", " 42."]
     assert "".join(d.text for d in got) == step.text
     assert {d.turn_id for d in got} == {ended.turn_id}
+
+
+def test_a_peer_may_take_the_reserve_a_watch_may_not() -> None:
+    hub = DeltaHub(max_subscriptions=3, peer_reserve=1)
+    watches = [hub.subscribe(), hub.subscribe()]
+    with pytest.raises(NodeOverloaded):
+        hub.subscribe()
+    peer = hub.subscribe(peer=True)
+    with pytest.raises(NodeOverloaded):
+        hub.subscribe(peer=True)
+    for subscription in (*watches, peer):
+        subscription.close()
+    assert hub.subscriptions == 0
+    with pytest.raises(ValueError, match="peer_reserve"):
+        DeltaHub(max_subscriptions=3, peer_reserve=3)
