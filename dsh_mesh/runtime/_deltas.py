@@ -85,6 +85,19 @@ class DeltaSubscription:
             self._dropped.pop(session, None)
             self._hub._remove(session, self)
 
+    def forget(self, session: SessionId) -> None:
+        """Forget the losses counted for ``session`` unless it is followed here: whoever
+        :meth:`offer` s deltas of a session this subscription does not follow (a relay from
+        another node) calls it when it stops, so that counts are kept per relayed session only
+        while it is relayed."""
+        if session not in self._sessions:
+            self._dropped.pop(session, None)
+
+    @property
+    def lost(self) -> dict[SessionId, int]:
+        """Per session: the deltas lost and not yet told (with the next delta of it)."""
+        return dict(self._dropped)
+
     def offer(self, delta: Delta) -> None:
         """Queue ``delta`` (cut into pieces of at most :data:`MAX_DELTA_CHARS`) if there is
         room; else count what did not fit as dropped. Never blocks, never raises."""
