@@ -26,6 +26,10 @@ DEFAULT_CAPACITY = 64
 """The most deltas one subscriber holds unread (so at most 64 x 2048 characters)."""
 MAX_SUBSCRIPTIONS = 1024
 """The most subscriptions one node's hub serves at once (watches and peers' relays)."""
+PEER_RESERVE = 256
+"""Of :data:`MAX_SUBSCRIPTIONS`, how many only peers' relays may take: the watches served here
+(whose callers are clients) may hold at most the rest, so that clients filling a node's hub
+never keep it from relaying deltas to the watches other nodes serve."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -81,6 +85,19 @@ class DeltaSubscription:
             self._dropped.pop(session, None)
             self._hub._remove(session, self)
 
+    def forget(self, session: SessionId) -> None:
+        """Forget the losses counted for ``session`` unless it is followed here: whoever
+        :meth:`offer` s deltas of a session this subscription does not follow (a relay from
+        another node) calls it when it stops, so that counts are kept per relayed session only
+        while it is relayed."""
+        if session not in self._sessions:
+            self._dropped.pop(session, None)
+
+    @property
+    def lost(self) -> dict[SessionId, int]:
+        """Per session: the deltas lost and not yet told (with the next delta of it)."""
+        return dict(self._dropped)
+
     def offer(self, delta: Delta) -> None:
         """Queue ``delta`` (cut into pieces of at most :data:`MAX_DELTA_CHARS`) if there is
         room; else count what did not fit as dropped. Never blocks, never raises."""
@@ -123,12 +140,24 @@ class DeltaHub:
     whoever relays deltas (a watch, a peer's relay). Nothing here outlives the process."""
 
     def __init__(
-        self, *, capacity: int = DEFAULT_CAPACITY, max_subscriptions: int = MAX_SUBSCRIPTIONS
+        self,
+        *,
+        capacity: int = DEFAULT_CAPACITY,
+        max_subscriptions: int = MAX_SUBSCRIPTIONS,
+        peer_reserve: int | None = None,
     ) -> None:
+        """``peer_reserve``: the subscriptions only peers' relays may take (see
+        :data:`PEER_RESERVE`); by default :data:`PEER_RESERVE`, at most a quarter of
+        ``max_subscriptions``."""
         if capacity < 1 or max_subscriptions < 1:
             raise ValueError("capacity and max_subscriptions must be at least 1")
+        if peer_reserve is None:
+            peer_reserve = min(PEER_RESERVE, max_subscriptions // 4)
+        if not 0 <= peer_reserve < max_subscriptions:
+            raise ValueError("peer_reserve must be at least 0 and below max_subscriptions")
         self._capacity = capacity
         self._max_subscriptions = max_subscriptions
+        self._peer_reserve = peer_reserve
         self._by_session: dict[SessionId, list[DeltaSubscription]] = {}
         self._count = 0
 
@@ -142,10 +171,15 @@ class DeltaHub:
         for subscriber in subscribers:
             subscriber.offer(delta)
 
-    def subscribe(self, sessions: Iterable[SessionId] = ()) -> DeltaSubscription:
-        """A new subscription following ``sessions`` (more can be followed later). Raises
-        :class:`NodeOverloaded` when the hub already serves ``max_subscriptions``."""
-        if self._count >= self._max_subscriptions:
+    def subscribe(
+        self, sessions: Iterable[SessionId] = (), *, peer: bool = False
+    ) -> DeltaSubscription:
+        """A new subscription following ``sessions`` (more can be followed later); ``peer``
+        for another node's relay, which may take the reserve. Raises :class:`NodeOverloaded`
+        when the hub already serves ``max_subscriptions`` (less the peer reserve for a watch
+        served here)."""
+        limit = self._max_subscriptions - (0 if peer else self._peer_reserve)
+        if self._count >= limit:
             raise NodeOverloaded(
                 f"this node relays deltas to {self._count} subscribers already",
                 metadata={"limit": "delta_subscriptions"},

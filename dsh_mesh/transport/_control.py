@@ -36,6 +36,7 @@ from dsh_mesh.core import (
     ModelPrice,
     NamespaceDenied,
     NodeId,
+    NodeOverloaded,
     Record,
     SessionExists,
     SessionHeader,
@@ -179,6 +180,8 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         self._manager = manager
         self._deltas = deltas or DeltaHub()
         """The node's deltas, for watches that ask for them (ADR 0053)."""
+        self._deltas_full = False
+        """Whether a watch was last served without deltas because the hub was full."""
         self._prices = dict(prices or {})
         self._grants = grants or Grants.open()
         self._credential = credential
@@ -519,16 +522,35 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
                 after_position=request.after_event_seq,
                 after_seq=request.after_seq,
             )
-            if not request.deltas:
+            relay = self._delta_relay() if request.deltas else None
+            if relay is None:
                 async for event in events:
                     yield _event_to_wire(event)
                 return
-            relay = DeltaRelay(hub=self._deltas, node_id=self._node_id, peers=self._peers)
-            async with relay:
-                async for wire in _with_deltas(events, relay, request.after_event_seq):
+            # Closed in this order on the way out: the deltas' reads and the feed, then the
+            # relay (its peers' streams and its hub subscription).
+            async with (
+                relay,
+                contextlib.aclosing(_with_deltas(events, relay, request.after_event_seq)) as wires,
+            ):
+                async for wire in wires:
                     yield wire
         except MeshError as error:
             await abort_with(context, error, target=target_of(request))
+
+    def _delta_relay(self) -> DeltaRelay | None:
+        """A relay of deltas for a watch; None when the hub serves all the watches it may
+        (ADR 0053): the watch is served without deltas then, its entries flow as ever. Told
+        once (a warning) until a watch gets deltas again."""
+        try:
+            relay = DeltaRelay(hub=self._deltas, node_id=self._node_id, peers=self._peers)
+        except NodeOverloaded as full:
+            if not self._deltas_full:
+                self._deltas_full = True
+                _log.warning("watches are served without deltas for now: %s", full)
+            return None
+        self._deltas_full = False
+        return relay
 
     @mesh_rpc
     async def ListAgents(
@@ -686,37 +708,48 @@ def _granted(scope: Scope, namespace: str) -> str:
 
 async def _with_deltas(
     events: AsyncIterator[WatchEvent], relay: DeltaRelay, position: int
-) -> AsyncIterator[mesh_pb2.SessionEvent]:
+) -> AsyncGenerator[mesh_pb2.SessionEvent, None]:
     """``events`` with the deltas of the sessions they watch between them (ADR 0053): each
     residency event steers ``relay`` before it is told; a delta repeats the position of the
     event before it (``position`` before the first). One event and one delta are awaited at a
     time, so a slow reader holds the feed as before and loses deltas in the relay's bounded
-    queue. Not a task group (see :class:`DeltaRelay`): the two reads are this body's alone,
-    cancelled and awaited on the way out."""
+    queue. Ends when the feed ends. Not a task group (see :class:`DeltaRelay`): the two reads
+    are this body's alone, cancelled and awaited on the way out, and then the feed is closed
+    (an event read but not told leaves it suspended, not ended)."""
     feed = aiter(events)
-    next_event: asyncio.Task[WatchEvent] = asyncio.ensure_future(anext(feed))
-    next_delta = asyncio.ensure_future(relay.get())
-    try:
-        while True:
-            await asyncio.wait((next_event, next_delta), return_when=asyncio.FIRST_COMPLETED)
-            if next_delta.done():
-                delta = next_delta.result()
-                next_delta = asyncio.ensure_future(relay.get())
-                wire = mesh_pb2.SessionEvent(session_id=delta.session_id, event_seq=position)
-                wire.delta.CopyFrom(delta_to_wire(delta))
-                yield wire
-            if next_event.done():
-                event = next_event.result()  # a feed's failure ends the watch, as without deltas
-                next_event = asyncio.ensure_future(anext(feed))
-                relay.residency(
-                    event.session, activated=event.activated, deactivated=event.deactivated
-                )
-                position = event.position
-                yield _event_to_wire(event)
-    finally:
-        for read in (next_event, next_delta):
-            read.cancel()
-        await asyncio.wait((next_event, next_delta))
+    async with contextlib.AsyncExitStack() as closing:
+        if isinstance(feed, AsyncGenerator):
+            # After the reads below are done: a feed is closed only while no read runs it.
+            await closing.enter_async_context(contextlib.aclosing(feed))
+        next_event: asyncio.Task[WatchEvent] = asyncio.ensure_future(anext(feed))
+        next_delta = asyncio.ensure_future(relay.get())
+        try:
+            while True:
+                await asyncio.wait((next_event, next_delta), return_when=asyncio.FIRST_COMPLETED)
+                if next_delta.done():
+                    delta = next_delta.result()
+                    next_delta = asyncio.ensure_future(relay.get())
+                    wire = mesh_pb2.SessionEvent(session_id=delta.session_id, event_seq=position)
+                    wire.delta.CopyFrom(delta_to_wire(delta))
+                    yield wire
+                if next_event.done():
+                    try:
+                        event = next_event.result()  # a feed's failure ends the watch
+                    except StopAsyncIteration:
+                        return  # the feed ended: so does the watch, as without deltas
+                    next_event = asyncio.ensure_future(anext(feed))
+                    relay.residency(
+                        event.session, activated=event.activated, deactivated=event.deactivated
+                    )
+                    position = event.position
+                    yield _event_to_wire(event)
+        finally:
+            for read in (next_event, next_delta):
+                read.cancel()
+            await asyncio.wait((next_event, next_delta))
+            for read in (next_event, next_delta):
+                if not read.cancelled():
+                    read.exception()  # retrieved: a read that failed as it was left is no news
 
 
 async def _schema_of(request: mesh_pb2.CreateRootSessionRequest) -> str:

@@ -21,8 +21,8 @@ from dsh_mesh.core import Activation, MeshError, NodeId, SessionId, TurnId
 from dsh_mesh.runtime import MAX_DELTA_CHARS, Delta, DeltaHub
 
 MAX_REMOTE_SESSIONS = 32
-"""The most sessions one watch relays from other nodes at once; past it, the deltas of a
-session resident elsewhere are not relayed until another ends."""
+"""The most sessions one watch relays from other nodes at once; past it, a session resident
+elsewhere waits (in the order its residency was told) until another's relay ends or stops."""
 
 _MAX_DROPPED = 2**32 - 1
 """``TextDelta.dropped`` is a uint32: a larger count is told as this."""
@@ -83,8 +83,12 @@ class DeltaRelay:
         self._max_remote = max_remote
         self._subscription = hub.subscribe()
         self._remote: dict[SessionId, tuple[NodeId, asyncio.Task[None]]] = {}
+        self._waiting: dict[SessionId, NodeId] = {}
+        """Sessions resident on another node not relayed for want of room, in the order told,
+        each with its node: at most one entry per session the watch carries."""
         self._ending: set[asyncio.Task[None]] = set()
         """Relays cancelled and not yet awaited."""
+        self._closing = False
 
     async def __aenter__(self) -> Self:
         return self
@@ -92,6 +96,8 @@ class DeltaRelay:
     async def __aexit__(
         self, *_: type[BaseException] | BaseException | TracebackType | None
     ) -> None:
+        self._closing = True
+        self._waiting.clear()
         try:
             for session in list(self._remote):
                 self._stop_remote(session)
@@ -104,6 +110,11 @@ class DeltaRelay:
     def remote(self) -> dict[SessionId, NodeId]:
         """The sessions relayed from another node now, and from which."""
         return {session: node for session, (node, _task) in self._remote.items()}
+
+    @property
+    def waiting(self) -> dict[SessionId, NodeId]:
+        """The sessions waiting for room to be relayed from another node, and from which."""
+        return dict(self._waiting)
 
     def residency(
         self,
@@ -124,6 +135,7 @@ class DeltaRelay:
         return await self._subscription.get()
 
     def _follow(self, session: SessionId, node: NodeId) -> None:
+        self._waiting.pop(session, None)
         if node == self._node_id:
             self._stop_remote(session)
             self._subscription.follow(session)
@@ -132,32 +144,49 @@ class DeltaRelay:
         held = self._remote.get(session)
         if held is not None and held[0] == node:
             return
-        self._stop_remote(session)
+        self._stop_remote(session, refill=False)  # a session that moves keeps its room
         if len(self._remote) >= self._max_remote:
-            _log.debug("not relaying deltas of %s: %d relayed already", session, self._max_remote)
+            _log.debug("deltas of %s wait: %d relayed already", session, self._max_remote)
+            self._waiting[session] = node
             return
-        task = asyncio.create_task(self._relay(session, node), name=f"deltas {session}")
-        self._remote[session] = (node, task)
-        task.add_done_callback(self._ended)
+        self._start_remote(session, node)
 
     def _leave(self, session: SessionId, node: NodeId) -> None:
         if node == self._node_id:
             self._subscription.unfollow(session)
+        if self._waiting.get(session) == node:
+            del self._waiting[session]
         held = self._remote.get(session)
         if held is not None and held[0] == node:
             self._stop_remote(session)
 
-    def _stop_remote(self, session: SessionId) -> None:
+    def _start_remote(self, session: SessionId, node: NodeId) -> None:
+        task = asyncio.create_task(self._relay(session, node), name=f"deltas {session}")
+        self._remote[session] = (node, task)
+        task.add_done_callback(self._ended)
+
+    def _stop_remote(self, session: SessionId, *, refill: bool = True) -> None:
         held = self._remote.pop(session, None)
         if held is not None:
             held[1].cancel()
             self._ending.add(held[1])
+            self._subscription.forget(session)
+            if refill:
+                self._refill()
+
+    def _refill(self) -> None:
+        """Start the relays that wait, in order, while there is room."""
+        while self._waiting and not self._closing and len(self._remote) < self._max_remote:
+            session = next(iter(self._waiting))
+            self._start_remote(session, self._waiting.pop(session))
 
     def _ended(self, task: asyncio.Task[None]) -> None:
         self._ending.discard(task)
         for session, (_node, held) in list(self._remote.items()):
             if held is task:
                 del self._remote[session]
+                self._subscription.forget(session)
+                self._refill()
         if not task.cancelled() and (error := task.exception()) is not None:
             _log.error("a relay of deltas failed", exc_info=error)
 

@@ -321,7 +321,8 @@ class PeerPool:
         )
         try:
             async for response in call:
-                yield delta_from_wire(session, response.delta)
+                if response.HasField("delta"):  # else a heartbeat: the stream is alive
+                    yield delta_from_wire(session, response.delta)
         except grpc.aio.AioRpcError as error:
             raise error_from_rpc(error) from error
         finally:

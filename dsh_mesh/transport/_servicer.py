@@ -55,6 +55,10 @@ from dsh_mesh.transport._status import (
     target_of,
 )
 
+DELTAS_HEARTBEAT_S = 15.0
+"""How long a ``WatchDeltas`` stream goes without a delta before it checks that its session is
+still resident here and sends a heartbeat (ADR 0053)."""
+
 
 class ActivationLookup(Protocol):
     """A session's current activation; ``fresh`` asks for etcd itself, not a cache."""
@@ -206,18 +210,39 @@ class MeshPeerService(peer_pb2_grpc.MeshPeerServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[peer_pb2.WatchDeltasResponse]:
         """The deltas of a session on this node, for the calling node's watch (ADR 0053), until
-        it cancels the call. Only a node may call it (the interceptor, and ``caller_node``);
-        the watch's caller was checked for the session where the watch is served."""
+        it cancels the call, or the session is no longer resident here. Only a node may call
+        it (the interceptor, and ``caller_node``); the watch's caller was checked for the
+        session where the watch is served.
+
+        A caller that dies is only found on a write: every :data:`DELTAS_HEARTBEAT_S` without
+        a delta, the stream ends if the session left this node, else it sends a response
+        without a delta (a heartbeat the caller skips), whose write fails once TCP gives up
+        on a dead caller."""
         try:
             caller_node(context)
             session = parse_session_id(request.session_id)
-            subscription = self._deltas.subscribe([session])
+            subscription = self._deltas.subscribe([session], peer=True)
         except MeshError as refused:
             await abort_with(context, refused)
         with subscription:
             while True:
-                delta = await subscription.get()
+                try:
+                    delta = await asyncio.wait_for(subscription.get(), DELTAS_HEARTBEAT_S)
+                except TimeoutError:
+                    if not self._resident(session):
+                        return
+                    yield peer_pb2.WatchDeltasResponse()
+                    continue
                 yield peer_pb2.WatchDeltasResponse(delta=delta_to_wire(delta))
+
+    def _resident(self, session: SessionId) -> bool:
+        """Whether ``session`` is resident on this node (held, or being woken), as far as this
+        node's manager knows; a fenced node hosts nothing."""
+        try:
+            manager = self._manager()
+        except MeshError:
+            return False
+        return manager.agent(session) is not None or manager.waking(session) > 0
 
     async def SendMessages(
         self,

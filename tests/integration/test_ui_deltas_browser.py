@@ -30,6 +30,8 @@ from dsh_mesh.testing import (
 
 WAIT_S = 60.0
 FIRST_WORDS = "Held while it is kept"
+WRITING_MAX_CHARS = 65536  # app.js's
+TAIL = "and these come past the cap"
 PRESETS_FILE = """
 [endpoints.local]
 base_url = "{base_url}"
@@ -62,8 +64,17 @@ def browser() -> Iterator[Any]:
 
 
 def _writing(driver: Any) -> str:
-    lines = driver.find_elements("css selector", "#transcript li.writing")
-    return str(lines[0].text) if lines else ""
+    # Read in one script: the line may be redrawn between finding it and reading its text.
+    return str(
+        driver.execute_script(
+            "const line = document.querySelector('#transcript li.writing');"
+            " return line ? line.textContent : '';"
+        )
+    )
+
+
+def _ends_with(text: str) -> Callable[[Any], bool]:
+    return lambda driver: _writing(driver).endswith(text[-64:])
 
 
 async def test_the_page_shows_the_words_being_written_until_the_turn_ends(
@@ -112,6 +123,19 @@ async def test_the_page_shows_the_words_being_written_until_the_turn_ends(
                     )
                     page = await client.get_session(root.session_id)
                     assert not [e for e in page.transcript if isinstance(e.body, AssistantStep)]
+
+                    # Past the line's cap (its newest 64K characters) it still follows each
+                    # delta: two more, given to the page as its watch gives them.
+                    for text in ("x" * WRITING_MAX_CHARS, TAIL):
+                        browser.execute_script(
+                            "apply({session_id: arguments[0], event_seq: 0,"
+                            " delta: {turn_id: 't', text: arguments[1], dropped: 0}}); draw();",
+                            root.session_id,
+                            text,
+                        )
+                        await asyncio.to_thread(
+                            until_shown, browser, _ends_with(text), "the line's newest words"
+                        )
 
                     await client.interrupt(root.session_id)
                     result = await asyncio.wait_for(client.wait(root.session_id), WAIT_S)

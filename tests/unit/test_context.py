@@ -604,3 +604,15 @@ async def test_a_prompt_that_landed_unheard_is_never_passed_by_a_compaction() ->
         read = {s for r in records if isinstance(r.entry, ConsumedEntry) for s in r.entry.seqs}
         assert unheard.seq in read  # it got its turn
         assert steps(team.recorder.requests_of(ROOT))[-1].messages[-1].content == "landed unheard"
+
+
+async def test_a_compactions_summary_publishes_no_deltas(team: InProcessMesh) -> None:
+    """Deltas are a step's text as it is written (ADR 0053); a summary is no step's."""
+    with team.manager.deltas.subscribe([ROOT]) as watching:
+        records = await read_pages(team, 12, reply="read them all")
+        assert compactions(records)
+        texts: list[str] = []
+        while not texts or texts[-1] != "read them all":  # the turn's last step
+            texts.append((await asyncio.wait_for(watching.get(), 10)).text)
+    assert not [text for text in texts if "[scripted summary of" in text]
+    assert watching.lost == {}

@@ -50,6 +50,7 @@ class Peers:
         try:
             while (delta := await self.queue(node, session).get()) is not None:
                 yield delta
+                self.changed.set()  # the relay took it
             raise PeerUnavailable(f"{node} went away")
         finally:
             self.open.discard(key)
@@ -111,17 +112,54 @@ async def test_a_peer_that_fails_ends_only_its_sessions_deltas() -> None:
         assert relay.remote == {T: ELSEWHERE}
 
 
-async def test_remote_relays_are_capped_per_watch_and_end_with_it() -> None:
+async def test_remote_relays_are_capped_per_watch_and_the_next_waits_for_room() -> None:
     hub = DeltaHub()
     peers = Peers()
-    sessions = [SessionId(f"s-{n}") for n in range(5)]
+    sessions = [SessionId(f"s-{n}") for n in range(6)]
     async with DeltaRelay(hub=hub, node_id=HERE, peers=peers, max_remote=3) as relay:
         for session in sessions:
             relay.residency(session, activated=on(THERE, session))
         await peers.until(lambda: len(peers.open) == 3)
         assert set(relay.remote) == set(sessions[:3])
-        relay.residency(sessions[0], deactivated=on(THERE, sessions[0]))
-        relay.residency(sessions[4], activated=on(THERE, sessions[4]))  # room again
-        await peers.until(lambda: (THERE, sessions[4]) in peers.open)
+        assert list(relay.waiting) == sessions[3:]
+        relay.residency(sessions[4], deactivated=on(THERE, sessions[4]))  # waits no more
+        relay.residency(sessions[0], deactivated=on(THERE, sessions[0]))  # room: the next
+        await peers.until(lambda: (THERE, sessions[3]) in peers.open)
+        peers.queue(THERE, sessions[1]).put_nowait(None)  # a relay that ends makes room too
+        await peers.until(lambda: (THERE, sessions[5]) in peers.open)
+        assert set(relay.remote) == {sessions[2], sessions[3], sessions[5]}
+        assert relay.waiting == {}
+        relay.residency(sessions[4], activated=on(THERE, sessions[4]))  # waits again
+        assert relay.waiting == {sessions[4]: THERE}
     assert not peers.open
+    assert (THERE, sessions[4]) not in peers.asked
+    assert relay.waiting == {}
     assert hub.subscriptions == 0
+
+
+async def test_a_session_that_moves_keeps_its_room() -> None:
+    hub = DeltaHub()
+    peers = Peers()
+    async with DeltaRelay(hub=hub, node_id=HERE, peers=peers, max_remote=1) as relay:
+        relay.residency(S, activated=on(THERE))
+        relay.residency(T, activated=on(THERE, T))
+        relay.residency(S, activated=on(ELSEWHERE))
+        await peers.until(lambda: peers.open == {(ELSEWHERE, S)})
+        assert relay.waiting == {T: THERE}
+
+
+async def test_the_losses_of_a_relayed_session_are_forgotten_when_its_relay_ends() -> None:
+    hub = DeltaHub(capacity=1)
+    peers = Peers()
+    async with DeltaRelay(hub=hub, node_id=HERE, peers=peers) as relay:
+        relay.residency(S, activated=on(THERE))
+        relay.residency(T, activated=on(THERE, T))
+        for text in ("kept", "lost"):
+            peers.queue(THERE, S).put_nowait(delta(text))
+        peers.queue(THERE, T).put_nowait(delta("lost too", T))
+        await peers.until(lambda: relay._subscription.lost == {S: 1, T: 1})
+        relay.residency(S, deactivated=on(THERE))  # stopped
+        peers.queue(THERE, T).put_nowait(None)  # ended
+        await peers.until(lambda: not peers.open)
+        assert relay._subscription.lost == {}
+        assert (await relay.get()).text == "kept"

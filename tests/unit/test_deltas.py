@@ -93,6 +93,21 @@ async def test_a_relayed_delta_keeps_the_losses_it_carries() -> None:
         assert (await subscription.get()).dropped == 7
 
 
+async def test_the_losses_of_a_session_not_followed_can_be_forgotten() -> None:
+    hub = DeltaHub(capacity=1)
+    with hub.subscribe([B]) as subscription:
+        for text in ("a0", "a1"):  # offered as a relay does: A is not followed here
+            subscription.offer(Delta(session_id=A, turn_id=TURN, text=text))
+        hub.publish(B, TURN, "b0")
+        assert subscription.lost == {A: 1, B: 1}
+        subscription.forget(A)
+        subscription.forget(B)  # followed: kept
+        assert subscription.lost == {B: 1}
+        await subscription.get()
+        subscription.offer(Delta(session_id=A, turn_id=TURN, text="a2"))
+        assert (await subscription.get()).dropped == 0
+
+
 async def test_unfollow_and_close_end_the_deltas() -> None:
     hub = DeltaHub()
     subscription = hub.subscribe([A, B])
@@ -141,3 +156,18 @@ async def test_an_agent_hands_its_step_text_to_the_hub_as_it_streams() -> None:
     assert [d.text for d in got] == ["The answer", " is", " 42."]
     assert "".join(d.text for d in got) == step.text
     assert {d.turn_id for d in got} == {ended.turn_id}
+
+
+def test_a_peer_may_take_the_reserve_a_watch_may_not() -> None:
+    hub = DeltaHub(max_subscriptions=3, peer_reserve=1)
+    watches = [hub.subscribe(), hub.subscribe()]
+    with pytest.raises(NodeOverloaded):
+        hub.subscribe()
+    peer = hub.subscribe(peer=True)
+    with pytest.raises(NodeOverloaded):
+        hub.subscribe(peer=True)
+    for subscription in (*watches, peer):
+        subscription.close()
+    assert hub.subscriptions == 0
+    with pytest.raises(ValueError, match="peer_reserve"):
+        DeltaHub(max_subscriptions=3, peer_reserve=3)

@@ -28,6 +28,7 @@ function newAgent(id) {
     settled: null, lastOutcome: null, usage: { input: 0, output: 0, cached: 0 },
     byModel: new Map(), firstCall: null, entries: [], turns: [], pending: new Map(),
     writing: '',  // the text of the step being written, from deltas (never stored)
+    writes: 0,    // how many deltas and clears it had: what the transcript redraws on
   };
 }
 
@@ -339,11 +340,12 @@ function drawTranscript() {
   $('#selected-id').textContent = view.selected || '';
   if (!found) { list.innerHTML = ''; return; }
   const writing = found.writing || '';
+  // Redrawn on each delta by its count: the text's length stops changing once it is capped.
   if (Number(list.dataset.count) === found.entries.length && list.dataset.session === found.id
-      && list.dataset.writing === String(writing.length)) return;
+      && list.dataset.writes === String(found.writes)) return;
   list.dataset.count = found.entries.length;
   list.dataset.session = found.id;
-  list.dataset.writing = String(writing.length);
+  list.dataset.writes = String(found.writes);
   list.innerHTML = found.entries.map((entry) => {
     const [kind, text, bad] = describe(entry, found);
     const when = entry.recorded_at ? new Date(entry.recorded_at).toLocaleTimeString() : '';
@@ -436,6 +438,7 @@ function apply(event) {
     // The step being written (ADR 0053): shown until the stored step lands, never kept.
     const lost = event.delta.dropped ? `[${event.delta.dropped} lost]` : '';
     found.writing = ((found.writing || '') + lost + event.delta.text).slice(-WRITING_MAX_CHARS);
+    found.writes += 1;
     return;
   }
   const entry = event.entry;
@@ -443,7 +446,10 @@ function apply(event) {
   found.entries.push(entry);
   const body = entry.body;
   // The stored step replaces what was seen of it; a turn that ended without one drops it too.
-  if (body.type === 'assistant_step' || body.type === 'turn_ended') found.writing = '';
+  if ((body.type === 'assistant_step' || body.type === 'turn_ended') && found.writing) {
+    found.writing = '';
+    found.writes += 1;
+  }
   const when = entry.recorded_at ? Date.parse(entry.recorded_at) : Date.now();
   const turn = found.turns[found.turns.length - 1];
   switch (body.type) {

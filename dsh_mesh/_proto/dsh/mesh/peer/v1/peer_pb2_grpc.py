@@ -112,8 +112,11 @@ class MeshPeerServicer:
         calling node (ADR 0053). Ephemeral and best effort: nothing is stored or
         replayed, and a slow caller loses deltas (counted in dropped). The stream
         lasts until the caller cancels it (its watch saw the session leave the
-        called node, or ended). A node refuses it with RESOURCE_EXHAUSTED when it
-        serves too many delta subscriptions.
+        called node, or ended), or until the called node finds the session no
+        longer resident there (checked every 15 s without a delta; while it stays,
+        a response without delta is sent, a heartbeat the caller skips). A node
+        refuses it with RESOURCE_EXHAUSTED when it serves too many delta
+        subscriptions.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
