@@ -12,9 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import functools
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Executor
 from typing import Protocol
 
@@ -117,10 +116,10 @@ class AgentHost(Protocol):
         """Whether a child of the agent's session is live (its notice yet to come)."""
         ...
 
-    def text_delta(self, agent: Agent, turn_id: TurnId, text: str) -> None:
-        """A piece of the text of the step ``agent`` is writing in ``turn_id``, as the model
-        generates it: for whoever watches right now, never stored (ADR 0053). Synchronous;
-        must not block."""
+    def text_sink(self, agent: Agent, turn_id: TurnId) -> Callable[[str], None]:
+        """Where the pieces of the text of the steps ``agent`` writes in ``turn_id`` go, as the
+        model generates them: to whoever watches right now, never stored (ADR 0053). Made once
+        per turn; called for every piece, synchronously: it must not block."""
         ...
 
 
@@ -246,7 +245,7 @@ class Agent:
                 catch_up=self._boundary.catch_up,
                 append_durable=lambda entry: self._host.append(self, entry),
             ),
-            on_text=functools.partial(self._host.text_delta, self, turn_id),
+            on_text=self._host.text_sink(self, turn_id),
         )
         return Steps(
             session_id=self.header.session_id,

@@ -10,6 +10,7 @@ owners.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -618,10 +619,10 @@ class ContinuationManager:
         """Whether ``agent``'s session is in a subtree stopped and closed."""
         return await self._stops.is_closed(agent)
 
-    def text_delta(self, agent: Agent, turn_id: TurnId, text: str) -> None:
-        """A piece of ``agent``'s step text, to whoever watches it now (one dict lookup when
-        nobody does)."""
-        self.deltas.publish(agent.session_id, turn_id, text)
+    def text_sink(self, agent: Agent, turn_id: TurnId) -> Callable[[str], None]:
+        """The hub's publish for ``agent``'s turn ``turn_id``: each piece of its step text goes
+        to whoever watches it now, one dict lookup when nobody does (and no other call)."""
+        return functools.partial(self.deltas.publish, agent.session_id, turn_id)
 
     # -- helpers --------------------------------------------------------------------------------
 
