@@ -22,16 +22,12 @@ from dsh_mesh.testing import (
     ChatCompletionsServer,
     Completion,
     EtcdAddress,
-    LocalCluster,
     RecordedRequest,
 )
+from tests.integration.served import address, served_cluster
 
 WAIT = 60
-PRESETS_FILE = """
-[endpoints.local]
-base_url = "{base_url}"
-api_key_env = "TEST_LLM_KEY"
-
+PRESETS = """
 [presets.writer]
 system_prompt = "You write slowly."
 model = "local:served-model"
@@ -58,17 +54,8 @@ async def test_a_watch_on_one_node_shows_the_text_of_a_step_written_on_another(
         return Completion(text=answer(calls), pieces=5)
 
     async with ChatCompletionsServer(responder=model) as server:
-        presets = tmp_path / "presets.toml"
-        presets.write_text(PRESETS_FILE.format(base_url=server.base_url))
-        with LocalCluster(
-            etcd_endpoint=etcd.endpoint,
-            scenario="tests.integration.scenarios:TREE",
-            presets_file=presets,
-            env={"TEST_LLM_KEY": "sk-local-test"},
-            nodes=("node-a", "node-b"),
-        ) as cluster:
-            a, b = cluster["node-a"].address, cluster["node-b"].address
-            assert a is not None and b is not None
+        with served_cluster(etcd, tmp_path, server, PRESETS, nodes=("node-a", "node-b")) as cluster:
+            a, b = address(cluster, "node-a"), address(cluster, "node-b")
             token = cluster.settings.cluster_token
             async with (
                 MeshClient(a, token=token) as on_a,

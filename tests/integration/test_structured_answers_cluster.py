@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,10 +18,10 @@ from dsh_mesh.testing import (
     ChatCompletionsServer,
     Completion,
     EtcdAddress,
-    LocalCluster,
     RecordedRequest,
     ScriptedToolCall,
 )
+from tests.integration.served import address, cli, served_cluster
 
 WAIT = 60
 ANSWER_SCHEMA = {
@@ -33,11 +30,7 @@ ANSWER_SCHEMA = {
     "required": ["answer"],
 }
 COUNT_SCHEMA = {"type": "object", "properties": {"count": {"type": "integer"}}}
-PRESETS_FILE = """
-[endpoints.local]
-base_url = "{base_url}"
-api_key_env = "TEST_LLM_KEY"
-
+PRESETS = """
 [presets.answerer]
 system_prompt = "You answer."
 model = "local:served-model"
@@ -85,19 +78,9 @@ async def test_a_schema_is_asked_for_checked_corrected_and_its_value_returned(
 ) -> None:
     (tmp_path / "count.json").write_text(json.dumps(COUNT_SCHEMA))
     async with ChatCompletionsServer(responder=_model) as server:
-        presets = tmp_path / "presets.toml"
-        presets.write_text(PRESETS_FILE.format(base_url=server.base_url))
-        with LocalCluster(
-            etcd_endpoint=etcd.endpoint,
-            scenario="tests.integration.scenarios:TREE",
-            presets_file=presets,
-            env={"TEST_LLM_KEY": "sk-local-test"},
-            nodes=("node-a",),
-        ) as cluster:
-            address = cluster["node-a"].address
-            assert address is not None
+        with served_cluster(etcd, tmp_path, server, PRESETS) as cluster:
             token = cluster.settings.cluster_token
-            async with MeshClient(address, token=token) as client, asyncio.timeout(WAIT):
+            async with MeshClient(address(cluster), token=token) as client, asyncio.timeout(WAIT):
                 # A root's own schema: asked for, refused once, corrected, returned parsed.
                 result = await client.run("answerer", "What is 2+2?", output_schema=ANSWER_SCHEMA)
                 assert result.completed and result.output == {"answer": 4}
@@ -149,50 +132,19 @@ async def test_a_schema_is_asked_for_checked_corrected_and_its_value_returned(
                 with pytest.raises(InvalidArgument, match="not a valid JSON schema"):
                     await client.create_root("answerer", "Go.", output_schema={"type": "nonsense"})
 
-            # The command line: --output-schema FILE, --wait prints the value.
+            # The command line: --output-schema FILE, --wait prints the value; show says so.
             schema_file = tmp_path / "answer.json"
             schema_file.write_text(json.dumps(ANSWER_SCHEMA))
+            command = cli(cluster, tmp_path)
             spawned = await asyncio.to_thread(
-                subprocess.run,
-                [
-                    sys.executable,
-                    "-m",
-                    "dsh_mesh.cli",
-                    "--node",
-                    address,
-                    "spawn",
-                    "--preset",
-                    "answerer",
-                    "--output-schema",
-                    str(schema_file),
-                    "--wait",
-                    "--timeout",
-                    str(WAIT),
-                    "What is 2+2?",
-                ],
-                capture_output=True,
-                text=True,
+                command.run,
+                *("spawn", "--preset", "answerer", "--output-schema", str(schema_file)),
+                *("--wait", "--timeout", str(WAIT), "What is 2+2?"),
                 timeout=WAIT * 2,
-                env={**os.environ, "DSH_CLUSTER_TOKEN": token},
             )
             assert spawned.returncode == 0, spawned.stderr
             assert spawned.stdout.strip() == '{"answer":4}'
-            shown = await asyncio.to_thread(
-                subprocess.run,
-                [
-                    sys.executable,
-                    "-m",
-                    "dsh_mesh.cli",
-                    "--node",
-                    address,
-                    "show",
-                    result.session_id,
-                ],
-                capture_output=True,
-                text=True,
-                timeout=WAIT,
-                env={**os.environ, "DSH_CLUSTER_TOKEN": token, "NO_COLOR": "1"},
-            )
+            shown = await asyncio.to_thread(command.run, "show", result.session_id, timeout=WAIT)
             assert shown.returncode == 0, shown.stderr
             assert "answers   match its output schema {" in shown.stdout
             assert "rejected  answer asked again: the answer is not JSON" in shown.stdout

@@ -19,7 +19,6 @@ from dsh_mesh.core import TurnOutcome
 from dsh_mesh.testing import (
     ChatCompletionsServer,
     EtcdAddress,
-    LocalCluster,
     RecordedRequest,
     Stall,
     headless_chromium,
@@ -27,16 +26,13 @@ from dsh_mesh.testing import (
     until_shown,
     web_view,
 )
+from tests.integration.served import address, served_cluster
 
 WAIT_S = 60.0
 FIRST_WORDS = "Held while it is kept"
 WRITING_MAX_CHARS = 65536  # app.js's
 TAIL = "and these come past the cap"
-PRESETS_FILE = """
-[endpoints.local]
-base_url = "{base_url}"
-api_key_env = "TEST_LLM_KEY"
-
+PRESETS = """
 [presets.poet]
 system_prompt = "You write slowly."
 model = "local:served-model"
@@ -82,20 +78,10 @@ async def test_the_page_shows_the_words_being_written_until_the_turn_ends(
 ) -> None:
     go = asyncio.Event()
     async with ChatCompletionsServer(responder=_stall_after(go)) as server:
-        presets = tmp_path / "presets.toml"
-        presets.write_text(PRESETS_FILE.format(base_url=server.base_url))
-        with LocalCluster(
-            etcd_endpoint=etcd.endpoint,
-            scenario="tests.integration.scenarios:TREE",
-            presets_file=presets,
-            env={"TEST_LLM_KEY": "sk-local-test"},
-            nodes=("node-a",),
-        ) as cluster:
-            address = cluster["node-a"].address
-            assert address is not None
+        with served_cluster(etcd, tmp_path, server, PRESETS) as cluster:
             token = cluster.settings.cluster_token
-            async with MeshClient(address, token=token) as client:
-                with web_view(address, token) as view:
+            async with MeshClient(address(cluster), token=token) as client:
+                with web_view(address(cluster), token) as view:
                     # Idle until the page watches it: what is streamed before is never seen.
                     root = await client.create_root("poet", "")
                     browser.get(view.link(root=root.session_id))
@@ -161,26 +147,16 @@ async def test_watch_deltas_prints_the_words_being_written_as_they_come(
     etcd: EtcdAddress, tmp_path: Path
 ) -> None:
     async with ChatCompletionsServer(responder=_stall) as server:
-        presets = tmp_path / "presets.toml"
-        presets.write_text(PRESETS_FILE.format(base_url=server.base_url))
-        with LocalCluster(
-            etcd_endpoint=etcd.endpoint,
-            scenario="tests.integration.scenarios:TREE",
-            presets_file=presets,
-            env={"TEST_LLM_KEY": "sk-local-test"},
-            nodes=("node-a",),
-        ) as cluster:
-            address = cluster["node-a"].address
-            assert address is not None
+        with served_cluster(etcd, tmp_path, server, PRESETS) as cluster:
             token = cluster.settings.cluster_token
-            async with MeshClient(address, token=token) as client:
+            async with MeshClient(address(cluster), token=token) as client:
                 root = await client.create_root("poet", "")
                 watch = await asyncio.create_subprocess_exec(
                     sys.executable,
                     "-m",
                     "dsh_mesh.cli",
                     "--node",
-                    address,
+                    address(cluster),
                     "watch",
                     root.session_id,
                     "--deltas",
