@@ -43,7 +43,8 @@ class AnswerChecker:
 
     def __init__(self) -> None:
         self._worker: asyncio.subprocess.Process | None = None
-        self._turn: asyncio.Lock | None = None
+        self._turn = asyncio.Lock()
+        """Checks take turns: the worker answers one at a time."""
         self._too_slow: OrderedDict[bytes, None] = OrderedDict()
         """Digests of schemas a check of which ran past its deadline (the latest
         :data:`SLOW_SCHEMAS`): their answers are refused at once, so one hostile schema costs
@@ -57,14 +58,14 @@ class AnswerChecker:
         before. A caller cancelled mid-check kills the worker too: its answer must never be
         read as the next check's."""
         digest = hashlib.sha256(schema_json.encode("utf-8", "surrogatepass")).digest()
-        if digest in self._too_slow:
-            raise AnswerInvalid(
-                f"checking an answer against this schema took more than {seconds:g} s before;"
-                " this node checks no more answers against it"
-            )
-        if self._turn is None:
-            self._turn = asyncio.Lock()
         async with self._turn:
+            # Asked once its turn has come: a check queued behind the one that ran late
+            # against the same schema is refused at once too.
+            if digest in self._too_slow:
+                raise AnswerInvalid(
+                    f"checking an answer against this schema took more than {seconds:g} s"
+                    " before; this node checks no more answers against it"
+                )
             try:
                 worker = await self._ready_worker()
                 try:
@@ -78,7 +79,7 @@ class AnswerChecker:
                     ) from None
             except AnswerInvalid:
                 raise
-            except (OSError, ValueError, KeyError, TypeError):
+            except (OSError, ValueError):
                 # The worker died, or said something else than a verdict.
                 self._kill_now()
                 raise AnswerInvalid("its check stopped before it said; answer again") from None

@@ -60,9 +60,9 @@ class Steps:
         approvals: ApprovalWait,
         boundary: Boundary,
         sends_in_inbox: Callable[[], Awaitable[None]],
-        output_schema: str = "",
-        check_answer: CheckAnswer | None = None,
-        children_live: Callable[[], bool] = lambda: False,
+        output_schema: str,
+        check_answer: CheckAnswer,
+        children_live: Callable[[], bool],
     ) -> None:
         self._session_id = session_id
         self._output_schema = output_schema
@@ -130,8 +130,6 @@ class Steps:
         step), up to :data:`ANSWER_RETRIES` times; then the turn ends with outcome ``error``
         (:class:`AnswerInvalid`). ADR 0052."""
         schema = self._output_schema
-        if self._check_answer is None:
-            raise AssertionError("a session with an output schema needs a check of answers")
         try:
             turn.output_json = await self._check_answer(text, schema, seconds=ANSWER_CHECK_SECONDS)
         except AnswerInvalid as invalid:

@@ -15,6 +15,7 @@ from dsh_mesh.core._adjacency import (
 from dsh_mesh.core._answer import (
     ANSWER_RETRIES,
     MAX_OUTPUT_SCHEMA_BYTES,
+    MAX_OUTPUT_SCHEMA_DEPTH,
     AnswerInvalid,
     answer_value,
     check_output_schema,
@@ -193,6 +194,7 @@ __all__ = [
     "MAX_JSON_DEPTH",
     "MAX_KEY_CHARS",
     "MAX_OUTPUT_SCHEMA_BYTES",
+    "MAX_OUTPUT_SCHEMA_DEPTH",
     "MAX_QUOTE_CHARS",
     "MAX_STEP_BYTES",
     "MAX_TOOL_NAME_CHARS",

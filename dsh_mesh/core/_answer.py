@@ -24,6 +24,7 @@ import referencing.exceptions
 
 from dsh_mesh.core._errors import InvalidArgument
 from dsh_mesh.core._header import canonical_json
+from dsh_mesh.core._json import parse_bounded, utf8_size
 
 MAX_OUTPUT_SCHEMA_BYTES: Final = 64 * 1024
 """The largest output schema a preset or a root may name (its canonical JSON, UTF-8)."""
@@ -92,17 +93,13 @@ def check_output_schema(schema: object) -> str:
 
 def parse_output_schema(text: str) -> str:
     """:func:`check_output_schema` of the JSON ``text`` (a wire field, a file); ``""`` for
-    ``""`` (no schema)."""
+    ``""`` (no schema). Its size and depth are bounded before it is parsed
+    (:func:`~dsh_mesh.core.parse_bounded`)."""
     if not text:
         return ""
-    if len(text.encode("utf-8")) > MAX_OUTPUT_SCHEMA_BYTES:
-        raise InvalidArgument(
-            f"an output schema may have at most {MAX_OUTPUT_SCHEMA_BYTES:,} bytes of JSON"
-        )
-    try:
-        value = json.loads(text)
-    except (ValueError, RecursionError) as error:
-        raise InvalidArgument(f"an output schema must be JSON: {error}") from error
+    value = parse_bounded(
+        text, max_depth=MAX_OUTPUT_SCHEMA_DEPTH, max_bytes=MAX_OUTPUT_SCHEMA_BYTES
+    )
     return check_output_schema(value)
 
 
@@ -111,9 +108,7 @@ def answer_value(text: str, schema_json: str) -> str:
     ``schema_json`` (as :func:`check_output_schema` made it). The answer is JSON, alone or in
     one fenced code block (```` ```json ````), around which whitespace is ignored. Raises
     :class:`AnswerInvalid` saying why it does not match."""
-    if len(text) > MAX_ANSWER_BYTES or len(text.encode("utf-8", "surrogatepass")) > (
-        MAX_ANSWER_BYTES
-    ):
+    if utf8_size(text) > MAX_ANSWER_BYTES:
         raise AnswerInvalid(f"the answer is longer than {MAX_ANSWER_BYTES:,} bytes")
     body = _unfenced(text.strip())
     if not body:

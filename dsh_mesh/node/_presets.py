@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import json
 import os
 import re
 import sys
@@ -52,7 +51,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from dsh_mesh.core import InvalidArgument, ModelPrice, parse_output_schema
+from dsh_mesh.core import (
+    MAX_OUTPUT_SCHEMA_BYTES,
+    MAX_OUTPUT_SCHEMA_DEPTH,
+    InvalidArgument,
+    ModelPrice,
+    parse_bounded,
+)
 from dsh_mesh.mcp import SELECTOR_PREFIX, McpServerConfig, split_tool_name
 from dsh_mesh.models import OpenAIEndpoint, RetryPolicy, check_model_spec, split_model_spec
 from dsh_mesh.tools import (
@@ -515,10 +520,14 @@ def _output_schema(path: Path, where: str, table: Mapping[str, Any]) -> dict[str
         text = schema_path.read_text()
     except OSError as error:
         raise PresetFileError(f"{path}: {where}.output_schema_file: {error}") from error
-    try:
-        parsed: dict[str, Any] = json.loads(parse_output_schema(text))
+    try:  # bounded here; the preset checks it as a schema
+        parsed = parse_bounded(
+            text, max_depth=MAX_OUTPUT_SCHEMA_DEPTH, max_bytes=MAX_OUTPUT_SCHEMA_BYTES
+        )
     except InvalidArgument as error:
         raise PresetFileError(f"{path}: {where}.output_schema_file: {error.detail}") from error
+    if not isinstance(parsed, dict):
+        raise PresetFileError(f"{path}: {where}.output_schema_file: not a JSON object")
     return parsed
 
 

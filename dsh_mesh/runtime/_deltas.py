@@ -104,6 +104,15 @@ class DeltaSubscription:
         if self._closed or not delta.text:
             return
         text, session = delta.text, delta.session_id
+        if (
+            len(text) <= MAX_DELTA_CHARS
+            and not delta.dropped
+            and len(self._queue) < self._capacity
+            and session not in self._dropped
+        ):  # the common case: one piece, nothing lost, room for it
+            self._queue.append(delta)
+            self._ready.set()
+            return
         lost = self._dropped.pop(session, 0) + delta.dropped
         for at in range(0, len(text), MAX_DELTA_CHARS):
             if len(self._queue) >= self._capacity:

@@ -219,10 +219,11 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
                 session_id=made.session_id, activation_id=made.activation_id, node_id=made.node_id
             )
         session = root_session_id(request.request_id, namespace)
+        schema = await _schema_of(request)
         try:
-            ref = await self._create_root(session, request)
+            ref = await self._create_root(session, request, schema)
         except SessionExists:
-            return await self._existing_root(session, request)
+            return await self._existing_root(session, request, schema)
         except TargetElsewhere as resumed:
             # A replay on another node resumed the root between this node's creation and its
             # activation: the root runs there.
@@ -234,21 +235,22 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         )
 
     async def _create_root(
-        self, session: SessionId, request: mesh_pb2.CreateRootSessionRequest
+        self, session: SessionId, request: mesh_pb2.CreateRootSessionRequest, schema: str
     ) -> AgentRef:
-        """Create the root, to the end: the manager makes it whole even when this call's
-        deadline passes mid-way, and a retry arriving meanwhile waits for that end."""
+        """Create the root (its own output ``schema``, canonical; "": its preset's), to the
+        end: the manager makes it whole even when this call's deadline passes mid-way, and a
+        retry arriving meanwhile waits for that end."""
         return await self._manager().create_root(
             request.initial_task,
             preset=request.preset,
             model=request.model or None,
             session_id=session,
             namespace=request.namespace or DEFAULT_NAMESPACE,
-            output_schema=await _schema_of(request),
+            output_schema=schema,
         )
 
     async def _existing_root(
-        self, session: SessionId, request: mesh_pb2.CreateRootSessionRequest
+        self, session: SessionId, request: mesh_pb2.CreateRootSessionRequest, schema: str
     ) -> mesh_pb2.CreateRootSessionResponse:
         """The root a replayed request created, if the request asks for that root. A root whose
         creating node died before its first turn read its task is made resident here, so that
@@ -265,7 +267,7 @@ class MeshControlService(mesh_pb2_grpc.MeshControlServicer):
         first, _ = await self._reads.page(session, after_seq=0, limit=1)
         task = first[0].entry.content if first and isinstance(first[0].entry, TaskEntry) else ""
         # The schema asked for: named, or (empty) the preset's, as the first request's was.
-        schema = await _schema_of(request) or manager.default_output_schema(header.spec.preset)
+        schema = schema or manager.default_output_schema(header.spec.preset)
         if (
             header.spec.preset != request.preset
             or (asked and header.spec.model != asked)

@@ -17,8 +17,8 @@ from types import TracebackType
 from typing import Protocol, Self
 
 from dsh_mesh._proto.dsh.mesh.v1 import mesh_pb2
-from dsh_mesh.core import Activation, MeshError, NodeId, SessionId, TurnId
-from dsh_mesh.runtime import MAX_DELTA_CHARS, Delta, DeltaHub
+from dsh_mesh.core import MAX_ID_CHARS, Activation, MeshError, NodeId, SessionId, TurnId
+from dsh_mesh.runtime import Delta, DeltaHub
 
 MAX_REMOTE_SESSIONS = 32
 """The most sessions one watch relays from other nodes at once; past it, a session resident
@@ -38,18 +38,14 @@ def delta_to_wire(delta: Delta) -> mesh_pb2.TextDelta:
 
 
 def delta_from_wire(session: SessionId, wire: mesh_pb2.TextDelta) -> Delta:
-    """A relayed delta of ``session``; its text cut to :data:`MAX_DELTA_CHARS` (the hub cuts
-    what it publishes so; a longer one from a peer is cut, the rest counted lost)."""
-    text = wire.text
-    cut = 0
-    if len(text) > MAX_DELTA_CHARS:
-        cut = 1
-        text = text[:MAX_DELTA_CHARS]
+    """A relayed delta of ``session``. A longer text than a delta carries is split by the
+    subscription that queues it (:meth:`~dsh_mesh.runtime.DeltaSubscription.offer`), as any
+    is; the peer's message size bounds it before that."""
     return Delta(
         session_id=session,
-        turn_id=TurnId(wire.turn_id[:256]),
-        text=text,
-        dropped=wire.dropped + cut,
+        turn_id=TurnId(wire.turn_id[:MAX_ID_CHARS]),
+        text=wire.text,
+        dropped=wire.dropped,
     )
 
 

@@ -80,6 +80,7 @@ EXPECTED_ALL: dict[str, list[str]] = {
         "MAX_JSON_DEPTH",
         "MAX_KEY_CHARS",
         "MAX_OUTPUT_SCHEMA_BYTES",
+        "MAX_OUTPUT_SCHEMA_DEPTH",
         "MAX_QUOTE_CHARS",
         "MAX_STEP_BYTES",
         "MAX_TOOL_NAME_CHARS",

@@ -168,8 +168,10 @@ def test_a_schema_too_deep_is_refused_before_it_is_read() -> None:
 def test_a_schema_as_text_is_parsed_and_checked() -> None:
     assert parse_output_schema("") == ""
     assert parse_output_schema(json.dumps(SCHEMA, indent=2)) == SCHEMA_JSON
-    with pytest.raises(InvalidArgument, match="must be JSON"):
+    with pytest.raises(InvalidArgument, match="not valid JSON"):
         parse_output_schema("{not json")
+    with pytest.raises(InvalidArgument, match="nested deeper than 32"):
+        parse_output_schema("[" * 40 + "]" * 40)
     with pytest.raises(InvalidArgument, match="non-empty JSON object"):
         parse_output_schema("4")
 
@@ -386,7 +388,7 @@ def test_a_presets_file_names_a_schema_inline_or_in_a_file(tmp_path: Path) -> No
         ('output_schema = { type = "nonsense" }', "presets.p: not a valid JSON schema"),
         ('output_schema = "object"', "presets.p.output_schema must be a table"),
         ('output_schema_file = "missing.json"', "presets.p.output_schema_file: .*No such file"),
-        ('output_schema_file = "bad.json"', "presets.p.output_schema_file: .*must be JSON"),
+        ('output_schema_file = "bad.json"', "presets.p.output_schema_file: .*not valid JSON"),
         (
             'output_schema = { type = "object" }\noutput_schema_file = "bad.json"',
             "at most one of output_schema, output_schema_file",

@@ -341,8 +341,16 @@ function drawTranscript() {
   if (!found) { list.innerHTML = ''; return; }
   const writing = found.writing || '';
   // Redrawn on each delta by its count: the text's length stops changing once it is capped.
-  if (Number(list.dataset.count) === found.entries.length && list.dataset.session === found.id
-      && list.dataset.writes === String(found.writes)) return;
+  const same = Number(list.dataset.count) === found.entries.length && list.dataset.session === found.id;
+  if (same && list.dataset.writes === String(found.writes)) return;
+  const line = list.querySelector('li.writing');
+  if (same && writing && line) {
+    // Only the step being written changed: its line alone, not every entry again.
+    list.dataset.writes = String(found.writes);
+    line.lastChild.textContent = ` ${writing}`;
+    list.scrollTop = list.scrollHeight;
+    return;
+  }
   list.dataset.count = found.entries.length;
   list.dataset.session = found.id;
   list.dataset.writes = String(found.writes);
