@@ -193,7 +193,10 @@ def _check_entries(entries: Sequence[Any], where: str, *, with_target: bool) -> 
         if not isinstance(entry["unit"], str) or not entry["unit"]:
             problems.append(f"{at}.unit is not a non-empty string")
         if not _finite(entry["value"]) or entry["value"] < 0:
-            problems.append(f"{at}.value is not a finite non-negative number")
+            problems.append(
+                f"{at}.value is not a finite non-negative number: {entry['value']!r}"
+                f" ({entry['name']!r})"
+            )
         floor = entry["floor"]
         if floor is not None and (not _finite(floor) or floor <= 0):
             problems.append(f"{at}.floor is neither null nor a finite positive number")

@@ -126,6 +126,7 @@ def broken(edit: Any) -> list[str]:
         (lambda d: d["figures"][0].update(floor="1.4"), "floor"),
         (lambda d: d["figures"][0].update(value=math.nan), "value"),
         (lambda d: d["figures"][0].update(value=True), "value"),
+        (lambda d: d["measurements"][0].update(value=-0.5, name="memory"), "-0.5 ('memory')"),
         (lambda d: d["figures"][0].update(unit=""), "unit"),
         (lambda d: d["figures"][0].update(name=""), "name"),
         (lambda d: d["figures"][1].update(name=d["figures"][0]["name"]), "duplicate"),
